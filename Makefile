@@ -1,0 +1,55 @@
+# The two commands: `make demo` and `make test`. Both bootstrap everything they need (a venv with
+# torch from PyPI, the Rust extension built in place) and are safe to re-run.
+SHELL := /bin/bash
+.DEFAULT_GOAL := test
+
+VENV ?= .venv
+PY := $(abspath $(VENV))/bin/python
+STAMP := $(VENV)/.slidedp-installed
+# Every cargo invocation sees the same interpreter, so pyo3 is not rebuilt between them.
+export PYO3_PYTHON := $(PY)
+export VIRTUAL_ENV := $(abspath $(VENV))
+
+.PHONY: test demo lint build bench-kernels wheel clean
+
+# The venv is rebuilt only when it is missing, broken, or pyproject.toml changed.
+$(STAMP): pyproject.toml
+	@if ! $(PY) -c 'import torch, numpy, yaml, pytest' 2>/dev/null; then \
+	  echo "== creating $(VENV) (torch from PyPI: a few GB, a few minutes the first time)"; \
+	  python3 -m venv $(VENV); \
+	fi
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+# Rebuild the extension in place (python/slidedp/_native*.so), incrementally.
+build: $(STAMP)
+	$(VENV)/bin/maturin develop --release --skip-install -q
+
+lint: $(STAMP)
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets --quiet -- -D warnings
+	$(VENV)/bin/ruff check python tests
+	$(VENV)/bin/ruff format --check python tests
+	$(VENV)/bin/mypy
+
+test: build lint
+	cargo test --quiet
+	$(PY) -m pytest -q
+
+demo: build
+	$(PY) -m slidedp env
+	@echo
+	@echo "make demo: not yet. The demo fine-tunes a small real model on real text once the"
+	@echo "training engine exists (issue #3 and #6); the host engine above is what exists today."
+
+bench-kernels: build
+	$(PY) -m slidedp bench kernels $(ARGS)
+
+# An abi3 wheel for the GPU machine (see ../shared/DEVICE.md).
+wheel: $(STAMP)
+	$(VENV)/bin/maturin build --release -o dist -q
+
+clean:
+	cargo clean
+	rm -rf $(VENV) dist python/slidedp/_native*.so

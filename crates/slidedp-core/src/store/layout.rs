@@ -1,0 +1,306 @@
+//! Where every parameter lives in the store.
+//!
+//! The store holds three FP32 state arrays of identical layout (master weights, Adam `exp_avg`,
+//! Adam `exp_avg_sq`) and `staging_slots` BF16 staging slots. Parameters are grouped (one group
+//! per decoder layer, plus groups for embeddings and head); a group's parameters are contiguous
+//! so that one layer is one range of each array, and every parameter starts on a 64-byte
+//! boundary in both the FP32 arrays and the BF16 slots. A staging slot holds any one group with
+//! the same relative offsets, so a slot is copied to the GPU as one contiguous transfer.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// Every parameter and every region starts on a cache line.
+pub const ALIGN_BYTES: usize = 64;
+const F32_ALIGN_ELEMS: usize = ALIGN_BYTES / 4;
+const BF16_ALIGN_ELEMS: usize = ALIGN_BYTES / 2;
+
+/// The dtype a parameter is delivered to the GPU in (its master copy is always FP32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    Bf16,
+    F32,
+}
+
+/// One named tensor of the model, as the caller describes it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParamSpec {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub dtype: Dtype,
+}
+
+/// A named group of parameters updated and versioned together (a decoder layer, say).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupSpec {
+    pub name: String,
+    pub params: Vec<ParamSpec>,
+}
+
+/// What the caller asks the store to hold.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoreSpec {
+    pub groups: Vec<GroupSpec>,
+    /// Number of BF16 staging slots, each large enough for the largest group.
+    pub staging_slots: usize,
+}
+
+/// A parameter's resolved place.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParamLayout {
+    pub name: String,
+    pub group: usize,
+    pub shape: Vec<usize>,
+    pub dtype: Dtype,
+    pub numel: usize,
+    /// Element offset into each FP32 state array.
+    pub state_offset: usize,
+    /// Element offset into a BF16 staging slot, relative to the slot's start.
+    pub slot_offset: usize,
+}
+
+/// A group's resolved place: `params` indexes [`StoreLayout::params`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupLayout {
+    pub name: String,
+    pub params: std::ops::Range<usize>,
+    /// Element range in each FP32 state array, padding included (padding stays zero).
+    pub state_offset: usize,
+    pub state_len: usize,
+    /// Elements of a staging slot this group occupies, padding included.
+    pub slot_len: usize,
+}
+
+/// Byte offsets of the regions inside the shared mapping.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionOffsets {
+    pub versions: usize,
+    pub master: usize,
+    pub exp_avg: usize,
+    pub exp_avg_sq: usize,
+    pub staging: usize,
+    pub total_bytes: usize,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoreLayout {
+    pub groups: Vec<GroupLayout>,
+    pub params: Vec<ParamLayout>,
+    /// Elements in each FP32 state array.
+    pub state_len: usize,
+    /// Elements in one BF16 staging slot (the largest group's `slot_len`).
+    pub slot_len: usize,
+    pub staging_slots: usize,
+    pub regions: RegionOffsets,
+}
+
+/// Each version counter sits on its own cache line so that publishing one layer does not
+/// invalidate the line another rank is polling.
+pub const VERSION_STRIDE_BYTES: usize = ALIGN_BYTES;
+
+pub fn align_up(value: usize, align: usize) -> usize {
+    value.div_ceil(align) * align
+}
+
+impl StoreLayout {
+    /// Resolves `spec`; `header_bytes` is the space reserved at the start for the header and the
+    /// serialized layout.
+    pub fn resolve(spec: &StoreSpec, header_bytes: usize) -> Result<Self> {
+        validate(spec)?;
+        let mut groups = Vec::with_capacity(spec.groups.len());
+        let mut params = Vec::new();
+        let mut state_cursor = 0usize;
+        for (group_index, group) in spec.groups.iter().enumerate() {
+            let first_param = params.len();
+            let group_start = state_cursor;
+            let mut slot_cursor = 0usize;
+            for param in &group.params {
+                let numel: usize = param.shape.iter().product();
+                params.push(ParamLayout {
+                    name: param.name.clone(),
+                    group: group_index,
+                    shape: param.shape.clone(),
+                    dtype: param.dtype,
+                    numel,
+                    state_offset: state_cursor,
+                    slot_offset: slot_cursor,
+                });
+                state_cursor = align_up(state_cursor + numel, F32_ALIGN_ELEMS);
+                slot_cursor = align_up(slot_cursor + numel, BF16_ALIGN_ELEMS);
+            }
+            groups.push(GroupLayout {
+                name: group.name.clone(),
+                params: first_param..params.len(),
+                state_offset: group_start,
+                state_len: state_cursor - group_start,
+                slot_len: slot_cursor,
+            });
+        }
+        let slot_len = groups.iter().map(|g| g.slot_len).max().unwrap_or(0);
+        let versions = align_up(header_bytes, ALIGN_BYTES);
+        let master = align_up(versions + groups.len() * VERSION_STRIDE_BYTES, 4096);
+        let state_bytes = state_cursor * 4;
+        let exp_avg = master + state_bytes;
+        let exp_avg_sq = exp_avg + state_bytes;
+        let staging = exp_avg_sq + state_bytes;
+        let total_bytes = align_up(staging + spec.staging_slots * slot_len * 2, 4096);
+        Ok(Self {
+            groups,
+            params,
+            state_len: state_cursor,
+            slot_len,
+            staging_slots: spec.staging_slots,
+            regions: RegionOffsets {
+                versions,
+                master,
+                exp_avg,
+                exp_avg_sq,
+                staging,
+                total_bytes,
+            },
+        })
+    }
+
+    pub fn param(&self, name: &str) -> Result<&ParamLayout> {
+        self.params
+            .iter()
+            .find(|p| p.name == name)
+            .ok_or_else(|| Error::UnknownParameter {
+                name: name.to_owned(),
+            })
+    }
+
+    pub fn group(&self, index: usize) -> Result<&GroupLayout> {
+        self.groups.get(index).ok_or(Error::LayerOutOfRange {
+            layer: index,
+            layers: self.groups.len(),
+        })
+    }
+
+    /// Number of real (unpadded) parameters.
+    pub fn numel(&self) -> usize {
+        self.params.iter().map(|p| p.numel).sum()
+    }
+}
+
+fn validate(spec: &StoreSpec) -> Result<()> {
+    if spec.groups.is_empty() {
+        return Err(Error::InvalidLayout(
+            "the store needs at least one group".into(),
+        ));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for group in &spec.groups {
+        if group.params.is_empty() {
+            return Err(Error::InvalidLayout(format!(
+                "group '{}' has no parameters",
+                group.name
+            )));
+        }
+        for param in &group.params {
+            if !seen.insert(param.name.as_str()) {
+                return Err(Error::InvalidLayout(format!(
+                    "parameter '{}' appears twice",
+                    param.name
+                )));
+            }
+            if param.shape.contains(&0) {
+                return Err(Error::InvalidLayout(format!(
+                    "parameter '{}' has an empty shape {:?}",
+                    param.name, param.shape
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec() -> StoreSpec {
+        let p = |name: &str, shape: &[usize]| ParamSpec {
+            name: name.into(),
+            shape: shape.to_vec(),
+            dtype: Dtype::Bf16,
+        };
+        StoreSpec {
+            groups: vec![
+                GroupSpec {
+                    name: "embed".into(),
+                    params: vec![p("embed.weight", &[10, 7])],
+                },
+                GroupSpec {
+                    name: "layers.0".into(),
+                    params: vec![p("layers.0.w", &[3, 5]), p("layers.0.norm", &[5])],
+                },
+            ],
+            staging_slots: 2,
+        }
+    }
+
+    #[test]
+    fn params_are_cache_line_aligned_and_groups_contiguous() {
+        let layout = StoreLayout::resolve(&spec(), 4096).unwrap();
+        for p in &layout.params {
+            assert_eq!(p.state_offset * 4 % ALIGN_BYTES, 0, "{}", p.name);
+            assert_eq!(p.slot_offset * 2 % ALIGN_BYTES, 0, "{}", p.name);
+        }
+        let g1 = &layout.groups[1];
+        assert_eq!(g1.state_offset, layout.groups[0].state_len);
+        assert_eq!(layout.param("layers.0.norm").unwrap().state_offset, 80 + 16);
+        assert_eq!(g1.state_len, 16 + 16);
+        assert_eq!(layout.slot_len, 96);
+        assert_eq!(layout.numel(), 70 + 15 + 5);
+        let r = layout.regions;
+        assert!(r.versions >= 4096 && r.master % 4096 == 0);
+        assert_eq!(r.exp_avg - r.master, layout.state_len * 4);
+        assert_eq!(r.total_bytes % 4096, 0);
+        assert!(r.total_bytes >= r.staging + 2 * 96 * 2);
+    }
+
+    #[test]
+    fn rejects_duplicates_and_empty_shapes() {
+        let mut s = spec();
+        s.groups[1].params[1].name = "embed.weight".into();
+        assert!(matches!(
+            StoreLayout::resolve(&s, 0),
+            Err(Error::InvalidLayout(_))
+        ));
+        let mut s = spec();
+        s.groups[0].params[0].shape = vec![4, 0];
+        assert!(matches!(
+            StoreLayout::resolve(&s, 0),
+            Err(Error::InvalidLayout(_))
+        ));
+        assert!(matches!(
+            StoreLayout::resolve(
+                &StoreSpec {
+                    groups: vec![],
+                    staging_slots: 1
+                },
+                0
+            ),
+            Err(Error::InvalidLayout(_))
+        ));
+    }
+
+    #[test]
+    fn unknown_names_and_groups_are_typed_errors() {
+        let layout = StoreLayout::resolve(&spec(), 0).unwrap();
+        assert!(matches!(
+            layout.param("nope"),
+            Err(Error::UnknownParameter { .. })
+        ));
+        assert!(matches!(
+            layout.group(5),
+            Err(Error::LayerOutOfRange {
+                layer: 5,
+                layers: 2
+            })
+        ));
+    }
+}

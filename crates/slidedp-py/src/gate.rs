@@ -1,0 +1,93 @@
+//! The one way into the engine from Python: GIL released, panics caught, errors typed.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+
+use pyo3::prelude::*;
+use slidedp_core::Error;
+
+/// Runs `work` without the GIL and converts its outcome into a Python result.
+pub fn gate<T, F>(py: Python<'_>, work: F) -> PyResult<T>
+where
+    T: Send,
+    F: FnOnce() -> slidedp_core::Result<T> + Send,
+{
+    match py.detach(|| catch_unwind(AssertUnwindSafe(work))) {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(error)) => Err(to_py_err(py, &error)),
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(raise(
+                py,
+                "EnginePanicError",
+                &format!("engine panic: {what}"),
+                &[],
+            ))
+        }
+    }
+}
+
+/// Maps each engine error to its Python class (one-to-one) with its numbers as attributes.
+pub fn to_py_err(py: Python<'_>, error: &Error) -> PyErr {
+    let message = error.to_string();
+    let (class, fields): (&str, Vec<(&str, u64)>) = match error {
+        Error::OutOfSharedMemory {
+            needed_bytes,
+            available_bytes,
+            ..
+        } => (
+            "OutOfSharedMemoryError",
+            vec![
+                ("needed_bytes", *needed_bytes),
+                ("available_bytes", *available_bytes),
+            ],
+        ),
+        Error::StoreAttach { .. } => ("StoreAttachError", vec![]),
+        Error::LayerOutOfRange { layer, layers } => (
+            "LayerOutOfRangeError",
+            vec![("layer", *layer as u64), ("layers", *layers as u64)],
+        ),
+        Error::UnknownParameter { .. } => ("UnknownParameterError", vec![]),
+        Error::InvalidLayout(_) => ("InvalidLayoutError", vec![]),
+        Error::VersionTimeout {
+            layer,
+            expected,
+            got,
+            timeout_ms,
+        } => (
+            "VersionTimeoutError",
+            vec![
+                ("layer", *layer as u64),
+                ("expected", u64::from(*expected)),
+                ("got", u64::from(*got)),
+                ("timeout_ms", *timeout_ms),
+            ],
+        ),
+        Error::StorePoisoned { layer } => ("StorePoisonedError", vec![("layer", *layer as u64)]),
+        Error::LengthMismatch { expected, got, .. } => (
+            "LengthMismatchError",
+            vec![("expected", *expected as u64), ("got", *got as u64)],
+        ),
+        Error::IsaUnsupported { .. } => ("IsaUnsupportedError", vec![]),
+        Error::InvalidArgument(_) => ("InvalidArgumentError", vec![]),
+        Error::Io { .. } => ("HostIOError", vec![]),
+    };
+    raise(py, class, &message, &fields)
+}
+
+fn raise(py: Python<'_>, class: &str, message: &str, fields: &[(&str, u64)]) -> PyErr {
+    let build = || -> PyResult<PyErr> {
+        let exception = py
+            .import("slidedp.errors")?
+            .getattr(class)?
+            .call1((message,))?;
+        for (name, value) in fields {
+            exception.setattr(*name, *value)?;
+        }
+        Ok(PyErr::from_value(exception))
+    };
+    build().unwrap_or_else(|import_failure| import_failure)
+}

@@ -1,0 +1,17 @@
+//! The Python face of the host engine, `slidedp._native`. Conversions only: every call goes
+//! through [`gate::gate`], which releases the GIL, turns panics into errors and maps
+//! `slidedp_core::Error` onto the exception tree of `slidedp/errors.py`.
+
+mod gate;
+mod kernels;
+mod store;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<store::PyHostStore>()?;
+    m.add_class::<kernels::PyKernels>()?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,99 @@
+//! `slidedp._native.HostStore`: the shared-memory state store.
+
+use std::path::Path;
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use slidedp_core::Error;
+use slidedp_core::store::{HostStore, Region, StoreSpec};
+
+use crate::gate::{gate, to_py_err};
+
+#[pyclass(frozen, name = "HostStore", module = "slidedp._native")]
+pub struct PyHostStore {
+    inner: HostStore,
+}
+
+#[pymethods]
+impl PyHostStore {
+    /// Creates a store from a JSON `StoreSpec` in `shm_dir` (e.g. "/dev/shm").
+    #[staticmethod]
+    fn create(py: Python<'_>, spec_json: &str, shm_dir: &str) -> PyResult<Self> {
+        let spec: StoreSpec = serde_json::from_str(spec_json)
+            .map_err(|e| to_py_err(py, &Error::InvalidLayout(e.to_string())))?;
+        let inner = gate(py, || HostStore::create(&spec, Path::new(shm_dir)))?;
+        Ok(Self { inner })
+    }
+
+    /// Attaches to a store that another living process created.
+    #[staticmethod]
+    fn attach(py: Python<'_>, name: &str) -> PyResult<Self> {
+        let inner = gate(py, || HostStore::attach(name))?;
+        Ok(Self { inner })
+    }
+
+    #[getter]
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+
+    #[getter]
+    fn address(&self) -> usize {
+        self.inner.base_ptr() as usize
+    }
+
+    #[getter]
+    fn total_bytes(&self) -> usize {
+        self.inner.total_bytes()
+    }
+
+    /// The resolved layout (groups, params, offsets) as JSON.
+    fn layout_json(&self, py: Python<'_>) -> PyResult<String> {
+        serde_json::to_string(self.inner.layout())
+            .map_err(|e| to_py_err(py, &Error::InvalidLayout(e.to_string())))
+    }
+
+    /// (address, byte length) of "master", "exp_avg", "exp_avg_sq" or "staging".
+    fn region(&self, py: Python<'_>, name: &str) -> PyResult<(usize, usize)> {
+        let region = Region::parse(name).ok_or_else(|| {
+            to_py_err(
+                py,
+                &Error::InvalidArgument(format!(
+                    "unknown region '{name}' (master, exp_avg, exp_avg_sq, staging)"
+                )),
+            )
+        })?;
+        let (ptr, len) = self.inner.region(region);
+        Ok((ptr as usize, len))
+    }
+
+    fn publish(&self, py: Python<'_>, layer: usize, version: u32) -> PyResult<()> {
+        gate(py, || self.inner.publish(layer, version))
+    }
+
+    /// Blocks (GIL released) until `layer` reaches `version`; returns the version seen.
+    fn wait_version(
+        &self,
+        py: Python<'_>,
+        layer: usize,
+        version: u32,
+        timeout_s: f64,
+    ) -> PyResult<u32> {
+        let timeout = Duration::try_from_secs_f64(timeout_s).map_err(|_| {
+            to_py_err(
+                py,
+                &Error::InvalidArgument(format!("timeout_s must be >= 0, got {timeout_s}")),
+            )
+        })?;
+        gate(py, || self.inner.wait_version(layer, version, timeout))
+    }
+
+    fn version(&self, py: Python<'_>, layer: usize) -> PyResult<u32> {
+        gate(py, || self.inner.version(layer))
+    }
+
+    /// Declares the store failed: every waiter, in every process, gets StorePoisonedError.
+    fn poison(&self) {
+        self.inner.poison();
+    }
+}

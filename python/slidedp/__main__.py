@@ -1,0 +1,5 @@
+import sys
+
+from slidedp.cli import main
+
+sys.exit(main())

@@ -1,0 +1,79 @@
+"""The exception tree of slidedp. Every error the engine raises is one of these.
+
+Each class also derives from the builtin a caller would naturally catch (``MemoryError`` for a
+store that does not fit, ``TimeoutError`` for a version wait, ...), and the Rust side attaches
+the numbers that matter as attributes (``needed_bytes``, ``layer``, ``expected``, ...).
+"""
+
+from __future__ import annotations
+
+
+class SlidedpError(Exception):
+    """Base class of every slidedp error."""
+
+
+class OutOfSharedMemoryError(SlidedpError, MemoryError):
+    """The host store does not fit; ``needed_bytes`` and ``available_bytes`` say by how much."""
+
+    needed_bytes: int
+    available_bytes: int
+
+
+class StoreAttachError(SlidedpError, RuntimeError):
+    """A process could not attach to a host store by name."""
+
+
+class LayerOutOfRangeError(SlidedpError, IndexError):
+    """A layer index beyond the store's ``layers``."""
+
+    layer: int
+    layers: int
+
+
+class UnknownParameterError(SlidedpError, KeyError):
+    """A parameter name that the store layout does not contain."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class InvalidLayoutError(SlidedpError, ValueError):
+    """A store spec that cannot be laid out (duplicates, empty shapes, no groups)."""
+
+
+class VersionTimeoutError(SlidedpError, TimeoutError):
+    """A version wait ran out of time; ``layer``, ``expected``, ``got`` and ``timeout_ms``."""
+
+    layer: int
+    expected: int
+    got: int
+    timeout_ms: int
+
+
+class StorePoisonedError(SlidedpError, RuntimeError):
+    """Another process declared the store failed while this one waited on ``layer``."""
+
+    layer: int
+
+
+class LengthMismatchError(SlidedpError, ValueError):
+    """Buffers of different lengths passed to one kernel; ``expected`` and ``got``."""
+
+    expected: int
+    got: int
+
+
+class IsaUnsupportedError(SlidedpError, RuntimeError):
+    """An instruction-set path this CPU cannot run."""
+
+
+class InvalidArgumentError(SlidedpError, ValueError):
+    """An argument outside its valid range."""
+
+
+class HostIOError(SlidedpError, OSError):
+    """An operating-system call of the host engine failed."""
+
+
+class EnginePanicError(SlidedpError, RuntimeError):
+    """A bug in the Rust engine (a panic), turned into an exception instead of an abort."""

@@ -1,0 +1,150 @@
+"""The host state store seen from Python: torch tensors over the shared mapping, zero-copy.
+
+One process creates the store (``HostStore.create``), others attach by its name
+(``HostStore.attach``). Every tensor returned here is a view of the mapping itself: its
+``data_ptr()`` lies inside ``[store.address, store.address + store.total_bytes)``, writes are
+seen by every attached process, and the mapping stays alive while any view does.
+
+Example::
+
+    store = HostStore.create([GroupSpec("layers.0", [ParamSpec("w", (4, 8))])], staging_slots=2)
+    store.master("w").normal_()          # writes the shared FP32 master weights
+    store.publish(0, 1)                  # another process: store.wait_version(0, 1, timeout_s=5)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from slidedp import _native
+
+StateRegion = Literal["master", "exp_avg", "exp_avg_sq"]
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One named tensor; ``dtype`` is the dtype it is delivered to the GPU in."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: Literal["bf16", "f32"] = "bf16"
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """Parameters that are updated and versioned together (one decoder layer, say)."""
+
+    name: str
+    params: Sequence[ParamSpec] = field(default_factory=tuple)
+
+
+class _MappedMemory:
+    """Presents ``nbytes`` at ``address`` to numpy while holding ``owner`` (the mapping) alive."""
+
+    def __init__(self, owner: object, address: int, nbytes: int) -> None:
+        self._owner = owner
+        self.__array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
+        }
+
+
+def _bytes_view(owner: object, address: int, nbytes: int) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(_MappedMemory(owner, address, nbytes)))
+
+
+class HostStore:
+    """FP32 master weights, Adam moments and BF16 staging slots in one shared mapping."""
+
+    def __init__(self, native: _native.HostStore) -> None:
+        self._native = native
+        self.layout: dict[str, Any] = json.loads(native.layout_json())
+        self._params = {p["name"]: p for p in self.layout["params"]}
+        self._regions: dict[str, torch.Tensor] = {}
+        for region in ("master", "exp_avg", "exp_avg_sq", "staging"):
+            address, nbytes = native.region(region)
+            dtype = torch.bfloat16 if region == "staging" else torch.float32
+            self._regions[region] = _bytes_view(native, address, nbytes).view(dtype)
+
+    @classmethod
+    def create(
+        cls, groups: Sequence[GroupSpec], staging_slots: int, shm_dir: str = "/dev/shm"
+    ) -> HostStore:
+        spec = {
+            "groups": [
+                {"name": g.name, "params": [asdict(p) | {"shape": list(p.shape)} for p in g.params]}
+                for g in groups
+            ],
+            "staging_slots": staging_slots,
+        }
+        return cls(_native.HostStore.create(json.dumps(spec), shm_dir))
+
+    @classmethod
+    def attach(cls, name: str) -> HostStore:
+        return cls(_native.HostStore.attach(name))
+
+    @property
+    def name(self) -> str:
+        return self._native.name
+
+    @property
+    def address(self) -> int:
+        return self._native.address
+
+    @property
+    def total_bytes(self) -> int:
+        return self._native.total_bytes
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.layout["groups"])
+
+    def region(self, region: StateRegion | Literal["staging"]) -> torch.Tensor:
+        """A whole region as a flat tensor (float32, or bfloat16 for "staging")."""
+        return self._regions[region]
+
+    def param(self, name: str, region: StateRegion = "master") -> torch.Tensor:
+        """One parameter's FP32 state, shaped."""
+        try:
+            p = self._params[name]
+        except KeyError:
+            from slidedp.errors import UnknownParameterError
+
+            raise UnknownParameterError(f"parameter '{name}' is not in the store layout") from None
+        flat = self._regions[region][p["state_offset"] : p["state_offset"] + p["numel"]]
+        return flat.view(p["shape"])
+
+    def master(self, name: str) -> torch.Tensor:
+        return self.param(name, "master")
+
+    def group_state(self, group: int, region: StateRegion) -> torch.Tensor:
+        """A group's contiguous range of one FP32 region, padding included (padding stays 0)."""
+        g = self.layout["groups"][group]
+        return self._regions[region][g["state_offset"] : g["state_offset"] + g["state_len"]]
+
+    def staging_slot(self, slot: int) -> torch.Tensor:
+        """One BF16 staging slot (``slot_len`` elements); params sit at their ``slot_offset``."""
+        n = self.layout["slot_len"]
+        if not 0 <= slot < self.layout["staging_slots"]:
+            raise IndexError(f"slot {slot} of {self.layout['staging_slots']}")
+        return self._regions["staging"][slot * n : (slot + 1) * n]
+
+    def publish(self, layer: int, version: int) -> None:
+        self._native.publish(layer, version)
+
+    def wait_version(self, layer: int, version: int, timeout_s: float) -> int:
+        return self._native.wait_version(layer, version, timeout_s)
+
+    def version(self, layer: int) -> int:
+        return self._native.version(layer)
+
+    def poison(self) -> None:
+        self._native.poison()
