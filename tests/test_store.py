@@ -60,6 +60,16 @@ def test_torch_views_are_the_mapping_itself() -> None:
         store.master("nope")
 
 
+def test_the_gradient_region_has_the_state_layout_in_its_own_dtype() -> None:
+    store = HostStore.create(_groups(2), staging_slots=1, grad_dtype="bf16")
+    grad = store.region("grad")
+    assert grad.dtype == torch.bfloat16
+    assert grad.numel() == store.region("master").numel()
+    assert store.group_state(1, "grad").numel() == store.group_state(1, "master").numel()
+    assert store.param("layers.1.norm", "grad").shape == (33,)
+    assert HostStore.create(_groups(1), staging_slots=1).region("grad").numel() == 0
+
+
 def test_views_keep_the_mapping_alive() -> None:
     view = HostStore.create(_groups(1), staging_slots=1).master("layers.0.norm")
     view.fill_(2.0)  # the store object is gone; the view must still point at live memory

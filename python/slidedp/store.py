@@ -24,7 +24,8 @@ import torch
 
 from slidedp import _native
 
-StateRegion = Literal["master", "exp_avg", "exp_avg_sq"]
+StateRegion = Literal["master", "exp_avg", "exp_avg_sq", "grad"]
+_TORCH_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -69,21 +70,29 @@ class HostStore:
         self.layout: dict[str, Any] = json.loads(native.layout_json())
         self._params = {p["name"]: p for p in self.layout["params"]}
         self._regions: dict[str, torch.Tensor] = {}
-        for region in ("master", "exp_avg", "exp_avg_sq", "staging"):
+        grad_dtype = _TORCH_DTYPES[self.layout["grad_dtype"] or "f32"]
+        dtypes = {"staging": torch.bfloat16, "grad": grad_dtype}
+        for region in ("master", "exp_avg", "exp_avg_sq", "grad", "staging"):
             address, nbytes = native.region(region)
-            dtype = torch.bfloat16 if region == "staging" else torch.float32
-            self._regions[region] = _bytes_view(native, address, nbytes).view(dtype)
+            view = _bytes_view(native, address, nbytes)
+            self._regions[region] = view.view(dtypes.get(region, torch.float32))
 
     @classmethod
     def create(
-        cls, groups: Sequence[GroupSpec], staging_slots: int, shm_dir: str = "/dev/shm"
+        cls,
+        groups: Sequence[GroupSpec],
+        staging_slots: int,
+        shm_dir: str = "/dev/shm",
+        grad_dtype: Literal["bf16", "f32"] | None = None,
     ) -> HostStore:
+        """A new zero-filled store; ``grad_dtype`` adds a host gradient region of that dtype."""
         spec = {
             "groups": [
                 {"name": g.name, "params": [asdict(p) | {"shape": list(p.shape)} for p in g.params]}
                 for g in groups
             ],
             "staging_slots": staging_slots,
+            "grad_dtype": grad_dtype,
         }
         return cls(_native.HostStore.create(json.dumps(spec), shm_dir))
 
@@ -108,7 +117,8 @@ class HostStore:
         return len(self.layout["groups"])
 
     def region(self, region: StateRegion | Literal["staging"]) -> torch.Tensor:
-        """A whole region as a flat tensor (float32, or bfloat16 for "staging")."""
+        """A whole region as a flat tensor: float32, bfloat16 for "staging", ``grad_dtype`` for
+        "grad" (empty when the store has no gradient region)."""
         return self._regions[region]
 
     def param(self, name: str, region: StateRegion = "master") -> torch.Tensor:
@@ -126,7 +136,7 @@ class HostStore:
         return self.param(name, "master")
 
     def group_state(self, group: int, region: StateRegion) -> torch.Tensor:
-        """A group's contiguous range of one FP32 region, padding included (padding stays 0)."""
+        """A group's contiguous range of one state region, padding included (padding stays 0)."""
         g = self.layout["groups"][group]
         return self._regions[region][g["state_offset"] : g["state_offset"] + g["state_len"]]
 

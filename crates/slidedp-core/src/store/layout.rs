@@ -24,6 +24,15 @@ pub enum Dtype {
     F32,
 }
 
+impl Dtype {
+    pub fn size_bytes(self) -> usize {
+        match self {
+            Dtype::Bf16 => 2,
+            Dtype::F32 => 4,
+        }
+    }
+}
+
 /// One named tensor of the model, as the caller describes it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ParamSpec {
@@ -45,6 +54,9 @@ pub struct StoreSpec {
     pub groups: Vec<GroupSpec>,
     /// Number of BF16 staging slots, each large enough for the largest group.
     pub staging_slots: usize,
+    /// Dtype of the host gradient region (same layout as the state arrays); None: no region.
+    #[serde(default)]
+    pub grad_dtype: Option<Dtype>,
 }
 
 /// A parameter's resolved place.
@@ -80,6 +92,7 @@ pub struct RegionOffsets {
     pub master: usize,
     pub exp_avg: usize,
     pub exp_avg_sq: usize,
+    pub grad: usize,
     pub staging: usize,
     pub total_bytes: usize,
 }
@@ -93,6 +106,7 @@ pub struct StoreLayout {
     /// Elements in one BF16 staging slot (the largest group's `slot_len`).
     pub slot_len: usize,
     pub staging_slots: usize,
+    pub grad_dtype: Option<Dtype>,
     pub regions: RegionOffsets,
 }
 
@@ -144,7 +158,9 @@ impl StoreLayout {
         let state_bytes = state_cursor * 4;
         let exp_avg = master + state_bytes;
         let exp_avg_sq = exp_avg + state_bytes;
-        let staging = exp_avg_sq + state_bytes;
+        let grad = exp_avg_sq + state_bytes;
+        let grad_bytes = spec.grad_dtype.map_or(0, |d| d.size_bytes() * state_cursor);
+        let staging = align_up(grad + grad_bytes, ALIGN_BYTES);
         let total_bytes = align_up(staging + spec.staging_slots * slot_len * 2, 4096);
         Ok(Self {
             groups,
@@ -152,11 +168,13 @@ impl StoreLayout {
             state_len: state_cursor,
             slot_len,
             staging_slots: spec.staging_slots,
+            grad_dtype: spec.grad_dtype,
             regions: RegionOffsets {
                 versions,
                 master,
                 exp_avg,
                 exp_avg_sq,
+                grad,
                 staging,
                 total_bytes,
             },
@@ -239,6 +257,7 @@ mod tests {
                 },
             ],
             staging_slots: 2,
+            grad_dtype: Some(Dtype::Bf16),
         }
     }
 
@@ -256,9 +275,11 @@ mod tests {
         assert_eq!(layout.slot_len, 96);
         assert_eq!(layout.numel(), 70 + 15 + 5);
         let r = layout.regions;
-        assert!(r.versions >= 4096 && r.master % 4096 == 0);
+        assert!(r.versions >= 4096 && r.master.is_multiple_of(4096));
         assert_eq!(r.exp_avg - r.master, layout.state_len * 4);
         assert_eq!(r.total_bytes % 4096, 0);
+        assert_eq!(r.grad - r.exp_avg_sq, layout.state_len * 4);
+        assert!(r.staging >= r.grad + layout.state_len * 2);
         assert!(r.total_bytes >= r.staging + 2 * 96 * 2);
     }
 
@@ -280,7 +301,8 @@ mod tests {
             StoreLayout::resolve(
                 &StoreSpec {
                     groups: vec![],
-                    staging_slots: 1
+                    staging_slots: 1,
+                    grad_dtype: None,
                 },
                 0
             ),

@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! [header 256 B][StoreSpec JSON][version counters, 64 B each][master f32][exp_avg f32]
-//! [exp_avg_sq f32][staging slot 0 bf16] ... [staging slot S-1 bf16]
+//! [exp_avg_sq f32][grad bf16|f32, optional][staging slot 0 bf16] ... [staging slot S-1 bf16]
 //! ```
 //!
 //! The creator writes the header and the spec; an attaching process reads the spec back and
@@ -43,12 +43,14 @@ struct Header {
     spec_json_len: u64,
 }
 
-/// The four kinds of arrays in the store.
+/// The kinds of arrays in the store.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Region {
     Master,
     ExpAvg,
     ExpAvgSq,
+    /// Gradients in `grad_dtype`, laid out like the state arrays (empty without `grad_dtype`).
+    Grad,
     Staging,
 }
 
@@ -58,6 +60,7 @@ impl Region {
             "master" => Some(Region::Master),
             "exp_avg" => Some(Region::ExpAvg),
             "exp_avg_sq" => Some(Region::ExpAvgSq),
+            "grad" => Some(Region::Grad),
             "staging" => Some(Region::Staging),
             _ => None,
         }
@@ -196,6 +199,12 @@ impl HostStore {
             Region::Master => (r.master, state_bytes),
             Region::ExpAvg => (r.exp_avg, state_bytes),
             Region::ExpAvgSq => (r.exp_avg_sq, state_bytes),
+            Region::Grad => (
+                r.grad,
+                self.layout
+                    .grad_dtype
+                    .map_or(0, |d| d.size_bytes() * self.layout.state_len),
+            ),
             Region::Staging => (
                 r.staging,
                 self.layout.staging_slots * self.layout.slot_len * 2,

@@ -21,6 +21,7 @@ fn spec(layers: usize, staging_slots: usize) -> StoreSpec {
             })
             .collect(),
         staging_slots,
+        grad_dtype: Some(Dtype::F32),
     }
 }
 
@@ -71,6 +72,7 @@ fn regions_are_disjoint_and_fit_in_the_mapping() {
         Region::Master,
         Region::ExpAvg,
         Region::ExpAvgSq,
+        Region::Grad,
         Region::Staging,
     ]
     .iter()

@@ -297,7 +297,8 @@ fn sum_squares_matches_scalar_within_reassociation_error() {
     for len in LENGTHS.into_iter().chain([3 * SUM_SQUARES_BLOCK_ELEMS + 5]) {
         let x: Vec<f32> = (0..len).map(|_| rng.wide()).collect();
         let x16 = to_bf16(&x);
-        for (input, data) in [("f32", GradSlice::F32(&x)), ("bf16", GradSlice::Bf16(&x16))] {
+        let inputs = [("f32", GradSlice::F32(&x)), ("bf16", GradSlice::Bf16(&x16))];
+        for (input, data) in inputs {
             let want = scalar::sum_squares(data);
             // Every square is exact in f64 and non-negative, so each order of addition is within
             // (n - 1)·2⁻⁵³ relative of the exact sum: two orders differ by at most 2·n·2⁻⁵³.

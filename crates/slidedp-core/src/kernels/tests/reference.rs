@@ -1,5 +1,6 @@
 //! The kernels against independent references: the cast against `half` (round to nearest even,
-//! like torch), AdamW against the same formula in f64, sum_squares against exact integer sums.
+//! like torch), AdamW against torch's ops and against the same formula in f64, sum_squares
+//! against exact integer sums.
 
 use super::*;
 
@@ -140,10 +141,11 @@ fn adamw_scalar_tracks_an_f64_reference() {
         }
     }
     // Each step rounds ~12 times, each time by at most u = 2⁻²⁴ relative to a quantity of size
-    // <= |g|max (m), <= |g|max² (v), <= |p| (decay, final FMA) or <= lr·|m̂/denom| <= 2·lr (the
-    // update). Errors add up over the steps and are amplified at most ~2× by m/denom (|g| varies
-    // 2×), so 8·u per step for the moments and 2·u·|p| + 64·u·lr for p bound them generously,
-    // while still being ~1000× smaller than what a misplaced eps or bias correction changes.
+    // <= |g|max (m), <= |g|max² (v), <= |p| (the f32 decay constant, the decay product and the
+    // final add: 3 roundings) or <= lr·|m̂/denom| <= 2·lr (the update). Errors add up over the
+    // steps and are amplified at most ~2× by m/denom (|g| varies 2×), so 8·u per step for the
+    // moments and 3·u·|p| + 64·u·lr for p bound them (the largest error seen is ~1/4 of that),
+    // while ~1000× smaller than what a misplaced eps or bias correction changes.
     let u = 2f64.powi(-24);
     let g_max = 0.37;
     let steps = STEPS as f64;
@@ -160,7 +162,7 @@ fn adamw_scalar_tracks_an_f64_reference() {
             (
                 f64::from(p[i]),
                 p64[i],
-                steps * (2.0 * u * p64[i].abs() + 64.0 * u * 1e-2),
+                steps * (3.0 * u * p64[i].abs() + 64.0 * u * 1e-2),
                 "param",
             ),
         ];
@@ -174,6 +176,82 @@ fn adamw_scalar_tracks_an_f64_reference() {
         }
     }
     assert!(worst > 0.0, "the f32 and f64 runs should differ somewhere");
+}
+
+/// Inputs and results of one AdamW step computed with torch 2.15's CPU ops (`mul_`, `lerp_`,
+/// `mul_` + `addcmul_`, `sqrt` (here correctly rounded, in f64), `div`, `add_`, `addcdiv_`) at
+/// lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0.1, grad_scale 0.37, step 5. The first
+/// ten elements are ones where `fma(-step_size, m / denom, p)` rounds differently from torch's
+/// `p + (-step_size * m) / denom`.
+const TORCH_STEP: [[u32; 12]; 7] = [
+    [
+        0xBEEC7FB1, 0x3C8BC711, 0xBCD46164, 0xBD741B16, 0xB97398EC, 0xBE5905AE, 0xBD2100AE,
+        0x39005A5A, 0xB973E4A7, 0x3CA68C6C, 0x3EACBBC9, 0xBE360B3B,
+    ],
+    [
+        0x3B47543C, 0xBC4F16C0, 0x3D03ED17, 0x3DE6C2DA, 0xBDC2461E, 0x3E0FCD65, 0xBDF3486F,
+        0x3E549A97, 0xBE0697A3, 0xBE8B50E4, 0x3D9FCAF5, 0x3CAEE9F7,
+    ],
+    [
+        0x3C202F7F, 0x3BAB6C4D, 0x3BB3E789, 0x3BDE6579, 0x3B98CDA2, 0x3C0C6BD7, 0x37CE8CCC,
+        0x3B3DC38F, 0x3BB660AF, 0x3BCC2F8A, 0x3C15ECB4, 0x3B85042B,
+    ],
+    [
+        0x3ED813DE, 0xBFB2C10E, 0x3F66760A, 0x3FACEC3A, 0x3F8FFC20, 0x3F41B221, 0xBE647161,
+        0xBD8752E7, 0xBFA84A31, 0x3E984712, 0xBFC2424E, 0x3ED6B54F,
+    ],
+    [
+        0xBEEC7DD4, 0x3C8CF738, 0xBCD58938, 0xBD755B70, 0xB901B812, 0xBE594B3A, 0xBD1277C9,
+        0xB9F5E5A6, 0x3918BB44, 0x3CAAB780, 0x3EACB418, 0xBE361F29,
+    ],
+    [
+        0x3C9657AC, 0xBD811EB4, 0x3D7F2A9F, 0x3E1B0714, 0xBD333705, 0x3E1E16CD, 0xBDEBDC03,
+        0x3E3CD709, 0xBE2AF267, 0xBE6F800E, 0x3C667F5A, 0x3D0E43D1,
+    ],
+    [
+        0x3C206CC2, 0x3BB40019, 0x3BB75C2E, 0x3BE65C79, 0x3B9E53A8, 0x3C0D909C, 0x3803BFB6,
+        0x3B3D9D02, 0x3BBDF320, 0x3BCC60DB, 0x3C1AF0DB, 0x3B85AC12,
+    ],
+];
+
+#[test]
+fn adamw_rounds_like_torch_ops() {
+    let hp = AdamWStep {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        step: 5,
+        grad_scale: 0.37,
+    };
+    // Tiled 6 times so every element also goes through the vector loops of every ISA.
+    let column = |row: usize| -> Vec<f32> {
+        (0..72)
+            .map(|i| f32::from_bits(TORCH_STEP[row][i % 12]))
+            .collect()
+    };
+    for k in all_kernels() {
+        let (mut p, mut m, mut v, g) = (column(0), column(1), column(2), column(3));
+        k.adamw(&hp, &mut p, &mut m, &mut v, GradSlice::F32(&g), None)
+            .unwrap();
+        let context = format!("{:?}/{}", k.isa(), k.threads());
+        assert_bits_eq(
+            f32_bits(&p),
+            f32_bits(&column(4)),
+            &format!("{context} param"),
+        );
+        assert_bits_eq(
+            f32_bits(&m),
+            f32_bits(&column(5)),
+            &format!("{context} exp_avg"),
+        );
+        assert_bits_eq(
+            f32_bits(&v),
+            f32_bits(&column(6)),
+            &format!("{context} exp_avg_sq"),
+        );
+    }
 }
 
 #[test]
