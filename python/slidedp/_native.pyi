@@ -53,3 +53,21 @@ class Kernels:
         self, dst: int, srcs: list[tuple[int, str]], numel: int, accumulate: bool
     ) -> None: ...
     def sum_squares(self, src: int, dtype: str, numel: int) -> float: ...
+
+class UpdateWorker:
+    def __init__(self, store: HostStore, threads: int) -> None: ...
+    def submit(
+        self,
+        group: int,
+        *,
+        step: int,
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        grad_scale: float,
+        version: int,
+    ) -> None: ...
+    def drain(self, timeout_s: float) -> None: ...
+    def stats(self) -> tuple[int, float]: ...

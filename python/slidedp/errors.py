@@ -56,6 +56,17 @@ class StorePoisonedError(SlidedpError, RuntimeError):
     layer: int
 
 
+class UpdateFailedError(SlidedpError, RuntimeError):
+    """A host parameter update failed; later updates were skipped and the store poisoned."""
+
+
+class UpdateTimeoutError(SlidedpError, TimeoutError):
+    """Updates were still pending when ``drain`` gave up; ``pending`` and ``timeout_ms``."""
+
+    pending: int
+    timeout_ms: int
+
+
 class LengthMismatchError(SlidedpError, ValueError):
     """Buffers of different lengths passed to one kernel; ``expected`` and ``got``."""
 

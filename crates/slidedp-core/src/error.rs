@@ -47,6 +47,12 @@ pub enum Error {
     )]
     StorePoisoned { layer: usize },
 
+    #[error("a parameter update failed: {message}")]
+    UpdateFailed { message: String },
+
+    #[error("{pending} parameter updates still pending after {timeout_ms} ms")]
+    UpdateTimeout { pending: usize, timeout_ms: u64 },
+
     #[error("{what}: expected {expected} elements, got {got}")]
     LengthMismatch {
         what: &'static str,

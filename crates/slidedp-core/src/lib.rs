@@ -7,5 +7,6 @@
 pub mod error;
 pub mod kernels;
 pub mod store;
+pub mod update;
 
 pub use error::{Error, Result};

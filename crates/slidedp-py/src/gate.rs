@@ -71,6 +71,14 @@ pub fn to_py_err(py: Python<'_>, error: &Error) -> PyErr {
             "LengthMismatchError",
             vec![("expected", *expected as u64), ("got", *got as u64)],
         ),
+        Error::UpdateFailed { .. } => ("UpdateFailedError", vec![]),
+        Error::UpdateTimeout {
+            pending,
+            timeout_ms,
+        } => (
+            "UpdateTimeoutError",
+            vec![("pending", *pending as u64), ("timeout_ms", *timeout_ms)],
+        ),
         Error::IsaUnsupported { .. } => ("IsaUnsupportedError", vec![]),
         Error::InvalidArgument(_) => ("InvalidArgumentError", vec![]),
         Error::Io { .. } => ("HostIOError", vec![]),

@@ -5,6 +5,7 @@
 mod gate;
 mod kernels;
 mod store;
+mod update;
 
 use pyo3::prelude::*;
 
@@ -12,6 +13,7 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::PyHostStore>()?;
     m.add_class::<kernels::PyKernels>()?;
+    m.add_class::<update::PyUpdateWorker>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

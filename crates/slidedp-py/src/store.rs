@@ -1,6 +1,7 @@
 //! `slidedp._native.HostStore`: the shared-memory state store.
 
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 
 use pyo3::prelude::*;
@@ -11,7 +12,7 @@ use crate::gate::{gate, to_py_err};
 
 #[pyclass(frozen, name = "HostStore", module = "slidedp._native")]
 pub struct PyHostStore {
-    inner: HostStore,
+    pub(crate) inner: Arc<HostStore>,
 }
 
 #[pymethods]
@@ -22,14 +23,18 @@ impl PyHostStore {
         let spec: StoreSpec = serde_json::from_str(spec_json)
             .map_err(|e| to_py_err(py, &Error::InvalidLayout(e.to_string())))?;
         let inner = gate(py, || HostStore::create(&spec, Path::new(shm_dir)))?;
-        Ok(Self { inner })
+        Ok(Self {
+            inner: Arc::new(inner),
+        })
     }
 
     /// Attaches to a store that another living process created.
     #[staticmethod]
     fn attach(py: Python<'_>, name: &str) -> PyResult<Self> {
         let inner = gate(py, || HostStore::attach(name))?;
-        Ok(Self { inner })
+        Ok(Self {
+            inner: Arc::new(inner),
+        })
     }
 
     #[getter]

@@ -1,0 +1,73 @@
+//! `slidedp._native.UpdateWorker`: host AdamW per parameter group on a background thread.
+
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use slidedp_core::Error;
+use slidedp_core::kernels::{AdamWStep, Isa, Kernels};
+use slidedp_core::update::{UpdateRequest, UpdateWorker};
+
+use crate::gate::{gate, to_py_err};
+use crate::store::PyHostStore;
+
+#[pyclass(frozen, name = "UpdateWorker", module = "slidedp._native")]
+pub struct PyUpdateWorker {
+    inner: UpdateWorker,
+}
+
+#[pymethods]
+impl PyUpdateWorker {
+    #[new]
+    fn new(py: Python<'_>, store: &PyHostStore, threads: usize) -> PyResult<Self> {
+        let store = store.inner.clone();
+        let inner = gate(py, || {
+            UpdateWorker::new(store, Kernels::new(threads, Isa::detect())?)
+        })?;
+        Ok(Self { inner })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (group, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale, version))]
+    fn submit(
+        &self,
+        py: Python<'_>,
+        group: usize,
+        step: u64,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+        grad_scale: f64,
+        version: u32,
+    ) -> PyResult<()> {
+        let hp = AdamWStep {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            step,
+            grad_scale,
+        };
+        gate(py, || {
+            self.inner.submit(UpdateRequest { group, hp, version })
+        })
+    }
+
+    /// Blocks (GIL released) until every submitted update is done.
+    fn drain(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
+        let timeout = Duration::try_from_secs_f64(timeout_s).map_err(|_| {
+            to_py_err(
+                py,
+                &Error::InvalidArgument(format!("timeout_s must be >= 0, got {timeout_s}")),
+            )
+        })?;
+        gate(py, || self.inner.drain(timeout))
+    }
+
+    /// (updates completed, seconds spent updating).
+    fn stats(&self) -> (u64, f64) {
+        self.inner.stats()
+    }
+}
