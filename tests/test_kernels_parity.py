@@ -98,12 +98,12 @@ def test_adamw_matches_torch_elementwise(
             **HP,  # type: ignore[arg-type]
         )
     p_ref, m_ref, v_ref = _reference_adamw(p0, grads, weight_decay, grad_scale)
-    # Same formula, same f32 constants; the only differences are FMA contraction and operation
-    # order inside torch's kernels (lerp, addcmul, addcdiv): ≤ 1-2 ulp per step per element, which
-    # feed forward through m, v and p over the 12 steps. Measured worst case here: ~2e-7 relative
-    # on m and v and ~1e-7 absolute on p (|p| ~ 1, each step moves p by ~lr = 1e-3). rtol=1e-5 and
-    # atol=1e-6 leave one decade of margin and still catch any wrong constant, bias correction,
-    # decay or scale (those move p by >= 1e-5).
+    # Same formula, same f32 constants, same operation order as torch's single-tensor AdamW
+    # (lerp, mul + addcmul, sqrt / bc2 + eps, p + (-step_size * m) / denom). m and v come out
+    # bit-identical; p differs by at most 1 ulp (measured 1.2e-7 absolute, |p| ~ 1) because torch's
+    # f32 sqrt on some CPU builds is not correctly rounded while ours is IEEE. rtol=1e-5 and
+    # atol=1e-6 leave a decade of margin for that ulp to propagate over the 12 steps, and still
+    # catch any wrong constant, bias correction, decay or scale (those move p by >= 1e-5).
     torch.testing.assert_close(m, m_ref, rtol=1e-5, atol=1e-9)
     torch.testing.assert_close(v, v_ref, rtol=1e-5, atol=1e-12)
     torch.testing.assert_close(p, p_ref, rtol=1e-5, atol=1e-6)

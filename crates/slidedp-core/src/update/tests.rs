@@ -29,6 +29,7 @@ fn store(grad_dtype: Option<Dtype>) -> Arc<HostStore> {
 
 /// # Safety
 /// `region` of `store` must not be accessed concurrently.
+#[allow(clippy::mut_from_ref)] // the slice is the shared mapping, which `&HostStore` keeps alive
 unsafe fn floats(store: &HostStore, region: Region) -> &mut [f32] {
     let (ptr, len) = store.region(region);
     // SAFETY: the whole region of a live store, exclusively ours per the caller's contract.
