@@ -1,7 +1,7 @@
 """The ``slidedp`` command.
 
 Run: ``slidedp env``, ``slidedp bench kernels [--numel N --threads 1,2,4]``,
-``slidedp train CONFIG.yaml`` (the training engine is being built: it says so and exits 2).
+``slidedp train CONFIG.yaml [section.key=value ...]`` (e.g. ``train.max_steps=5``).
 """
 
 from __future__ import annotations
@@ -14,10 +14,19 @@ from slidedp import __version__
 from slidedp.bench import kernels as bench_kernels
 from slidedp.kernels import Kernels, default_threads
 
-NOT_YET = (
-    "slidedp train: the layer-streaming training engine is not built yet (issue #3); "
-    "the host engine (store, kernels) is: try `slidedp env` or `slidedp bench kernels`."
-)
+
+def _train(config: str, overrides: list[str]) -> int:
+    """``slidedp train CONFIG.yaml [section.key=value ...]``: one clear line on bad input."""
+    from slidedp.config import load_config
+    from slidedp.errors import SlidedpError
+    from slidedp.runtime.trainer import train
+
+    try:
+        train(load_config(config, overrides))
+    except SlidedpError as e:
+        print(f"slidedp train: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _env() -> int:
@@ -42,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     verbs = parser.add_subparsers(dest="verb", required=True)
     verbs.add_parser("env", help="versions, ISA path, GPUs, shm size")
     train = verbs.add_parser("train", help="train a model from a YAML config")
-    train.add_argument("config")
-    train.add_argument("overrides", nargs="*")
+    train.add_argument("config", help="YAML with model, data, train, output (and runtime)")
+    train.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.max_steps=5")
     bench = verbs.add_parser("bench", help="benchmarks against in-run baselines")
     which = bench.add_subparsers(dest="bench", required=True)
     bench_kernels.add_arguments(which.add_parser("kernels", help="AdamW and cast vs torch"))
@@ -55,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb == "env":
         return _env()
     if args.verb == "train":
-        print(NOT_YET, file=sys.stderr)
-        return 2
+        return _train(args.config, args.overrides)
     return bench_kernels.main(args)
 
 

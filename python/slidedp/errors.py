@@ -88,3 +88,26 @@ class HostIOError(SlidedpError, OSError):
 
 class EnginePanicError(SlidedpError, RuntimeError):
     """A bug in the Rust engine (a panic), turned into an exception instead of an abort."""
+
+
+class ConfigError(SlidedpError, ValueError):
+    """A training config that cannot be used (unknown key, bad value, unreadable file)."""
+
+
+class DataError(SlidedpError, ValueError):
+    """Training data that cannot be read (bad JSONL line, missing field, too few sequences)."""
+
+
+class ModelLoadError(SlidedpError, ValueError):
+    """A model directory that cannot be loaded (no config.json, unsupported architecture,
+    missing or mis-shaped weights)."""
+
+
+class NonFiniteError(SlidedpError, FloatingPointError):
+    """A non-finite loss or gradient norm; raised before any update of that step is applied.
+    ``step`` is the 0-based step, ``what`` names the quantity."""
+
+    def __init__(self, message: str, *, step: int, what: str) -> None:
+        super().__init__(message)
+        self.step = step
+        self.what = what

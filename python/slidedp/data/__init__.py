@@ -1,0 +1,1 @@
+"""Training data: JSONL sequences, padding, labels."""

@@ -1,0 +1,1 @@
+"""HF model adapters (layer discovery, tied weights, masks) and the chunked LM loss."""

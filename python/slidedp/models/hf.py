@@ -1,0 +1,169 @@
+"""HF decoder-only causal LMs seen as groups of parameters: ``embed``, ``layers.{i}``, ``head``.
+
+The model is built once on the ``meta`` device (``AutoModelForCausalLM.from_config``): it gives
+transformers' own decoder-layer modules, rotary module and mask rules without allocating a
+single weight. The runtime binds a layer module's parameters to views of a device slot just
+before running it (``bind_params``), so the modules are structure only and numerics are
+transformers' own.
+
+Example::
+
+    adapter = HFAdapter.from_dir("/models/qwen3-0.6b")
+    store = HostStore.create(adapter.group_specs(), staging_slots=2, grad_dtype="f32")
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from slidedp.errors import ModelLoadError
+from slidedp.store import GroupSpec, ParamSpec
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+EMBED = "model.embed_tokens.weight"
+NORM = "model.norm.weight"
+LM_HEAD = "lm_head.weight"
+
+
+def bind_params(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Point ``module``'s parameters (local dotted names) at ``tensors`` without copying."""
+    for local, tensor in tensors.items():
+        path, _, attr = local.rpartition(".")
+        owner = module.get_submodule(path) if path else module
+        owner._parameters[attr] = cast(nn.Parameter, tensor)
+
+
+@dataclass(frozen=True)
+class GroupNames:
+    """One store group: its name and its parameters' full HF names with module-local names."""
+
+    name: str
+    params: tuple[tuple[str, str], ...]  # (full name, name local to the group's module)
+
+
+class HFAdapter:
+    """Layer discovery, tied weights, rotary embeddings and masks of one HF causal LM."""
+
+    def __init__(self, config: PretrainedConfig, path: Path | None = None) -> None:
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelLoadError(
+                f"model type '{config.model_type}' is not supported "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        self.path = path
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+        self.skeleton: PreTrainedModel = skeleton.train()
+        self.config: PretrainedConfig = skeleton.config
+        self.base: Any = skeleton.model  # the decoder (LlamaModel, Qwen3Model, ...)
+        self.tied = skeleton.lm_head.weight is self.base.embed_tokens.weight
+        self.num_layers = len(self.base.layers)
+        self.padding_idx: int | None = self.base.embed_tokens.padding_idx
+        self.vocab_size = int(self.base.embed_tokens.num_embeddings)
+        self.hidden_size = int(self.base.embed_tokens.embedding_dim)
+        self.groups = self._groups()
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> HFAdapter:
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} has no config.json (expected an HF model directory)")
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
+            raise ModelLoadError(f"cannot read {path}/config.json: {e}") from None
+        return cls(config, path)
+
+    def _groups(self) -> list[GroupNames]:
+        groups = [GroupNames("embed", ((EMBED, "weight"),))]
+        for i, layer in enumerate(self.base.layers):
+            local = [n for n, _ in layer.named_parameters()]
+            groups.append(
+                GroupNames(f"layers.{i}", tuple((f"model.layers.{i}.{n}", n) for n in local))
+            )
+        head = [(NORM, "weight")] + ([] if self.tied else [(LM_HEAD, "weight")])
+        groups.append(GroupNames("head", tuple(head)))
+        return groups
+
+    @property
+    def embed_group(self) -> int:
+        return 0
+
+    @property
+    def head_group(self) -> int:
+        return self.num_layers + 1
+
+    def layer_group(self, layer: int) -> int:
+        return layer + 1
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every stored parameter's shape by full HF name (tied LM head not listed)."""
+        named = dict(self.skeleton.named_parameters())
+        return {full: tuple(named[full].shape) for g in self.groups for full, _ in g.params}
+
+    def group_specs(self) -> list[GroupSpec]:
+        shapes = self.shapes()
+        return [
+            GroupSpec(g.name, [ParamSpec(full, shapes[full]) for full, _ in g.params])
+            for g in self.groups
+        ]
+
+    def layer_module(self, layer: int) -> nn.Module:
+        return cast(nn.Module, self.base.layers[layer])
+
+    def norm_module(self) -> nn.Module:
+        return cast(nn.Module, self.base.norm)
+
+    def iter_params(self) -> Iterator[tuple[int, str]]:
+        """(group index, full name) for every stored parameter, in group order."""
+        for gi, g in enumerate(self.groups):
+            for full, _ in g.params:
+                yield gi, full
+
+    def make_rotary(self, device: torch.device) -> nn.Module:
+        """The model's own rotary module, built on CPU (as ``from_pretrained`` does) then moved."""
+        rotary_cls = type(self.base.rotary_emb)
+        with torch.device("cpu"):
+            rotary = rotary_cls(config=self.config)
+        return cast(nn.Module, rotary.to(device))
+
+    def layer_masks(
+        self,
+        inputs_embeds: torch.Tensor,  # [B, S, H]
+        attention_mask: torch.Tensor,  # [B, S] 1 = token, 0 = padding
+        position_ids: torch.Tensor,  # [1, S]
+    ) -> list[Any]:
+        """The attention mask of each decoder layer, built by transformers' own mask functions
+        with the same rule as the model's forward (per ``layer_types``, else Mistral-style
+        sliding window when ``config.sliding_window`` is set, else causal)."""
+        kwargs: dict[str, Any] = {
+            "config": self.config,
+            "inputs_embeds": inputs_embeds,
+            "attention_mask": attention_mask,
+            "past_key_values": None,
+            "position_ids": position_ids,
+        }
+        layer_types = getattr(self.config, "layer_types", None)
+        if not layer_types:
+            sliding = getattr(self.config, "sliding_window", None) is not None
+            kind = "sliding_attention" if sliding else "full_attention"
+            layer_types = [kind] * self.num_layers
+        makers = {
+            "full_attention": create_causal_mask,
+            "sliding_attention": create_sliding_window_causal_mask,
+        }
+        masks: dict[str, Any] = {}
+        for kind in set(layer_types):
+            if kind not in makers:
+                raise ModelLoadError(f"unsupported attention layer type '{kind}'")
+            masks[kind] = makers[kind](**kwargs)
+        return [masks[kind] for kind in layer_types[: self.num_layers]]

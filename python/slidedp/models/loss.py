@@ -1,0 +1,53 @@
+"""Causal-LM loss by chunks: linear + cross-entropy without the full [tokens, vocab] logits.
+
+Same value as transformers' ``ForCausalLMLoss`` (labels shifted left by one, ignore index -100,
+logits upcast to f32, mean over the label tokens of the whole batch), but only
+``chunk_tokens`` rows of logits exist at a time, and the backward is done chunk by chunk right
+away, so the function returns the loss sum with the gradients of the hidden states and the
+head weight.
+
+Example::
+
+    loss_sum, grad_hidden, grad_weight = chunked_lm_loss(h, w, labels, n_labels, 1024)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """[B, S] labels → [B, S] targets: position i predicts token i + 1 (last one ignored)."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def chunked_lm_loss(
+    hidden: torch.Tensor,  # [B, S, H] final-norm output, compute dtype
+    weight: torch.Tensor,  # [V, H] LM head (or tied embedding), compute dtype
+    targets: torch.Tensor,  # [B, S] shifted labels
+    n_labels: int,  # label tokens of the global batch: the mean's denominator
+    chunk_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(Σ token losses as a 0-dim f32 tensor, d(mean)/d hidden [B, S, H], d(mean)/d weight)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])  # [B*S, H]
+    flat_targets = targets.reshape(-1)  # [B*S]
+    rows = (flat_targets != IGNORE_INDEX).nonzero().squeeze(1)  # [N] rows with a label
+    grad_flat = torch.zeros_like(flat)
+    grad_weight = torch.zeros_like(weight)
+    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    w = weight.detach().requires_grad_(True)
+    scale = torch.tensor(1.0 / max(n_labels, 1), dtype=torch.float32, device=hidden.device)
+    for start in range(0, rows.numel(), chunk_tokens):
+        idx = rows[start : start + chunk_tokens]  # [n]
+        h = flat.index_select(0, idx).detach().requires_grad_(True)  # [n, H]
+        with torch.enable_grad():
+            logits = F.linear(h, w).float()  # [n, V]
+            loss = F.cross_entropy(logits, flat_targets.index_select(0, idx), reduction="sum")
+            grad_h, grad_w = torch.autograd.grad(loss, (h, w), grad_outputs=scale)
+        grad_flat.index_copy_(0, idx, grad_h)
+        grad_weight += grad_w
+        loss_sum += loss.detach()
+    return loss_sum, grad_flat.view_as(hidden), grad_weight

@@ -1,0 +1,1 @@
+"""The layer-streaming engine: device window, step loop, lanes, training loop."""

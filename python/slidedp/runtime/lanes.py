@@ -1,0 +1,78 @@
+"""Per-step wall time of each lane and the time the compute lane waited on each of them.
+
+Lanes: ``prep`` (host f32→bf16 cast into staging), ``h2d``, ``compute``, ``d2h``, ``offload``
+(activation offload and reload), ``update`` (host AdamW, read from the update worker). Waits are
+the compute lane's: ``wait_update`` (version gates, host side), ``wait_h2d`` / ``wait_d2h`` /
+``wait_offload`` (on CUDA the compute stream's stall on a copy event, measured by events around
+``wait_event``; on CPU copies are synchronous and these stay 0).
+
+On CPU every interval is ``time.perf_counter``; on CUDA intervals on a stream are pairs of
+timing events resolved once at the end of the step (no sync inside the step).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+LANES = ("prep", "h2d", "compute", "d2h", "offload", "update")
+WAITS = ("wait_h2d", "wait_update", "wait_d2h", "wait_offload")
+
+
+def new_event(timing: bool = False) -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=timing)  # type: ignore[no-untyped-call]
+
+
+def new_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+
+class LaneClock:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._seconds: dict[str, float] = defaultdict(float)
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def reset(self) -> None:
+        self._seconds = defaultdict(float)
+        self._events = []
+
+    def add(self, key: str, seconds: float) -> None:
+        self._seconds[key] += seconds
+
+    @contextmanager
+    def host(self, key: str) -> Iterator[None]:
+        """Time host work (or a host-side wait) with the wall clock."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._seconds[key] += time.perf_counter() - start
+
+    @contextmanager
+    def stream(self, key: str, stream: torch.cuda.Stream | None) -> Iterator[None]:
+        """Time work issued on ``stream`` (CUDA events), or on the host when on CPU."""
+        if not self.cuda or stream is None:
+            with self.host(key):
+                yield
+            return
+        start = new_event(timing=True)
+        end = new_event(timing=True)
+        start.record(stream)
+        try:
+            yield
+        finally:
+            end.record(stream)
+            self._events.append((key, start, end))
+
+    def summary(self) -> dict[str, float]:
+        """Seconds per lane and per wait for the step (synchronises pending timing events)."""
+        for key, start, end in self._events:
+            end.synchronize()
+            self._seconds[key] += start.elapsed_time(end) / 1000.0
+        self._events = []
+        return {f"{k}_s": round(self._seconds.get(k, 0.0), 6) for k in LANES + WAITS}

@@ -1,0 +1,174 @@
+"""The device window: a few reusable layer slots fed from the host store, plus embed/head.
+
+Each slot is one flat device buffer in the compute dtype laid out like the store's staging slot
+(params at their ``slot_offset``), so loading group ``g`` is: wait for ``g``'s version → cast its
+f32 master into a BF16 host staging slot (Rust, per parameter; for f32 compute, no staging) →
+one copy of the slot into the device buffer on the copy stream. A layer's module is bound to
+views of the slot just before it runs (``HFAdapter`` modules are structure only), so device
+memory for parameters is ``slots`` times the largest layer plus embed and head, whatever the depth.
+
+Buffer owners: the store owns host master/staging/grad; the window owns the device buffers;
+a staging slot is reused only after the copy that read it completed (its event), and a device
+slot only after the compute that read it completed (its release event).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from slidedp.kernels import Kernels
+from slidedp.runtime.lanes import LaneClock, new_event, new_stream
+from slidedp.store import HostStore
+
+
+@dataclass
+class _Pending:
+    group: int
+    ready: torch.cuda.Event | None  # H2D done (CUDA)
+
+
+class DeviceBuffer:
+    """A flat device buffer holding one group at a time, staging-slot layout."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.flat = torch.empty(numel, dtype=dtype, device=device)  # [numel]
+        self.group: int | None = None
+        self.version: int | None = None
+        self.ready: torch.cuda.Event | None = None  # H2D into it finished
+        self.released: torch.cuda.Event | None = None  # last compute reading it finished
+        self.in_use = False  # between acquire and release: never a load target
+
+
+class Window:
+    """Loads parameter groups from the host store into device buffers (slots, embed, head)."""
+
+    def __init__(
+        self,
+        store: HostStore,
+        kernels: Kernels,
+        device: torch.device,
+        dtype: torch.dtype,
+        layer_groups: list[int],
+        slots: int,
+        clock: LaneClock,
+        version_timeout_s: float,
+    ) -> None:
+        self.store, self.kernels, self.device, self.dtype = store, kernels, device, dtype
+        self.clock, self.timeout_s = clock, version_timeout_s
+        self.cuda = device.type == "cuda"
+        self.copy_stream = new_stream(device) if self.cuda else None
+        groups = store.layout["groups"]
+        self._params: dict[int, list[dict[str, Any]]] = {
+            gi: store.layout["params"][g["params"]["start"] : g["params"]["end"]]
+            for gi, g in enumerate(groups)
+        }
+        self._slot_len = {gi: int(g["slot_len"]) for gi, g in enumerate(groups)}
+        layer_len = max(self._slot_len[g] for g in layer_groups)
+        self.slots = [DeviceBuffer(layer_len, dtype, device) for _ in range(slots)]
+        self._next_slot = 0
+        self._staging_events: list[torch.cuda.Event | None] = [None] * store.layout["staging_slots"]
+        self._next_staging = 0
+        self._by_group: dict[int, DeviceBuffer] = {}
+
+    def own_buffer(self, group: int) -> DeviceBuffer:
+        """A dedicated buffer for ``group`` (embedding, head): loaded like a slot, never shared."""
+        buf = DeviceBuffer(self._slot_len[group], self.dtype, self.device)
+        self._by_group[group] = buf
+        return buf
+
+    def views(self, buf: DeviceBuffer, group: int) -> dict[str, torch.Tensor]:
+        """Full parameter name → shaped view of ``buf`` (which must hold ``group``)."""
+        assert buf.group == group, f"buffer holds group {buf.group}, not {group}"
+        return {
+            p["name"]: buf.flat[p["slot_offset"] : p["slot_offset"] + p["numel"]].view(p["shape"])
+            for p in self._params[group]
+        }
+
+    def _stage(self, group: int) -> torch.Tensor | None:
+        """Cast ``group``'s master into the next BF16 staging slot; None for f32 compute."""
+        if self.dtype != torch.bfloat16:
+            return None
+        k = self._next_staging
+        self._next_staging = (k + 1) % len(self._staging_events)
+        event = self._staging_events[k]
+        if event is not None:
+            with self.clock.host("wait_h2d"):
+                event.synchronize()  # the previous H2D out of this staging slot is done
+        staging = self.store.staging_slot(k)
+        with self.clock.host("prep"):
+            for p in self._params[group]:
+                src = self.store.param(p["name"])
+                dst = staging[p["slot_offset"] : p["slot_offset"] + p["numel"]]
+                self.kernels.cast_f32_to_bf16(src.view(-1), dst)
+        self._staging_k = k
+        return staging[: self._slot_len[group]]
+
+    def load(self, buf: DeviceBuffer, group: int, version: int) -> None:
+        """Issue the load of ``group`` at ``version`` into ``buf`` (returns before H2D ends)."""
+        if buf.group == group and buf.version == version:
+            return
+        with self.clock.host("wait_update"):
+            self.store.wait_version(group, version, self.timeout_s)
+        staged = self._stage(group)
+        stream = self.copy_stream
+        if stream is not None and buf.released is not None:
+            stream.wait_event(buf.released)  # compute finished reading the old contents
+        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            with self.clock.stream("h2d", stream):
+                if staged is not None:
+                    buf.flat[: staged.numel()].copy_(staged, non_blocking=True)
+                else:
+                    for p in self._params[group]:
+                        dst = buf.flat[p["slot_offset"] : p["slot_offset"] + p["numel"]]
+                        dst.copy_(self.store.param(p["name"]).view(-1), non_blocking=True)
+            if stream is not None:
+                buf.ready = new_event()
+                buf.ready.record(stream)
+                if staged is not None:
+                    self._staging_events[self._staging_k] = buf.ready
+        buf.group, buf.version = group, version
+
+    def acquire(self, buf: DeviceBuffer) -> None:
+        """Make the compute stream wait until ``buf``'s H2D is done."""
+        buf.in_use = True
+        if self.cuda and buf.ready is not None:
+            compute = torch.cuda.current_stream(self.device)
+            with self.clock.stream("wait_h2d", compute):
+                compute.wait_event(buf.ready)
+
+    def release(self, buf: DeviceBuffer) -> None:
+        """Mark the end of compute reading ``buf`` (the next load into it waits for this)."""
+        buf.in_use = False
+        if self.cuda:
+            buf.released = new_event()
+            buf.released.record(torch.cuda.current_stream(self.device))
+
+    def fetch(self, group: int, version: int) -> DeviceBuffer | None:
+        """The slot holding ``group`` at ``version``, else load it into the next free slot
+        (round-robin); None when every slot is in use (the caller fetches again later)."""
+        for buf in self.slots:
+            if buf.group == group and buf.version == version:
+                return buf
+        for i in range(len(self.slots)):
+            k = (self._next_slot + i) % len(self.slots)
+            if not self.slots[k].in_use:
+                self._next_slot = (k + 1) % len(self.slots)
+                self.load(self.slots[k], group, version)
+                return self.slots[k]
+        return None
+
+    def param_bytes(self) -> int:
+        """Device bytes held for parameters (slots + dedicated buffers)."""
+        bufs = self.slots + list(self._by_group.values())
+        return sum(b.flat.numel() * b.flat.element_size() for b in bufs)
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

@@ -1,0 +1,147 @@
+"""Tiny HF models, JSONL data, YAML configs and a plain PyTorch reference trainer for the tests.
+
+The reference is HF Trainer's inner loop written out: the transformers model on the whole
+global batch (loss = mean over label tokens), ``clip_grad_norm_``, ``torch.optim.AdamW`` with
+HF's decay grouping (``Trainer.get_decay_parameter_names``), ``get_scheduler``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from torch import nn
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+    get_scheduler,
+)
+from transformers.trainer_pt_utils import get_parameter_names
+from transformers.utils import logging as hf_logging
+
+hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+
+CONFIGS: dict[str, type[PretrainedConfig]] = {
+    "qwen3": Qwen3Config,
+    "llama": LlamaConfig,
+    "qwen2": Qwen2Config,
+}
+VOCAB = 256
+
+
+def make_model(root: Path, arch: str, *, tied: bool, layers: int = 2, seed: int = 0) -> Path:
+    """A random tiny model saved with ``save_pretrained`` (safetensors) under ``root/arch``."""
+    config = CONFIGS[arch](  # type: ignore[call-arg]
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+        tie_word_embeddings=tied,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    path = root / f"{arch}-{'tied' if tied else 'untied'}-{layers}"
+    model.save_pretrained(path)
+    return path
+
+
+def write_data(path: Path, n: int, *, seed: int = 1, min_len: int = 6, max_len: int = 24) -> Path:
+    """``n`` JSONL lines of random token ids of varying length (so batches need padding)."""
+    gen = torch.Generator().manual_seed(seed)
+    with path.open("w") as f:
+        for _ in range(n):
+            length = int(torch.randint(min_len, max_len + 1, (1,), generator=gen))
+            ids = torch.randint(0, VOCAB, (length,), generator=gen).tolist()
+            f.write(json.dumps({"input_ids": ids}) + "\n")
+    return path
+
+
+def write_config(path: Path, model: Path, data: Path, out: Path, **sections: Any) -> Path:
+    raw: dict[str, Any] = {
+        "model": {"path": str(model)},
+        "data": {"path": str(data), "seq_len": 32},
+        "train": {"max_steps": 3, "global_batch_size": 4, "learning_rate": 1e-3},
+        "output": {"dir": str(out)},
+        "runtime": {"device": "cpu"},  # CPU tests stay on CPU on a GPU machine too
+    }
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def read_metrics(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def reference_batches(data: Path, batch_size: int, steps: int) -> list[dict[str, torch.Tensor]]:
+    """Independent of slidedp.data: file order, right padding with 0, labels -100 on padding."""
+    seqs = [json.loads(line)["input_ids"] for line in data.read_text().splitlines()]
+    batches = []
+    for t in range(steps):
+        rows = [seqs[(t * batch_size + i) % len(seqs)] for i in range(batch_size)]
+        width = max(len(r) for r in rows)
+        ids = torch.zeros(batch_size, width, dtype=torch.int64)
+        mask = torch.zeros(batch_size, width, dtype=torch.int64)
+        for i, r in enumerate(rows):
+            ids[i, : len(r)] = torch.tensor(r)
+            mask[i, : len(r)] = 1
+        labels = ids.masked_fill(mask == 0, -100)
+        batches.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return batches
+
+
+@dataclass
+class Reference:
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def reference_train(model_dir: Path, data: Path, train: dict[str, Any]) -> Reference:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+    patterns = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+    decay = set(get_parameter_names(model, [nn.LayerNorm], patterns))  # type: ignore[no-untyped-call]
+    named = list(model.named_parameters())  # tied weights appear once
+    decay &= {n for n, _ in named}  # HF lists the tied lm_head.weight too
+    assert decay == {n for n, p in named if p.ndim >= 2}  # HF's rule is the 1-D rule here
+    groups = [
+        {"params": [p for n, p in named if n in decay], "weight_decay": train["weight_decay"]},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(
+        groups,
+        lr=train["learning_rate"],
+        betas=(train.get("adam_beta1", 0.9), train.get("adam_beta2", 0.999)),
+        eps=train.get("adam_epsilon", 1e-8),
+    )
+    sched = get_scheduler(
+        train["lr_scheduler"],
+        opt,
+        num_warmup_steps=train["warmup_steps"],
+        num_training_steps=train["max_steps"],
+    )
+    ref = Reference()
+    for batch in reference_batches(data, train["global_batch_size"], train["max_steps"]):
+        loss = model(**batch).loss
+        loss.backward()
+        max_norm = train["max_grad_norm"] or float("inf")  # HF Trainer skips clipping at 0
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        ref.losses.append(float(loss.detach()))
+        ref.grad_norms.append(float(norm))
+    ref.params = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    return ref
