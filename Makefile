@@ -37,11 +37,13 @@ test: build lint
 	cargo test --quiet
 	$(PY) -m pytest -q
 
+# Interim demo until a real pretrained model is packaged (issue #6): a small byte-level Qwen3
+# (random init) trains on this README through the full engine, on the GPU if there is one.
 demo: build
 	$(PY) -m slidedp env
-	@echo
-	@echo "make demo: not yet. The demo fine-tunes a small real model on real text once the"
-	@echo "training engine exists (issue #3 and #6); the host engine above is what exists today."
+	$(PY) examples/demo/prepare.py out/demo
+	$(PY) -m slidedp train examples/demo/train.yaml
+	@echo "== metrics: out/demo/run/metrics.jsonl, HF export: out/demo/run/final/"
 
 bench-kernels: build
 	$(PY) -m slidedp bench kernels $(ARGS)
