@@ -25,7 +25,7 @@ STEPS = 200
 TRAIN: dict[str, Any] = {
     "max_steps": STEPS,
     "global_batch_size": 8,
-    "learning_rate": 1e-3,
+    "learning_rate": 1e-4,
     "weight_decay": 0.01,
     "max_grad_norm": 1.0,
     "lr_scheduler": "cosine",
@@ -93,7 +93,11 @@ def _fsdp2_losses(model_dir: Path, data: Path) -> list[float]:
 @pytest.mark.slow
 def test_bf16_losses_track_fsdp2_mixed_precision(tmp_path: Path) -> None:
     model_dir = _small_qwen3(tmp_path)
-    data = write_data(tmp_path / "data.jsonl", 64, min_len=64, max_len=128)
+    # A fine-tuning regime: every step sees new sequences (no memorisation), full-FT learning
+    # rate. At lr 1e-3 on 64 cycled sequences (loss 5.6 -> 0.03 in 200 steps) both runs agree to
+    # 1e-5 for 20 steps, then rounding differences are amplified by the fast memorisation (max
+    # 2.4e-2 around step 100), as between any two bf16 runs; see BENCHMARKS.md.
+    data = write_data(tmp_path / "data.jsonl", STEPS * 8, min_len=64, max_len=128)
     out = tmp_path / "out"
     config = write_config(
         tmp_path / "c.yaml",
