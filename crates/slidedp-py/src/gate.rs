@@ -30,6 +30,16 @@ where
     }
 }
 
+/// A timeout argument in seconds, rejected (typed) when negative or not finite.
+pub fn timeout_from_secs(py: Python<'_>, timeout_s: f64) -> PyResult<std::time::Duration> {
+    std::time::Duration::try_from_secs_f64(timeout_s).map_err(|_| {
+        to_py_err(
+            py,
+            &Error::InvalidArgument(format!("timeout_s must be >= 0, got {timeout_s}")),
+        )
+    })
+}
+
 /// Maps each engine error to its Python class (one-to-one) with its numbers as attributes.
 pub fn to_py_err(py: Python<'_>, error: &Error) -> PyErr {
     let message = error.to_string();

@@ -2,13 +2,12 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
 
 use pyo3::prelude::*;
 use slidedp_core::Error;
 use slidedp_core::store::{HostStore, Region, StoreSpec};
 
-use crate::gate::{gate, to_py_err};
+use crate::gate::{gate, timeout_from_secs, to_py_err};
 
 #[pyclass(frozen, name = "HostStore", module = "slidedp._native")]
 pub struct PyHostStore {
@@ -84,12 +83,7 @@ impl PyHostStore {
         version: u32,
         timeout_s: f64,
     ) -> PyResult<u32> {
-        let timeout = Duration::try_from_secs_f64(timeout_s).map_err(|_| {
-            to_py_err(
-                py,
-                &Error::InvalidArgument(format!("timeout_s must be >= 0, got {timeout_s}")),
-            )
-        })?;
+        let timeout = timeout_from_secs(py, timeout_s)?;
         gate(py, || self.inner.wait_version(layer, version, timeout))
     }
 

@@ -1,13 +1,10 @@
 //! `slidedp._native.UpdateWorker`: host AdamW per parameter group on a background thread.
 
-use std::time::Duration;
-
 use pyo3::prelude::*;
-use slidedp_core::Error;
 use slidedp_core::kernels::{AdamWStep, Isa, Kernels};
 use slidedp_core::update::{UpdateRequest, UpdateWorker};
 
-use crate::gate::{gate, to_py_err};
+use crate::gate::{gate, timeout_from_secs};
 use crate::store::PyHostStore;
 
 #[pyclass(frozen, name = "UpdateWorker", module = "slidedp._native")]
@@ -57,12 +54,7 @@ impl PyUpdateWorker {
 
     /// Blocks (GIL released) until every submitted update is done.
     fn drain(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
-        let timeout = Duration::try_from_secs_f64(timeout_s).map_err(|_| {
-            to_py_err(
-                py,
-                &Error::InvalidArgument(format!("timeout_s must be >= 0, got {timeout_s}")),
-            )
-        })?;
+        let timeout = timeout_from_secs(py, timeout_s)?;
         gate(py, || self.inner.drain(timeout))
     }
 
