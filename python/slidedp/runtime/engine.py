@@ -25,6 +25,7 @@ offending group is submitted; with clipping, before any update of the step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from slidedp.data.jsonl import Batch
-from slidedp.errors import NonFiniteError
+from slidedp.errors import HostIOError, NonFiniteError
 from slidedp.kernels import Kernels
 from slidedp.models.hf import EMBED, LM_HEAD, NORM, HFAdapter, bind_params
 from slidedp.models.loss import IGNORE_INDEX, chunked_lm_loss, shift_labels
@@ -101,7 +102,10 @@ class Engine:
             if t.numel():
                 err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
                 if int(err) != 0:
-                    raise RuntimeError(f"cudaHostRegister of the {region} region failed: {err}")
+                    raise HostIOError(
+                        f"cudaHostRegister of the {region} region failed ({err}): check "
+                        "`ulimit -l` and free host memory"
+                    )
 
     def _run_layer(
         self, layer: int, params: dict[str, torch.Tensor], x: torch.Tensor, ctx: dict[str, Any]
@@ -200,7 +204,7 @@ class Engine:
             g, g_norm_w = torch.autograd.grad(normed, (x_last, norm_w), g_normed)
         win.release(self.head_buf)
         loss = float(loss_sum) / max(n_labels, 1)
-        if not torch.isfinite(torch.tensor(loss)):
+        if not math.isfinite(loss):
             raise NonFiniteError(
                 f"step {t}: the loss is not finite ({loss}); no update of this step was applied",
                 step=t,
