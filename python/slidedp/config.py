@@ -15,12 +15,9 @@ from typing import Any
 
 import yaml
 
+from slidedp.data.config import DataSection
 from slidedp.errors import ConfigError
-
-
-def _require(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
+from slidedp.errors import require as _require
 
 
 @dataclass(kw_only=True)
@@ -29,16 +26,6 @@ class ModelSection:
 
     def __post_init__(self) -> None:
         _require(bool(self.path), "model.path is required")
-
-
-@dataclass(kw_only=True)
-class DataSection:
-    path: str  # JSONL: {"input_ids": [...]} or {"text": "..."} per line
-    seq_len: int = 1024
-
-    def __post_init__(self) -> None:
-        _require(bool(self.path), "data.path is required")
-        _require(self.seq_len >= 2, f"data.seq_len must be >= 2, got {self.seq_len}")
 
 
 @dataclass(kw_only=True)

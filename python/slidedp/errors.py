@@ -111,3 +111,9 @@ class NonFiniteError(SlidedpError, FloatingPointError):
         super().__init__(message)
         self.step = step
         self.what = what
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise ``ConfigError(message)`` unless ``ok`` (config validation)."""
+    if not ok:
+        raise ConfigError(message)

@@ -10,25 +10,12 @@ the model shifts them (position i predicts token i + 1), as transformers does.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from slidedp.data.batch import IGNORE_INDEX, Batch
 from slidedp.errors import DataError
-
-IGNORE_INDEX = -100
-
-
-@dataclass(frozen=True)
-class Batch:
-    input_ids: torch.Tensor  # [B, S] int64
-    attention_mask: torch.Tensor  # [B, S] int64, 1 = token, 0 = padding
-    labels: torch.Tensor  # [B, S] int64, IGNORE_INDEX on padding
-
-    @property
-    def tokens(self) -> int:
-        return int(self.attention_mask.sum())
 
 
 def _tokenizer(model_dir: Path) -> object:

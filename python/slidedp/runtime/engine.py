@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from slidedp.data.jsonl import Batch
+from slidedp.data.batch import Batch
 from slidedp.errors import HostIOError, NonFiniteError
 from slidedp.kernels import Kernels
 from slidedp.models.hf import EMBED, LM_HEAD, NORM, HFAdapter, bind_params
