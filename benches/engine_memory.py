@@ -25,11 +25,14 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads (head_dim 128, vocab
 }
 
 
-def pss_bytes() -> int:
+def pss_gib() -> dict[str, float]:
+    """Pss and its split (anonymous, file-backed, shared memory) from smaps_rollup, in GiB."""
+    out = {}
     for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-        if line.startswith("Pss:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no Pss in smaps_rollup")
+        key, _, rest = line.partition(":")
+        if key in ("Pss", "Pss_Anon", "Pss_File", "Pss_Shmem"):
+            out[key.lower()] = int(rest.split()[0]) / 2**20
+    return out
 
 
 def main() -> int:
@@ -39,6 +42,8 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--offload-ratio", type=float, default=1.0)
+    p.add_argument("--grad-slots", type=int, default=2)
     args = p.parse_args()
     hidden, inter, layers, heads, kv, tied = SHAPES[args.shape]
     from slidedp.config import load_config
@@ -72,13 +77,25 @@ def main() -> int:
                 "max_grad_norm": args.max_grad_norm,
             },
             "output": {"dir": str(root / "out")},
-            "runtime": {"device": "cuda", "offload_ratio": 1},
+            "runtime": {
+                "device": "cuda",
+                "offload_ratio": args.offload_ratio,
+                "grad_slots": args.grad_slots,
+            },
         }
         (root / "c.yaml").write_text(yaml.safe_dump(raw))
         start = time.perf_counter()
         trainer = Trainer(load_config(str(root / "c.yaml")), log=True)
         setup_s = time.perf_counter() - start
-        records = trainer.run()
+        records = []  # the engine alone: no checkpoint or export of a multi-GB model
+        for t in range(args.steps):
+            step_start = time.perf_counter()
+            result = trainer.engine.step(t, trainer.data.batch(t), 1e-5)
+            records.append(
+                {"step_time_s": time.perf_counter() - step_start, "loss": result.loss}
+                | trainer.engine.lane_times()
+            )
+        trainer.engine.drain()
         params = trainer.store.layout["params"]
         numel = sum(q["numel"] for q in params)
         result = {
@@ -89,12 +106,17 @@ def main() -> int:
             "setup_s": setup_s,
             "step_time_s": [r["step_time_s"] for r in records],
             "losses": [r["loss"] for r in records],
+            "lanes_last_step": records[-1],
+            "max_grad_norm": args.max_grad_norm,
+            "offload_ratio": args.offload_ratio,
             "gpu_max_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
             "gpu_max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30,
             "window_param_gib": trainer.engine.window.param_bytes() / 2**30,
-            "host_pss_gib": pss_bytes() / 2**30,
+            "host_pss_split_gib": pss_gib(),
+            "activation_arena_gib": trainer.engine.activations.pinned_bytes() / 2**30,
             "store_gib": trainer.store.total_bytes / 2**30,
         }
+        result["host_pss_gib"] = result["host_pss_split_gib"]["pss"]
         result["host_pss_gib_per_billion"] = result["host_pss_gib"] / (numel / 1e9)
         print(json.dumps(result))
     return 0

@@ -60,14 +60,22 @@ def test_torch_views_are_the_mapping_itself() -> None:
         store.master("nope")
 
 
-def test_the_gradient_region_has_the_state_layout_in_its_own_dtype() -> None:
-    store = HostStore.create(_groups(2), staging_slots=1, grad_dtype="bf16")
+def test_gradient_and_staging_slots_are_chunk_sized_not_model_sized() -> None:
+    store = HostStore.create(
+        _groups(2), staging_slots=1, grad_dtype="bf16", grad_slots=3, chunk_elems=1000
+    )
     grad = store.region("grad")
     assert grad.dtype == torch.bfloat16
-    assert grad.numel() == store.region("master").numel()
-    assert store.group_state(1, "grad").numel() == store.group_state(1, "master").numel()
-    assert store.param("layers.1.norm", "grad").shape == (33,)
-    assert HostStore.create(_groups(1), staging_slots=1).region("grad").numel() == 0
+    assert store.layout["slot_len"] == 1024  # rounded up to a 64-byte line of bf16
+    assert grad.numel() == 3 * 1024 < store.region("master").numel()
+    assert store.grad_slot(2).numel() == 1024
+    assert store.grad_slot(2).data_ptr() == grad.data_ptr() + 2 * 1024 * 2
+    with pytest.raises(IndexError):
+        store.grad_slot(3)
+    whole = HostStore.create(_groups(2), staging_slots=1)
+    assert whole.region("grad").numel() == 0
+    biggest = max(max(g["slot_len"], g["state_len"]) for g in whole.layout["groups"])
+    assert whole.layout["slot_len"] == biggest, "default: the largest group fits one slot"
 
 
 def test_views_keep_the_mapping_alive() -> None:

@@ -1,4 +1,5 @@
-"""The update worker: host AdamW per group, HF decay grouping, versions, failures."""
+"""The update worker: host AdamW per group chunk from a gradient-slot ring, HF decay grouping,
+versions, failures."""
 
 from __future__ import annotations
 
@@ -18,7 +19,42 @@ def _store(grad_dtype: str) -> HostStore:
         GroupSpec(f"layers.{g}", [ParamSpec(f"{g}.{n}", s) for n, s in SHAPES.items()])
         for g in range(2)
     ]
-    return HostStore.create(groups, staging_slots=1, grad_dtype=grad_dtype)  # type: ignore[arg-type]
+    return HostStore.create(
+        groups,
+        staging_slots=1,
+        grad_dtype=grad_dtype,  # type: ignore[arg-type]
+        grad_slots=2,
+        chunk_elems=64,  # each group (144 + 16 + 16 + 16 state elements) takes three chunks
+    )
+
+
+def _submit_group(
+    store: HostStore, worker: UpdateWorker, group: int, grads: dict[str, torch.Tensor], step: int
+) -> None:
+    """Feed one group's gradient through the two-slot ring, chunk by chunk."""
+    g = store.layout["groups"][group]
+    flat = torch.full((g["state_len"],), float("nan"))  # padding must never be read
+    for p in store.layout["params"][g["params"]["start"] : g["params"]["end"]]:
+        at = p["state_offset"] - g["state_offset"]
+        flat[at : at + p["numel"]] = grads[p["name"]].view(-1).float()
+    n, start = store.layout["slot_len"], 0
+    while start < g["state_len"]:
+        length = min(n, g["state_len"] - start)
+        k = (start // n) % 2
+        worker.drain(timeout_s=30)  # the ring's slot k is free (simplest backpressure)
+        store.grad_slot(k)[:length].copy_(flat[start : start + length])
+        last = start + length == g["state_len"]
+        worker.submit(
+            group,
+            start,
+            length,
+            k,
+            step=step,
+            grad_scale=0.5,
+            publish=step if last else None,
+            **HP,  # type: ignore[arg-type]
+        )
+        start += length
 
 
 @pytest.mark.parametrize("grad_dtype", ["f32", "bf16"])
@@ -39,17 +75,18 @@ def test_worker_equals_torch_adamw_with_hf_decay_groups(grad_dtype: str) -> None
         foreach=False,
     )
     worker = UpdateWorker(store, threads=2)
+    grads: dict[str, torch.Tensor] = {}
     for step in range(1, 6):
         for name in names:
             g = torch.randn(store.master(name).shape, generator=gen).to(store.region("grad").dtype)
-            store.param(name, "grad").copy_(g)
+            grads[name] = g
             ref[name].grad = g.float() * 0.5
         opt.step()
         for group in range(2):
-            worker.submit(group, step=step, grad_scale=0.5, version=step, **HP)  # type: ignore[arg-type]
+            _submit_group(store, worker, group, grads, step)
         assert store.wait_version(1, step, timeout_s=30) == step
         worker.drain(timeout_s=30)
-    assert worker.stats()[0] == 10
+    assert worker.stats()[0] == 5 * 2 * 3
     for name in names:
         # Same tolerance argument as tests/test_kernels_parity.py (5 steps, lr 1e-2).
         torch.testing.assert_close(store.master(name), ref[name].detach(), rtol=1e-5, atol=1e-6)
@@ -59,11 +96,13 @@ def test_failures_surface_in_drain_and_poison_the_store() -> None:
     store = _store("f32")
     worker = UpdateWorker(store, threads=1)
     with pytest.raises(errors.LayerOutOfRangeError):
-        worker.submit(5, step=1, version=1, **HP)  # type: ignore[arg-type]
-    worker.submit(0, step=0, version=1, **HP)  # type: ignore[arg-type]
+        worker.submit(5, 0, 1, 0, step=1, **HP)  # type: ignore[arg-type]
+    with pytest.raises(errors.InvalidArgumentError, match="does not fit"):
+        worker.submit(0, 0, 65, 0, step=1, **HP)  # type: ignore[arg-type]
+    worker.submit(0, 0, 8, 0, step=0, publish=1, **HP)  # type: ignore[arg-type]
     with pytest.raises(errors.UpdateFailedError, match="group 0 step 0"):
         worker.drain(timeout_s=30)
     with pytest.raises(errors.StorePoisonedError):
         store.wait_version(1, 1, timeout_s=5)
-    with pytest.raises(errors.InvalidArgumentError, match="gradient region"):
+    with pytest.raises(errors.InvalidArgumentError, match="gradient slots"):
         UpdateWorker(HostStore.create([GroupSpec("g", [ParamSpec("w", (2,))])], 1))

@@ -59,6 +59,9 @@ class UpdateWorker:
     def submit(
         self,
         group: int,
+        start: int,
+        length: int,
+        grad_slot: int,
         *,
         step: int,
         lr: float,
@@ -67,7 +70,8 @@ class UpdateWorker:
         eps: float,
         weight_decay: float,
         grad_scale: float,
-        version: int,
-    ) -> None: ...
+        publish: int | None = None,
+    ) -> int: ...
+    def wait_completed(self, count: int, timeout_s: float) -> None: ...
     def drain(self, timeout_s: float) -> None: ...
     def stats(self) -> tuple[int, float]: ...

@@ -1,71 +1,149 @@
 """The ``slidedp`` command.
 
-Run: ``slidedp env``, ``slidedp bench kernels [--numel N --threads 1,2,4]``,
-``slidedp train CONFIG.yaml [section.key=value ...]`` (e.g. ``train.max_steps=5``).
+Run: ``slidedp train CONFIG.yaml [section.key=value ...]`` (e.g. ``train.max_steps=5``),
+``slidedp validate CONFIG.yaml [section.key=value ...]`` (every check, no GPU work),
+``slidedp env [--json]``, ``slidedp export OUTPUT/checkpoint-STEP OUT_DIR``,
+``slidedp bench kernels [--numel N --threads 1,2,4]``.
+
+Bad input never shows a traceback: a ``SlidedpError`` is one line ``slidedp VERB: error: ...``
+on stderr naming the problem and the fix (a config with several problems: a header line, then
+one line per problem) and exit code 2; any other exception is one line with a hint to rerun with
+``--debug`` (which prints the traceback) and exit code 1; Ctrl-C is exit code 130.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import json
 import sys
+import traceback
 
 from slidedp import __version__
 from slidedp.bench import kernels as bench_kernels
-from slidedp.kernels import Kernels, default_threads
+from slidedp.bench import train as bench_train
+from slidedp.errors import ConfigError, SlidedpError
+
+EXIT_BAD_INPUT = 2
+EXIT_UNEXPECTED = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 
 
 def _train(config: str, overrides: list[str]) -> int:
-    """``slidedp train CONFIG.yaml [section.key=value ...]``: one clear line on bad input."""
-    from slidedp.config import load_config
-    from slidedp.errors import SlidedpError
-    from slidedp.runtime.trainer import train
+    """Resolve and print the config, check the inputs, build everything (model, store, data),
+    save ``resolved_config.yaml``, then train."""
+    from slidedp.config import RESOLVED_CONFIG, load_config, resolved_yaml, write_resolved_config
+    from slidedp.preflight import check_before_training
 
-    try:
-        train(load_config(config, overrides))
-    except SlidedpError as e:
-        print(f"slidedp train: error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(config, overrides)
+    print(f"slidedp train: resolved config (saved as {cfg.output.dir}/{RESOLVED_CONFIG}):")
+    print(resolved_yaml(cfg), end="", flush=True)
+    check_before_training(cfg)
+    from slidedp.runtime.trainer import Trainer  # the engine: imported once the inputs are good
+
+    trainer = Trainer(cfg)
+    write_resolved_config(cfg)  # only once every input is known good
+    trainer.run()
     return 0
 
 
-def _env() -> int:
-    import torch
+def _validate(config: str, overrides: list[str]) -> int:
+    from slidedp.config import load_config
+    from slidedp.preflight import validate
 
-    shm = os.statvfs("/dev/shm")
-    print(f"slidedp {__version__}, torch {torch.__version__}, Python {sys.version.split()[0]}")
-    print(
-        f"host kernels: best ISA {Kernels.detect_isa()} (supported: "
-        f"{', '.join(Kernels.supported_isas())}), {default_threads()} threads available"
-    )
-    print(f"/dev/shm: {shm.f_bavail * shm.f_frsize / 2**30:.1f} GiB free")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    names = [torch.cuda.get_device_name(i) for i in range(gpus)]
-    print(f"GPUs: {gpus}" + (f" ({', '.join(names)})" if names else ""))
+    lines = validate(load_config(config, overrides))
+    print(f"slidedp validate: OK ({config})")
+    for line in lines:
+        print(f"  {line}")
+    return 0
+
+
+def _export(checkpoint: str, out_dir: str) -> int:
+    from pathlib import Path
+
+    from slidedp.io.checkpoint import export_checkpoint
+
+    print(f"slidedp export: wrote {export_checkpoint(Path(checkpoint), Path(out_dir))}")
+    return 0
+
+
+def _env(as_json: bool) -> int:
+    from slidedp.envinfo import collect, format_text
+
+    info = collect()
+    print(json.dumps(info, indent=2) if as_json else format_text(info))
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slidedp", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"slidedp {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    # the same flag after the verb; SUPPRESS keeps a verb's default from hiding the global one
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
     verbs = parser.add_subparsers(dest="verb", required=True)
-    verbs.add_parser("env", help="versions, ISA path, GPUs, shm size")
-    train = verbs.add_parser("train", help="train a model from a YAML config")
-    train.add_argument("config", help="YAML with model, data, train, output (and runtime)")
-    train.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.max_steps=5")
+    env = verbs.add_parser("env", parents=[debug], help="versions, ISA path, memory, GPUs, links")
+    env.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    for verb, help_text in (
+        ("train", "train a model from a YAML config"),
+        ("validate", "check config, model dir, data and output dir (no GPU work)"),
+    ):
+        sub = verbs.add_parser(verb, parents=[debug], help=help_text)
+        sub.add_argument("config", help="YAML with model, data, train, output (and runtime)")
+        sub.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.max_steps=5")
+    export = verbs.add_parser("export", parents=[debug], help="checkpoint -> HF model directory")
+    export.add_argument("checkpoint", help="OUTPUT/checkpoint-STEP, or OUTPUT (its latest)")
+    export.add_argument("out_dir", help="a new directory: config, tokenizer, f32 safetensors")
     bench = verbs.add_parser("bench", help="benchmarks against in-run baselines")
     which = bench.add_subparsers(dest="bench", required=True)
     bench_kernels.add_arguments(which.add_parser("kernels", help="AdamW and cast vs torch"))
+    bench_train.add_arguments(which.add_parser("train", help="ours vs reference and FSDP2"))
     return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.verb == "env":
+        return _env(args.json)
+    if args.verb == "train":
+        return _train(args.config, args.overrides)
+    if args.verb == "validate":
+        return _validate(args.config, args.overrides)
+    if args.verb == "export":
+        return _export(args.checkpoint, args.out_dir)
+    return bench_train.main(args) if args.bench == "train" else bench_kernels.main(args)
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.verb == "env":
-        return _env()
-    if args.verb == "train":
-        return _train(args.config, args.overrides)
-    return bench_kernels.main(args)
+    prefix = f"slidedp {args.verb}: "
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        if args.debug:
+            traceback.print_exc()
+        print(f"{prefix}interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except SlidedpError as e:
+        if args.debug:
+            traceback.print_exc()
+        if isinstance(e, ConfigError) and len(e.problems) > 1:
+            lines = [f"the config has {len(e.problems)} problems:", *e.problems]
+            print(f"{prefix}error: " + "\n  ".join(lines), file=sys.stderr)
+        else:
+            print(f"{prefix}error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as e:
+        if args.debug:
+            traceback.print_exc()
+        hint = "" if args.debug else "; rerun with --debug for the traceback"
+        print(
+            f"{prefix}error: unexpected {type(e).__name__}: {_one_line(e)}{hint}", file=sys.stderr
+        )
+        return EXIT_UNEXPECTED
 
 
 if __name__ == "__main__":

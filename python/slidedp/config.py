@@ -2,22 +2,40 @@
 
 Run: ``slidedp train examples/tiny-qwen3.yaml train.max_steps=5 output.dir=/tmp/run``.
 
-Each section validates itself in ``__post_init__``; an unknown key (in the file or in an
-override) is an error that names the key, so a typo never silently falls back to a default.
+One YAML file plus ``section.key=value`` overrides. The schema is strict (``slidedp.schema``): an
+unknown section or key is an error with the closest valid name suggested, a wrong type names the
+expected type, a key given twice in the file is an error, and every problem of the whole config is
+reported at once in one ``ConfigError`` (one line per problem). Each section validates its values
+in ``__post_init__`` with ``slidedp.errors.require``. ``config_to_dict`` gives the resolved tree
+(every default filled in) that ``slidedp train`` prints and saves as
+``output.dir/resolved_config.yaml``.
+
+Example::
+
+    cfg = load_config("examples/tiny-qwen3.yaml", ["train.max_steps=5", "model.path=/models/q"])
+    print(resolved_yaml(cfg))
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import importlib.util
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from slidedp.data.config import DataSection
-from slidedp.errors import ConfigError
+from slidedp.errors import ConfigError, collect_problems
 from slidedp.errors import require as _require
+from slidedp.schema import TextValue, build_section, did_you_mean, load_yaml
+
+
+def _tensorboard_installed() -> bool:
+    return importlib.util.find_spec("tensorboard") is not None
 
 
 @dataclass(kw_only=True)
@@ -38,10 +56,13 @@ class TrainSection:
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0  # 0 disables clipping (and enables the update overlap)
-    lr_scheduler: str = "linear"  # constant | linear | cosine (transformers' get_scheduler)
+    lr_scheduler: Literal["constant", "linear", "cosine"] = "linear"  # transformers' get_scheduler
     warmup_steps: int = 0
     seed: int = 42
-    dtype: str = "auto"  # auto | float32 | bfloat16 (auto: bf16 on CUDA, f32 on CPU)
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA, f32 on CPU
+    resume: str = ""  # "": new run | auto: newest checkpoint in output.dir, if any | a checkpoint
+    on_nonfinite: Literal["stop", "skip"] = "stop"  # skip: count the step, apply no update
+    max_consecutive_skips: int = 5  # with skip: stop after this many non-finite steps in a row
 
     def __post_init__(self) -> None:
         _require(self.max_steps >= 1, f"train.max_steps must be >= 1, got {self.max_steps}")
@@ -53,14 +74,13 @@ class TrainSection:
             _require(0 <= value < 1, f"train.{name} must be in [0, 1), got {value}")
         _require(self.adam_epsilon > 0, "train.adam_epsilon must be > 0")
         _require(self.max_grad_norm >= 0, "train.max_grad_norm must be >= 0 (0 disables)")
-        schedules = ("constant", "linear", "cosine")
-        _require(
-            self.lr_scheduler in schedules,
-            f"train.lr_scheduler must be one of {', '.join(schedules)}, got {self.lr_scheduler!r}",
-        )
         _require(self.warmup_steps >= 0, "train.warmup_steps must be >= 0")
-        dtypes = ("auto", "float32", "bfloat16")
-        _require(self.dtype in dtypes, f"train.dtype must be one of {dtypes}, got {self.dtype!r}")
+        _require(self.max_consecutive_skips >= 1, "train.max_consecutive_skips must be >= 1")
+        _require(
+            self.on_nonfinite == "stop" or self.max_grad_norm > 0,
+            "train.on_nonfinite=skip needs train.max_grad_norm > 0: without clipping, updates "
+            "overlap the backward and part of a step is applied before its norm is known",
+        )
 
 
 @dataclass(kw_only=True)
@@ -68,28 +88,46 @@ class RuntimeSection:
     slots: int = 2  # decoder-layer slots in the device window (>= 2 for prefetch)
     offload_ratio: float = 0.0  # 0: checkpointed inputs stay on device, 1: offloaded to host
     loss_chunk_tokens: int = 1024  # tokens per chunk of the linear + cross-entropy
-    device: str = "auto"  # auto | cpu | cuda
+    device: Literal["auto", "cpu", "cuda"] = "auto"
     update_threads: int = 0  # host AdamW threads; 0: all available
     version_timeout_s: float = 600.0
+    chunk_elems: int = 0  # elements per H2D/D2H chunk (a store slot); 0: one decoder layer
+    staging_slots: int = 2  # BF16 host staging slots (H2D ring)
+    grad_slots: int = 2  # host gradient slots (D2H → AdamW ring)
 
     def __post_init__(self) -> None:
         _require(self.slots >= 1, f"runtime.slots must be >= 1, got {self.slots}")
+        _require(self.chunk_elems >= 0, "runtime.chunk_elems must be >= 0 (0: one layer)")
+        _require(self.staging_slots >= 1, "runtime.staging_slots must be >= 1")
+        _require(self.grad_slots >= 1, "runtime.grad_slots must be >= 1")
         _require(
             self.offload_ratio in (0.0, 1.0),
             f"runtime.offload_ratio must be 0 or 1 for now, got {self.offload_ratio}",
         )
         _require(self.loss_chunk_tokens >= 1, "runtime.loss_chunk_tokens must be >= 1")
-        _require(self.device in ("auto", "cpu", "cuda"), "runtime.device must be auto|cpu|cuda")
         _require(self.update_threads >= 0, "runtime.update_threads must be >= 0")
+        _require(self.version_timeout_s > 0, "runtime.version_timeout_s must be > 0 seconds")
 
 
 @dataclass(kw_only=True)
 class OutputSection:
     dir: str
     export: bool = True  # write OUTPUT/final/ (HF-loadable) at the end
+    save_steps: int = 0  # checkpoint every N steps (0: only at the end and on SIGTERM/SIGINT)
+    save_total_limit: int = 0  # keep the newest N checkpoints (0: all)
+    log_steps: int = 1  # a stdout line every N steps (metrics.jsonl has every step)
+    tensorboard: bool = field(default_factory=_tensorboard_installed)  # OUTPUT/tensorboard/
 
     def __post_init__(self) -> None:
         _require(bool(self.dir), "output.dir is required")
+        _require(self.save_steps >= 0, "output.save_steps must be >= 0 (0: only at the end)")
+        _require(self.save_total_limit >= 0, "output.save_total_limit must be >= 0 (0: keep all)")
+        _require(self.log_steps >= 1, "output.log_steps must be >= 1")
+        _require(
+            not self.tensorboard or _tensorboard_installed(),
+            "output.tensorboard=true but tensorboard is not installed: pip install tensorboard, "
+            "or set output.tensorboard=false",
+        )
 
 
 @dataclass(kw_only=True)
@@ -101,91 +139,120 @@ class TrainConfig:
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
 
 
-_SECTIONS: dict[str, type[Any]] = {
-    "model": ModelSection,
-    "data": DataSection,
-    "train": TrainSection,
-    "output": OutputSection,
-    "runtime": RuntimeSection,
-}
-_REQUIRED = ("model", "data", "train", "output")
+_SECTIONS: dict[str, type[Any]] = typing.get_type_hints(TrainConfig)
+_REQUIRED = tuple(
+    f.name
+    for f in dataclasses.fields(TrainConfig)
+    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+)
+RESOLVED_CONFIG = "resolved_config.yaml"  # written into output.dir before training
 
 
-def _typed(section: str, key: str, value: Any, default_type: type[Any]) -> Any:
-    """Coerce ints to floats where the field is a float; reject anything else mismatched."""
-    if default_type is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if default_type is int and isinstance(value, float) and value.is_integer():
-        return int(value)
-    if not isinstance(value, default_type) or isinstance(value, bool) != (default_type is bool):
-        got = type(value).__name__
-        raise ConfigError(f"{section}.{key} must be {default_type.__name__}, got {got} {value!r}")
-    return value
-
-
-def _build(section: str, raw: Any) -> Any:
-    cls = _SECTIONS[section]
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(
+            f"cannot read config {path}: {e.strerror} (check the path of the YAML file)"
+        ) from None
+    try:
+        raw = load_yaml(text)
+    except yaml.MarkedYAMLError as e:
+        where = f" at line {e.problem_mark.line + 1}" if e.problem_mark else ""
+        raise ConfigError(
+            f"config {path} is not valid YAML{where}: {e.problem} (fix the file there)"
+        ) from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config {path} is not valid YAML: {e} (fix the file)") from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise ConfigError(f"section '{section}' must be a mapping, got {type(raw).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key not in fields:
-            known = ", ".join(sorted(fields))
-            raise ConfigError(f"unknown key '{section}.{key}' (known: {known})")
-        kind = {"str": str, "int": int, "float": float, "bool": bool}[str(fields[key].type)]
-        kwargs[key] = _typed(section, key, value, kind)
-    missing = [
-        n
-        for n, f in fields.items()
-        if f.default is dataclasses.MISSING
-        and f.default_factory is dataclasses.MISSING
-        and n not in kwargs
-    ]
-    if missing:
-        raise ConfigError(f"missing key '{section}.{missing[0]}'")
-    return cls(**kwargs)
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """``["train.max_steps=5", ...]`` applied onto the raw YAML tree (values parsed as YAML)."""
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        parts = key.split(".")
-        if not sep or len(parts) != 2 or not all(parts):
-            raise ConfigError(f"override '{item}' must look like section.key=value")
-        section, name = parts
-        if section not in _SECTIONS:
-            raise ConfigError(f"unknown section '{section}' in override '{item}'")
-        node = raw.setdefault(section, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"section '{section}' must be a mapping")
-        node[name] = yaml.safe_load(text)
+        raise ConfigError(
+            f"config {path} must be a mapping of sections (model:, data:, train:, output:), "
+            f"got {type(raw).__name__}"
+        )
     return raw
 
 
-def config_from_dict(raw: dict[str, Any]) -> TrainConfig:
-    for section in raw:
+def _apply_overrides(raw: dict[str, Any], overrides: list[str], problems: list[str]) -> None:
+    """``["train.max_steps=5", ...]`` set onto the raw YAML tree (see ``TextValue``)."""
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or len(parts) != 2 or not all(parts):
+            problems.append(
+                f"override '{item}' must look like section.key=value (e.g. train.max_steps=5)"
+            )
+            continue
+        section, name = parts
         if section not in _SECTIONS:
-            raise ConfigError(f"unknown section '{section}' (known: {', '.join(_SECTIONS)})")
-    for section in _REQUIRED:
-        if section not in raw:
-            raise ConfigError(f"missing section '{section}'")
-    return TrainConfig(**{s: _build(s, raw.get(s)) for s in _SECTIONS})
+            hint = did_you_mean(section, _SECTIONS)
+            problems.append(f"unknown section '{section}' in override '{item}'{hint}")
+            continue
+        if raw.get(section) is None:
+            raw[section] = {}
+        if isinstance(raw[section], dict):  # else build_section reports the section itself
+            raw[section][name] = TextValue(text)
+
+
+def _build_config(raw: dict[str, Any], problems: list[str]) -> TrainConfig:
+    for name in raw:
+        if name not in _SECTIONS:
+            problems.append(f"unknown section '{name}'{did_you_mean(str(name), _SECTIONS)}")
+    sections: dict[str, Any] = {}
+    for name, cls in _SECTIONS.items():
+        if name not in raw and name in _REQUIRED:
+            problems.append(f"missing section '{name}' (required: add '{name}:' with its keys)")
+            continue
+        sections[name] = build_section(name, cls, raw.get(name), problems)
+    if problems:
+        raise ConfigError(*problems)
+    with collect_problems() as found:  # checks across sections, if TrainConfig has any
+        cfg = TrainConfig(**sections)
+    if found:
+        raise ConfigError(*found)
+    return cfg
+
+
+def config_from_dict(raw: dict[str, Any]) -> TrainConfig:
+    """A validated config from a mapping of sections; every problem in one ``ConfigError``."""
+    return _build_config(copy.deepcopy(raw), [])
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
-    """Read a YAML file, apply ``section.key=value`` overrides, validate."""
-    try:
-        raw = yaml.safe_load(Path(path).read_text())
-    except OSError as e:
-        raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config {path} is not valid YAML: {e}") from None
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config {path} must be a mapping of sections")
-    return config_from_dict(apply_overrides(raw, overrides or []))
+    """Read a YAML file, apply ``section.key=value`` overrides, validate as a whole."""
+    raw = _read_yaml(Path(path))
+    problems: list[str] = []
+    _apply_overrides(raw, overrides or [], problems)
+    return _build_config(raw, problems)
+
+
+def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    """Every section with every key, defaults filled in: ``config_from_dict`` of it is ``cfg``."""
+
+    def plain(value: Any) -> Any:  # YAML-safe: tuples as lists
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [plain(v) for v in value]
+        return value
+
+    return {
+        f.name: plain(dataclasses.asdict(getattr(cfg, f.name))) for f in dataclasses.fields(cfg)
+    }
+
+
+def resolved_yaml(cfg: TrainConfig) -> str:
+    """The resolved config as YAML text (printed by ``slidedp train``, saved in output.dir)."""
+    return str(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+
+
+def write_resolved_config(cfg: TrainConfig) -> Path:
+    """``output.dir/resolved_config.yaml``, written whole (temp file, then rename)."""
+    out = Path(cfg.output.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    target = out / RESOLVED_CONFIG
+    temp = out / f".{RESOLVED_CONFIG}.tmp"
+    temp.write_text(resolved_yaml(cfg))
+    temp.replace(target)
+    return target

@@ -7,6 +7,10 @@ the numbers that matter as attributes (``needed_bytes``, ``layer``, ``expected``
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 
 class SlidedpError(Exception):
     """Base class of every slidedp error."""
@@ -91,7 +95,14 @@ class EnginePanicError(SlidedpError, RuntimeError):
 
 
 class ConfigError(SlidedpError, ValueError):
-    """A training config that cannot be used (unknown key, bad value, unreadable file)."""
+    """A training config that cannot be used (unknown key, bad value, unreadable file).
+
+    ``problems`` holds one line per problem found: a config is checked as a whole and every
+    problem is reported at once (``str(error)`` is those lines joined by newlines)."""
+
+    def __init__(self, *problems: str) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = list(problems)
 
 
 class DataError(SlidedpError, ValueError):
@@ -113,7 +124,43 @@ class NonFiniteError(SlidedpError, FloatingPointError):
         self.what = what
 
 
+class CheckpointError(SlidedpError, ValueError):
+    """A checkpoint that cannot be written or resumed from (incompatible with the model or the
+    config, incomplete, or an existing checkpoint that would be written into)."""
+
+
+class TrainingInterruptedError(SlidedpError, RuntimeError):
+    """Training stopped on SIGTERM/SIGINT after saving a checkpoint; ``signal_name``,
+    ``step`` (steps completed) and ``checkpoint`` (its directory)."""
+
+    def __init__(self, message: str, *, signal_name: str, step: int, checkpoint: str) -> None:
+        super().__init__(message)
+        self.signal_name = signal_name
+        self.step = step
+        self.checkpoint = checkpoint
+
+
+_collected_problems: ContextVar[list[str] | None] = ContextVar("collected_problems", default=None)
+
+
 def require(ok: bool, message: str) -> None:
-    """Raise ``ConfigError(message)`` unless ``ok`` (config validation)."""
-    if not ok:
+    """Raise ``ConfigError(message)`` unless ``ok`` (config validation); inside
+    ``collect_problems()`` the message is recorded instead, so that checking goes on."""
+    if ok:
+        return
+    problems = _collected_problems.get()
+    if problems is None:
         raise ConfigError(message)
+    problems.append(message)
+
+
+@contextmanager
+def collect_problems() -> Iterator[list[str]]:
+    """Within the block, failed ``require`` checks append to the yielded list instead of raising
+    (the config loader uses it to report every problem of a config at once)."""
+    problems: list[str] = []
+    token = _collected_problems.set(problems)
+    try:
+        yield problems
+    finally:
+        _collected_problems.reset(token)

@@ -24,7 +24,7 @@ import torch
 
 from slidedp import _native
 
-StateRegion = Literal["master", "exp_avg", "exp_avg_sq", "grad"]
+StateRegion = Literal["master", "exp_avg", "exp_avg_sq"]
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
 
 
@@ -63,7 +63,8 @@ def _bytes_view(owner: object, address: int, nbytes: int) -> torch.Tensor:
 
 
 class HostStore:
-    """FP32 master weights, Adam moments and BF16 staging slots in one shared mapping."""
+    """FP32 master weights, Adam moments, BF16 staging slots and gradient slots in one shared
+    mapping. Slots hold one transfer chunk (``layout["slot_len"]`` elements) each."""
 
     def __init__(self, native: _native.HostStore) -> None:
         self._native = native
@@ -84,14 +85,19 @@ class HostStore:
         staging_slots: int,
         shm_dir: str = "/dev/shm",
         grad_dtype: Literal["bf16", "f32"] | None = None,
+        grad_slots: int = 0,
+        chunk_elems: int | None = None,
     ) -> HostStore:
-        """A new zero-filled store; ``grad_dtype`` adds a host gradient region of that dtype."""
+        """A new zero-filled store with ``grad_slots`` gradient slots in ``grad_dtype``; slots
+        hold ``chunk_elems`` elements (None: the largest group whole)."""
         spec = {
             "groups": [
                 {"name": g.name, "params": [asdict(p) | {"shape": list(p.shape)} for p in g.params]}
                 for g in groups
             ],
             "staging_slots": staging_slots,
+            "chunk_elems": chunk_elems,
+            "grad_slots": grad_slots,
             "grad_dtype": grad_dtype,
         }
         return cls(_native.HostStore.create(json.dumps(spec), shm_dir))
@@ -116,9 +122,9 @@ class HostStore:
     def num_groups(self) -> int:
         return len(self.layout["groups"])
 
-    def region(self, region: StateRegion | Literal["staging"]) -> torch.Tensor:
+    def region(self, region: StateRegion | Literal["staging", "grad"]) -> torch.Tensor:
         """A whole region as a flat tensor: float32, bfloat16 for "staging", ``grad_dtype`` for
-        "grad" (empty when the store has no gradient region)."""
+        "grad" (all gradient slots; empty when the store has none)."""
         return self._regions[region]
 
     def param(self, name: str, region: StateRegion = "master") -> torch.Tensor:
@@ -141,11 +147,19 @@ class HostStore:
         return self._regions[region][g["state_offset"] : g["state_offset"] + g["state_len"]]
 
     def staging_slot(self, slot: int) -> torch.Tensor:
-        """One BF16 staging slot (``slot_len`` elements); params sit at their ``slot_offset``."""
+        """One BF16 staging slot (``slot_len`` elements): a chunk of a group's slot layout."""
+        return self._slot("staging", slot, self.layout["staging_slots"])
+
+    def grad_slot(self, slot: int) -> torch.Tensor:
+        """One gradient slot (``slot_len`` elements of ``grad_dtype``): a chunk of a group's
+        state layout, read by the update worker."""
+        return self._slot("grad", slot, self.layout["grad_slots"])
+
+    def _slot(self, region: str, slot: int, count: int) -> torch.Tensor:
         n = self.layout["slot_len"]
-        if not 0 <= slot < self.layout["staging_slots"]:
-            raise IndexError(f"slot {slot} of {self.layout['staging_slots']}")
-        return self._regions["staging"][slot * n : (slot + 1) * n]
+        if not 0 <= slot < count:
+            raise IndexError(f"{region} slot {slot} of {count}")
+        return self._regions[region][slot * n : (slot + 1) * n]
 
     def publish(self, layer: int, version: int) -> None:
         self._native.publish(layer, version)

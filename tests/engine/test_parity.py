@@ -28,19 +28,21 @@ from slidedp.cli import main
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
 
-# (architecture, tied embeddings, schedule, max_grad_norm); 0 = no clipping, updates overlap
-# the backward. 2.4 sits inside the measured grad-norm range (1.6 .. 3.7) of these runs.
+# (architecture, tied embeddings, schedule, max_grad_norm, transfer chunk); 0 = no clipping,
+# updates overlap the backward. 2.4 sits inside the measured grad-norm range (1.6 .. 3.7) of
+# these runs. Chunk 0 = one decoder layer per host slot (embed/head split); 1000 elements
+# splits every group into many chunks through 2 gradient slots (ring reuse and backpressure).
 CASES = [
-    ("qwen3", True, "cosine", 2.4),
-    ("llama", False, "linear", 2.4),
-    ("qwen2", False, "cosine", 2.4),
-    ("qwen3", False, "linear", 0.0),
+    ("qwen3", True, "cosine", 2.4, 0),
+    ("llama", False, "linear", 2.4, 0),
+    ("qwen2", False, "cosine", 2.4, 1000),
+    ("qwen3", False, "linear", 0.0, 1000),
 ]
 
 
-@pytest.mark.parametrize(("arch", "tied", "schedule", "max_grad_norm"), CASES)
+@pytest.mark.parametrize(("arch", "tied", "schedule", "max_grad_norm", "chunk"), CASES)
 def test_losses_and_final_params_match_the_reference(
-    tmp_path: Path, arch: str, tied: bool, schedule: str, max_grad_norm: float
+    tmp_path: Path, arch: str, tied: bool, schedule: str, max_grad_norm: float, chunk: int
 ) -> None:
     model = make_model(tmp_path, arch, tied=tied, layers=3)
     data = write_data(tmp_path / "data.jsonl", 30)
@@ -54,7 +56,8 @@ def test_losses_and_final_params_match_the_reference(
         "warmup_steps": 3,
     }
     out = tmp_path / "out"
-    config = write_config(tmp_path / "c.yaml", model, data, out, train=train)
+    runtime = {"chunk_elems": chunk, "grad_slots": 2 if chunk else 4}
+    config = write_config(tmp_path / "c.yaml", model, data, out, train=train, runtime=runtime)
     assert main(["train", str(config)]) == 0
 
     ref = reference_train(model, data, train)

@@ -67,10 +67,11 @@ def write_data(path: Path, n: int, *, seed: int = 1, min_len: int = 6, max_len: 
     return path
 
 
-def write_config(path: Path, model: Path, data: Path, out: Path, **sections: Any) -> Path:
+def write_config(path: Path, model: Path, data_path: Path, out: Path, **sections: Any) -> Path:
+    """A config YAML; ``sections`` (e.g. ``data={"packing": True}``) update the defaults."""
     raw: dict[str, Any] = {
         "model": {"path": str(model)},
-        "data": {"path": str(data), "seq_len": 32},
+        "data": {"path": str(data_path), "seq_len": 32, "pad_id": 0},  # the models define no pad
         "train": {"max_steps": 3, "global_batch_size": 4, "learning_rate": 1e-3},
         "output": {"dir": str(out)},
         "runtime": {"device": "cpu"},  # CPU tests stay on CPU on a GPU machine too

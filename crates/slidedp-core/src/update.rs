@@ -1,15 +1,19 @@
-//! The update worker: applies AdamW to one parameter group at a time, off the caller's thread.
+//! The update worker: applies AdamW to one chunk of a parameter group at a time, off the
+//! caller's thread.
 //!
-//! The training loop submits "update group g for step t, then publish version v" as soon as the
-//! group's gradient sits in the store's `grad` region; a dedicated thread runs the SIMD AdamW on
-//! the group's master/exp_avg/exp_avg_sq (on the kernels' own pool) and publishes the version, so
-//! that any process waiting on that group's gate proceeds. Requests run in submission order.
+//! The training loop copies a chunk of a group's gradient into one of the store's gradient slots
+//! and submits "update this chunk of group g from slot k for step t (then publish version v)"; a
+//! dedicated thread runs the SIMD AdamW on the chunk's master/exp_avg/exp_avg_sq (on the kernels'
+//! own pool) and, for the group's last chunk, publishes the version, so that any process waiting
+//! on that group's gate proceeds. Requests run in submission order; each gets a sequence number,
+//! and [`UpdateWorker::wait_completed`] tells the caller when a slot's reader has finished, so the
+//! slots form a ring with backpressure.
 //!
 //! Ownership: the worker holds an `Arc` of the store, so the mapping outlives every update. While
 //! an update of group g is queued or running, the worker is the only writer of g's state and the
-//! caller must not write g's gradient; everyone else reads g only after waiting for its version.
-//! A failure is kept (the first one is reported by `drain`), poisons the store so that peers stop,
-//! and turns the remaining requests into no-ops.
+//! caller must not write the request's gradient slot; everyone else reads g only after waiting
+//! for its version. A failure is kept (the first one is reported by `drain`), poisons the store
+//! so that peers stop, and turns the remaining requests into no-ops.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -21,26 +25,33 @@ use crate::error::{Error, Result};
 use crate::kernels::{AdamWStep, GradSlice, Kernels};
 use crate::store::{Dtype, HostStore, Region};
 
-/// Update group `group` with `hp`, then publish `version` for it.
+/// Update elements `[start, start + len)` of group `group`'s state (offsets relative to the
+/// group's `state_offset`) with `hp`, reading the gradient from element 0 of gradient slot
+/// `grad_slot`; then publish `publish` for the group, if given. `len == 0` only publishes (a
+/// skipped step still advances the group's version).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct UpdateRequest {
     pub group: usize,
+    pub start: usize,
+    pub len: usize,
+    pub grad_slot: usize,
     pub hp: AdamWStep,
-    pub version: u32,
+    pub publish: Option<u32>,
 }
 
 #[derive(Debug, Default)]
 struct Progress {
-    pending: usize,
+    submitted: u64,
+    completed: u64,
     first_error: Option<String>,
 }
 
 #[derive(Debug, Default)]
 struct Shared {
     progress: Mutex<Progress>,
-    idle: Condvar,
+    /// Notified after every completed request.
+    advanced: Condvar,
     busy_ns: AtomicU64,
-    completed: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -53,9 +64,9 @@ pub struct UpdateWorker {
 
 impl UpdateWorker {
     pub fn new(store: Arc<HostStore>, kernels: Kernels) -> Result<Self> {
-        if store.layout().grad_dtype.is_none() {
+        if store.layout().grad_slots == 0 {
             return Err(Error::InvalidArgument(
-                "the update worker needs a store created with a gradient region (grad_dtype)"
+                "the update worker needs a store created with gradient slots (grad_slots > 0)"
                     .into(),
             ));
         }
@@ -74,28 +85,31 @@ impl UpdateWorker {
         })
     }
 
-    /// Queues one update; returns at once.
-    pub fn submit(&self, request: UpdateRequest) -> Result<()> {
-        self.store.layout().group(request.group)?;
-        self.shared.progress.lock().expect("poisoned").pending += 1;
+    /// Queues one update; returns its sequence number (0, 1, …) at once.
+    pub fn submit(&self, request: UpdateRequest) -> Result<u64> {
+        check(self.store.layout(), &request)?;
         let sender = self.sender.lock().expect("poisoned");
+        let mut progress = self.shared.progress.lock().expect("poisoned");
         let sent = sender.as_ref().map(|s| s.send(request));
         if !matches!(sent, Some(Ok(()))) {
-            self.shared.progress.lock().expect("poisoned").pending -= 1;
             return Err(Error::InvalidArgument(
                 "the update worker has stopped".into(),
             ));
         }
-        Ok(())
+        progress.submitted += 1;
+        Ok(progress.submitted - 1)
     }
 
-    /// Blocks until every submitted update has finished; reports the first failure.
-    pub fn drain(&self, timeout: Duration) -> Result<()> {
+    /// Blocks until the first `count` submitted requests have finished (a slot read by request
+    /// `n` is free once `wait_completed(n + 1)` returns); reports the first failure.
+    pub fn wait_completed(&self, count: u64, timeout: Duration) -> Result<()> {
         let progress = self.shared.progress.lock().expect("poisoned");
         let (progress, wait) = self
             .shared
-            .idle
-            .wait_timeout_while(progress, timeout, |p| p.pending > 0)
+            .advanced
+            .wait_timeout_while(progress, timeout, |p| {
+                p.completed < count && p.first_error.is_none()
+            })
             .expect("poisoned");
         if let Some(message) = &progress.first_error {
             return Err(Error::UpdateFailed {
@@ -104,20 +118,48 @@ impl UpdateWorker {
         }
         if wait.timed_out() {
             return Err(Error::UpdateTimeout {
-                pending: progress.pending,
+                pending: (count - progress.completed) as usize,
                 timeout_ms: timeout.as_millis() as u64,
             });
         }
         Ok(())
     }
 
-    /// (updates completed, seconds spent updating) since creation.
+    /// Blocks until every submitted update has finished; reports the first failure.
+    pub fn drain(&self, timeout: Duration) -> Result<()> {
+        let submitted = self.shared.progress.lock().expect("poisoned").submitted;
+        self.wait_completed(submitted, timeout)
+    }
+
+    /// (requests completed, seconds spent updating) since creation.
     pub fn stats(&self) -> (u64, f64) {
         (
-            self.shared.completed.load(Ordering::Relaxed),
+            self.shared.progress.lock().expect("poisoned").completed,
             self.shared.busy_ns.load(Ordering::Relaxed) as f64 * 1e-9,
         )
     }
+}
+
+fn check(layout: &crate::store::StoreLayout, request: &UpdateRequest) -> Result<()> {
+    let group = layout.group(request.group)?;
+    let fits = request
+        .start
+        .checked_add(request.len)
+        .is_some_and(|end| end <= group.state_len);
+    if !fits || request.len > layout.slot_len || request.grad_slot >= layout.grad_slots {
+        return Err(Error::InvalidArgument(format!(
+            "update chunk [{}, +{}) of group '{}' from gradient slot {} does not fit (group {} \
+             elements, slots of {} elements, {} slots)",
+            request.start,
+            request.len,
+            group.name,
+            request.grad_slot,
+            group.state_len,
+            layout.slot_len,
+            layout.grad_slots
+        )));
+    }
+    Ok(())
 }
 
 impl Drop for UpdateWorker {
@@ -147,12 +189,14 @@ fn run(
             Ok(())
         } else {
             let start = Instant::now();
-            let outcome = update_group(store, kernels, &request)
-                .and_then(|()| store.publish(request.group, request.version));
+            let outcome = update_chunk(store, kernels, &request).and_then(|()| {
+                request
+                    .publish
+                    .map_or(Ok(()), |v| store.publish(request.group, v))
+            });
             shared
                 .busy_ns
                 .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            shared.completed.fetch_add(1, Ordering::Relaxed);
             outcome
         };
         let mut progress = shared.progress.lock().expect("poisoned");
@@ -163,57 +207,63 @@ fn run(
                 request.group, request.hp.step
             ));
         }
-        progress.pending -= 1;
-        if progress.pending == 0 {
-            shared.idle.notify_all();
-        }
+        progress.completed += 1;
+        shared.advanced.notify_all();
     }
 }
 
-/// AdamW over one group, one kernel call per run of parameters sharing a decay class (weight
-/// decay only on tensors of two or more dimensions, as HF Trainer does). A run spans the padding
-/// between its parameters: padding is zero in every region and AdamW keeps it zero.
-fn update_group(store: &HostStore, kernels: &Kernels, request: &UpdateRequest) -> Result<()> {
+/// AdamW over one chunk, one kernel call per parameter piece in it (weight decay only on tensors
+/// of two or more dimensions, as HF Trainer does). Padding between parameters is never touched:
+/// a gradient slot is reused by every group, so its padding holds stale values.
+fn update_chunk(store: &HostStore, kernels: &Kernels, request: &UpdateRequest) -> Result<()> {
     let layout = store.layout();
     let group = layout.group(request.group)?;
-    let params = &layout.params[group.params.clone()];
     let grad_dtype = layout.grad_dtype.unwrap_or(Dtype::F32);
-    let mut start = 0;
-    while start < params.len() {
-        let decays = params[start].shape.len() >= 2;
-        let mut end = start + 1;
-        while end < params.len() && (params[end].shape.len() >= 2) == decays {
-            end += 1;
+    let (chunk_lo, chunk_hi) = (request.start, request.start + request.len);
+    let grad_slot = store
+        .region(Region::Grad)
+        .0
+        .wrapping_add(request.grad_slot * layout.grad_slot_bytes());
+    for param in &layout.params[group.params.clone()] {
+        let param_lo = param.state_offset - group.state_offset;
+        let (lo, hi) = (
+            param_lo.max(chunk_lo),
+            (param_lo + param.numel).min(chunk_hi),
+        );
+        if lo >= hi {
+            continue;
         }
-        let offset = params[start].state_offset;
-        let len = params[end - 1].state_offset + params[end - 1].numel - offset;
         let hp = AdamWStep {
-            weight_decay: if decays { request.hp.weight_decay } else { 0.0 },
+            weight_decay: if param.shape.len() >= 2 {
+                request.hp.weight_decay
+            } else {
+                0.0
+            },
             ..request.hp
         };
-        // SAFETY: [offset, offset + len) lies inside every state region and the grad region
-        // (layout construction); the caller's protocol (module docs) makes this worker the only
-        // writer of the group and keeps the gradient unchanged while the update runs; the Arc'd
-        // store keeps the mapping alive.
+        let (offset, len, grad_at) = (group.state_offset + lo, hi - lo, lo - chunk_lo);
+        // SAFETY: [offset, offset + len) lies inside the parameter, hence inside every state
+        // region; [grad_at, grad_at + len) lies inside gradient slot `grad_slot` (`check`: the
+        // chunk is at most a slot long); the caller's protocol (module docs) makes this worker
+        // the only writer of the group and keeps the slot unchanged while the update runs; the
+        // Arc'd store keeps the mapping alive.
         unsafe {
             let state = |region| store.region(region).0.cast::<f32>().add(offset);
             let master = std::slice::from_raw_parts_mut(state(Region::Master), len);
             let exp_avg = std::slice::from_raw_parts_mut(state(Region::ExpAvg), len);
             let exp_avg_sq = std::slice::from_raw_parts_mut(state(Region::ExpAvgSq), len);
-            let grad_base = store.region(Region::Grad).0;
             let grad = match grad_dtype {
                 Dtype::F32 => GradSlice::F32(std::slice::from_raw_parts(
-                    grad_base.cast::<f32>().add(offset),
+                    grad_slot.cast::<f32>().add(grad_at),
                     len,
                 )),
                 Dtype::Bf16 => GradSlice::Bf16(std::slice::from_raw_parts(
-                    grad_base.cast::<u16>().add(offset),
+                    grad_slot.cast::<u16>().add(grad_at),
                     len,
                 )),
             };
             kernels.adamw(&hp, master, exp_avg, exp_avg_sq, grad, None)?;
         }
-        start = end;
     }
     Ok(())
 }

@@ -23,12 +23,17 @@ impl PyUpdateWorker {
         Ok(Self { inner })
     }
 
+    /// Queues AdamW on one chunk of a group from a gradient slot; returns its sequence number.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (group, *, step, lr, beta1, beta2, eps, weight_decay, grad_scale, version))]
+    #[pyo3(signature = (group, start, length, grad_slot, *, step, lr, beta1, beta2, eps,
+                        weight_decay, grad_scale, publish=None))]
     fn submit(
         &self,
         py: Python<'_>,
         group: usize,
+        start: usize,
+        length: usize,
+        grad_slot: usize,
         step: u64,
         lr: f64,
         beta1: f64,
@@ -36,8 +41,8 @@ impl PyUpdateWorker {
         eps: f64,
         weight_decay: f64,
         grad_scale: f64,
-        version: u32,
-    ) -> PyResult<()> {
+        publish: Option<u32>,
+    ) -> PyResult<u64> {
         let hp = AdamWStep {
             lr,
             beta1,
@@ -47,9 +52,21 @@ impl PyUpdateWorker {
             step,
             grad_scale,
         };
-        gate(py, || {
-            self.inner.submit(UpdateRequest { group, hp, version })
-        })
+        let request = UpdateRequest {
+            group,
+            start,
+            len: length,
+            grad_slot,
+            hp,
+            publish,
+        };
+        gate(py, || self.inner.submit(request))
+    }
+
+    /// Blocks (GIL released) until the first `count` submitted requests are done.
+    fn wait_completed(&self, py: Python<'_>, count: u64, timeout_s: f64) -> PyResult<()> {
+        let timeout = timeout_from_secs(py, timeout_s)?;
+        gate(py, || self.inner.wait_completed(count, timeout))
     }
 
     /// Blocks (GIL released) until every submitted update is done.
@@ -58,7 +75,7 @@ impl PyUpdateWorker {
         gate(py, || self.inner.drain(timeout))
     }
 
-    /// (updates completed, seconds spent updating).
+    /// (requests completed, seconds spent updating).
     fn stats(&self) -> (u64, f64) {
         self.inner.stats()
     }

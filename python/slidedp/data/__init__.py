@@ -1,1 +1,10 @@
-"""Training data: JSONL sequences, padding, labels."""
+"""Training data: local JSONL / JSON / Parquet → tokenized, checked, padded or packed batches.
+
+Entry point: ``slidedp.data.build.build_batches(section, model_dir=..., model=ModelFacts(...),
+batch_size=..., seed=...)`` → ``Batches`` with ``batch(step)`` (a pure function of the step) and
+``report``. Modules: ``sources`` (files, formats), ``encode`` (tokenization, loss masks),
+``samples`` (compact storage, over-length policy), ``layout`` (padding, packing), ``batches``
+(per-step batches, report), ``batch`` (``Batch``, the engine contract), ``config``
+(``DataSection``, imported by ``slidedp.config``: this package's ``__init__`` stays empty so that
+import stays light).
+"""

@@ -1,12 +1,18 @@
-"""Export the FP32 master weights as an HF model directory (config.json + model.safetensors).
+"""Write store state as safetensors, HF-style: the tensor files of checkpoints (whose weight
+part is an HF model directory, ``io.checkpoint``).
 
-The safetensors file is written tensor by tensor straight from the store's views (no copy of
-the model in memory). Tied embeddings are saved the HF way: only ``model.embed_tokens.weight``,
-``tie_word_embeddings`` in the config. Tokenizer files of the source directory are copied along.
+Tensors stream from the store's views straight to the file (``file.write`` of a memoryview:
+no copy of a tensor, let alone of the model, is made in memory). Files larger than
+``max_shard_bytes`` are split HF-style (``model-00001-of-00003.safetensors`` plus
+``model.safetensors.index.json``), which ``from_pretrained`` and ``safe_open`` read. Tied
+embeddings are saved the HF way: only ``model.embed_tokens.weight``, ``tie_word_embeddings`` in
+the config. Tokenizer files of the source directory are copied along.
 
 Example::
 
-    export_hf(adapter, store, Path("run/final"))  # then from_pretrained("run/final")
+    write_region(adapter, store, "master", Path("ckpt"), "model")  # model.safetensors (+ index)
+    write_region(adapter, store, "exp_avg", Path("ckpt/optimizer"), "exp_avg")  # Adam m
+    copy_tokenizer(adapter.path, Path("ckpt"))
 """
 
 from __future__ import annotations
@@ -20,50 +26,97 @@ from pathlib import Path
 import torch
 
 from slidedp.models.hf import HFAdapter
-from slidedp.store import HostStore
+from slidedp.store import HostStore, StateRegion
 
+DEFAULT_MAX_SHARD_BYTES = 4 << 30
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16"}
-_TOKENIZER_FILES = (
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "tokenizer.model",
     "vocab.json",
     "merges.txt",
+    "chat_template.jinja",
     "generation_config.json",
 )
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def write_safetensors(path: Path, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Stream (name, contiguous CPU tensor) pairs into one safetensors file."""
-    items = list(tensors)
+    """Stream (name, contiguous CPU tensor) pairs into one safetensors file, without copies."""
+    items = list(tensors)  # views only: the header needs every shape before the data
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset_bytes = 0
     for name, t in items:
-        nbytes = t.numel() * t.element_size()
         header[name] = {
             "dtype": _ST_DTYPES[t.dtype],
             "shape": list(t.shape),
-            "data_offsets": [offset_bytes, offset_bytes + nbytes],
+            "data_offsets": [offset_bytes, offset_bytes + _nbytes(t)],
         }
-        offset_bytes += nbytes
+        offset_bytes += _nbytes(t)
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format recommends an 8-byte aligned data start
     with path.open("wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for _, t in items:
-            f.write(t.contiguous().view(torch.uint8).numpy().tobytes())
+            assert t.is_contiguous(), "store views are contiguous"
+            f.write(t.reshape(-1).view(torch.uint8).numpy().data)
 
 
-def export_hf(adapter: HFAdapter, store: HostStore, out_dir: Path) -> Path:
-    """Write ``out_dir/config.json`` and ``out_dir/model.safetensors`` (f32 master weights)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    adapter.config.save_pretrained(out_dir)
+def write_sharded(
+    out_dir: Path,
+    prefix: str,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[Path]:
+    """``prefix.safetensors``, or shards of at most ``max_shard_bytes`` (a larger tensor gets
+    a shard of its own) plus ``prefix.safetensors.index.json``; returns the files written."""
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    shard_bytes = 0
+    for name, t in tensors:
+        if shards[-1] and shard_bytes + _nbytes(t) > max_shard_bytes:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append((name, t))
+        shard_bytes += _nbytes(t)
+    if len(shards) == 1:
+        write_safetensors(out_dir / f"{prefix}.safetensors", shards[0])
+        return [out_dir / f"{prefix}.safetensors"]
+    files, weight_map, total_bytes = [], {}, 0
+    for i, shard in enumerate(shards, start=1):
+        file = out_dir / f"{prefix}-{i:05d}-of-{len(shards):05d}.safetensors"
+        write_safetensors(file, shard)
+        files.append(file)
+        weight_map.update({name: file.name for name, _ in shard})
+        total_bytes += sum(_nbytes(t) for _, t in shard)
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+    index_file = out_dir / f"{prefix}.safetensors.index.json"
+    index_file.write_text(json.dumps(index, indent=2) + "\n")
+    return [*files, index_file]
+
+
+def write_region(
+    adapter: HFAdapter,
+    store: HostStore,
+    region: StateRegion,
+    out_dir: Path,
+    prefix: str,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[Path]:
+    """One f32 state region (``master``, ``exp_avg``, ``exp_avg_sq``) under the HF names."""
     names = [full for _, full in adapter.iter_params()]
-    write_safetensors(out_dir / "model.safetensors", ((n, store.param(n)) for n in names))
-    if adapter.path is not None:
-        for file in _TOKENIZER_FILES:
-            if (adapter.path / file).is_file():
-                shutil.copy(adapter.path / file, out_dir / file)
-    return out_dir
+    return write_sharded(
+        out_dir, prefix, ((n, store.param(n, region)) for n in names), max_shard_bytes
+    )
+
+
+def copy_tokenizer(source: Path | None, out_dir: Path) -> None:
+    if source is not None:
+        for file in TOKENIZER_FILES:
+            if (source / file).is_file():
+                shutil.copy(source / file, out_dir / file)

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from slidedp.errors import ModelLoadError
@@ -25,35 +25,92 @@ def weight_files(path: Path) -> list[Path]:
     """The model's safetensors files (sharded through an index or single); [] if none."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [path / f for f in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = [path / f for f in sorted(set(weight_map.values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ModelLoadError(
+                f"{index} is not a safetensors index ({type(e).__name__}: {e}); "
+                "re-download or re-export the model"
+            ) from None
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(
+                f"{index} lists weight files that are not in {path}: {', '.join(missing[:3])}; "
+                "re-download the model (all shards)"
+            )
+        return files
     return sorted(path.glob("*.safetensors"))
 
 
-def load_weights(adapter: HFAdapter, store: HostStore, files: list[Path]) -> None:
-    """Copy every stored parameter from ``files`` into the master region (cast to f32)."""
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names
+
+
+def _expected_shape(
+    adapter: HFAdapter, shapes: dict[str, tuple[int, ...]], file: Path, name: str
+) -> tuple[int, ...] | None:
+    """The shape a checkpoint tensor must have, None for one to skip; else ModelLoadError."""
+    if name in shapes:
+        return shapes[name]
+    if name == LM_HEAD and adapter.tied:
+        return None  # the tied head is the embedding; one parameter
+    if name.endswith("rotary_emb.inv_freq"):
+        return None  # a buffer some old checkpoints carry
+    raise ModelLoadError(
+        f"{file.name}: tensor '{name}' is not a parameter of this {adapter.config.model_type} "
+        "config; the weights belong to another model (check model.path)"
+    )
+
+
+def check_weight_files(adapter: HFAdapter, files: list[Path]) -> None:
+    """Every tensor of ``files`` against the model (name, shape, float dtype, none missing), from
+    the safetensors headers only: no tensor data is read. ``safe_open`` also checks the header's
+    offsets against the file size, so a truncated or garbled file is a ``ModelLoadError``."""
     shapes = adapter.shapes()
     seen: set[str] = set()
     for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                header = {n: f.get_slice(n) for n in f.keys()}  # noqa: SIM118 (not a mapping)
+                tensors = {n: (tuple(s.get_shape()), s.get_dtype()) for n, s in header.items()}
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(
+                f"corrupt safetensors file {file} ({e}); re-download or re-export it"
+            ) from None
+        for name, (shape, dtype) in tensors.items():
+            expected = _expected_shape(adapter, shapes, file, name)
+            if expected is None:
+                continue
+            if shape != expected:
+                raise ModelLoadError(
+                    f"{file.name}: '{name}' has shape {shape}, the model's config.json expects "
+                    f"{expected}; the weights and config.json do not match"
+                )
+            if dtype not in _FLOAT_DTYPES:
+                raise ModelLoadError(
+                    f"{file.name}: '{name}' is {dtype}; quantized checkpoints are not supported "
+                    "(use the unquantized model)"
+                )
+            seen.add(name)
+    missing = [n for n in shapes if n not in seen]
+    if files and missing:
+        raise ModelLoadError(
+            f"weights missing from the checkpoint: {', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''} ({len(missing)} tensors); "
+            "re-download the model or remove its safetensors files to start from a seeded init"
+        )
+
+
+def load_weights(adapter: HFAdapter, store: HostStore, files: list[Path]) -> None:
+    """Copy every stored parameter from ``files`` into the master region (cast to f32), after
+    ``check_weight_files`` accepted them (so a bad file fails before any copy)."""
+    check_weight_files(adapter, files)
+    shapes = adapter.shapes()
+    for file in files:
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if name not in shapes:
-                    if name == LM_HEAD and adapter.tied:
-                        continue  # the tied head is the embedding; one parameter
-                    if name.endswith("rotary_emb.inv_freq"):
-                        continue  # a buffer some old checkpoints carry
-                    raise ModelLoadError(f"{file.name}: tensor '{name}' is not a model parameter")
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != shapes[name]:
-                    raise ModelLoadError(
-                        f"{file.name}: '{name}' has shape {tuple(tensor.shape)}, "
-                        f"the config expects {shapes[name]}"
-                    )
-                store.param(name).copy_(tensor)
-                seen.add(name)
-    missing = [n for n in shapes if n not in seen]
-    if missing:
-        raise ModelLoadError(f"weights missing from the checkpoint: {', '.join(missing[:5])}")
+                if _expected_shape(adapter, shapes, file, name) is not None:
+                    store.param(name).copy_(f.get_tensor(name))
 
 
 def _init_module(adapter: HFAdapter, module: nn.Module) -> None:

@@ -139,8 +139,8 @@ class HFAdapter:
     def layer_masks(
         self,
         inputs_embeds: torch.Tensor,  # [B, S, H]
-        attention_mask: torch.Tensor,  # [B, S] 1 = token, 0 = padding
-        position_ids: torch.Tensor,  # [1, S]
+        attention_mask: torch.Tensor | None,  # [B, S] 1 = token, 0 = padding; None: packed
+        position_ids: torch.Tensor,  # [1, S], or [B, S] restarting per packed sample
     ) -> list[Any]:
         """The attention mask of each decoder layer, built by transformers' own mask functions
         with the same rule as the model's forward (per ``layer_types``, else Mistral-style

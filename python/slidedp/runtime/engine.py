@@ -6,42 +6,60 @@ global barrier). Order:
 
 1. embed → ``x0``; for each layer ``l``: fetch (version gate, cast, H2D), prefetch ``l + 1``,
    save ``l``'s input (device, or host with ``offload_ratio`` 1), forward without grad;
-2. final norm + chunked linear/CE (``models.loss``), gradient of the head to the host store;
+2. final norm + chunked linear/CE (``models.loss``), the head's gradient;
 3. for ``l`` from last to first: reload params (and the offloaded input), recompute the layer
-   with grad, backward, gradient D2H into ``store.group_state(g, "grad")``;
+   with grad, backward, hand the layer's gradient to the gradient lane (``grad_lane``);
 4. embedding backward (plus the tied head's gradient when embeddings are tied).
 
-Clipping (``max_grad_norm > 0``), exact global-norm: every group's gradient goes to the host
-``grad`` region during the backward and each parameter's L2 norm is kept on the device; after
-the backward ``total = ‖norms‖₂`` and ``clip_coef = min(1, max_norm / (total + 1e-6))`` —
-``torch.nn.utils.clip_grad_norm_``'s formula — then every group is submitted in forward order
-(embed, layers.0, …, head) with ``grad_scale = clip_coef``, so the next step's forward of layer
-``l`` waits only for ``l``'s update. Cost: the update lane cannot start before the backward
-ends (no update/backward overlap), and the host holds one gradient per parameter. Without
-clipping each group is submitted as soon as its gradient is on the host (the paper's overlap).
-A non-finite loss, or a non-finite norm, raises ``NonFiniteError`` before the update of the
-offending group is submitted; with clipping, before any update of the step.
+Without clipping (``max_grad_norm == 0``) each group's gradient goes to the host as soon as it
+exists and its AdamW runs while the GPU computes earlier layers (the paper's overlap).
+
+Exact global-norm clipping (``max_grad_norm > 0``): the norm is known only after the whole
+backward, so the step's gradients are *parked on the device* (the compute dtype: 2 B/param in
+BF16) with each parameter's L2 norm; then ``total = ‖norms‖₂`` and ``clip_coef = min(1,
+max_norm / (total + 1e-6))`` — ``torch.nn.utils.clip_grad_norm_``'s formula — and every group's
+update uses ``grad_scale = clip_coef``: the result is ``clip_grad_norm_`` + AdamW. The parked
+gradients leave lazily in forward order: when the next step is about to load group ``g``, the
+groups up to ``g`` plus a ring's worth ahead are sent (D2H into the gradient slots, AdamW), so
+the update lane overlaps the next step's forward instead of the backward. Host memory stays
+one chunk per gradient slot (no per-parameter host gradient); the cost is GPU memory for one
+gradient of the model and no update/backward overlap (measured in BENCHMARKS.md).
+
+A non-finite loss, or (clipping) a non-finite norm, raises ``NonFiniteError`` before any update
+of the step is submitted; ``skip(t)`` then advances the versions without updating. Without
+clipping, a non-finite group gradient raises before that group's update; groups later in
+backward order were already updated (the overlap's price).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from slidedp.data.batch import Batch
-from slidedp.errors import HostIOError, NonFiniteError
+from slidedp.errors import NonFiniteError
 from slidedp.kernels import Kernels
 from slidedp.models.hf import EMBED, LM_HEAD, NORM, HFAdapter, bind_params
 from slidedp.models.loss import IGNORE_INDEX, chunked_lm_loss, shift_labels
-from slidedp.runtime.lanes import LaneClock
-from slidedp.runtime.transfer import GradTicket, Transfers
+from slidedp.runtime.grad_lane import AdamArgs, GradLane, GradTicket
+from slidedp.runtime.lanes import LaneClock, new_stream
+from slidedp.runtime.transfer import ActivationOffload, pin
 from slidedp.runtime.window import DeviceBuffer, Window
 from slidedp.store import HostStore
 from slidedp.update import UpdateWorker
+
+
+def layer_chunk_elems(adapter: HFAdapter) -> int:
+    """Slot size that holds the largest decoder layer whole in both store layouts (BF16 params
+    padded to 32 elements, F32 state to 16): a layer moves as one chunk, the embedding and the
+    LM head as several, so host slots scale with a layer, not with the vocabulary."""
+    specs = adapter.group_specs()
+    layers = [specs[adapter.layer_group(i)] for i in range(adapter.num_layers)]
+    return max(sum(-(-math.prod(p.shape) // 32) * 32 for p in g.params) for g in layers)
 
 
 @dataclass(frozen=True)
@@ -83,29 +101,39 @@ class Engine:
         self.clock = LaneClock(device)
         self.kernels = Kernels(threads)
         self.worker = UpdateWorker(store, threads)
+        self.grads = GradLane(
+            store,
+            self.worker,
+            self.clock,
+            new_stream(device) if device.type == "cuda" else None,
+            version_timeout_s,
+            lambda g: adapter.groups[g].name,
+        )
+        # Clipping: this step's gradients, parked until the clip coefficient is known; then the
+        # ones ready to leave (with the coefficient), in forward order.
+        self._parked: list[tuple[GradTicket, AdamArgs]] = []
+        self._ready: list[tuple[GradTicket, AdamArgs]] = []
         layers = [adapter.layer_group(i) for i in range(adapter.num_layers)]
         self.window = Window(
-            store, self.kernels, device, dtype, layers, slots, self.clock, version_timeout_s
+            store,
+            self.kernels,
+            device,
+            dtype,
+            layers,
+            slots,
+            self.clock,
+            version_timeout_s,
+            before_wait=self._send_ready,
         )
         self.embed_buf = self.window.own_buffer(adapter.embed_group)
         self.head_buf = self.window.own_buffer(adapter.head_group)
-        self.transfers = Transfers(store, self.clock, self.window.copy_stream)
+        self.activations = ActivationOffload(device, adapter.num_layers, self.clock)
         self.rotary = adapter.make_rotary(device)
         self._update_busy_s = 0.0
         if device.type == "cuda":
-            self._pin_host_regions()
-
-    def _pin_host_regions(self) -> None:
-        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-        for region in ("staging", "grad"):
-            t = self.store.region(region)
-            if t.numel():
-                err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-                if int(err) != 0:
-                    raise HostIOError(
-                        f"cudaHostRegister of the {region} region failed ({err}): check "
-                        "`ulimit -l` and free host memory"
-                    )
+            for region in ("staging", "grad"):
+                if store.region(region).numel():
+                    pin(store.region(region), f"the store's {region} slots")
 
     def _run_layer(
         self, layer: int, params: dict[str, torch.Tensor], x: torch.Tensor, ctx: dict[str, Any]
@@ -130,49 +158,51 @@ class Engine:
         self.window.acquire(buf)
         return buf
 
-    def _submit(self, ticket: GradTicket, step: int, lr: float, grad_scale: float) -> None:
-        ticket.wait(self.clock)
-        self.worker.submit(
-            ticket.group,
-            step=step + 1,
-            lr=lr,
-            betas=self.optim.betas,
-            eps=self.optim.eps,
-            weight_decay=self.optim.weight_decay,
-            grad_scale=grad_scale,
-            version=step + 1,
-        )
+    def _send_ready(self, group: int) -> None:
+        """Before a load waits for ``group``'s version: send the parked gradients up to it and a
+        ring's worth ahead (their D2H and AdamW then run while this group's loads proceed)."""
+        ahead = group + self.store.layout["grad_slots"]
+        while self._ready and self._ready[0][0].group <= ahead:
+            ticket, adam = self._ready.pop(0)
+            self.grads.send(ticket, adam, check_finite=False)
+        self.grads.flush(through_group=group)
 
-    def _settle(self, ticket: GradTicket | None, step: int, lr: float) -> None:
-        """Overlap mode: check the group's gradient is finite, then submit its update."""
-        if ticket is None or self.optim.max_grad_norm > 0:
+    def _adam(self, t: int, adam_step: int, lr: float, grad_scale: float) -> AdamArgs:
+        o = self.optim
+        return AdamArgs(adam_step, lr, o.betas, o.eps, o.weight_decay, grad_scale, t + 1)
+
+    def _hand_over(self, ticket: GradTicket, t: int, adam_step: int, lr: float) -> None:
+        """A group's gradient is issued: overlap mode sends it now, clipping parks it."""
+        if self.optim.max_grad_norm > 0:
+            self._parked.append((ticket, self._adam(t, adam_step, lr, 1.0)))
             return
-        norm = torch.linalg.vector_norm(torch.stack(ticket.norms))
-        if not torch.isfinite(norm):
-            name = self.adapter.groups[ticket.group].name
-            raise NonFiniteError(
-                f"step {step}: the gradient of '{name}' is not finite ({float(norm)}); its "
-                "update and those of the groups after it in backward order were not applied",
-                step=step,
-                what="grad_norm",
-            )
-        self._submit(ticket, step, lr, 1.0)
+        self.grads.flush(keep_last_group=True)  # the previous group's copy is done by now
+        self.grads.send(ticket, self._adam(t, adam_step, lr, 1.0), check_finite=True)
 
-    def step(self, t: int, batch: Batch, lr: float) -> StepResult:
-        """One optimizer step on ``batch`` with learning rate ``lr``; updates are queued."""
+    def step(self, t: int, batch: Batch, lr: float, adam_step: int | None = None) -> StepResult:
+        """One optimizer step on ``batch`` with learning rate ``lr``; updates are queued.
+        ``adam_step`` is AdamW's 1-based step count (default ``t + 1``; lower after skips)."""
         a, win, v = self.adapter, self.window, t
+        n_adam = t + 1 if adam_step is None else adam_step
         targets_host = shift_labels(batch.labels)  # [B, S]
         n_labels = int((targets_host != IGNORE_INDEX).sum())
         ids = batch.input_ids.to(self.device, non_blocking=True)  # [B, S]
         targets = targets_host.to(self.device, non_blocking=True)
-        attn = batch.attention_mask.to(self.device, non_blocking=True)
+        # Packed rows: per-sample positions and no padding mask, so transformers' mask builders
+        # keep attention inside each sample (see slidedp.data.batch); else a padding mask.
+        attn = None
+        if batch.position_ids is None:
+            attn = batch.attention_mask.to(self.device, non_blocking=True)
         win.load(self.embed_buf, a.embed_group, v)
         win.acquire(self.embed_buf)
         embed_w = win.views(self.embed_buf, a.embed_group)[EMBED]  # [V, H]
         compute = torch.cuda.current_stream() if self.device.type == "cuda" else None
         with self.clock.stream("compute", compute), torch.no_grad():
             x = F.embedding(ids, embed_w, a.padding_idx)  # [B, S, H]
-            position_ids = torch.arange(x.shape[1], device=self.device).unsqueeze(0)  # [1, S]
+            if batch.position_ids is not None:
+                position_ids = batch.position_ids.to(self.device)  # [B, S]
+            else:
+                position_ids = torch.arange(x.shape[1], device=self.device).unsqueeze(0)  # [1, S]
             ctx = {
                 "position_ids": position_ids,
                 "position_embeddings": self.rotary(x, position_ids),
@@ -185,7 +215,7 @@ class Engine:
                 win.fetch(a.layer_group(layer + 1), v)  # prefetch
             else:
                 win.load(self.head_buf, a.head_group, v)
-            saved.append(self.transfers.offload(x) if self.offload else x)
+            saved.append(self.activations.offload(layer, x) if self.offload else x)
             with self.clock.stream("compute", compute), torch.no_grad():
                 x = self._run_layer(layer, win.views(buf, a.layer_group(layer)), x, ctx)
             win.release(buf)
@@ -211,8 +241,8 @@ class Engine:
                 what="loss",
             )
         head_grads = {NORM: g_norm_w} if a.tied else {NORM: g_norm_w, LM_HEAD: g_head_w}
-        pending = self.transfers.grads_to_host(a.head_group, head_grads)
-        tickets = [pending]
+        tickets = [GradLane.ticket(a.head_group, head_grads)]
+        self._hand_over(tickets[-1], t, n_adam, lr)
         for layer in reversed(range(a.num_layers)):  # backward: reload, recompute, grad
             group = a.layer_group(layer)
             buf = self._fetch(group, v)
@@ -221,7 +251,7 @@ class Engine:
             x_saved = saved[layer]
             assert x_saved is not None
             with self.clock.stream("compute", compute):
-                x_in = self.transfers.reload(x_saved, self.device) if self.offload else x_saved
+                x_in = self.activations.reload(x_saved) if self.offload else x_saved
                 x_in = x_in.detach().requires_grad_(True)
                 views = win.views(buf, group)
                 leaves = {n: p.detach().requires_grad_(True) for n, p in views.items()}
@@ -231,9 +261,8 @@ class Engine:
             win.release(buf)
             saved[layer] = None
             g = grads[0]
-            self._settle(pending, t, lr)  # the previous group, once this layer is issued
-            pending = self.transfers.grads_to_host(group, dict(zip(leaves, grads[1:], strict=True)))
-            tickets.append(pending)
+            tickets.append(GradLane.ticket(group, dict(zip(leaves, grads[1:], strict=True))))
+            self._hand_over(tickets[-1], t, n_adam, lr)
         with self.clock.stream("compute", compute):
             w = embed_w.detach().requires_grad_(True)
             with torch.enable_grad():
@@ -242,21 +271,21 @@ class Engine:
             if a.tied:
                 g_embed = g_embed + g_head_w
         win.release(self.embed_buf)
-        self._settle(pending, t, lr)
-        tickets.append(self.transfers.grads_to_host(a.embed_group, {EMBED: g_embed}))
-        self._settle(tickets[-1], t, lr)
-        return self._finish(t, lr, loss, n_labels, tickets)
+        tickets.append(GradLane.ticket(a.embed_group, {EMBED: g_embed}))
+        self._hand_over(tickets[-1], t, n_adam, lr)
+        if self.optim.max_grad_norm == 0:
+            self.grads.flush()  # a non-finite gradient surfaces in its own step
+        return self._finish(t, loss, n_labels, tickets)
 
-    def _finish(
-        self, t: int, lr: float, loss: float, n_labels: int, tickets: list[GradTicket]
-    ) -> StepResult:
-        """Global norm; with clipping, submit every group in forward order scaled by the coef."""
+    def _finish(self, t: int, loss: float, n_labels: int, tickets: list[GradTicket]) -> StepResult:
+        """Global norm; with clipping, the parked gradients get the clip coefficient."""
         all_norms = [n for tk in tickets for n in tk.norms]
         total = torch.linalg.vector_norm(torch.stack(all_norms))  # clip_grad_norm_'s total
         grad_norm = float(total)
         coef = 1.0
         if self.optim.max_grad_norm > 0:
             if not torch.isfinite(total):
+                self._parked.clear()
                 raise NonFiniteError(
                     f"step {t}: the gradient norm is not finite ({grad_norm}); "
                     "no update of this step was applied",
@@ -265,8 +294,10 @@ class Engine:
                 )
             coef_t = torch.clamp(self.optim.max_grad_norm / (total + 1e-6), max=1.0)
             coef = float(coef_t)
-            for ticket in sorted(tickets, key=lambda tk: tk.group):
-                self._submit(ticket, t, lr, coef)
+            assert not self._ready, "the previous step's gradients are all sent by now"
+            self._parked.sort(key=lambda parked: parked[0].group)  # forward order
+            self._ready = [(tk, replace(adam, grad_scale=coef)) for tk, adam in self._parked]
+            self._parked = []
         return StepResult(loss=loss, grad_norm=grad_norm, clip_coef=coef, label_tokens=n_labels)
 
     def lane_times(self) -> dict[str, float]:
@@ -278,5 +309,21 @@ class Engine:
         self.clock.reset()
         return times
 
+    def skip(self, t: int) -> None:
+        """Step ``t`` failed before any update: advance every group to version ``t + 1``."""
+        self._parked.clear()
+        for group in range(self.store.num_groups):
+            self.grads.publish_only(group, t + 1)
+
+    def start_at(self, t: int) -> None:
+        """Resume: the store holds the state after ``t`` steps; the next step is ``t``."""
+        self.drain()
+        for group in range(self.store.num_groups):
+            self.store.publish(group, t)
+
     def drain(self) -> None:
+        """Send every parked gradient and wait for every queued update."""
+        if self._ready:
+            self._send_ready(self.store.num_groups)
+        self.grads.flush()
         self.worker.drain(self.timeout_s)

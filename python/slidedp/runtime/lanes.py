@@ -12,10 +12,12 @@ timing events resolved once at the end of the step (no sync inside the step).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -29,6 +31,11 @@ def new_event(timing: bool = False) -> torch.cuda.Event:
 
 def new_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+
+def on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[Any]:
+    """Issue work on ``stream`` (CUDA), or in place (CPU)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 class LaneClock:

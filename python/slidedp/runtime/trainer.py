@@ -1,8 +1,12 @@
 """The training loop behind ``slidedp train CONFIG.yaml [section.key=value ...]``.
 
-Builds the model adapter, the host store (master weights loaded or initialised), the data and
-the engine; runs ``train.max_steps`` steps, one JSON line per step in ``OUTPUT/metrics.jsonl``
-and one human line on stdout; drains the update lane and exports ``OUTPUT/final/``.
+Builds the model adapter, the host store (master weights loaded or initialised, or the whole
+state of the checkpoint ``train.resume`` names), the data and the engine; runs the steps up to
+``train.max_steps`` (logging: ``runtime.train_log``), checkpoints every ``output.save_steps``,
+at the end and on SIGTERM/SIGINT (``io.checkpoint``), then exports ``OUTPUT/final/`` from the
+last checkpoint. A non-finite loss or gradient norm stops training before any update of that
+step (``train.on_nonfinite: stop``), or skips the step (``skip``: no update, the versions move
+on, ``max_consecutive_skips`` in a row at most). The data position is the step: ``batch(t)``.
 
 Example::
 
@@ -12,7 +16,8 @@ Example::
 
 from __future__ import annotations
 
-import json
+import functools
+import sys
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -20,14 +25,34 @@ from typing import Any, Literal
 import torch
 
 from slidedp.config import TrainConfig
-from slidedp.data.jsonl import JsonlBatches, read_sequences
-from slidedp.errors import ConfigError
-from slidedp.io.export import export_hf
+from slidedp.data.build import ModelFacts, build_batches
+from slidedp.errors import (
+    CheckpointError,
+    ConfigError,
+    NonFiniteError,
+    TrainingInterruptedError,
+)
+from slidedp.io.checkpoint import (
+    Progress,
+    check_resumable,
+    checkpoint_step,
+    complete_checkpoints,
+    export_checkpoint,
+    load_tensors,
+    read_rng,
+    read_state,
+    resolve_resume,
+    restore_rng,
+    save_checkpoint,
+)
 from slidedp.io.hf_load import fill_master
 from slidedp.kernels import default_threads
 from slidedp.models.hf import HFAdapter
-from slidedp.runtime.engine import Engine, OptimConfig
+from slidedp.runtime.engine import Engine, OptimConfig, layer_chunk_elems
+from slidedp.runtime.flops import device_peak_flops, model_flops_per_token
 from slidedp.runtime.schedule import lr_schedule
+from slidedp.runtime.stop_signals import StopSignals
+from slidedp.runtime.train_log import RunFacts, StepLog, tensorboard_writer
 from slidedp.store import HostStore
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -35,7 +60,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def pick_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("runtime.device=cuda but no CUDA device is available")
+        raise ConfigError(
+            "runtime.device=cuda but no CUDA device is available; "
+            "set runtime.device=cpu (or auto), or run on a machine with a GPU"
+        )
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name)
@@ -53,20 +81,27 @@ class Trainer:
         tc, rt = cfg.train, cfg.runtime
         self.device = pick_device(rt.device)
         self.dtype = pick_dtype(tc.dtype, self.device)
+        self.cuda = self.device.type == "cuda"
         torch.manual_seed(tc.seed)
         self.adapter = HFAdapter.from_dir(cfg.model.path)
+        self.out_dir = Path(cfg.output.dir)
+        self.progress = Progress()
+        self.resume_from = self._check_resume()
         grad_dtype: Literal["bf16", "f32"] = "bf16" if self.dtype == torch.bfloat16 else "f32"
         self.store = HostStore.create(
-            self.adapter.group_specs(), staging_slots=2, grad_dtype=grad_dtype
+            self.adapter.group_specs(),
+            staging_slots=rt.staging_slots,
+            grad_dtype=grad_dtype,
+            grad_slots=rt.grad_slots,
+            chunk_elems=rt.chunk_elems or layer_chunk_elems(self.adapter),
         )
-        self.source = fill_master(self.adapter, self.store, tc.seed)
-        sequences = read_sequences(Path(cfg.data.path), cfg.data.seq_len, Path(cfg.model.path))
-        pad_id = self.adapter.config.pad_token_id
-        self.data = JsonlBatches(
-            sequences,
-            tc.global_batch_size,
-            0 if pad_id is None else int(pad_id),
-            self.adapter.vocab_size,
+        self.source = self._fill_state()
+        self.data = build_batches(  # reads and checks all the data before any GPU work
+            cfg.data,
+            model_dir=Path(cfg.model.path),
+            model=ModelFacts.from_config(self.adapter.config, self.adapter.vocab_size),
+            batch_size=tc.global_batch_size,
+            seed=tc.seed,
         )
         self.lr_at = lr_schedule(tc.lr_scheduler, tc.learning_rate, tc.warmup_steps, tc.max_steps)
         self.engine = Engine(
@@ -86,7 +121,39 @@ class Trainer:
             threads=rt.update_threads or self._default_host_threads(),
             version_timeout_s=rt.version_timeout_s,
         )
-        self.out_dir = Path(cfg.output.dir)
+        if self.resume_from is not None:
+            self.engine.start_at(self.progress.step)
+            restore_rng(self._rng)  # last: building the trainer draws random numbers
+
+    def _check_resume(self) -> Path | None:
+        """The checkpoint to continue from (and ``self.progress``), or one clear error."""
+        tc = self.cfg.train
+        path = resolve_resume(tc.resume, self.out_dir)
+        if path is None:
+            return None
+        state = read_state(path)
+        self.progress = check_resumable(
+            path, state, max_steps=tc.max_steps, global_batch_size=tc.global_batch_size
+        )
+        ahead = [
+            p
+            for p in complete_checkpoints(self.out_dir)
+            if checkpoint_step(p) >= self.progress.step and p.resolve() != path.resolve()
+        ]
+        if ahead:
+            raise CheckpointError(
+                f"{self.out_dir} holds {ahead[-1].name}, not older than the resumed {path.name}: "
+                "a checkpoint is never overwritten; move it away or resume from it"
+            )
+        self._rng = read_rng(path)
+        return path
+
+    def _fill_state(self) -> str:
+        """Master weights (and Adam moments when resuming) into the store; says from where."""
+        if self.resume_from is None:
+            return fill_master(self.adapter, self.store, self.cfg.train.seed)
+        load_tensors(self.resume_from, self.adapter, self.store)
+        return f"resumed from {self.resume_from} (step {self.progress.step})"
 
     def _default_host_threads(self) -> int | None:
         """All cores for host kernels on GPU; on CPU, half of them (torch computes on the
@@ -95,55 +162,162 @@ class Trainer:
             return None
         return max(1, default_threads() // 2)
 
+    def _facts(self) -> RunFacts:
+        a, tc, pinned = self.adapter, self.cfg.train, 0
+        if self.device.type == "cuda":  # the engine pins the staging and gradient regions
+            regions = (self.store.region("staging"), self.store.region("grad"))
+            pinned = sum(r.numel() * r.element_size() for r in regions)
+        window = self.engine.window
+        return RunFacts(
+            model=f"{a.config.model_type} ({self.cfg.model.path}, {self.source})",
+            params=sum(self.store.param(n).numel() for _, n in a.iter_params()),
+            layers=a.num_layers,
+            ranks=1,
+            global_batch_size=tc.global_batch_size,
+            seq_len=self.cfg.data.seq_len,
+            start_step=self.progress.step,
+            max_steps=tc.max_steps,
+            resumed_from=None if self.resume_from is None else str(self.resume_from),
+            store_bytes=self.store.total_bytes,
+            pinned_bytes=pinned,
+            device=str(self.device),
+            dtype=str(self.dtype).removeprefix("torch."),
+            window=f"{len(window.slots)} layer slots, {window.param_bytes():,} B",
+            isa=self.engine.kernels.isa,
+            threads=self.engine.kernels.threads,
+            peak_flops=device_peak_flops(self.device),
+        )
+
+    def _step(self, t: int) -> dict[str, Any]:
+        """Step ``t`` (0-based), or its skip under ``on_nonfinite: skip``; its metrics record."""
+        tc, p = self.cfg.train, self.progress
+        batch = self.data.batch(t)
+        lr = self.lr_at(t)
+        record: dict[str, Any] = {"step": t + 1}
+        start = time.perf_counter()
+        try:
+            result = self.engine.step(t, batch, lr, adam_step=p.adam_step + 1)
+        except NonFiniteError as e:
+            if tc.on_nonfinite == "stop":
+                raise
+            self.engine.skip(t)
+            p.skipped_steps += 1
+            p.consecutive_skips += 1
+            if p.consecutive_skips > tc.max_consecutive_skips:
+                raise NonFiniteError(
+                    f"step {t}: {p.consecutive_skips} non-finite steps in a row, more than "
+                    f"train.max_consecutive_skips={tc.max_consecutive_skips}; stopped (last: {e})",
+                    step=t,
+                    what=e.what,
+                ) from None
+            record |= {"skipped": True, "nonfinite": e.what}
+        else:
+            p.adam_step += 1
+            p.consecutive_skips = 0
+            record |= {
+                "loss": result.loss,
+                "grad_norm": result.grad_norm,
+                "clip_coef": result.clip_coef,
+                "label_tokens": result.label_tokens,
+            }
+        step_time_s = time.perf_counter() - start
+        p.step = t + 1
+        return (
+            record
+            | {
+                "lr": lr,
+                "tokens": batch.tokens,
+                "seq_len": int(batch.input_ids.shape[1]),
+                "step_time_s": round(step_time_s, 6),
+                "tokens_per_s": round(batch.tokens / step_time_s, 1),
+                **self.engine.lane_times(),
+            }
+            | ({"gpu_max_allocated_bytes": torch.cuda.max_memory_allocated()} if self.cuda else {})
+        )
+
+    def save(self) -> Path:
+        """Checkpoint the state after ``progress.step`` steps (the update lane drained first)."""
+        self.engine.drain()
+        tc, data = self.cfg.train, self.cfg.data
+        meta = {
+            "world_size": 1,  # the state does not depend on it: a resume may use other ranks
+            "model": {"model_type": self.adapter.config.model_type, "path": self.cfg.model.path},
+            "train": {
+                "global_batch_size": tc.global_batch_size,
+                "max_steps": tc.max_steps,
+                "seed": tc.seed,
+                "max_grad_norm": tc.max_grad_norm,
+            },
+            "lr_schedule": {
+                "name": tc.lr_scheduler,
+                "learning_rate": tc.learning_rate,
+                "warmup_steps": tc.warmup_steps,
+                "max_steps": tc.max_steps,
+                "last_lr": self.lr_at(self.progress.step - 1) if self.progress.step else None,
+            },
+            "data": {"path": data.path, "seq_len": data.seq_len, "next_step": self.progress.step},
+        }
+        return save_checkpoint(
+            self.out_dir,
+            self.adapter,
+            self.store,
+            self.progress,
+            meta,
+            total_limit=self.cfg.output.save_total_limit,
+        )
+
+    def run(self) -> list[dict[str, Any]]:
+        """The remaining steps; returns their metrics records (also in ``metrics.jsonl``)."""
+        tc, out = self.cfg.train, self.cfg.output
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        facts = self._facts()
+        log = StepLog(
+            self.out_dir,
+            flops_per_token=functools.cache(
+                functools.partial(model_flops_per_token, self.adapter.config)
+            ),
+            total_steps=tc.max_steps,
+            start_step=self.progress.step,
+            log_steps=out.log_steps,
+            peak_flops=facts.peak_flops,
+            cuda=self.cuda,
+            writer=tensorboard_writer(self.out_dir) if out.tensorboard else None,
+            stream=sys.stdout if self.log else None,
+        )
+        records: list[dict[str, Any]] = []
+        try:
+            for line in facts.lines():
+                log.say(line)
+            log.say(f"data: {self.data.report}")
+            with StopSignals() as stop:
+                for t in range(self.progress.step, tc.max_steps):
+                    records.append(log.step(self._step(t)))
+                    saved = None
+                    if out.save_steps and (t + 1) % out.save_steps == 0 and t + 1 < tc.max_steps:
+                        saved = self.save()
+                        log.say(f"saved {saved}")
+                    if stop.received is not None and t + 1 < tc.max_steps:
+                        saved = saved or self.save()
+                        raise TrainingInterruptedError(
+                            f"stopped by {stop.received.name} after step {t + 1}: saved {saved}; "
+                            "continue with train.resume=auto",
+                            signal_name=stop.received.name,
+                            step=t + 1,
+                            checkpoint=str(saved),
+                        )
+        finally:
+            log.close()
+        last = self.out_dir / f"checkpoint-{self.progress.step}"
+        if not last.exists():  # else: resumed from it, nothing left to run
+            last = self.save()
+            self._say(f"saved {last}")
+        if out.export:
+            self._say(f"exported {export_checkpoint(last, self.out_dir / 'final', replace=True)}")
+        return records
+
     def _say(self, line: str) -> None:
         if self.log:
             print(line, flush=True)
-
-    def run(self) -> list[dict[str, Any]]:
-        """All steps; returns the metrics records (also in ``OUTPUT/metrics.jsonl``)."""
-        tc = self.cfg.train
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        a = self.adapter
-        self._say(
-            f"slidedp train: {a.config.model_type}, {a.num_layers} layers, tied={a.tied}, "
-            f"{self.source}; device {self.device}, {self.dtype}, "
-            f"{len(self.engine.window.slots)} slots ({self.engine.window.param_bytes()} B)"
-        )
-        records: list[dict[str, Any]] = []
-        with (self.out_dir / "metrics.jsonl").open("w") as metrics:
-            for t in range(tc.max_steps):
-                batch = self.data.batch(t)
-                lr = self.lr_at(t)
-                start = time.perf_counter()
-                result = self.engine.step(t, batch, lr)
-                step_time_s = time.perf_counter() - start
-                record: dict[str, Any] = {
-                    "step": t + 1,
-                    "loss": result.loss,
-                    "grad_norm": result.grad_norm,
-                    "clip_coef": result.clip_coef,
-                    "lr": lr,
-                    "tokens": batch.tokens,
-                    "label_tokens": result.label_tokens,
-                    "step_time_s": round(step_time_s, 6),
-                    "tokens_per_s": round(batch.tokens / step_time_s, 1),
-                    **self.engine.lane_times(),
-                }
-                if self.device.type == "cuda":
-                    record["gpu_max_allocated_bytes"] = torch.cuda.max_memory_allocated()
-                records.append(record)
-                metrics.write(json.dumps(record) + "\n")
-                metrics.flush()
-                self._say(
-                    f"step {t + 1}/{tc.max_steps} | loss {result.loss:.4f} | "
-                    f"grad_norm {result.grad_norm:.4f} | lr {lr:.3e} | "
-                    f"{record['tokens_per_s']:.0f} tok/s | {step_time_s * 1000:.0f} ms"
-                )
-        self.engine.drain()
-        if self.cfg.output.export:
-            final = export_hf(self.adapter, self.store, self.out_dir / "final")
-            self._say(f"exported {final}")
-        return records
 
 
 def train(cfg: TrainConfig, *, log: bool = True) -> list[dict[str, Any]]:

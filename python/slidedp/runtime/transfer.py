@@ -1,91 +1,82 @@
-"""Device ↔ host copies of the step: gradients to the store (D2H) and activation offload.
+"""Activation offload: each layer's saved input to pinned host memory and back (ratio r = 1).
 
-On CUDA both use the window's copy stream, ordered after the compute that produced the data by
-an event; the device tensors are kept alive by ``record_stream`` until the copy is done. On CPU
-they are plain copies. Host memory: the store's ``grad`` region (owned by the store, registered
-as pinned by the engine), and per-step pinned buffers for offloaded layer inputs.
+On CUDA the copies run on their own stream, ordered after the compute that produced the input
+by an event; the device tensor is kept alive by ``record_stream`` until its copy is done. The
+host side is ONE arena of exactly ``layers * B * S * H`` elements, allocated pageable and pinned
+with ``cudaHostRegister`` (torch's pinned caching allocator would round every buffer up to a
+power of two), reallocated only when the batch shape changes. On CPU the "offload" is a copy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from slidedp.runtime.lanes import LaneClock, new_event
-from slidedp.store import HostStore
+from slidedp.errors import HostIOError
+from slidedp.runtime.lanes import LaneClock, new_event, new_stream, on_stream
 
 
-@dataclass
-class GradTicket:
-    """One group's gradient on its way to the host store."""
-
-    group: int
-    norms: list[torch.Tensor]  # per-parameter L2 norms, 0-dim f32 on device
-    done: torch.cuda.Event | None = None  # D2H finished (CUDA)
-    keep: list[torch.Tensor] = field(default_factory=list)
-
-    def wait(self, clock: LaneClock) -> None:
-        if self.done is not None:
-            with clock.host("wait_d2h"):
-                self.done.synchronize()
-        self.keep = []
+def pin(t: torch.Tensor, what: str) -> None:
+    """Page-lock ``t``'s memory for async DMA (cudaHostRegister), or raise HostIOError."""
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    err = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    if int(err) != 0:
+        raise HostIOError(
+            f"cudaHostRegister of {what} ({t.numel() * t.element_size()} B) failed ({err}): "
+            "check `ulimit -l` and free host memory"
+        )
 
 
-class Transfers:
-    def __init__(self, store: HostStore, clock: LaneClock, copy_stream: torch.cuda.Stream | None):
-        self.store, self.clock, self.copy_stream = store, clock, copy_stream
+def unpin(t: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())  # type: ignore[no-untyped-call]
 
-    def _after_compute(self) -> torch.cuda.Stream | None:
-        stream = self.copy_stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream())
-        return stream
 
-    def grads_to_host(self, group: int, grads: dict[str, torch.Tensor]) -> GradTicket:
-        """Issue the D2H of a group's gradients into ``store.param(name, "grad")``."""
-        norms = [torch.linalg.vector_norm(g, 2, dtype=torch.float32) for g in grads.values()]
-        ticket = GradTicket(group, norms)
-        stream = self._after_compute()
-        if stream is None:
-            with self.clock.host("d2h"):
-                for name, g in grads.items():
-                    self.store.param(name, "grad").copy_(g)
-            return ticket
-        with torch.cuda.stream(stream), self.clock.stream("d2h", stream):
-            for name, g in grads.items():
-                self.store.param(name, "grad").copy_(g, non_blocking=True)
-                g.record_stream(stream)
-        ticket.done = new_event()
-        ticket.done.record(stream)
-        ticket.keep = list(grads.values())
-        return ticket
+class ActivationOffload:
+    def __init__(self, device: torch.device, layers: int, clock: LaneClock) -> None:
+        self.device, self.layers, self.clock = device, layers, clock
+        self.stream = new_stream(device) if device.type == "cuda" else None
+        self._arena: torch.Tensor | None = None  # [layers, B, S, H], pinned (CUDA)
 
-    def offload(self, x: torch.Tensor) -> torch.Tensor:
-        """Copy a saved layer input ([B, S, H]) to host memory (ordered before any reload)."""
-        stream = self._after_compute()
-        if stream is None:
+    def _slot(self, layer: int, like: torch.Tensor) -> torch.Tensor:
+        shape = (self.layers, *like.shape)
+        if self._arena is None or self._arena.shape != shape or self._arena.dtype != like.dtype:
+            self.close()
+            self._arena = torch.empty(shape, dtype=like.dtype)
+            pin(self._arena, "the activation offload arena")
+        return self._arena[layer]
+
+    def offload(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Copy layer ``layer``'s saved input ([B, S, H]) to host memory."""
+        if self.stream is None:
             with self.clock.host("offload"):
                 return x.clone()
-        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-        with torch.cuda.stream(stream), self.clock.stream("offload", stream):
+        host = self._slot(layer, x)
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with on_stream(self.stream), self.clock.stream("offload", self.stream):
             host.copy_(x, non_blocking=True)
-            x.record_stream(stream)
+            x.record_stream(self.stream)
         return host
 
-    def reload(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """Bring an offloaded layer input back; the compute stream waits for it."""
-        stream = self.copy_stream
-        if stream is None:
+    def reload(self, host: torch.Tensor) -> torch.Tensor:
+        """Bring an offloaded input back; the compute stream waits for it."""
+        if self.stream is None:
             with self.clock.host("offload"):
                 return host.clone()
-        with torch.cuda.stream(stream), self.clock.stream("offload", stream):
-            x = torch.empty(host.shape, dtype=host.dtype, device=device)
+        with on_stream(self.stream), self.clock.stream("offload", self.stream):
+            x = torch.empty(host.shape, dtype=host.dtype, device=self.device)
             x.copy_(host, non_blocking=True)
         done = new_event()
-        done.record(stream)
+        done.record(self.stream)
         compute = torch.cuda.current_stream()
         with self.clock.stream("wait_offload", compute):
             compute.wait_event(done)
         x.record_stream(compute)
         return x
+
+    def pinned_bytes(self) -> int:
+        return 0 if self._arena is None else self._arena.numel() * self._arena.element_size()
+
+    def close(self) -> None:
+        if self._arena is not None:
+            torch.cuda.synchronize(self.device)  # no copy may still target it
+            unpin(self._arena)
+            self._arena = None

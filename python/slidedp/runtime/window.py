@@ -1,11 +1,12 @@
 """The device window: a few reusable layer slots fed from the host store, plus embed/head.
 
-Each slot is one flat device buffer in the compute dtype laid out like the store's staging slot
-(params at their ``slot_offset``), so loading group ``g`` is: wait for ``g``'s version → cast its
-f32 master into a BF16 host staging slot (Rust, per parameter; for f32 compute, no staging) →
-one copy of the slot into the device buffer on the copy stream. A layer's module is bound to
-views of the slot just before it runs (``HFAdapter`` modules are structure only), so device
-memory for parameters is ``slots`` times the largest layer plus embed and head, whatever the depth.
+Each slot is one flat device buffer in the compute dtype in the group's slot layout (params at
+their ``slot_offset``), so loading group ``g`` is: wait for ``g``'s version → per chunk (one
+store staging slot: a whole decoder layer by default, a part of the embedding), cast the chunk
+of f32 master into a BF16 host staging slot (Rust) → copy it into the device buffer on the copy
+stream; for f32 compute, no staging. A layer's module is bound to views of the slot just before
+it runs (``HFAdapter`` modules are structure only), so device memory for parameters is
+``slots`` times the largest layer plus embed and head, whatever the depth.
 
 Buffer owners: the store owns host master/staging/grad; the window owns the device buffers;
 a staging slot is reused only after the copy that read it completed (its event), and a device
@@ -14,20 +15,15 @@ slot only after the compute that read it completed (its release event).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from slidedp.kernels import Kernels
-from slidedp.runtime.lanes import LaneClock, new_event, new_stream
+from slidedp.runtime.chunking import chunks, pieces
+from slidedp.runtime.lanes import LaneClock, new_event, new_stream, on_stream
 from slidedp.store import HostStore
-
-
-@dataclass
-class _Pending:
-    group: int
-    ready: torch.cuda.Event | None  # H2D done (CUDA)
 
 
 class DeviceBuffer:
@@ -55,9 +51,12 @@ class Window:
         slots: int,
         clock: LaneClock,
         version_timeout_s: float,
+        before_wait: Callable[[int], None] | None = None,
     ) -> None:
+        """``before_wait(group)`` runs before waiting for a group's version (the gradient lane
+        submits that group's queued update there)."""
         self.store, self.kernels, self.device, self.dtype = store, kernels, device, dtype
-        self.clock, self.timeout_s = clock, version_timeout_s
+        self.clock, self.timeout_s, self.before_wait = clock, version_timeout_s, before_wait
         self.cuda = device.type == "cuda"
         self.copy_stream = new_stream(device) if self.cuda else None
         groups = store.layout["groups"]
@@ -87,49 +86,57 @@ class Window:
             for p in self._params[group]
         }
 
-    def _stage(self, group: int) -> torch.Tensor | None:
-        """Cast ``group``'s master into the next BF16 staging slot; None for f32 compute."""
-        if self.dtype != torch.bfloat16:
-            return None
+    def _staging_slot(self) -> tuple[int, torch.Tensor]:
+        """The next staging slot of the ring, once the H2D that last read it is done."""
         k = self._next_staging
         self._next_staging = (k + 1) % len(self._staging_events)
         event = self._staging_events[k]
         if event is not None:
             with self.clock.host("wait_h2d"):
-                event.synchronize()  # the previous H2D out of this staging slot is done
-        staging = self.store.staging_slot(k)
-        with self.clock.host("prep"):
-            for p in self._params[group]:
-                src = self.store.param(p["name"])
-                dst = staging[p["slot_offset"] : p["slot_offset"] + p["numel"]]
-                self.kernels.cast_f32_to_bf16(src.view(-1), dst)
-        self._staging_k = k
-        return staging[: self._slot_len[group]]
+                event.synchronize()
+        return k, self.store.staging_slot(k)
 
     def load(self, buf: DeviceBuffer, group: int, version: int) -> None:
         """Issue the load of ``group`` at ``version`` into ``buf`` (returns before H2D ends)."""
         if buf.group == group and buf.version == version:
             return
+        if self.before_wait is not None:
+            self.before_wait(group)
         with self.clock.host("wait_update"):
             self.store.wait_version(group, version, self.timeout_s)
-        staged = self._stage(group)
         stream = self.copy_stream
         if stream is not None and buf.released is not None:
             stream.wait_event(buf.released)  # compute finished reading the old contents
-        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
-            with self.clock.stream("h2d", stream):
-                if staged is not None:
-                    buf.flat[: staged.numel()].copy_(staged, non_blocking=True)
-                else:
-                    for p in self._params[group]:
-                        dst = buf.flat[p["slot_offset"] : p["slot_offset"] + p["numel"]]
-                        dst.copy_(self.store.param(p["name"]).view(-1), non_blocking=True)
-            if stream is not None:
-                buf.ready = new_event()
-                buf.ready.record(stream)
-                if staged is not None:
-                    self._staging_events[self._staging_k] = buf.ready
+        if self.dtype == torch.bfloat16:
+            self._stage_and_copy(buf, group, stream)
+        else:  # f32 compute: straight from the master weights, no staging
+            with on_stream(stream), self.clock.stream("h2d", stream):
+                for p in self._params[group]:
+                    dst = buf.flat[p["slot_offset"] : p["slot_offset"] + p["numel"]]
+                    dst.copy_(self.store.param(p["name"]).view(-1), non_blocking=True)
+        if stream is not None:
+            buf.ready = new_event()
+            buf.ready.record(stream)
         buf.group, buf.version = group, version
+
+    def _stage_and_copy(
+        self, buf: DeviceBuffer, group: int, stream: torch.cuda.Stream | None
+    ) -> None:
+        """Per chunk: cast into a staging slot (host), then H2D it (copy stream)."""
+        params = self._params[group]
+        for start, length in chunks(self._slot_len[group], self.store.layout["slot_len"]):
+            k, staging = self._staging_slot()
+            with self.clock.host("prep"):
+                for p, lo, hi in pieces(params, "slot_offset", 0, start, length):
+                    at = p["slot_offset"] + lo - start
+                    src = self.store.param(p["name"]).view(-1)[lo:hi]
+                    self.kernels.cast_f32_to_bf16(src, staging[at : at + hi - lo])
+            with on_stream(stream), self.clock.stream("h2d", stream):
+                buf.flat[start : start + length].copy_(staging[:length], non_blocking=True)
+                if stream is not None:
+                    event = new_event()
+                    event.record(stream)
+                    self._staging_events[k] = event
 
     def acquire(self, buf: DeviceBuffer) -> None:
         """Make the compute stream wait until ``buf``'s H2D is done."""
@@ -164,11 +171,3 @@ class Window:
         """Device bytes held for parameters (slots + dedicated buffers)."""
         bufs = self.slots + list(self._by_group.values())
         return sum(b.flat.numel() * b.flat.element_size() for b in bufs)
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None

@@ -1,11 +1,17 @@
 //! Where every parameter lives in the store.
 //!
 //! The store holds three FP32 state arrays of identical layout (master weights, Adam `exp_avg`,
-//! Adam `exp_avg_sq`) and `staging_slots` BF16 staging slots. Parameters are grouped (one group
-//! per decoder layer, plus groups for embeddings and head); a group's parameters are contiguous
-//! so that one layer is one range of each array, and every parameter starts on a 64-byte
-//! boundary in both the FP32 arrays and the BF16 slots. A staging slot holds any one group with
-//! the same relative offsets, so a slot is copied to the GPU as one contiguous transfer.
+//! Adam `exp_avg_sq`), `staging_slots` BF16 staging slots and `grad_slots` gradient slots.
+//! Parameters are grouped (one group per decoder layer, plus groups for embeddings and head); a
+//! group's parameters are contiguous so that one layer is one range of each array, and every
+//! parameter starts on a 64-byte boundary in both the FP32 arrays and the BF16 slot layout.
+//!
+//! Transfers move *chunks* of at most `slot_len` elements: a staging chunk is a range of a
+//! group's slot layout (params at their `slot_offset`), a gradient chunk is a range of the
+//! group's state layout (params at `state_offset - group.state_offset`). By default a slot holds
+//! the largest group whole, so a layer is one contiguous transfer; a smaller `chunk_elems` splits
+//! big groups (embeddings, LM head) — host memory for slots is then bounded by the chunk, not by
+//! the vocabulary.
 
 use serde::{Deserialize, Serialize};
 
@@ -52,9 +58,16 @@ pub struct GroupSpec {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StoreSpec {
     pub groups: Vec<GroupSpec>,
-    /// Number of BF16 staging slots, each large enough for the largest group.
+    /// Number of BF16 staging slots of `chunk_elems` elements each.
     pub staging_slots: usize,
-    /// Dtype of the host gradient region (same layout as the state arrays); None: no region.
+    /// Elements of a staging slot and of a gradient slot; None: the largest group fits whole.
+    #[serde(default)]
+    pub chunk_elems: Option<usize>,
+    /// Number of gradient slots of `chunk_elems` elements in `grad_dtype` (the update lane's input
+    /// ring); 0: no gradient region.
+    #[serde(default)]
+    pub grad_slots: usize,
+    /// Dtype of the gradient slots (required when `grad_slots > 0`).
     #[serde(default)]
     pub grad_dtype: Option<Dtype>,
 }
@@ -103,9 +116,10 @@ pub struct StoreLayout {
     pub params: Vec<ParamLayout>,
     /// Elements in each FP32 state array.
     pub state_len: usize,
-    /// Elements in one BF16 staging slot (the largest group's `slot_len`).
+    /// Elements in one staging slot and in one gradient slot (the chunk size).
     pub slot_len: usize,
     pub staging_slots: usize,
+    pub grad_slots: usize,
     pub grad_dtype: Option<Dtype>,
     pub regions: RegionOffsets,
 }
@@ -152,14 +166,21 @@ impl StoreLayout {
                 slot_len: slot_cursor,
             });
         }
-        let slot_len = groups.iter().map(|g| g.slot_len).max().unwrap_or(0);
+        let whole_group = groups
+            .iter()
+            .map(|g| g.slot_len.max(g.state_len))
+            .max()
+            .unwrap_or(0);
+        let slot_len = align_up(spec.chunk_elems.unwrap_or(whole_group), BF16_ALIGN_ELEMS);
         let versions = align_up(header_bytes, ALIGN_BYTES);
         let master = align_up(versions + groups.len() * VERSION_STRIDE_BYTES, 4096);
         let state_bytes = state_cursor * 4;
         let exp_avg = master + state_bytes;
         let exp_avg_sq = exp_avg + state_bytes;
         let grad = exp_avg_sq + state_bytes;
-        let grad_bytes = spec.grad_dtype.map_or(0, |d| d.size_bytes() * state_cursor);
+        let grad_bytes = spec
+            .grad_dtype
+            .map_or(0, |d| d.size_bytes() * slot_len * spec.grad_slots);
         let staging = align_up(grad + grad_bytes, ALIGN_BYTES);
         let total_bytes = align_up(staging + spec.staging_slots * slot_len * 2, 4096);
         Ok(Self {
@@ -168,6 +189,7 @@ impl StoreLayout {
             state_len: state_cursor,
             slot_len,
             staging_slots: spec.staging_slots,
+            grad_slots: spec.grad_slots,
             grad_dtype: spec.grad_dtype,
             regions: RegionOffsets {
                 versions,
@@ -197,6 +219,12 @@ impl StoreLayout {
         })
     }
 
+    /// Bytes of one gradient slot (0 without a gradient region).
+    pub fn grad_slot_bytes(&self) -> usize {
+        self.grad_dtype
+            .map_or(0, |d| d.size_bytes() * self.slot_len)
+    }
+
     /// Number of real (unpadded) parameters.
     pub fn numel(&self) -> usize {
         self.params.iter().map(|p| p.numel).sum()
@@ -204,6 +232,14 @@ impl StoreLayout {
 }
 
 fn validate(spec: &StoreSpec) -> Result<()> {
+    if spec.grad_slots > 0 && spec.grad_dtype.is_none() {
+        return Err(Error::InvalidLayout(
+            "grad_slots > 0 needs a grad_dtype".into(),
+        ));
+    }
+    if spec.chunk_elems == Some(0) {
+        return Err(Error::InvalidLayout("chunk_elems must be > 0".into()));
+    }
     if spec.groups.is_empty() {
         return Err(Error::InvalidLayout(
             "the store needs at least one group".into(),
@@ -257,6 +293,8 @@ mod tests {
                 },
             ],
             staging_slots: 2,
+            chunk_elems: None,
+            grad_slots: 3,
             grad_dtype: Some(Dtype::Bf16),
         }
     }
@@ -279,8 +317,27 @@ mod tests {
         assert_eq!(r.exp_avg - r.master, layout.state_len * 4);
         assert_eq!(r.total_bytes % 4096, 0);
         assert_eq!(r.grad - r.exp_avg_sq, layout.state_len * 4);
-        assert!(r.staging >= r.grad + layout.state_len * 2);
+        assert!(
+            r.staging >= r.grad + 3 * 96 * 2,
+            "three bf16 gradient slots"
+        );
         assert!(r.total_bytes >= r.staging + 2 * 96 * 2);
+    }
+
+    #[test]
+    fn chunk_elems_bounds_the_slots_not_the_groups() {
+        let mut s = spec();
+        s.chunk_elems = Some(40);
+        let layout = StoreLayout::resolve(&s, 4096).unwrap();
+        assert_eq!(layout.slot_len, 64, "rounded up to a cache line of bf16");
+        assert_eq!(layout.grad_slot_bytes(), 128);
+        let r = layout.regions;
+        assert_eq!(r.staging - r.grad, 3 * 128);
+        s.grad_dtype = None;
+        assert!(matches!(
+            StoreLayout::resolve(&s, 0),
+            Err(Error::InvalidLayout(_))
+        ));
     }
 
     #[test]
@@ -302,6 +359,8 @@ mod tests {
                 &StoreSpec {
                     groups: vec![],
                     staging_slots: 1,
+                    chunk_elems: None,
+                    grad_slots: 0,
                     grad_dtype: None,
                 },
                 0

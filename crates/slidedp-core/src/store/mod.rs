@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! [header 256 B][StoreSpec JSON][version counters, 64 B each][master f32][exp_avg f32]
-//! [exp_avg_sq f32][grad bf16|f32, optional][staging slot 0 bf16] ... [staging slot S-1 bf16]
+//! [exp_avg_sq f32][grad slot 0 .. G-1, bf16|f32][staging slot 0 .. S-1, bf16]
 //! ```
 //!
 //! The creator writes the header and the spec; an attaching process reads the spec back and
@@ -49,7 +49,7 @@ pub enum Region {
     Master,
     ExpAvg,
     ExpAvgSq,
-    /// Gradients in `grad_dtype`, laid out like the state arrays (empty without `grad_dtype`).
+    /// `grad_slots` gradient chunks in `grad_dtype` (the update lane's input ring).
     Grad,
     Staging,
 }
@@ -201,9 +201,7 @@ impl HostStore {
             Region::ExpAvgSq => (r.exp_avg_sq, state_bytes),
             Region::Grad => (
                 r.grad,
-                self.layout
-                    .grad_dtype
-                    .map_or(0, |d| d.size_bytes() * self.layout.state_len),
+                self.layout.grad_slots * self.layout.grad_slot_bytes(),
             ),
             Region::Staging => (
                 r.staging,

@@ -21,6 +21,8 @@ fn spec(layers: usize, staging_slots: usize) -> StoreSpec {
             })
             .collect(),
         staging_slots,
+        chunk_elems: None,
+        grad_slots: 2,
         grad_dtype: Some(Dtype::F32),
     }
 }

@@ -3,7 +3,12 @@ use crate::kernels::Isa;
 use crate::store::{GroupSpec, ParamSpec, StoreSpec};
 use std::path::Path;
 
-fn store(grad_dtype: Option<Dtype>) -> Arc<HostStore> {
+/// Two groups of four parameters; `chunk_elems` small enough to split each group in chunks.
+fn store(
+    grad_slots: usize,
+    grad_dtype: Option<Dtype>,
+    chunk_elems: Option<usize>,
+) -> Arc<HostStore> {
     let p = |name: &str, shape: &[usize]| ParamSpec {
         name: name.into(),
         shape: shape.to_vec(),
@@ -22,6 +27,8 @@ fn store(grad_dtype: Option<Dtype>) -> Arc<HostStore> {
             })
             .collect(),
         staging_slots: 1,
+        chunk_elems,
+        grad_slots,
         grad_dtype,
     };
     Arc::new(HostStore::create(&spec, Path::new("/dev/shm")).unwrap())
@@ -48,63 +55,101 @@ fn hp(step: u64) -> AdamWStep {
     }
 }
 
+fn grad_value(i: usize, step: u64) -> f32 {
+    ((i * 7 % 11) as f32 - 5.0) * 0.1 + step as f32 * 0.01
+}
+
+fn request(group: usize, start: usize, len: usize, grad_slot: usize, step: u64) -> UpdateRequest {
+    UpdateRequest {
+        group,
+        start,
+        len,
+        grad_slot,
+        hp: hp(step),
+        publish: None,
+    }
+}
+
+/// The chunked, ring-fed worker gives per-parameter AdamW exactly: every chunk boundary, slot
+/// reuse and the NaN written into the slots' padding must be invisible in the result.
 #[test]
-fn updates_match_per_parameter_adamw_with_decay_only_on_matrices() {
-    let store = store(Some(Dtype::F32));
+fn chunked_updates_through_a_slot_ring_match_per_parameter_adamw() {
+    let store = store(2, Some(Dtype::F32), Some(48));
     let layout = store.layout().clone();
+    assert!(
+        layout.groups[0].state_len > 2 * layout.slot_len,
+        "three chunks per group"
+    );
     // SAFETY: no worker exists yet; this test is the only user of the store.
-    let (master, grad) = unsafe { (floats(&store, Region::Master), floats(&store, Region::Grad)) };
+    let master = unsafe { floats(&store, Region::Master) };
     for p in &layout.params {
         for i in 0..p.numel {
             master[p.state_offset + i] = 1.0 + (i as f32) * 0.01;
-            grad[p.state_offset + i] = ((i * 7 % 11) as f32 - 5.0) * 0.1;
         }
     }
-    let mut expected: Vec<Vec<f32>> = Vec::new();
     let kernels = Kernels::new(1, Isa::Scalar).unwrap();
+    let mut expected: Vec<Vec<f32>> = Vec::new();
     for p in &layout.params {
-        let range = p.state_offset..p.state_offset + p.numel;
-        let (mut w, mut m, mut v) = (
-            master[range.clone()].to_vec(),
-            vec![0.0; p.numel],
-            vec![0.0; p.numel],
-        );
+        let mut w = master[p.state_offset..p.state_offset + p.numel].to_vec();
+        let (mut m, mut v) = (vec![0.0; p.numel], vec![0.0; p.numel]);
         for step in 1..=3 {
             let decay = if p.shape.len() >= 2 { 0.1 } else { 0.0 };
             let h = AdamWStep {
                 weight_decay: decay,
                 ..hp(step)
             };
+            let g: Vec<f32> = (0..p.numel).map(|i| grad_value(i, step)).collect();
             kernels
-                .adamw(
-                    &h,
-                    &mut w,
-                    &mut m,
-                    &mut v,
-                    GradSlice::F32(&grad[range.clone()]),
-                    None,
-                )
+                .adamw(&h, &mut w, &mut m, &mut v, GradSlice::F32(&g), None)
                 .unwrap();
         }
         expected.push(w);
     }
 
     let worker = UpdateWorker::new(store.clone(), Kernels::new(2, Isa::Scalar).unwrap()).unwrap();
+    let (slots, slot_len) = (layout.grad_slots, layout.slot_len);
+    let mut slot_reader: Vec<Option<u64>> = vec![None; slots];
+    let mut next_slot = 0;
     for step in 1..=3u64 {
         for group in [1, 0] {
-            worker
-                .submit(UpdateRequest {
-                    group,
-                    hp: hp(step),
-                    version: step as u32,
-                })
-                .unwrap();
+            let g = &layout.groups[group];
+            let mut start = 0;
+            while start < g.state_len {
+                let len = slot_len.min(g.state_len - start);
+                let k = next_slot;
+                next_slot = (next_slot + 1) % slots;
+                if let Some(reader) = slot_reader[k] {
+                    worker
+                        .wait_completed(reader + 1, Duration::from_secs(30))
+                        .unwrap();
+                }
+                // SAFETY: slot k's last reader finished (wait_completed above).
+                let slot = unsafe { &mut floats(&store, Region::Grad)[k * slot_len..][..slot_len] };
+                slot.fill(f32::NAN); // padding must never be read
+                for p in &layout.params[g.params.clone()] {
+                    let p_lo = p.state_offset - g.state_offset;
+                    for i in 0..p.numel {
+                        let at = p_lo + i;
+                        if (start..start + len).contains(&at) {
+                            slot[at - start] = grad_value(i, step);
+                        }
+                    }
+                }
+                let last = start + len == g.state_len;
+                let seq = worker
+                    .submit(UpdateRequest {
+                        publish: last.then_some(step as u32),
+                        ..request(group, start, len, k, step)
+                    })
+                    .unwrap();
+                slot_reader[k] = Some(seq);
+                start += len;
+            }
         }
     }
     worker.drain(Duration::from_secs(30)).unwrap();
     assert_eq!(store.version(0).unwrap(), 3);
     assert_eq!(store.version(1).unwrap(), 3);
-    assert_eq!(worker.stats().0, 6);
     for (p, want) in layout.params.iter().zip(&expected) {
         let got = &master[p.state_offset..p.state_offset + p.numel];
         assert_eq!(got, want.as_slice(), "{}", p.name);
@@ -118,34 +163,52 @@ fn updates_match_per_parameter_adamw_with_decay_only_on_matrices() {
 }
 
 #[test]
-fn bad_requests_and_missing_gradients_are_errors() {
-    assert!(matches!(
-        UpdateWorker::new(store(None), Kernels::new(1, Isa::Scalar).unwrap()),
-        Err(Error::InvalidArgument(_))
-    ));
-    let store = store(Some(Dtype::Bf16));
+fn an_empty_request_only_publishes() {
+    let store = store(1, Some(Dtype::Bf16), None);
     let worker = UpdateWorker::new(store.clone(), Kernels::new(1, Isa::Scalar).unwrap()).unwrap();
-    assert!(matches!(
-        worker.submit(UpdateRequest {
-            group: 9,
-            hp: hp(1),
-            version: 1
-        }),
-        Err(Error::LayerOutOfRange { layer: 9, .. })
-    ));
-    // step 0 is rejected by the kernel: the failure is reported by drain and poisons the store.
-    worker
+    let seq = worker
         .submit(UpdateRequest {
-            group: 0,
-            hp: hp(0),
-            version: 1,
+            publish: Some(4),
+            ..request(1, 0, 0, 0, 1)
         })
         .unwrap();
     worker
+        .wait_completed(seq + 1, Duration::from_secs(30))
+        .unwrap();
+    assert_eq!(store.version(1).unwrap(), 4);
+    // SAFETY: the worker is idle.
+    let exp_avg_sq = unsafe { floats(&store, Region::ExpAvgSq) };
+    assert!(exp_avg_sq.iter().all(|&x| x == 0.0));
+}
+
+#[test]
+fn bad_requests_and_missing_gradients_are_errors() {
+    assert!(matches!(
+        UpdateWorker::new(store(0, None, None), Kernels::new(1, Isa::Scalar).unwrap()),
+        Err(Error::InvalidArgument(_))
+    ));
+    let store = store(2, Some(Dtype::Bf16), Some(64));
+    let worker = UpdateWorker::new(store.clone(), Kernels::new(1, Isa::Scalar).unwrap()).unwrap();
+    assert!(matches!(
+        worker.submit(request(9, 0, 1, 0, 1)),
+        Err(Error::LayerOutOfRange { layer: 9, .. })
+    ));
+    for bad in [
+        request(0, 0, 65, 0, 1),
+        request(0, 0, 8, 2, 1),
+        request(0, 500, 8, 0, 1),
+    ] {
+        assert!(
+            matches!(worker.submit(bad), Err(Error::InvalidArgument(_))),
+            "{bad:?}"
+        );
+    }
+    // step 0 is rejected by the kernel: the failure is reported by drain and poisons the store.
+    worker.submit(request(0, 0, 8, 0, 0)).unwrap();
+    worker
         .submit(UpdateRequest {
-            group: 1,
-            hp: hp(1),
-            version: 1,
+            publish: Some(1),
+            ..request(1, 0, 8, 1, 1)
         })
         .unwrap();
     let err = worker.drain(Duration::from_secs(30)).unwrap_err();

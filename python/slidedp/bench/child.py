@@ -1,0 +1,69 @@
+"""A ``slidedp.bench.worker`` subprocess run by ``slidedp bench train``, with its host memory.
+
+While the child runs, a thread samples the PSS of its process tree every ``PSS_SAMPLE_S``
+(``measure.tree_pss_bytes``) and keeps the peak. A child that exits non-zero becomes a result
+with ``status`` ``error`` (or ``killed`` when a signal ended it, e.g. the host's OOM killer),
+its stderr echoed, its last line kept as ``error``.
+
+Example::
+
+    result, peak_pss_bytes = run_child(spec, workdir)
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from slidedp.bench.measure import RunSpec, tree_pss_bytes
+
+PSS_SAMPLE_S = 0.25
+
+
+class ChildRun:
+    """One worker subprocess; a thread samples the PSS of its process tree until it exits."""
+
+    def __init__(self, spec: RunSpec, workdir: Path) -> None:
+        stem = f"{spec.system}-b{spec.batch}"
+        self.spec_path, self.result_path = workdir / f"{stem}.spec", workdir / f"{stem}.json"
+        self.stderr_path = workdir / f"{stem}.stderr"
+        self.spec_path.write_text(json.dumps(spec.to_json()))
+        self.peak_pss_bytes = 0
+
+    def run(self) -> tuple[int, dict[str, Any] | None, str]:
+        """(exit code, result or None, stderr text)."""
+        command = [sys.executable, "-m", "slidedp.bench.worker"]
+        with self.stderr_path.open("w") as stderr:
+            proc = subprocess.Popen(
+                [*command, str(self.spec_path), str(self.result_path)], stderr=stderr
+            )
+            done = threading.Event()
+            sampler = threading.Thread(target=self._sample, args=(proc.pid, done), daemon=True)
+            sampler.start()
+            code = proc.wait()
+            done.set()
+            sampler.join()
+        result = json.loads(self.result_path.read_text()) if code == 0 else None
+        return code, result, self.stderr_path.read_text()
+
+    def _sample(self, pid: int, done: threading.Event) -> None:
+        while not done.is_set():
+            self.peak_pss_bytes = max(self.peak_pss_bytes, tree_pss_bytes(pid))
+            done.wait(PSS_SAMPLE_S)
+
+
+def run_child(spec: RunSpec, workdir: Path) -> tuple[dict[str, Any], int]:
+    """The worker's result and its sampled PSS peak; a crash becomes status error/killed."""
+    child = ChildRun(spec, workdir)
+    code, result, stderr = child.run()
+    if result is None:
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        status = "killed" if code < 0 else "error"
+        print(f"--- {spec.system} batch {spec.batch} exited {code}:\n{stderr}", file=sys.stderr)
+        error = lines[-1] if lines else f"exit {code}, no stderr"
+        result = {"system": spec.system, "batch": spec.batch, "status": status, "error": error}
+    return result, child.peak_pss_bytes

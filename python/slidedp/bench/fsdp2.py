@@ -1,0 +1,105 @@
+"""The FSDP2 CPU-offload baseline: how one would fine-tune the model with stock PyTorch.
+
+The HF model from its config (f32 weights on the host), HF activation checkpointing per decoder
+layer, ``fully_shard`` on every decoder layer and on the root with
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` and
+``CPUOffloadPolicy(pin_memory=True)`` (parameters, gradients and optimizer state on the host,
+each layer's bf16 parameters copied to the GPU when it runs), ``torch.optim.AdamW(fused=True)``
+on the host parameters, ``clip_grad_norm_`` at our ``train.max_grad_norm`` (0: off). A world of
+one process (NCCL on CUDA, gloo on CPU, rendezvous on a free localhost port). The loss is the
+model's own (full logits). On CPU the host memory is not pinned (there is no CUDA to pin for).
+
+Example::
+
+    result = run_fsdp2(spec)  # a RunSpec with system="fsdp2"
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from slidedp.bench.measure import RunSpec, synthetic_tokens, timed_steps
+from slidedp.config import TrainSection
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def build_fsdp2_model(config: Any, device: torch.device) -> nn.Module:
+    """The HF model, checkpointed per layer, fully sharded with CPU offload (process group up)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    model: Any = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    model.train()
+    non_reentrant = {"use_reentrant": False}  # per decoder layer; FSDP2 wants non-reentrant
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (old name warns)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=non_reentrant)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=non_reentrant)
+    mesh = init_device_mesh(device.type, (1,))
+    policies: dict[str, Any] = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda"),
+    }
+    for layer in model.model.layers:
+        fully_shard(layer, **policies)
+    fully_shard(model, **policies)
+    return cast(nn.Module, model)
+
+
+def run_fsdp2(spec: RunSpec) -> dict[str, Any]:
+    """Timed steps of the FSDP2 baseline: forward, backward, clip, fused AdamW on the host."""
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)
+    train = TrainSection(**spec.ours["train"])
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
+    try:
+        config = AutoConfig.from_pretrained(spec.config_dir)
+        torch.manual_seed(spec.seed)
+        model = build_fsdp2_model(config, device)
+        opt = torch.optim.AdamW(
+            model.parameters(),
+            lr=train.learning_rate,
+            betas=(train.adam_beta1, train.adam_beta2),
+            eps=train.adam_epsilon,
+            weight_decay=train.weight_decay,
+            fused=True,
+        )
+        tokens = synthetic_tokens(
+            int(config.vocab_size), spec.batch, spec.seq_len, spec.warmup + spec.steps, spec.seed
+        )
+        losses: list[float] = []
+
+        def step(t: int) -> None:
+            ids = tokens[t].to(device)
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            if train.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_grad_norm)
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+
+        times = timed_steps(step, warmup=spec.warmup, steps=spec.steps, device=device)
+    finally:
+        dist.destroy_process_group()
+    return {
+        "step_times_s": times,
+        "tokens_per_step": spec.batch * spec.seq_len,
+        "losses": losses[spec.warmup :],
+    }

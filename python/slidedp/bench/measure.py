@@ -1,0 +1,119 @@
+"""What every system of ``slidedp bench train`` shares: the run spec, synthetic tokens, step
+timing with warm-up discarded, and the host memory (PSS) of a process tree.
+
+Each system runs in its own subprocess (``slidedp.bench.worker``) so that GPU peak reserved and
+host PSS belong to that system alone; the parent samples the PSS of the child's process tree
+(``/proc/PID/smaps_rollup``; PSS charges a shared page to each of its users in proportion, so
+the host store, shared memory, is counted once).
+
+Example::
+
+    times = timed_steps(lambda step: train_step(step), warmup=3, steps=5, device=device)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """One system at one batch size; crosses the process boundary as JSON."""
+
+    system: str  # ours | reference | fsdp2 | peak
+    config_dir: str  # holds the model's config.json (random init from it)
+    batch: int
+    seq_len: int
+    warmup: int  # steps run first and discarded
+    steps: int  # steps measured
+    device: str  # cpu | cuda
+    seed: int = 0
+    ours: dict[str, Any] = field(default_factory=dict)  # our resolved config (all sections)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> RunSpec:
+        return cls(**raw)
+
+
+def synthetic_tokens(
+    vocab_size: int, batch: int, seq_len: int, steps: int, seed: int
+) -> torch.Tensor:
+    """[steps, batch, seq_len] uniform random token ids, the same for every system."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (steps, batch, seq_len), generator=gen)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_steps(
+    step: Callable[[int], object], *, warmup: int, steps: int, device: torch.device
+) -> list[float]:
+    """Wall seconds of each measured call ``step(t)`` (device synchronised before and after
+    each, so queued GPU work is inside the interval it was issued in); warm-up not returned."""
+    times: list[float] = []
+    for t in range(warmup + steps):
+        synchronize(device)
+        start = time.perf_counter()
+        step(t)
+        synchronize(device)
+        if t >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def process_pss_bytes(pid: int) -> int:
+    """PSS of one process (0 if it is gone or unreadable)."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return 0
+    for line in text.splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants alive now (from ``/proc/*/task/*/children``)."""
+    tree, frontier = [pid], [pid]
+    while frontier:
+        parent = frontier.pop()
+        try:
+            tasks = list(Path(f"/proc/{parent}/task").iterdir())
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        for task in tasks:
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            tree.extend(children)
+            frontier.extend(children)
+    return tree
+
+
+def tree_pss_bytes(pid: int) -> int:
+    """PSS summed over ``pid``'s process tree."""
+    return sum(process_pss_bytes(p) for p in process_tree(pid))
+
+
+def gpu_memory(device: torch.device) -> dict[str, int | None]:
+    """Peak reserved/allocated bytes of this process on ``device`` (None on CPU)."""
+    if device.type != "cuda":
+        return {"gpu_peak_reserved_bytes": None, "gpu_peak_allocated_bytes": None}
+    return {
+        "gpu_peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
+        "gpu_peak_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
+    }

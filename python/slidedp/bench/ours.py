@@ -1,0 +1,72 @@
+"""Our engine in the benchmark: ``Trainer(cfg, log=False).run()`` on synthetic tokens.
+
+The parent passes our whole resolved training config (``RunSpec.ours``, ``--set`` overrides
+applied and validated); this sets what the bench owns — model config, data (the same synthetic
+tokens as the baselines, as JSONL), output, steps, batch, device — and reads the step times and
+lane times from the per-step records.
+
+Example::
+
+    result = run_ours(spec)  # a RunSpec with system="ours"
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoConfig
+
+from slidedp.bench.measure import RunSpec, synthetic_tokens
+from slidedp.config import config_from_dict
+from slidedp.runtime.lanes import LANES, WAITS
+from slidedp.runtime.trainer import Trainer
+
+
+class _BenchTrainer(Trainer):
+    """The trainer without its final checkpoint: the bench measures steps, and a checkpoint
+    of the whole host state (12 bytes per parameter: 48 GB for Qwen3-4B) would only fill the
+    disk. Saving still drains the update lane, as ``Trainer.save`` does first."""
+
+    def save(self) -> Path:
+        self.engine.drain()
+        return self.out_dir
+
+
+def ours_raw_config(spec: RunSpec, data: Path, out: Path) -> dict[str, Any]:
+    """``spec.ours`` (a resolved config) with the keys the bench owns set for this run."""
+    raw = copy.deepcopy(spec.ours)
+    raw["model"]["path"] = spec.config_dir
+    raw["data"].update(path=str(data), seq_len=spec.seq_len)
+    raw["output"].update(dir=str(out), export=False)
+    raw["train"].update(max_steps=spec.warmup + spec.steps, global_batch_size=spec.batch)
+    raw["runtime"]["device"] = spec.device
+    return raw
+
+
+def write_tokens(path: Path, spec: RunSpec, vocab_size: int) -> None:
+    """The synthetic batches as JSONL, one sequence per line, in step order."""
+    steps = spec.warmup + spec.steps
+    tokens = synthetic_tokens(vocab_size, spec.batch, spec.seq_len, steps, spec.seed)
+    rows = tokens.reshape(steps * spec.batch, spec.seq_len).tolist()
+    path.write_text("".join(json.dumps({"input_ids": row}) + "\n" for row in rows))
+
+
+def run_ours(spec: RunSpec) -> dict[str, Any]:
+    """Timed steps of our engine; lane busy times and exposed waits averaged over them."""
+    vocab_size = int(AutoConfig.from_pretrained(spec.config_dir).vocab_size)
+    with tempfile.TemporaryDirectory(prefix="slidedp-bench-") as tmp:
+        data = Path(tmp) / "tokens.jsonl"
+        write_tokens(data, spec, vocab_size)
+        cfg = config_from_dict(ours_raw_config(spec, data, Path(tmp) / "out"))
+        records = _BenchTrainer(cfg, log=False).run()[spec.warmup :]
+    lane_keys = [f"{k}_s" for k in LANES + WAITS]
+    return {
+        "step_times_s": [r["step_time_s"] for r in records],
+        "tokens_per_step": records[0]["tokens"],
+        "losses": [r["loss"] for r in records],
+        "lanes_s": {k: sum(r[k] for r in records) / len(records) for k in lane_keys},
+    }

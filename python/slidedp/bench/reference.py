@@ -1,0 +1,143 @@
+"""The compute-only reference: our step's computation with every weight resident on the device.
+
+Same transformers decoder-layer modules as the engine (``HFAdapter``, parameters bound with
+``bind_params``), same dtype (bf16 on CUDA, f32 on CPU), same full-layer checkpointing (forward
+without grad saving each layer's input, then per layer from the last: recompute with grad and
+backward), same embedding and chunked linear + cross-entropy (``chunked_lm_loss``). What it
+leaves out is everything that moves data or updates weights: no window, no host store, no
+transfers, no optimizer — the parameter gradients are computed and dropped. Every layer of the
+model runs (no one-layer-times-L extrapolation), so its step time is the model's compute time.
+
+Example::
+
+    times = run_reference(spec)  # a RunSpec with system="reference"
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from slidedp.bench.measure import RunSpec, synthetic_tokens, timed_steps
+from slidedp.models.hf import EMBED, LM_HEAD, NORM, HFAdapter, bind_params
+from slidedp.models.loss import IGNORE_INDEX, chunked_lm_loss, shift_labels
+from slidedp.runtime.trainer import pick_dtype
+
+
+def init_weights(
+    adapter: HFAdapter, device: torch.device, dtype: torch.dtype, seed: int
+) -> dict[str, torch.Tensor]:
+    """Every stored parameter on ``device``: N(0, initializer_range) matrices, unit norms."""
+    gen = torch.Generator(device).manual_seed(seed)
+    std = float(getattr(adapter.config, "initializer_range", 0.02))
+    weights = {}
+    for name, shape in adapter.shapes().items():
+        t = torch.empty(shape, device=device, dtype=dtype)
+        weights[name] = t.normal_(0.0, std, generator=gen) if len(shape) > 1 else t.fill_(1.0)
+    return weights
+
+
+class ReferenceModel:
+    """All groups of ``adapter`` resident on ``device``; ``step`` is fwd + bwd of one batch."""
+
+    def __init__(
+        self, adapter: HFAdapter, device: torch.device, dtype: torch.dtype, chunk_tokens: int
+    ) -> None:
+        self.adapter, self.device, self.chunk_tokens = adapter, device, chunk_tokens
+        self.weights = init_weights(adapter, device, dtype, seed=0)
+        self.rotary = adapter.make_rotary(device)
+
+    def _layer_params(self, layer: int) -> dict[str, torch.Tensor]:
+        group = self.adapter.groups[self.adapter.layer_group(layer)]
+        return {local: self.weights[full] for full, local in group.params}
+
+    def _run_layer(
+        self, layer: int, params: dict[str, torch.Tensor], x: torch.Tensor, ctx: dict[str, Any]
+    ) -> torch.Tensor:
+        module = self.adapter.layer_module(layer)
+        bind_params(module, params)
+        out = module(
+            x,
+            attention_mask=ctx["masks"][layer],
+            position_ids=ctx["position_ids"],
+            position_embeddings=ctx["position_embeddings"],
+            past_key_values=None,
+            use_cache=False,
+        )
+        result: torch.Tensor = out[0] if isinstance(out, tuple) else out
+        return result
+
+    def step(self, input_ids: torch.Tensor) -> tuple[float, torch.Tensor]:
+        """Forward + backward of ``input_ids`` [B, S] (labels = inputs): the loss and the
+        embedding's gradient (the end of the backward chain; the tied head's added)."""
+        a, w = self.adapter, self.weights
+        ids = input_ids.to(self.device)
+        targets = shift_labels(ids)  # [B, S]
+        n_labels = int((targets != IGNORE_INDEX).sum())
+        embed_w = w[EMBED]  # [V, H]
+        with torch.no_grad():
+            x = F.embedding(ids, embed_w, a.padding_idx)  # [B, S, H]
+            position_ids = torch.arange(x.shape[1], device=self.device).unsqueeze(0)  # [1, S]
+            ctx = {
+                "position_ids": position_ids,
+                "position_embeddings": self.rotary(x, position_ids),
+                "masks": a.layer_masks(x, torch.ones_like(ids), position_ids),
+            }
+            saved: list[torch.Tensor | None] = []
+            for layer in range(a.num_layers):  # forward, inputs saved (full-layer checkpointing)
+                saved.append(x)
+                x = self._run_layer(layer, self._layer_params(layer), x, ctx)
+        x_last = x.detach().requires_grad_(True)
+        norm_w = w[NORM].detach().requires_grad_(True)
+        bind_params(a.norm_module(), {"weight": norm_w})
+        with torch.enable_grad():
+            normed = a.norm_module()(x_last)  # [B, S, H]
+        head_w = embed_w if a.tied else w[LM_HEAD]
+        loss_sum, g_normed, g_head_w = chunked_lm_loss(
+            normed.detach(), head_w, targets, n_labels, self.chunk_tokens
+        )
+        g = torch.autograd.grad(normed, (x_last, norm_w), g_normed)[0]
+        for layer in reversed(range(a.num_layers)):  # backward: recompute with grad, grad
+            x_saved = saved[layer]
+            assert x_saved is not None
+            x_in = x_saved.detach().requires_grad_(True)
+            leaves = {
+                n: p.detach().requires_grad_(True) for n, p in self._layer_params(layer).items()
+            }
+            with torch.enable_grad():
+                out = self._run_layer(layer, leaves, x_in, ctx)
+            g = torch.autograd.grad(out, (x_in, *leaves.values()), g)[0]  # param grads dropped
+            saved[layer] = None
+        w_embed = embed_w.detach().requires_grad_(True)
+        with torch.enable_grad():
+            emb = F.embedding(ids, w_embed, a.padding_idx)
+        (g_embed,) = torch.autograd.grad(emb, w_embed, g)
+        if a.tied:
+            g_embed = g_embed + g_head_w
+        return float(loss_sum) / max(n_labels, 1), g_embed
+
+
+def run_reference(spec: RunSpec) -> dict[str, Any]:
+    """Timed steps of the reference on ``spec``'s synthetic batches, with our engine's dtype
+    and loss chunk (from ``spec.ours``, the config ours runs with)."""
+    device = torch.device(spec.device)
+    adapter = HFAdapter.from_dir(spec.config_dir)
+    dtype = pick_dtype(spec.ours["train"]["dtype"], device)
+    model = ReferenceModel(adapter, device, dtype, spec.ours["runtime"]["loss_chunk_tokens"])
+    tokens = synthetic_tokens(
+        adapter.vocab_size, spec.batch, spec.seq_len, spec.warmup + spec.steps, spec.seed
+    )
+    losses: list[float] = []
+    times = timed_steps(
+        lambda t: losses.append(model.step(tokens[t])[0]),
+        warmup=spec.warmup,
+        steps=spec.steps,
+        device=device,
+    )
+    return {
+        "step_times_s": times,
+        "tokens_per_step": spec.batch * spec.seq_len,
+        "losses": losses[spec.warmup :],
+    }

@@ -1,0 +1,104 @@
+"""The report of ``slidedp bench train``: per-run figures, the ratios, the printed table.
+
+A worker's raw result (step times, tokens per step, memory, lanes) becomes a run with means over
+the measured steps; ``ratios`` divides our tokens/s by each baseline's at the same batch.
+
+Example::
+
+    run = summarise(result, peak_pss_bytes, Model(flops_per_token=f, peak_flops=p, params=n))
+    print_report(report)  # report["runs"] holds such runs, report["ratios"] ratios(runs)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+GIB = 2**30
+BASELINES = ("fsdp2", "reference")
+
+
+@dataclass(frozen=True)
+class Model:
+    """What turns a step time into FLOP/s, MFU and memory per parameter."""
+
+    flops_per_token: float
+    peak_flops: float | None  # measured bf16 GEMM peak; None on CPU
+    params: int
+
+
+def summarise(result: dict[str, Any], peak_pss_bytes: int, model: Model) -> dict[str, Any]:
+    """A worker's raw result → the reported run (means over the measured steps)."""
+    run = dict(result)
+    pss = max(peak_pss_bytes, int(result.get("host_pss_end_bytes", 0)))
+    run["host_pss_peak_gib"] = pss / GIB
+    run["host_pss_gib_per_billion_params"] = run["host_pss_peak_gib"] / (model.params / 1e9)
+    reserved = result.get("gpu_peak_reserved_bytes")
+    run["gpu_peak_reserved_gib"] = None if reserved is None else reserved / GIB
+    if result["status"] != "ok":
+        return run
+    times = result["step_times_s"]
+    run["step_time_s"] = sum(times) / len(times)
+    run["tokens_per_s"] = result["tokens_per_step"] / run["step_time_s"]
+    run["tflops"] = run["tokens_per_s"] * model.flops_per_token / 1e12
+    run["mfu"] = None if model.peak_flops is None else run["tflops"] * 1e12 / model.peak_flops
+    if "lanes_s" in result:  # ours: the compute lane's waits, by the lane waited on
+        waits = {k: v for k, v in result["lanes_s"].items() if k.startswith("wait_")}
+        run["exposed_wait_s"] = {
+            k.removeprefix("wait_").removesuffix("_s"): v for k, v in waits.items()
+        }
+    return run
+
+
+def ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per batch, tokens/s of ours over each baseline (None where either did not run)."""
+    by_key = {(r["batch"], r["system"]): r for r in runs}
+    out = []
+    for batch in sorted({r["batch"] for r in runs}):
+        ours = by_key.get((batch, "ours"), {}).get("tokens_per_s")
+        row: dict[str, Any] = {"batch": batch}
+        for base in BASELINES:
+            theirs = by_key.get((batch, base), {}).get("tokens_per_s")
+            row[f"ours_over_{base}"] = ours / theirs if ours and theirs else None
+        out.append(row)
+    return out
+
+
+def _fmt(value: float | None, spec: str, width: int = 0) -> str:
+    return f"{'-' if value is None else format(value, spec):>{width}}"
+
+
+def _run_line(r: dict[str, Any]) -> str:
+    head = f"{r['batch']:>5} {r['system']:<10}"
+    if r["status"] != "ok":
+        label = "OOM" if r["status"] == "oom" else r["status"].upper()
+        return f"{head} {label:>10}  {r.get('error', '')}"
+    return (
+        f"{head} {r['tokens_per_s']:>10.1f} {r['step_time_s'] * 1e3:>9.1f} {r['tflops']:>8.2f} "
+        f"{_fmt(r['mfu'], '.1%', 6)} {_fmt(r['gpu_peak_reserved_gib'], '.2f', 8)} "
+        f"{r['host_pss_peak_gib']:>9.2f}"
+    )
+
+
+def print_report(report: dict[str, Any]) -> None:
+    peak, model = report["peak_flops"], report["model"]
+    print(
+        f"slidedp bench train: {report['shape']} ({model['layers']} layers, "
+        f"{model['params'] / 1e9:.2f}B params), S={report['seq_len']}, "
+        f"{report['warmup_steps']} warm-up + {report['steps']} measured steps, "
+        f"{report['device_name']}"
+        + (f" (bf16 GEMM peak {peak / 1e12:.0f} TFLOP/s)" if peak else "")
+    )
+    print(f"model FLOPs/token {report['flops_per_token']:.4g} = {report['flops_formula']}")
+    print(
+        f"{'batch':>5} {'system':<10} {'tokens/s':>10} {'step ms':>9} {'TFLOP/s':>8} "
+        f"{'MFU':>6} {'GPU GiB':>8} {'host GiB':>9}"
+    )
+    for r in report["runs"]:
+        print(_run_line(r))
+        if "exposed_wait_s" in r:
+            waits = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["exposed_wait_s"].items())
+            print(f"{'':16} exposed wait, ms/step: {waits}")
+    for row in report["ratios"]:
+        parts = [f"ours/{b} {_fmt(row[f'ours_over_{b}'], '.2f')}x" for b in BASELINES]
+        print(f"ratios at batch {row['batch']} (tokens/s): {', '.join(parts)}")

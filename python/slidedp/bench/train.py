@@ -1,0 +1,202 @@
+"""``slidedp bench train``: our engine beside the compute-only reference and FSDP2 CPU offload.
+
+Run (on the GPU machine)::
+
+    slidedp bench train --shape qwen3-4b --seq 1024 --batch 16 --json out.json
+    slidedp bench train --shape qwen3-4b --sweep 4,8,16,32 --png sweep.png --json sweep.json
+    slidedp bench train --shape path/to/config.json --systems ours,reference --device cpu
+
+For each batch size, each system runs in its own subprocess (``bench.child``, ``bench.worker``)
+on the same synthetic tokens, ``--warmup`` steps discarded then ``--steps`` measured:
+
+- ``ours``: ``Trainer`` with our config (``--set section.key=value``, as ``slidedp train``'s
+  overrides), step times and per-lane times from its metrics records (``bench.ours``);
+- ``reference``: the same layers and step computation, every weight resident, no offload, no
+  optimizer (``bench.reference``);
+- ``fsdp2``: HF model, activation checkpointing, FSDP2 with bf16 mixed precision and
+  ``CPUOffloadPolicy(pin_memory=True)``, fused host AdamW (``bench.fsdp2``).
+
+Per run: mean step time, tokens/s, model TFLOP/s (``runtime.flops.FLOPS_FORMULA``), MFU against
+the measured bf16 GEMM peak, GPU peak reserved (``torch.cuda.max_memory_reserved`` of the
+child), host PSS peak (sampled over the child's process tree), and for ours the exposed wait
+per lane. Ratios are of tokens/s: ours / fsdp2 and ours / reference (``bench.report``). A
+system that runs out of memory is reported as ``OOM``; any other failure makes the command
+exit 1 after the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from slidedp.bench.child import run_child
+from slidedp.bench.measure import RunSpec
+from slidedp.bench.report import Model, print_report, ratios, summarise
+from slidedp.bench.shapes import SHAPES, resolve_shape
+from slidedp.config import load_config
+from slidedp.errors import ConfigError, SlidedpError
+
+SYSTEMS = ("ours", "reference", "fsdp2")
+OURS_DEFAULTS: dict[str, Any] = {
+    "train": {"max_steps": 1, "learning_rate": 1e-5, "lr_scheduler": "constant"}
+}
+BENCH_OWNED = frozenset(
+    ("model", "data", "output", "train.max_steps", "train.global_batch_size", "runtime.device")
+)
+
+
+def ours_config(overrides: list[str]) -> dict[str, Any]:
+    """Our whole resolved config (every key, as plain values) with ``overrides`` applied and
+    validated by ``load_config``; the keys the bench sets itself are refused."""
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if key in BENCH_OWNED or key.partition(".")[0] in BENCH_OWNED:
+            raise ConfigError(
+                f"--set {item}: '{key}' is set by the bench (use --shape, --batch/--sweep, "
+                "--seq, --steps, --device)"
+            )
+    placeholders = {"model": {"path": "-"}, "data": {"path": "-"}, "output": {"dir": "-"}}
+    with tempfile.TemporaryDirectory(prefix="slidedp-bench-") as tmp:
+        path = Path(tmp) / "ours.yaml"
+        path.write_text(yaml.safe_dump({**placeholders, **OURS_DEFAULTS}))
+        return dataclasses.asdict(load_config(path, overrides))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    arg = parser.add_argument
+    arg("--shape", default="qwen3-4b", help=f"{', '.join(SHAPES)}, or an HF config.json path")
+    arg("--batch", type=int, default=4, help="sequences per step")
+    arg("--sweep", default=None, help="batch sizes, e.g. 4,8,16,32 (replaces --batch)")
+    arg("--seq", type=int, default=1024, help="tokens per sequence")
+    arg("--warmup", type=int, default=3, help="steps run first and discarded")
+    arg("--steps", type=int, default=5, help="steps measured")
+    arg("--systems", default=",".join(SYSTEMS), help="a subset of ours,reference,fsdp2")
+    arg("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    arg(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="our engine's config, as slidedp train's overrides (e.g. runtime.offload_ratio=1)",
+    )
+    arg("--seed", type=int, default=0, help="seed of the synthetic tokens")
+    arg("--json", default=None, help="also write the report to this JSON file")
+    arg("--png", default=None, help="plot tokens/s and memory vs batch (needs matplotlib)")
+
+
+def _parse(args: argparse.Namespace) -> tuple[list[int], list[str], str]:
+    """(batches, systems, device) from the arguments, or one ``ConfigError`` line."""
+    try:
+        batches = [int(b) for b in args.sweep.split(",")] if args.sweep else [args.batch]
+    except ValueError:
+        raise ConfigError(f"--sweep must be comma-separated integers, got {args.sweep!r}") from None
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown or not systems:
+        raise ConfigError(
+            f"--systems {args.systems!r}: use a comma-separated subset of {','.join(SYSTEMS)}"
+        )
+    if min(batches) < 1 or args.seq < 2 or args.steps < 1 or args.warmup < 0:
+        raise ConfigError("need --batch/--sweep >= 1, --seq >= 2, --steps >= 1, --warmup >= 0")
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda but no CUDA device is available; use --device cpu")
+    return batches, systems, device
+
+
+def _params(config: Any) -> int:
+    """Stored parameters (a tied head counted once), from a meta-device model."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    return sum(p.numel() for p in model.parameters())
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every (batch, system), each in its own subprocess; the report."""
+    from slidedp.bench.plot import require_matplotlib
+    from slidedp.runtime.flops import FLOPS_FORMULA, matmul_params, model_flops_per_token
+
+    batches, systems, device = _parse(args)
+    if args.png:
+        require_matplotlib()
+    ours = ours_config(args.overrides)
+    config = resolve_shape(args.shape)
+    model = Model(model_flops_per_token(config, args.seq), None, _params(config))
+    report: dict[str, Any] = {
+        "shape": args.shape,
+        "model": {
+            "type": config.model_type,
+            "layers": int(config.num_hidden_layers),
+            "hidden": int(config.hidden_size),
+            "params": model.params,
+            "matmul_params": matmul_params(config),
+        },
+        "seq_len": args.seq,
+        "device": device,
+        "device_name": "cpu",
+        "peak_flops": None,
+        "flops_formula": FLOPS_FORMULA,
+        "flops_per_token": model.flops_per_token,
+        "warmup_steps": args.warmup,
+        "steps": args.steps,
+        "ours_config": {"train": ours["train"], "runtime": ours["runtime"]},
+    }
+    with tempfile.TemporaryDirectory(prefix="slidedp-bench-") as tmp:
+        config.to_json_file(Path(tmp) / "config.json")
+        spec = RunSpec(
+            system="peak",
+            config_dir=tmp,
+            batch=0,
+            seq_len=args.seq,
+            warmup=args.warmup,
+            steps=args.steps,
+            device=device,
+            seed=args.seed,
+            ours=ours,
+        )
+        if device == "cuda":  # the GEMM peak in a child too: the parent never touches the GPU
+            peak, _ = run_child(spec, Path(tmp))
+            report.update({k: peak.get(k) for k in ("device_name", "peak_flops")})
+            if "error" in peak:
+                report["peak_error"] = peak["error"]
+            model = dataclasses.replace(model, peak_flops=report["peak_flops"])
+        runs = []
+        for batch in batches:
+            for system in systems:
+                print(f"slidedp bench train: {system}, batch {batch} ...", file=sys.stderr)
+                run = dataclasses.replace(spec, system=system, batch=batch)
+                result, peak_pss_bytes = run_child(run, Path(tmp))
+                runs.append(summarise(result, peak_pss_bytes, model))
+    report["runs"] = runs
+    report["ratios"] = ratios(runs)
+    return report
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        report = bench(args)
+    except SlidedpError as e:
+        print(f"slidedp bench train: error: {e}", file=sys.stderr)
+        return 2
+    print_report(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    if args.png:
+        from slidedp.bench.plot import plot_sweep
+
+        plot_sweep(report, Path(args.png))
+    failed = [r for r in report["runs"] if r["status"] not in ("ok", "oom")]
+    return 1 if failed or "peak_error" in report else 0

@@ -1,0 +1,93 @@
+"""One system of ``slidedp bench train`` in its own process; writes one JSON result file.
+
+Run by the parent (``slidedp.bench.train``), not by hand::
+
+    python -m slidedp.bench.worker SPEC.json RESULT.json
+
+The result holds ``status`` (``ok``, or ``oom`` when the device or the host ran out of memory:
+a result, not a crash), the system's measured step times, the process's GPU peak reserved and
+allocated bytes and its PSS at the end. Any other exception propagates (non-zero exit, traceback
+on stderr). ``system="peak"`` measures the device's bf16 GEMM peak and the device name instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slidedp.bench.measure import RunSpec, gpu_memory, process_pss_bytes
+from slidedp.runtime.flops import device_peak_flops
+
+
+def _ours(spec: RunSpec) -> dict[str, Any]:
+    from slidedp.bench.ours import run_ours  # each child imports only its own system
+
+    return run_ours(spec)
+
+
+def _reference(spec: RunSpec) -> dict[str, Any]:
+    from slidedp.bench.reference import run_reference
+
+    return run_reference(spec)
+
+
+def _fsdp2(spec: RunSpec) -> dict[str, Any]:
+    from slidedp.bench.fsdp2 import run_fsdp2
+
+    return run_fsdp2(spec)
+
+
+SYSTEMS: dict[str, Callable[[RunSpec], dict[str, Any]]] = {
+    "ours": _ours,
+    "reference": _reference,
+    "fsdp2": _fsdp2,
+}
+
+
+def _peak(spec: RunSpec) -> dict[str, Any]:
+    device = torch.device(spec.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"device_name": name, "peak_flops": device_peak_flops(device)}
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA or host allocation failure (torch's OOM, our shared-memory shortage, a failed
+    pinned allocation, the CPU allocator giving up)."""
+    if isinstance(error, torch.OutOfMemoryError | MemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and (
+        "out of memory" in text or "can't allocate memory" in text
+    )
+
+
+def run(spec: RunSpec) -> dict[str, Any]:
+    if spec.system == "peak":
+        return _peak(spec)
+    result: dict[str, Any] = {"system": spec.system, "batch": spec.batch}
+    try:
+        result.update(SYSTEMS[spec.system](spec), status="ok")
+    except Exception as e:  # only out-of-memory is a result; anything else re-raises
+        if not is_out_of_memory(e):
+            raise
+        result.update(status="oom", error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
+    result.update(gpu_memory(torch.device(spec.device)))
+    result["host_pss_end_bytes"] = process_pss_bytes(os.getpid())
+    return result
+
+
+def main(argv: list[str]) -> int:
+    spec_path, result_path = argv
+    spec = RunSpec.from_json(json.loads(Path(spec_path).read_text()))
+    Path(result_path).write_text(json.dumps(run(spec)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

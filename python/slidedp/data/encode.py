@@ -1,0 +1,303 @@
+"""Records → token ids and the trained-token mask, per data format, one chunk at a time.
+
+- ``text``: tokenized with the tokenizer's own special tokens (e.g. a BOS). With packing, eos is
+  appended (unless already last) so the model learns where a document ends and sees it before
+  the next sample, as TRL and transformers' ``group_texts`` do; a padded row keeps the text as
+  written (its end is the row's end). Loss on every token.
+- ``prompt`` + ``completion``: prompt tokens (with special tokens), then completion tokens
+  (without), then eos unless already last; loss on the completion and its eos only.
+- ``messages``: rendered by the tokenizer's chat template and tokenized without added special
+  tokens (the template writes them, as ``apply_chat_template`` does). Loss on assistant turns: for
+  assistant message ``i``, the characters that the template adds for it after the generation
+  prompt, i.e. ``render(messages[:i+1])`` past ``render(messages[:i], add_generation_prompt)``
+  (the content and the end-of-turn marker, not the role header); a token is trained when its
+  first character lies there. A template that renders a conversation's prefix differently from
+  the start of the whole conversation (some rewrite earlier turns) is an error naming the line.
+- ``input_ids``: taken as given (nothing added); loss on every token.
+
+``data.train_on_prompt`` puts the loss on every token of ``messages`` and ``prompt_completion``.
+A chunk is tokenized by one batched call of the fast (Rust) tokenizer (two for
+prompt + completion); only chat templates render per conversation, as in transformers.
+
+Example::
+
+    encoder = Encoder(model_dir, vocab_size=32000, eos_id=2, packing=True,
+                      train_on_prompt=False, where=source.where)
+    samples = Samples.concat([encoder.encode(chunk) for chunk in source.chunks()])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from jinja2 import TemplateError
+
+from slidedp.data.samples import I64, Samples, flatten_lists, offsets_of, positions_within
+from slidedp.data.sources import Chunk, TokenColumn
+from slidedp.errors import DataError
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def _encode(tokenizer: Any, texts: list[str], *, special: bool, offsets: bool = False) -> Any:
+    """One batched call of the fast tokenizer: ids (and character offsets) of every text."""
+    return tokenizer(
+        texts,
+        add_special_tokens=special,
+        return_attention_mask=False,
+        return_token_type_ids=False,
+        return_offsets_mapping=offsets,
+    )
+
+
+def load_tokenizer(model_dir: Path, why: str) -> Any:
+    """The model directory's fast tokenizer (``why``: what needs it, for the error line)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(
+            f"{why} needs the model's tokenizer, but none loads from {model_dir}: {_first_line(e)}"
+        ) from None
+    if not getattr(tokenizer, "is_fast", False):
+        raise DataError(
+            f"the tokenizer in {model_dir} is not a fast one (no tokenizer.json); slidedp needs "
+            "the fast tokenizer for batched tokenization and exact loss masks"
+        )
+    return tokenizer
+
+
+class Encoder:
+    """Encodes chunks of one data file; loads the tokenizer on the first chunk that needs it."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        vocab_size: int,
+        eos_id: int | None,
+        packing: bool,
+        train_on_prompt: bool,
+        where: Callable[[int], str],
+    ) -> None:
+        self.model_dir, self.vocab_size, self.model_eos_id = model_dir, vocab_size, eos_id
+        self.packing, self.train_on_prompt, self.where = packing, train_on_prompt, where
+        self._tokenizer: Any = None
+
+    @property
+    def loaded_tokenizer(self) -> Any:
+        """The tokenizer if one was loaded (``input_ids`` data needs none), else None."""
+        return self._tokenizer
+
+    def optional_tokenizer(self) -> Any:
+        """The model's tokenizer if one loads, else None (only its pad/eos are wanted)."""
+        if self._tokenizer is None:
+            try:
+                self._tokenizer = load_tokenizer(self.model_dir, "a pad token")
+            except DataError:
+                return None
+        return self._tokenizer
+
+    def tokenizer(self, fmt: str) -> Any:
+        """The tokenizer, checked for what ``fmt`` needs (chat template, eos)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.model_dir, f"data in the '{fmt}' format")
+            if fmt == "messages" and not self._tokenizer.chat_template:
+                raise DataError(
+                    f"data has 'messages' but the tokenizer in {self.model_dir} has no "
+                    "chat_template; add one to tokenizer_config.json (or use the text or "
+                    "prompt/completion format)"
+                )
+        return self._tokenizer
+
+    def eos_id(self, fmt: str, why: str) -> int:
+        eos = self.tokenizer(fmt).eos_token_id
+        eos = self.model_eos_id if eos is None else int(eos)
+        if eos is None:
+            raise DataError(
+                f"{why} needs an end-of-sequence token, but neither the tokenizer in "
+                f"{self.model_dir} nor config.json there defines one; set eos_token in "
+                "tokenizer_config.json"
+            )
+        return eos
+
+    def encode(self, chunk: Chunk) -> Samples:
+        encoders = {
+            "text": self._text,
+            "prompt_completion": self._prompt_completion,
+            "messages": self._messages,
+            "input_ids": self._input_ids,
+        }
+        ids, lengths, trained = encoders[chunk.format](chunk)
+        self._check(chunk, ids, lengths)
+        samples = Samples(ids.astype(np.int32), trained, offsets_of(lengths), chunk.numbers)
+        no_target = samples.label_counts() == 0
+        if no_target.any():
+            number = int(chunk.numbers[np.argmax(no_target)])
+            raise DataError(f"{self.where(number)}: the sample has no token to train on")
+        return samples
+
+    def _check(self, chunk: Chunk, ids: I64, lengths: I64) -> None:
+        """Token ids inside the vocabulary, at least 2 tokens per sample (one target)."""
+        outside = (ids < 0) | (ids >= self.vocab_size)
+        if outside.any():
+            at = int(np.argmax(outside))
+            sample = int(np.searchsorted(np.cumsum(lengths), at, side="right"))
+            hint = "" if chunk.format == "input_ids" else " (is it model.path's tokenizer?)"
+            raise DataError(
+                f"{self.where(int(chunk.numbers[sample]))}: token id {int(ids[at])} is outside "
+                f"the model's vocabulary [0, {self.vocab_size}){hint}"
+            )
+        short = lengths < 2
+        if short.any():
+            sample = int(np.argmax(short))
+            raise DataError(
+                f"{self.where(int(chunk.numbers[sample]))}: a sample needs at least 2 tokens, "
+                f"got {int(lengths[sample])}"
+            )
+
+    def _strings(self, chunk: Chunk, key: str) -> list[str]:
+        values = chunk.columns[key]
+        assert isinstance(values, list)
+        for number, value in zip(chunk.numbers.tolist(), values, strict=True):
+            if not isinstance(value, str):
+                raise DataError(f"{self.where(number)}: '{key}' must be a string")
+        return values
+
+    def _append_eos(self, ids: I64, lengths: I64, eos: int) -> tuple[I64, I64]:
+        """eos after each segment that does not already end with it."""
+        ends = np.cumsum(lengths)
+        add = np.ones(len(lengths), dtype=np.bool_)
+        nonempty = lengths > 0
+        add[nonempty] = ids[ends[nonempty] - 1] != eos
+        return np.insert(ids, ends[add], eos), lengths + add
+
+    def _text(self, chunk: Chunk) -> tuple[I64, I64, npt.NDArray[np.bool_]]:
+        texts = self._strings(chunk, "text")
+        tokenizer = self.tokenizer("text")
+        ids, lengths = flatten_lists(_encode(tokenizer, texts, special=True)["input_ids"])
+        if self.packing:
+            ids, lengths = self._append_eos(ids, lengths, self.eos_id("text", "packing text"))
+        return ids, lengths, np.ones(len(ids), dtype=np.bool_)
+
+    def _prompt_completion(self, chunk: Chunk) -> tuple[I64, I64, npt.NDArray[np.bool_]]:
+        prompts = self._strings(chunk, "prompt")
+        completions = self._strings(chunk, "completion")
+        tokenizer = self.tokenizer("prompt_completion")
+        eos = self.eos_id("prompt_completion", "prompt/completion data")
+        p, p_len = flatten_lists(_encode(tokenizer, prompts, special=True)["input_ids"])
+        c, c_len = flatten_lists(_encode(tokenizer, completions, special=False)["input_ids"])
+        c, c_len = self._append_eos(c, c_len, eos)
+        lengths = p_len + c_len
+        starts = np.cumsum(lengths) - lengths
+        p_at = np.repeat(starts, p_len) + positions_within(p_len)
+        c_at = np.repeat(starts + p_len, c_len) + positions_within(c_len)
+        ids = np.empty(int(lengths.sum()), dtype=np.int64)
+        trained = np.ones(len(ids), dtype=np.bool_)
+        ids[p_at], ids[c_at] = p, c
+        trained[p_at] = self.train_on_prompt
+        return ids, lengths, trained
+
+    def _messages(self, chunk: Chunk) -> tuple[I64, I64, npt.NDArray[np.bool_]]:
+        conversations = chunk.columns["messages"]
+        assert isinstance(conversations, list)
+        tokenizer = self.tokenizer("messages")
+        texts: list[str] = []
+        spans: list[tuple[int, int]] = []  # assistant spans, characters of all texts end to end
+        base = 0
+        for number, conversation in zip(chunk.numbers.tolist(), conversations, strict=True):
+            text, own = self._render(tokenizer, conversation, self.where(number))
+            spans.extend((base + a, base + b) for a, b in own)
+            texts.append(text)
+            base += len(text)
+        encoded = _encode(tokenizer, texts, special=False, offsets=not self.train_on_prompt)
+        ids, lengths = flatten_lists(encoded["input_ids"])
+        if self.train_on_prompt:
+            return ids, lengths, np.ones(len(ids), dtype=np.bool_)
+        chars = np.array(list(chain.from_iterable(encoded["offset_mapping"])), dtype=np.int64)
+        chars = chars.reshape(-1, 2)  # [T, 2] (first char, end) in its own text
+        text_lengths = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
+        first = chars[:, 0] + np.repeat(np.cumsum(text_lengths) - text_lengths, lengths)
+        bounds = np.array(spans, dtype=np.int64).reshape(-1, 2)  # sorted, disjoint
+        k = np.searchsorted(bounds[:, 0], first, side="right") - 1
+        inside = (k >= 0) & (first < bounds[np.maximum(k, 0), 1])
+        trained = inside & (chars[:, 1] > chars[:, 0])  # zero-width tokens are never targets
+        return ids, lengths, trained
+
+    def _render(
+        self, tokenizer: Any, conversation: Any, where: str
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and the character spans of its assistant turns."""
+        if not isinstance(conversation, list) or not conversation:
+            raise DataError(f"{where}: 'messages' must be a non-empty list of messages")
+        for j, message in enumerate(conversation, start=1):
+            if not (
+                isinstance(message, dict)
+                and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)
+            ):
+                raise DataError(f"{where}: message {j} needs a string 'role' and 'content'")
+
+        def render(messages: list[Any], generation_prompt: bool) -> str:
+            try:
+                return str(
+                    tokenizer.apply_chat_template(
+                        messages, tokenize=False, add_generation_prompt=generation_prompt
+                    )
+                )
+            except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
+                raise DataError(f"{where}: the chat template failed: {_first_line(e)}") from None
+
+        full = render(conversation, False)
+        if self.train_on_prompt:
+            return full, []
+        spans = []
+        for i, message in enumerate(conversation):
+            if message["role"] != "assistant":
+                continue
+            before = render(conversation[:i], True)
+            through = full if i + 1 == len(conversation) else render(conversation[: i + 1], False)
+            if not (full.startswith(through) and through.startswith(before)):
+                raise DataError(
+                    f"{where}: the chat template renders the conversation up to message {i + 1} "
+                    "differently from the start of the whole conversation, so its assistant "
+                    "tokens cannot be found exactly; set data.train_on_prompt=true"
+                )
+            spans.append((len(before), len(through)))
+        if not spans:
+            raise DataError(
+                f"{where}: no assistant message to train on (set data.train_on_prompt=true to "
+                "train on every token)"
+            )
+        return full, spans
+
+    def _input_ids(self, chunk: Chunk) -> tuple[I64, I64, npt.NDArray[np.bool_]]:
+        column = chunk.columns["input_ids"]
+        if isinstance(column, TokenColumn):
+            ids, lengths = column.values, np.diff(column.offsets)
+        else:
+            arrays = []
+            for number, value in zip(chunk.numbers.tolist(), column, strict=True):
+                try:
+                    array = np.asarray(value) if isinstance(value, list) else None
+                except ValueError:  # ragged nesting
+                    array = None
+                if (
+                    array is None
+                    or array.ndim != 1
+                    or (array.size and array.dtype.kind not in "iu")
+                ):
+                    raise DataError(f"{self.where(number)}: input_ids must be a list of integers")
+                arrays.append(array.astype(np.int64))
+            lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+            ids = np.concatenate(arrays)
+        return ids, lengths, np.ones(len(ids), dtype=np.bool_)

@@ -1,0 +1,160 @@
+"""The checks of ``slidedp validate``: a run's inputs, before any GPU work or host allocation.
+
+Run: ``slidedp validate examples/tiny-qwen3.yaml model.path=/models/qwen3-0.6b``.
+
+Each check raises one typed ``SlidedpError`` whose message names the problem and the fix, or
+returns one line for the OK summary: the device (``runtime.device=cuda`` on a machine without
+CUDA), the model directory (config.json present and of a supported architecture, built on the
+meta device; every safetensors header against the model's names, shapes and dtypes, and against
+the file size, without reading tensor data), the host memory the store needs at least (FP32
+master and both Adam moments) against free ``/dev/shm`` and ``MemAvailable``, the data, and the
+output directory (writable, probed with a temporary file; never a model or checkpoint directory,
+so nothing is ever written into one). ``slidedp train`` runs them all but the data check
+before it starts (the trainer checks the data as it reads it).
+
+Example::
+
+    cfg = load_config("run.yaml")
+    for line in validate(cfg):
+        print(line)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from pathlib import Path
+
+from slidedp.config import TrainConfig
+from slidedp.envinfo import meminfo_bytes
+from slidedp.errors import ConfigError, ModelLoadError, OutOfSharedMemoryError
+from slidedp.io.hf_load import check_weight_files, weight_files
+from slidedp.models.hf import HFAdapter
+
+SHM_DIR = Path("/dev/shm")
+_STATE_BYTES_PER_PARAM = 12  # FP32 master + exp_avg + exp_avg_sq; grads and staging come on top
+_GIB = 2**30
+
+
+def check_device(cfg: TrainConfig) -> str:
+    from slidedp.runtime.trainer import pick_device, pick_dtype
+
+    device = pick_device(cfg.runtime.device)
+    return f"device   {device} ({str(pick_dtype(cfg.train.dtype, device)).removeprefix('torch.')})"
+
+
+def check_model(cfg: TrainConfig) -> tuple[HFAdapter, str]:
+    """The model's adapter (meta device, no weights) with its weight files' headers checked."""
+    path = Path(cfg.model.path)
+    if not path.is_dir():
+        what = "is not a directory" if path.exists() else "does not exist"
+        raise ModelLoadError(
+            f"model.path {path} {what}; set model.path to a local HF model directory "
+            "(config.json + *.safetensors)"
+        )
+    adapter = HFAdapter.from_dir(path)
+    files = weight_files(path)
+    check_weight_files(adapter, files)
+    weights = (
+        f"{len(files)} safetensors file(s), headers match" if files else "no weights: seeded init"
+    )
+    return adapter, (
+        f"model    {adapter.config.model_type} at {path}: {adapter.num_layers} layers, "
+        f"{parameter_count(adapter):,} parameters, {weights}"
+    )
+
+
+def parameter_count(adapter: HFAdapter) -> int:
+    return sum(math.prod(shape) for shape in adapter.shapes().values())
+
+
+def check_host_memory(adapter: HFAdapter, shm_dir: Path = SHM_DIR) -> str:
+    """The store's lower bound (12 bytes per parameter) against free shm and available RAM;
+    raises the store's own ``OutOfSharedMemoryError`` before anything is allocated."""
+    needed = _STATE_BYTES_PER_PARAM * parameter_count(adapter)
+    stat = os.statvfs(shm_dir)
+    limits = {str(shm_dir): stat.f_bavail * stat.f_frsize}
+    ram = meminfo_bytes().get("mem_available_bytes")
+    if ram is not None:
+        limits["host RAM (MemAvailable)"] = ram
+    for where, available in limits.items():
+        if needed > available:
+            error = OutOfSharedMemoryError(
+                f"not enough space in {where} for the host store: at least "
+                f"{needed / _GIB:.1f} GiB needed, {available / _GIB:.1f} GiB available; enlarge "
+                f"it (e.g. `mount -o remount,size=... {shm_dir}`), free memory, or train a "
+                "smaller model"
+            )
+            error.needed_bytes, error.available_bytes = needed, available
+            raise error
+    free = ", ".join(
+        f"{where} {available / _GIB:.1f} GiB free" for where, available in limits.items()
+    )
+    return f"host     store needs at least {needed / _GIB:.2f} GiB; {free}"
+
+
+def check_data(cfg: TrainConfig, adapter: HFAdapter) -> str:
+    """Read, tokenize and check the whole data set as the trainer will (``build_batches``)."""
+    from slidedp.data.build import ModelFacts, build_batches
+
+    batches = build_batches(
+        cfg.data,
+        model_dir=Path(cfg.model.path),
+        model=ModelFacts.from_config(adapter.config, adapter.vocab_size),
+        batch_size=cfg.train.global_batch_size,
+        seed=cfg.train.seed,
+    )
+    return f"data     {batches.report}"
+
+
+def _is_model_dir(path: Path) -> bool:
+    return (path / "config.json").exists() or any(path.glob("*.safetensors"))
+
+
+def check_output_dir(cfg: TrainConfig) -> str:
+    """``output.dir`` can be created and written, and is not a model or checkpoint directory.
+    Writes nothing but a probe file, deleted at once, in the directory or its nearest parent."""
+    out = Path(cfg.output.dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output.dir {out} exists and is not a directory; choose another path")
+    if out.is_dir() and _is_model_dir(out):
+        raise ConfigError(
+            f"output.dir {out} is a model or checkpoint directory (config.json or *.safetensors); "
+            "slidedp never writes into one: choose a new output.dir"
+        )
+    probe_dir = out
+    while not probe_dir.exists():
+        probe_dir = probe_dir.parent
+    if not probe_dir.is_dir():
+        raise ConfigError(
+            f"output.dir {out} cannot be created: {probe_dir} is a file; choose another path"
+        )
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".slidedp-write-probe-", dir=probe_dir)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(
+            f"output.dir {out} is not writable ({e.strerror} in {probe_dir}); choose a writable "
+            "output.dir or fix its permissions"
+        ) from None
+    return f"output   {out}: writable{'' if out.exists() else ' (will be created)'}"
+
+
+def _check_all_but_data(cfg: TrainConfig) -> tuple[HFAdapter, list[str]]:
+    device = check_device(cfg)
+    adapter, model = check_model(cfg)
+    return adapter, [device, model, check_host_memory(adapter), check_output_dir(cfg)]
+
+
+def check_before_training(cfg: TrainConfig) -> list[str]:
+    """The checks ``slidedp train`` runs before it allocates anything: all but the data, which
+    the trainer reads once and checks as it builds the batches."""
+    return _check_all_but_data(cfg)[1]
+
+
+def validate(cfg: TrainConfig) -> list[str]:
+    """Every check (``slidedp validate``); one summary line each."""
+    adapter, lines = _check_all_but_data(cfg)
+    return [*lines, check_data(cfg, adapter)]

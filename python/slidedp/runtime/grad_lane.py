@@ -1,0 +1,185 @@
+"""The gradient lane: device gradients → the store's gradient slots (a ring) → the update worker.
+
+``send`` cuts a group's gradient into chunks of the group's state layout (one slot each; a
+decoder layer is one chunk by default, the embedding several), issues each chunk's D2H into a
+free slot on the D2H stream and queues it. ``flush`` takes queued chunks in order: waits for the
+chunk's copy, checks its group's gradient is finite (first chunk of a group, when asked), and
+submits the chunk's AdamW (the group's last chunk publishes its version). A slot is reused only
+after the worker finished reading it (``wait_completed``): that is the lane's backpressure, and
+when every slot is queued-but-unsubmitted, ``send`` flushes the oldest first.
+
+Host memory: ``grad_slots`` chunks, never one gradient per parameter. Device memory: each
+chunk's source stays referenced until its copy is done.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from slidedp.errors import NonFiniteError
+from slidedp.runtime.chunking import chunks, pieces
+from slidedp.runtime.lanes import LaneClock, new_event, on_stream
+from slidedp.store import HostStore
+from slidedp.update import UpdateWorker
+
+
+@dataclass(frozen=True)
+class AdamArgs:
+    """What one group's update needs besides its gradient."""
+
+    step: int  # Adam's step count (bias correction), 1-based
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    grad_scale: float
+    version: int  # published for the group after its last chunk
+
+
+@dataclass
+class GradTicket:
+    """One group's gradient on the device, with its per-parameter L2 norms (0-dim, f32)."""
+
+    group: int
+    grads: dict[str, torch.Tensor]
+    norms: list[torch.Tensor]
+
+
+@dataclass
+class _Chunk:
+    ticket: GradTicket
+    start: int
+    length: int
+    slot: int
+    first: bool
+    last: bool
+    adam: AdamArgs
+    check_finite: bool
+    done: torch.cuda.Event | None
+    keep: list[torch.Tensor] = field(default_factory=list)
+
+
+class GradLane:
+    def __init__(
+        self,
+        store: HostStore,
+        worker: UpdateWorker,
+        clock: LaneClock,
+        stream: torch.cuda.Stream | None,
+        timeout_s: float,
+        group_name: Any,
+    ) -> None:
+        self.store, self.worker, self.clock, self.stream = store, worker, clock, stream
+        self.timeout_s, self.group_name = timeout_s, group_name
+        layout = store.layout
+        self._slot_len = int(layout["slot_len"])
+        self._groups = layout["groups"]
+        self._params = layout["params"]
+        self._queue: deque[_Chunk] = deque()
+        self._queued_slots: set[int] = set()
+        self._slot_reader: list[int | None] = [None] * int(layout["grad_slots"])
+        self._next_slot = 0
+
+    @staticmethod
+    def ticket(group: int, grads: dict[str, torch.Tensor]) -> GradTicket:
+        norms = [torch.linalg.vector_norm(g, 2, dtype=torch.float32) for g in grads.values()]
+        return GradTicket(group, grads, norms)
+
+    def _acquire_slot(self) -> int:
+        k = self._next_slot
+        self._next_slot = (k + 1) % len(self._slot_reader)
+        while k in self._queued_slots:  # its chunk is not even submitted yet: submit it
+            self._flush_one()
+        reader = self._slot_reader[k]
+        if reader is not None:
+            with self.clock.host("wait_update"):
+                self.worker.wait_completed(reader + 1, self.timeout_s)
+        return k
+
+    def send(self, ticket: GradTicket, adam: AdamArgs, *, check_finite: bool) -> None:
+        """Issue the D2H of ``ticket``'s gradient, chunk by chunk, and queue the updates."""
+        g = self._groups[ticket.group]
+        params = self._params[g["params"]["start"] : g["params"]["end"]]
+        parts = chunks(int(g["state_len"]), self._slot_len)
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream())  # after the backward
+        for i, (start, length) in enumerate(parts):
+            k = self._acquire_slot()
+            slot = self.store.grad_slot(k)
+            chunk = _Chunk(ticket, start, length, k, i == 0, i == len(parts) - 1, adam,
+                           check_finite, None)  # fmt: skip
+            with on_stream(self.stream), self.clock.stream("d2h", self.stream):
+                for p, lo, hi in pieces(params, "state_offset", g["state_offset"], start, length):
+                    src = ticket.grads[p["name"]].view(-1)[lo:hi]
+                    at = p["state_offset"] - g["state_offset"] + lo - start
+                    slot[at : at + hi - lo].copy_(src, non_blocking=self.stream is not None)
+                    chunk.keep.append(src)
+                if self.stream is not None:
+                    chunk.done = new_event()
+                    chunk.done.record(self.stream)
+            self._queue.append(chunk)
+            self._queued_slots.add(k)
+
+    def _flush_one(self) -> None:
+        chunk = self._queue.popleft()
+        if chunk.done is not None:
+            with self.clock.host("wait_d2h"):
+                chunk.done.synchronize()
+        chunk.keep.clear()
+        self._queued_slots.discard(chunk.slot)
+        ticket, a = chunk.ticket, chunk.adam
+        if chunk.first and chunk.check_finite:
+            norm = torch.linalg.vector_norm(torch.stack(ticket.norms))
+            if not torch.isfinite(norm):
+                self._queue.clear()
+                self._queued_slots.clear()
+                raise NonFiniteError(
+                    f"step {a.version - 1}: the gradient of '{self.group_name(ticket.group)}' "
+                    f"is not finite ({float(norm)}); its update and those of the groups after "
+                    "it were not applied",
+                    step=a.version - 1,
+                    what="grad_norm",
+                )
+        seq = self.worker.submit(
+            ticket.group,
+            chunk.start,
+            chunk.length,
+            chunk.slot,
+            step=a.step,
+            lr=a.lr,
+            betas=a.betas,
+            eps=a.eps,
+            weight_decay=a.weight_decay,
+            grad_scale=a.grad_scale,
+            publish=a.version if chunk.last else None,
+        )
+        self._slot_reader[chunk.slot] = seq
+        if chunk.last:
+            ticket.grads.clear()  # the device gradient is no longer needed
+
+    def flush(self, *, keep_last_group: bool = False, through_group: int | None = None) -> None:
+        """Submit queued chunks in order: all of them; or all but the newest group's
+        (``keep_last_group``: its copy is likely still running); or up to and including the last
+        chunk of ``through_group`` (someone is about to wait for that group's version)."""
+        if through_group is not None:
+            if not any(c.ticket.group == through_group for c in self._queue):
+                return
+            while self._queue:
+                head = self._queue[0]
+                self._flush_one()
+                if head.ticket.group == through_group and head.last:
+                    return
+            return
+        newest = self._queue[-1].ticket if keep_last_group and self._queue else None
+        while self._queue and self._queue[0].ticket is not newest:
+            self._flush_one()
+
+    def publish_only(self, group: int, version: int) -> None:
+        """Advance ``group``'s version without an update (a skipped step), in lane order."""
+        self.flush()
+        self.worker.submit(group, 0, 0, 0, step=1, lr=0.0, betas=(0.0, 0.0), eps=1.0,
+                           weight_decay=0.0, publish=version)  # fmt: skip

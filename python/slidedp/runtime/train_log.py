@@ -1,0 +1,249 @@
+"""What ``slidedp train`` tells the user: a start-up banner, a line per logged step, a progress
+bar on a terminal, ``OUTPUT/metrics.jsonl`` and TensorBoard scalars.
+
+- Banner (``RunFacts.lines``): model, parameters, ranks, tokens per step, steps, host memory
+  (store size vs MemAvailable), pinned bytes, host-kernel ISA and threads, the FLOPs formula.
+- ``metrics.jsonl``: one object per step (every step, whatever ``log_steps``), enriched here
+  with ``tflops`` (model TFLOP/s of the step by ``slidedp.runtime.flops.FLOPS_FORMULA`` over
+  its non-padding tokens) and ``mfu`` (that over the measured bf16 GEMM peak; null on CPU);
+  logged steps also carry ``host_pss_bytes`` and, on CUDA, ``gpu_reserved_bytes``. On resume
+  the file keeps the records up to the resumed step and continues after them.
+- One line every ``log_steps`` steps, averaged over the steps since the previous line: loss,
+  last grad_norm and lr, tokens/s, TFLOP/s, MFU, exposed waits (the compute lane's ``wait_*``
+  per step), GPU reserved, host PSS (the shared store counted once), ETA. On a terminal a
+  ``\\r`` progress bar with ETA sits under the lines; otherwise only the lines are printed.
+- TensorBoard (``OUTPUT/tensorboard``), when ``output.tensorboard``: the same scalars per step.
+
+Example::
+
+    log = StepLog(out, flops_per_token=fpt, total_steps=100, start_step=0, log_steps=10)
+    log.step({"step": 1, "loss": 2.3, "tokens": 4096, "seq_len": 512, "step_time_s": 0.2, ...})
+    log.close()
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TextIO
+
+import torch
+
+from slidedp.runtime.flops import FLOPS_FORMULA
+
+GIB = float(1 << 30)
+
+
+def _proc_kib(path: str, key: str) -> int | None:
+    """``key:   N kB`` of a /proc file in bytes; None where /proc does not have it."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def host_pss_bytes() -> int | None:
+    """This process's proportional set size: the shared store is counted once over its users."""
+    return _proc_kib("/proc/self/smaps_rollup", "Pss")
+
+
+def mem_available_bytes() -> int | None:
+    return _proc_kib("/proc/meminfo", "MemAvailable")
+
+
+def _gib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / GIB:.2f} GiB"
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the banner reports, gathered by the trainer."""
+
+    model: str  # model type and path
+    params: int
+    layers: int
+    ranks: int
+    global_batch_size: int
+    seq_len: int
+    start_step: int
+    max_steps: int
+    resumed_from: str | None
+    store_bytes: int
+    pinned_bytes: int  # page-locked store slots (staging + gradient) on CUDA
+    device: str
+    dtype: str
+    window: str  # the device window: slots and bytes
+    isa: str
+    threads: int
+    peak_flops: float | None
+
+    def lines(self) -> list[str]:
+        peak = (
+            "MFU n/a (no measured peak on this device)"
+            if self.peak_flops is None
+            else f"MFU = model FLOP/s / {self.peak_flops / 1e12:.0f} TFLOP/s (measured bf16 GEMM)"
+        )
+        steps = f"steps {self.start_step + 1}..{self.max_steps} of {self.max_steps}"
+        resumed = f" (resumed from {self.resumed_from})" if self.resumed_from else ""
+        return [
+            f"slidedp train: {self.model}, {self.params:,} parameters, {self.layers} layers",
+            f"  {self.ranks} rank(s), {self.device} {self.dtype}, <= {self.global_batch_size} x "
+            f"{self.seq_len} = {self.global_batch_size * self.seq_len:,} tokens per step, "
+            f"{steps}{resumed}",
+            f"  device window: {self.window}",
+            f"  host memory: store {_gib(self.store_bytes)} (shared, in /dev/shm), "
+            f"{_gib(mem_available_bytes())} still available; pinned {_gib(self.pinned_bytes)} "
+            "(store slots)",
+            f"  host kernels: {self.isa} path, {self.threads} thread(s)",
+            f"  FLOPs per token: {FLOPS_FORMULA}; {peak}",
+        ]
+
+
+class ScalarWriter(Protocol):
+    """What we use of ``torch.utils.tensorboard.SummaryWriter``."""
+
+    def add_scalar(self, tag: str, scalar_value: float, global_step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def tensorboard_writer(out_dir: Path) -> ScalarWriter:
+    from torch.utils.tensorboard import SummaryWriter  # needs the optional tensorboard package
+
+    writer: ScalarWriter = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+    return writer
+
+
+_SCALARS = ("loss", "grad_norm", "lr", "tokens_per_s", "tflops", "mfu")
+
+
+class StepLog:
+    """Per-step records in, metrics.jsonl / TensorBoard / stdout out."""
+
+    def __init__(
+        self,
+        out_dir: Path,
+        *,
+        flops_per_token: Callable[[int], float],
+        total_steps: int,
+        start_step: int,
+        log_steps: int,
+        peak_flops: float | None = None,
+        cuda: bool = False,
+        writer: ScalarWriter | None = None,
+        stream: TextIO | None = None,
+    ) -> None:
+        self.flops_per_token, self.peak_flops, self.cuda = flops_per_token, peak_flops, cuda
+        self.total_steps, self.start_step, self.log_steps = total_steps, start_step, log_steps
+        self.writer, self.stream = writer, stream
+        self.tty = stream is not None and stream.isatty()
+        self.start_s = time.perf_counter()
+        self.interval: list[dict[str, Any]] = []
+        self.skipped = 0
+        path = out_dir / "metrics.jsonl"
+        kept = []
+        if start_step > 0 and path.is_file():  # records of the steps the resumed run keeps
+            kept = [
+                line
+                for line in path.read_text().splitlines()
+                if json.loads(line)["step"] <= start_step
+            ]
+        self.metrics = path.open("w")
+        self.metrics.writelines(line + "\n" for line in kept)
+
+    def step(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Enrich one step's record (see the module docstring), write and show it."""
+        flops = self.flops_per_token(record["seq_len"]) * record["tokens"]
+        record["tflops"] = round(flops / record["step_time_s"] / 1e12, 6)
+        record["mfu"] = (
+            None if self.peak_flops is None else flops / record["step_time_s"] / (self.peak_flops)
+        )
+        self.interval.append(record)
+        self.skipped += bool(record.get("skipped"))
+        logged = record["step"] % self.log_steps == 0 or record["step"] == self.total_steps
+        if logged:
+            record["host_pss_bytes"] = host_pss_bytes()
+            if self.cuda:
+                record["gpu_reserved_bytes"] = torch.cuda.memory_reserved()
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+        if self.writer is not None:
+            for key in _SCALARS:
+                if isinstance(record.get(key), float | int):
+                    self.writer.add_scalar(f"train/{key}", record[key], record["step"])
+        if logged:
+            self.say(self._line(record))
+            self.interval = []
+        if self.tty:
+            self._draw_bar(record["step"])
+        return record
+
+    def _eta_s(self, step: int) -> float:
+        done = step - self.start_step
+        return (time.perf_counter() - self.start_s) / max(done, 1) * (self.total_steps - step)
+
+    def _line(self, last: dict[str, Any]) -> str:
+        ran = [r for r in self.interval if not r.get("skipped")]
+        seconds = sum(r["step_time_s"] for r in self.interval)
+        tokens = sum(r["tokens"] for r in self.interval)
+        flops = sum(r["tflops"] * r["step_time_s"] for r in self.interval) * 1e12
+        waits = sum(v for r in self.interval for k, v in r.items() if k.startswith("wait_"))
+        parts = [f"step {last['step']}/{self.total_steps}"]
+        if ran:
+            parts += [
+                f"loss {sum(r['loss'] for r in ran) / len(ran):.4f}",
+                f"grad_norm {ran[-1]['grad_norm']:.4f}",
+            ]
+        parts += [
+            f"lr {last['lr']:.3e}",
+            f"{tokens / seconds:,.0f} tok/s",
+            f"{flops / seconds / 1e12:.3g} TFLOP/s",
+            "MFU n/a"
+            if self.peak_flops is None
+            else f"MFU {100 * flops / seconds / self.peak_flops:.1f}%",
+            f"waits {1000 * waits / len(self.interval):.0f} ms/step",
+        ]
+        if self.cuda:
+            parts.append(f"GPU {_gib(last['gpu_reserved_bytes'])} reserved")
+        parts.append(f"host PSS {_gib(last['host_pss_bytes'])}")
+        if self.skipped:
+            parts.append(f"{self.skipped} skipped")
+        if last.get("skipped"):
+            parts.append(f"this step skipped (non-finite {last['nonfinite']})")
+        parts.append(f"ETA {_duration(self._eta_s(last['step']))}")
+        return " | ".join(parts)
+
+    def _draw_bar(self, step: int) -> None:
+        assert self.stream is not None
+        width = 30
+        filled = width * step // self.total_steps
+        self.stream.write(
+            f"\r[{'#' * filled}{'.' * (width - filled)}] {step}/{self.total_steps} "
+            f"{100 * step / self.total_steps:.0f}% ETA {_duration(self._eta_s(step))}"
+        )
+        self.stream.flush()
+
+    def say(self, line: str) -> None:
+        """A line of its own (over the bar on a terminal)."""
+        if self.stream is not None:
+            self.stream.write(("\r\x1b[K" if self.tty else "") + line + "\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty and self.stream is not None:
+            self.stream.write("\n")  # the bar's last state stays on screen
+        self.metrics.close()
+        if self.writer is not None:
+            self.writer.close()

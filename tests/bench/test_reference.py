@@ -1,0 +1,51 @@
+"""The compute-only reference: HF's loss with the same weights, timed steps on CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from bench.tiny import tiny_config, write_tiny_config
+from slidedp.bench.measure import RunSpec
+from slidedp.bench.reference import ReferenceModel, run_reference
+from slidedp.bench.train import ours_config
+from slidedp.models.hf import HFAdapter
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_reference_loss_and_embedding_grad_are_the_hf_models(tied: bool) -> None:
+    adapter = HFAdapter(tiny_config(tie_word_embeddings=tied))
+    ref = ReferenceModel(adapter, torch.device("cpu"), torch.float32, chunk_tokens=16)
+    model = AutoModelForCausalLM.from_config(adapter.config)  # type: ignore[no-untyped-call]
+    missing, unexpected = model.load_state_dict(ref.weights, strict=False)
+    assert not unexpected
+    assert missing == (["lm_head.weight"] if tied else [])  # a tied head is the embedding
+    ids = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(0))
+    expected = model(input_ids=ids, labels=ids).loss
+    expected.backward()
+    loss, grad_embed = ref.step(ids)
+    assert loss == pytest.approx(float(expected.detach()), rel=1e-5)
+    # the embedding gradient is where the whole backward (every layer, the head) ends up
+    torch.testing.assert_close(grad_embed, model.model.embed_tokens.weight.grad)
+
+
+def test_run_reference_times_the_measured_steps(tmp_path: Path) -> None:
+    write_tiny_config(tmp_path)
+    spec = RunSpec(
+        system="reference",
+        config_dir=str(tmp_path),
+        batch=2,
+        seq_len=16,
+        warmup=1,
+        steps=2,
+        device="cpu",
+        ours=ours_config(["runtime.loss_chunk_tokens=8"]),
+    )
+    result = run_reference(spec)
+    assert len(result["step_times_s"]) == 2  # the warm-up step is not reported
+    assert all(t > 0 for t in result["step_times_s"])
+    assert result["tokens_per_step"] == 32
+    assert all(5.0 < loss < 6.0 for loss in result["losses"])  # about ln(256) = 5.55

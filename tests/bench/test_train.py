@@ -1,0 +1,215 @@
+"""``slidedp bench train``: the command end to end on CPU, the report, OOM as a result."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from bench.tiny import write_tiny_config
+from slidedp.bench import worker
+from slidedp.bench.measure import RunSpec, process_tree, tree_pss_bytes
+from slidedp.bench.plot import plot_sweep, require_matplotlib
+from slidedp.bench.report import Model, print_report, ratios, summarise
+from slidedp.bench.train import ours_config
+from slidedp.cli import main
+from slidedp.errors import ConfigError
+
+RUN_KEYS = {
+    "system", "batch", "status", "step_times_s", "step_time_s", "tokens_per_step",
+    "tokens_per_s", "tflops", "mfu", "gpu_peak_reserved_gib", "host_pss_peak_gib",
+    "host_pss_gib_per_billion_params", "losses",
+}  # fmt: skip
+REPORT_KEYS = {
+    "shape", "model", "seq_len", "device", "device_name", "peak_flops", "flops_formula",
+    "flops_per_token", "warmup_steps", "steps", "ours_config", "runs", "ratios",
+}  # fmt: skip
+
+
+def _cli(config: Path, out: Path, *extra: str) -> int:
+    args = ["bench", "train", "--shape", str(config), "--seq", "16", "--device", "cpu"]
+    return main([*args, "--warmup", "1", "--steps", "1", "--json", str(out), *extra])
+
+
+def test_ours_and_reference_end_to_end_on_cpu(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = write_tiny_config(tmp_path / "m")
+    out = tmp_path / "report.json"
+    assert _cli(config, out, "--batch", "2", "--systems", "ours,reference") == 0
+    report = json.loads(out.read_text())
+    assert set(report) >= REPORT_KEYS
+    assert report["flops_formula"].startswith("6*N_matmul + 6*L*S*d_attn")
+    ours, ref = report["runs"]
+    for run in (ours, ref):
+        assert set(run) >= RUN_KEYS
+        assert run["status"] == "ok"
+        assert len(run["step_times_s"]) == 1
+        assert run["tokens_per_step"] == 32
+        assert run["tokens_per_s"] > 0
+        assert run["host_pss_peak_gib"] > 0.05  # a python process with torch, sampled
+        assert run["gpu_peak_reserved_gib"] is None
+        assert run["mfu"] is None
+    assert set(ours["exposed_wait_s"]) == {"h2d", "update", "d2h", "offload"}
+    assert report["ratios"] == [
+        {
+            "batch": 2,
+            "ours_over_fsdp2": None,
+            "ours_over_reference": ours["tokens_per_s"] / ref["tokens_per_s"],
+        }
+    ]
+    printed = capsys.readouterr().out
+    assert "ours/reference" in printed
+    assert "exposed wait" in printed
+
+
+def test_fsdp2_baseline_runs_on_cpu(tmp_path: Path) -> None:
+    write_tiny_config(tmp_path)
+    spec = RunSpec(
+        system="fsdp2",
+        config_dir=str(tmp_path),
+        batch=2,
+        seq_len=16,
+        warmup=1,
+        steps=2,
+        device="cpu",
+        ours=ours_config([]),
+    )
+    result = worker.run(spec)
+    assert result["status"] == "ok"
+    assert len(result["step_times_s"]) == 2
+    assert min(result["step_times_s"]) > 0
+    assert all(5.0 < loss < 6.0 for loss in result["losses"])  # about ln(256)
+
+
+def _spec(tmp_path: Path, system: str) -> RunSpec:
+    return RunSpec(
+        system=system, config_dir=str(tmp_path), batch=1, seq_len=8, warmup=0, steps=1,
+        device="cpu", ours=ours_config([]),
+    )  # fmt: skip
+
+
+def test_out_of_memory_is_a_result_other_errors_are_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def oom(spec: RunSpec) -> dict[str, Any]:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def bug(spec: RunSpec) -> dict[str, Any]:
+        raise ValueError("a bug")
+
+    monkeypatch.setitem(worker.SYSTEMS, "fsdp2", oom)
+    result = worker.run(_spec(tmp_path, "fsdp2"))
+    assert result["status"] == "oom"
+    assert result["error"].startswith("OutOfMemoryError: CUDA out of memory")
+    monkeypatch.setitem(worker.SYSTEMS, "fsdp2", bug)
+    with pytest.raises(ValueError, match="a bug"):
+        worker.run(_spec(tmp_path, "fsdp2"))
+    assert worker.is_out_of_memory(RuntimeError("CUDA error: out of memory"))
+    assert not worker.is_out_of_memory(RuntimeError("shape mismatch"))
+
+
+def _raw(system: str, batch: int, step_s: float | None) -> dict[str, Any]:
+    if step_s is None:
+        return {"system": system, "batch": batch, "status": "oom", "error": "OutOfMemoryError"}
+    return {
+        "system": system, "batch": batch, "status": "ok", "step_times_s": [step_s, step_s],
+        "tokens_per_step": 1000, "gpu_peak_reserved_bytes": 2**31, "host_pss_end_bytes": 2**30,
+    }  # fmt: skip
+
+
+def test_report_means_ratios_and_oom(capsys: pytest.CaptureFixture[str]) -> None:
+    model = Model(flops_per_token=1e9, peak_flops=1e13, params=2 * 10**9)
+    runs = [
+        summarise(_raw("ours", 4, 0.5), 2**31, model),
+        summarise(_raw("reference", 4, 0.25), 0, model),
+        summarise(_raw("fsdp2", 4, None), 0, model),
+    ]
+    ours = runs[0]
+    assert ours["tokens_per_s"] == 2000
+    assert ours["tflops"] == 2.0
+    assert ours["mfu"] == 0.2
+    assert ours["host_pss_peak_gib"] == 2.0  # the sampled peak beats the value at exit
+    assert ours["host_pss_gib_per_billion_params"] == 1.0
+    assert runs[1]["host_pss_peak_gib"] == 1.0
+    assert runs[1]["gpu_peak_reserved_gib"] == 2.0
+    assert ratios(runs) == [{"batch": 4, "ours_over_fsdp2": None, "ours_over_reference": 0.5}]
+    report = {
+        "shape": "x", "model": {"layers": 2, "params": 2e9}, "seq_len": 8, "warmup_steps": 1,
+        "steps": 2, "device_name": "gpu", "peak_flops": 1e13, "flops_per_token": 1e9,
+        "flops_formula": "f", "runs": runs, "ratios": ratios(runs),
+    }  # fmt: skip
+    print_report(report)
+    printed = capsys.readouterr().out
+    assert "OOM" in printed
+    assert "ours/fsdp2 -x, ours/reference 0.50x" in printed
+
+
+def test_bench_owned_keys_and_bad_systems_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert ours_config(["runtime.slots=3"])["runtime"]["slots"] == 3
+    with pytest.raises(ConfigError, match=r"'train\.global_batch_size' is set by the bench"):
+        ours_config(["train.global_batch_size=8"])
+    config = write_tiny_config(tmp_path / "m")
+    assert _cli(config, tmp_path / "r.json", "--systems", "ours,deepspeed") == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "slidedp bench train: error: --systems 'ours,deepspeed': use a comma-separated "
+        "subset of ours,reference,fsdp2"
+    )
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_pss_is_summed_over_the_process_tree() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert child.pid in process_tree(os.getpid())
+        assert tree_pss_bytes(os.getpid()) > tree_pss_bytes(child.pid) > 0
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_sweep_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    model = Model(flops_per_token=1e9, peak_flops=None, params=10**9)
+    runs = [summarise(_raw(s, b, 0.1 * b), 0, model) for s in ("ours", "fsdp2") for b in (4, 8)]
+    runs.append(summarise(_raw("fsdp2", 16, None), 0, model))
+    report = {"shape": "x", "device_name": "gpu", "seq_len": 8, "runs": runs}
+    plot_sweep(report, tmp_path / "sweep.png")
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_png_without_matplotlib_is_one_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if not installed
+    with pytest.raises(
+        ConfigError, match=r"--png needs matplotlib: pip install 'slidedp\[bench\]'"
+    ):
+        require_matplotlib()
+
+
+@pytest.mark.gpu
+def test_three_systems_on_the_gpu(tmp_path: Path) -> None:
+    config = write_tiny_config(tmp_path / "m", hidden_size=256, intermediate_size=768, head_dim=64)
+    out = tmp_path / "report.json"
+    assert _cli(config, out, "--device", "cuda", "--sweep", "2,4") == 0
+    report = json.loads(out.read_text())
+    assert report["peak_flops"] > 1e13
+    assert report["device_name"]
+    assert [(r["batch"], r["system"]) for r in report["runs"]] == [
+        (b, s) for b in (2, 4) for s in ("ours", "reference", "fsdp2")
+    ]
+    for run in report["runs"]:
+        assert run["status"] == "ok", run
+        assert run["gpu_peak_reserved_gib"] > 0
+        assert 0 < run["mfu"] < 1
+    for row in report["ratios"]:
+        assert row["ours_over_fsdp2"] > 0
+        assert row["ours_over_reference"] > 0

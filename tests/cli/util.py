@@ -1,0 +1,39 @@
+"""Shared by the CLI tests: run ``slidedp`` in-process and check its one error line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from slidedp.cli import main
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """``slidedp ARGV`` in this process: (exit code, stdout, stderr)."""
+    capsys.readouterr()  # drop what earlier steps of the test printed
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_error_line(err: str, verb: str, *needles: str) -> str:
+    """The single stderr line ``slidedp VERB: error: ...``, checked to contain every needle."""
+    assert "Traceback" not in err
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    line = lines[0]
+    assert line.startswith(f"slidedp {verb}: error: "), line
+    for needle in needles:
+        assert needle in line, (needle, line)
+    return line
+
+
+def snapshot(path: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``path`` with its size and mtime ({} when it does not exist)."""
+    if not path.exists():
+        return {}
+    return {
+        str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(path.rglob("*"))
+    }
