@@ -2,6 +2,7 @@
 
 Run: ``slidedp train CONFIG.yaml [section.key=value ...]`` (e.g. ``train.max_steps=5``),
 ``slidedp validate CONFIG.yaml [section.key=value ...]`` (every check, no GPU work),
+``slidedp estimate CONFIG.yaml [section.key=value ...] [--json]`` (memory and step time),
 ``slidedp env [--json]``, ``slidedp export OUTPUT/checkpoint-STEP OUT_DIR``,
 ``slidedp bench kernels [--numel N --threads 1,2,4]``.
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 
@@ -35,6 +37,20 @@ def _train(config: str, overrides: list[str]) -> int:
     from slidedp.preflight import check_before_training
 
     cfg = load_config(config, overrides)
+    from slidedp.runtime.dist import Dist
+
+    ctx = Dist.from_env()
+    if ctx is None and cfg.runtime.world > 1:  # start the ranks (each runs this verb again)
+        from slidedp.runtime.dist import check_config
+        from slidedp.runtime.launch import launch
+
+        check_config(cfg.runtime.world, cfg.runtime, cfg.train)
+        return launch(cfg.runtime.world, ["train", config, *overrides])
+    if ctx is not None and not ctx.main:  # rank 0 prints, checks and writes
+        from slidedp.runtime.trainer import Trainer
+
+        Trainer(cfg).run()
+        return 0
     print(f"slidedp train: resolved config (saved as {cfg.output.dir}/{RESOLVED_CONFIG}):")
     print(resolved_yaml(cfg), end="", flush=True)
     check_before_training(cfg)
@@ -54,6 +70,17 @@ def _validate(config: str, overrides: list[str]) -> int:
     print(f"slidedp validate: OK ({config})")
     for line in lines:
         print(f"  {line}")
+    return 0
+
+
+def _estimate(config: str, overrides: list[str], as_json: bool) -> int:
+    from slidedp.config import load_config
+    from slidedp.estimate import Machine, estimate_run, format_estimate
+    from slidedp.preflight import check_model
+
+    cfg = load_config(config, overrides)
+    est = estimate_run(cfg, check_model(cfg)[0], Machine.probe(cfg))
+    print(json.dumps(est.to_json(), indent=2) if as_json else format_estimate(est))
     return 0
 
 
@@ -91,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
         sub = verbs.add_parser(verb, parents=[debug], help=help_text)
         sub.add_argument("config", help="YAML with model, data, train, output (and runtime)")
         sub.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.max_steps=5")
+    estimate = verbs.add_parser(
+        "estimate", parents=[debug], help="host, /dev/shm, pinned, GPU memory and step time"
+    )
+    estimate.add_argument("config", help="YAML with model, data, train, output (and runtime)")
+    estimate.add_argument("overrides", nargs="*", help="section.key=value, e.g. data.seq_len=4096")
+    estimate.add_argument("--json", action="store_true", help="one JSON object instead of text")
     export = verbs.add_parser("export", parents=[debug], help="checkpoint -> HF model directory")
     export.add_argument("checkpoint", help="OUTPUT/checkpoint-STEP, or OUTPUT (its latest)")
     export.add_argument("out_dir", help="a new directory: config, tokenizer, f32 safetensors")
@@ -108,6 +141,8 @@ def _run(args: argparse.Namespace) -> int:
         return _train(args.config, args.overrides)
     if args.verb == "validate":
         return _validate(args.config, args.overrides)
+    if args.verb == "estimate":
+        return _estimate(args.config, args.overrides, args.json)
     if args.verb == "export":
         return _export(args.checkpoint, args.out_dir)
     return bench_train.main(args) if args.bench == "train" else bench_kernels.main(args)
@@ -117,9 +152,59 @@ def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split()) or type(error).__name__
 
 
+def _rank(args: argparse.Namespace, prefix: str) -> int:
+    """One rank of a multi-rank run: on failure, wake the peers (the shared store is poisoned)
+    and exit at once; a rank that only reacts to another's failure prints nothing."""
+    from slidedp.runtime.dist import EXIT_PEER_FAILED, fail
+
+    try:
+        code = _main_guarded(args, prefix)
+    except BaseException as e:  # raised from the guard only when a peer failed
+        code = EXIT_PEER_FAILED if fail(e) else EXIT_UNEXPECTED
+    else:
+        if code == 0:
+            return 0
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no teardown of a broken process group or of the update threads
+
+
+def _main_guarded(args: argparse.Namespace, prefix: str) -> int:
+    """``_run`` with ``main``'s error reporting, except errors caused by a failed peer."""
+    from slidedp.runtime.dist import fail
+
+    try:
+        return _run(args)
+    except BaseException as e:
+        if fail(e):
+            raise
+        return _report(e, args, prefix)
+
+
+def _report(e: BaseException, args: argparse.Namespace, prefix: str) -> int:
+    """One line on stderr for ``e`` (a config with several problems: one per problem)."""
+    if args.debug:
+        traceback.print_exc()
+    if isinstance(e, KeyboardInterrupt):
+        print(f"{prefix}interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    if isinstance(e, SlidedpError):
+        if isinstance(e, ConfigError) and len(e.problems) > 1:
+            lines = [f"the config has {len(e.problems)} problems:", *e.problems]
+            print(f"{prefix}error: " + "\n  ".join(lines), file=sys.stderr)
+        else:
+            print(f"{prefix}error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    hint = "" if args.debug else "; rerun with --debug for the traceback"
+    print(f"{prefix}error: unexpected {type(e).__name__}: {_one_line(e)}{hint}", file=sys.stderr)
+    return EXIT_UNEXPECTED
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     prefix = f"slidedp {args.verb}: "
+    if "RANK" in os.environ and args.verb == "train":  # one rank of several: see runtime.dist
+        return _rank(args, prefix)
     try:
         return _run(args)
     except KeyboardInterrupt:

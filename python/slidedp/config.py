@@ -94,12 +94,24 @@ class RuntimeSection:
     chunk_elems: int = 0  # elements per H2D/D2H chunk (a store slot); 0: one decoder layer
     staging_slots: int = 2  # BF16 host staging slots (H2D ring)
     grad_slots: int = 2  # host gradient slots (D2H → AdamW ring)
+    ranks: int = 1  # CPU processes (gloo) sharing one host state; `slidedp train` starts them
+    gpus: int = 1  # GPUs (one process each, NCCL) sharing one host state
+    grad_route: Literal["gpu", "cpu"] = "gpu"  # gradients summed on the devices or on the host
+    param_route: Literal["replicated", "sharded"] = "replicated"  # whole layer per rank, or 1/R
+    trace_path: str = ""  # write a Chrome/Perfetto trace of step `trace_step` here ("" = off)
+    trace_step: int = 3  # 0-based step to trace (after warm-up)
+
+    @property
+    def world(self) -> int:
+        """Processes to run: ``ranks`` on CPU, ``gpus`` on CUDA."""
+        return max(self.ranks, self.gpus)
 
     def __post_init__(self) -> None:
         _require(self.slots >= 1, f"runtime.slots must be >= 1, got {self.slots}")
         _require(self.chunk_elems >= 0, "runtime.chunk_elems must be >= 0 (0: one layer)")
         _require(self.staging_slots >= 1, "runtime.staging_slots must be >= 1")
         _require(self.grad_slots >= 1, "runtime.grad_slots must be >= 1")
+        _require(self.trace_step >= 0, "runtime.trace_step must be >= 0")
         _require(
             self.offload_ratio in (0.0, 1.0),
             f"runtime.offload_ratio must be 0 or 1 for now, got {self.offload_ratio}",
@@ -107,6 +119,19 @@ class RuntimeSection:
         _require(self.loss_chunk_tokens >= 1, "runtime.loss_chunk_tokens must be >= 1")
         _require(self.update_threads >= 0, "runtime.update_threads must be >= 0")
         _require(self.version_timeout_s > 0, "runtime.version_timeout_s must be > 0 seconds")
+        _require(self.ranks >= 1 and self.gpus >= 1, "runtime.ranks and runtime.gpus must be >= 1")
+        _require(
+            self.ranks == 1 or self.gpus == 1,
+            "set runtime.ranks (CPU processes) or runtime.gpus (GPUs), not both",
+        )
+        _require(
+            self.ranks == 1 or self.device == "cpu",
+            "runtime.ranks runs CPU processes: set runtime.device=cpu (or runtime.gpus for GPUs)",
+        )
+        _require(
+            self.gpus == 1 or self.device != "cpu",
+            "runtime.gpus needs CUDA: set runtime.device=cuda (or runtime.ranks for CPU)",
+        )
 
 
 @dataclass(kw_only=True)

@@ -23,6 +23,13 @@ class OutOfSharedMemoryError(SlidedpError, MemoryError):
     available_bytes: int
 
 
+class OutOfDeviceMemoryError(SlidedpError, MemoryError):
+    """A run's estimated GPU peak exceeds the device; ``needed_bytes`` and ``available_bytes``."""
+
+    needed_bytes: int
+    available_bytes: int
+
+
 class StoreAttachError(SlidedpError, RuntimeError):
     """A process could not attach to a host store by name."""
 
@@ -58,6 +65,10 @@ class StorePoisonedError(SlidedpError, RuntimeError):
     """Another process declared the store failed while this one waited on ``layer``."""
 
     layer: int
+
+
+class PeerFailedError(SlidedpError, RuntimeError):
+    """A collective failed because another rank died or raised (that rank reports its error)."""
 
 
 class UpdateFailedError(SlidedpError, RuntimeError):

@@ -6,11 +6,12 @@ Each check raises one typed ``SlidedpError`` whose message names the problem and
 returns one line for the OK summary: the device (``runtime.device=cuda`` on a machine without
 CUDA), the model directory (config.json present and of a supported architecture, built on the
 meta device; every safetensors header against the model's names, shapes and dtypes, and against
-the file size, without reading tensor data), the host memory the store needs at least (FP32
-master and both Adam moments) against free ``/dev/shm`` and ``MemAvailable``, the data, and the
-output directory (writable, probed with a temporary file; never a model or checkpoint directory,
-so nothing is ever written into one). ``slidedp train`` runs them all but the data check
-before it starts (the trainer checks the data as it reads it).
+the file size, without reading tensor data), the run's memory by ``slidedp.estimate`` (the
+exact store size, the offload arena, the process; the GPU peak on CUDA) against free
+``/dev/shm``, ``MemAvailable`` and the device total, the data, and the output directory
+(writable, probed with a temporary file; never a model or checkpoint directory, so nothing is
+ever written into one). ``slidedp train`` runs them all but the data check before it starts
+(the trainer checks the data as it reads it).
 
 Example::
 
@@ -27,13 +28,11 @@ import tempfile
 from pathlib import Path
 
 from slidedp.config import TrainConfig
-from slidedp.envinfo import meminfo_bytes
-from slidedp.errors import ConfigError, ModelLoadError, OutOfSharedMemoryError
+from slidedp.errors import ConfigError, ModelLoadError
 from slidedp.io.hf_load import check_weight_files, weight_files
 from slidedp.models.hf import HFAdapter
 
 SHM_DIR = Path("/dev/shm")
-_STATE_BYTES_PER_PARAM = 12  # FP32 master + exp_avg + exp_avg_sq; grads and staging come on top
 _GIB = 2**30
 
 
@@ -69,29 +68,24 @@ def parameter_count(adapter: HFAdapter) -> int:
     return sum(math.prod(shape) for shape in adapter.shapes().values())
 
 
-def check_host_memory(adapter: HFAdapter, shm_dir: Path = SHM_DIR) -> str:
-    """The store's lower bound (12 bytes per parameter) against free shm and available RAM;
-    raises the store's own ``OutOfSharedMemoryError`` before anything is allocated."""
-    needed = _STATE_BYTES_PER_PARAM * parameter_count(adapter)
-    stat = os.statvfs(shm_dir)
-    limits = {str(shm_dir): stat.f_bavail * stat.f_frsize}
-    ram = meminfo_bytes().get("mem_available_bytes")
-    if ram is not None:
-        limits["host RAM (MemAvailable)"] = ram
-    for where, available in limits.items():
-        if needed > available:
-            error = OutOfSharedMemoryError(
-                f"not enough space in {where} for the host store: at least "
-                f"{needed / _GIB:.1f} GiB needed, {available / _GIB:.1f} GiB available; enlarge "
-                f"it (e.g. `mount -o remount,size=... {shm_dir}`), free memory, or train a "
-                "smaller model"
-            )
-            error.needed_bytes, error.available_bytes = needed, available
-            raise error
-    free = ", ".join(
-        f"{where} {available / _GIB:.1f} GiB free" for where, available in limits.items()
+def check_memory(cfg: TrainConfig, adapter: HFAdapter, shm_dir: Path = SHM_DIR) -> str:
+    """The run's memory estimate (``slidedp.estimate``: exact store size, offload arena, process,
+    GPU peak) against this machine; raises ``OutOfSharedMemoryError`` (/dev/shm, RAM) or
+    ``OutOfDeviceMemoryError`` (GPU), one line with the numbers, before anything is allocated."""
+    from slidedp.estimate import Machine, check_fits, estimate_run
+
+    est = estimate_run(cfg, adapter, Machine.probe(cfg, shm_dir, measure=False))
+    check_fits(est)
+    m = est.machine
+    line = (
+        f"host     /dev/shm {est.shm_bytes / _GIB:.2f} of {m.shm_free_bytes / _GIB:.2f} GiB free, "
+        f"RAM {est.ram_bytes / _GIB:.2f} GiB"
     )
-    return f"host     store needs at least {needed / _GIB:.2f} GiB; {free}"
+    if m.mem_available_bytes is not None:
+        line += f" of {m.mem_available_bytes / _GIB:.2f} GiB available"
+    if est.gpu is not None and m.gpu_total_bytes is not None:
+        line += f", GPU {est.gpu.needed_bytes / _GIB:.2f} of {m.gpu_total_bytes / _GIB:.2f} GiB"
+    return line + " (slidedp estimate)"
 
 
 def check_data(cfg: TrainConfig, adapter: HFAdapter) -> str:
@@ -145,7 +139,7 @@ def check_output_dir(cfg: TrainConfig) -> str:
 def _check_all_but_data(cfg: TrainConfig) -> tuple[HFAdapter, list[str]]:
     device = check_device(cfg)
     adapter, model = check_model(cfg)
-    return adapter, [device, model, check_host_memory(adapter), check_output_dir(cfg)]
+    return adapter, [device, model, check_memory(cfg, adapter), check_output_dir(cfg)]
 
 
 def check_before_training(cfg: TrainConfig) -> list[str]:

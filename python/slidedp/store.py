@@ -45,6 +45,27 @@ class GroupSpec:
     params: Sequence[ParamSpec] = field(default_factory=tuple)
 
 
+def _spec_json(
+    groups: Sequence[GroupSpec],
+    staging_slots: int,
+    grad_dtype: Literal["bf16", "f32"] | None,
+    grad_slots: int,
+    chunk_elems: int | None,
+) -> str:
+    """The Rust ``StoreSpec`` as JSON."""
+    spec = {
+        "groups": [
+            {"name": g.name, "params": [asdict(p) | {"shape": list(p.shape)} for p in g.params]}
+            for g in groups
+        ],
+        "staging_slots": staging_slots,
+        "chunk_elems": chunk_elems,
+        "grad_slots": grad_slots,
+        "grad_dtype": grad_dtype,
+    }
+    return json.dumps(spec)
+
+
 class _MappedMemory:
     """Presents ``nbytes`` at ``address`` to numpy while holding ``owner`` (the mapping) alive."""
 
@@ -90,17 +111,23 @@ class HostStore:
     ) -> HostStore:
         """A new zero-filled store with ``grad_slots`` gradient slots in ``grad_dtype``; slots
         hold ``chunk_elems`` elements (None: the largest group whole)."""
-        spec = {
-            "groups": [
-                {"name": g.name, "params": [asdict(p) | {"shape": list(p.shape)} for p in g.params]}
-                for g in groups
-            ],
-            "staging_slots": staging_slots,
-            "chunk_elems": chunk_elems,
-            "grad_slots": grad_slots,
-            "grad_dtype": grad_dtype,
-        }
-        return cls(_native.HostStore.create(json.dumps(spec), shm_dir))
+        spec = _spec_json(groups, staging_slots, grad_dtype, grad_slots, chunk_elems)
+        return cls(_native.HostStore.create(spec, shm_dir))
+
+    @classmethod
+    def plan(
+        cls,
+        groups: Sequence[GroupSpec],
+        staging_slots: int,
+        grad_dtype: Literal["bf16", "f32"] | None = None,
+        grad_slots: int = 0,
+        chunk_elems: int | None = None,
+    ) -> dict[str, Any]:
+        """The layout ``create`` would give these arguments (``["regions"]["total_bytes"]`` is
+        the store's exact size), computed without allocating anything."""
+        spec = _spec_json(groups, staging_slots, grad_dtype, grad_slots, chunk_elems)
+        layout: dict[str, Any] = json.loads(_native.store_layout(spec))
+        return layout
 
     @classmethod
     def attach(cls, name: str) -> HostStore:

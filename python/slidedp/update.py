@@ -73,6 +73,11 @@ class UpdateWorker:
         """Waits until every submitted update is done; raises the first failure."""
         self._native.drain(timeout_s)
 
+    def take_spans(self) -> list[tuple[int, float, float]]:
+        """``(group, start_s, end_s)`` of each update request completed since the last call,
+        in ``time.monotonic()`` seconds (for traces)."""
+        return self._native.take_spans()
+
     def stats(self) -> tuple[int, float]:
         """(requests completed, seconds the update lane was busy)."""
         return self._native.stats()

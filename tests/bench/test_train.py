@@ -42,8 +42,12 @@ def test_ours_and_reference_end_to_end_on_cpu(
 ) -> None:
     config = write_tiny_config(tmp_path / "m")
     out = tmp_path / "report.json"
-    assert _cli(config, out, "--batch", "2", "--systems", "ours,reference") == 0
+    trace = tmp_path / "trace.json"
+    extra = ("--batch", "2", "--systems", "ours,reference", "--trace", str(trace))
+    assert _cli(config, out, *extra) == 0
     report = json.loads(out.read_text())
+    spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {e["name"] for e in spans} >= {"compute", "h2d", "d2h"}, "our measured step traced"
     assert set(report) >= REPORT_KEYS
     assert report["flops_formula"].startswith("6*N_matmul + 6*L*S*d_attn")
     ours, ref = report["runs"]

@@ -46,12 +46,35 @@ struct Progress {
     first_error: Option<String>,
 }
 
+/// When one request ran: CLOCK_MONOTONIC seconds (the clock of Python's `time.monotonic()`), so
+/// a trace can put the update lane next to the host and GPU lanes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct UpdateSpan {
+    pub group: usize,
+    pub start_s: f64,
+    pub end_s: f64,
+}
+
+/// Spans kept at most (a few steps of a deep model): older ones are dropped first.
+const MAX_SPANS: usize = 65_536;
+
 #[derive(Debug, Default)]
 struct Shared {
     progress: Mutex<Progress>,
     /// Notified after every completed request.
     advanced: Condvar,
     busy_ns: AtomicU64,
+    spans: Mutex<std::collections::VecDeque<UpdateSpan>>,
+}
+
+fn monotonic_s() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
 #[derive(Debug)]
@@ -131,6 +154,16 @@ impl UpdateWorker {
         self.wait_completed(submitted, timeout)
     }
 
+    /// The spans of the requests completed since the last call (oldest first).
+    pub fn take_spans(&self) -> Vec<UpdateSpan> {
+        self.shared
+            .spans
+            .lock()
+            .expect("poisoned")
+            .drain(..)
+            .collect()
+    }
+
     /// (requests completed, seconds spent updating) since creation.
     pub fn stats(&self) -> (u64, f64) {
         (
@@ -188,7 +221,7 @@ fn run(
         let outcome = if failed {
             Ok(())
         } else {
-            let start = Instant::now();
+            let (start, start_s) = (Instant::now(), monotonic_s());
             let outcome = update_chunk(store, kernels, &request).and_then(|()| {
                 request
                     .publish
@@ -197,6 +230,17 @@ fn run(
             shared
                 .busy_ns
                 .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            if request.len > 0 {
+                let mut spans = shared.spans.lock().expect("poisoned");
+                if spans.len() == MAX_SPANS {
+                    spans.pop_front();
+                }
+                spans.push_back(UpdateSpan {
+                    group: request.group,
+                    start_s,
+                    end_s: monotonic_s(),
+                });
+            }
             outcome
         };
         let mut progress = shared.progress.lock().expect("poisoned");

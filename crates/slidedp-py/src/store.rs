@@ -9,6 +9,16 @@ use slidedp_core::store::{HostStore, Region, StoreSpec};
 
 use crate::gate::{gate, timeout_from_secs, to_py_err};
 
+/// The resolved layout JSON (`regions.total_bytes` included) that `HostStore.create` would give
+/// `spec_json`, computed without allocating: what `slidedp estimate` sizes a run with.
+#[pyfunction]
+pub fn store_layout(py: Python<'_>, spec_json: &str) -> PyResult<String> {
+    let spec: StoreSpec = serde_json::from_str(spec_json)
+        .map_err(|e| to_py_err(py, &Error::InvalidLayout(e.to_string())))?;
+    let layout = gate(py, || HostStore::plan(&spec))?;
+    serde_json::to_string(&layout).map_err(|e| to_py_err(py, &Error::InvalidLayout(e.to_string())))
+}
+
 #[pyclass(frozen, name = "HostStore", module = "slidedp._native")]
 pub struct PyHostStore {
     pub(crate) inner: Arc<HostStore>,

@@ -75,6 +75,16 @@ impl PyUpdateWorker {
         gate(py, || self.inner.drain(timeout))
     }
 
+    /// [(group, start_s, end_s)] of the requests completed since the last call
+    /// (CLOCK_MONOTONIC seconds, Python's `time.monotonic()`).
+    fn take_spans(&self) -> Vec<(usize, f64, f64)> {
+        self.inner
+            .take_spans()
+            .into_iter()
+            .map(|s| (s.group, s.start_s, s.end_s))
+            .collect()
+    }
+
     /// (requests completed, seconds spent updating).
     fn stats(&self) -> (u64, f64) {
         self.inner.stats()

@@ -91,6 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg("--seed", type=int, default=0, help="seed of the synthetic tokens")
     arg("--json", default=None, help="also write the report to this JSON file")
     arg("--png", default=None, help="plot tokens/s and memory vs batch (needs matplotlib)")
+    arg(
+        "--trace",
+        default=None,
+        metavar="FILE",
+        help="Chrome/Perfetto trace of our first measured step (FILE; with --sweep, FILE-bN.json)",
+    )
 
 
 def _parse(args: argparse.Namespace) -> tuple[list[int], list[str], str]:
@@ -178,11 +184,24 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             for system in systems:
                 print(f"slidedp bench train: {system}, batch {batch} ...", file=sys.stderr)
                 run = dataclasses.replace(spec, system=system, batch=batch)
+                if args.trace and system == "ours":
+                    run = dataclasses.replace(run, ours=_traced(ours, args, batch, len(batches)))
                 result, peak_pss_bytes = run_child(run, Path(tmp))
                 runs.append(summarise(result, peak_pss_bytes, model))
     report["runs"] = runs
     report["ratios"] = ratios(runs)
     return report
+
+
+def _traced(
+    ours: dict[str, Any], args: argparse.Namespace, batch: int, runs: int
+) -> dict[str, Any]:
+    """``ours`` tracing its first measured step into ``--trace`` (one file per swept batch)."""
+    path = Path(args.trace)
+    if runs > 1:
+        path = path.with_name(f"{path.stem}-b{batch}{path.suffix or '.json'}")
+    runtime = {**ours["runtime"], "trace_path": str(path.resolve()), "trace_step": args.warmup}
+    return {**ours, "runtime": runtime}
 
 
 def main(args: argparse.Namespace) -> int:

@@ -25,6 +25,15 @@ the update lane overlaps the next step's forward instead of the backward. Host m
 one chunk per gradient slot (no per-parameter host gradient); the cost is GPU memory for one
 gradient of the model and no update/backward overlap (measured in BENCHMARKS.md).
 
+Several ranks (``ctx``, ``slidedp.runtime.dist``): each rank computes its rows of the global
+batch with the label count of the whole batch as the loss denominator (all-reduced first), so
+the ranks' gradients sum to the global one. ``grad_route`` says where they are summed
+(``slidedp.runtime.routes``: ``gpu`` reduces each group onto its owner, ``cpu`` sums the ranks'
+gradient slots on the host); the group's owner alone updates it and publishes its version, the
+others only wait for it. The global norm is the square root of the all-reduced sum of the
+owners' Σ g² (one scalar collective per step). ``param_route`` ``sharded`` loads 1/R of every
+layer per rank and all-gathers it (``Window``).
+
 A non-finite loss, or (clipping) a non-finite norm, raises ``NonFiniteError`` before any update
 of the step is submitted; ``skip(t)`` then advances the versions without updating. Without
 clipping, a non-finite group gradient raises before that group's update; groups later in
@@ -35,7 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -45,8 +54,11 @@ from slidedp.errors import NonFiniteError
 from slidedp.kernels import Kernels
 from slidedp.models.hf import EMBED, LM_HEAD, NORM, HFAdapter, bind_params
 from slidedp.models.loss import IGNORE_INDEX, chunked_lm_loss, shift_labels
+from slidedp.runtime.dist import Dist, all_reduce_sum
 from slidedp.runtime.grad_lane import AdamArgs, GradLane, GradTicket
 from slidedp.runtime.lanes import LaneClock, new_stream
+from slidedp.runtime.routes import GpuReduce, HostSum
+from slidedp.runtime.trace import StepTrace
 from slidedp.runtime.transfer import ActivationOffload, pin
 from slidedp.runtime.window import DeviceBuffer, Window
 from slidedp.store import HostStore
@@ -94,13 +106,29 @@ class Engine:
         loss_chunk_tokens: int,
         threads: int | None,
         version_timeout_s: float,
+        ctx: Dist | None = None,
+        grad_route: Literal["gpu", "cpu"] = "gpu",
+        param_route: Literal["replicated", "sharded"] = "replicated",
+        signals: HostStore | None = None,
     ) -> None:
+        """With ``ctx``, the store holds ``ctx.world`` times the slots of one rank; the cpu
+        gradient route needs ``signals`` (``routes.signal_specs``)."""
         self.adapter, self.store, self.device, self.dtype = adapter, store, device, dtype
         self.optim, self.offload = optim, offload_ratio > 0
         self.chunk_tokens, self.timeout_s = loss_chunk_tokens, version_timeout_s
+        self.ctx = ctx
+        rank, world = (0, 1) if ctx is None else (ctx.rank, ctx.world)
+        self.grad_slots = store.layout["grad_slots"] // world  # this rank's share of each ring
+        staging = store.layout["staging_slots"] // world
         self.clock = LaneClock(device)
         self.kernels = Kernels(threads)
         self.worker = UpdateWorker(store, threads)
+        self.reduce = GpuReduce(ctx) if ctx is not None and grad_route == "gpu" else None
+        host_sum = None
+        if ctx is not None and grad_route == "cpu":
+            assert signals is not None, "the cpu gradient route needs the signal store"
+            host_sum = HostSum(ctx, store, signals, self.kernels, self.grad_slots,
+                               version_timeout_s)  # fmt: skip
         self.grads = GradLane(
             store,
             self.worker,
@@ -108,7 +136,12 @@ class Engine:
             new_stream(device) if device.type == "cuda" else None,
             version_timeout_s,
             lambda g: adapter.groups[g].name,
+            slot_base=rank * self.grad_slots,
+            slot_count=self.grad_slots,
+            host_sum=host_sum,
+            owns=(lambda g: True) if ctx is None else (lambda g: ctx.owner(g) == ctx.rank),
         )
+        self._target = 0  # the version every group reaches once this rank's updates are done
         # Clipping: this step's gradients, parked until the clip coefficient is known; then the
         # ones ready to leave (with the coefficient), in forward order.
         self._parked: list[tuple[GradTicket, AdamArgs]] = []
@@ -124,6 +157,9 @@ class Engine:
             self.clock,
             version_timeout_s,
             before_wait=self._send_ready,
+            staging_base=rank * staging,
+            staging_count=staging,
+            shard=(rank, world) if ctx is not None and param_route == "sharded" else None,
         )
         self.embed_buf = self.window.own_buffer(adapter.embed_group)
         self.head_buf = self.window.own_buffer(adapter.head_group)
@@ -161,18 +197,28 @@ class Engine:
     def _send_ready(self, group: int) -> None:
         """Before a load waits for ``group``'s version: send the parked gradients up to it and a
         ring's worth ahead (their D2H and AdamW then run while this group's loads proceed)."""
-        ahead = group + self.store.layout["grad_slots"]
+        ahead = group + self.grad_slots
         while self._ready and self._ready[0][0].group <= ahead:
             ticket, adam = self._ready.pop(0)
             self.grads.send(ticket, adam, check_finite=False)
-        self.grads.flush(through_group=group)
+        if self.grads.host_sum is not None:
+            self.grads.flush()  # peers may be waiting for any queued chunk (routes.HostSum)
+        else:
+            self.grads.flush(through_group=group)
 
     def _adam(self, t: int, adam_step: int, lr: float, grad_scale: float) -> AdamArgs:
         o = self.optim
         return AdamArgs(adam_step, lr, o.betas, o.eps, o.weight_decay, grad_scale, t + 1)
 
-    def _hand_over(self, ticket: GradTicket, t: int, adam_step: int, lr: float) -> None:
-        """A group's gradient is issued: overlap mode sends it now, clipping parks it."""
+    def _hand_over(
+        self, local: GradTicket, t: int, adam_step: int, lr: float, tickets: list[GradTicket]
+    ) -> None:
+        """A group's gradient is issued: reduced onto its owner (gpu route), then sent now
+        (overlap mode) or parked (clipping); ``tickets`` collects what counts for the norm."""
+        ticket = local if self.reduce is None else self.reduce.reduce(local)
+        if ticket is None:
+            return  # another rank owns this group
+        tickets.append(ticket)
         if self.optim.max_grad_norm > 0:
             self._parked.append((ticket, self._adam(t, adam_step, lr, 1.0)))
             return
@@ -184,8 +230,13 @@ class Engine:
         ``adam_step`` is AdamW's 1-based step count (default ``t + 1``; lower after skips)."""
         a, win, v = self.adapter, self.window, t
         n_adam = t + 1 if adam_step is None else adam_step
+        if self.ctx is not None:
+            batch = self.ctx.rows(batch)
         targets_host = shift_labels(batch.labels)  # [B, S]
         n_labels = int((targets_host != IGNORE_INDEX).sum())
+        if self.ctx is not None:  # the mean is over the label tokens of the global batch
+            n_labels = int(all_reduce_sum([n_labels], self.device)[0])
+        self.grads.owned_sum_squares = 0.0
         ids = batch.input_ids.to(self.device, non_blocking=True)  # [B, S]
         targets = targets_host.to(self.device, non_blocking=True)
         # Packed rows: per-sample positions and no padding mask, so transformers' mask builders
@@ -233,7 +284,10 @@ class Engine:
             )
             g, g_norm_w = torch.autograd.grad(normed, (x_last, norm_w), g_normed)
         win.release(self.head_buf)
-        loss = float(loss_sum) / max(n_labels, 1)
+        total_loss = float(loss_sum)
+        if self.ctx is not None:
+            total_loss = all_reduce_sum([total_loss], self.device)[0]
+        loss = total_loss / max(n_labels, 1)
         if not math.isfinite(loss):
             raise NonFiniteError(
                 f"step {t}: the loss is not finite ({loss}); no update of this step was applied",
@@ -241,8 +295,8 @@ class Engine:
                 what="loss",
             )
         head_grads = {NORM: g_norm_w} if a.tied else {NORM: g_norm_w, LM_HEAD: g_head_w}
-        tickets = [GradLane.ticket(a.head_group, head_grads)]
-        self._hand_over(tickets[-1], t, n_adam, lr)
+        tickets: list[GradTicket] = []
+        self._hand_over(GradLane.ticket(a.head_group, head_grads), t, n_adam, lr, tickets)
         for layer in reversed(range(a.num_layers)):  # backward: reload, recompute, grad
             group = a.layer_group(layer)
             buf = self._fetch(group, v)
@@ -261,8 +315,8 @@ class Engine:
             win.release(buf)
             saved[layer] = None
             g = grads[0]
-            tickets.append(GradLane.ticket(group, dict(zip(leaves, grads[1:], strict=True))))
-            self._hand_over(tickets[-1], t, n_adam, lr)
+            ticket = GradLane.ticket(group, dict(zip(leaves, grads[1:], strict=True)))
+            self._hand_over(ticket, t, n_adam, lr, tickets)
         with self.clock.stream("compute", compute):
             w = embed_w.detach().requires_grad_(True)
             with torch.enable_grad():
@@ -271,16 +325,27 @@ class Engine:
             if a.tied:
                 g_embed = g_embed + g_head_w
         win.release(self.embed_buf)
-        tickets.append(GradLane.ticket(a.embed_group, {EMBED: g_embed}))
-        self._hand_over(tickets[-1], t, n_adam, lr)
+        self._hand_over(GradLane.ticket(a.embed_group, {EMBED: g_embed}), t, n_adam, lr, tickets)
         if self.optim.max_grad_norm == 0:
             self.grads.flush()  # a non-finite gradient surfaces in its own step
+        self._target = t + 1
         return self._finish(t, loss, n_labels, tickets)
+
+    def _global_norm(self, tickets: list[GradTicket]) -> torch.Tensor:
+        """‖gradient of the global batch‖₂: from the local norms, or across the owners."""
+        all_norms = [n for tk in tickets for n in tk.norms]
+        if self.ctx is None:
+            total: torch.Tensor = torch.linalg.vector_norm(torch.stack(all_norms))
+            return total  # clip_grad_norm_'s total
+        if self.grads.host_sum is not None:  # cpu route: Σ g² of the summed host chunks
+            owned = self.grads.owned_sum_squares
+        else:
+            owned = float(torch.stack(all_norms).double().square().sum()) if all_norms else 0.0
+        return torch.tensor(math.sqrt(all_reduce_sum([owned], self.device)[0]))
 
     def _finish(self, t: int, loss: float, n_labels: int, tickets: list[GradTicket]) -> StepResult:
         """Global norm; with clipping, the parked gradients get the clip coefficient."""
-        all_norms = [n for tk in tickets for n in tk.norms]
-        total = torch.linalg.vector_norm(torch.stack(all_norms))  # clip_grad_norm_'s total
+        total = self._global_norm(tickets)
         grad_norm = float(total)
         coef = 1.0
         if self.optim.max_grad_norm > 0:
@@ -309,17 +374,35 @@ class Engine:
         self.clock.reset()
         return times
 
+    def start_trace(self) -> None:
+        """Record the next step's lanes as spans (``stop_trace`` after ``lane_times``)."""
+        self.worker.take_spans()  # drop older update spans
+        self.clock.start_trace()
+
+    def stop_trace(self, step: int) -> StepTrace:
+        """The traced step's spans, with the update-lane requests that ran meanwhile."""
+        spans = self.clock.stop_trace()
+        names = self.adapter.groups
+        start = min((s for _, s, _ in spans), default=0.0)
+        end = max((e for _, _, e in spans), default=0.0)
+        updates = [
+            (names[g].name, s, e) for g, s, e in self.worker.take_spans() if s < end and e > start
+        ]
+        return StepTrace(step, spans, updates)
+
     def skip(self, t: int) -> None:
         """Step ``t`` failed before any update: advance every group to version ``t + 1``."""
         self._parked.clear()
         for group in range(self.store.num_groups):
-            self.grads.publish_only(group, t + 1)
+            self.grads.publish_only(group, t + 1)  # owned groups only
+        self._target = t + 1
 
     def start_at(self, t: int) -> None:
         """Resume: the store holds the state after ``t`` steps; the next step is ``t``."""
         self.drain()
         for group in range(self.store.num_groups):
             self.store.publish(group, t)
+        self._target = t
 
     def drain(self) -> None:
         """Send every parked gradient and wait for every queued update."""
@@ -327,3 +410,6 @@ class Engine:
             self._send_ready(self.store.num_groups)
         self.grads.flush()
         self.worker.drain(self.timeout_s)
+        if self.ctx is not None:  # the other owners' updates too
+            for group in range(self.store.num_groups):
+                self.store.wait_version(group, self._target, self.timeout_s)

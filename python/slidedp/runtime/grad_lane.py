@@ -10,13 +10,19 @@ when every slot is queued-but-unsubmitted, ``send`` flushes the oldest first.
 
 Host memory: ``grad_slots`` chunks, never one gradient per parameter. Device memory: each
 chunk's source stays referenced until its copy is done.
+
+Several ranks: the lane uses its rank's slot range ``[slot_base, slot_base + slot_count)``. With
+the cpu gradient route (``host_sum``) every rank sends every group; at flush a chunk is
+announced (``landed``), and only the group's owner (``owns``) sums the ranks' chunks and submits
+the update; a non-owner's slot is free again once the owner summed out of it.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +31,9 @@ from slidedp.runtime.chunking import chunks, pieces
 from slidedp.runtime.lanes import LaneClock, new_event, on_stream
 from slidedp.store import HostStore
 from slidedp.update import UpdateWorker
+
+if TYPE_CHECKING:
+    from slidedp.runtime.routes import HostSum
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,7 @@ class _Chunk:
     adam: AdamArgs
     check_finite: bool
     done: torch.cuda.Event | None
+    seq: int  # chunks sent before this one by this lane (the same on every rank)
     keep: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -72,17 +82,28 @@ class GradLane:
         stream: torch.cuda.Stream | None,
         timeout_s: float,
         group_name: Any,
+        *,
+        slot_base: int = 0,
+        slot_count: int | None = None,
+        host_sum: HostSum | None = None,
+        owns: Callable[[int], bool] = lambda group: True,
     ) -> None:
         self.store, self.worker, self.clock, self.stream = store, worker, clock, stream
         self.timeout_s, self.group_name = timeout_s, group_name
+        self.host_sum, self.owns = host_sum, owns
         layout = store.layout
         self._slot_len = int(layout["slot_len"])
         self._groups = layout["groups"]
         self._params = layout["params"]
         self._queue: deque[_Chunk] = deque()
         self._queued_slots: set[int] = set()
-        self._slot_reader: list[int | None] = [None] * int(layout["grad_slots"])
+        self._slot_base = slot_base
+        count = int(layout["grad_slots"]) if slot_count is None else slot_count
+        # per local slot: ("update", worker seq) or ("sum", chunk seq) of its last reader
+        self._slot_reader: list[tuple[str, int] | None] = [None] * count
         self._next_slot = 0
+        self._sent = 0
+        self.owned_sum_squares = 0.0  # cpu route: Σ g² of the summed chunks this rank owned
 
     @staticmethod
     def ticket(group: int, grads: dict[str, torch.Tensor]) -> GradTicket:
@@ -97,7 +118,11 @@ class GradLane:
         reader = self._slot_reader[k]
         if reader is not None:
             with self.clock.host("wait_update"):
-                self.worker.wait_completed(reader + 1, self.timeout_s)
+                if reader[0] == "update":
+                    self.worker.wait_completed(reader[1] + 1, self.timeout_s)
+                else:
+                    assert self.host_sum is not None
+                    self.host_sum.wait_consumed(k, reader[1])
         return k
 
     def send(self, ticket: GradTicket, adam: AdamArgs, *, check_finite: bool) -> None:
@@ -109,9 +134,10 @@ class GradLane:
             self.stream.wait_stream(torch.cuda.current_stream())  # after the backward
         for i, (start, length) in enumerate(parts):
             k = self._acquire_slot()
-            slot = self.store.grad_slot(k)
+            slot = self.store.grad_slot(self._slot_base + k)
             chunk = _Chunk(ticket, start, length, k, i == 0, i == len(parts) - 1, adam,
-                           check_finite, None)  # fmt: skip
+                           check_finite, None, self._sent)  # fmt: skip
+            self._sent += 1
             with on_stream(self.stream), self.clock.stream("d2h", self.stream):
                 for p, lo, hi in pieces(params, "state_offset", g["state_offset"], start, length):
                     src = ticket.grads[p["name"]].view(-1)[lo:hi]
@@ -132,6 +158,15 @@ class GradLane:
         chunk.keep.clear()
         self._queued_slots.discard(chunk.slot)
         ticket, a = chunk.ticket, chunk.adam
+        if self.host_sum is not None:
+            self.host_sum.landed(chunk.seq)
+            if not self.owns(ticket.group):
+                self._slot_reader[chunk.slot] = ("sum", chunk.seq)
+                if chunk.last:
+                    ticket.grads.clear()
+                return
+            with self.clock.host("wait_update"):  # the owner waits for its peers' chunks
+                self.owned_sum_squares += self.host_sum.gather(chunk.seq, chunk.slot, chunk.length)
         if chunk.first and chunk.check_finite:
             norm = torch.linalg.vector_norm(torch.stack(ticket.norms))
             if not torch.isfinite(norm):
@@ -148,7 +183,7 @@ class GradLane:
             ticket.group,
             chunk.start,
             chunk.length,
-            chunk.slot,
+            self._slot_base + chunk.slot,
             step=a.step,
             lr=a.lr,
             betas=a.betas,
@@ -157,7 +192,7 @@ class GradLane:
             grad_scale=a.grad_scale,
             publish=a.version if chunk.last else None,
         )
-        self._slot_reader[chunk.slot] = seq
+        self._slot_reader[chunk.slot] = ("update", seq)
         if chunk.last:
             ticket.grads.clear()  # the device gradient is no longer needed
 
@@ -181,5 +216,7 @@ class GradLane:
     def publish_only(self, group: int, version: int) -> None:
         """Advance ``group``'s version without an update (a skipped step), in lane order."""
         self.flush()
+        if not self.owns(group):
+            return
         self.worker.submit(group, 0, 0, 0, step=1, lr=0.0, betas=(0.0, 0.0), eps=1.0,
                            weight_decay=0.0, publish=version)  # fmt: skip

@@ -6,8 +6,11 @@ the compute lane's: ``wait_update`` (version gates, host side), ``wait_h2d`` / `
 ``wait_offload`` (on CUDA the compute stream's stall on a copy event, measured by events around
 ``wait_event``; on CPU copies are synchronous and these stay 0).
 
-On CPU every interval is ``time.perf_counter``; on CUDA intervals on a stream are pairs of
-timing events resolved once at the end of the step (no sync inside the step).
+On CPU every interval is ``time.monotonic`` (CLOCK_MONOTONIC, the clock of the Rust update
+worker's spans); on CUDA intervals on a stream are pairs of timing events resolved once at the
+end of the step (no sync inside the step). With ``start_trace()`` the step's intervals are also
+kept as spans on one timeline (GPU events placed by a reference event recorded at a synchronised
+instant) for ``runtime.trace``.
 """
 
 from __future__ import annotations
@@ -38,15 +41,34 @@ def on_stream(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextMan
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
+Span = tuple[str, float, float]  # (lane or wait key, start, end) in time.monotonic() seconds
+
+
 class LaneClock:
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+        self.cuda, self.device = device.type == "cuda", device
         self._seconds: dict[str, float] = defaultdict(float)
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.spans: list[Span] | None = None  # kept only while tracing
+        self._reference: tuple[float, torch.cuda.Event] | None = None
 
     def reset(self) -> None:
         self._seconds = defaultdict(float)
         self._events = []
+
+    def start_trace(self) -> None:
+        """Keep this step's intervals as spans (until ``stop_trace``)."""
+        self.spans = []
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            event = new_event(timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            event.synchronize()
+            self._reference = (time.monotonic(), event)
+
+    def stop_trace(self) -> list[Span]:
+        spans, self.spans, self._reference = self.spans or [], None, None
+        return spans
 
     def add(self, key: str, seconds: float) -> None:
         self._seconds[key] += seconds
@@ -54,11 +76,14 @@ class LaneClock:
     @contextmanager
     def host(self, key: str) -> Iterator[None]:
         """Time host work (or a host-side wait) with the wall clock."""
-        start = time.perf_counter()
+        start = time.monotonic()
         try:
             yield
         finally:
-            self._seconds[key] += time.perf_counter() - start
+            end = time.monotonic()
+            self._seconds[key] += end - start
+            if self.spans is not None:
+                self.spans.append((key, start, end))
 
     @contextmanager
     def stream(self, key: str, stream: torch.cuda.Stream | None) -> Iterator[None]:
@@ -81,5 +106,9 @@ class LaneClock:
         for key, start, end in self._events:
             end.synchronize()
             self._seconds[key] += start.elapsed_time(end) / 1000.0
+            if self.spans is not None and self._reference is not None:
+                t0, ref = self._reference
+                begin = t0 + ref.elapsed_time(start) / 1000.0
+                self.spans.append((key, begin, t0 + ref.elapsed_time(end) / 1000.0))
         self._events = []
         return {f"{k}_s": round(self._seconds.get(k, 0.0), 6) for k in LANES + WAITS}

@@ -48,10 +48,13 @@ from slidedp.io.checkpoint import (
 from slidedp.io.hf_load import fill_master
 from slidedp.kernels import default_threads
 from slidedp.models.hf import HFAdapter
+from slidedp.runtime.dist import Dist, start
 from slidedp.runtime.engine import Engine, OptimConfig, layer_chunk_elems
 from slidedp.runtime.flops import device_peak_flops, model_flops_per_token
+from slidedp.runtime.routes import signal_specs
 from slidedp.runtime.schedule import lr_schedule
 from slidedp.runtime.stop_signals import StopSignals
+from slidedp.runtime.trace import write_trace
 from slidedp.runtime.train_log import RunFacts, StepLog, tensorboard_writer
 from slidedp.store import HostStore
 
@@ -79,7 +82,12 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, *, log: bool = True) -> None:
         self.cfg, self.log = cfg, log
         tc, rt = cfg.train, cfg.runtime
+        self.ctx = Dist.from_env()  # several ranks: see slidedp.runtime.dist
+        world = 1 if self.ctx is None else self.ctx.world
         self.device = pick_device(rt.device)
+        if self.ctx is not None:
+            self.device = start(self.ctx, self.device, rt, tc)
+            self.log = log and self.ctx.main  # only rank 0 logs and writes
         self.dtype = pick_dtype(tc.dtype, self.device)
         self.cuda = self.device.type == "cuda"
         torch.manual_seed(tc.seed)
@@ -88,14 +96,28 @@ class Trainer:
         self.progress = Progress()
         self.resume_from = self._check_resume()
         grad_dtype: Literal["bf16", "f32"] = "bf16" if self.dtype == torch.bfloat16 else "f32"
-        self.store = HostStore.create(
-            self.adapter.group_specs(),
-            staging_slots=rt.staging_slots,
-            grad_dtype=grad_dtype,
-            grad_slots=rt.grad_slots,
-            chunk_elems=rt.chunk_elems or layer_chunk_elems(self.adapter),
-        )
-        self.source = self._fill_state()
+        if world > 1 and rt.grad_route == "cpu":
+            grad_dtype = "f32"  # the host sums into the owner's slot in f32 (Kernels.sum_into)
+
+        def create() -> HostStore:  # every rank gets its own range of the slot rings
+            store = HostStore.create(
+                self.adapter.group_specs(),
+                staging_slots=rt.staging_slots * world,
+                grad_dtype=grad_dtype,
+                grad_slots=rt.grad_slots * world,
+                chunk_elems=rt.chunk_elems or layer_chunk_elems(self.adapter),
+            )
+            self.source = self._fill_state(store)
+            return store
+
+        self.signals: HostStore | None = None
+        if self.ctx is None:
+            self.store = create()
+        else:  # rank 0 creates the store and loads the weights once; the others attach
+            self.source = "shared by rank 0"
+            self.store = self.ctx.share_store(create)
+            signals = signal_specs(world, rt.grad_slots)
+            self.signals = self.ctx.share_store(lambda: HostStore.create(signals, 0))
         self.data = build_batches(  # reads and checks all the data before any GPU work
             cfg.data,
             model_dir=Path(cfg.model.path),
@@ -120,6 +142,10 @@ class Trainer:
             loss_chunk_tokens=rt.loss_chunk_tokens,
             threads=rt.update_threads or self._default_host_threads(),
             version_timeout_s=rt.version_timeout_s,
+            ctx=self.ctx,
+            grad_route=rt.grad_route,
+            param_route=rt.param_route,
+            signals=self.signals,
         )
         if self.resume_from is not None:
             self.engine.start_at(self.progress.step)
@@ -148,11 +174,11 @@ class Trainer:
         self._rng = read_rng(path)
         return path
 
-    def _fill_state(self) -> str:
+    def _fill_state(self, store: HostStore) -> str:
         """Master weights (and Adam moments when resuming) into the store; says from where."""
         if self.resume_from is None:
-            return fill_master(self.adapter, self.store, self.cfg.train.seed)
-        load_tensors(self.resume_from, self.adapter, self.store)
+            return fill_master(self.adapter, store, self.cfg.train.seed)
+        load_tensors(self.resume_from, self.adapter, store)
         return f"resumed from {self.resume_from} (step {self.progress.step})"
 
     def _default_host_threads(self) -> int | None:
@@ -172,7 +198,7 @@ class Trainer:
             model=f"{a.config.model_type} ({self.cfg.model.path}, {self.source})",
             params=sum(self.store.param(n).numel() for _, n in a.iter_params()),
             layers=a.num_layers,
-            ranks=1,
+            ranks=1 if self.ctx is None else self.ctx.world,
             global_batch_size=tc.global_batch_size,
             seq_len=self.cfg.data.seq_len,
             start_step=self.progress.step,
@@ -194,6 +220,10 @@ class Trainer:
         batch = self.data.batch(t)
         lr = self.lr_at(t)
         record: dict[str, Any] = {"step": t + 1}
+        rt = self.cfg.runtime
+        tracing = bool(rt.trace_path) and t == rt.trace_step
+        if tracing:
+            self.engine.start_trace()
         start = time.perf_counter()
         try:
             result = self.engine.step(t, batch, lr, adam_step=p.adam_step + 1)
@@ -222,6 +252,9 @@ class Trainer:
             }
         step_time_s = time.perf_counter() - start
         p.step = t + 1
+        lanes = self.engine.lane_times()
+        if tracing:
+            write_trace(Path(rt.trace_path), self.engine.stop_trace(t))
         return (
             record
             | {
@@ -230,7 +263,7 @@ class Trainer:
                 "seq_len": int(batch.input_ids.shape[1]),
                 "step_time_s": round(step_time_s, 6),
                 "tokens_per_s": round(batch.tokens / step_time_s, 1),
-                **self.engine.lane_times(),
+                **lanes,
             }
             | ({"gpu_max_allocated_bytes": torch.cuda.max_memory_allocated()} if self.cuda else {})
         )
@@ -269,6 +302,8 @@ class Trainer:
     def run(self) -> list[dict[str, Any]]:
         """The remaining steps; returns their metrics records (also in ``metrics.jsonl``)."""
         tc, out = self.cfg.train, self.cfg.output
+        if self.ctx is not None and not self.ctx.main:
+            return self._follow()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         facts = self._facts()
         log = StepLog(
@@ -314,6 +349,17 @@ class Trainer:
         if out.export:
             self._say(f"exported {export_checkpoint(last, self.out_dir / 'final', replace=True)}")
         return records
+
+    def _follow(self) -> list[dict[str, Any]]:
+        """A rank other than 0: the same steps, and drains where rank 0 saves (a checkpoint
+        needs every owner's updates); rank 0 alone logs and writes."""
+        tc, out = self.cfg.train, self.cfg.output
+        for t in range(self.progress.step, tc.max_steps):
+            self._step(t)
+            if out.save_steps and (t + 1) % out.save_steps == 0 and t + 1 < tc.max_steps:
+                self.engine.drain()
+        self.engine.drain()
+        return []
 
     def _say(self, line: str) -> None:
         if self.log:

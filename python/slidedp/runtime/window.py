@@ -8,6 +8,11 @@ stream; for f32 compute, no staging. A layer's module is bound to views of the s
 it runs (``HFAdapter`` modules are structure only), so device memory for parameters is
 ``slots`` times the largest layer plus embed and head, whatever the depth.
 
+Several ranks: a rank uses its own range of staging slots (``staging_base``). With the sharded
+parameter route (``shard=(rank, world)``) the device buffers are padded to a multiple of
+``world``; a rank loads (and, in BF16, casts) only its ``1/world`` share of the group's flat slot
+layout and an all-gather rebuilds the layer on every rank, so no element is cast twice.
+
 Buffer owners: the store owns host master/staging/grad; the window owns the device buffers;
 a staging slot is reused only after the copy that read it completed (its event), and a device
 slot only after the compute that read it completed (its release event).
@@ -19,9 +24,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from slidedp.kernels import Kernels
 from slidedp.runtime.chunking import chunks, pieces
+from slidedp.runtime.dist import collective
 from slidedp.runtime.lanes import LaneClock, new_event, new_stream, on_stream
 from slidedp.store import HostStore
 
@@ -52,12 +59,17 @@ class Window:
         clock: LaneClock,
         version_timeout_s: float,
         before_wait: Callable[[int], None] | None = None,
+        *,
+        staging_base: int = 0,
+        staging_count: int | None = None,
+        shard: tuple[int, int] | None = None,
     ) -> None:
         """``before_wait(group)`` runs before waiting for a group's version (the gradient lane
         submits that group's queued update there)."""
         self.store, self.kernels, self.device, self.dtype = store, kernels, device, dtype
         self.clock, self.timeout_s, self.before_wait = clock, version_timeout_s, before_wait
         self.cuda = device.type == "cuda"
+        self.staging_base, self.shard = staging_base, shard
         self.copy_stream = new_stream(device) if self.cuda else None
         groups = store.layout["groups"]
         self._params: dict[int, list[dict[str, Any]]] = {
@@ -65,18 +77,33 @@ class Window:
             for gi, g in enumerate(groups)
         }
         self._slot_len = {gi: int(g["slot_len"]) for gi, g in enumerate(groups)}
-        layer_len = max(self._slot_len[g] for g in layer_groups)
+        layer_len = self._padded(max(self._slot_len[g] for g in layer_groups))
         self.slots = [DeviceBuffer(layer_len, dtype, device) for _ in range(slots)]
         self._next_slot = 0
-        self._staging_events: list[torch.cuda.Event | None] = [None] * store.layout["staging_slots"]
+        count = store.layout["staging_slots"] if staging_count is None else staging_count
+        self._staging_events: list[torch.cuda.Event | None] = [None] * count
         self._next_staging = 0
         self._by_group: dict[int, DeviceBuffer] = {}
 
     def own_buffer(self, group: int) -> DeviceBuffer:
         """A dedicated buffer for ``group`` (embedding, head): loaded like a slot, never shared."""
-        buf = DeviceBuffer(self._slot_len[group], self.dtype, self.device)
+        buf = DeviceBuffer(self._padded(self._slot_len[group]), self.dtype, self.device)
         self._by_group[group] = buf
         return buf
+
+    def _padded(self, numel: int) -> int:
+        """Buffer length: a multiple of the ranks when sharded (equal all-gather parts)."""
+        world = 1 if self.shard is None else self.shard[1]
+        return -(-numel // world) * world
+
+    def _share(self, group: int) -> tuple[int, int]:
+        """The range of the group's slot layout this rank loads: all of it, or its shard."""
+        n = self._slot_len[group]
+        if self.shard is None:
+            return 0, n
+        rank, world = self.shard
+        part = self._padded(n) // world
+        return min(rank * part, n), min((rank + 1) * part, n)
 
     def views(self, buf: DeviceBuffer, group: int) -> dict[str, torch.Tensor]:
         """Full parameter name → shaped view of ``buf`` (which must hold ``group``)."""
@@ -94,7 +121,7 @@ class Window:
         if event is not None:
             with self.clock.host("wait_h2d"):
                 event.synchronize()
-        return k, self.store.staging_slot(k)
+        return k, self.store.staging_slot(self.staging_base + k)
 
     def load(self, buf: DeviceBuffer, group: int, version: int) -> None:
         """Issue the load of ``group`` at ``version`` into ``buf`` (returns before H2D ends)."""
@@ -107,30 +134,42 @@ class Window:
         stream = self.copy_stream
         if stream is not None and buf.released is not None:
             stream.wait_event(buf.released)  # compute finished reading the old contents
+        lo, hi = self._share(group)
         if self.dtype == torch.bfloat16:
-            self._stage_and_copy(buf, group, stream)
+            self._stage_and_copy(buf, group, stream, lo, hi)
         else:  # f32 compute: straight from the master weights, no staging
             with on_stream(stream), self.clock.stream("h2d", stream):
-                for p in self._params[group]:
-                    dst = buf.flat[p["slot_offset"] : p["slot_offset"] + p["numel"]]
-                    dst.copy_(self.store.param(p["name"]).view(-1), non_blocking=True)
+                for p, a, b in pieces(self._params[group], "slot_offset", 0, lo, hi - lo):
+                    dst = buf.flat[p["slot_offset"] + a : p["slot_offset"] + b]
+                    dst.copy_(self.store.param(p["name"]).view(-1)[a:b], non_blocking=True)
+        if self.shard is not None:
+            self._all_gather(buf.flat[: self._padded(self._slot_len[group])], stream)
         if stream is not None:
             buf.ready = new_event()
             buf.ready.record(stream)
         buf.group, buf.version = group, version
 
+    def _all_gather(self, flat: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+        """Every rank's share into every rank's ``flat`` (ordered after this rank's H2D)."""
+        assert self.shard is not None
+        rank, world = self.shard
+        parts = list(flat.view(world, -1).unbind(0))
+        with on_stream(stream), self.clock.stream("h2d", stream):
+            collective(lambda: dist.all_gather(parts, parts[rank].clone()))
+
     def _stage_and_copy(
-        self, buf: DeviceBuffer, group: int, stream: torch.cuda.Stream | None
+        self, buf: DeviceBuffer, group: int, stream: torch.cuda.Stream | None, lo: int, hi: int
     ) -> None:
-        """Per chunk: cast into a staging slot (host), then H2D it (copy stream)."""
+        """Per chunk of ``[lo, hi)``: cast into a staging slot (host), then H2D it."""
         params = self._params[group]
-        for start, length in chunks(self._slot_len[group], self.store.layout["slot_len"]):
+        for offset, length in chunks(hi - lo, self.store.layout["slot_len"]):
+            start = lo + offset
             k, staging = self._staging_slot()
             with self.clock.host("prep"):
-                for p, lo, hi in pieces(params, "slot_offset", 0, start, length):
-                    at = p["slot_offset"] + lo - start
-                    src = self.store.param(p["name"]).view(-1)[lo:hi]
-                    self.kernels.cast_f32_to_bf16(src, staging[at : at + hi - lo])
+                for p, a, b in pieces(params, "slot_offset", 0, start, length):
+                    at = p["slot_offset"] + a - start
+                    src = self.store.param(p["name"]).view(-1)[a:b]
+                    self.kernels.cast_f32_to_bf16(src, staging[at : at + b - a])
             with on_stream(stream), self.clock.stream("h2d", stream):
                 buf.flat[start : start + length].copy_(staging[:length], non_blocking=True)
                 if stream is not None:

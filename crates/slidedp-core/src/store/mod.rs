@@ -43,6 +43,14 @@ struct Header {
     spec_json_len: u64,
 }
 
+/// The serialized spec (written after the header) and the layout that leaves room for both.
+fn resolve_with_header(spec: &StoreSpec) -> Result<(Vec<u8>, StoreLayout)> {
+    let spec_json = serde_json::to_vec(spec)
+        .map_err(|e| Error::InvalidLayout(format!("cannot serialize the spec: {e}")))?;
+    let layout = StoreLayout::resolve(spec, HEADER_FIXED_BYTES + spec_json.len())?;
+    Ok((spec_json, layout))
+}
+
 /// The kinds of arrays in the store.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Region {
@@ -77,9 +85,7 @@ pub struct HostStore {
 impl HostStore {
     /// Creates a zero-filled store for `spec` in `shm_dir` (normally `/dev/shm`).
     pub fn create(spec: &StoreSpec, shm_dir: &Path) -> Result<Self> {
-        let spec_json = serde_json::to_vec(spec)
-            .map_err(|e| Error::InvalidLayout(format!("cannot serialize the spec: {e}")))?;
-        let layout = StoreLayout::resolve(spec, HEADER_FIXED_BYTES + spec_json.len())?;
+        let (spec_json, layout) = resolve_with_header(spec)?;
         let region = SharedRegion::create(shm_dir, layout.regions.total_bytes)?;
         let nonce = random_u64();
         // SAFETY: the region is at least `total_bytes` long, page-aligned, zero-filled and not yet
@@ -111,6 +117,12 @@ impl HostStore {
             layout,
             name,
         })
+    }
+
+    /// The layout (`regions.total_bytes` included) that `create` would give `spec`, computed
+    /// without allocating anything.
+    pub fn plan(spec: &StoreSpec) -> Result<StoreLayout> {
+        Ok(resolve_with_header(spec)?.1)
     }
 
     /// Attaches to a store created by another (living) process, by the name it reported.

@@ -150,6 +150,14 @@ fn chunked_updates_through_a_slot_ring_match_per_parameter_adamw() {
     worker.drain(Duration::from_secs(30)).unwrap();
     assert_eq!(store.version(0).unwrap(), 3);
     assert_eq!(store.version(1).unwrap(), 3);
+    let spans = worker.take_spans();
+    assert_eq!(spans.len() as u64, worker.stats().0, "one span per request");
+    assert!(spans.iter().all(|s| s.start_s <= s.end_s));
+    assert!(
+        spans.windows(2).all(|w| w[0].end_s <= w[1].start_s),
+        "in order"
+    );
+    assert!(worker.take_spans().is_empty());
     for (p, want) in layout.params.iter().zip(&expected) {
         let got = &master[p.state_offset..p.state_offset + p.numel];
         assert_eq!(got, want.as_slice(), "{}", p.name);

@@ -1,0 +1,477 @@
+"""What a run needs — /dev/shm, host RAM, pinned memory, GPU peak, step time — before allocating.
+
+Run: ``slidedp estimate CONFIG.yaml [section.key=value ...] [--json]``; ``slidedp train`` and
+``slidedp validate`` refuse a run the machine cannot hold (``check_fits``), with the numbers.
+
+The model comes from ``HFAdapter.from_dir`` (meta device: no weight is read or allocated). ``L``
+decoder layers, hidden ``H``, intermediate ``I``, ``d_q = heads * head_dim``, ``d_kv = kv_heads *
+head_dim``, vocabulary ``V``, ``N`` parameters; ``B = train.global_batch_size`` rows of ``S =
+data.seq_len`` tokens (an upper bound: unpacked rows are padded to the batch's longest); ``e`` the
+compute dtype's bytes (2 for bf16 on CUDA, 4 for f32 on CPU); ``r = runtime.offload_ratio``.
+
+Host (``/dev/shm`` and RAM):
+
+- store: its exact ``total_bytes``, from the layout the trainer would create (``HostStore.plan``
+  with the trainer's own arguments: staging/gradient slots of ``runtime.chunk_elems`` or one
+  decoder layer, gradients in the compute dtype). It lives in ``/dev/shm`` and counts in RAM.
+- activation offload arena (``r = 1``): ``L * B * S * H * e`` (``runtime/transfer.py``).
+- process: 1.6 GiB with CUDA (BENCHMARKS.md "Qwen3-4B shape, host memory": PSS minus store and
+  arena), 0.7 GiB on CPU (PSS after importing torch, transformers and the trainer, measured on the
+  2-core dev machine).
+- on CPU the "device" working set below is host RAM too.
+
+Pinned (CUDA only): the store's staging and gradient slots plus the offload arena.
+
+GPU peak, as ``torch.cuda.max_memory_reserved`` reports it::
+
+    window + loss + layer + max(checkpoints, parked) + allocator
+
+- window: ``runtime.slots`` x the largest decoder layer + embedding + head, in the compute dtype
+  (the groups' slot lengths of the store layout: exactly what ``runtime/window.py`` allocates);
+- loss: ``min(loss_chunk_tokens, B*S) * V * 4 B * 3`` (f32 logits, softmax, their gradient);
+- layer: one layer recomputed with grad, ``2 * B * S * (8H + 4I + 2d_q + 2d_kv) * e`` — the
+  layer's saved tensors (norm inputs and outputs, q/k/v, attention output, gate/up/act/product,
+  residuals) and, factor 2, their gradients alive during its backward;
+- checkpoints (``r = 0``): ``L * B * S * H * e``; parked gradients (``max_grad_norm > 0``):
+  ``N * e``. The backward frees checkpoints as it parks gradients, so the larger one counts;
+- allocator: 0.5 GiB (block rounding, cuBLAS workspaces), the one constant fitted to the
+  measurements below.
+
+Against BENCHMARKS.md (Qwen3-4B, S=1024, 2 slots, H100), GPU reserved: B=16 clip r=1 15.08 vs
+15.0 GiB (+0.5%), B=16 clip r=0 15.08 vs 15.1 (-0.1%), B=16 no clip r=1 7.59 vs 7.6 (-0.1%), B=8
+clip r=1 12.96 vs 12.9 (+0.5%); the batch slope of the layer term (2.13 GiB per 8 rows) matches
+the measured 2.1. Host RAM vs PSS: 50.12 vs 50.15 GiB (B=16 r=1), 47.31 vs 47.30 (r=0), 48.71 vs
+48.71 (B=8); the store 45.71 vs 45.73 GiB of shm. CPU (the demo: SmolLM2-135M, B=8, S=128, f32):
+3.53 GiB vs a peak PSS of 3.60 (-2%). Compared with the device total, the GPU peak adds the CUDA
+context (0.5 GiB, outside torch's allocator: a typical figure, not measured here).
+
+Step time, a range::
+
+    compute = flops_per_token(S) * B * S * 4/3 / (efficiency * peak)
+    host    = 28 B/param * N / AdamW bandwidth(update threads)
+    step    = [max(compute at the high efficiency, host), max(compute at the low one, host)]
+
+``4/3``: the recompute forward of full-layer checkpointing. GPU: the dense bf16 peak of the
+device kind (``GPU_PEAK_FLOPS``), efficiency 15%..50%: 15% is this engine's measured utilization
+on H100 (Qwen3-4B B=8, 1.75 s), 50% a compute-bound run; the measured 2.47 s (B=16) and 1.75 s
+(B=8) lie in their ranges (1.11-3.69 s, 0.66-1.84 s). CPU: torch's matmul FLOP/s in the compute
+dtype, measured when estimating (one thread's best 512³ product, times torch's threads),
+efficiency 25%..90%: the demo on the 2-core dev machine (median step 17.1 s) lies in its range
+(about 7-25 s; single steps of that noisy machine spread over 7.7-54.6 s). AdamW bandwidth:
+BENCHMARKS.md's kernel table (1-16 threads, interpolated; linear in threads beyond 16). The
+bound that dominates is the larger one at the fast end. It is an estimate, labelled as one.
+
+Example::
+
+    cfg = load_config("run.yaml")
+    est = estimate_run(cfg, HFAdapter.from_dir(cfg.model.path), Machine.probe(cfg))
+    print(format_estimate(est))
+    check_fits(est)   # raises OutOfSharedMemoryError / OutOfDeviceMemoryError, one line
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from slidedp.config import TrainConfig
+from slidedp.envinfo import meminfo_bytes
+from slidedp.errors import OutOfDeviceMemoryError, OutOfSharedMemoryError
+from slidedp.models.hf import HFAdapter
+from slidedp.runtime.flops import attention_dim, model_flops_per_token
+from slidedp.store import HostStore
+
+GIB = 2**30
+SHM_DIR = Path("/dev/shm")
+CUDA_PROCESS_BYTES = int(1.6 * GIB)
+CPU_PROCESS_BYTES = int(0.7 * GIB)
+CUDA_CONTEXT_BYTES = int(0.5 * GIB)
+ALLOCATOR_BYTES = int(0.5 * GIB)
+LOSS_F32_COPIES = 3
+RECOMPUTE_FACTOR = 4 / 3
+ADAMW_BYTES_PER_PARAM = 28
+GPU_EFFICIENCY = (0.15, 0.50)
+CPU_EFFICIENCY = (0.25, 0.90)
+# AdamW GB/s by host threads, BENCHMARKS.md "Host kernels" (16-core Sapphire Rapids, AVX-512)
+ADAMW_GBPS = ((1, 18.0), (2, 31.6), (4, 62.8), (8, 100.5), (16, 170.4))
+# Dense bf16 tensor-core FLOP/s by device name (first match wins: the PCIe H100 before H100)
+GPU_PEAK_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the run would get: device kind, cores, free /dev/shm, MemAvailable, the GPU."""
+
+    device: Literal["cuda", "cpu"]
+    dtype: Literal["bfloat16", "float32"]
+    cores: int
+    shm_free_bytes: int
+    mem_available_bytes: int | None
+    gpu_name: str | None = None
+    gpu_total_bytes: int | None = None
+    cpu_flops: float | None = None  # measured torch matmul FLOP/s in ``dtype`` (CPU runs)
+
+    @classmethod
+    def probe(cls, cfg: TrainConfig, shm_dir: Path = SHM_DIR, measure: bool = True) -> Machine:
+        """This machine, for the device and dtype ``cfg`` resolves to (as the trainer does);
+        ``measure=False`` skips the CPU matmul timing (no step time: the memory checks only)."""
+        from slidedp.runtime.trainer import pick_device, pick_dtype
+
+        device = pick_device(cfg.runtime.device)
+        dtype = pick_dtype(cfg.train.dtype, device)
+        stat = os.statvfs(shm_dir)
+        facts: dict[str, Any] = {}
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device.index or 0)
+            facts = {"gpu_name": props.name, "gpu_total_bytes": int(props.total_memory)}
+        elif measure:
+            facts = {"cpu_flops": measure_cpu_flops(dtype)}
+        return cls(
+            device="cuda" if device.type == "cuda" else "cpu",
+            dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+            cores=len(os.sched_getaffinity(0)),
+            shm_free_bytes=stat.f_bavail * stat.f_frsize,
+            mem_available_bytes=meminfo_bytes().get("mem_available_bytes"),
+            **facts,
+        )
+
+
+def measure_cpu_flops(dtype: torch.dtype, n: int = 512, budget_s: float = 0.2) -> float:
+    """torch's matmul FLOP/s on this CPU in ``dtype``: one thread's best ``n``³ product within
+    ``budget_s`` (at least 3, after a warm-up) times torch's thread count. One thread, because
+    a multi-threaded product on cores that other processes hold is ~10x slower (oversubscribed
+    OpenMP barriers) and would describe the moment, not the machine."""
+    threads = torch.get_num_threads()
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    torch.set_num_threads(1)
+    try:
+        torch.matmul(a, b)
+        best, spent, runs = math.inf, 0.0, 0
+        while runs < 3 or spent < budget_s:
+            start = time.perf_counter()
+            torch.matmul(a, b)
+            took = time.perf_counter() - start
+            best, spent, runs = min(best, took), spent + took, runs + 1
+    finally:
+        torch.set_num_threads(threads)
+    return 2.0 * n**3 / best * threads
+
+
+@dataclass(frozen=True)
+class GpuEstimate:
+    window_bytes: int
+    loss_bytes: int
+    layer_bytes: int
+    checkpoint_bytes: int
+    parked_grad_bytes: int
+    allocator_bytes: int
+    peak_reserved_bytes: int  # what torch.cuda.max_memory_reserved would report
+    needed_bytes: int  # peak + CUDA context: compared with the device total
+
+
+@dataclass(frozen=True)
+class StepTimeEstimate:
+    flops_per_step: float  # model FLOPs x 4/3 (recompute)
+    peak_flops: float | None
+    peak_source: str
+    efficiency: tuple[float, float]
+    compute_s: tuple[float, float] | None  # at the high, then the low efficiency
+    host_floor_s: float
+    host_threads: int
+    host_gbps: float
+    range_s: tuple[float, float] | None
+    bound: str  # "compute" or "host (AdamW traffic)"
+
+
+@dataclass(frozen=True)
+class Estimate:
+    model: str
+    params: int
+    layers: int
+    device: str
+    dtype: str
+    batch: int
+    seq_len: int
+    offload_ratio: float
+    clipping: bool
+    store_bytes: int
+    shm_bytes: int
+    offload_arena_bytes: int
+    process_bytes: int
+    cpu_working_bytes: int  # the device working set, in host RAM on CPU runs
+    ram_bytes: int
+    pinned_bytes: int
+    gpu: GpuEstimate | None
+    step: StepTimeEstimate
+    machine: Machine
+
+    def to_json(self) -> dict[str, Any]:
+        """Every field (bytes, seconds, FLOPs as numbers), plus ``fits`` and ``shortages``."""
+        short = shortages(self)
+        return asdict(self) | {"fits": not short, "shortages": short}
+
+
+def plan_store(cfg: TrainConfig, adapter: HFAdapter, dtype: str) -> dict[str, Any]:
+    """The layout of the store ``Trainer`` would create (same arguments), not allocated."""
+    from slidedp.runtime.engine import layer_chunk_elems
+
+    rt = cfg.runtime
+    return HostStore.plan(
+        adapter.group_specs(),
+        staging_slots=rt.staging_slots,
+        grad_dtype="bf16" if dtype == "bfloat16" else "f32",
+        grad_slots=rt.grad_slots,
+        chunk_elems=rt.chunk_elems or layer_chunk_elems(adapter),
+    )
+
+
+def layer_activation_bytes(adapter: HFAdapter, tokens: int, elem: int) -> int:
+    """One decoder layer recomputed with grad: its saved tensors and their gradients."""
+    c = adapter.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    d_kv = int(c.num_key_value_heads) * int(head_dim)
+    per_token = 8 * adapter.hidden_size + 4 * int(c.intermediate_size)
+    per_token += 2 * attention_dim(c) + 2 * d_kv
+    return 2 * tokens * per_token * elem
+
+
+def adamw_gbps(threads: int) -> float:
+    """Measured AdamW bandwidth at ``threads`` (interpolated; linear beyond the table)."""
+    table = ADAMW_GBPS
+    if threads >= table[-1][0]:
+        return table[-1][1] * threads / table[-1][0]
+    for (t0, g0), (t1, g1) in itertools.pairwise(table):
+        if t0 <= threads <= t1:
+            return g0 + (g1 - g0) * (threads - t0) / (t1 - t0)
+    return table[0][1]
+
+
+def _gpu_peak(name: str | None) -> tuple[float | None, str]:
+    for key, flops in GPU_PEAK_FLOPS:
+        if name is not None and key in name:
+            return flops, f"{flops / 1e12:.0f} TFLOP/s dense bf16 ({key})"
+    return None, f"unknown GPU {name!r}: no peak FLOP/s on record"
+
+
+def _step_time(
+    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, params: int
+) -> StepTimeEstimate:
+    b, s = cfg.train.global_batch_size, cfg.data.seq_len
+    flops = model_flops_per_token(adapter.config, s) * b * s * RECOMPUTE_FACTOR
+    if machine.device == "cuda":
+        peak, source = _gpu_peak(machine.gpu_name)
+        efficiency = GPU_EFFICIENCY
+        threads = cfg.runtime.update_threads or machine.cores
+    else:
+        peak = machine.cpu_flops
+        source = "the CPU matmul rate was not measured"
+        if peak is not None:
+            source = f"{peak / 1e9:.0f} GFLOP/s torch {machine.dtype} matmul, measured now"
+        efficiency = CPU_EFFICIENCY
+        threads = cfg.runtime.update_threads or max(1, machine.cores // 2)
+    gbps = adamw_gbps(threads)
+    host = ADAMW_BYTES_PER_PARAM * params / (gbps * 1e9)
+    compute = (
+        None if peak is None else (flops / (efficiency[1] * peak), flops / (efficiency[0] * peak))
+    )
+    span = None if compute is None else (max(compute[0], host), max(compute[1], host))
+    bound = "compute" if compute is not None and compute[0] >= host else "host (AdamW traffic)"
+    return StepTimeEstimate(
+        flops, peak, source, efficiency, compute, host, threads, gbps, span, bound
+    )
+
+
+def estimate_run(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> Estimate:
+    """Every number of ``slidedp estimate`` for ``cfg`` on ``machine`` (formulas: module doc)."""
+    cuda = machine.device == "cuda"
+    elem = 2 if machine.dtype == "bfloat16" else 4
+    layout = plan_store(cfg, adapter, machine.dtype)
+    groups = layout["groups"]
+    params = sum(int(p["numel"]) for p in layout["params"])
+    b, s, layers, rt = (
+        cfg.train.global_batch_size,
+        cfg.data.seq_len,
+        adapter.num_layers,
+        cfg.runtime,
+    )
+    tokens = b * s
+    largest_layer = max(groups[adapter.layer_group(i)]["slot_len"] for i in range(layers))
+    own = groups[adapter.embed_group]["slot_len"] + groups[adapter.head_group]["slot_len"]
+    window = (rt.slots * largest_layer + own) * elem
+    loss = min(rt.loss_chunk_tokens, tokens) * adapter.vocab_size * 4 * LOSS_F32_COPIES
+    layer = layer_activation_bytes(adapter, tokens, elem)
+    inputs = layers * tokens * adapter.hidden_size * elem  # every layer's checkpointed input
+    checkpoints = inputs if rt.offload_ratio == 0 else 0
+    parked = params * elem if cfg.train.max_grad_norm > 0 else 0
+    working = window + loss + layer + max(checkpoints, parked)
+    arena = inputs if rt.offload_ratio == 1 else 0
+    store = int(layout["regions"]["total_bytes"])
+    slot_len = int(layout["slot_len"])
+    slots_bytes = slot_len * (2 * rt.staging_slots + elem * rt.grad_slots)
+    gpu = None
+    if cuda:
+        peak = working + ALLOCATOR_BYTES
+        gpu = GpuEstimate(
+            window,
+            loss,
+            layer,
+            checkpoints,
+            parked,
+            ALLOCATOR_BYTES,
+            peak,
+            peak + CUDA_CONTEXT_BYTES,
+        )
+    process = CUDA_PROCESS_BYTES if cuda else CPU_PROCESS_BYTES
+    cpu_working = 0 if cuda else working
+    return Estimate(
+        model=f"{adapter.config.model_type} ({cfg.model.path})",
+        params=params,
+        layers=layers,
+        device=machine.device,
+        dtype=machine.dtype,
+        batch=b,
+        seq_len=s,
+        offload_ratio=rt.offload_ratio,
+        clipping=cfg.train.max_grad_norm > 0,
+        store_bytes=store,
+        shm_bytes=store,
+        offload_arena_bytes=arena,
+        process_bytes=process,
+        cpu_working_bytes=cpu_working,
+        ram_bytes=store + arena + process + cpu_working,
+        pinned_bytes=slots_bytes + arena if cuda else 0,
+        gpu=gpu,
+        step=_step_time(cfg, adapter, machine, params),
+        machine=machine,
+    )
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / GIB:.2f} GiB"
+
+
+def shortages(est: Estimate) -> list[str]:
+    """One clause per resource the machine lacks: what is needed and what there is."""
+    m, short = est.machine, []
+    if est.shm_bytes > m.shm_free_bytes:
+        short.append(f"/dev/shm {_gib(est.shm_bytes)} needed, {_gib(m.shm_free_bytes)} free")
+    if m.mem_available_bytes is not None and est.ram_bytes > m.mem_available_bytes:
+        short.append(
+            f"host RAM {_gib(est.ram_bytes)} needed, {_gib(m.mem_available_bytes)} available"
+        )
+    gpu = est.gpu
+    if gpu is not None and m.gpu_total_bytes is not None and gpu.needed_bytes > m.gpu_total_bytes:
+        short.append(f"GPU {_gib(gpu.needed_bytes)} needed, {_gib(m.gpu_total_bytes)} total")
+    return short
+
+
+def check_fits(est: Estimate) -> None:
+    """Raise one line with the numbers when the machine cannot hold the run: host shortages as
+    ``OutOfSharedMemoryError`` (the first one's bytes as attributes), else the GPU's as
+    ``OutOfDeviceMemoryError``."""
+    short = shortages(est)
+    if not short:
+        return
+    host = [c for c in short if not c.startswith("GPU")]
+    fixes = []
+    if host:
+        fixes.append(
+            "enlarge it (e.g. `mount -o remount,size=... /dev/shm`), free memory, or train a "
+            "smaller model"
+        )
+    if len(host) < len(short):
+        fixes.append(
+            "lower train.global_batch_size or data.seq_len, set runtime.offload_ratio=1, or "
+            "runtime.slots=2"
+        )
+    message = (
+        f"not enough space in this machine for the run (slidedp estimate): {'; '.join(short)}; "
+        f"{'; '.join(fixes)}"
+    )
+    m = est.machine
+    if host:
+        error: OutOfSharedMemoryError | OutOfDeviceMemoryError = OutOfSharedMemoryError(message)
+        shm_short = est.shm_bytes > m.shm_free_bytes
+        error.needed_bytes = est.shm_bytes if shm_short else est.ram_bytes
+        error.available_bytes = m.shm_free_bytes if shm_short else m.mem_available_bytes or 0
+    else:
+        assert est.gpu is not None
+        assert m.gpu_total_bytes is not None
+        error = OutOfDeviceMemoryError(message)
+        error.needed_bytes, error.available_bytes = est.gpu.needed_bytes, m.gpu_total_bytes
+    raise error
+
+
+def format_estimate(est: Estimate) -> str:
+    """The human table of ``slidedp estimate``."""
+    m, rows = est.machine, []
+
+    def row(what: str, needed: str, have: str = "") -> None:
+        rows.append(f"  {what:<34} {needed:>12}  {have}")
+
+    row("/dev/shm (host store)", _gib(est.shm_bytes), f"{_gib(m.shm_free_bytes)} free")
+    row("host RAM", _gib(est.ram_bytes), f"{_gib(m.mem_available_bytes)} available")
+    row("  store", _gib(est.store_bytes))
+    if est.offload_arena_bytes:
+        row("  activation offload arena (r=1)", _gib(est.offload_arena_bytes))
+    row(f"  process ({'torch + CUDA' if est.gpu else 'torch'})", _gib(est.process_bytes))
+    if est.cpu_working_bytes:
+        row("  compute working set (CPU)", _gib(est.cpu_working_bytes))
+    if est.gpu is not None:
+        g = est.gpu
+        row("pinned host memory", _gib(est.pinned_bytes))
+        row(
+            "GPU (peak reserved + context)",
+            _gib(g.needed_bytes),
+            f"{_gib(m.gpu_total_bytes)} total",
+        )
+        for what, n in (
+            ("window (slots, embed, head)", g.window_bytes),
+            ("chunked loss", g.loss_bytes),
+            ("one layer's recompute", g.layer_bytes),
+            ("checkpointed inputs (r=0)", g.checkpoint_bytes),
+            ("parked gradients (clipping)", g.parked_grad_bytes),
+            ("allocator", g.allocator_bytes),
+            ("CUDA context", g.needed_bytes - g.peak_reserved_bytes),
+        ):
+            if n:
+                row(f"  {what}", _gib(n))
+    st = est.step
+    lo, hi = st.efficiency
+    if st.range_s is None:
+        row("step time", "?", st.peak_source)
+    else:
+        row("step time", f"{st.range_s[0]:.2f}-{st.range_s[1]:.2f} s", f"bound: {st.bound}")
+    if st.compute_s is not None:
+        row(
+            "  compute",
+            f"{st.compute_s[0]:.2f}-{st.compute_s[1]:.2f} s",
+            f"{st.flops_per_step / 1e12:.2f} TFLOP at {lo:.0%}-{hi:.0%} of {st.peak_source}",
+        )
+    row(
+        "  host AdamW floor",
+        f"{st.host_floor_s:.2f} s",
+        f"28 B/param at {st.host_gbps:.0f} GB/s ({st.host_threads} threads)",
+    )
+    head = (
+        f"slidedp estimate: {est.model}, {est.params:,} parameters, {est.layers} layers; "
+        f"{est.device} {est.dtype}, B={est.batch} x S={est.seq_len}, r={est.offload_ratio:g}, "
+        f"clipping {'on' if est.clipping else 'off'} (an estimate; nothing allocated)"
+    )
+    verdict = shortages(est)
+    tail = "fits this machine" if not verdict else "DOES NOT FIT: " + "; ".join(verdict)
+    return "\n".join([head, f"  {'':<34} {'needed':>12}  this machine", *rows, f"  {tail}"])

@@ -1,0 +1,71 @@
+"""A Chrome / Perfetto trace of one training step: one track per lane.
+
+Open the JSON in https://ui.perfetto.dev or chrome://tracing. Tracks: host cast (f32→bf16 into
+staging), H2D, compute, activation offload/reload, gradient D2H, CPU update (the Rust worker's
+requests, labelled by group), and the compute lane's waits (version gates, copies). Everything is
+on CLOCK_MONOTONIC; GPU spans are placed through a reference event (``LaneClock.start_trace``).
+
+Example::
+
+    engine.start_trace(); engine.step(t, batch, lr); engine.lane_times()
+    write_trace(Path("step.json"), engine.stop_trace())
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from slidedp.runtime.lanes import Span
+
+TRACKS = {  # lane key → (track id, track name)
+    "prep": (1, "host cast (prep)"),
+    "h2d": (2, "H2D"),
+    "compute": (3, "compute"),
+    "offload": (4, "activation offload/reload"),
+    "d2h": (5, "gradient D2H"),
+    "update": (6, "CPU update"),
+}
+WAIT_TRACK = (7, "waits (compute lane)")
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    step: int
+    spans: list[Span]  # lanes and waits
+    updates: list[tuple[str, float, float]]  # (group name, start, end)
+
+
+def chrome_events(trace: StepTrace) -> list[dict[str, object]]:
+    spans = [(k, s, e) for k, s, e in trace.spans] + [("update", s, e) for _, s, e in trace.updates]
+    if not spans:
+        return []
+    t0 = min(s for _, s, _ in spans)
+    events: list[dict[str, object]] = [
+        {"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": name}}
+        for tid, name in [*TRACKS.values(), WAIT_TRACK]
+    ]
+    events.append(
+        {"ph": "M", "name": "process_name", "pid": 0, "args": {"name": f"step {trace.step}"}}
+    )
+    labels = [k for k, _, _ in trace.spans] + [g for g, _, _ in trace.updates]
+    for (key, start, end), label in zip(spans, labels, strict=True):
+        tid = TRACKS[key][0] if key in TRACKS else WAIT_TRACK[0]
+        events.append(
+            {
+                "ph": "X",
+                "name": label,
+                "pid": 0,
+                "tid": tid,
+                "ts": round((start - t0) * 1e6, 3),
+                "dur": round(max(end - start, 0.0) * 1e6, 3),
+            }
+        )
+    return events
+
+
+def write_trace(path: Path, trace: StepTrace) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"traceEvents": chrome_events(trace), "displayTimeUnit": "ms"}))
+    return path

@@ -1,0 +1,58 @@
+"""Run ``slidedp train`` as several ranks inside a test: forked processes with a launcher's
+environment (fork skips re-importing torch, so a 2-rank run costs seconds, not tens of them)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from slidedp.cli import main
+
+
+def _rank(
+    config: Path, rank: int, world: int, port: int, overrides: list[str], fail: tuple[int, int]
+) -> None:
+    if rank == fail[0]:  # this rank raises in step fail[1] (after its collectives started)
+        from slidedp.runtime.engine import Engine
+
+        step = Engine.step
+
+        def failing(self: Engine, t: int, *args: Any, **kwargs: Any) -> Any:
+            if t == fail[1]:
+                raise RuntimeError(f"injected failure on rank {rank}")
+            return step(self, t, *args, **kwargs)
+
+        Engine.step = failing  # type: ignore[method-assign]
+    os.environ |= {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+    os._exit(main(["train", str(config), *overrides]))
+
+
+def run_ranks(
+    config: Path, world: int, overrides: list[str] | None = None, fail: tuple[int, int] = (-1, 0)
+) -> list[int]:
+    """Exit codes of the ``world`` ranks of ``slidedp train CONFIG OVERRIDES``; rank
+    ``fail[0]`` raises at step ``fail[1]``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("fork")
+    procs = [
+        ctx.Process(target=_rank, args=(config, r, world, port, overrides or [], fail))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+    codes = [p.exitcode for p in procs]
+    assert all(c is not None for c in codes), f"a rank hung: {codes}"
+    return [int(c) for c in codes if c is not None]

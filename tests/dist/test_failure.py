@@ -1,0 +1,63 @@
+"""A rank that raises or dies: every rank stops, non-zero, fast, the failure reported once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dist.ranks import run_ranks
+from engine.tiny import make_model, write_config, write_data
+from slidedp.runtime.dist import EXIT_PEER_FAILED
+
+
+def _config(tmp_path: Path, steps: int) -> Path:
+    model = make_model(tmp_path, "qwen3", tied=False, layers=3)
+    data = write_data(tmp_path / "data.jsonl", 30)
+    train = {"max_steps": steps, "global_batch_size": 4, "max_grad_norm": 1.0}
+    runtime = {"ranks": 2, "version_timeout_s": 300}  # a hang would outlast the test's bound
+    return write_config(tmp_path / "c.yaml", model, data, tmp_path / "out", train=train,
+                        runtime=runtime, output={"tensorboard": False})  # fmt: skip
+
+
+def test_a_rank_that_raises_stops_every_rank(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    config = _config(tmp_path, steps=6)
+    start = time.monotonic()
+    codes = run_ranks(config, 2, fail=(1, 2))
+    assert time.monotonic() - start < 30
+    assert codes == [EXIT_PEER_FAILED, 1]
+    err = capfd.readouterr().err
+    assert err.count("injected failure on rank 1") == 1, err
+
+
+def test_a_killed_rank_stops_the_launch(tmp_path: Path) -> None:
+    config = _config(tmp_path, steps=10_000)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "slidedp", "train", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = tmp_path / "out" / "metrics.jsonl"
+    deadline = time.monotonic() + 60
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert proc.poll() is None, "the launch ended before training"
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.1)
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    assert len(children) == 2
+    os.kill(int(children[1]), signal.SIGKILL)  # rank 1, mid-run
+    killed = time.monotonic()
+    _, err = proc.communicate(timeout=30)
+    assert time.monotonic() - killed < 30
+    assert proc.returncode != 0
+    assert "rank 1 was killed by SIGKILL" in err, err
+    for pid in children:  # no rank left behind
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()

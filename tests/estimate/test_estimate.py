@@ -1,0 +1,245 @@
+"""``slidedp estimate`` and the train-time refusal: formulas, the exact store size, the Qwen3-4B
+measurements of BENCHMARKS.md (meta config, nothing allocated), the CLI."""
+
+from __future__ import annotations
+
+import json
+import resource
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from transformers import Qwen3Config
+
+from cli.util import one_error_line, run
+from engine.tiny import make_model, write_config, write_data
+from slidedp.bench.shapes import SHAPES
+from slidedp.config import TrainConfig, load_config
+from slidedp.errors import OutOfDeviceMemoryError
+from slidedp.estimate import (
+    GIB,
+    Estimate,
+    Machine,
+    adamw_gbps,
+    check_fits,
+    estimate_run,
+    plan_store,
+)
+from slidedp.models.hf import HFAdapter
+from slidedp.runtime.engine import layer_chunk_elems
+from slidedp.runtime.flops import model_flops_per_token
+from slidedp.store import HostStore
+
+Capsys = pytest.CaptureFixture[str]
+H100 = Machine(
+    device="cuda",
+    dtype="bfloat16",
+    cores=16,
+    shm_free_bytes=100 * GIB,
+    mem_available_bytes=120 * GIB,
+    gpu_name="NVIDIA H100 80GB HBM3",
+    gpu_total_bytes=80 * 10**9,
+)
+CPU = Machine(
+    device="cpu",
+    dtype="float32",
+    cores=2,
+    shm_free_bytes=20 * GIB,
+    mem_available_bytes=20 * GIB,
+    cpu_flops=100e9,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model(tmp_path_factory.mktemp("models"), "qwen3", tied=False)
+
+
+@pytest.fixture(scope="module")
+def qwen3_4b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The published Qwen3-4B config only: the adapter builds it on the meta device."""
+    path = tmp_path_factory.mktemp("models") / "qwen3-4b"
+    Qwen3Config(**SHAPES["qwen3-4b"]).save_pretrained(path)
+    return path
+
+
+def _cfg(tmp_path: Path, model: Path, *overrides: str) -> TrainConfig:
+    data = write_data(tmp_path / "data.jsonl", 8)
+    path = write_config(tmp_path / "c.yaml", model, data, tmp_path / "out")
+    return load_config(path, list(overrides))
+
+
+@pytest.mark.parametrize("overrides", [(), ("runtime.chunk_elems=1000", "runtime.grad_slots=3")])
+def test_store_estimate_is_a_created_store_exactly(
+    tmp_path: Path, tiny: Path, overrides: tuple[str, ...]
+) -> None:
+    cfg = _cfg(tmp_path, tiny, *overrides)
+    adapter = HFAdapter.from_dir(tiny)
+    est = estimate_run(cfg, adapter, CPU)
+    rt = cfg.runtime
+    store = HostStore.create(  # as Trainer creates it
+        adapter.group_specs(),
+        staging_slots=rt.staging_slots,
+        grad_dtype="f32",
+        grad_slots=rt.grad_slots,
+        chunk_elems=rt.chunk_elems or layer_chunk_elems(adapter),
+    )
+    assert est.store_bytes == est.shm_bytes == store.total_bytes
+    assert plan_store(cfg, adapter, "float32") == store.layout
+
+
+def test_tiny_cpu_terms_follow_the_formulas(tmp_path: Path, tiny: Path) -> None:
+    cfg = _cfg(tmp_path, tiny, "runtime.offload_ratio=1", "train.global_batch_size=4")
+    adapter = HFAdapter.from_dir(tiny)
+    est = estimate_run(cfg, adapter, CPU)
+    b, s, h, i, layers, vocab = 4, 32, 64, 128, 2, 256  # engine.tiny's model, f32 on CPU
+    layer_params = 4 * h * h // 2 + 2 * h * 32 + 3 * h * i + 2 * h + 2 * 16  # q,o; k,v; mlp; norms
+    params = layers * layer_params + 2 * vocab * h + h
+    assert est.params == params
+    arena = layers * b * s * h * 4
+    loss = b * s * vocab * 4 * 3  # b*s < loss_chunk_tokens
+    layer = 2 * b * s * (8 * h + 4 * i + 2 * 64 + 2 * 32) * 4
+    layout = plan_store(cfg, adapter, "float32")
+    slot = max(layout["groups"][g]["slot_len"] for g in (1, 2))
+    window = (2 * slot + layout["groups"][0]["slot_len"] + layout["groups"][3]["slot_len"]) * 4
+    working = window + loss + layer + params * 4  # clipping parks f32 gradients, r=1: no inputs
+    assert est.offload_arena_bytes == arena
+    assert est.cpu_working_bytes == working
+    assert est.ram_bytes == est.store_bytes + arena + int(0.7 * GIB) + working
+    assert est.gpu is None
+    assert est.pinned_bytes == 0
+    flops = model_flops_per_token(adapter.config, s) * b * s * 4 / 3
+    assert est.step.flops_per_step == pytest.approx(flops)
+    assert est.step.compute_s == pytest.approx((flops / 90e9, flops / 25e9))
+    assert est.step.host_floor_s == pytest.approx(28 * params / 18.0e9)  # one of two cores
+    assert est.step.bound == "compute"
+    unmeasured = estimate_run(cfg, adapter, replace(CPU, cpu_flops=None)).step
+    assert unmeasured.range_s is None
+    assert unmeasured.host_floor_s == est.step.host_floor_s
+
+
+def test_adamw_bandwidth_interpolates_the_measured_table() -> None:
+    assert adamw_gbps(16) == 170.4
+    assert adamw_gbps(1) == 18.0
+    assert adamw_gbps(3) == pytest.approx((31.6 + 62.8) / 2)
+    assert adamw_gbps(32) == pytest.approx(2 * 170.4)
+
+
+# BENCHMARKS.md "Qwen3-4B shape, host memory" (H100, S=1024, 2 slots): (B, clip, r) ->
+# (GPU reserved GiB, host PSS GiB, step time s)
+MEASURED = {
+    (16, 1.0, 1): (15.0, 50.15, 2.47),
+    (16, 1.0, 0): (15.1, 47.30, 2.44),
+    (16, 0.0, 1): (7.6, 50.08, 2.91),
+    (8, 1.0, 1): (12.9, 48.71, 1.75),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MEASURED))
+def test_qwen3_4b_matches_the_measurements_without_allocating(
+    tmp_path: Path, qwen3_4b: Path, case: tuple[int, float, int]
+) -> None:
+    b, clip, r = case
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    cfg = _cfg(
+        tmp_path,
+        qwen3_4b,
+        "data.seq_len=1024",
+        f"train.global_batch_size={b}",
+        f"train.max_grad_norm={clip}",
+        f"runtime.offload_ratio={r}",
+    )
+    est = estimate_run(cfg, HFAdapter.from_dir(qwen3_4b), H100)
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown_kib < 2**20, "the estimate allocated more than 1 GiB"  # the store is 45.7 GiB
+    gpu_gib, pss_gib, step_s = MEASURED[case]
+    assert est.gpu is not None
+    assert est.gpu.peak_reserved_bytes / GIB == pytest.approx(gpu_gib, rel=0.01)
+    assert est.ram_bytes / GIB == pytest.approx(pss_gib, rel=0.005)
+    assert est.store_bytes / GIB == pytest.approx(45.73, rel=0.001)
+    inputs = 36 * b * 1024 * 2560 * 2
+    assert est.offload_arena_bytes == (inputs if r else 0)
+    assert est.gpu.checkpoint_bytes == (0 if r else inputs)
+    assert est.gpu.parked_grad_bytes == (2 * est.params if clip else 0)
+    assert est.gpu.window_bytes / GIB == pytest.approx(1.10, abs=0.005)  # BENCHMARKS.md
+    assert est.step.range_s is not None
+    assert est.step.range_s[0] <= step_s <= est.step.range_s[1]
+
+
+def _on(est: Estimate, machine: Machine) -> Estimate:
+    return replace(est, machine=machine)
+
+
+def test_refusal_names_every_shortage_with_its_numbers(tmp_path: Path, qwen3_4b: Path) -> None:
+    cfg = _cfg(tmp_path, qwen3_4b, "data.seq_len=1024", "train.global_batch_size=16")
+    est = estimate_run(cfg, HFAdapter.from_dir(qwen3_4b), H100)
+    check_fits(est)  # H100 with 100 GiB of /dev/shm: fits
+    with pytest.raises(OutOfDeviceMemoryError, match=r"GPU 15\.\d\d GiB needed, 9\.31 GiB total"):
+        check_fits(_on(est, replace(H100, gpu_total_bytes=10**10)))
+    with pytest.raises(MemoryError) as info:
+        check_fits(_on(est, replace(H100, shm_free_bytes=40 * GIB, mem_available_bytes=47 * GIB)))
+    message = str(info.value)
+    assert "/dev/shm 45.7" in message
+    assert "40.00 GiB free" in message
+    assert "host RAM 47.3" in message
+    assert "47.00 GiB available" in message
+    assert "\n" not in message
+    assert "enlarge it" in message
+
+
+@pytest.mark.parametrize("verb", ["train", "validate"])
+def test_cli_refuses_a_run_whose_activations_do_not_fit(
+    capsys: Capsys, tmp_path: Path, tiny: Path, verb: str
+) -> None:
+    """The store of the tiny model fits (the old 12 B/param bound passed it); the offload arena
+    of 2**20 rows of 2**16 tokens does not: refused with the numbers, nothing allocated."""
+    data = write_data(tmp_path / "data.jsonl", 8)
+    out = tmp_path / "out"
+    config = write_config(tmp_path / "c.yaml", tiny, data, out)
+    overrides = ["train.global_batch_size=1048576", "data.seq_len=65536", "runtime.offload_ratio=1"]
+    code, _, err = run(capsys, verb, str(config), *overrides)
+    assert code == 2
+    one_error_line(err, verb, "not enough space in", "host RAM", "GiB needed", "available")
+    assert not out.exists()
+
+
+def test_cli_refuses_a_gpu_that_is_too_small(
+    capsys: Capsys, tmp_path: Path, qwen3_4b: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    small = replace(H100, gpu_total_bytes=8 * 10**9)
+    monkeypatch.setattr(Machine, "probe", classmethod(lambda cls, *args, **kwargs: small))
+    data = write_data(tmp_path / "data.jsonl", 8)
+    config = write_config(tmp_path / "c.yaml", qwen3_4b, data, tmp_path / "out")
+    code, _, err = run(capsys, "train", str(config), "data.seq_len=1024", "runtime.device=cpu")
+    assert code == 2
+    one_error_line(err, "train", "GPU ", "GiB needed", "7.45 GiB total", "global_batch_size")
+
+
+def test_estimate_verb_table_and_json(capsys: Capsys, tmp_path: Path, tiny: Path) -> None:
+    data = write_data(tmp_path / "data.jsonl", 8)
+    config = write_config(tmp_path / "c.yaml", tiny, data, tmp_path / "out")
+    code, out, _ = run(capsys, "estimate", str(config))
+    assert code == 0
+    for needle in ("/dev/shm (host store)", "host RAM", "step time", "host AdamW floor", "fits"):
+        assert needle in out, needle
+    code, out, _ = run(capsys, "estimate", str(config), "train.global_batch_size=2", "--json")
+    assert code == 0
+    info = json.loads(out)
+    assert set(info) >= {
+        "params",
+        "store_bytes",
+        "shm_bytes",
+        "ram_bytes",
+        "pinned_bytes",
+        "offload_arena_bytes",
+        "gpu",
+        "step",
+        "machine",
+        "fits",
+        "shortages",
+    }
+    assert info["batch"] == 2
+    assert info["fits"]
+    assert info["shortages"] == []
+    assert set(info["step"]) >= {"range_s", "compute_s", "host_floor_s", "bound", "peak_flops"}
+    assert not (tmp_path / "out").exists()
