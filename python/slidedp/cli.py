@@ -207,28 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         return _rank(args, prefix)
     try:
         return _run(args)
-    except KeyboardInterrupt:
-        if args.debug:
-            traceback.print_exc()
-        print(f"{prefix}interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except SlidedpError as e:
-        if args.debug:
-            traceback.print_exc()
-        if isinstance(e, ConfigError) and len(e.problems) > 1:
-            lines = [f"the config has {len(e.problems)} problems:", *e.problems]
-            print(f"{prefix}error: " + "\n  ".join(lines), file=sys.stderr)
-        else:
-            print(f"{prefix}error: {_one_line(e)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except Exception as e:
-        if args.debug:
-            traceback.print_exc()
-        hint = "" if args.debug else "; rerun with --debug for the traceback"
-        print(
-            f"{prefix}error: unexpected {type(e).__name__}: {_one_line(e)}{hint}", file=sys.stderr
-        )
-        return EXIT_UNEXPECTED
+    except (KeyboardInterrupt, Exception) as e:
+        return _report(e, args, prefix)
 
 
 if __name__ == "__main__":

@@ -75,3 +75,28 @@ def test_two_ranks_match_one(
     moved = max((p1[n] - load_file(next(model.glob("*.safetensors")))[n]).abs().max().item()
                 for n in p1)  # fmt: skip
     assert moved > 100 * PARAM_ATOL, "training must move the parameters for this to mean much"
+
+
+def test_a_one_rank_checkpoint_resumes_on_two_ranks(tmp_path: Path) -> None:
+    """Changing the number of ranks at a resume continues the same run: steps after the
+    checkpoint match the uninterrupted 1-rank run within the 1-vs-2-rank tolerance above (bit
+    equality is impossible across rank counts: the gradient sums in another order)."""
+    model = make_model(tmp_path, "qwen3", tied=True, layers=2)
+    data = write_data(tmp_path / "data.jsonl", 30)
+    train = {"max_steps": 6, "global_batch_size": 4, "learning_rate": 3e-3, "max_grad_norm": 2.4}
+    output = {"tensorboard": False, "save_steps": 3}
+    one, two = tmp_path / "one", tmp_path / "two"
+    c1 = write_config(tmp_path / "1.yaml", model, data, one, train=train, output=output)
+    assert main(["train", str(c1)]) == 0
+    resume = train | {"resume": str(one / "checkpoint-3")}
+    c2 = write_config(tmp_path / "2.yaml", model, data, two, train=resume,
+                      runtime={"ranks": 2}, output=output)  # fmt: skip
+    assert run_ranks(c2, 2) == [0, 0]
+    m1, m2 = read_metrics(one), read_metrics(two)
+    assert [m["step"] for m in m2][-3:] == [4, 5, 6]
+    loss1 = torch.tensor([m["loss"] for m in m1[3:]], dtype=torch.float64)
+    loss2 = torch.tensor([m["loss"] for m in m2[-3:]], dtype=torch.float64)
+    torch.testing.assert_close(loss2, loss1, rtol=LOSS_RTOL, atol=0)
+    p1 = load_file(one / "final" / "model.safetensors")
+    p2 = load_file(two / "final" / "model.safetensors")
+    assert max((p1[n] - p2[n]).abs().max().item() for n in p1) <= PARAM_ATOL

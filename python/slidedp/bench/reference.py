@@ -53,22 +53,6 @@ class ReferenceModel:
         group = self.adapter.groups[self.adapter.layer_group(layer)]
         return {local: self.weights[full] for full, local in group.params}
 
-    def _run_layer(
-        self, layer: int, params: dict[str, torch.Tensor], x: torch.Tensor, ctx: dict[str, Any]
-    ) -> torch.Tensor:
-        module = self.adapter.layer_module(layer)
-        bind_params(module, params)
-        out = module(
-            x,
-            attention_mask=ctx["masks"][layer],
-            position_ids=ctx["position_ids"],
-            position_embeddings=ctx["position_embeddings"],
-            past_key_values=None,
-            use_cache=False,
-        )
-        result: torch.Tensor = out[0] if isinstance(out, tuple) else out
-        return result
-
     def step(self, input_ids: torch.Tensor) -> tuple[float, torch.Tensor]:
         """Forward + backward of ``input_ids`` [B, S] (labels = inputs): the loss and the
         embedding's gradient (the end of the backward chain; the tied head's added)."""
@@ -88,7 +72,7 @@ class ReferenceModel:
             saved: list[torch.Tensor | None] = []
             for layer in range(a.num_layers):  # forward, inputs saved (full-layer checkpointing)
                 saved.append(x)
-                x = self._run_layer(layer, self._layer_params(layer), x, ctx)
+                x = self.adapter.run_layer(layer, self._layer_params(layer), x, ctx)
         x_last = x.detach().requires_grad_(True)
         norm_w = w[NORM].detach().requires_grad_(True)
         bind_params(a.norm_module(), {"weight": norm_w})
@@ -107,7 +91,7 @@ class ReferenceModel:
                 n: p.detach().requires_grad_(True) for n, p in self._layer_params(layer).items()
             }
             with torch.enable_grad():
-                out = self._run_layer(layer, leaves, x_in, ctx)
+                out = self.adapter.run_layer(layer, leaves, x_in, ctx)
             g = torch.autograd.grad(out, (x_in, *leaves.values()), g)[0]  # param grads dropped
             saved[layer] = None
         w_embed = embed_w.detach().requires_grad_(True)

@@ -120,6 +120,25 @@ class HFAdapter:
     def layer_module(self, layer: int) -> nn.Module:
         return cast(nn.Module, self.base.layers[layer])
 
+    def run_layer(
+        self, layer: int, params: dict[str, torch.Tensor], x: torch.Tensor, ctx: dict[str, Any]
+    ) -> torch.Tensor:
+        """Decoder layer ``layer`` on ``x`` [B, S, H] with its parameters bound to ``params``
+        (module-local names); ``ctx`` holds ``masks`` (per layer), ``position_ids`` and
+        ``position_embeddings``. No cache: training recomputes, it never decodes."""
+        module = self.layer_module(layer)
+        bind_params(module, params)
+        out = module(
+            x,
+            attention_mask=ctx["masks"][layer],
+            position_ids=ctx["position_ids"],
+            position_embeddings=ctx["position_embeddings"],
+            past_key_values=None,
+            use_cache=False,
+        )
+        result: torch.Tensor = out[0] if isinstance(out, tuple) else out
+        return result
+
     def norm_module(self) -> nn.Module:
         return cast(nn.Module, self.base.norm)
 

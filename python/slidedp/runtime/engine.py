@@ -174,19 +174,9 @@ class Engine:
     def _run_layer(
         self, layer: int, params: dict[str, torch.Tensor], x: torch.Tensor, ctx: dict[str, Any]
     ) -> torch.Tensor:
-        module = self.adapter.layer_module(layer)
         group = self.adapter.groups[self.adapter.layer_group(layer)]
-        bind_params(module, {local: params[full] for full, local in group.params})
-        out = module(
-            x,
-            attention_mask=ctx["masks"][layer],
-            position_ids=ctx["position_ids"],
-            position_embeddings=ctx["position_embeddings"],
-            past_key_values=None,
-            use_cache=False,
-        )
-        result: torch.Tensor = out[0] if isinstance(out, tuple) else out
-        return result
+        local = {name: params[full] for full, name in group.params}
+        return self.adapter.run_layer(layer, local, x, ctx)
 
     def _fetch(self, group: int, version: int) -> DeviceBuffer:
         buf = self.window.fetch(group, version)
