@@ -59,7 +59,7 @@ from slidedp.runtime.grad_lane import AdamArgs, GradLane, GradTicket
 from slidedp.runtime.lanes import LaneClock, new_stream
 from slidedp.runtime.routes import GpuReduce, HostSum
 from slidedp.runtime.trace import StepTrace
-from slidedp.runtime.transfer import ActivationOffload, pin
+from slidedp.runtime.transfer import ActivationOffload, pin, unpin
 from slidedp.runtime.window import DeviceBuffer, Window
 from slidedp.store import HostStore
 from slidedp.update import UpdateWorker
@@ -166,10 +166,23 @@ class Engine:
         self.activations = ActivationOffload(device, adapter.num_layers, self.clock)
         self.rotary = adapter.make_rotary(device)
         self._update_busy_s = 0.0
+        self._pinned: list[torch.Tensor] = []
         if device.type == "cuda":
             for region in ("staging", "grad"):
                 if store.region(region).numel():
                     pin(store.region(region), f"the store's {region} slots")
+                    self._pinned.append(store.region(region))
+
+    def close(self) -> None:
+        """Unregister the page-locked host memory (the store's slots, the offload arena): a
+        later store may be mapped at the same addresses, and CUDA refuses to register a range
+        twice. Idempotent; the engine must not step afterwards."""
+        if self._pinned:
+            torch.cuda.synchronize(self.device)
+            for t in self._pinned:
+                unpin(t)
+            self._pinned = []
+        self.activations.close()
 
     def _run_layer(
         self, layer: int, params: dict[str, torch.Tensor], x: torch.Tensor, ctx: dict[str, Any]

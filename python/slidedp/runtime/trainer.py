@@ -300,7 +300,14 @@ class Trainer:
         )
 
     def run(self) -> list[dict[str, Any]]:
-        """The remaining steps; returns their metrics records (also in ``metrics.jsonl``)."""
+        """The remaining steps; returns their metrics records (also in ``metrics.jsonl``).
+        The engine's page-locked host memory is released at the end, success or not."""
+        try:
+            return self._run()
+        finally:
+            self.engine.close()
+
+    def _run(self) -> list[dict[str, Any]]:
         tc, out = self.cfg.train, self.cfg.output
         if self.ctx is not None and not self.ctx.main:
             return self._follow()
