@@ -8,10 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from bench.tiny import tiny_config, write_tiny_config
-from slidedp.bench.measure import RunSpec
+from bench.tiny import tiny_config, tiny_spec
 from slidedp.bench.reference import ReferenceModel, run_reference
-from slidedp.bench.train import ours_config
 from slidedp.models.hf import HFAdapter
 
 
@@ -33,17 +31,7 @@ def test_reference_loss_and_embedding_grad_are_the_hf_models(tied: bool) -> None
 
 
 def test_run_reference_times_the_measured_steps(tmp_path: Path) -> None:
-    write_tiny_config(tmp_path)
-    spec = RunSpec(
-        system="reference",
-        config_dir=str(tmp_path),
-        batch=2,
-        seq_len=16,
-        warmup=1,
-        steps=2,
-        device="cpu",
-        ours=ours_config(["runtime.loss_chunk_tokens=8"]),
-    )
+    spec = tiny_spec(tmp_path, "reference", ["runtime.loss_chunk_tokens=8"])
     result = run_reference(spec)
     assert len(result["step_times_s"]) == 2  # the warm-up step is not reported
     assert all(t > 0 for t in result["step_times_s"])

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from bench.tiny import write_tiny_config
+from bench.tiny import tiny_spec, write_tiny_config
 from slidedp.bench import worker
 from slidedp.bench.measure import RunSpec, process_tree, tree_pss_bytes
 from slidedp.bench.plot import plot_sweep, require_matplotlib
@@ -74,17 +74,7 @@ def test_ours_and_reference_end_to_end_on_cpu(
 
 
 def test_fsdp2_baseline_runs_on_cpu(tmp_path: Path) -> None:
-    write_tiny_config(tmp_path)
-    spec = RunSpec(
-        system="fsdp2",
-        config_dir=str(tmp_path),
-        batch=2,
-        seq_len=16,
-        warmup=1,
-        steps=2,
-        device="cpu",
-        ours=ours_config([]),
-    )
+    spec = tiny_spec(tmp_path, "fsdp2")
     result = worker.run(spec)
     assert result["status"] == "ok"
     assert len(result["step_times_s"]) == 2

@@ -7,6 +7,9 @@ from typing import Any
 
 from transformers import Qwen3Config
 
+from slidedp.bench.measure import RunSpec
+from slidedp.bench.train import ours_config
+
 TINY: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -29,3 +32,18 @@ def write_tiny_config(root: Path, **overrides: Any) -> Path:
     path = root / "config.json"
     tiny_config(**overrides).to_json_file(path)
     return path
+
+
+def tiny_spec(root: Path, system: str, overrides: list[str] | None = None) -> RunSpec:
+    """A CPU run of ``system`` on the tiny model at ``root`` (batch 2 x 16 tokens, 1 + 2 steps)."""
+    write_tiny_config(root)
+    return RunSpec(
+        system=system,
+        config_dir=str(root),
+        batch=2,
+        seq_len=16,
+        warmup=1,
+        steps=2,
+        device="cpu",
+        ours=ours_config(overrides or []),
+    )
