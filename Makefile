@@ -29,8 +29,8 @@ build: $(STAMP)
 lint: $(STAMP)
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets --quiet -- -D warnings
-	$(VENV)/bin/ruff check python tests benches
-	$(VENV)/bin/ruff format --check python tests benches
+	$(VENV)/bin/ruff check python tests benches examples
+	$(VENV)/bin/ruff format --check python tests benches examples
 	$(VENV)/bin/mypy
 
 test: build lint
