@@ -155,15 +155,15 @@ def _one_line(error: BaseException) -> str:
 def _rank(args: argparse.Namespace, prefix: str) -> int:
     """One rank of a multi-rank run: on failure, wake the peers (the shared store is poisoned)
     and exit at once; a rank that only reacts to another's failure prints nothing."""
-    from slidedp.runtime.dist import EXIT_PEER_FAILED, fail
+    from slidedp.runtime.dist import EXIT_PEER_FAILED, fail, finish
 
     try:
         code = _main_guarded(args, prefix)
+        if code == 0:
+            finish()
+            return 0
     except BaseException as e:  # raised from the guard only when a peer failed
         code = EXIT_PEER_FAILED if fail(e) else EXIT_UNEXPECTED
-    else:
-        if code == 0:
-            return 0
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # no teardown of a broken process group or of the update threads

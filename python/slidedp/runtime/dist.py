@@ -96,6 +96,14 @@ class Dist:
         return Batch(batch.input_ids[part], batch.attention_mask[part], batch.labels[part], pos)
 
 
+def finish() -> None:
+    """A successful rank leaves together with the others: without the barrier rank 0 (host of
+    the rendezvous store) can exit while a peer's NCCL watchdog still polls it."""
+    if dist.is_initialized():
+        collective(dist.barrier)
+        dist.destroy_process_group()
+
+
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     """Sum of ``values`` over the ranks (one small collective, float64)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
