@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from slidedp.bench.measure import RunSpec, synthetic_tokens, timed_steps
-from slidedp.models.hf import EMBED, LM_HEAD, NORM, HFAdapter, bind_params
-from slidedp.models.loss import IGNORE_INDEX, chunked_lm_loss, shift_labels
+from slidedp.models.hf import EMBED, LM_HEAD, NORM, HFAdapter
+from slidedp.models.loss import IGNORE_INDEX, shift_labels
 from slidedp.runtime.trainer import pick_dtype
 
 
@@ -73,26 +73,14 @@ class ReferenceModel:
             for layer in range(a.num_layers):  # forward, inputs saved (full-layer checkpointing)
                 saved.append(x)
                 x = self.adapter.run_layer(layer, self._layer_params(layer), x, ctx)
-        x_last = x.detach().requires_grad_(True)
-        norm_w = w[NORM].detach().requires_grad_(True)
-        bind_params(a.norm_module(), {"weight": norm_w})
-        with torch.enable_grad():
-            normed = a.norm_module()(x_last)  # [B, S, H]
         head_w = embed_w if a.tied else w[LM_HEAD]
-        loss_sum, g_normed, g_head_w = chunked_lm_loss(
-            normed.detach(), head_w, targets, n_labels, self.chunk_tokens
+        loss_sum, g, _, g_head_w = a.head_loss(
+            x, w[NORM], head_w, targets, n_labels, self.chunk_tokens
         )
-        g = torch.autograd.grad(normed, (x_last, norm_w), g_normed)[0]
         for layer in reversed(range(a.num_layers)):  # backward: recompute with grad, grad
             x_saved = saved[layer]
             assert x_saved is not None
-            x_in = x_saved.detach().requires_grad_(True)
-            leaves = {
-                n: p.detach().requires_grad_(True) for n, p in self._layer_params(layer).items()
-            }
-            with torch.enable_grad():
-                out = self.adapter.run_layer(layer, leaves, x_in, ctx)
-            g = torch.autograd.grad(out, (x_in, *leaves.values()), g)[0]  # param grads dropped
+            g, _ = a.layer_backward(layer, self._layer_params(layer), x_saved, g, ctx)
             saved[layer] = None
         w_embed = embed_w.detach().requires_grad_(True)
         with torch.enable_grad():

@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from slidedp.errors import ModelLoadError
+from slidedp.models.loss import chunked_lm_loss
 from slidedp.store import GroupSpec, ParamSpec
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -138,6 +139,45 @@ class HFAdapter:
         )
         result: torch.Tensor = out[0] if isinstance(out, tuple) else out
         return result
+
+    def layer_backward(
+        self,
+        layer: int,
+        params: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        g_out: torch.Tensor,
+        ctx: dict[str, Any],
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Full-layer checkpointing's backward: recompute layer ``layer`` from its saved input
+        ``x`` with grad, then ``(d loss/d x, {local name: d loss/d param})`` given ``g_out``."""
+        x_in = x.detach().requires_grad_(True)
+        leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
+        with torch.enable_grad():
+            out = self.run_layer(layer, leaves, x_in, ctx)
+        grads = torch.autograd.grad(out, (x_in, *leaves.values()), g_out)
+        return grads[0], dict(zip(leaves, grads[1:], strict=True))
+
+    def head_loss(
+        self,
+        x: torch.Tensor,  # [B, S, H] output of the last layer
+        norm_w: torch.Tensor,  # [H] final norm weight
+        head_w: torch.Tensor,  # [V, H] LM head (the embedding when tied)
+        targets: torch.Tensor,  # [B, S] shifted labels
+        n_labels: int,
+        chunk_tokens: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Final norm + chunked linear/CE with its backward: ``(loss sum, d/dx, d/d norm_w,
+        d/d head_w)`` for the mean over ``n_labels`` label tokens."""
+        x_last = x.detach().requires_grad_(True)
+        norm_w = norm_w.detach().requires_grad_(True)
+        bind_params(self.norm_module(), {"weight": norm_w})
+        with torch.enable_grad():
+            normed = self.norm_module()(x_last)  # [B, S, H]
+        loss_sum, g_normed, g_head_w = chunked_lm_loss(
+            normed.detach(), head_w, targets, n_labels, chunk_tokens
+        )
+        g_x, g_norm_w = torch.autograd.grad(normed, (x_last, norm_w), g_normed)
+        return loss_sum, g_x, g_norm_w, g_head_w
 
     def norm_module(self) -> nn.Module:
         return cast(nn.Module, self.base.norm)

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -52,8 +52,8 @@ import torch.nn.functional as F
 from slidedp.data.batch import Batch
 from slidedp.errors import NonFiniteError
 from slidedp.kernels import Kernels
-from slidedp.models.hf import EMBED, LM_HEAD, NORM, HFAdapter, bind_params
-from slidedp.models.loss import IGNORE_INDEX, chunked_lm_loss, shift_labels
+from slidedp.models.hf import EMBED, LM_HEAD, NORM, HFAdapter
+from slidedp.models.loss import IGNORE_INDEX, shift_labels
 from slidedp.runtime.dist import Dist, all_reduce_sum
 from slidedp.runtime.grad_lane import AdamArgs, GradLane, GradTicket
 from slidedp.runtime.lanes import LaneClock, new_stream
@@ -184,12 +184,11 @@ class Engine:
             self._pinned = []
         self.activations.close()
 
-    def _run_layer(
-        self, layer: int, params: dict[str, torch.Tensor], x: torch.Tensor, ctx: dict[str, Any]
-    ) -> torch.Tensor:
-        group = self.adapter.groups[self.adapter.layer_group(layer)]
-        local = {name: params[full] for full, name in group.params}
-        return self.adapter.run_layer(layer, local, x, ctx)
+    def _local(self, layer: int, buf: DeviceBuffer) -> dict[str, torch.Tensor]:
+        """Layer ``layer``'s parameters in ``buf``, by their names inside the layer module."""
+        group = self.adapter.layer_group(layer)
+        views = self.window.views(buf, group)
+        return {local: views[full] for full, local in self.adapter.groups[group].params}
 
     def _fetch(self, group: int, version: int) -> DeviceBuffer:
         buf = self.window.fetch(group, version)
@@ -271,21 +270,15 @@ class Engine:
                 win.load(self.head_buf, a.head_group, v)
             saved.append(self.activations.offload(layer, x) if self.offload else x)
             with self.clock.stream("compute", compute), torch.no_grad():
-                x = self._run_layer(layer, win.views(buf, a.layer_group(layer)), x, ctx)
+                x = a.run_layer(layer, self._local(layer, buf), x, ctx)
             win.release(buf)
         win.acquire(self.head_buf)
         head = win.views(self.head_buf, a.head_group)
         with self.clock.stream("compute", compute):
-            x_last = x.detach().requires_grad_(True)
-            norm_w = head[NORM].detach().requires_grad_(True)
-            bind_params(a.norm_module(), {"weight": norm_w})
-            with torch.enable_grad():
-                normed = a.norm_module()(x_last)  # [B, S, H]
             head_w = embed_w if a.tied else head[LM_HEAD]
-            loss_sum, g_normed, g_head_w = chunked_lm_loss(
-                normed.detach(), head_w, targets, n_labels, self.chunk_tokens
+            loss_sum, g, g_norm_w, g_head_w = a.head_loss(
+                x, head[NORM], head_w, targets, n_labels, self.chunk_tokens
             )
-            g, g_norm_w = torch.autograd.grad(normed, (x_last, norm_w), g_normed)
         win.release(self.head_buf)
         total_loss = float(loss_sum)
         if self.ctx is not None:
@@ -309,16 +302,11 @@ class Engine:
             assert x_saved is not None
             with self.clock.stream("compute", compute):
                 x_in = self.activations.reload(x_saved) if self.offload else x_saved
-                x_in = x_in.detach().requires_grad_(True)
-                views = win.views(buf, group)
-                leaves = {n: p.detach().requires_grad_(True) for n, p in views.items()}
-                with torch.enable_grad():
-                    out = self._run_layer(layer, leaves, x_in, ctx)
-                grads = torch.autograd.grad(out, (x_in, *leaves.values()), g)
+                g, local_grads = a.layer_backward(layer, self._local(layer, buf), x_in, g, ctx)
             win.release(buf)
             saved[layer] = None
-            g = grads[0]
-            ticket = GradLane.ticket(group, dict(zip(leaves, grads[1:], strict=True)))
+            full = {local: full for full, local in a.groups[group].params}
+            ticket = GradLane.ticket(group, {full[n]: gr for n, gr in local_grads.items()})
             self._hand_over(ticket, t, n_adam, lr, tickets)
         with self.clock.stream("compute", compute):
             w = embed_w.detach().requires_grad_(True)
