@@ -78,6 +78,27 @@ def test_gradient_and_staging_slots_are_chunk_sized_not_model_sized() -> None:
     assert whole.layout["slot_len"] == biggest, "default: the largest group fits one slot"
 
 
+def test_the_bf16_mirror_holds_every_group_in_slot_layout_back_to_back() -> None:
+    plain = HostStore.create(_groups(3), staging_slots=1)
+    assert not plain.has_mirror
+    assert plain.region("mirror").numel() == 0
+    store = HostStore.create(_groups(3), staging_slots=0, bf16_mirror=True)
+    groups = store.layout["groups"]
+    assert store.region("mirror").dtype == torch.bfloat16
+    assert store.region("mirror").numel() == sum(g["slot_len"] for g in groups)
+    assert [g["mirror_offset"] for g in groups] == [
+        0,
+        groups[0]["slot_len"],
+        2 * groups[0]["slot_len"],
+    ]
+    assert (
+        store.mirror_group(2).data_ptr()
+        == store.region("mirror").data_ptr() + 4 * groups[0]["slot_len"]
+    )
+    planned = HostStore.plan(_groups(3), staging_slots=0, bf16_mirror=True)
+    assert planned["regions"]["total_bytes"] == store.total_bytes
+
+
 def test_views_keep_the_mapping_alive() -> None:
     view = HostStore.create(_groups(1), staging_slots=1).master("layers.0.norm")
     view.fill_(2.0)  # the store object is gone; the view must still point at live memory

@@ -94,6 +94,9 @@ class RuntimeSection:
     chunk_elems: int = 0  # elements per H2D/D2H chunk (a store slot); 0: one decoder layer
     staging_slots: int = 2  # BF16 host staging slots (H2D ring)
     grad_slots: int = 2  # host gradient slots (D2H → AdamW ring)
+    # BF16 copy of every parameter on the host, written by AdamW: loads are one DMA, no cast
+    # (+2 B/param host memory); off: cast each chunk into the staging ring on delivery
+    bf16_mirror: bool = False
     ranks: int = 1  # CPU processes (gloo) sharing one host state; `slidedp train` starts them
     gpus: int = 1  # GPUs (one process each, NCCL) sharing one host state
     grad_route: Literal["gpu", "cpu"] = "gpu"  # gradients summed on the devices or on the host

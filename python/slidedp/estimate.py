@@ -227,15 +227,10 @@ class Estimate:
 
 def plan_store(cfg: TrainConfig, adapter: HFAdapter, dtype: str) -> dict[str, Any]:
     """The layout of the store ``Trainer`` would create (same arguments), not allocated."""
-    from slidedp.runtime.engine import layer_chunk_elems
+    from slidedp.runtime.engine import store_args
 
-    rt = cfg.runtime
     return HostStore.plan(
-        adapter.group_specs(),
-        staging_slots=rt.staging_slots,
-        grad_dtype="bf16" if dtype == "bfloat16" else "f32",
-        grad_slots=rt.grad_slots,
-        chunk_elems=rt.chunk_elems or layer_chunk_elems(adapter),
+        adapter.group_specs(), **store_args(cfg.runtime, adapter, dtype == "bfloat16")
     )
 
 
@@ -321,7 +316,8 @@ def estimate_run(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> Esti
     arena = inputs if rt.offload_ratio == 1 else 0
     store = int(layout["regions"]["total_bytes"])
     slot_len = int(layout["slot_len"])
-    slots_bytes = slot_len * (2 * rt.staging_slots + elem * rt.grad_slots)
+    mirror = int(layout["mirror_len"]) * 2  # page-locked like the slots
+    slots_bytes = slot_len * (2 * int(layout["staging_slots"]) + elem * rt.grad_slots) + mirror
     gpu = None
     if cuda:
         peak = working + ALLOCATOR_BYTES

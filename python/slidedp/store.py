@@ -51,6 +51,7 @@ def _spec_json(
     grad_dtype: Literal["bf16", "f32"] | None,
     grad_slots: int,
     chunk_elems: int | None,
+    bf16_mirror: bool,
 ) -> str:
     """The Rust ``StoreSpec`` as JSON."""
     spec = {
@@ -62,6 +63,7 @@ def _spec_json(
         "chunk_elems": chunk_elems,
         "grad_slots": grad_slots,
         "grad_dtype": grad_dtype,
+        "bf16_mirror": bf16_mirror,
     }
     return json.dumps(spec)
 
@@ -84,8 +86,9 @@ def _bytes_view(owner: object, address: int, nbytes: int) -> torch.Tensor:
 
 
 class HostStore:
-    """FP32 master weights, Adam moments, BF16 staging slots and gradient slots in one shared
-    mapping. Slots hold one transfer chunk (``layout["slot_len"]`` elements) each."""
+    """FP32 master weights, Adam moments, BF16 staging slots, gradient slots and (optionally) a
+    BF16 mirror of every parameter in one shared mapping. Slots hold one transfer chunk
+    (``layout["slot_len"]`` elements) each."""
 
     def __init__(self, native: _native.HostStore) -> None:
         self._native = native
@@ -93,8 +96,8 @@ class HostStore:
         self._params = {p["name"]: p for p in self.layout["params"]}
         self._regions: dict[str, torch.Tensor] = {}
         grad_dtype = _TORCH_DTYPES[self.layout["grad_dtype"] or "f32"]
-        dtypes = {"staging": torch.bfloat16, "grad": grad_dtype}
-        for region in ("master", "exp_avg", "exp_avg_sq", "grad", "staging"):
+        dtypes = {"staging": torch.bfloat16, "mirror": torch.bfloat16, "grad": grad_dtype}
+        for region in ("master", "exp_avg", "exp_avg_sq", "grad", "staging", "mirror"):
             address, nbytes = native.region(region)
             view = _bytes_view(native, address, nbytes)
             self._regions[region] = view.view(dtypes.get(region, torch.float32))
@@ -108,10 +111,12 @@ class HostStore:
         grad_dtype: Literal["bf16", "f32"] | None = None,
         grad_slots: int = 0,
         chunk_elems: int | None = None,
+        bf16_mirror: bool = False,
     ) -> HostStore:
         """A new zero-filled store with ``grad_slots`` gradient slots in ``grad_dtype``; slots
-        hold ``chunk_elems`` elements (None: the largest group whole)."""
-        spec = _spec_json(groups, staging_slots, grad_dtype, grad_slots, chunk_elems)
+        hold ``chunk_elems`` elements (None: the largest group whole); ``bf16_mirror``: a BF16
+        copy of every parameter, written by the update worker (``mirror_group``)."""
+        spec = _spec_json(groups, staging_slots, grad_dtype, grad_slots, chunk_elems, bf16_mirror)
         return cls(_native.HostStore.create(spec, shm_dir))
 
     @classmethod
@@ -122,10 +127,11 @@ class HostStore:
         grad_dtype: Literal["bf16", "f32"] | None = None,
         grad_slots: int = 0,
         chunk_elems: int | None = None,
+        bf16_mirror: bool = False,
     ) -> dict[str, Any]:
         """The layout ``create`` would give these arguments (``["regions"]["total_bytes"]`` is
         the store's exact size), computed without allocating anything."""
-        spec = _spec_json(groups, staging_slots, grad_dtype, grad_slots, chunk_elems)
+        spec = _spec_json(groups, staging_slots, grad_dtype, grad_slots, chunk_elems, bf16_mirror)
         layout: dict[str, Any] = json.loads(_native.store_layout(spec))
         return layout
 
@@ -149,9 +155,9 @@ class HostStore:
     def num_groups(self) -> int:
         return len(self.layout["groups"])
 
-    def region(self, region: StateRegion | Literal["staging", "grad"]) -> torch.Tensor:
-        """A whole region as a flat tensor: float32, bfloat16 for "staging", ``grad_dtype`` for
-        "grad" (all gradient slots; empty when the store has none)."""
+    def region(self, region: StateRegion | Literal["staging", "grad", "mirror"]) -> torch.Tensor:
+        """A whole region as a flat tensor: float32, bfloat16 for "staging" and "mirror" (empty
+        without one), ``grad_dtype`` for "grad" (all gradient slots; empty when none)."""
         return self._regions[region]
 
     def param(self, name: str, region: StateRegion = "master") -> torch.Tensor:
@@ -172,6 +178,16 @@ class HostStore:
         """A group's contiguous range of one state region, padding included (padding stays 0)."""
         g = self.layout["groups"][group]
         return self._regions[region][g["state_offset"] : g["state_offset"] + g["state_len"]]
+
+    @property
+    def has_mirror(self) -> bool:
+        return int(self.layout["mirror_len"]) > 0
+
+    def mirror_group(self, group: int) -> torch.Tensor:
+        """A group's BF16 mirror: its slot layout (params at ``slot_offset``, padding zero)."""
+        assert self.has_mirror, "the store was created without a BF16 mirror"
+        g = self.layout["groups"][group]
+        return self._regions["mirror"][g["mirror_offset"] : g["mirror_offset"] + g["slot_len"]]
 
     def staging_slot(self, slot: int) -> torch.Tensor:
         """One BF16 staging slot (``slot_len`` elements): a chunk of a group's slot layout."""

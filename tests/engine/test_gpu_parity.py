@@ -98,17 +98,21 @@ def test_bf16_losses_track_fsdp2_mixed_precision(tmp_path: Path) -> None:
     # 1e-5 for 20 steps, then rounding differences are amplified by the fast memorisation (max
     # 2.4e-2 around step 100), as between any two bf16 runs; see BENCHMARKS.md.
     data = write_data(tmp_path / "data.jsonl", STEPS * 8, min_len=64, max_len=128)
-    out = tmp_path / "out"
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data,
-        out,
-        train=TRAIN,
-        runtime={"device": "cuda", "offload_ratio": 1},
-    )
-    Trainer(load_config(str(config), ["data.seq_len=128"]), log=False).run()
-    ours = [r["loss"] for r in read_metrics(out)]
+    runs = {}
+    for mirror in (False, True):  # cast on delivery, and the BF16 mirror written by AdamW
+        out = tmp_path / f"out-{mirror}"
+        config = write_config(
+            tmp_path / f"c-{mirror}.yaml",
+            model_dir,
+            data,
+            out,
+            train=TRAIN,
+            runtime={"device": "cuda", "offload_ratio": 1, "bf16_mirror": mirror},
+        )
+        Trainer(load_config(str(config), ["data.seq_len=128"]), log=False).run()
+        runs[mirror] = [r["loss"] for r in read_metrics(out)]
+    assert runs[True] == runs[False], "the mirror is the same rounding as the cast"
+    ours = runs[True]
     ref = _fsdp2_losses(model_dir, data)
     deltas = [abs(a - b) for a, b in zip(ours, ref, strict=True)]
     summary = {

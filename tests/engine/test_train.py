@@ -131,3 +131,34 @@ def test_bfloat16_compute_on_cpu_tracks_float32(tmp_path: Path) -> None:
     for a, b in zip(f32, bf16, strict=True):
         # bf16 keeps 8 mantissa bits: per-op relative error ~4e-3, loss ~5.5 → |Δ| ~1e-2 at most
         assert abs(a["loss"] - b["loss"]) < 2e-2
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 2.4])
+def test_the_bf16_mirror_trains_bit_for_bit_like_casting_on_delivery(
+    tmp_path: Path, max_grad_norm: float
+) -> None:
+    """``runtime.bf16_mirror``: AdamW writes the BF16 copy that the loads then send as is; it is
+    the same rounding as the cast on delivery, so every loss, norm and master weight is equal
+    (BF16 compute on CPU, groups split into several chunks, with and without clipping)."""
+    model = make_model(tmp_path, "qwen3", tied=True, layers=3)
+    data = write_data(tmp_path / "data.jsonl", 24)
+    train = {"max_steps": 5, "dtype": "bfloat16", "max_grad_norm": max_grad_norm}
+    runs = {}
+    for mirror in (False, True):
+        runtime = {"bf16_mirror": mirror, "chunk_elems": 1000}
+        config = write_config(tmp_path / f"{mirror}.yaml", model, data, tmp_path / f"o{mirror}",
+                              train=train, runtime=runtime)  # fmt: skip
+        trainer = Trainer(load_config(config, ["output.export=false"]), log=False)
+        runs[mirror] = (trainer, [(r["loss"], r["grad_norm"]) for r in trainer.run()])
+    (cast, cast_log), (mirrored, mirror_log) = runs[False], runs[True]
+    assert not cast.store.has_mirror
+    assert cast.store.layout["staging_slots"] > 0
+    assert mirrored.store.has_mirror
+    assert mirrored.store.layout["staging_slots"] == 0
+    assert mirror_log == cast_log
+    layout = mirrored.store.layout
+    for p in layout["params"]:
+        master = mirrored.store.param(p["name"])
+        assert torch.equal(master, cast.store.param(p["name"])), p["name"]
+        copy = mirrored.store.mirror_group(p["group"])[p["slot_offset"] :][: p["numel"]]
+        assert torch.equal(copy, master.view(-1).to(torch.bfloat16)), p["name"]

@@ -287,7 +287,7 @@ fn update_chunk(store: &HostStore, kernels: &Kernels, request: &UpdateRequest) -
         };
         let (offset, len, grad_at) = (group.state_offset + lo, hi - lo, lo - chunk_lo);
         // SAFETY: [offset, offset + len) lies inside the parameter, hence inside every state
-        // region; [grad_at, grad_at + len) lies inside gradient slot `grad_slot` (`check`: the
+        // region (and its mirror range inside the group's mirror range); [grad_at, grad_at + len) lies inside gradient slot `grad_slot` (`check`: the
         // chunk is at most a slot long); the caller's protocol (module docs) makes this worker
         // the only writer of the group and keeps the slot unchanged while the update runs; the
         // Arc'd store keeps the mapping alive.
@@ -306,7 +306,13 @@ fn update_chunk(store: &HostStore, kernels: &Kernels, request: &UpdateRequest) -
                     len,
                 )),
             };
-            kernels.adamw(&hp, master, exp_avg, exp_avg_sq, grad, None)?;
+            // The mirror holds the parameter at its slot offset inside the group's range.
+            let mirror = (layout.mirror_len > 0).then(|| {
+                let at = group.mirror_offset + param.slot_offset + (lo - param_lo);
+                let base = store.region(Region::Mirror).0.cast::<u16>();
+                std::slice::from_raw_parts_mut(base.add(at), len)
+            });
+            kernels.adamw(&hp, master, exp_avg, exp_avg_sq, grad, mirror)?;
         }
     }
     Ok(())

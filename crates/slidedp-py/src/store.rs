@@ -67,13 +67,14 @@ impl PyHostStore {
             .map_err(|e| to_py_err(py, &Error::InvalidLayout(e.to_string())))
     }
 
-    /// (address, byte length) of "master", "exp_avg", "exp_avg_sq" or "staging".
+    /// (address, byte length) of "master", "exp_avg", "exp_avg_sq", "grad", "staging" or
+    /// "mirror".
     fn region(&self, py: Python<'_>, name: &str) -> PyResult<(usize, usize)> {
         let region = Region::parse(name).ok_or_else(|| {
             to_py_err(
                 py,
                 &Error::InvalidArgument(format!(
-                    "unknown region '{name}' (master, exp_avg, exp_avg_sq, staging)"
+                    "unknown region '{name}' (master, exp_avg, exp_avg_sq, grad, staging, mirror)"
                 )),
             )
         })?;

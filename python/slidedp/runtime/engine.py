@@ -19,9 +19,9 @@ backward, so the step's gradients are *parked on the device* (the compute dtype:
 BF16) with each parameter's L2 norm; then ``total = ‖norms‖₂`` and ``clip_coef = min(1,
 max_norm / (total + 1e-6))`` — ``torch.nn.utils.clip_grad_norm_``'s formula — and every group's
 update uses ``grad_scale = clip_coef``: the result is ``clip_grad_norm_`` + AdamW. The parked
-gradients leave lazily in forward order: when the next step is about to load group ``g``, the
-groups up to ``g`` plus a ring's worth ahead are sent (D2H into the gradient slots, AdamW), so
-the update lane overlaps the next step's forward instead of the backward. Host memory stays
+gradients leave in forward order as soon as the coefficient is known, a ring's worth at a time:
+each load of the next step tops the ring up (D2H into the gradient slots, AdamW), so the update
+lane overlaps the next step's forward instead of the backward. Host memory stays
 one chunk per gradient slot (no per-parameter host gradient); the cost is GPU memory for one
 gradient of the model and no update/backward overlap (measured in BENCHMARKS.md).
 
@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +64,9 @@ from slidedp.runtime.window import DeviceBuffer, Window
 from slidedp.store import HostStore
 from slidedp.update import UpdateWorker
 
+if TYPE_CHECKING:
+    from slidedp.config import RuntimeSection
+
 
 def layer_chunk_elems(adapter: HFAdapter) -> int:
     """Slot size that holds the largest decoder layer whole in both store layouts (BF16 params
@@ -72,6 +75,24 @@ def layer_chunk_elems(adapter: HFAdapter) -> int:
     specs = adapter.group_specs()
     layers = [specs[adapter.layer_group(i)] for i in range(adapter.num_layers)]
     return max(sum(-(-math.prod(p.shape) // 32) * 32 for p in g.params) for g in layers)
+
+
+def store_args(
+    rt: RuntimeSection, adapter: HFAdapter, bf16: bool, world: int = 1
+) -> dict[str, Any]:
+    """``HostStore.create``'s arguments for this run (``Trainer`` creates it, ``estimate`` plans
+    it): the slot rings of every rank, one decoder layer per chunk unless set, the BF16 mirror
+    (which replaces the staging ring) when asked for and computing in BF16. The gradient slots
+    are f32 where the host sums the ranks' gradients (``Kernels.sum_into``)."""
+    mirror = bf16 and rt.bf16_mirror
+    f32_grads = not bf16 or (world > 1 and rt.grad_route == "cpu")
+    return {
+        "staging_slots": 0 if mirror else rt.staging_slots * world,
+        "grad_dtype": "f32" if f32_grads else "bf16",
+        "grad_slots": rt.grad_slots * world,
+        "chunk_elems": rt.chunk_elems or layer_chunk_elems(adapter),
+        "bf16_mirror": mirror,
+    }
 
 
 @dataclass(frozen=True)
@@ -168,7 +189,7 @@ class Engine:
         self._update_busy_s = 0.0
         self._pinned: list[torch.Tensor] = []
         if device.type == "cuda":
-            for region in ("staging", "grad"):
+            for region in ("staging", "grad", "mirror"):
                 if store.region(region).numel():
                     pin(store.region(region), f"the store's {region} slots")
                     self._pinned.append(store.region(region))
@@ -197,8 +218,12 @@ class Engine:
         return buf
 
     def _send_ready(self, group: int) -> None:
-        """Before a load waits for ``group``'s version: send the parked gradients up to it and a
-        ring's worth ahead (their D2H and AdamW then run while this group's loads proceed)."""
+        """Before a load waits for ``group``'s version: submit the chunks sent by earlier calls
+        (their copies are done by now), so the update worker is never idle while this thread
+        waits; then send the parked gradients up to ``group`` and a ring's worth ahead (sending
+        into a full ring waits for the oldest update: the backpressure)."""
+        if self._ready:
+            self.grads.flush()
         ahead = group + self.grad_slots
         while self._ready and self._ready[0][0].group <= ahead:
             ticket, adam = self._ready.pop(0)
@@ -354,6 +379,8 @@ class Engine:
             self._parked.sort(key=lambda parked: parked[0].group)  # forward order
             self._ready = [(tk, replace(adam, grad_scale=coef)) for tk, adam in self._parked]
             self._parked = []
+            if self._ready:  # the updates start now, not when the next step first loads
+                self._send_ready(self._ready[0][0].group)
         return StepResult(loss=loss, grad_norm=grad_norm, clip_coef=coef, label_tokens=n_labels)
 
     def lane_times(self) -> dict[str, float]:

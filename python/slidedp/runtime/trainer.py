@@ -20,7 +20,7 @@ import functools
 import sys
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -46,16 +46,17 @@ from slidedp.io.checkpoint import (
     save_checkpoint,
 )
 from slidedp.io.hf_load import fill_master
-from slidedp.kernels import default_threads
+from slidedp.kernels import Kernels, default_threads
 from slidedp.models.hf import HFAdapter
 from slidedp.runtime.dist import Dist, start
-from slidedp.runtime.engine import Engine, OptimConfig, layer_chunk_elems
+from slidedp.runtime.engine import Engine, OptimConfig, store_args
 from slidedp.runtime.flops import device_peak_flops, model_flops_per_token
 from slidedp.runtime.routes import signal_specs
 from slidedp.runtime.schedule import lr_schedule
 from slidedp.runtime.stop_signals import StopSignals
 from slidedp.runtime.trace import write_trace
 from slidedp.runtime.train_log import RunFacts, StepLog, tensorboard_writer
+from slidedp.runtime.window import fill_mirror
 from slidedp.store import HostStore
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -95,19 +96,12 @@ class Trainer:
         self.out_dir = Path(cfg.output.dir)
         self.progress = Progress()
         self.resume_from = self._check_resume()
-        grad_dtype: Literal["bf16", "f32"] = "bf16" if self.dtype == torch.bfloat16 else "f32"
-        if world > 1 and rt.grad_route == "cpu":
-            grad_dtype = "f32"  # the host sums into the owner's slot in f32 (Kernels.sum_into)
+        args = store_args(rt, self.adapter, self.dtype == torch.bfloat16, world)
 
         def create() -> HostStore:  # every rank gets its own range of the slot rings
-            store = HostStore.create(
-                self.adapter.group_specs(),
-                staging_slots=rt.staging_slots * world,
-                grad_dtype=grad_dtype,
-                grad_slots=rt.grad_slots * world,
-                chunk_elems=rt.chunk_elems or layer_chunk_elems(self.adapter),
-            )
+            store = HostStore.create(self.adapter.group_specs(), **args)
             self.source = self._fill_state(store)
+            fill_mirror(store, Kernels(default_threads()))
             return store
 
         self.signals: HostStore | None = None

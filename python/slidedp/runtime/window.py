@@ -4,14 +4,18 @@ Each slot is one flat device buffer in the compute dtype in the group's slot lay
 their ``slot_offset``), so loading group ``g`` is: wait for ``g``'s version → per chunk (one
 store staging slot: a whole decoder layer by default, a part of the embedding), cast the chunk
 of f32 master into a BF16 host staging slot (Rust) → copy it into the device buffer on the copy
-stream; for f32 compute, no staging. A layer's module is bound to views of the slot just before
-it runs (``HFAdapter`` modules are structure only), so device memory for parameters is
-``slots`` times the largest layer plus embed and head, whatever the depth.
+stream; for f32 compute, no staging. With the store's BF16 mirror (``runtime.bf16_mirror``,
+written by the update worker as AdamW's by-product), a load is one H2D straight from the mirror:
+no cast on the load path, 2 bytes per parameter more host memory. A layer's module is bound
+to views of the slot just before it runs (``HFAdapter`` modules are structure only), so device
+memory for parameters is ``slots`` times the largest layer plus embed and head, whatever the
+depth.
 
 Several ranks: a rank uses its own range of staging slots (``staging_base``). With the sharded
 parameter route (``shard=(rank, world)``) the device buffers are padded to a multiple of
 ``world``; a rank loads (and, in BF16, casts) only its ``1/world`` share of the group's flat slot
-layout and an all-gather rebuilds the layer on every rank, so no element is cast twice.
+layout and an all-gather rebuilds the layer on every rank, so no element is cast twice. With
+the mirror nothing is cast on either route (the owner's update wrote it once).
 
 Buffer owners: the store owns host master/staging/grad; the window owns the device buffers;
 a staging slot is reused only after the copy that read it completed (its event), and a device
@@ -31,6 +35,18 @@ from slidedp.runtime.chunking import chunks, pieces
 from slidedp.runtime.dist import collective
 from slidedp.runtime.lanes import LaneClock, new_event, new_stream, on_stream
 from slidedp.store import HostStore
+
+
+def fill_mirror(store: HostStore, kernels: Kernels) -> None:
+    """Write the BF16 mirror from the master weights (after loading or initialising them; the
+    update worker keeps it current from then on). Padding stays zero."""
+    if not store.has_mirror:
+        return
+    for group, g in enumerate(store.layout["groups"]):
+        mirror = store.mirror_group(group)
+        for p in store.layout["params"][g["params"]["start"] : g["params"]["end"]]:
+            out = mirror[p["slot_offset"] : p["slot_offset"] + p["numel"]]
+            kernels.cast_f32_to_bf16(store.param(p["name"]).view(-1), out)
 
 
 class DeviceBuffer:
@@ -135,7 +151,10 @@ class Window:
         if stream is not None and buf.released is not None:
             stream.wait_event(buf.released)  # compute finished reading the old contents
         lo, hi = self._share(group)
-        if self.dtype == torch.bfloat16:
+        if self.dtype == torch.bfloat16 and self.store.has_mirror:
+            with on_stream(stream), self.clock.stream("h2d", stream):
+                buf.flat[lo:hi].copy_(self.store.mirror_group(group)[lo:hi], non_blocking=True)
+        elif self.dtype == torch.bfloat16:
             self._stage_and_copy(buf, group, stream, lo, hi)
         else:  # f32 compute: straight from the master weights, no staging
             with on_stream(stream), self.clock.stream("h2d", stream):

@@ -12,6 +12,11 @@
 //! the largest group whole, so a layer is one contiguous transfer; a smaller `chunk_elems` splits
 //! big groups (embeddings, LM head) — host memory for slots is then bounded by the chunk, not by
 //! the vocabulary.
+//!
+//! With `bf16_mirror`, the store also holds a BF16 copy of every parameter in the slot layout,
+//! group after group (`mirror_offset`): the update worker writes it as AdamW's by-product, so a
+//! layer is delivered by one DMA from the mirror, with no cast on the load path (2 bytes per
+//! parameter more host memory).
 
 use serde::{Deserialize, Serialize};
 
@@ -70,6 +75,9 @@ pub struct StoreSpec {
     /// Dtype of the gradient slots (required when `grad_slots > 0`).
     #[serde(default)]
     pub grad_dtype: Option<Dtype>,
+    /// Hold a BF16 copy of every parameter (the `mirror` region).
+    #[serde(default)]
+    pub bf16_mirror: bool,
 }
 
 /// A parameter's resolved place.
@@ -96,6 +104,8 @@ pub struct GroupLayout {
     pub state_len: usize,
     /// Elements of a staging slot this group occupies, padding included.
     pub slot_len: usize,
+    /// Element offset of the group's slot layout in the BF16 mirror (when the store has one).
+    pub mirror_offset: usize,
 }
 
 /// Byte offsets of the regions inside the shared mapping.
@@ -107,6 +117,8 @@ pub struct RegionOffsets {
     pub exp_avg_sq: usize,
     pub grad: usize,
     pub staging: usize,
+    /// The BF16 mirror (`mirror_len` elements; none without `bf16_mirror`).
+    pub mirror: usize,
     pub total_bytes: usize,
 }
 
@@ -121,6 +133,8 @@ pub struct StoreLayout {
     pub staging_slots: usize,
     pub grad_slots: usize,
     pub grad_dtype: Option<Dtype>,
+    /// Elements of the BF16 mirror (0 without one): every group's `slot_len`, back to back.
+    pub mirror_len: usize,
     pub regions: RegionOffsets,
 }
 
@@ -140,6 +154,7 @@ impl StoreLayout {
         let mut groups = Vec::with_capacity(spec.groups.len());
         let mut params = Vec::new();
         let mut state_cursor = 0usize;
+        let mut mirror_cursor = 0usize;
         for (group_index, group) in spec.groups.iter().enumerate() {
             let first_param = params.len();
             let group_start = state_cursor;
@@ -164,8 +179,11 @@ impl StoreLayout {
                 state_offset: group_start,
                 state_len: state_cursor - group_start,
                 slot_len: slot_cursor,
+                mirror_offset: mirror_cursor,
             });
+            mirror_cursor += slot_cursor; // a multiple of the BF16 alignment already
         }
+        let mirror_len = if spec.bf16_mirror { mirror_cursor } else { 0 };
         let whole_group = groups
             .iter()
             .map(|g| g.slot_len.max(g.state_len))
@@ -182,7 +200,8 @@ impl StoreLayout {
             .grad_dtype
             .map_or(0, |d| d.size_bytes() * slot_len * spec.grad_slots);
         let staging = align_up(grad + grad_bytes, ALIGN_BYTES);
-        let total_bytes = align_up(staging + spec.staging_slots * slot_len * 2, 4096);
+        let mirror = align_up(staging + spec.staging_slots * slot_len * 2, 4096);
+        let total_bytes = align_up(mirror + mirror_len * 2, 4096);
         Ok(Self {
             groups,
             params,
@@ -191,6 +210,7 @@ impl StoreLayout {
             staging_slots: spec.staging_slots,
             grad_slots: spec.grad_slots,
             grad_dtype: spec.grad_dtype,
+            mirror_len,
             regions: RegionOffsets {
                 versions,
                 master,
@@ -198,6 +218,7 @@ impl StoreLayout {
                 exp_avg_sq,
                 grad,
                 staging,
+                mirror,
                 total_bytes,
             },
         })
@@ -296,6 +317,7 @@ mod tests {
             chunk_elems: None,
             grad_slots: 3,
             grad_dtype: Some(Dtype::Bf16),
+            bf16_mirror: false,
         }
     }
 
@@ -362,6 +384,7 @@ mod tests {
                     chunk_elems: None,
                     grad_slots: 0,
                     grad_dtype: None,
+                    bf16_mirror: false,
                 },
                 0
             ),

@@ -60,6 +60,8 @@ pub enum Region {
     /// `grad_slots` gradient chunks in `grad_dtype` (the update lane's input ring).
     Grad,
     Staging,
+    /// The BF16 copy of every parameter (empty without `bf16_mirror`).
+    Mirror,
 }
 
 impl Region {
@@ -70,6 +72,7 @@ impl Region {
             "exp_avg_sq" => Some(Region::ExpAvgSq),
             "grad" => Some(Region::Grad),
             "staging" => Some(Region::Staging),
+            "mirror" => Some(Region::Mirror),
             _ => None,
         }
     }
@@ -219,6 +222,7 @@ impl HostStore {
                 r.staging,
                 self.layout.staging_slots * self.layout.slot_len * 2,
             ),
+            Region::Mirror => (r.mirror, self.layout.mirror_len * 2),
         };
         // SAFETY: offset + len <= total_bytes by layout construction, so the result stays inside
         // the mapping.

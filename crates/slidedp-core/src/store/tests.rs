@@ -24,6 +24,7 @@ fn spec(layers: usize, staging_slots: usize) -> StoreSpec {
         chunk_elems: None,
         grad_slots: 2,
         grad_dtype: Some(Dtype::F32),
+        bf16_mirror: false,
     }
 }
 

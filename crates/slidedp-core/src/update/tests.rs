@@ -8,6 +8,7 @@ fn store(
     grad_slots: usize,
     grad_dtype: Option<Dtype>,
     chunk_elems: Option<usize>,
+    bf16_mirror: bool,
 ) -> Arc<HostStore> {
     let p = |name: &str, shape: &[usize]| ParamSpec {
         name: name.into(),
@@ -30,6 +31,7 @@ fn store(
         chunk_elems,
         grad_slots,
         grad_dtype,
+        bf16_mirror,
     };
     Arc::new(HostStore::create(&spec, Path::new("/dev/shm")).unwrap())
 }
@@ -74,7 +76,18 @@ fn request(group: usize, start: usize, len: usize, grad_slot: usize, step: u64) 
 /// reuse and the NaN written into the slots' padding must be invisible in the result.
 #[test]
 fn chunked_updates_through_a_slot_ring_match_per_parameter_adamw() {
-    let store = store(2, Some(Dtype::F32), Some(48));
+    check_chunked_updates(false);
+}
+
+/// With a BF16 mirror, the worker also leaves the cast of every updated parameter there, at its
+/// slot offset, bit for bit what the cast kernel gives; the mirror's padding stays zero.
+#[test]
+fn chunked_updates_emit_the_bf16_mirror() {
+    check_chunked_updates(true);
+}
+
+fn check_chunked_updates(mirror: bool) {
+    let store = store(2, Some(Dtype::F32), Some(48), mirror);
     let layout = store.layout().clone();
     assert!(
         layout.groups[0].state_len > 2 * layout.slot_len,
@@ -168,11 +181,33 @@ fn chunked_updates_through_a_slot_ring_match_per_parameter_adamw() {
             .iter()
             .all(|&x| x == 0.0)
     );
+    let (ptr, bytes) = store.region(Region::Mirror);
+    if !mirror {
+        assert_eq!(bytes, 0);
+        return;
+    }
+    // SAFETY: the worker is drained; the mirror is this test's alone now.
+    let bf16 = unsafe { std::slice::from_raw_parts(ptr.cast::<u16>(), bytes / 2) };
+    let mut written = vec![false; bf16.len()];
+    for p in &layout.params {
+        let at = layout.groups[p.group].mirror_offset + p.slot_offset;
+        let mut want = vec![0u16; p.numel];
+        kernels
+            .cast_f32_to_bf16(&master[p.state_offset..][..p.numel], &mut want)
+            .unwrap();
+        assert_eq!(&bf16[at..at + p.numel], want.as_slice(), "{}", p.name);
+        written[at..at + p.numel].fill(true);
+    }
+    let padding: Vec<u16> = (0..bf16.len())
+        .filter(|&i| !written[i])
+        .map(|i| bf16[i])
+        .collect();
+    assert!(!padding.is_empty() && padding.iter().all(|&x| x == 0));
 }
 
 #[test]
 fn an_empty_request_only_publishes() {
-    let store = store(1, Some(Dtype::Bf16), None);
+    let store = store(1, Some(Dtype::Bf16), None, false);
     let worker = UpdateWorker::new(store.clone(), Kernels::new(1, Isa::Scalar).unwrap()).unwrap();
     let seq = worker
         .submit(UpdateRequest {
@@ -192,10 +227,13 @@ fn an_empty_request_only_publishes() {
 #[test]
 fn bad_requests_and_missing_gradients_are_errors() {
     assert!(matches!(
-        UpdateWorker::new(store(0, None, None), Kernels::new(1, Isa::Scalar).unwrap()),
+        UpdateWorker::new(
+            store(0, None, None, false),
+            Kernels::new(1, Isa::Scalar).unwrap()
+        ),
         Err(Error::InvalidArgument(_))
     ));
-    let store = store(2, Some(Dtype::Bf16), Some(64));
+    let store = store(2, Some(Dtype::Bf16), Some(64), false);
     let worker = UpdateWorker::new(store.clone(), Kernels::new(1, Isa::Scalar).unwrap()).unwrap();
     assert!(matches!(
         worker.submit(request(9, 0, 1, 0, 1)),
