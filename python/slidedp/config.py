@@ -93,7 +93,7 @@ class RuntimeSection:
     version_timeout_s: float = 600.0
     chunk_elems: int = 0  # elements per H2D/D2H chunk (a store slot); 0: one decoder layer
     staging_slots: int = 2  # BF16 host staging slots (H2D ring)
-    grad_slots: int = 2  # host gradient slots (D2H → AdamW ring)
+    grad_slots: int = 4  # host gradient slots (D2H → AdamW ring; 2 serialize the update lane)
     # BF16 copy of every parameter on the host, written by AdamW: loads are one DMA, no cast
     # (+2 B/param host memory); off: cast each chunk into the staging ring on delivery
     bf16_mirror: bool = False

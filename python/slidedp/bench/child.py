@@ -1,9 +1,10 @@
 """A ``slidedp.bench.worker`` subprocess run by ``slidedp bench train``, with its host memory.
 
 While the child runs, a thread samples the PSS of its process tree every ``PSS_SAMPLE_S``
-(``measure.tree_pss_bytes``) and keeps the peak. A child that exits non-zero becomes a result
-with ``status`` ``error`` (or ``killed`` when a signal ended it, e.g. the host's OOM killer),
-its stderr echoed, its last line kept as ``error``.
+(``measure.tree_pss_bytes``) and keeps the peak; for a run of several ranks the child is only
+their launcher (``bench.ranks``), which waits, so the sum is over the ranks. A child that exits
+non-zero becomes a result with ``status`` ``error`` (or ``killed`` when a signal ended it, e.g.
+the host's OOM killer), its stderr echoed, its last line kept as ``error``.
 
 Example::
 
@@ -19,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from slidedp.bench.measure import RunSpec, tree_pss_bytes
+from slidedp.bench.measure import RunSpec, process_pss_bytes, tree_pss_bytes
 
 PSS_SAMPLE_S = 0.25
 
@@ -28,11 +29,12 @@ class ChildRun:
     """One worker subprocess; a thread samples the PSS of its process tree until it exits."""
 
     def __init__(self, spec: RunSpec, workdir: Path) -> None:
-        stem = f"{spec.system}-b{spec.batch}"
+        stem = spec.name
         self.spec_path, self.result_path = workdir / f"{stem}.spec", workdir / f"{stem}.json"
         self.stderr_path = workdir / f"{stem}.stderr"
         self.spec_path.write_text(json.dumps(spec.to_json()))
         self.peak_pss_bytes = 0
+        self.count_root = spec.world == 1  # else the root is the launcher of the ranks
 
     def run(self) -> tuple[int, dict[str, Any] | None, str]:
         """(exit code, result or None, stderr text)."""
@@ -52,7 +54,8 @@ class ChildRun:
 
     def _sample(self, pid: int, done: threading.Event) -> None:
         while not done.is_set():
-            self.peak_pss_bytes = max(self.peak_pss_bytes, tree_pss_bytes(pid))
+            pss = tree_pss_bytes(pid) - (0 if self.count_root else process_pss_bytes(pid))
+            self.peak_pss_bytes = max(self.peak_pss_bytes, pss)
             done.wait(PSS_SAMPLE_S)
 
 
@@ -63,7 +66,8 @@ def run_child(spec: RunSpec, workdir: Path) -> tuple[dict[str, Any], int]:
     if result is None:
         lines = [line for line in stderr.splitlines() if line.strip()]
         status = "killed" if code < 0 else "error"
-        print(f"--- {spec.system} batch {spec.batch} exited {code}:\n{stderr}", file=sys.stderr)
+        where = f"batch {spec.batch}" + (f" on {spec.world} ranks" if spec.world > 1 else "")
+        print(f"--- {spec.system} {where} exited {code}:\n{stderr}", file=sys.stderr)
         error = lines[-1] if lines else f"exit {code}, no stderr"
         result = {"system": spec.system, "batch": spec.batch, "status": status, "error": error}
     return result, child.peak_pss_bytes

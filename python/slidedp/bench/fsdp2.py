@@ -5,9 +5,12 @@ layer, ``fully_shard`` on every decoder layer and on the root with
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` and
 ``CPUOffloadPolicy(pin_memory=True)`` (parameters, gradients and optimizer state on the host,
 each layer's bf16 parameters copied to the GPU when it runs), ``torch.optim.AdamW(fused=True)``
-on the host parameters, ``clip_grad_norm_`` at our ``train.max_grad_norm`` (0: off). A world of
-one process (NCCL on CUDA, gloo on CPU, rendezvous on a free localhost port). The loss is the
-model's own (full logits). On CPU the host memory is not pinned (there is no CUDA to pin for).
+on the host parameters, ``clip_grad_norm_`` at our ``train.max_grad_norm`` (0: off). One
+process (NCCL on CUDA, gloo on CPU, rendezvous on a free localhost port), or ``spec.world``
+ranks launched by ``bench.ranks``: the same model and step in each, sharded over all of them,
+rank ``r`` computing rows ``[r*B, (r+1)*B)`` of the global batch of ``world x B`` sequences
+(the losses reported are rank 0's rows). The loss is the model's own (full logits). On CPU the
+host memory is not pinned (there is no CUDA to pin for).
 
 Example::
 
@@ -25,7 +28,9 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from slidedp.bench.measure import RunSpec, synthetic_tokens, timed_steps
+from slidedp.bench.ranks import rank_device
 from slidedp.config import TrainSection
+from slidedp.runtime.dist import Dist
 
 
 def _free_port() -> int:
@@ -34,8 +39,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def build_fsdp2_model(config: Any, device: torch.device) -> nn.Module:
-    """The HF model, checkpointed per layer, fully sharded with CPU offload (process group up)."""
+def build_fsdp2_model(config: Any, device: torch.device, world: int = 1) -> nn.Module:
+    """The HF model, checkpointed per layer, fully sharded over ``world`` ranks with CPU offload
+    (process group up)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -46,7 +52,7 @@ def build_fsdp2_model(config: Any, device: torch.device) -> nn.Module:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=non_reentrant)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=non_reentrant)
-    mesh = init_device_mesh(device.type, (1,))
+    mesh = init_device_mesh(device.type, (world,))
     policies: dict[str, Any] = {
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
@@ -58,20 +64,30 @@ def build_fsdp2_model(config: Any, device: torch.device) -> nn.Module:
     return cast(nn.Module, model)
 
 
-def run_fsdp2(spec: RunSpec) -> dict[str, Any]:
-    """Timed steps of the FSDP2 baseline: forward, backward, clip, fused AdamW on the host."""
-    device = torch.device(spec.device)
+def _join_alone(device: torch.device) -> None:
+    """A process group of this process alone (FSDP2 needs one even on one GPU)."""
     if device.type == "cuda":
         torch.cuda.set_device(device.index or 0)
-    train = TrainSection(**spec.ours["train"])
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
     )
+
+
+def run_fsdp2(spec: RunSpec) -> dict[str, Any]:
+    """Timed steps of the FSDP2 baseline: forward, backward, clip, fused AdamW on the host."""
+    ctx = Dist.from_env()  # launched ranks, or None: one process
+    if ctx is None:
+        device, rank, world = torch.device(spec.device), 0, 1
+        _join_alone(device)
+    else:  # the group is left by bench.ranks (a failed rank must not wait in its teardown)
+        device, rank, world = rank_device(spec, ctx), ctx.rank, ctx.world
+        ctx.init(device, timeout_s=spec.ours["runtime"]["version_timeout_s"])
+    train = TrainSection(**spec.ours["train"])
     try:
         config = AutoConfig.from_pretrained(spec.config_dir)
         torch.manual_seed(spec.seed)
-        model = build_fsdp2_model(config, device)
+        model = build_fsdp2_model(config, device, world)
         opt = torch.optim.AdamW(
             model.parameters(),
             lr=train.learning_rate,
@@ -80,9 +96,10 @@ def run_fsdp2(spec: RunSpec) -> dict[str, Any]:
             weight_decay=train.weight_decay,
             fused=True,
         )
+        steps = spec.warmup + spec.steps
         tokens = synthetic_tokens(
-            int(config.vocab_size), spec.batch, spec.seq_len, spec.warmup + spec.steps, spec.seed
-        )
+            int(config.vocab_size), spec.global_batch, spec.seq_len, steps, spec.seed
+        )[:, rank * spec.batch : (rank + 1) * spec.batch]  # [steps, B, S]: this rank's rows
         losses: list[float] = []
 
         def step(t: int) -> None:
@@ -97,9 +114,10 @@ def run_fsdp2(spec: RunSpec) -> dict[str, Any]:
 
         times = timed_steps(step, warmup=spec.warmup, steps=spec.steps, device=device)
     finally:
-        dist.destroy_process_group()
+        if ctx is None:
+            dist.destroy_process_group()
     return {
         "step_times_s": times,
-        "tokens_per_step": spec.batch * spec.seq_len,
+        "tokens_per_step": spec.global_batch * spec.seq_len,
         "losses": losses[spec.warmup :],
     }

@@ -26,15 +26,32 @@ import torch
 class RunSpec:
     """One system at one batch size; crosses the process boundary as JSON."""
 
-    system: str  # ours | reference | fsdp2 | peak
+    system: str  # ours | reference | fsdp2 | collectives | peak
     config_dir: str  # holds the model's config.json (random init from it)
-    batch: int
+    batch: int  # sequences per rank and step: the global batch is batch x world
     seq_len: int
     warmup: int  # steps run first and discarded
     steps: int  # steps measured
     device: str  # cpu | cuda
     seed: int = 0
     ours: dict[str, Any] = field(default_factory=dict)  # our resolved config (all sections)
+    world: int = 1  # ranks (GPUs, or CPU processes); > 1: the worker launches them
+    layer_numel: int = 0  # collectives: elements of the model's largest decoder layer
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch * self.world
+
+    @property
+    def name(self) -> str:
+        """Unique within one bench run: system, batch, and for several ranks world and routes."""
+        name = f"{self.system}-b{self.batch}"
+        if self.world > 1:
+            name += f"-x{self.world}"
+            if self.system == "ours":
+                runtime = self.ours["runtime"]
+                name += f"-{runtime['param_route']}-{runtime['grad_route']}"
+        return name
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

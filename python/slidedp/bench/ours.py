@@ -3,7 +3,10 @@
 The parent passes our whole resolved training config (``RunSpec.ours``, ``--set`` overrides
 applied and validated); this sets what the bench owns — model config, data (the same synthetic
 tokens as the baselines, as JSONL), output, steps, batch, device — and reads the step times and
-lane times from the per-step records.
+lane times from the per-step records. On several ranks (``spec.world``, launched by
+``bench.ranks``) each rank builds the trainer, which joins them (``Dist.from_env``); the global
+batch is ``world x batch``, rank 0's records are the result and each rank traces into its own
+file (``-rankR``).
 
 Example::
 
@@ -22,6 +25,7 @@ from transformers import AutoConfig
 
 from slidedp.bench.measure import RunSpec, synthetic_tokens
 from slidedp.config import config_from_dict
+from slidedp.runtime.dist import Dist
 from slidedp.runtime.lanes import LANES, WAITS
 from slidedp.runtime.trainer import Trainer
 
@@ -42,27 +46,37 @@ def ours_raw_config(spec: RunSpec, data: Path, out: Path) -> dict[str, Any]:
     raw["model"]["path"] = spec.config_dir
     raw["data"].update(path=str(data), seq_len=spec.seq_len)
     raw["output"].update(dir=str(out), export=False)
-    raw["train"].update(max_steps=spec.warmup + spec.steps, global_batch_size=spec.batch)
+    raw["train"].update(max_steps=spec.warmup + spec.steps, global_batch_size=spec.global_batch)
     raw["runtime"]["device"] = spec.device
+    if spec.world > 1:
+        raw["runtime"]["gpus" if spec.device == "cuda" else "ranks"] = spec.world
+        ctx = Dist.from_env()
+        if ctx is not None and raw["runtime"]["trace_path"]:  # one trace file per rank
+            trace = Path(raw["runtime"]["trace_path"])
+            name = f"{trace.stem}-rank{ctx.rank}{trace.suffix}"
+            raw["runtime"]["trace_path"] = str(trace.with_name(name))
     return raw
 
 
 def write_tokens(path: Path, spec: RunSpec, vocab_size: int) -> None:
     """The synthetic batches as JSONL, one sequence per line, in step order."""
     steps = spec.warmup + spec.steps
-    tokens = synthetic_tokens(vocab_size, spec.batch, spec.seq_len, steps, spec.seed)
-    rows = tokens.reshape(steps * spec.batch, spec.seq_len).tolist()
+    tokens = synthetic_tokens(vocab_size, spec.global_batch, spec.seq_len, steps, spec.seed)
+    rows = tokens.reshape(steps * spec.global_batch, spec.seq_len).tolist()
     path.write_text("".join(json.dumps({"input_ids": row}) + "\n" for row in rows))
 
 
 def run_ours(spec: RunSpec) -> dict[str, Any]:
-    """Timed steps of our engine; lane busy times and exposed waits averaged over them."""
+    """Timed steps of our engine (rank 0's on several ranks; the others return ``{}``); lane
+    busy times and exposed waits averaged over them."""
     vocab_size = int(AutoConfig.from_pretrained(spec.config_dir).vocab_size)
     with tempfile.TemporaryDirectory(prefix="slidedp-bench-") as tmp:
         data = Path(tmp) / "tokens.jsonl"
         write_tokens(data, spec, vocab_size)
         cfg = config_from_dict(ours_raw_config(spec, data, Path(tmp) / "out"))
         records = _BenchTrainer(cfg, log=False).run()[spec.warmup :]
+    if not records:  # a rank other than 0: rank 0 reports
+        return {}
     lane_keys = [f"{k}_s" for k in LANES + WAITS]
     return {
         "step_times_s": [r["step_time_s"] for r in records],

@@ -1,7 +1,8 @@
 """The batch-sweep figure of ``slidedp bench train --sweep ... --png FILE``.
 
-Three panels against batch size, one line per system (ours, reference, fsdp2): tokens/s, GPU
-peak reserved (GiB) and host PSS peak (GiB). A run that ran out of memory has no point; its
+Three panels against batch size, one line per system (ours, reference, fsdp2; with ``--gpus N``
+also each run of N ranks, ``bench.report.run_label``): tokens/s, GPU peak reserved (GiB) and
+host PSS peak (GiB). A run that ran out of memory has no point; its
 batch is marked "OOM" at the bottom of each panel. Needs matplotlib (``pip install
 'slidedp[bench]'``).
 
@@ -16,6 +17,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
+from slidedp.bench.report import run_label
 from slidedp.errors import ConfigError
 
 PANELS = (
@@ -43,18 +45,19 @@ def plot_sweep(report: dict[str, Any], path: Path) -> None:
     plt = require_matplotlib()
 
     runs = report["runs"]
-    systems = list(dict.fromkeys(r["system"] for r in runs))
+    labels = list(dict.fromkeys(run_label(r) for r in runs))
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4), constrained_layout=True)
     for ax, (key, label) in zip(axes, PANELS, strict=True):
-        for system in systems:
-            ok = [r for r in runs if r["system"] == system and r["status"] == "ok"]
+        for label in labels:
+            mine = [r for r in runs if run_label(r) == label]
+            ok = [r for r in mine if r["status"] == "ok"]
             points = [(r["batch"], r[key]) for r in ok if r.get(key) is not None]
             if points:
                 xs, ys = zip(*points, strict=True)
-                ax.plot(xs, ys, STYLE.get(system, "x-"), label=system)
-            for r in runs:
-                if r["system"] == system and r["status"] == "oom":
-                    ax.annotate(f"{system} OOM", (r["batch"], 0), rotation=90, fontsize=7)
+                ax.plot(xs, ys, STYLE.get(mine[0]["system"], "x-"), label=label)
+            for r in mine:
+                if r["status"] == "oom":
+                    ax.annotate(f"{label} OOM", (r["batch"], 0), rotation=90, fontsize=7)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({r["batch"] for r in runs}))
         ax.set_xticklabels([str(b) for b in sorted({r["batch"] for r in runs})])

@@ -27,8 +27,11 @@ class Model:
     params: int
 
 
-def summarise(result: dict[str, Any], peak_pss_bytes: int, model: Model) -> dict[str, Any]:
-    """A worker's raw result → the reported run (means over the measured steps)."""
+def summarise(
+    result: dict[str, Any], peak_pss_bytes: int, model: Model, world: int = 1
+) -> dict[str, Any]:
+    """A worker's raw result → the reported run (means over the measured steps); a run of
+    ``world`` ranks has their summed tokens/s and its MFU is against ``world`` peaks."""
     run = dict(result)
     pss = max(peak_pss_bytes, int(result.get("host_pss_end_bytes", 0)))
     run["host_pss_peak_gib"] = pss / GIB
@@ -41,7 +44,8 @@ def summarise(result: dict[str, Any], peak_pss_bytes: int, model: Model) -> dict
     run["step_time_s"] = sum(times) / len(times)
     run["tokens_per_s"] = result["tokens_per_step"] / run["step_time_s"]
     run["tflops"] = run["tokens_per_s"] * model.flops_per_token / 1e12
-    run["mfu"] = None if model.peak_flops is None else run["tflops"] * 1e12 / model.peak_flops
+    peak = None if model.peak_flops is None else model.peak_flops * world
+    run["mfu"] = None if peak is None else run["tflops"] * 1e12 / peak
     if "lanes_s" in result:  # ours: the compute lane's waits, by the lane waited on
         waits = {k: v for k, v in result["lanes_s"].items() if k.startswith("wait_")}
         run["exposed_wait_s"] = {
@@ -68,8 +72,15 @@ def _fmt(value: float | None, spec: str, width: int = 0) -> str:
     return f"{'-' if value is None else format(value, spec):>{width}}"
 
 
-def _run_line(r: dict[str, Any]) -> str:
-    head = f"{r['batch']:>5} {r['system']:<10}"
+def run_label(r: dict[str, Any]) -> str:
+    """The system, and for a run of several ranks their number and ours' route."""
+    if r.get("world", 1) == 1:
+        return str(r["system"])
+    return f"{r['system']} x{r['world']}" + (f" {r['route']}" if r.get("route") else "")
+
+
+def _run_line(r: dict[str, Any], width: int) -> str:
+    head = f"{r['batch']:>5} {run_label(r):<{width}}"
     if r["status"] != "ok":
         label = "OOM" if r["status"] == "oom" else r["status"].upper()
         return f"{head} {label:>10}  {r.get('error', '')}"
@@ -90,15 +101,19 @@ def print_report(report: dict[str, Any]) -> None:
         + (f" (bf16 GEMM peak {peak / 1e12:.0f} TFLOP/s)" if peak else "")
     )
     print(f"model FLOPs/token {report['flops_per_token']:.4g} = {report['flops_formula']}")
+    width = max([10, *(len(run_label(r)) for r in report["runs"])])
     print(
-        f"{'batch':>5} {'system':<10} {'tokens/s':>10} {'step ms':>9} {'TFLOP/s':>8} "
+        f"{'batch':>5} {'system':<{width}} {'tokens/s':>10} {'step ms':>9} {'TFLOP/s':>8} "
         f"{'MFU':>6} {'GPU GiB':>8} {'host GiB':>9}"
     )
     for r in report["runs"]:
-        print(_run_line(r))
+        print(_run_line(r, width))
         if "exposed_wait_s" in r:
             waits = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["exposed_wait_s"].items())
-            print(f"{'':16} exposed wait, ms/step: {waits}")
+            print(f"{'':{width + 6}} exposed wait, ms/step: {waits}")
+    one = ""  # with --gpus/--ranks: these are the ratios on one
+    if "world" in report:
+        one = " on 1 GPU" if report["device"] == "cuda" else " on 1 rank"
     for row in report["ratios"]:
         parts = [f"ours/{b} {_fmt(row[f'ours_over_{b}'], '.2f')}x" for b in BASELINES]
-        print(f"ratios at batch {row['batch']} (tokens/s): {', '.join(parts)}")
+        print(f"ratios at batch {row['batch']}{one} (tokens/s): {', '.join(parts)}")

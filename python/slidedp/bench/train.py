@@ -5,6 +5,7 @@ Run (on the GPU machine)::
     slidedp bench train --shape qwen3-4b --seq 1024 --batch 16 --json out.json
     slidedp bench train --shape qwen3-4b --sweep 4,8,16,32 --png sweep.png --json sweep.json
     slidedp bench train --shape path/to/config.json --systems ours,reference --device cpu
+    slidedp bench train --shape qwen3-4b --batch 4 --gpus 2 --routes all --json scale.json
 
 For each batch size, each system runs in its own subprocess (``bench.child``, ``bench.worker``)
 on the same synthetic tokens, ``--warmup`` steps discarded then ``--steps`` measured:
@@ -22,6 +23,11 @@ child), host PSS peak (sampled over the child's process tree), and for ours the 
 per lane. Ratios are of tokens/s: ours / fsdp2 and ours / reference (``bench.report``). A
 system that runs out of memory is reported as ``OOM``; any other failure makes the command
 exit 1 after the report.
+
+With ``--gpus N`` (``--ranks N`` on CPU) the same batches also run on N ranks, weak scaling:
+ours once per route of ``--routes``, FSDP2 on N ranks, the collectives' bandwidths once
+(``bench.multi``), then the efficiencies, ratios to the projected reference and the route
+table (``bench.scaling``).
 """
 
 from __future__ import annotations
@@ -37,9 +43,11 @@ from typing import Any
 import torch
 import yaml
 
+from slidedp.bench import multi
 from slidedp.bench.child import run_child
 from slidedp.bench.measure import RunSpec
 from slidedp.bench.report import Model, print_report, ratios, summarise
+from slidedp.bench.scaling import collectives_report, print_scale, scale_report
 from slidedp.bench.shapes import SHAPES, resolve_shape
 from slidedp.config import load_config
 from slidedp.errors import ConfigError, SlidedpError
@@ -49,8 +57,9 @@ OURS_DEFAULTS: dict[str, Any] = {
     "train": {"max_steps": 1, "learning_rate": 1e-5, "lr_scheduler": "constant"}
 }
 BENCH_OWNED = frozenset(
-    ("model", "data", "output", "train.max_steps", "train.global_batch_size", "runtime.device")
-)
+    ("model", "data", "output", "train.max_steps", "train.global_batch_size", "runtime.device",
+     "runtime.ranks", "runtime.gpus")
+)  # fmt: skip
 
 
 def ours_config(overrides: list[str]) -> dict[str, Any]:
@@ -61,7 +70,7 @@ def ours_config(overrides: list[str]) -> dict[str, Any]:
         if key in BENCH_OWNED or key.partition(".")[0] in BENCH_OWNED:
             raise ConfigError(
                 f"--set {item}: '{key}' is set by the bench (use --shape, --batch/--sweep, "
-                "--seq, --steps, --device)"
+                "--seq, --steps, --device, --gpus/--ranks)"
             )
     placeholders = {"model": {"path": "-"}, "data": {"path": "-"}, "output": {"dir": "-"}}
     with tempfile.TemporaryDirectory(prefix="slidedp-bench-") as tmp:
@@ -95,8 +104,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--trace",
         default=None,
         metavar="FILE",
-        help="Chrome/Perfetto trace of our first measured step (FILE; with --sweep, FILE-bN.json)",
+        help="Chrome/Perfetto trace of our first measured step (FILE; with --sweep, FILE-bN.json; "
+        "on N ranks FILE-xN-PARAM-GRAD-rankR.json)",
     )
+    multi.add_arguments(parser)
 
 
 def _parse(args: argparse.Namespace) -> tuple[list[int], list[str], str]:
@@ -139,6 +150,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.png:
         require_matplotlib()
     ours = ours_config(args.overrides)
+    scale = multi.parse_scale(args, systems, device, ours)  # None: one GPU only
     config = resolve_shape(args.shape)
     model = Model(model_flops_per_token(config, args.seq), None, _params(config))
     report: dict[str, Any] = {
@@ -179,27 +191,47 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             if "error" in peak:
                 report["peak_error"] = peak["error"]
             model = dataclasses.replace(model, peak_flops=report["peak_flops"])
+        if scale is not None:
+            print(f"slidedp bench train: collectives on {scale.world} ranks ...", file=sys.stderr)
+            result, _ = run_child(multi.collectives_spec(spec, scale, config), Path(tmp))
+            report["collectives"] = collectives_report(result)
         runs = []
         for batch in batches:
-            for system in systems:
-                print(f"slidedp bench train: {system}, batch {batch} ...", file=sys.stderr)
-                run = dataclasses.replace(spec, system=system, batch=batch)
-                if args.trace and system == "ours":
-                    run = dataclasses.replace(run, ours=_traced(ours, args, batch, len(batches)))
+            at_batch = [dataclasses.replace(spec, system=s, batch=batch) for s in systems]
+            if scale is not None:
+                at_batch += multi.scaled_specs(
+                    dataclasses.replace(spec, batch=batch), systems, scale
+                )
+            for run in at_batch:
+                print(f"slidedp bench train: {_describe(run)} ...", file=sys.stderr)
+                if args.trace and run.system == "ours":
+                    run = dataclasses.replace(run, ours=_traced(run, args, len(batches)))
                 result, peak_pss_bytes = run_child(run, Path(tmp))
-                runs.append(summarise(result, peak_pss_bytes, model))
+                runs.append(summarise(result, peak_pss_bytes, model, world=run.world))
+                if scale is not None:
+                    runs[-1] |= multi.run_keys(run)
     report["runs"] = runs
-    report["ratios"] = ratios(runs)
+    report["ratios"] = ratios([r for r in runs if r.get("world", 1) == 1])
+    if scale is not None:
+        report |= scale_report(runs, scale)
     return report
 
 
-def _traced(
-    ours: dict[str, Any], args: argparse.Namespace, batch: int, runs: int
-) -> dict[str, Any]:
-    """``ours`` tracing its first measured step into ``--trace`` (one file per swept batch)."""
-    path = Path(args.trace)
-    if runs > 1:
-        path = path.with_name(f"{path.stem}-b{batch}{path.suffix or '.json'}")
+def _describe(run: RunSpec) -> str:
+    where = "" if run.world == 1 else f" on {run.world} ranks"
+    route = multi.run_keys(run)["route"]
+    return f"{run.system}, batch {run.batch}{where}" + (f", route {route}" if route else "")
+
+
+def _traced(run: RunSpec, args: argparse.Namespace, batches: int) -> dict[str, Any]:
+    """``run.ours`` tracing its first measured step into ``--trace`` (one file per swept batch,
+    per route on several ranks, per rank: ``bench.ours``)."""
+    path, ours = Path(args.trace), run.ours
+    tag = f"-b{run.batch}" if batches > 1 else ""
+    if run.world > 1:
+        tag += f"-x{run.world}-{ours['runtime']['param_route']}-{ours['runtime']['grad_route']}"
+    if tag:
+        path = path.with_name(f"{path.stem}{tag}{path.suffix or '.json'}")
     runtime = {**ours["runtime"], "trace_path": str(path.resolve()), "trace_step": args.warmup}
     return {**ours, "runtime": runtime}
 
@@ -211,6 +243,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"slidedp bench train: error: {e}", file=sys.stderr)
         return 2
     print_report(report)
+    if "scaling" in report:
+        print_scale(report)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     if args.png:
@@ -218,4 +252,6 @@ def main(args: argparse.Namespace) -> int:
 
         plot_sweep(report, Path(args.png))
     failed = [r for r in report["runs"] if r["status"] not in ("ok", "oom")]
+    if report.get("collectives", {}).get("status", "ok") not in ("ok", "oom"):
+        failed.append(report["collectives"])
     return 1 if failed or "peak_error" in report else 0

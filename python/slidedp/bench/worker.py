@@ -4,10 +4,13 @@ Run by the parent (``slidedp.bench.train``), not by hand::
 
     python -m slidedp.bench.worker SPEC.json RESULT.json
 
-The result holds ``status`` (``ok``, or ``oom`` when the device or the host ran out of memory:
-a result, not a crash), the system's measured step times, the process's GPU peak reserved and
-allocated bytes and its PSS at the end. Any other exception propagates (non-zero exit, traceback
-on stderr). ``system="peak"`` measures the device's bf16 GEMM peak and the device name instead.
+A spec of several ranks (``world > 1``) makes this process their launcher and each rank a copy
+of it (``bench.ranks``). The result holds ``status`` (``ok``, or ``oom`` when the device or the
+host ran out of memory: a result, not a crash), the system's measured step times, the process's
+GPU peak reserved and allocated bytes and its PSS at the end. Any other exception propagates
+(non-zero exit, traceback on stderr). ``system="peak"`` measures the device's bf16 GEMM peak and
+the device name instead; ``system="collectives"`` the bandwidths of the ranks' collectives
+(``bench.collectives``).
 """
 
 from __future__ import annotations
@@ -43,10 +46,17 @@ def _fsdp2(spec: RunSpec) -> dict[str, Any]:
     return run_fsdp2(spec)
 
 
+def _collectives(spec: RunSpec) -> dict[str, Any]:
+    from slidedp.bench.collectives import run_collectives
+
+    return run_collectives(spec)
+
+
 SYSTEMS: dict[str, Callable[[RunSpec], dict[str, Any]]] = {
     "ours": _ours,
     "reference": _reference,
     "fsdp2": _fsdp2,
+    "collectives": _collectives,
 }
 
 
@@ -85,6 +95,14 @@ def run(spec: RunSpec) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     spec_path, result_path = argv
     spec = RunSpec.from_json(json.loads(Path(spec_path).read_text()))
+    if spec.world > 1:
+        from slidedp.bench.ranks import launch_ranks, run_rank
+        from slidedp.runtime.dist import Dist
+
+        ctx = Dist.from_env()
+        if ctx is None:
+            return launch_ranks(spec, Path(spec_path), Path(result_path))
+        return run_rank(run, spec, ctx, Path(result_path))
     Path(result_path).write_text(json.dumps(run(spec)))
     return 0
 

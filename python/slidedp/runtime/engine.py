@@ -249,7 +249,13 @@ class Engine:
         if self.optim.max_grad_norm > 0:
             self._parked.append((ticket, self._adam(t, adam_step, lr, 1.0)))
             return
-        self.grads.flush(keep_last_group=True)  # the previous group's copy is done by now
+        if self.grads.host_sum is None:
+            # Submit everything queued (the previous group's copy was issued a layer's backward
+            # ago), so this send takes a slot whose update ran long ago, not the one just
+            # submitted: that would serialize the backward with the update lane.
+            self.grads.flush()
+        else:  # summing the newest group on the host would wait for slower peers
+            self.grads.flush(keep_last_group=True)
         self.grads.send(ticket, self._adam(t, adam_step, lr, 1.0), check_finite=True)
 
     def step(self, t: int, batch: Batch, lr: float, adam_step: int | None = None) -> StepResult:
@@ -398,14 +404,13 @@ class Engine:
         self.clock.start_trace()
 
     def stop_trace(self, step: int) -> StepTrace:
-        """The traced step's spans, with the update-lane requests that ran meanwhile."""
+        """The traced step's spans, with its update-lane requests (waited for: the last ones
+        may still run when the step returns)."""
         spans = self.clock.stop_trace()
+        self.worker.drain(self.timeout_s)
         names = self.adapter.groups
         start = min((s for _, s, _ in spans), default=0.0)
-        end = max((e for _, _, e in spans), default=0.0)
-        updates = [
-            (names[g].name, s, e) for g, s, e in self.worker.take_spans() if s < end and e > start
-        ]
+        updates = [(names[g].name, s, e) for g, s, e in self.worker.take_spans() if e > start]
         return StepTrace(step, spans, updates)
 
     def skip(self, t: int) -> None:

@@ -36,8 +36,11 @@ def _describe(code: int) -> str:
     return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
 
 
-def launch(world: int, argv: list[str]) -> int:
-    """Run ``slidedp ARGV`` as ``world`` ranks; 0 when every rank succeeded."""
+def launch(
+    world: int, argv: list[str], *, module: str = "slidedp", name: str = "slidedp train"
+) -> int:
+    """Run ``python -m MODULE ARGV`` as ``world`` ranks (``name`` heads the failure line);
+    0 when every rank succeeded."""
     port = _free_port()
     procs = []
     for rank in range(world):
@@ -49,7 +52,7 @@ def launch(world: int, argv: list[str]) -> int:
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
         }
-        procs.append(subprocess.Popen([sys.executable, "-m", "slidedp", *argv], env=env))
+        procs.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=env))
     first: tuple[int, int] | None = None  # (rank, exit code) of the first failure
     deadline = None
     try:
@@ -75,7 +78,7 @@ def launch(world: int, argv: list[str]) -> int:
     rank, code = first
     others = [r for r in range(world) if r != rank]
     print(
-        f"slidedp train: rank {rank} {_describe(code)}; stopped ranks {others}",
+        f"{name}: rank {rank} {_describe(code)}; stopped ranks {others}",
         file=sys.stderr,
         flush=True,
     )

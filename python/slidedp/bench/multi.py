@@ -1,0 +1,186 @@
+"""The command line of ``slidedp bench train --gpus N`` (``--ranks N`` on CPU): which runs of
+several ranks join the single-GPU ones.
+
+Run (on a machine with 2 GPUs)::
+
+    slidedp bench train --shape qwen3-4b --sweep 4,16 --gpus 2 --json scale.json
+    slidedp bench train --shape qwen3-4b --batch 4 --gpus 2 --routes all \\
+        --set train.max_grad_norm=0 --trace route.json
+
+Weak scaling: ``--batch``/``--sweep`` is the batch of each rank, so at batch B the runs of N
+ranks train the global batch N x B, rank ``r`` on rows ``[r*B, (r+1)*B)``. Beside the
+single-GPU runs of ``--systems`` (as without ``--gpus``), per batch: ours on N ranks once per
+route of ``--routes`` (``PARAM/GRAD``: ``replicated|sharded`` / ``gpu|cpu``, or ``all``; default
+the config's ``runtime.param_route``/``grad_route``), FSDP2-offload on N ranks (one
+``fully_shard`` process each), and once per command the collectives' bandwidths
+(``bench.collectives``). The compute-only reference runs on one GPU only and is projected
+(x N). ``bench.scaling`` turns the runs into the efficiencies, ratios and the route table.
+
+Example::
+
+    scale = parse_scale(args, systems, device, ours)   # None without --gpus/--ranks
+    specs = scaled_specs(spec, systems, scale)          # the N-rank runs at spec.batch
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from slidedp.bench.measure import RunSpec
+from slidedp.config import RuntimeSection, TrainSection
+from slidedp.errors import ConfigError
+from slidedp.runtime.dist import check_config
+
+Route = tuple[str, str]  # (param_route, grad_route)
+ROUTES: tuple[Route, ...] = tuple(
+    (param, grad) for param in ("replicated", "sharded") for grad in ("gpu", "cpu")
+)
+SCALED_SYSTEMS = ("ours", "fsdp2")  # the systems that run on N ranks
+
+
+def route_name(route: Route) -> str:
+    return f"{route[0]}/{route[1]}"
+
+
+@dataclass(frozen=True)
+class Scale:
+    """The runs of several ranks that join the single-GPU bench."""
+
+    world: int
+    routes: tuple[Route, ...]  # ours on ``world`` ranks, once per route
+    main_route: Route  # the route of the weak-scaling summary: the config's if run
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    arg = parser.add_argument
+    arg(
+        "--gpus",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also run ours and fsdp2 on N GPUs at N x batch (weak scaling), the route table "
+        "and the collectives' bandwidths",
+    )
+    arg("--ranks", type=int, default=None, metavar="N", help="as --gpus, CPU processes (gloo)")
+    arg(
+        "--routes",
+        default=None,
+        help="with --gpus/--ranks: ours' routes, PARAM/GRAD comma-separated "
+        "(replicated|sharded/gpu|cpu), or all; default the config's",
+    )
+
+
+def _routes(text: str | None, runtime: dict[str, Any]) -> tuple[Route, ...]:
+    if text is None:
+        return ((runtime["param_route"], runtime["grad_route"]),)
+    if text.strip() == "all":
+        return ROUTES
+    routes = []
+    for item in text.split(","):
+        param, _, grad = item.strip().partition("/")
+        if (param, grad) not in ROUTES:
+            raise ConfigError(
+                f"--routes {text!r}: use all, or comma-separated PARAM/GRAD routes from "
+                f"{', '.join(map(route_name, ROUTES))}"
+            )
+        routes.append((param, grad))
+    return tuple(dict.fromkeys(routes))
+
+
+def _world(args: argparse.Namespace, device: str) -> int:
+    """N of ``--gpus N``/``--ranks N``, checked against the device and the visible GPUs."""
+    if args.gpus is not None and args.ranks is not None:
+        raise ConfigError("--gpus and --ranks: give one (GPUs, or CPU processes with --device cpu)")
+    flag = "--gpus" if args.gpus is not None else "--ranks"
+    world = int(args.gpus if args.gpus is not None else args.ranks)
+    if world < 2:
+        raise ConfigError(f"{flag} {world}: needs 2 or more (leave it out for one GPU)")
+    if flag == "--ranks" and device != "cpu":
+        raise ConfigError("--ranks runs CPU processes: add --device cpu (or use --gpus N)")
+    if flag == "--gpus" and device != "cuda":
+        raise ConfigError("--gpus needs CUDA: on CPU use --ranks N --device cpu")
+    visible = torch.cuda.device_count() if flag == "--gpus" else world
+    if visible < world:
+        mask = os.environ.get("CUDA_VISIBLE_DEVICES")
+        shown = "" if mask is None else f" (CUDA_VISIBLE_DEVICES={mask})"
+        raise ConfigError(
+            f"--gpus {world} but {visible} CUDA device(s) are visible{shown}: "
+            f"use --gpus {visible} or more visible GPUs"
+        )
+    return world
+
+
+def parse_scale(
+    args: argparse.Namespace, systems: list[str], device: str, ours: dict[str, Any]
+) -> Scale | None:
+    """The ``--gpus``/``--ranks``/``--routes`` part of the command, or one ``ConfigError``
+    line; None without ``--gpus``/``--ranks`` (the single-GPU bench, unchanged)."""
+    if args.gpus is None and args.ranks is None:
+        if args.routes is not None:
+            raise ConfigError("--routes needs --gpus N (or --ranks N --device cpu)")
+        return None
+    world = _world(args, device)
+    if not set(SCALED_SYSTEMS) & set(systems):
+        raise ConfigError(
+            f"--systems {','.join(systems)}: the runs on {world} ranks need ours or fsdp2 in it"
+        )
+    routes = _routes(args.routes, ours["runtime"])
+    # the bench sets the global batch (world x batch): only the routes' own rules can fail here
+    train = dataclasses.replace(TrainSection(**ours["train"]), global_batch_size=world)
+    for param, grad in routes:
+        runtime = RuntimeSection(**{**ours["runtime"], "param_route": param, "grad_route": grad})
+        try:
+            check_config(world, runtime, train)
+        except ConfigError as e:
+            raise ConfigError(f"route {param}/{grad}: {e} (with --set section.key=value)") from None
+    config_route = (ours["runtime"]["param_route"], ours["runtime"]["grad_route"])
+    main_route = config_route if config_route in routes else routes[0]
+    return Scale(world, routes, main_route)
+
+
+def scaled_specs(single: RunSpec, systems: list[str], scale: Scale) -> list[RunSpec]:
+    """The runs of ``scale.world`` ranks at ``single``'s batch: ours per route, then fsdp2."""
+    specs = []
+    if "ours" in systems:
+        for param, grad in scale.routes:
+            runtime = {**single.ours["runtime"], "param_route": param, "grad_route": grad}
+            ours = {**single.ours, "runtime": runtime}
+            specs.append(dataclasses.replace(single, system="ours", world=scale.world, ours=ours))
+    if "fsdp2" in systems:
+        specs.append(dataclasses.replace(single, system="fsdp2", world=scale.world))
+    return specs
+
+
+def decoder_layer_numel(config: Any) -> int:
+    """Parameters of the model's largest decoder layer (a meta-device model: nothing allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    return int(max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers))
+
+
+def collectives_spec(single: RunSpec, scale: Scale, config: Any) -> RunSpec:
+    """The collectives' run on ``scale.world`` ranks for the model of ``config``."""
+    return dataclasses.replace(
+        single,
+        system="collectives",
+        batch=0,
+        world=scale.world,
+        layer_numel=decoder_layer_numel(config),
+    )
+
+
+def run_keys(spec: RunSpec) -> dict[str, Any]:
+    """What a run of the report needs besides the worker's result: its ranks and route."""
+    route = None
+    if spec.system == "ours" and spec.world > 1:
+        runtime = spec.ours["runtime"]
+        route = route_name((runtime["param_route"], runtime["grad_route"]))
+    return {"world": spec.world, "route": route}

@@ -1,0 +1,106 @@
+"""A bench system on several ranks: the worker launches them, each rank measures, rank 0 reports.
+
+``python -m slidedp.bench.worker SPEC RESULT`` with ``spec.world > 1`` and no ``RANK`` in its
+environment is the launcher: it starts ``spec.world`` copies of itself with ``runtime.launch``
+(``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, rendezvous on localhost; NCCL on CUDA, gloo on CPU),
+waits, and writes RESULT from the ranks' files. Each rank runs the system (``worker.run``) and
+writes ``RESULT.rankR.json`` when it is rank 0 or ran out of memory. So that no rank waits
+forever on a peer that stopped, a failing rank poisons the shared store (``runtime.dist.fail``)
+and exits at once; the launcher kills survivors. The outcome:
+
+- every rank succeeded: rank 0's result (step times are rank 0's; every step ends in
+  collectives, so the ranks keep in step);
+- a rank ran out of memory: that rank's result, status ``oom`` (a result, not a crash);
+- otherwise: the first failing rank's exit code (the parent reports it as an error).
+
+Example::
+
+    sys.exit(launch_ranks(spec, spec_path, result_path))   # in the launcher
+    sys.exit(run_rank(worker.run, spec, ctx, result_path))  # in each rank
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+
+from slidedp.bench.measure import RunSpec
+from slidedp.runtime.dist import EXIT_PEER_FAILED, Dist, fail, finish
+from slidedp.runtime.launch import launch
+
+EXIT_FAILED = 1
+EXIT_OOM = 4  # this rank ran out of memory (its result file says so)
+
+
+def rank_result_path(result_path: Path, rank: int) -> Path:
+    return result_path.with_name(f"{result_path.stem}.rank{rank}.json")
+
+
+def rank_device(spec: RunSpec, ctx: Dist) -> torch.device:
+    """This rank's device: its own GPU; on CPU the ranks share the cores (as ``slidedp train``)."""
+    if spec.device == "cuda":
+        return torch.device("cuda", ctx.local_rank)
+    torch.set_num_threads(max(1, torch.get_num_threads() // ctx.world))
+    return torch.device("cpu")
+
+
+def launch_ranks(spec: RunSpec, spec_path: Path, result_path: Path) -> int:
+    """Run ``spec`` on ``spec.world`` ranks; writes ``result_path`` unless a rank failed."""
+    code = launch(
+        spec.world,
+        [str(spec_path), str(result_path)],
+        module="slidedp.bench.worker",
+        name=f"slidedp bench train: {spec.system} on {spec.world} ranks",
+    )
+    results = {
+        rank: json.loads(path.read_text())
+        for rank in range(spec.world)
+        if (path := rank_result_path(result_path, rank)).exists()
+    }
+    oom = [rank for rank, result in results.items() if result["status"] == "oom"]
+    if oom:
+        result = results[oom[0]]
+        result["error"] = f"rank {oom[0]}: {result['error']}"
+    elif code == 0 and 0 in results:
+        result = results[0]
+    else:
+        return code or EXIT_FAILED
+    result_path.write_text(json.dumps(result))
+    return 0
+
+
+def run_rank(
+    measure: Callable[[RunSpec], dict[str, Any]], spec: RunSpec, ctx: Dist, result_path: Path
+) -> int:
+    """One rank: ``measure(spec)``; on failure wake the peers and exit at once (a rank that only
+    reacts to a peer's failure prints nothing: the failing rank's traceback is shown once)."""
+    try:
+        result = measure(spec)
+    except BaseException as e:
+        by_peer = fail(e)
+        if not by_peer:
+            traceback.print_exc()
+        _exit(EXIT_PEER_FAILED if by_peer else EXIT_FAILED)
+    if result["status"] == "oom":
+        rank_result_path(result_path, ctx.rank).write_text(json.dumps(result))
+        fail(MemoryError(result["error"]))  # poisons the shared store: the peers wake
+        _exit(EXIT_OOM)
+    if ctx.main:
+        rank_result_path(result_path, ctx.rank).write_text(json.dumps(result))
+    finish()
+    return 0
+
+
+def _exit(code: int) -> NoReturn:
+    """Exit without tearing down a broken process group or the update threads (as a failed
+    rank of ``slidedp train`` does)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
