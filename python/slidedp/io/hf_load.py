@@ -128,8 +128,18 @@ def init_weights(adapter: HFAdapter, store: HostStore, seed: int) -> None:
         store.param(EMBED).copy_(embed.weight.detach())
         del embed
         for i in range(adapter.num_layers):
-            layer = type(base.layers[i])(adapter.config, i)
+            with torch.device("meta"):  # skip torch's default init: _init_weights sets it all
+                layer = type(base.layers[i])(adapter.config, i)
+            layer = layer.to_empty(device="cpu")
+            for param in layer.parameters():
+                param.detach().fill_(float("nan"))  # any tensor _init_weights missed shows
             _init_module(adapter, layer)
+            missed = [n for n, p in layer.named_parameters() if not torch.isfinite(p).all()]
+            if missed:
+                raise ModelLoadError(
+                    f"{adapter.config.model_type}'s _init_weights does not initialise {missed}; "
+                    "start from a model directory with weights"
+                )
             for full, local in adapter.groups[adapter.layer_group(i)].params:
                 store.param(full).copy_(layer.get_parameter(local).detach())
             del layer
