@@ -15,22 +15,25 @@ import torch
 from engine.tiny import make_model, read_metrics, write_config, write_data
 from slidedp.cli import main
 
-STEPS = 30
-CASES = [("gpu", "replicated", 1.0), ("gpu", "sharded", 1.0), ("cpu", "replicated", 0.0),
-         ("cpu", "sharded", 0.0)]  # fmt: skip
+STEPS = 100
+# (grad route, param route, max_grad_norm, BF16 mirror): the replicated routes read the mirror
+# (nothing cast per rank), the sharded ones cast their shard on delivery.
+CASES = [("gpu", "replicated", 1.0, True), ("gpu", "sharded", 1.0, False),
+         ("cpu", "replicated", 0.0, True), ("cpu", "sharded", 0.0, False)]  # fmt: skip
 
 
 @pytest.mark.multi_gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-@pytest.mark.parametrize(("grad_route", "param_route", "max_grad_norm"), CASES)
+@pytest.mark.parametrize(("grad_route", "param_route", "max_grad_norm", "mirror"), CASES)
 def test_two_gpus_track_one(
-    tmp_path: Path, grad_route: str, param_route: str, max_grad_norm: float
+    tmp_path: Path, grad_route: str, param_route: str, max_grad_norm: float, mirror: bool
 ) -> None:
     model = make_model(tmp_path, "qwen3", tied=True, layers=4)
     data = write_data(tmp_path / "data.jsonl", STEPS * 8, min_len=32, max_len=64)
     train = {"max_steps": STEPS, "global_batch_size": 8, "learning_rate": 1e-4,
              "max_grad_norm": max_grad_norm, "dtype": "bfloat16"}  # fmt: skip
-    runtime = {"device": "cuda", "grad_route": grad_route, "param_route": param_route}
+    runtime = {"device": "cuda", "grad_route": grad_route, "param_route": param_route,
+               "bf16_mirror": mirror}  # fmt: skip
     output = {"tensorboard": False}
     losses = []
     for gpus in (1, 2):

@@ -100,3 +100,24 @@ def test_a_one_rank_checkpoint_resumes_on_two_ranks(tmp_path: Path) -> None:
     p1 = load_file(one / "final" / "model.safetensors")
     p2 = load_file(two / "final" / "model.safetensors")
     assert max((p1[n] - p2[n]).abs().max().item() for n in p1) <= PARAM_ATOL
+
+
+@pytest.mark.parametrize("param_route", ["replicated", "sharded"])
+def test_two_bf16_ranks_with_the_mirror_train_like_casting_on_delivery(
+    tmp_path: Path, param_route: str
+) -> None:
+    """Several ranks read the one BF16 mirror that the owners' updates write (nothing is cast on
+    either route): bit for bit the run that casts each chunk on delivery."""
+    model = make_model(tmp_path, "qwen3", tied=True, layers=3)
+    data = write_data(tmp_path / "data.jsonl", 24)
+    train = {"max_steps": 4, "global_batch_size": 4, "max_grad_norm": 2.4, "dtype": "bfloat16"}
+    losses = []
+    for mirror in (False, True):
+        out = tmp_path / f"m{mirror}"
+        runtime = {"ranks": 2, "param_route": param_route, "bf16_mirror": mirror}
+        config = write_config(tmp_path / f"{mirror}.yaml", model, data, out, train=train,
+                              runtime=runtime, output={"tensorboard": False})  # fmt: skip
+        assert main(["train", str(config)]) == 0
+        losses.append([(m["loss"], m["grad_norm"]) for m in read_metrics(out)])
+    assert losses[0] == losses[1]
+    assert len(losses[0]) == 4
