@@ -230,7 +230,8 @@ def plan_store(cfg: TrainConfig, adapter: HFAdapter, dtype: str) -> dict[str, An
     from slidedp.runtime.engine import store_args
 
     return HostStore.plan(
-        adapter.group_specs(), **store_args(cfg.runtime, adapter, dtype == "bfloat16")
+        adapter.group_specs(),
+        **store_args(cfg.runtime, adapter, dtype == "bfloat16", cfg.runtime.world),
     )
 
 

@@ -56,13 +56,15 @@ def launch(
     first: tuple[int, int] | None = None  # (rank, exit code) of the first failure
     deadline = None
     try:
-        while any(p.poll() is None for p in procs):
-            for rank, p in enumerate(procs):
-                code = p.poll()
+        while True:
+            codes = [p.poll() for p in procs]  # one snapshot: a rank that exits between the
+            for rank, code in enumerate(codes):  # loop test and a poll is never missed
                 if code not in (None, 0) and (first is None or first[1] == EXIT_PEER_FAILED):
                     if first is None or code != EXIT_PEER_FAILED:
                         first = (rank, code)
                     deadline = deadline or time.monotonic() + GRACE_S
+            if None not in codes:
+                break
             if deadline is not None and time.monotonic() > deadline:
                 for p in procs:
                     if p.poll() is None:
