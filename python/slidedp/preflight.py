@@ -90,15 +90,9 @@ def check_memory(cfg: TrainConfig, adapter: HFAdapter, shm_dir: Path = SHM_DIR) 
 
 def check_data(cfg: TrainConfig, adapter: HFAdapter) -> str:
     """Read, tokenize and check the whole data set as the trainer will (``build_batches``)."""
-    from slidedp.data.build import ModelFacts, build_batches
+    from slidedp.data.build import run_batches
 
-    batches = build_batches(
-        cfg.data,
-        model_dir=Path(cfg.model.path),
-        model=ModelFacts.from_config(adapter.config, adapter.vocab_size),
-        batch_size=cfg.train.global_batch_size,
-        seed=cfg.train.seed,
-    )
+    batches = run_batches(cfg, adapter.config, adapter.vocab_size)
     return f"data     {batches.report}"
 
 

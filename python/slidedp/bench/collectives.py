@@ -32,8 +32,7 @@ import torch
 import torch.distributed as dist
 
 from slidedp.bench.measure import RunSpec, synchronize
-from slidedp.bench.ranks import rank_device
-from slidedp.runtime.dist import Dist
+from slidedp.runtime.dist import Dist, rank_device
 
 OPS = ("all_gather", "reduce", "all_reduce")
 BIG_BYTES = {"cuda": 512 * 2**20, "cpu": 4 * 2**20}  # gloo on CPU: a size that tests in ms
@@ -78,7 +77,7 @@ def run_collectives(spec: RunSpec) -> dict[str, Any]:
     """Every op at both sizes; rank 0 returns the rows (the other ranks the same rows)."""
     ctx = Dist.from_env()
     assert ctx is not None, "collectives run on launched ranks (bench.ranks)"
-    device = rank_device(spec, ctx)
+    device = rank_device(ctx, spec.device)
     ctx.init(device, timeout_s=spec.ours["runtime"]["version_timeout_s"])
     element = torch.finfo(DTYPE).bits // 8
     sizes = {

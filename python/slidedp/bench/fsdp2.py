@@ -19,7 +19,6 @@ Example::
 
 from __future__ import annotations
 
-import socket
 from typing import Any, cast
 
 import torch
@@ -28,15 +27,9 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from slidedp.bench.measure import RunSpec, synthetic_tokens, timed_steps
-from slidedp.bench.ranks import rank_device
 from slidedp.config import TrainSection
-from slidedp.runtime.dist import Dist
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from slidedp.runtime.dist import Dist, rank_device
+from slidedp.runtime.launch import free_port
 
 
 def build_fsdp2_model(config: Any, device: torch.device, world: int = 1) -> nn.Module:
@@ -70,7 +63,7 @@ def _join_alone(device: torch.device) -> None:
         torch.cuda.set_device(device.index or 0)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
 
 
@@ -81,7 +74,7 @@ def run_fsdp2(spec: RunSpec) -> dict[str, Any]:
         device, rank, world = torch.device(spec.device), 0, 1
         _join_alone(device)
     else:  # the group is left by bench.ranks (a failed rank must not wait in its teardown)
-        device, rank, world = rank_device(spec, ctx), ctx.rank, ctx.world
+        device, rank, world = rank_device(ctx, spec.device), ctx.rank, ctx.world
         ctx.init(device, timeout_s=spec.ours["runtime"]["version_timeout_s"])
     train = TrainSection(**spec.ours["train"])
     try:

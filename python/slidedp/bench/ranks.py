@@ -29,8 +29,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-import torch
-
 from slidedp.bench.measure import RunSpec
 from slidedp.runtime.dist import EXIT_PEER_FAILED, Dist, fail, finish
 from slidedp.runtime.launch import launch
@@ -41,14 +39,6 @@ EXIT_OOM = 4  # this rank ran out of memory (its result file says so)
 
 def rank_result_path(result_path: Path, rank: int) -> Path:
     return result_path.with_name(f"{result_path.stem}.rank{rank}.json")
-
-
-def rank_device(spec: RunSpec, ctx: Dist) -> torch.device:
-    """This rank's device: its own GPU; on CPU the ranks share the cores (as ``slidedp train``)."""
-    if spec.device == "cuda":
-        return torch.device("cuda", ctx.local_rank)
-    torch.set_num_threads(max(1, torch.get_num_threads() // ctx.world))
-    return torch.device("cpu")
 
 
 def launch_ranks(spec: RunSpec, spec_path: Path, result_path: Path) -> int:

@@ -82,12 +82,7 @@ class ReferenceModel:
             assert x_saved is not None
             g, _ = a.layer_backward(layer, self._layer_params(layer), x_saved, g, ctx)
             saved[layer] = None
-        w_embed = embed_w.detach().requires_grad_(True)
-        with torch.enable_grad():
-            emb = F.embedding(ids, w_embed, a.padding_idx)
-        (g_embed,) = torch.autograd.grad(emb, w_embed, g)
-        if a.tied:
-            g_embed = g_embed + g_head_w
+        g_embed = a.embed_backward(ids, embed_w, g, g_head_w)
         return float(loss_sum) / max(n_labels, 1), g_embed
 
 

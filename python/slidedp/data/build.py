@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slidedp.data.batches import Batches, DataReport
 from slidedp.data.config import DataSection
@@ -29,6 +29,9 @@ from slidedp.data.layout import Rows, pack_rows, pad_rows
 from slidedp.data.samples import Samples, apply_over_length
 from slidedp.data.sources import Source
 from slidedp.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from slidedp.config import TrainConfig
 
 
 def _first_id(value: Any) -> int | None:
@@ -56,6 +59,18 @@ class ModelFacts:
             pad_id=_first_id(getattr(config, "pad_token_id", None)),
             eos_id=_first_id(getattr(config, "eos_token_id", None)),
         )
+
+
+def run_batches(cfg: TrainConfig, model_config: Any, vocab_size: int) -> Batches:
+    """The batches of the run ``cfg`` describes: ``slidedp train`` trains on them and
+    ``slidedp validate`` checks them, so both read the data the same way."""
+    return build_batches(
+        cfg.data,
+        model_dir=Path(cfg.model.path),
+        model=ModelFacts.from_config(model_config, vocab_size),
+        batch_size=cfg.train.global_batch_size,
+        seed=cfg.train.seed,
+    )
 
 
 def build_batches(

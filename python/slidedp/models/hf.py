@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -178,6 +179,20 @@ class HFAdapter:
         )
         g_x, g_norm_w = torch.autograd.grad(normed, (x_last, norm_w), g_normed)
         return loss_sum, g_x, g_norm_w, g_head_w
+
+    def embed_backward(
+        self,
+        ids: torch.Tensor,  # [B, S] token ids
+        embed_w: torch.Tensor,  # [V, H]
+        g_x: torch.Tensor,  # [B, S, H] d loss / d embedding output
+        g_head_w: torch.Tensor,  # [V, H] the LM head's gradient (used when tied)
+    ) -> torch.Tensor:
+        """d loss / d embedding weight (plus the head's gradient when the two are tied)."""
+        w = embed_w.detach().requires_grad_(True)
+        with torch.enable_grad():
+            emb = F.embedding(ids, w, self.padding_idx)
+        (g_embed,) = torch.autograd.grad(emb, w, g_x)
+        return g_embed + g_head_w if self.tied else g_embed
 
     def norm_module(self) -> nn.Module:
         return cast(nn.Module, self.base.norm)

@@ -166,9 +166,14 @@ def start(
 ) -> torch.device:
     """Checks the config against the launch, joins the process group; this rank's device."""
     check_config(ctx.world, runtime, train)
-    if device.type == "cuda":
-        device = torch.device("cuda", ctx.local_rank)
-    else:  # the ranks share the cores
-        torch.set_num_threads(max(1, torch.get_num_threads() // ctx.world))
+    device = rank_device(ctx, device.type)
     ctx.init(device, runtime.version_timeout_s)
     return device
+
+
+def rank_device(ctx: Dist, device_type: str) -> torch.device:
+    """This rank's device: its own GPU; on CPU the ranks share the cores."""
+    if device_type == "cuda":
+        return torch.device("cuda", ctx.local_rank)
+    torch.set_num_threads(max(1, torch.get_num_threads() // ctx.world))
+    return torch.device("cpu")

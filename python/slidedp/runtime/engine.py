@@ -344,12 +344,7 @@ class Engine:
             ticket = GradLane.ticket(group, {full[n]: gr for n, gr in local_grads.items()})
             self._hand_over(ticket, t, n_adam, lr, tickets)
         with self.clock.stream("compute", compute):
-            w = embed_w.detach().requires_grad_(True)
-            with torch.enable_grad():
-                emb = F.embedding(ids, w, a.padding_idx)
-            (g_embed,) = torch.autograd.grad(emb, w, g)
-            if a.tied:
-                g_embed = g_embed + g_head_w
+            g_embed = a.embed_backward(ids, embed_w, g, g_head_w)
         win.release(self.embed_buf)
         self._hand_over(GradLane.ticket(a.embed_group, {EMBED: g_embed}), t, n_adam, lr, tickets)
         if self.optim.max_grad_norm == 0:

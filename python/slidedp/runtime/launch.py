@@ -25,7 +25,8 @@ from slidedp.runtime.dist import EXIT_PEER_FAILED
 GRACE_S = 10.0  # survivors of a failure get this long to exit on their own
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on localhost now (for a rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
@@ -41,7 +42,7 @@ def launch(
 ) -> int:
     """Run ``python -m MODULE ARGV`` as ``world`` ranks (``name`` heads the failure line);
     0 when every rank succeeded."""
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(world):
         env = os.environ | {

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from slidedp.config import TrainConfig
-from slidedp.data.build import ModelFacts, build_batches
+from slidedp.data.build import run_batches
 from slidedp.errors import (
     CheckpointError,
     ConfigError,
@@ -112,13 +112,8 @@ class Trainer:
             self.store = self.ctx.share_store(create)
             signals = signal_specs(world, rt.grad_slots)
             self.signals = self.ctx.share_store(lambda: HostStore.create(signals, 0))
-        self.data = build_batches(  # reads and checks all the data before any GPU work
-            cfg.data,
-            model_dir=Path(cfg.model.path),
-            model=ModelFacts.from_config(self.adapter.config, self.adapter.vocab_size),
-            batch_size=tc.global_batch_size,
-            seed=tc.seed,
-        )
+        # reads and checks all the data before any GPU work
+        self.data = run_batches(cfg, self.adapter.config, self.adapter.vocab_size)
         self.lr_at = lr_schedule(tc.lr_scheduler, tc.learning_rate, tc.warmup_steps, tc.max_steps)
         self.engine = Engine(
             self.adapter,
