@@ -22,6 +22,7 @@ import traceback
 
 from slidedp import __version__
 from slidedp.bench import kernels as bench_kernels
+from slidedp.bench import plot as bench_plot
 from slidedp.bench import train as bench_train
 from slidedp.errors import ConfigError, SlidedpError
 
@@ -131,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     which = bench.add_subparsers(dest="bench", required=True)
     bench_kernels.add_arguments(which.add_parser("kernels", help="AdamW and cast vs torch"))
     bench_train.add_arguments(which.add_parser("train", help="ours vs reference and FSDP2"))
+    bench_plot.add_arguments(which.add_parser("plot", help="one sweep figure from JSON reports"))
     return parser
 
 
@@ -145,7 +147,8 @@ def _run(args: argparse.Namespace) -> int:
         return _estimate(args.config, args.overrides, args.json)
     if args.verb == "export":
         return _export(args.checkpoint, args.out_dir)
-    return bench_train.main(args) if args.bench == "train" else bench_kernels.main(args)
+    bench_main = {"train": bench_train.main, "plot": bench_plot.main, "kernels": bench_kernels.main}
+    return bench_main[args.bench](args)
 
 
 def _one_line(error: BaseException) -> str:

@@ -96,8 +96,9 @@ class RuntimeSection:
     grad_slots: int = 4  # host gradient slots (D2H → AdamW ring; 2 serialize the update lane)
     # BF16 copy of every parameter on the host, written by AdamW: loads are one DMA, no cast
     # (+2 B/param host memory); false: cast each chunk into the staging ring on delivery;
-    # null (default): on only for several ranks on the replicated route, where every rank
-    # would otherwise cast the whole layer again
+    # null (default): on where the run with it fits the host with 8 GiB to spare
+    # (estimate.resolve_mirror), and always for several ranks on the replicated route, where
+    # every rank would otherwise cast the whole layer again
     bf16_mirror: bool | None = None
     ranks: int = 1  # CPU processes (gloo) sharing one host state; `slidedp train` starts them
     gpus: int = 1  # GPUs (one process each, NCCL) sharing one host state

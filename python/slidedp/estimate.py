@@ -13,7 +13,8 @@ Host (``/dev/shm`` and RAM):
 
 - store: its exact ``total_bytes``, from the layout the trainer would create (``HostStore.plan``
   with the trainer's own arguments: staging/gradient slots of ``runtime.chunk_elems`` or one
-  decoder layer, gradients in the compute dtype). It lives in ``/dev/shm`` and counts in RAM.
+  decoder layer, gradients in the compute dtype; the BF16 mirror, 2 B/param, where
+  ``resolve_mirror`` puts it). It lives in ``/dev/shm`` and counts in RAM.
 - activation offload arena (``r = 1``): ``L * B * S * H * e`` (``runtime/transfer.py``).
 - process: 1.6 GiB with CUDA (BENCHMARKS.md "Qwen3-4B shape, host memory": PSS minus store and
   arena), 0.7 GiB on CPU (PSS after importing torch, transformers and the trainer, measured on the
@@ -75,7 +76,7 @@ import itertools
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -91,6 +92,8 @@ from slidedp.store import HostStore
 GIB = 2**30
 SHM_DIR = Path("/dev/shm")
 CUDA_PROCESS_BYTES = int(1.6 * GIB)
+# RAM an automatic BF16 mirror leaves free beyond the run (page cache, the data, other processes)
+MIRROR_HEADROOM_BYTES = 8 * GIB
 CPU_PROCESS_BYTES = int(0.7 * GIB)
 CUDA_CONTEXT_BYTES = int(0.5 * GIB)
 ALLOCATOR_BYTES = int(0.5 * GIB)
@@ -209,6 +212,7 @@ class Estimate:
     offload_ratio: float
     clipping: bool
     store_bytes: int
+    mirror_bytes: int  # of the store: the BF16 mirror (0: cast on delivery, resolve_mirror)
     shm_bytes: int
     offload_arena_bytes: int
     process_bytes: int
@@ -225,13 +229,36 @@ class Estimate:
         return asdict(self) | {"fits": not short, "shortages": short}
 
 
-def plan_store(cfg: TrainConfig, adapter: HFAdapter, dtype: str) -> dict[str, Any]:
-    """The layout of the store ``Trainer`` would create (same arguments), not allocated."""
+def resolve_mirror(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> bool:
+    """Whether the store gets the BF16 mirror: ``runtime.bf16_mirror`` when set; unset, always
+    for several ranks on the replicated route (no rank casts a layer) and otherwise where the run
+    with the mirror fits ``machine`` with ``MIRROR_HEADROOM_BYTES`` of RAM to spare (the mirror
+    is the faster path, casting on delivery the smaller footprint; both train bit-identically).
+    Never when computing in f32."""
+    rt = cfg.runtime
+    if machine.dtype != "bfloat16":
+        return False
+    if rt.bf16_mirror is not None:
+        return rt.bf16_mirror
+    if rt.world > 1 and rt.param_route == "replicated":
+        return True
+    available = machine.mem_available_bytes
+    if available is None:  # cannot tell: the smaller footprint
+        return False
+    with_mirror = replace(cfg, runtime=replace(rt, bf16_mirror=True))
+    est = estimate_run(with_mirror, adapter, machine)
+    return est.ram_bytes + MIRROR_HEADROOM_BYTES <= available and not shortages(est)
+
+
+def plan_store(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> dict[str, Any]:
+    """The layout of the store ``Trainer`` would create on ``machine`` (same arguments), not
+    allocated."""
     from slidedp.runtime.engine import store_args
 
+    bf16, world = machine.dtype == "bfloat16", cfg.runtime.world
+    mirror = resolve_mirror(cfg, adapter, machine)
     return HostStore.plan(
-        adapter.group_specs(),
-        **store_args(cfg.runtime, adapter, dtype == "bfloat16", cfg.runtime.world),
+        adapter.group_specs(), **store_args(cfg.runtime, adapter, bf16, world, mirror)
     )
 
 
@@ -295,7 +322,7 @@ def estimate_run(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> Esti
     """Every number of ``slidedp estimate`` for ``cfg`` on ``machine`` (formulas: module doc)."""
     cuda = machine.device == "cuda"
     elem = 2 if machine.dtype == "bfloat16" else 4
-    layout = plan_store(cfg, adapter, machine.dtype)
+    layout = plan_store(cfg, adapter, machine)
     groups = layout["groups"]
     params = sum(int(p["numel"]) for p in layout["params"])
     b, s, layers, rt = (
@@ -345,6 +372,7 @@ def estimate_run(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> Esti
         offload_ratio=rt.offload_ratio,
         clipping=cfg.train.max_grad_norm > 0,
         store_bytes=store,
+        mirror_bytes=mirror,
         shm_bytes=store,
         offload_arena_bytes=arena,
         process_bytes=process,
@@ -423,6 +451,8 @@ def format_estimate(est: Estimate) -> str:
     row("/dev/shm (host store)", _gib(est.shm_bytes), f"{_gib(m.shm_free_bytes)} free")
     row("host RAM", _gib(est.ram_bytes), f"{_gib(m.mem_available_bytes)} available")
     row("  store", _gib(est.store_bytes))
+    if est.mirror_bytes:
+        row("    of which the BF16 mirror", _gib(est.mirror_bytes), "runtime.bf16_mirror")
     if est.offload_arena_bytes:
         row("  activation offload arena (r=1)", _gib(est.offload_arena_bytes))
     row(f"  process ({'torch + CUDA' if est.gpu else 'torch'})", _gib(est.process_bytes))

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from engine.tiny import make_model, read_metrics, write_config, write_data
+from slidedp import estimate
 from slidedp.cli import main
 from slidedp.config import load_config
 from slidedp.errors import NonFiniteError
@@ -162,3 +163,23 @@ def test_the_bf16_mirror_trains_bit_for_bit_like_casting_on_delivery(
         assert torch.equal(master, cast.store.param(p["name"])), p["name"]
         copy = mirrored.store.mirror_group(p["group"])[p["slot_offset"] :][: p["numel"]]
         assert torch.equal(copy, master.view(-1).to(torch.bfloat16)), p["name"]
+
+
+@pytest.mark.parametrize("available_gib", [64, 1])
+def test_by_default_the_trainer_takes_the_mirror_where_the_host_has_room_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, available_gib: int
+) -> None:
+    """``runtime.bf16_mirror: null``: the store the trainer creates has the mirror when the run
+    with it fits MemAvailable with 8 GiB to spare (``estimate.resolve_mirror``), else not."""
+    monkeypatch.setattr(
+        estimate, "meminfo_bytes", lambda: {"mem_available_bytes": available_gib * 2**30}
+    )
+    model = make_model(tmp_path, "qwen3", tied=True, layers=2)
+    data = write_data(tmp_path / "data.jsonl", 8)
+    config = write_config(tmp_path / "c.yaml", model, data, tmp_path / "out",
+                          train={"max_steps": 1, "dtype": "bfloat16"})  # fmt: skip
+    trainer = Trainer(load_config(config, ["output.export=false"]), log=False)
+    try:
+        assert trainer.store.has_mirror == (available_gib == 64)
+    finally:
+        trainer.engine.close()

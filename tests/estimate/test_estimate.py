@@ -24,6 +24,7 @@ from slidedp.estimate import (
     check_fits,
     estimate_run,
     plan_store,
+    resolve_mirror,
 )
 from slidedp.models.hf import HFAdapter
 from slidedp.runtime.engine import layer_chunk_elems
@@ -85,7 +86,7 @@ def test_store_estimate_is_a_created_store_exactly(
         chunk_elems=rt.chunk_elems or layer_chunk_elems(adapter),
     )
     assert est.store_bytes == est.shm_bytes == store.total_bytes
-    assert plan_store(cfg, adapter, "float32") == store.layout
+    assert plan_store(cfg, adapter, CPU) == store.layout
 
 
 def test_tiny_cpu_terms_follow_the_formulas(tmp_path: Path, tiny: Path) -> None:
@@ -99,7 +100,7 @@ def test_tiny_cpu_terms_follow_the_formulas(tmp_path: Path, tiny: Path) -> None:
     arena = layers * b * s * h * 4
     loss = b * s * vocab * 4 * 3  # b*s < loss_chunk_tokens
     layer = 2 * b * s * (8 * h + 4 * i + 2 * 64 + 2 * 32) * 4
-    layout = plan_store(cfg, adapter, "float32")
+    layout = plan_store(cfg, adapter, CPU)
     slot = max(layout["groups"][g]["slot_len"] for g in (1, 2))
     window = (2 * slot + layout["groups"][0]["slot_len"] + layout["groups"][3]["slot_len"]) * 4
     working = window + loss + layer + params * 4  # clipping parks f32 gradients, r=1: no inputs
@@ -150,6 +151,7 @@ def test_qwen3_4b_matches_the_measurements_without_allocating(
         f"train.max_grad_norm={clip}",
         f"runtime.offload_ratio={r}",
         "runtime.grad_slots=2",
+        "runtime.bf16_mirror=false",
     )
     est = estimate_run(cfg, HFAdapter.from_dir(qwen3_4b), H100)
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
@@ -179,6 +181,7 @@ def test_refusal_names_every_shortage_with_its_numbers(tmp_path: Path, qwen3_4b:
         "data.seq_len=1024",
         "train.global_batch_size=16",
         "runtime.grad_slots=2",  # the measured store: 45.73 GiB
+        "runtime.bf16_mirror=false",
     )
     est = estimate_run(cfg, HFAdapter.from_dir(qwen3_4b), H100)
     check_fits(est)  # H100 with 100 GiB of /dev/shm: fits
@@ -251,3 +254,38 @@ def test_estimate_verb_table_and_json(capsys: Capsys, tmp_path: Path, tiny: Path
     assert info["shortages"] == []
     assert set(info["step"]) >= {"range_s", "compute_s", "host_floor_s", "bound", "peak_flops"}
     assert not (tmp_path / "out").exists()
+
+
+# BENCHMARKS.md (H200 with --gpu-limit 80 --host-limit 120; 4B on H100): S=1024, no clipping,
+# r=0, 4 gradient slots, the BF16 mirror on: shape -> (batch, host PSS GiB)
+MEASURED_MIRROR = {"qwen3-4b": (16, 54.61), "qwen3-8b": (16, 109.62)}
+
+
+@pytest.mark.parametrize("shape", sorted(MEASURED_MIRROR))
+def test_the_mirror_is_on_by_default_where_it_fits_the_host_with_room(
+    tmp_path: Path, shape: str
+) -> None:
+    model = tmp_path / shape
+    Qwen3Config(**SHAPES[shape]).save_pretrained(model)
+    adapter = HFAdapter.from_dir(model)
+    b, pss_gib = MEASURED_MIRROR[shape]
+    cfg = _cfg(tmp_path, model, "data.seq_len=1024", f"train.global_batch_size={b}",
+               "train.max_grad_norm=0")  # fmt: skip
+    host = replace(H100, shm_free_bytes=128 * GIB, mem_available_bytes=122 * GIB)  # 125 GiB RAM
+    assert resolve_mirror(cfg, adapter, host)
+    est = estimate_run(cfg, adapter, host)
+    assert est.mirror_bytes == pytest.approx(2 * est.params, rel=1e-3)
+    assert est.ram_bytes / GIB == pytest.approx(pss_gib, rel=0.01)
+    # without 8 GiB to spare beyond the run, casting on delivery: the smaller footprint
+    tight = replace(host, mem_available_bytes=est.ram_bytes + 8 * GIB - 1)
+    assert not resolve_mirror(cfg, adapter, tight)
+    smaller = estimate_run(cfg, adapter, tight)
+    assert smaller.mirror_bytes == 0
+    assert smaller.store_bytes < est.store_bytes
+    # as set, whatever the machine; never in f32; unknown RAM: off
+    on = replace(cfg, runtime=replace(cfg.runtime, bf16_mirror=True))
+    assert resolve_mirror(on, adapter, tight)
+    off = replace(cfg, runtime=replace(cfg.runtime, bf16_mirror=False))
+    assert not resolve_mirror(off, adapter, host)
+    assert not resolve_mirror(on, adapter, replace(host, dtype="float32"))
+    assert not resolve_mirror(cfg, adapter, replace(host, mem_available_bytes=None))

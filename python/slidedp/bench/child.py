@@ -6,6 +6,12 @@ their launcher (``bench.ranks``), which waits, so the sum is over the ranks. A c
 non-zero becomes a result with ``status`` ``error`` (or ``killed`` when a signal ended it, e.g.
 the host's OOM killer), its stderr echoed, its last line kept as ``error``.
 
+With ``spec.host_limit_gib`` the sampler also enforces a host budget (a smaller machine than
+this one, e.g. an 80 GB H100 with a 125 GiB host): when the tree's PSS passes it, the child's
+process group is killed and the run reported as host ``oom`` — before the kernel's OOM killer
+would pick a process itself. The store of ours is a nameless tmpfs file: nothing is left in
+/dev/shm by the kill.
+
 Example::
 
     result, peak_pss_bytes = run_child(spec, workdir)
@@ -13,7 +19,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -21,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from slidedp.bench.measure import RunSpec, process_pss_bytes, tree_pss_bytes
+from slidedp.bench.report import GIB
 
 PSS_SAMPLE_S = 0.25
 
@@ -35,20 +45,27 @@ class ChildRun:
         self.spec_path.write_text(json.dumps(spec.to_json()))
         self.peak_pss_bytes = 0
         self.count_root = spec.world == 1  # else the root is the launcher of the ranks
+        self.host_limit_bytes = int(spec.host_limit_gib * GIB)
+        self.killed_at_bytes = 0  # the PSS that passed the host limit (0: not killed)
 
     def run(self) -> tuple[int, dict[str, Any] | None, str]:
         """(exit code, result or None, stderr text)."""
         command = [sys.executable, "-m", "slidedp.bench.worker"]
         with self.stderr_path.open("w") as stderr:
-            proc = subprocess.Popen(
-                [*command, str(self.spec_path), str(self.result_path)], stderr=stderr
+            proc = subprocess.Popen(  # its own process group: the tree can be killed as one
+                [*command, str(self.spec_path), str(self.result_path)],
+                stderr=stderr,
+                start_new_session=True,
             )
             done = threading.Event()
             sampler = threading.Thread(target=self._sample, args=(proc.pid, done), daemon=True)
             sampler.start()
-            code = proc.wait()
-            done.set()
-            sampler.join()
+            try:
+                code = proc.wait()
+            finally:  # also on Ctrl-C of the bench: no rank outlives it
+                done.set()
+                sampler.join()
+                _kill_group(proc.pid)
         result = json.loads(self.result_path.read_text()) if code == 0 else None
         return code, result, self.stderr_path.read_text()
 
@@ -56,14 +73,29 @@ class ChildRun:
         while not done.is_set():
             pss = tree_pss_bytes(pid) - (0 if self.count_root else process_pss_bytes(pid))
             self.peak_pss_bytes = max(self.peak_pss_bytes, pss)
+            if self.host_limit_bytes and pss > self.host_limit_bytes:
+                self.killed_at_bytes = pss
+                _kill_group(pid)
+                return
             done.wait(PSS_SAMPLE_S)
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # the whole group has exited
+        os.killpg(pid, signal.SIGKILL)
 
 
 def run_child(spec: RunSpec, workdir: Path) -> tuple[dict[str, Any], int]:
     """The worker's result and its sampled PSS peak; a crash becomes status error/killed."""
     child = ChildRun(spec, workdir)
     code, result, stderr = child.run()
-    if result is None:
+    if child.killed_at_bytes:
+        error = (
+            f"host memory: PSS {child.killed_at_bytes / GIB:.1f} GiB passed --host-limit "
+            f"{spec.host_limit_gib:g} GiB; killed"
+        )
+        result = {"system": spec.system, "batch": spec.batch, "status": "oom", "error": error}
+    elif result is None:
         lines = [line for line in stderr.splitlines() if line.strip()]
         status = "killed" if code < 0 else "error"
         where = f"batch {spec.batch}" + (f" on {spec.world} ranks" if spec.world > 1 else "")

@@ -10,7 +10,9 @@ process (NCCL on CUDA, gloo on CPU, rendezvous on a free localhost port), or ``s
 ranks launched by ``bench.ranks``: the same model and step in each, sharded over all of them,
 rank ``r`` computing rows ``[r*B, (r+1)*B)`` of the global batch of ``world x B`` sequences
 (the losses reported are rank 0's rows). The loss is the model's own (full logits). On CPU the
-host memory is not pinned (there is no CUDA to pin for).
+host memory is not pinned (there is no CUDA to pin for). Each of ``world`` ranks on GPUs runs
+its share of the host AdamW with cores / ``world`` threads: torch's default, every core in every
+rank, oversubscribes the host (torchrun's default, one thread, starves it).
 
 Example::
 
@@ -76,6 +78,8 @@ def run_fsdp2(spec: RunSpec) -> dict[str, Any]:
     else:  # the group is left by bench.ranks (a failed rank must not wait in its teardown)
         device, rank, world = rank_device(ctx, spec.device), ctx.rank, ctx.world
         ctx.init(device, timeout_s=spec.ours["runtime"]["version_timeout_s"])
+        if device.type == "cuda":  # (on CPU rank_device has shared the cores already)
+            torch.set_num_threads(max(1, torch.get_num_threads() // world))
     train = TrainSection(**spec.ours["train"])
     try:
         config = AutoConfig.from_pretrained(spec.config_dir)

@@ -37,6 +37,8 @@ class RunSpec:
     ours: dict[str, Any] = field(default_factory=dict)  # our resolved config (all sections)
     world: int = 1  # ranks (GPUs, or CPU processes); > 1: the worker launches them
     layer_numel: int = 0  # collectives: elements of the model's largest decoder layer
+    gpu_limit_gib: float = 0.0  # > 0: each rank's CUDA allocator is capped there (worker)
+    host_limit_gib: float = 0.0  # > 0: the run is killed, as OOM, when its PSS passes it (child)
 
     @property
     def global_batch(self) -> int:

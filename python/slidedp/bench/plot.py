@@ -6,6 +6,10 @@ host PSS peak (GiB). A run that ran out of memory has no point; its
 batch is marked "OOM" at the bottom of each panel. Needs matplotlib (``pip install
 'slidedp[bench]'``).
 
+A sweep too long for one sitting (one device call) can be run a few batches at a time with
+``--json`` and drawn afterwards from the reports: ``slidedp bench plot --png sweep.png
+b4-8.json b16-32.json`` (the reports must be of one shape, sequence length and device).
+
 Example::
 
     plot_sweep(json.loads(Path("sweep.json").read_text()), Path("sweep.png"))
@@ -13,7 +17,10 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +33,7 @@ PANELS = (
     ("host_pss_peak_gib", "host PSS peak (GiB)"),
 )
 STYLE = {"ours": "o-", "reference": "s--", "fsdp2": "^-."}
+SAME = ("shape", "seq_len", "device_name")  # what reports must share to be drawn together
 
 
 def require_matplotlib() -> Any:
@@ -47,11 +55,11 @@ def plot_sweep(report: dict[str, Any], path: Path) -> None:
     runs = report["runs"]
     labels = list(dict.fromkeys(run_label(r) for r in runs))
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4), constrained_layout=True)
-    for ax, (key, label) in zip(axes, PANELS, strict=True):
+    for ax, (key, axis_label) in zip(axes, PANELS, strict=True):
         for label in labels:
             mine = [r for r in runs if run_label(r) == label]
             ok = [r for r in mine if r["status"] == "ok"]
-            points = [(r["batch"], r[key]) for r in ok if r.get(key) is not None]
+            points = sorted((r["batch"], r[key]) for r in ok if r.get(key) is not None)
             if points:
                 xs, ys = zip(*points, strict=True)
                 ax.plot(xs, ys, STYLE.get(mine[0]["system"], "x-"), label=label)
@@ -62,10 +70,45 @@ def plot_sweep(report: dict[str, Any], path: Path) -> None:
         ax.set_xticks(sorted({r["batch"] for r in runs}))
         ax.set_xticklabels([str(b) for b in sorted({r["batch"] for r in runs})])
         ax.set_xlabel(f"batch (sequences of {report['seq_len']} tokens)")
-        ax.set_ylabel(label)
+        ax.set_ylabel(axis_label)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(f"{report['shape']} on {report['device_name']}")
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report holding the runs of all ``reports`` by batch; they must agree on ``SAME``."""
+    first = reports[0]
+    for other in reports[1:]:
+        differ = [k for k in SAME if other.get(k) != first.get(k)]
+        if differ:
+            raise ConfigError(
+                f"reports differ in {', '.join(differ)} "
+                f"({first.get(differ[0])!r} vs {other.get(differ[0])!r}): plot one sweep at a time"
+            )
+    runs = [r for report in reports for r in report["runs"]]
+    return {**first, "runs": sorted(runs, key=lambda r: r["batch"])}  # stable: systems keep order
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("reports", nargs="+", help="JSON reports of slidedp bench train --json")
+    parser.add_argument("--png", required=True, help="the figure to write")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        require_matplotlib()
+        reports = []
+        for path in args.reports:
+            try:
+                reports.append(json.loads(Path(path).read_text()))
+            except (OSError, ValueError) as e:
+                raise ConfigError(f"{path}: not a readable JSON report ({e})") from None
+        plot_sweep(merge_reports(reports), Path(args.png))
+    except ConfigError as e:
+        print(f"slidedp bench plot: error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -101,6 +101,13 @@ def print_report(report: dict[str, Any]) -> None:
         + (f" (bf16 GEMM peak {peak / 1e12:.0f} TFLOP/s)" if peak else "")
     )
     print(f"model FLOPs/token {report['flops_per_token']:.4g} = {report['flops_formula']}")
+    limits = [
+        f"{what} {report[key]:g} GiB"
+        for what, key in (("GPU", "gpu_limit_gib"), ("host", "host_limit_gib"))
+        if report.get(key)
+    ]
+    if limits:
+        print(f"limits (a smaller machine than this one): {', '.join(limits)}")
     width = max([10, *(len(run_label(r)) for r in report["runs"])])
     print(
         f"{'batch':>5} {'system':<{width}} {'tokens/s':>10} {'step ms':>9} {'TFLOP/s':>8} "

@@ -98,6 +98,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="our engine's config, as slidedp train's overrides (e.g. runtime.offload_ratio=1)",
     )
     arg("--seed", type=int, default=0, help="seed of the synthetic tokens")
+    arg(
+        "--gpu-limit",
+        type=float,
+        default=0.0,
+        metavar="GIB",
+        help="cap each system's GPU memory here, as on a smaller GPU (e.g. 80 for an H100)",
+    )
+    arg(
+        "--host-limit",
+        type=float,
+        default=0.0,
+        metavar="GIB",
+        help="report a system whose host PSS passes this as OOM (killed), as on a smaller host",
+    )
     arg("--json", default=None, help="also write the report to this JSON file")
     arg("--png", default=None, help="plot tokens/s and memory vs batch (needs matplotlib)")
     arg(
@@ -124,6 +138,8 @@ def _parse(args: argparse.Namespace) -> tuple[list[int], list[str], str]:
         )
     if min(batches) < 1 or args.seq < 2 or args.steps < 1 or args.warmup < 0:
         raise ConfigError("need --batch/--sweep >= 1, --seq >= 2, --steps >= 1, --warmup >= 0")
+    if args.gpu_limit < 0 or args.host_limit < 0:
+        raise ConfigError("--gpu-limit and --host-limit are GiB > 0 (0: no limit)")
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -170,6 +186,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "flops_per_token": model.flops_per_token,
         "warmup_steps": args.warmup,
         "steps": args.steps,
+        "gpu_limit_gib": args.gpu_limit or None,
+        "host_limit_gib": args.host_limit or None,
         "ours_config": {"train": ours["train"], "runtime": ours["runtime"]},
     }
     with tempfile.TemporaryDirectory(prefix="slidedp-bench-") as tmp:
@@ -184,6 +202,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             device=device,
             seed=args.seed,
             ours=ours,
+            gpu_limit_gib=args.gpu_limit,
+            host_limit_gib=args.host_limit,
         )
         if device == "cuda":  # the GEMM peak in a child too: the parent never touches the GPU
             peak, _ = run_child(spec, Path(tmp))

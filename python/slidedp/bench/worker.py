@@ -77,9 +77,21 @@ def is_out_of_memory(error: BaseException) -> bool:
     )
 
 
+def limit_gpu(spec: RunSpec) -> None:
+    """Cap this rank's CUDA caching allocator at ``spec.gpu_limit_gib`` (a smaller GPU than this
+    one: an allocation beyond it raises torch's OOM, reported as ``oom``)."""
+    if spec.gpu_limit_gib <= 0 or spec.device != "cuda":
+        return
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, spec.gpu_limit_gib * 2**30 / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+
+
 def run(spec: RunSpec) -> dict[str, Any]:
     if spec.system == "peak":
         return _peak(spec)
+    limit_gpu(spec)
     result: dict[str, Any] = {"system": spec.system, "batch": spec.batch}
     try:
         result.update(SYSTEMS[spec.system](spec), status="ok")

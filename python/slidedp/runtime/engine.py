@@ -78,17 +78,14 @@ def layer_chunk_elems(adapter: HFAdapter) -> int:
 
 
 def store_args(
-    rt: RuntimeSection, adapter: HFAdapter, bf16: bool, world: int = 1
+    rt: RuntimeSection, adapter: HFAdapter, bf16: bool, world: int, mirror: bool
 ) -> dict[str, Any]:
     """``HostStore.create``'s arguments for this run (``Trainer`` creates it, ``estimate`` plans
     it): the slot rings of every rank, one decoder layer per chunk unless set, the BF16 mirror
-    (which replaces the staging ring) when computing in BF16 and asked for — by default with
-    several ranks on the replicated route, so that no layer is cast once per rank. The gradient
-    slots are f32 where the host sums the ranks' gradients (``Kernels.sum_into``)."""
-    wanted = rt.bf16_mirror
-    if wanted is None:
-        wanted = world > 1 and rt.param_route == "replicated"
-    mirror = bf16 and wanted
+    (``mirror``, as ``estimate.resolve_mirror`` decided; it replaces the staging ring) when
+    computing in BF16. The gradient slots are f32 where the host sums the ranks' gradients
+    (``Kernels.sum_into``)."""
+    mirror = bf16 and mirror
     f32_grads = not bf16 or (world > 1 and rt.grad_route == "cpu")
     return {
         "staging_slots": 0 if mirror else rt.staging_slots * world,

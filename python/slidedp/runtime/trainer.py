@@ -32,6 +32,7 @@ from slidedp.errors import (
     NonFiniteError,
     TrainingInterruptedError,
 )
+from slidedp.estimate import Machine, resolve_mirror
 from slidedp.io.checkpoint import (
     Progress,
     check_resumable,
@@ -96,9 +97,12 @@ class Trainer:
         self.out_dir = Path(cfg.output.dir)
         self.progress = Progress()
         self.resume_from = self._check_resume()
-        args = store_args(rt, self.adapter, self.dtype == torch.bfloat16, world)
+        bf16 = self.dtype == torch.bfloat16
 
         def create() -> HostStore:  # every rank gets its own range of the slot rings
+            # decided once, by the creator: the others attach to what it made
+            mirror = resolve_mirror(cfg, self.adapter, Machine.probe(cfg, measure=False))
+            args = store_args(rt, self.adapter, bf16, world, mirror)
             store = HostStore.create(self.adapter.group_specs(), **args)
             self.source = self._fill_state(store)
             fill_mirror(store, Kernels(default_threads()))

@@ -1,0 +1,98 @@
+"""A smaller machine than this one (``--gpu-limit``, ``--host-limit``) and one sweep figure drawn
+from several reports (``slidedp bench plot``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from bench.tiny import tiny_spec
+from slidedp.bench import worker
+from slidedp.bench.child import run_child
+from slidedp.bench.measure import process_tree
+from slidedp.bench.plot import merge_reports
+from slidedp.cli import main
+from slidedp.errors import ConfigError
+
+
+def test_a_run_past_the_host_limit_is_killed_and_reported_as_oom(tmp_path: Path) -> None:
+    # Any Python process that has imported torch is well past 10 MiB of PSS.
+    spec = dataclasses.replace(tiny_spec(tmp_path, "reference"), host_limit_gib=0.01)
+    result, peak = run_child(spec, tmp_path)
+    assert result["status"] == "oom"
+    assert result["error"].startswith("host memory: PSS ")
+    assert result["error"].endswith("passed --host-limit 0.01 GiB; killed")
+    assert peak > 0.01 * 2**30
+    assert process_tree(os.getpid()) == [os.getpid()], "the killed child left no process"
+
+
+def test_under_the_host_limit_a_run_is_untouched(tmp_path: Path) -> None:
+    spec = dataclasses.replace(tiny_spec(tmp_path, "reference"), host_limit_gib=64.0)
+    result, _ = run_child(spec, tmp_path)
+    assert result["status"] == "ok"
+
+
+def test_the_limits_are_checked_and_reported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tiny_spec(tmp_path / "m", "ours").config_dir
+    args = ["bench", "train", "--shape", config, "--seq", "16", "--device", "cpu", "--batch", "2"]
+    assert main([*args, "--host-limit", "-1"]) == 2
+    assert "--gpu-limit and --host-limit are GiB > 0" in capsys.readouterr().err
+    out = tmp_path / "r.json"
+    common = ["--systems", "reference", "--warmup", "0", "--steps", "1", "--json", str(out)]
+    assert main([*args, *common, "--host-limit", "64"]) == 0
+    assert json.loads(out.read_text())["host_limit_gib"] == 64
+    assert "limits (a smaller machine than this one): host 64 GiB" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_a_run_past_the_gpu_limit_is_oom(tmp_path: Path) -> None:
+    spec = dataclasses.replace(
+        tiny_spec(tmp_path, "reference"), device="cuda", batch=64, seq_len=128, gpu_limit_gib=0.001
+    )
+    result = worker.run(spec)
+    assert result["status"] == "oom"
+    assert result["error"].startswith("OutOfMemoryError")
+
+
+def _report(shape: str, batches: tuple[int, ...]) -> dict[str, object]:
+    runs = [
+        {"system": system, "batch": b, "status": "ok", "tokens_per_s": 100.0 * b,
+         "gpu_peak_reserved_gib": 1.0, "host_pss_peak_gib": 2.0}
+        for b in batches
+        for system in ("ours", "fsdp2")
+    ]  # fmt: skip
+    return {"shape": shape, "seq_len": 8, "device_name": "gpu", "runs": runs}
+
+
+def test_reports_of_one_sweep_merge_into_one_figure(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    merged = merge_reports([_report("x", (8, 16)), _report("x", (4,))])
+    assert [(r["batch"], r["system"]) for r in merged["runs"]] == [
+        (b, s) for b in (4, 8, 16) for s in ("ours", "fsdp2")
+    ]
+    paths = []
+    for i, report in enumerate((_report("x", (4, 8)), _report("x", (16, 32)))):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps(report))
+    png = tmp_path / "sweep.png"
+    assert main(["bench", "plot", "--png", str(png), *map(str, paths)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_reports_of_different_sweeps_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(ConfigError, match=r"reports differ in shape \('x' vs 'y'\)"):
+        merge_reports([_report("x", (4,)), _report("y", (8,))])
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    pytest.importorskip("matplotlib")
+    assert main(["bench", "plot", "--png", str(tmp_path / "p.png"), str(bad)]) == 2
+    assert "bad.json: not a readable JSON report" in capsys.readouterr().err
+    assert not (tmp_path / "p.png").exists()
