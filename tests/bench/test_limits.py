@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from bench.tiny import tiny_spec
-from slidedp.bench import worker
 from slidedp.bench.child import run_child
 from slidedp.bench.measure import process_tree
 from slidedp.bench.plot import merge_reports
@@ -55,7 +54,7 @@ def test_a_run_past_the_gpu_limit_is_oom(tmp_path: Path) -> None:
     spec = dataclasses.replace(
         tiny_spec(tmp_path, "reference"), device="cuda", batch=64, seq_len=128, gpu_limit_gib=0.001
     )
-    result = worker.run(spec)
+    result, _ = run_child(spec, tmp_path)  # a child, as the bench: the cap is per process
     assert result["status"] == "oom"
     assert result["error"].startswith("OutOfMemoryError")
 
