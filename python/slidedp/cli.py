@@ -24,7 +24,7 @@ from slidedp import __version__
 from slidedp.bench import kernels as bench_kernels
 from slidedp.bench import plot as bench_plot
 from slidedp.bench import train as bench_train
-from slidedp.errors import ConfigError, SlidedpError
+from slidedp.errors import ConfigError, SlidedpError, TrainingInterruptedError
 
 EXIT_BAD_INPUT = 2
 EXIT_UNEXPECTED = 1
@@ -157,14 +157,26 @@ def _one_line(error: BaseException) -> str:
 
 def _rank(args: argparse.Namespace, prefix: str) -> int:
     """One rank of a multi-rank run: on failure, wake the peers (the shared store is poisoned)
-    and exit at once; a rank that only reacts to another's failure prints nothing."""
-    from slidedp.runtime.dist import EXIT_PEER_FAILED, fail, finish
+    and exit at once; a rank that only reacts to another's failure prints nothing. A stop on
+    SIGTERM/SIGINT is agreed by every rank (``Trainer``): they leave together, rank 0 alone
+    prints its line, and nothing is poisoned (rank 0 may still be writing the checkpoint)."""
+    from slidedp.runtime.dist import EXIT_PEER_FAILED, Dist, fail, finish
+    from slidedp.runtime.launch import watch_launcher
 
+    watch_launcher()
     try:
         code = _main_guarded(args, prefix)
         if code == 0:
             finish()
             return 0
+    except TrainingInterruptedError as stopped:
+        ctx = Dist.from_env()
+        code = _report(stopped, args, prefix) if ctx is None or ctx.main else EXIT_BAD_INPUT
+        try:
+            finish()  # waits for rank 0's checkpoint
+            return code
+        except BaseException as e:  # rank 0 failed while saving
+            code = EXIT_PEER_FAILED if fail(e) else EXIT_UNEXPECTED
     except BaseException as e:  # raised from the guard only when a peer failed
         code = EXIT_PEER_FAILED if fail(e) else EXIT_UNEXPECTED
     sys.stdout.flush()
@@ -173,11 +185,14 @@ def _rank(args: argparse.Namespace, prefix: str) -> int:
 
 
 def _main_guarded(args: argparse.Namespace, prefix: str) -> int:
-    """``_run`` with ``main``'s error reporting, except errors caused by a failed peer."""
+    """``_run`` with ``main``'s error reporting, except errors caused by a failed peer and an
+    agreed stop on a signal (both re-raised)."""
     from slidedp.runtime.dist import fail
 
     try:
         return _run(args)
+    except TrainingInterruptedError:
+        raise
     except BaseException as e:
         if fail(e):
             raise

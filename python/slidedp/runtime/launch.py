@@ -6,6 +6,12 @@ pass through (only rank 0 logs). When a rank fails, the others are woken by the 
 or a failed collective and exit; any rank still running ``GRACE_S`` later is killed. The exit
 code is the first failing rank's (a rank killed by a signal: 1), with one line naming it.
 
+SIGTERM, SIGINT and SIGHUP to the launcher are forwarded to every rank (a second Ctrl-C: a
+second signal, which interrupts at once); the ranks agree on the step after which they stop, and
+rank 0 saves and prints the one line. The ranks run in their own session, so a terminal's
+Ctrl-C reaches them only through the launcher, once; should the launcher die (SIGKILL), each
+rank sends itself SIGTERM (``watch_launcher``) and checkpoints as on any SIGTERM.
+
 Example::
 
     sys.exit(launch(2, ["train", "run.yaml", "train.max_steps=5"]))
@@ -13,16 +19,22 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 
 from slidedp.runtime.dist import EXIT_PEER_FAILED
 
 GRACE_S = 10.0  # survivors of a failure get this long to exit on their own
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+LAUNCHER_PID = "SLIDEDP_LAUNCHER_PID"  # set for the ranks this launcher starts
+WATCH_S = 0.5  # how often a rank looks whether its launcher is still there
 
 
 def free_port() -> int:
@@ -53,24 +65,13 @@ def launch(
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
         }
-        procs.append(subprocess.Popen([sys.executable, "-m", module, *argv], env=env))
-    first: tuple[int, int] | None = None  # (rank, exit code) of the first failure
-    deadline = None
+        env[LAUNCHER_PID] = str(os.getpid())
+        command = [sys.executable, "-m", module, *argv]
+        procs.append(subprocess.Popen(command, env=env, start_new_session=True))
+    forwarded: list[signal.Signals] = []  # signals passed on to the ranks
     try:
-        while True:
-            codes = [p.poll() for p in procs]  # one snapshot: a rank that exits between the
-            for rank, code in enumerate(codes):  # loop test and a poll is never missed
-                if code not in (None, 0) and (first is None or first[1] == EXIT_PEER_FAILED):
-                    if first is None or code != EXIT_PEER_FAILED:
-                        first = (rank, code)
-                    deadline = deadline or time.monotonic() + GRACE_S
-            if None not in codes:
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-            time.sleep(0.05)
+        with _forwarding(procs, forwarded):
+            first = _watch(procs)  # (rank, exit code) of the first failure
     finally:
         for p in procs:  # Ctrl-C, or an error here: no rank outlives the launcher
             if p.poll() is None:
@@ -79,6 +80,8 @@ def launch(
     if first is None:
         return 0
     rank, code = first
+    if forwarded and code > 0:  # an agreed stop: rank 0 said what it saved
+        return procs[0].returncode or code
     others = [r for r in range(world) if r != rank]
     print(
         f"{name}: rank {rank} {_describe(code)}; stopped ranks {others}",
@@ -86,3 +89,63 @@ def launch(
         flush=True,
     )
     return 1 if code < 0 else code
+
+
+def _watch(procs: list[subprocess.Popen[bytes]]) -> tuple[int, int] | None:
+    """Wait for every rank; (rank, exit code) of the first failure, None when all succeeded.
+    Ranks still running ``GRACE_S`` after a failure are killed."""
+    first: tuple[int, int] | None = None
+    deadline = None
+    while True:
+        codes = [p.poll() for p in procs]  # one snapshot: a rank that exits between the
+        for rank, code in enumerate(codes):  # loop test and a poll is never missed
+            if code not in (None, 0) and (first is None or first[1] == EXIT_PEER_FAILED):
+                if first is None or code != EXIT_PEER_FAILED:
+                    first = (rank, code)
+                deadline = deadline or time.monotonic() + GRACE_S
+        if None not in codes:
+            break
+        if deadline is not None and time.monotonic() > deadline:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.05)
+    return first
+
+
+@contextlib.contextmanager
+def _forwarding(
+    procs: list[subprocess.Popen[bytes]], forwarded: list[signal.Signals]
+) -> Iterator[None]:
+    """While inside, a stop signal to the launcher goes to every rank still running."""
+
+    def forward(signum: int, frame: object) -> None:
+        forwarded.append(signal.Signals(signum))
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    if threading.current_thread() is not threading.main_thread():  # Python's rule for handlers
+        yield
+        return
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+
+def watch_launcher() -> None:
+    """In a rank started by ``launch``: SIGTERM to this rank, once, when the launcher is gone
+    (a thread looks every ``WATCH_S``; ``PR_SET_PDEATHSIG`` would signal once per thread)."""
+    launcher = os.environ.get(LAUNCHER_PID)
+    if launcher is None:
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(launcher):
+            time.sleep(WATCH_S)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="slidedp-launcher-watch", daemon=True).start()

@@ -49,7 +49,7 @@ from slidedp.io.checkpoint import (
 from slidedp.io.hf_load import fill_master
 from slidedp.kernels import Kernels, default_threads
 from slidedp.models.hf import HFAdapter
-from slidedp.runtime.dist import Dist, start
+from slidedp.runtime.dist import Dist, all_reduce_sum, start
 from slidedp.runtime.engine import Engine, OptimConfig, store_args
 from slidedp.runtime.flops import device_peak_flops, model_flops_per_token
 from slidedp.runtime.routes import signal_specs
@@ -302,8 +302,51 @@ class Trainer:
 
     def _run(self) -> list[dict[str, Any]]:
         tc, out = self.cfg.train, self.cfg.output
-        if self.ctx is not None and not self.ctx.main:
-            return self._follow()
+        main = self.ctx is None or self.ctx.main
+        log = self._step_log() if main else None
+        records: list[dict[str, Any]] = []
+        try:
+            with StopSignals() as stop:
+                for t in range(self.progress.step, tc.max_steps):
+                    record = self._step(t)
+                    if log is not None:
+                        records.append(log.step(record))
+                    last = t + 1 == tc.max_steps
+                    stopping = self._stop_agreed(stop.received is not None) and not last
+                    saved = None
+                    if stopping or (out.save_steps and (t + 1) % out.save_steps == 0 and not last):
+                        saved = self._save_or_drain()
+                        if log is not None and not stopping:
+                            log.say(f"saved {saved}")
+                    if stopping:
+                        by = "a signal to another rank"
+                        by = stop.received.name if stop.received is not None else by
+                        raise TrainingInterruptedError(
+                            f"stopped by {by} after step {t + 1}: saved {saved}; "
+                            "continue with train.resume=auto",
+                            signal_name=by,
+                            step=t + 1,
+                            checkpoint=str(saved),
+                        )
+        finally:
+            if log is not None:
+                log.close()
+        if not main:  # rank 0 writes the last checkpoint: this rank's updates must be in
+            self.engine.drain()
+            return []
+        last_dir = self.out_dir / f"checkpoint-{self.progress.step}"
+        if not last_dir.exists():  # else: resumed from it, nothing left to run
+            last_dir = self.save()
+            self._say(f"saved {last_dir}")
+        if out.export:
+            self._say(
+                f"exported {export_checkpoint(last_dir, self.out_dir / 'final', replace=True)}"
+            )
+        return records
+
+    def _step_log(self) -> StepLog:
+        """Rank 0's log: the banner printed, then one line per ``output.log_steps`` steps."""
+        tc, out = self.cfg.train, self.cfg.output
         self.out_dir.mkdir(parents=True, exist_ok=True)
         facts = self._facts()
         log = StepLog(
@@ -319,47 +362,27 @@ class Trainer:
             writer=tensorboard_writer(self.out_dir) if out.tensorboard else None,
             stream=sys.stdout if self.log else None,
         )
-        records: list[dict[str, Any]] = []
-        try:
-            for line in facts.lines():
-                log.say(line)
-            log.say(f"data: {self.data.report}")
-            with StopSignals() as stop:
-                for t in range(self.progress.step, tc.max_steps):
-                    records.append(log.step(self._step(t)))
-                    saved = None
-                    if out.save_steps and (t + 1) % out.save_steps == 0 and t + 1 < tc.max_steps:
-                        saved = self.save()
-                        log.say(f"saved {saved}")
-                    if stop.received is not None and t + 1 < tc.max_steps:
-                        saved = saved or self.save()
-                        raise TrainingInterruptedError(
-                            f"stopped by {stop.received.name} after step {t + 1}: saved {saved}; "
-                            "continue with train.resume=auto",
-                            signal_name=stop.received.name,
-                            step=t + 1,
-                            checkpoint=str(saved),
-                        )
-        finally:
-            log.close()
-        last = self.out_dir / f"checkpoint-{self.progress.step}"
-        if not last.exists():  # else: resumed from it, nothing left to run
-            last = self.save()
-            self._say(f"saved {last}")
-        if out.export:
-            self._say(f"exported {export_checkpoint(last, self.out_dir / 'final', replace=True)}")
-        return records
+        for line in facts.lines():
+            log.say(line)
+        log.say(f"data: {self.data.report}")
+        return log
 
-    def _follow(self) -> list[dict[str, Any]]:
-        """A rank other than 0: the same steps, and drains where rank 0 saves (a checkpoint
-        needs every owner's updates); rank 0 alone logs and writes."""
-        tc, out = self.cfg.train, self.cfg.output
-        for t in range(self.progress.step, tc.max_steps):
-            self._step(t)
-            if out.save_steps and (t + 1) % out.save_steps == 0 and t + 1 < tc.max_steps:
-                self.engine.drain()
+    def _stop_agreed(self, requested: bool) -> bool:
+        """Whether to stop after this step. With several ranks a signal may reach them in
+        different steps (a launcher forwards it one rank at a time, a scheduler may signal only
+        some): every rank stops after the step in which any rank had received one — one tiny
+        all-reduce per step, at the step's end, where the host already waits for the norm."""
+        if self.ctx is None:
+            return requested
+        return all_reduce_sum([float(requested)], self.device)[0] > 0
+
+    def _save_or_drain(self) -> Path | None:
+        """Rank 0 checkpoints; the others only drain their updates (the checkpoint needs every
+        owner's) and go on to the next step's first collective, which waits for rank 0."""
+        if self.ctx is None or self.ctx.main:
+            return self.save()
         self.engine.drain()
-        return []
+        return None
 
     def _say(self, line: str) -> None:
         if self.log:

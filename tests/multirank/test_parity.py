@@ -17,8 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dist.ranks import run_ranks
 from engine.tiny import make_model, read_metrics, write_config, write_data
+from multirank.ranks import run_ranks
 from slidedp.cli import main
 
 LOSS_RTOL = 1e-5

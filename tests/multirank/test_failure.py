@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from dist.ranks import run_ranks
 from engine.tiny import make_model, write_config, write_data
+from multirank.ranks import run_ranks
 from slidedp.runtime.dist import EXIT_PEER_FAILED
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import socket
 from pathlib import Path
 from typing import Any
@@ -13,19 +14,26 @@ from slidedp.cli import main
 
 
 def _rank(
-    config: Path, rank: int, world: int, port: int, overrides: list[str], fail: tuple[int, int]
+    config: Path,
+    rank: int,
+    world: int,
+    port: int,
+    overrides: list[str],
+    fail: tuple[int, int],
+    term: tuple[int, int],
 ) -> None:
-    if rank == fail[0]:  # this rank raises in step fail[1] (after its collectives started)
-        from slidedp.runtime.engine import Engine
+    from slidedp.runtime.engine import Engine
 
-        step = Engine.step
+    step = Engine.step
 
-        def failing(self: Engine, t: int, *args: Any, **kwargs: Any) -> Any:
-            if t == fail[1]:
-                raise RuntimeError(f"injected failure on rank {rank}")
-            return step(self, t, *args, **kwargs)
+    def injected(self: Engine, t: int, *args: Any, **kwargs: Any) -> Any:
+        if (rank, t) == fail:  # raises after its collectives started
+            raise RuntimeError(f"injected failure on rank {rank}")
+        if (rank, t) == term:  # as a scheduler that signals one rank only
+            os.kill(os.getpid(), signal.SIGTERM)
+        return step(self, t, *args, **kwargs)
 
-        Engine.step = failing  # type: ignore[method-assign]
+    Engine.step = injected  # type: ignore[method-assign]
     os.environ |= {
         "RANK": str(rank),
         "LOCAL_RANK": str(rank),
@@ -37,16 +45,20 @@ def _rank(
 
 
 def run_ranks(
-    config: Path, world: int, overrides: list[str] | None = None, fail: tuple[int, int] = (-1, 0)
+    config: Path,
+    world: int,
+    overrides: list[str] | None = None,
+    fail: tuple[int, int] = (-1, 0),
+    term: tuple[int, int] = (-1, 0),
 ) -> list[int]:
     """Exit codes of the ``world`` ranks of ``slidedp train CONFIG OVERRIDES``; rank
-    ``fail[0]`` raises at step ``fail[1]``."""
+    ``fail[0]`` raises at step ``fail[1]``; rank ``term[0]`` gets SIGTERM at step ``term[1]``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("fork")
     procs = [
-        ctx.Process(target=_rank, args=(config, r, world, port, overrides or [], fail))
+        ctx.Process(target=_rank, args=(config, r, world, port, overrides or [], fail, term))
         for r in range(world)
     ]
     for p in procs:

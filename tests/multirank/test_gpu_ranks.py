@@ -1,6 +1,6 @@
 """2 GPUs (NCCL) against 1 GPU at the same global batch, bf16, every route combination.
 
-Run on a 2-GPU machine: ``pytest -m multi_gpu tests/dist/test_gpu_ranks.py``. Tolerance: the
+Run on a 2-GPU machine: ``pytest -m multi_gpu tests/multirank/test_gpu_ranks.py``. Tolerance: the
 engine issue's bf16 bound (max |Δloss| <= 1e-3, the FSDP2 comparison's measure): both runs
 compute in bf16 and differ by the reduction order of the gradient sum.
 """

@@ -1,0 +1,129 @@
+"""SIGTERM/SIGINT with several ranks: every rank stops after the same step, rank 0 checkpoints and
+says so once, and ``train.resume=auto`` continues bit for bit (same rank count: same sums)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine.tiny import make_model, read_metrics, write_config, write_data
+from multirank.ranks import run_ranks
+
+
+def _config(tmp_path: Path, out: Path, steps: int, **train: object) -> Path:
+    model = make_model(tmp_path, "qwen3", tied=False, layers=3)
+    data = write_data(tmp_path / "data.jsonl", 30)
+    train = {"max_steps": steps, "global_batch_size": 4, "max_grad_norm": 1.0,
+             "lr_scheduler": "constant", **train}  # fmt: skip
+    runtime = {"ranks": 2, "version_timeout_s": 300}  # a hang would outlast the test's bound
+    return write_config(tmp_path / f"{out.name}.yaml", model, data, out, train=train,
+                        runtime=runtime, output={"tensorboard": False})  # fmt: skip
+
+
+def _latest(out: Path) -> int:
+    return int((out / "latest").read_text().strip().removeprefix("checkpoint-"))
+
+
+def _assert_same_checkpoints(a: Path, b: Path) -> None:
+    files = sorted(p.relative_to(a) for p in a.rglob("*.safetensors"))
+    assert files, a
+    assert files == sorted(p.relative_to(b) for p in b.rglob("*.safetensors"))
+    for f in files:
+        ta, tb = load_file(a / f), load_file(b / f)
+        assert set(ta) == set(tb)
+        for name in ta:
+            assert torch.equal(ta[name], tb[name]), f"{f}: {name}"
+
+
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Rank 1 alone is signalled during step 2 (as a scheduler might): rank 0 never saw a
+    signal, yet both stop after step 2; then a resume matches an uninterrupted run."""
+    out = tmp_path / "run"
+    config = _config(tmp_path, out, steps=5)
+    assert run_ranks(config, 2, term=(1, 1)) == [2, 2]
+    err = capfd.readouterr().err
+    assert err.count("stopped by a signal to another rank after step 2: saved") == 1, err
+    assert _latest(out) == 2
+    assert not (out / "final").exists()
+    assert [m["step"] for m in read_metrics(out)] == [1, 2]
+
+    assert run_ranks(config, 2, ["train.resume=auto"]) == [0, 0]
+    straight = tmp_path / "straight"
+    assert run_ranks(_config(tmp_path, straight, steps=5), 2) == [0, 0]
+    losses = [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(out)]
+    assert losses == [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(straight)]
+    _assert_same_checkpoints(out / "checkpoint-5", straight / "checkpoint-5")
+
+
+def _start(config: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "slidedp", "train", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_steps(proc: subprocess.Popen[str], out: Path, steps: int) -> list[int]:
+    """The ranks' pids, once ``steps`` steps are in the metrics."""
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 90
+    while not (metrics.exists() and metrics.read_text().count("\n") >= steps):
+        assert proc.poll() is None, "the launch ended before training"
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.05)
+    ranks = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    assert len(ranks) == 2
+    return ranks
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_sigterm_to_the_launcher_checkpoints_once_and_exits_2(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = _start(_config(tmp_path, out, steps=10_000))
+    ranks = _wait_for_steps(proc, out, 1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2, err
+    assert err.count("\n") == 1, err
+    assert "stopped by SIGTERM after step" in err
+    stopped = _latest(out)
+    assert 1 <= stopped < 10_000
+    assert f"checkpoint-{stopped}" in err
+    assert len(read_metrics(out)) == stopped  # no rank went a step further
+    assert all(_gone(pid) for pid in ranks)
+
+
+def test_a_dead_launcher_makes_the_ranks_checkpoint_and_exit(tmp_path: Path) -> None:
+    """SIGKILL to the launcher (nothing can be forwarded): each rank sees its parent gone, sends
+    itself SIGTERM and stops as on any SIGTERM, with a checkpoint."""
+    out = tmp_path / "run"
+    proc = _start(_config(tmp_path, out, steps=10_000))
+    ranks = _wait_for_steps(proc, out, 1)
+    proc.kill()
+    proc.communicate(timeout=10)
+    deadline = time.monotonic() + 60
+    while not all(_gone(pid) for pid in ranks):
+        assert time.monotonic() < deadline, "the ranks outlived their launcher"
+        time.sleep(0.1)
+    stopped = _latest(out)
+    assert stopped == len(read_metrics(out))
+    assert (out / f"checkpoint-{stopped}" / "model.safetensors").is_file()
+    assert not list(out.glob(".checkpoint-*"))  # no half-written checkpoint
+    assert os.environ.get("SLIDEDP_LAUNCHER_PID") is None  # the test process is no rank
