@@ -234,8 +234,6 @@ def _scale(*argv: str, device: str = "cpu", systems: str = "ours,fsdp2") -> mult
          "--routes 'sharded/nvlink': use all, or comma-separated PARAM/GRAD routes from "
          "replicated/gpu, replicated/cpu, "
          "sharded/gpu, sharded/cpu"),
-        (["--ranks", "2", "--routes", "replicated/cpu"], "cpu",
-         "route replicated/cpu: runtime.grad_route=cpu does not support clipping yet"),
     ],
 )  # fmt: skip
 def test_bad_scale_arguments_are_one_clear_error(

@@ -7,6 +7,9 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -68,3 +71,31 @@ def run_ranks(
     codes = [p.exitcode for p in procs]
     assert all(c is not None for c in codes), f"a rank hung: {codes}"
     return [int(c) for c in codes if c is not None]
+
+
+def start_train(config: Path) -> subprocess.Popen[str]:
+    """``slidedp train CONFIG`` as a real launch (it starts the ranks); stderr kept."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "slidedp", "train", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_steps(proc: subprocess.Popen[str], out: Path, steps: int) -> list[int]:
+    """The ranks' pids, once ``steps`` steps are in the metrics."""
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 90
+    while not (metrics.exists() and metrics.read_text().count("\n") >= steps):
+        assert proc.poll() is None, "the launch ended before training"
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.05)
+    ranks = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    assert len(ranks) == 2
+    return ranks
+
+
+def latest_step(out: Path) -> int:
+    """The step of ``OUT/latest``."""
+    return int((out / "latest").read_text().strip().removeprefix("checkpoint-"))

@@ -7,19 +7,23 @@ compute in bf16 and differ by the reduction order of the gradient sum.
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 
 from engine.tiny import make_model, read_metrics, write_config, write_data
+from multirank.ranks import latest_step, start_train, wait_for_steps
 from slidedp.cli import main
 
 STEPS = 100
 # (grad route, param route, max_grad_norm, BF16 mirror): the replicated routes read the mirror
-# (nothing cast per rank), the sharded ones cast their shard on delivery.
+# (nothing cast per rank), the sharded ones cast their shard on delivery; clipping on every
+# route, and the cpu route once without (its updates overlap the backward).
 CASES = [("gpu", "replicated", 1.0, True), ("gpu", "sharded", 1.0, False),
-         ("cpu", "replicated", 0.0, True), ("cpu", "sharded", 0.0, False)]  # fmt: skip
+         ("cpu", "replicated", 1.0, True), ("cpu", "sharded", 1.0, False),
+         ("cpu", "replicated", 0.0, True)]  # fmt: skip
 
 
 @pytest.mark.multi_gpu
@@ -45,3 +49,26 @@ def test_two_gpus_track_one(
     delta = (losses[0] - losses[1]).abs().max().item()
     print(f"{grad_route}/{param_route}: max |dloss| {delta:.2e} over {STEPS} steps")
     assert delta <= 1e-3
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_sigterm_stops_both_gpus_after_one_step_with_a_checkpoint(tmp_path: Path) -> None:
+    """The stop agreement is an NCCL all-reduce here (gloo on CPU: tests/multirank/test_stop.py)."""
+    model = make_model(tmp_path, "qwen3", tied=True, layers=4)
+    data = write_data(tmp_path / "data.jsonl", 64, min_len=32, max_len=64)
+    out = tmp_path / "run"
+    train = {"max_steps": 100_000, "global_batch_size": 8, "lr_scheduler": "constant",
+             "dtype": "bfloat16"}  # fmt: skip
+    config = write_config(tmp_path / "c.yaml", model, data, out, train=train,
+                          runtime={"device": "cuda", "gpus": 2},
+                          output={"tensorboard": False})  # fmt: skip
+    proc = start_train(config)
+    wait_for_steps(proc, out, 3)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    assert err.count("\n") == 1, err
+    stopped = latest_step(out)
+    assert stopped == len(read_metrics(out)) >= 3
+    assert (out / f"checkpoint-{stopped}" / "model.safetensors").is_file()

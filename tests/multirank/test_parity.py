@@ -24,11 +24,14 @@ from slidedp.cli import main
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
 
-# (grad_route, param_route, max_grad_norm): the cpu route has no clipping yet (ConfigError).
+# (grad_route, param_route, max_grad_norm): every route with clipping (binding in some steps),
+# and each gradient route without (the updates overlap the backward).
 CASES = [
     ("gpu", "replicated", 2.4),
     ("gpu", "sharded", 2.4),
-    ("cpu", "replicated", 0.0),
+    ("cpu", "replicated", 2.4),
+    ("cpu", "sharded", 2.4),
+    ("gpu", "replicated", 0.0),
     ("cpu", "sharded", 0.0),
 ]
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine.tiny import make_model, read_metrics, write_config, write_data
-from multirank.ranks import run_ranks
+from multirank.ranks import latest_step, run_ranks, start_train, wait_for_steps
 
 
 def _config(tmp_path: Path, out: Path, steps: int, **train: object) -> Path:
@@ -26,10 +24,6 @@ def _config(tmp_path: Path, out: Path, steps: int, **train: object) -> Path:
     runtime = {"ranks": 2, "version_timeout_s": 300}  # a hang would outlast the test's bound
     return write_config(tmp_path / f"{out.name}.yaml", model, data, out, train=train,
                         runtime=runtime, output={"tensorboard": False})  # fmt: skip
-
-
-def _latest(out: Path) -> int:
-    return int((out / "latest").read_text().strip().removeprefix("checkpoint-"))
 
 
 def _assert_same_checkpoints(a: Path, b: Path) -> None:
@@ -53,7 +47,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(
     assert run_ranks(config, 2, term=(1, 1)) == [2, 2]
     err = capfd.readouterr().err
     assert err.count("stopped by a signal to another rank after step 2: saved") == 1, err
-    assert _latest(out) == 2
+    assert latest_step(out) == 2
     assert not (out / "final").exists()
     assert [m["step"] for m in read_metrics(out)] == [1, 2]
 
@@ -65,28 +59,6 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(
     _assert_same_checkpoints(out / "checkpoint-5", straight / "checkpoint-5")
 
 
-def _start(config: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "slidedp", "train", str(config)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _wait_for_steps(proc: subprocess.Popen[str], out: Path, steps: int) -> list[int]:
-    """The ranks' pids, once ``steps`` steps are in the metrics."""
-    metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 90
-    while not (metrics.exists() and metrics.read_text().count("\n") >= steps):
-        assert proc.poll() is None, "the launch ended before training"
-        assert time.monotonic() < deadline, "training did not start"
-        time.sleep(0.05)
-    ranks = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
-    assert len(ranks) == 2
-    return ranks
-
-
 def _gone(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] == "Z"
@@ -96,14 +68,14 @@ def _gone(pid: int) -> bool:
 
 def test_sigterm_to_the_launcher_checkpoints_once_and_exits_2(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = _start(_config(tmp_path, out, steps=10_000))
-    ranks = _wait_for_steps(proc, out, 1)
+    proc = start_train(_config(tmp_path, out, steps=10_000))
+    ranks = wait_for_steps(proc, out, 1)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 2, err
     assert err.count("\n") == 1, err
     assert "stopped by SIGTERM after step" in err
-    stopped = _latest(out)
+    stopped = latest_step(out)
     assert 1 <= stopped < 10_000
     assert f"checkpoint-{stopped}" in err
     assert len(read_metrics(out)) == stopped  # no rank went a step further
@@ -114,15 +86,15 @@ def test_a_dead_launcher_makes_the_ranks_checkpoint_and_exit(tmp_path: Path) -> 
     """SIGKILL to the launcher (nothing can be forwarded): each rank sees its parent gone, sends
     itself SIGTERM and stops as on any SIGTERM, with a checkpoint."""
     out = tmp_path / "run"
-    proc = _start(_config(tmp_path, out, steps=10_000))
-    ranks = _wait_for_steps(proc, out, 1)
+    proc = start_train(_config(tmp_path, out, steps=10_000))
+    ranks = wait_for_steps(proc, out, 1)
     proc.kill()
     proc.communicate(timeout=10)
     deadline = time.monotonic() + 60
     while not all(_gone(pid) for pid in ranks):
         assert time.monotonic() < deadline, "the ranks outlived their launcher"
         time.sleep(0.1)
-    stopped = _latest(out)
+    stopped = latest_step(out)
     assert stopped == len(read_metrics(out))
     assert (out / f"checkpoint-{stopped}" / "model.safetensors").is_file()
     assert not list(out.glob(".checkpoint-*"))  # no half-written checkpoint

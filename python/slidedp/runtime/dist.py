@@ -154,11 +154,6 @@ def check_config(world: int, runtime: RuntimeSection, train: TrainSection) -> No
             f"train.global_batch_size={train.global_batch_size} is not divisible by the "
             f"{world} ranks: set it to a multiple of {world}"
         )
-    if world > 1 and runtime.grad_route == "cpu" and train.max_grad_norm > 0:
-        raise ConfigError(
-            "runtime.grad_route=cpu does not support clipping yet (the global norm needs the "
-            "host-summed gradient): set train.max_grad_norm=0 or runtime.grad_route=gpu"
-        )
 
 
 def start(

@@ -31,7 +31,11 @@ the ranks' gradients sum to the global one. ``grad_route`` says where they are s
 (``slidedp.runtime.routes``: ``gpu`` reduces each group onto its owner, ``cpu`` sums the ranks'
 gradient slots on the host); the group's owner alone updates it and publishes its version, the
 others only wait for it. The global norm is the square root of the all-reduced sum of the
-owners' Σ g² (one scalar collective per step). ``param_route`` ``sharded`` loads 1/R of every
+owners' Σ g² (one scalar collective per step). On the cpu route that Σ g² is of the host sum,
+which exists only on the host: with clipping every rank parks its own gradient and sends it
+twice, during the backward for the norm (summed, nothing updated) and after it with the
+coefficient (summed again, bit for bit the same, then AdamW) — twice the D2H and host sums,
+no extra host memory. ``param_route`` ``sharded`` loads 1/R of every
 layer per rank and all-gathers it (``Window``).
 
 A non-finite loss, or (clipping) a non-finite norm, raises ``NonFiniteError`` before any update
@@ -228,7 +232,7 @@ class Engine:
         ahead = group + self.grad_slots
         while self._ready and self._ready[0][0].group <= ahead:
             ticket, adam = self._ready.pop(0)
-            self.grads.send(ticket, adam, check_finite=False)
+            self.grads.send(ticket, adam, check_finite=False, role="update")
         if self.grads.host_sum is not None:
             self.grads.flush()  # peers may be waiting for any queued chunk (routes.HostSum)
         else:
@@ -249,6 +253,10 @@ class Engine:
         tickets.append(ticket)
         if self.optim.max_grad_norm > 0:
             self._parked.append((ticket, self._adam(t, adam_step, lr, 1.0)))
+            if self.grads.host_sum is not None:  # the norm is the host sum's: sum it now
+                self.grads.flush(keep_last_group=True)
+                self.grads.send(ticket, self._adam(t, adam_step, lr, 1.0), check_finite=False,
+                                role="norm")  # fmt: skip
             return
         if self.grads.host_sum is None:
             # Submit everything queued (the previous group's copy was issued a layer's backward
@@ -344,8 +352,10 @@ class Engine:
             g_embed = a.embed_backward(ids, embed_w, g, g_head_w)
         win.release(self.embed_buf)
         self._hand_over(GradLane.ticket(a.embed_group, {EMBED: g_embed}), t, n_adam, lr, tickets)
-        if self.optim.max_grad_norm == 0:
-            self.grads.flush()  # a non-finite gradient surfaces in its own step
+        if self.optim.max_grad_norm == 0 or self.grads.host_sum is not None:
+            # no clipping: a non-finite gradient surfaces in its own step; cpu route with
+            # clipping: every owner's Σ g² is in before the norm is all-reduced
+            self.grads.flush()
         self._target = t + 1
         return self._finish(t, loss, n_labels, tickets)
 

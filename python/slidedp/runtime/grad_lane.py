@@ -14,7 +14,11 @@ chunk's source stays referenced until its copy is done.
 Several ranks: the lane uses its rank's slot range ``[slot_base, slot_base + slot_count)``. With
 the cpu gradient route (``host_sum``) every rank sends every group; at flush a chunk is
 announced (``landed``), and only the group's owner (``owns``) sums the ranks' chunks and submits
-the update; a non-owner's slot is free again once the owner summed out of it.
+the update; a non-owner's slot is free again once the owner summed out of it. A chunk's
+``role`` says what the owner does with the sum: ``both`` — count its Σ g² towards the global
+norm and update (no clipping); with clipping on the cpu route the group is sent twice, ``norm``
+during the backward (the sum only feeds the norm, nothing is updated, the device gradient is
+kept) and ``update`` once the clip coefficient is known (the same sum again, then AdamW).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -34,6 +38,9 @@ from slidedp.update import UpdateWorker
 
 if TYPE_CHECKING:
     from slidedp.runtime.routes import HostSum
+
+
+Role = Literal["both", "norm", "update"]  # what a host-summed chunk is for (module docstring)
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,7 @@ class _Chunk:
     check_finite: bool
     done: torch.cuda.Event | None
     seq: int  # chunks sent before this one by this lane (the same on every rank)
+    role: Role
     keep: list[torch.Tensor] = field(default_factory=list)
 
 
@@ -125,7 +133,9 @@ class GradLane:
                     self.host_sum.wait_consumed(k, reader[1])
         return k
 
-    def send(self, ticket: GradTicket, adam: AdamArgs, *, check_finite: bool) -> None:
+    def send(
+        self, ticket: GradTicket, adam: AdamArgs, *, check_finite: bool, role: Role = "both"
+    ) -> None:
         """Issue the D2H of ``ticket``'s gradient, chunk by chunk, and queue the updates."""
         g = self._groups[ticket.group]
         params = self._params[g["params"]["start"] : g["params"]["end"]]
@@ -136,7 +146,7 @@ class GradLane:
             k = self._acquire_slot()
             slot = self.store.grad_slot(self._slot_base + k)
             chunk = _Chunk(ticket, start, length, k, i == 0, i == len(parts) - 1, adam,
-                           check_finite, None, self._sent)  # fmt: skip
+                           check_finite, None, self._sent, role)  # fmt: skip
             self._sent += 1
             with on_stream(self.stream), self.clock.stream("d2h", self.stream):
                 for p, lo, hi in pieces(params, "state_offset", g["state_offset"], start, length):
@@ -158,15 +168,21 @@ class GradLane:
         chunk.keep.clear()
         self._queued_slots.discard(chunk.slot)
         ticket, a = chunk.ticket, chunk.adam
+        keep_grads = chunk.role == "norm"  # sent again once the clip coefficient is known
         if self.host_sum is not None:
             self.host_sum.landed(chunk.seq)
             if not self.owns(ticket.group):
                 self._slot_reader[chunk.slot] = ("sum", chunk.seq)
-                if chunk.last:
+                if chunk.last and not keep_grads:
                     ticket.grads.clear()
                 return
+            norm = chunk.role != "update"
             with self.clock.host("wait_update"):  # the owner waits for its peers' chunks
-                self.owned_sum_squares += self.host_sum.gather(chunk.seq, chunk.slot, chunk.length)
+                sum_squares = self.host_sum.gather(chunk.seq, chunk.slot, chunk.length, norm=norm)
+            self.owned_sum_squares += sum_squares
+            if chunk.role == "norm":
+                self._slot_reader[chunk.slot] = None  # summed synchronously: free again
+                return
         if chunk.first and chunk.check_finite:
             norm = torch.linalg.vector_norm(torch.stack(ticket.norms))
             if not torch.isfinite(norm):

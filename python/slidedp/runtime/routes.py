@@ -88,9 +88,10 @@ class HostSum:
         """This rank's slot ``slot`` may be rewritten: chunk ``seq`` was summed out of it."""
         self.signals.wait_version(self._consumed(self.ctx.rank, slot), seq + 1, self.timeout_s)
 
-    def gather(self, seq: int, slot: int, length: int) -> float:
+    def gather(self, seq: int, slot: int, length: int, *, norm: bool = True) -> float:
         """Owner: add every other rank's chunk ``seq`` (their slot ``slot``) into its own slot;
-        frees their slots; returns Σ g² of the summed chunk (for the global norm)."""
+        frees their slots; returns Σ g² of the summed chunk (for the global norm; 0.0 unless
+        ``norm``)."""
         mine = self.ctx.rank * self.slots + slot
         dst = self.store.grad_slot(mine)[:length]
         others = [r for r in range(self.ctx.world) if r != self.ctx.rank]
@@ -100,4 +101,4 @@ class HostSum:
         self.kernels.sum_into(dst, srcs, accumulate=True)
         for r in others:
             self.signals.publish(self._consumed(r, slot), seq + 1)
-        return self.kernels.sum_squares(dst)
+        return self.kernels.sum_squares(dst) if norm else 0.0
