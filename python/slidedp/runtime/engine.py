@@ -7,8 +7,9 @@ global barrier). Order:
 1. embed → ``x0``; for each layer ``l``: fetch (version gate, cast, H2D), prefetch ``l + 1``,
    save ``l``'s input (device, or host with ``offload_ratio`` 1), forward without grad;
 2. final norm + chunked linear/CE (``models.loss``), the head's gradient;
-3. for ``l`` from last to first: reload params (and the offloaded input), recompute the layer
-   with grad, backward, hand the layer's gradient to the gradient lane (``grad_lane``);
+3. for ``l`` from last to first: reload params (and the offloaded input, prefetched one layer
+   ahead), recompute the layer with grad, backward, hand the layer's gradient to the gradient
+   lane (``grad_lane``);
 4. embedding backward (plus the tied head's gradient when embeddings are tied).
 
 Without clipping (``max_grad_norm == 0``) each group's gradient goes to the host as soon as it
@@ -98,6 +99,13 @@ def store_args(
         "chunk_elems": rt.chunk_elems or layer_chunk_elems(adapter),
         "bf16_mirror": mirror,
     }
+
+
+def saved_input(saved: list[torch.Tensor | None], layer: int) -> torch.Tensor:
+    """Layer ``layer``'s checkpointed input (on the device, or its host copy when offloaded)."""
+    x = saved[layer]
+    assert x is not None, f"layer {layer}'s input was already released"
+    return x
 
 
 @dataclass(frozen=True)
@@ -279,6 +287,7 @@ class Engine:
         if self.ctx is not None:  # the mean is over the label tokens of the global batch
             n_labels = int(all_reduce_sum([n_labels], self.device)[0])
         self.grads.owned_sum_squares = 0.0
+        self.activations.discard_prefetched()
         ids = batch.input_ids.to(self.device, non_blocking=True)  # [B, S]
         targets = targets_host.to(self.device, non_blocking=True)
         # Packed rows: per-sample positions and no padding mask, so transformers' mask builders
@@ -312,6 +321,9 @@ class Engine:
             with self.clock.stream("compute", compute), torch.no_grad():
                 x = a.run_layer(layer, self._local(layer, buf), x, ctx)
             win.release(buf)
+        last = a.num_layers - 1
+        if self.offload:  # the backward's first input comes back during the head's loss
+            self.activations.prefetch(last, saved_input(saved, last))
         win.acquire(self.head_buf)
         head = win.views(self.head_buf, a.head_group)
         with self.clock.stream("compute", compute):
@@ -338,10 +350,13 @@ class Engine:
             buf = self._fetch(group, v)
             if layer > 0:
                 win.fetch(a.layer_group(layer - 1), v)
-            x_saved = saved[layer]
-            assert x_saved is not None
+            x_saved = saved_input(saved, layer)
             with self.clock.stream("compute", compute):
-                x_in = self.activations.reload(x_saved) if self.offload else x_saved
+                x_in = x_saved
+                if self.offload:
+                    x_in = self.activations.reload(layer, x_saved)
+                    if layer > 0:  # the next input's H2D overlaps this layer's recompute
+                        self.activations.prefetch(layer - 1, saved_input(saved, layer - 1))
                 g, local_grads = a.layer_backward(layer, self._local(layer, buf), x_in, g, ctx)
             win.release(buf)
             saved[layer] = None

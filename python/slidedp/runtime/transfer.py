@@ -2,6 +2,9 @@
 
 On CUDA the copies run on their own stream, ordered after the compute that produced the input
 by an event; the device tensor is kept alive by ``record_stream`` until its copy is done. The
+backward prefetches across layers: ``prefetch(l - 1)`` issues the next input's H2D while layer
+``l`` recomputes, and ``reload(l - 1)`` then only makes the compute stream wait for it (one
+extra ``[B, S, H]`` input on the device). The
 host side is ONE arena of exactly ``layers * B * S * H`` elements, allocated pageable and pinned
 with ``cudaHostRegister`` (torch's pinned caching allocator would round every buffer up to a
 power of two), reallocated only when the batch shape changes. On CPU the "offload" is a copy.
@@ -35,6 +38,8 @@ class ActivationOffload:
         self.device, self.layers, self.clock = device, layers, clock
         self.stream = new_stream(device) if device.type == "cuda" else None
         self._arena: torch.Tensor | None = None  # [layers, B, S, H], pinned (CUDA)
+        # prefetched inputs by layer: the device copy and the event of its H2D (None on CPU)
+        self._ahead: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
 
     def _slot(self, layer: int, like: torch.Tensor) -> torch.Tensor:
         shape = (self.layers, *like.shape)
@@ -56,21 +61,37 @@ class ActivationOffload:
             x.record_stream(self.stream)
         return host
 
-    def reload(self, host: torch.Tensor) -> torch.Tensor:
-        """Bring an offloaded input back; the compute stream waits for it."""
+    def prefetch(self, layer: int, host: torch.Tensor) -> None:
+        """Issue the copy of layer ``layer``'s offloaded input back to the device (returns at
+        once on CUDA); ``reload(layer, host)`` takes it."""
         if self.stream is None:
             with self.clock.host("offload"):
-                return host.clone()
+                self._ahead[layer] = (host.clone(), None)
+            return
         with on_stream(self.stream), self.clock.stream("offload", self.stream):
             x = torch.empty(host.shape, dtype=host.dtype, device=self.device)
             x.copy_(host, non_blocking=True)
         done = new_event()
         done.record(self.stream)
+        self._ahead[layer] = (x, done)
+
+    def reload(self, layer: int, host: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s offloaded input on the device (prefetched, else copied now); the
+        compute stream waits for its copy."""
+        if layer not in self._ahead:
+            self.prefetch(layer, host)
+        x, done = self._ahead.pop(layer)
+        if done is None:
+            return x
         compute = torch.cuda.current_stream()
         with self.clock.stream("wait_offload", compute):
             compute.wait_event(done)
         x.record_stream(compute)
         return x
+
+    def discard_prefetched(self) -> None:
+        """Forget inputs prefetched for a step that ended early (a non-finite loss)."""
+        self._ahead.clear()
 
     def pinned_bytes(self) -> int:
         return 0 if self._arena is None else self._arena.numel() * self._arena.element_size()
