@@ -3,6 +3,12 @@ versions, failures."""
 
 from __future__ import annotations
 
+import gc
+import os
+import signal
+import sys
+import time
+
 import pytest
 import torch
 
@@ -106,3 +112,29 @@ def test_failures_surface_in_drain_and_poison_the_store() -> None:
         store.wait_version(1, 1, timeout_s=5)
     with pytest.raises(errors.InvalidArgumentError, match="gradient slots"):
         UpdateWorker(HostStore.create([GroupSpec("g", [ParamSpec("w", (2,))])], 1))
+
+
+def test_a_forked_child_can_drop_its_copy_of_a_worker() -> None:
+    """A fork copies the worker but not its thread (multiprocessing 'fork', DataLoader
+    workers): dropping the copy must not wait for that thread (it hung or panicked)."""
+    worker = UpdateWorker(_store("f32"), threads=1)
+    pid = os.fork()
+    if pid == 0:  # the child: drop the copy, report by exit code (a panic or a hang: not 0)
+        code = 1
+        try:
+            unraisable: list[object] = []  # a panic in a destructor lands here
+            sys.unraisablehook = unraisable.append
+            del worker
+            gc.collect()
+            code = 3 if unraisable else 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert done[0] == pid, "the child hung dropping its copy of the worker"
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+    worker.drain(timeout_s=30)  # the parent's worker is untouched

@@ -159,8 +159,9 @@ def _rank(args: argparse.Namespace, prefix: str) -> int:
     """One rank of a multi-rank run: on failure, wake the peers (the shared store is poisoned)
     and exit at once; a rank that only reacts to another's failure prints nothing. A stop on
     SIGTERM/SIGINT is agreed by every rank (``Trainer``): they leave together, rank 0 alone
-    prints its line, and nothing is poisoned (rank 0 may still be writing the checkpoint)."""
-    from slidedp.runtime.dist import EXIT_PEER_FAILED, Dist, fail, finish
+    prints its line and exits 2, the others ``EXIT_STOPPED_WITH_PEERS``, and nothing is
+    poisoned (rank 0 may still be writing the checkpoint)."""
+    from slidedp.runtime.dist import EXIT_PEER_FAILED, EXIT_STOPPED_WITH_PEERS, Dist, fail, finish
     from slidedp.runtime.launch import watch_launcher
 
     watch_launcher()
@@ -171,7 +172,8 @@ def _rank(args: argparse.Namespace, prefix: str) -> int:
             return 0
     except TrainingInterruptedError as stopped:
         ctx = Dist.from_env()
-        code = _report(stopped, args, prefix) if ctx is None or ctx.main else EXIT_BAD_INPUT
+        main = ctx is None or ctx.main
+        code = _report(stopped, args, prefix) if main else EXIT_STOPPED_WITH_PEERS
         try:
             finish()  # waits for rank 0's checkpoint
             return code

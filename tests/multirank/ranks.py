@@ -3,6 +3,7 @@ environment (fork skips re-importing torch, so a 2-rank run costs seconds, not t
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -59,6 +60,9 @@ def run_ranks(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # Garbage of earlier in-process runs (an engine with its threads) must go in this process:
+    # a forked rank would inherit it without those threads and tear it down there.
+    gc.collect()
     ctx = mp.get_context("fork")
     procs = [
         ctx.Process(target=_rank, args=(config, r, world, port, overrides or [], fail, term))

@@ -2,29 +2,49 @@
 
 from __future__ import annotations
 
-from typing import Any
+import os
+import signal
+from collections.abc import Callable
 
 import pytest
 
 from slidedp.runtime import launch as launch_module
-from slidedp.runtime.dist import EXIT_PEER_FAILED
+from slidedp.runtime.dist import EXIT_PEER_FAILED, EXIT_STOPPED_WITH_PEERS
 
 
 class _Proc:
-    """A rank that runs for ``polls`` polls, then has exited with ``code``."""
+    """A rank that runs for ``polls`` polls, then has exited with ``code``; ``on_poll`` runs
+    at each poll (to signal the launcher mid-watch). Signals it gets are kept in ``got``."""
 
-    def __init__(self, code: int, polls: int) -> None:
-        self.code, self.polls = code, polls
+    def __init__(self, code: int, polls: int, on_poll: Callable[[], None] = lambda: None) -> None:
+        self.code, self.polls, self.on_poll = code, polls, on_poll
+        self.got: list[str] = []
 
     def poll(self) -> int | None:
+        self.on_poll()
         self.polls -= 1
         return None if self.polls >= 0 else self.code
 
+    def send_signal(self, sig: int) -> None:
+        self.got.append(signal.Signals(sig).name)
+
     def kill(self) -> None:
-        self.polls = -1
+        self.got.append("SIGKILL")
+        self.code, self.polls = -signal.SIGKILL, -1
 
     def wait(self) -> int:
         return self.code
+
+    @property
+    def returncode(self) -> int:
+        return self.code
+
+
+def _launch_fakes(monkeypatch: pytest.MonkeyPatch, procs: list[_Proc]) -> int:
+    fakes = iter(procs)
+    monkeypatch.setattr("slidedp.runtime.launch.subprocess.Popen", lambda *a, **k: next(fakes))
+    monkeypatch.setattr("slidedp.runtime.launch.time.sleep", lambda s: None)
+    return launch_module.launch(len(procs), ["train", "x.yaml"])
 
 
 def test_ranks_that_exit_between_two_polls_are_still_reported(
@@ -32,12 +52,43 @@ def test_ranks_that_exit_between_two_polls_are_still_reported(
 ) -> None:
     """Both ranks exit in the same polling interval (the failing one and its peer): the
     failure is reported, never taken for success."""
-    procs = iter([_Proc(EXIT_PEER_FAILED, 1), _Proc(1, 1)])
-
-    def popen(*args: Any, **kwargs: Any) -> _Proc:
-        return next(procs)
-
-    monkeypatch.setattr("slidedp.runtime.launch.subprocess.Popen", popen)
-    monkeypatch.setattr("slidedp.runtime.launch.time.sleep", lambda s: None)
-    assert launch_module.launch(2, ["train", "x.yaml"]) == 1
+    assert _launch_fakes(monkeypatch, [_Proc(EXIT_PEER_FAILED, 1), _Proc(1, 1)]) == 1
     assert "rank 1 exited with 1; stopped ranks [0]" in capsys.readouterr().err
+
+
+def test_an_agreed_stop_exits_2_and_the_launcher_adds_no_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rank 0 saved and exits 2, the others EXIT_STOPPED_WITH_PEERS: not a failure."""
+    procs = [_Proc(2, 3), _Proc(EXIT_STOPPED_WITH_PEERS, 1), _Proc(EXIT_STOPPED_WITH_PEERS, 2)]
+    assert _launch_fakes(monkeypatch, procs) == 2
+    assert capsys.readouterr().err == ""
+
+
+def _signal_launcher_at(*polls_and_signals: tuple[int, signal.Signals]) -> Callable[[], None]:
+    """An ``on_poll`` that sends the launcher (this process) each signal at its poll count."""
+    count = 0
+    plan = dict(polls_and_signals)
+
+    def on_poll() -> None:
+        nonlocal count
+        count += 1
+        if count in plan:
+            os.kill(os.getpid(), plan[count])
+
+    return on_poll
+
+
+def test_signals_are_forwarded_once_then_a_second_one_kills_the_ranks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hup = _Proc(2, 4, _signal_launcher_at((2, signal.SIGHUP)))
+    peer = _Proc(EXIT_STOPPED_WITH_PEERS, 5)
+    assert _launch_fakes(monkeypatch, [hup, peer]) == 2
+    assert hup.got == peer.got == ["SIGTERM"]  # SIGHUP goes on as SIGTERM
+    assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL  # the handlers are given back
+
+    stuck = [_Proc(0, 10**6, _signal_launcher_at((2, signal.SIGINT), (4, signal.SIGINT))),
+             _Proc(0, 10**6)]  # fmt: skip
+    assert _launch_fakes(monkeypatch, stuck) == 1
+    assert stuck[0].got == stuck[1].got == ["SIGINT", "SIGKILL"]

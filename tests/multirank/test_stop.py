@@ -4,6 +4,7 @@ says so once, and ``train.resume=auto`` continues bit for bit (same rank count: 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -14,6 +15,8 @@ from safetensors.torch import load_file
 
 from engine.tiny import make_model, read_metrics, write_config, write_data
 from multirank.ranks import latest_step, run_ranks, start_train, wait_for_steps
+from slidedp.runtime.dist import EXIT_STOPPED_WITH_PEERS
+from slidedp.runtime.stop_signals import StopSignals
 
 
 def _config(tmp_path: Path, out: Path, steps: int, **train: object) -> Path:
@@ -44,7 +47,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(
     signal, yet both stop after step 2; then a resume matches an uninterrupted run."""
     out = tmp_path / "run"
     config = _config(tmp_path, out, steps=5)
-    assert run_ranks(config, 2, term=(1, 1)) == [2, 2]
+    assert run_ranks(config, 2, term=(1, 1)) == [2, EXIT_STOPPED_WITH_PEERS]
     err = capfd.readouterr().err
     assert err.count("stopped by a signal to another rank after step 2: saved") == 1, err
     assert latest_step(out) == 2
@@ -89,7 +92,7 @@ def test_a_dead_launcher_makes_the_ranks_checkpoint_and_exit(tmp_path: Path) -> 
     proc = start_train(_config(tmp_path, out, steps=10_000))
     ranks = wait_for_steps(proc, out, 1)
     proc.kill()
-    proc.communicate(timeout=10)
+    proc.wait(timeout=10)  # the ranks hold its stderr pipe until they are done
     deadline = time.monotonic() + 60
     while not all(_gone(pid) for pid in ranks):
         assert time.monotonic() < deadline, "the ranks outlived their launcher"
@@ -98,4 +101,20 @@ def test_a_dead_launcher_makes_the_ranks_checkpoint_and_exit(tmp_path: Path) -> 
     assert stopped == len(read_metrics(out))
     assert (out / f"checkpoint-{stopped}" / "model.safetensors").is_file()
     assert not list(out.glob(".checkpoint-*"))  # no half-written checkpoint
-    assert os.environ.get("SLIDEDP_LAUNCHER_PID") is None  # the test process is no rank
+    assert proc.stderr is not None
+    with proc.stderr:  # each rank notices on its own: rank 0 may be second
+        err = proc.stderr.read()
+    assert re.search(r"stopped by (SIGTERM|a signal to another rank) after step \d+: saved", err)
+
+
+def test_a_repeated_sigterm_is_absorbed_and_a_second_sigint_interrupts() -> None:
+    """A scheduler's SIGTERM reaches a rank directly and again through its launcher: the
+    second must not kill the rank mid-save. A second Ctrl-C still interrupts at once."""
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)  # the default action would end the test process
+        assert stop.received == signal.SIGTERM
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL

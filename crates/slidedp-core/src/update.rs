@@ -83,6 +83,8 @@ pub struct UpdateWorker {
     sender: Mutex<Option<mpsc::Sender<UpdateRequest>>>,
     thread: Option<JoinHandle<()>>,
     shared: Arc<Shared>,
+    /// The process that started the thread: a fork's copy of the worker has no thread.
+    owner_pid: u32,
 }
 
 impl UpdateWorker {
@@ -105,6 +107,7 @@ impl UpdateWorker {
             sender: Mutex::new(Some(sender)),
             thread: Some(thread),
             shared,
+            owner_pid: std::process::id(),
         })
     }
 
@@ -200,7 +203,10 @@ impl Drop for UpdateWorker {
         // Closing the channel ends the thread once the queue is empty.
         self.sender.lock().expect("poisoned").take();
         if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
+            // In a forked child the thread does not exist: joining it would wait forever.
+            if std::process::id() == self.owner_pid {
+                let _ = thread.join();
+            }
         }
     }
 }

@@ -48,6 +48,7 @@ def launch_ranks(spec: RunSpec, spec_path: Path, result_path: Path) -> int:
         [str(spec_path), str(result_path)],
         module="slidedp.bench.worker",
         name=f"slidedp bench train: {spec.system} on {spec.world} ranks",
+        own_session=False,  # the bench kills the process group of its child as one
     )
     results = {
         rank: json.loads(path.read_text())

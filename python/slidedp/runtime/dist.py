@@ -40,6 +40,7 @@ from slidedp.errors import ConfigError, PeerFailedError, StorePoisonedError, Ver
 from slidedp.store import HostStore
 
 EXIT_PEER_FAILED = 3  # this rank stopped because another one failed (it prints nothing)
+EXIT_STOPPED_WITH_PEERS = 4  # an agreed stop on a signal; rank 0 saved, printed and exits 2
 _SHARED: list[HostStore] = []  # the stores this rank shares with its peers (poisoned on failure)
 
 

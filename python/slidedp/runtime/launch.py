@@ -6,11 +6,15 @@ pass through (only rank 0 logs). When a rank fails, the others are woken by the 
 or a failed collective and exit; any rank still running ``GRACE_S`` later is killed. The exit
 code is the first failing rank's (a rank killed by a signal: 1), with one line naming it.
 
-SIGTERM, SIGINT and SIGHUP to the launcher are forwarded to every rank (a second Ctrl-C: a
-second signal, which interrupts at once); the ranks agree on the step after which they stop, and
-rank 0 saves and prints the one line. The ranks run in their own session, so a terminal's
-Ctrl-C reaches them only through the launcher, once; should the launcher die (SIGKILL), each
-rank sends itself SIGTERM (``watch_launcher``) and checkpoints as on any SIGTERM.
+SIGTERM and SIGINT to the launcher are forwarded to every rank, SIGHUP as SIGTERM; the ranks
+agree on the step after which they stop, rank 0 saves, prints the one line and exits 2, the
+others exit ``EXIT_STOPPED_WITH_PEERS``, and the launcher exits 2. A second signal to the
+launcher kills the ranks at once (a rank blocked in a version wait or a collective would not
+see a second forwarded one). With ``own_session`` (``slidedp train``) the ranks run in their own
+session, so a terminal's Ctrl-C reaches them only through the launcher, once; should the
+launcher die (SIGKILL), each rank sends itself SIGTERM (``watch_launcher``) and checkpoints as
+on any SIGTERM. The bench launches without it: its ranks stay in the process group that the
+bench kills as one.
 
 Example::
 
@@ -29,10 +33,15 @@ import threading
 import time
 from collections.abc import Iterator
 
-from slidedp.runtime.dist import EXIT_PEER_FAILED
+from slidedp.runtime.dist import EXIT_PEER_FAILED, EXIT_STOPPED_WITH_PEERS
 
 GRACE_S = 10.0  # survivors of a failure get this long to exit on their own
-FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+FORWARDED = {
+    signal.SIGTERM: signal.SIGTERM,
+    signal.SIGINT: signal.SIGINT,
+    signal.SIGHUP: signal.SIGTERM,
+}  # signal to the launcher -> signal to the ranks
+EXIT_SAVED_AND_STOPPED = 2  # rank 0's code after an agreed stop (as one process's)
 LAUNCHER_PID = "SLIDEDP_LAUNCHER_PID"  # set for the ranks this launcher starts
 WATCH_S = 0.5  # how often a rank looks whether its launcher is still there
 
@@ -50,7 +59,12 @@ def _describe(code: int) -> str:
 
 
 def launch(
-    world: int, argv: list[str], *, module: str = "slidedp", name: str = "slidedp train"
+    world: int,
+    argv: list[str],
+    *,
+    module: str = "slidedp",
+    name: str = "slidedp train",
+    own_session: bool = True,
 ) -> int:
     """Run ``python -m MODULE ARGV`` as ``world`` ranks (``name`` heads the failure line);
     0 when every rank succeeded."""
@@ -65,23 +79,25 @@ def launch(
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
         }
-        env[LAUNCHER_PID] = str(os.getpid())
+        if own_session:
+            env[LAUNCHER_PID] = str(os.getpid())
         command = [sys.executable, "-m", module, *argv]
-        procs.append(subprocess.Popen(command, env=env, start_new_session=True))
-    forwarded: list[signal.Signals] = []  # signals passed on to the ranks
+        procs.append(subprocess.Popen(command, env=env, start_new_session=own_session))
     try:
-        with _forwarding(procs, forwarded):
+        with _forwarding(procs):
             first = _watch(procs)  # (rank, exit code) of the first failure
     finally:
         for p in procs:  # Ctrl-C, or an error here: no rank outlives the launcher
             if p.poll() is None:
                 p.kill()
             p.wait()
+    codes = [p.returncode for p in procs]
+    stopped = [EXIT_SAVED_AND_STOPPED] + [EXIT_STOPPED_WITH_PEERS] * (world - 1)
+    if codes == stopped:  # an agreed stop: rank 0 said what it saved
+        return EXIT_SAVED_AND_STOPPED
     if first is None:
         return 0
     rank, code = first
-    if forwarded and code > 0:  # an agreed stop: rank 0 said what it saved
-        return procs[0].returncode or code
     others = [r for r in range(world) if r != rank]
     print(
         f"{name}: rank {rank} {_describe(code)}; stopped ranks {others}",
@@ -99,7 +115,9 @@ def _watch(procs: list[subprocess.Popen[bytes]]) -> tuple[int, int] | None:
     while True:
         codes = [p.poll() for p in procs]  # one snapshot: a rank that exits between the
         for rank, code in enumerate(codes):  # loop test and a poll is never missed
-            if code not in (None, 0) and (first is None or first[1] == EXIT_PEER_FAILED):
+            if code in (None, 0, EXIT_STOPPED_WITH_PEERS):  # running, done, or left with rank 0
+                continue
+            if first is None or first[1] == EXIT_PEER_FAILED:
                 if first is None or code != EXIT_PEER_FAILED:
                     first = (rank, code)
                 deadline = deadline or time.monotonic() + GRACE_S
@@ -114,16 +132,19 @@ def _watch(procs: list[subprocess.Popen[bytes]]) -> tuple[int, int] | None:
 
 
 @contextlib.contextmanager
-def _forwarding(
-    procs: list[subprocess.Popen[bytes]], forwarded: list[signal.Signals]
-) -> Iterator[None]:
-    """While inside, a stop signal to the launcher goes to every rank still running."""
+def _forwarding(procs: list[subprocess.Popen[bytes]]) -> Iterator[None]:
+    """While inside, the first stop signal to the launcher goes to every rank still running
+    (``FORWARDED``); a second one kills them."""
+    received: list[int] = []
 
     def forward(signum: int, frame: object) -> None:
-        forwarded.append(signal.Signals(signum))
+        received.append(signum)
         for p in procs:
             if p.poll() is None:
-                p.send_signal(signum)
+                if len(received) == 1:
+                    p.send_signal(FORWARDED[signal.Signals(signum)])
+                else:
+                    p.kill()
 
     if threading.current_thread() is not threading.main_thread():  # Python's rule for handlers
         yield

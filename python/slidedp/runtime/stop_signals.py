@@ -1,8 +1,11 @@
 """SIGTERM and SIGINT become a request to stop after the current step (then checkpoint, exit).
 
-The first signal only sets ``received`` and puts the previous handlers back, so a second
-Ctrl-C interrupts at once. Handlers are installed from the main thread only (Python delivers
-signals there); elsewhere the context is inert.
+The first signal only sets ``received`` and puts SIGINT's previous handler back, so a second
+Ctrl-C interrupts at once. Further SIGTERMs are absorbed until the context ends: a scheduler
+that signals every process of a job also reaches a rank through its launcher, and that second
+copy must not kill the rank mid-save (schedulers follow up with SIGKILL when they mean it).
+Handlers are installed from the main thread only (Python delivers signals there); elsewhere
+the context is inert.
 
 Example::
 
@@ -36,13 +39,15 @@ class StopSignals:
         return self
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.received = signal.Signals(signum)
-        self._restore()
+        if self.received is None:
+            self.received = signal.Signals(signum)
+        self._restore(signal.SIGINT)
 
-    def _restore(self) -> None:
-        for sig, handler in self._previous.items():
+    def _restore(self, *only: signal.Signals) -> None:
+        """Put the previous handlers back (of ``only`` these signals, if given)."""
+        for sig in [s for s in self._previous if not only or s in only]:
+            handler = self._previous.pop(sig)
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: set in C
-        self._previous.clear()
 
     def __exit__(
         self,
