@@ -259,12 +259,12 @@ class Engine:
         if ticket is None:
             return  # another rank owns this group
         tickets.append(ticket)
+        adam = self._adam(t, adam_step, lr, 1.0)
         if self.optim.max_grad_norm > 0:
-            self._parked.append((ticket, self._adam(t, adam_step, lr, 1.0)))
+            self._parked.append((ticket, adam))
             if self.grads.host_sum is not None:  # the norm is the host sum's: sum it now
                 self.grads.flush(keep_last_group=True)
-                self.grads.send(ticket, self._adam(t, adam_step, lr, 1.0), check_finite=False,
-                                role="norm")  # fmt: skip
+                self.grads.send(ticket, adam, check_finite=False, role="norm")
             return
         if self.grads.host_sum is None:
             # Submit everything queued (the previous group's copy was issued a layer's backward
@@ -273,7 +273,7 @@ class Engine:
             self.grads.flush()
         else:  # summing the newest group on the host would wait for slower peers
             self.grads.flush(keep_last_group=True)
-        self.grads.send(ticket, self._adam(t, adam_step, lr, 1.0), check_finite=True)
+        self.grads.send(ticket, adam, check_finite=True)
 
     def step(self, t: int, batch: Batch, lr: float, adam_step: int | None = None) -> StepResult:
         """One optimizer step on ``batch`` with learning rate ``lr``; updates are queued.

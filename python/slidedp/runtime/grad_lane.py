@@ -168,17 +168,16 @@ class GradLane:
         chunk.keep.clear()
         self._queued_slots.discard(chunk.slot)
         ticket, a = chunk.ticket, chunk.adam
-        keep_grads = chunk.role == "norm"  # sent again once the clip coefficient is known
         if self.host_sum is not None:
             self.host_sum.landed(chunk.seq)
             if not self.owns(ticket.group):
                 self._slot_reader[chunk.slot] = ("sum", chunk.seq)
-                if chunk.last and not keep_grads:
+                if chunk.last and chunk.role != "norm":  # a "norm" chunk is sent again
                     ticket.grads.clear()
                 return
-            norm = chunk.role != "update"
+            counts = chunk.role != "update"  # towards the global norm
             with self.clock.host("wait_update"):  # the owner waits for its peers' chunks
-                sum_squares = self.host_sum.gather(chunk.seq, chunk.slot, chunk.length, norm=norm)
+                sum_squares = self.host_sum.gather(chunk.seq, chunk.slot, chunk.length, norm=counts)
             self.owned_sum_squares += sum_squares
             if chunk.role == "norm":
                 self._slot_reader[chunk.slot] = None  # summed synchronously: free again

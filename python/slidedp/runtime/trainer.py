@@ -313,14 +313,12 @@ class Trainer:
                         records.append(log.step(record))
                     last = t + 1 == tc.max_steps
                     stopping = self._stop_agreed(stop.received is not None) and not last
-                    saved = None
-                    if stopping or (out.save_steps and (t + 1) % out.save_steps == 0 and not last):
-                        saved = self._save_or_drain()
-                        if log is not None and not stopping:
-                            log.say(f"saved {saved}")
+                    due = bool(out.save_steps) and (t + 1) % out.save_steps == 0 and not last
+                    saved = self._save_or_drain() if stopping or due else None
+                    if log is not None and due and not stopping:
+                        log.say(f"saved {saved}")
                     if stopping:
-                        by = "a signal to another rank"
-                        by = stop.received.name if stop.received is not None else by
+                        by = stop.received.name if stop.received else "a signal to another rank"
                         raise TrainingInterruptedError(
                             f"stopped by {by} after step {t + 1}: saved {saved}; "
                             "continue with train.resume=auto",
