@@ -31,6 +31,7 @@ import yaml
 from slidedp.data.config import DataSection
 from slidedp.errors import ConfigError, collect_problems
 from slidedp.errors import require as _require
+from slidedp.plan.layout import parse_entry
 from slidedp.schema import TextValue, build_section, did_you_mean, load_yaml
 
 
@@ -86,7 +87,10 @@ class TrainSection:
 @dataclass(kw_only=True)
 class RuntimeSection:
     slots: int = 2  # decoder-layer slots in the device window (>= 2 for prefetch)
-    offload_ratio: float = 0.0  # 0: checkpointed inputs stay on device, 1: offloaded to host
+    # per-layer activation layout (plan.layout): [COUNTx]FAMILY[-rRATIO], ... e.g. "31xF, 5xN"
+    layers: str = "F"
+    offload_ratio: float = 0.0  # ratio of the entries of `layers` that give none (0..1)
+    policy: str = ""  # a policy file (plan.policy): its keys replace these runtime keys
     loss_chunk_tokens: int = 1024  # tokens per chunk of the linear + cross-entropy
     device: Literal["auto", "cpu", "cuda"] = "auto"
     update_threads: int = 0  # host AdamW threads; 0: all available
@@ -119,9 +123,14 @@ class RuntimeSection:
         _require(self.grad_slots >= 1, "runtime.grad_slots must be >= 1")
         _require(self.trace_step >= 0, "runtime.trace_step must be >= 0")
         _require(
-            self.offload_ratio in (0.0, 1.0),
-            f"runtime.offload_ratio must be 0 or 1 for now, got {self.offload_ratio}",
+            0.0 <= self.offload_ratio <= 1.0,
+            f"runtime.offload_ratio must be in [0, 1], got {self.offload_ratio}",
         )
+        for entry in self.layers.split(","):  # the layer count is checked against the model
+            try:
+                parse_entry(entry, 0.0) if entry.strip() else None
+            except ConfigError as e:
+                _require(False, f"runtime.layers: {e}")
         _require(self.loss_chunk_tokens >= 1, "runtime.loss_chunk_tokens must be >= 1")
         _require(self.update_threads >= 0, "runtime.update_threads must be >= 0")
         _require(self.version_timeout_s > 0, "runtime.version_timeout_s must be > 0 seconds")

@@ -86,6 +86,8 @@ from slidedp.config import TrainConfig
 from slidedp.envinfo import meminfo_bytes
 from slidedp.errors import OutOfDeviceMemoryError, OutOfSharedMemoryError
 from slidedp.models.hf import HFAdapter
+from slidedp.plan.device import pick_device, pick_dtype
+from slidedp.plan.policy import Policy, resolve_policy, store_args
 from slidedp.runtime.flops import attention_dim, model_flops_per_token
 from slidedp.store import HostStore
 
@@ -132,8 +134,6 @@ class Machine:
     def probe(cls, cfg: TrainConfig, shm_dir: Path = SHM_DIR, measure: bool = True) -> Machine:
         """This machine, for the device and dtype ``cfg`` resolves to (as the trainer does);
         ``measure=False`` skips the CPU matmul timing (no step time: the memory checks only)."""
-        from slidedp.runtime.trainer import pick_device, pick_dtype
-
         device = pick_device(cfg.runtime.device)
         dtype = pick_dtype(cfg.train.dtype, device)
         stat = os.statvfs(shm_dir)
@@ -253,13 +253,14 @@ def resolve_mirror(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> bo
 def plan_store(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> dict[str, Any]:
     """The layout of the store ``Trainer`` would create on ``machine`` (same arguments), not
     allocated."""
-    from slidedp.runtime.engine import store_args
-
     bf16, world = machine.dtype == "bfloat16", cfg.runtime.world
-    mirror = resolve_mirror(cfg, adapter, machine)
-    return HostStore.plan(
-        adapter.group_specs(), **store_args(cfg.runtime, adapter, bf16, world, mirror)
-    )
+    policy = plan_policy(cfg, adapter, machine)
+    return HostStore.plan(adapter.group_specs(), **store_args(policy, bf16=bf16, world=world))
+
+
+def plan_policy(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> Policy:
+    """The policy ``Trainer`` would resolve on ``machine``."""
+    return resolve_policy(cfg.runtime, adapter, mirror=resolve_mirror(cfg, adapter, machine))
 
 
 def layer_activation_bytes(adapter: HFAdapter, tokens: int, elem: int) -> int:

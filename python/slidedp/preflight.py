@@ -37,7 +37,7 @@ _GIB = 2**30
 
 
 def check_device(cfg: TrainConfig) -> str:
-    from slidedp.runtime.trainer import pick_device, pick_dtype
+    from slidedp.plan.device import pick_device, pick_dtype
 
     device = pick_device(cfg.runtime.device)
     return f"device   {device} ({str(pick_dtype(cfg.train.dtype, device)).removeprefix('torch.')})"

@@ -53,7 +53,8 @@ def test_every_problem_of_file_and_overrides_is_reported_at_once(tmp_path: Path)
     )
     raw["trian"] = {}
     del raw["output"]
-    overrides = ["runtime.offload_ratio=0.5", "outptu.dir=x", "data.seq_len=two"]
+    overrides = ["runtime.offload_ratio=1.5", "outptu.dir=x", "data.seq_len=two",
+                 "runtime.layers=3xF, 2xQ"]  # fmt: skip
     with pytest.raises(ConfigError) as info:
         load_config(_yaml(tmp_path, raw), overrides)
     assert sorted(info.value.problems) == sorted(
@@ -67,7 +68,9 @@ def test_every_problem_of_file_and_overrides_is_reported_at_once(tmp_path: Path)
             "train.lr_scheduler must be one of 'constant', 'linear', 'cosine', got 'cosin' "
             "(did you mean 'cosine'?)",
             "runtime.slots must be >= 1, got 0",
-            "runtime.offload_ratio must be 0 or 1 for now, got 0.5",
+            "runtime.offload_ratio must be in [0, 1], got 1.5",
+            "runtime.layers: cannot read layout entry '2xQ': expected [COUNTx]FAMILY[-rRATIO], "
+            "FAMILY one of F, N, S<7 bits>, SAC.<preset> (e.g. '31xF-r0', 'S1010100-r0.5')",
         ]
     )
 

@@ -27,7 +27,7 @@ from slidedp.estimate import (
     resolve_mirror,
 )
 from slidedp.models.hf import HFAdapter
-from slidedp.runtime.engine import layer_chunk_elems
+from slidedp.plan.policy import layer_chunk_elems
 from slidedp.runtime.flops import model_flops_per_token
 from slidedp.store import HostStore
 

@@ -1,9 +1,10 @@
 """The compute-only reference: our step's computation with every weight resident on the device.
 
 Same transformers decoder-layer modules as the engine (``HFAdapter``, parameters bound with
-``bind_params``), same dtype (bf16 on CUDA, f32 on CPU), same full-layer checkpointing (forward
-without grad saving each layer's input, then per layer from the last: recompute with grad and
-backward), same embedding and chunked linear + cross-entropy (``chunked_lm_loss``). What it
+``bind_params``), same dtype (bf16 on CUDA, f32 on CPU), the same per-layer activation layout
+run by the same executors (``runtime.activations``: full-layer checkpointing by default; the
+offload ratios are left out, nothing moves), same embedding and chunked linear + cross-entropy
+(``chunked_lm_loss``). What it
 leaves out is everything that moves data or updates weights: no window, no host store, no
 transfers, no optimizer — the parameter gradients are computed and dropped. Every layer of the
 model runs (no one-layer-times-L extrapolation), so its step time is the model's compute time.
@@ -23,7 +24,10 @@ import torch.nn.functional as F
 from slidedp.bench.measure import RunSpec, synthetic_tokens, timed_steps
 from slidedp.models.hf import EMBED, LM_HEAD, NORM, HFAdapter
 from slidedp.models.loss import IGNORE_INDEX, shift_labels
-from slidedp.runtime.trainer import pick_dtype
+from slidedp.plan.device import pick_dtype
+from slidedp.plan.layout import LayerPolicy, parse_layout
+from slidedp.plan.policy import read_policy_file
+from slidedp.runtime.activations import LayerRun, LayerState, executor_for
 
 
 def init_weights(
@@ -43,11 +47,19 @@ class ReferenceModel:
     """All groups of ``adapter`` resident on ``device``; ``step`` is fwd + bwd of one batch."""
 
     def __init__(
-        self, adapter: HFAdapter, device: torch.device, dtype: torch.dtype, chunk_tokens: int
+        self,
+        adapter: HFAdapter,
+        device: torch.device,
+        dtype: torch.dtype,
+        chunk_tokens: int,
+        layers: tuple[LayerPolicy, ...] | None = None,
     ) -> None:
+        """``layers``: the activation layout (default: every layer ``F``)."""
         self.adapter, self.device, self.chunk_tokens = adapter, device, chunk_tokens
         self.weights = init_weights(adapter, device, dtype, seed=0)
         self.rotary = adapter.make_rotary(device)
+        layout = layers or (LayerPolicy("F"),) * adapter.num_layers
+        self.executors = [executor_for(p) for p in layout]
 
     def _layer_params(self, layer: int) -> dict[str, torch.Tensor]:
         group = self.adapter.groups[self.adapter.layer_group(layer)]
@@ -69,19 +81,18 @@ class ReferenceModel:
                 "position_embeddings": self.rotary(x, position_ids),
                 "masks": a.layer_masks(x, torch.ones_like(ids), position_ids),
             }
-            saved: list[torch.Tensor | None] = []
-            for layer in range(a.num_layers):  # forward, inputs saved (full-layer checkpointing)
-                saved.append(x)
-                x = self.adapter.run_layer(layer, self._layer_params(layer), x, ctx)
+        states: list[LayerState] = []
+        for layer in range(a.num_layers):  # forward: each layer saves what its family keeps
+            run = LayerRun(a, layer, self._layer_params(layer), ctx)
+            x, state = self.executors[layer].forward(run, x)
+            states.append(state)
         head_w = embed_w if a.tied else w[LM_HEAD]
         loss_sum, g, _, g_head_w = a.head_loss(
             x, w[NORM], head_w, targets, n_labels, self.chunk_tokens
         )
-        for layer in reversed(range(a.num_layers)):  # backward: recompute with grad, grad
-            x_saved = saved[layer]
-            assert x_saved is not None
-            g, _ = a.layer_backward(layer, self._layer_params(layer), x_saved, g, ctx)
-            saved[layer] = None
+        for layer in reversed(range(a.num_layers)):  # backward: as the family replays
+            run = LayerRun(a, layer, self._layer_params(layer), ctx)
+            g, _ = self.executors[layer].backward(run, states.pop(), g)
         g_embed = a.embed_backward(ids, embed_w, g, g_head_w)
         return float(loss_sum) / max(n_labels, 1), g_embed
 
@@ -92,7 +103,12 @@ def run_reference(spec: RunSpec) -> dict[str, Any]:
     device = torch.device(spec.device)
     adapter = HFAdapter.from_dir(spec.config_dir)
     dtype = pick_dtype(spec.ours["train"]["dtype"], device)
-    model = ReferenceModel(adapter, device, dtype, spec.ours["runtime"]["loss_chunk_tokens"])
+    rt = spec.ours["runtime"]
+    layout = (
+        read_policy_file(rt["policy"]).get("layers", rt["layers"]) if rt["policy"] else rt["layers"]
+    )
+    layers = parse_layout(layout, adapter.num_layers, default_ratio=0.0)
+    model = ReferenceModel(adapter, device, dtype, rt["loss_chunk_tokens"], layers)
     tokens = synthetic_tokens(
         adapter.vocab_size, spec.batch, spec.seq_len, spec.warmup + spec.steps, spec.seed
     )

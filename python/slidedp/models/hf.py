@@ -141,23 +141,6 @@ class HFAdapter:
         result: torch.Tensor = out[0] if isinstance(out, tuple) else out
         return result
 
-    def layer_backward(
-        self,
-        layer: int,
-        params: dict[str, torch.Tensor],
-        x: torch.Tensor,
-        g_out: torch.Tensor,
-        ctx: dict[str, Any],
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Full-layer checkpointing's backward: recompute layer ``layer`` from its saved input
-        ``x`` with grad, then ``(d loss/d x, {local name: d loss/d param})`` given ``g_out``."""
-        x_in = x.detach().requires_grad_(True)
-        leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
-        with torch.enable_grad():
-            out = self.run_layer(layer, leaves, x_in, ctx)
-        grads = torch.autograd.grad(out, (x_in, *leaves.values()), g_out)
-        return grads[0], dict(zip(leaves, grads[1:], strict=True))
-
     def head_loss(
         self,
         x: torch.Tensor,  # [B, S, H] output of the last layer

@@ -5,11 +5,12 @@ Step ``t`` (0-based) computes with parameter version ``t`` of every group and pu
 global barrier). Order:
 
 1. embed → ``x0``; for each layer ``l``: fetch (version gate, cast, H2D), prefetch ``l + 1``,
-   save ``l``'s input (device, or host with ``offload_ratio`` 1), forward without grad;
+   run the forward of ``l``'s activation executor (``plan.policy.layers[l]``: F, S, SAC or N,
+   ``runtime.activations``), then offload its ratio of the saved tensors (``offload``);
 2. final norm + chunked linear/CE (``models.loss``), the head's gradient;
-3. for ``l`` from last to first: reload params (and the offloaded input, prefetched one layer
-   ahead), recompute the layer with grad, backward, hand the layer's gradient to the gradient
-   lane (``grad_lane``);
+3. for ``l`` from last to first: reload params (and the offloaded tensors, prefetched one layer
+   ahead), the executor's backward (replay as the family says, differentiate), hand the
+   layer's gradient to the gradient lane (``grad_lane``);
 4. embedding backward (plus the tied head's gradient when embeddings are tied).
 
 Without clipping (``max_grad_norm == 0``) each group's gradient goes to the host as soon as it
@@ -49,7 +50,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -59,61 +59,25 @@ from slidedp.errors import NonFiniteError
 from slidedp.kernels import Kernels
 from slidedp.models.hf import EMBED, LM_HEAD, NORM, HFAdapter
 from slidedp.models.loss import IGNORE_INDEX, shift_labels
+from slidedp.plan.policy import Plan
+from slidedp.runtime.activations import LayerRun, LayerState, executor_for
+from slidedp.runtime.activations.offload import ActivationOffload, offload_count
 from slidedp.runtime.dist import Dist, all_reduce_sum
 from slidedp.runtime.grad_lane import AdamArgs, GradLane, GradTicket
 from slidedp.runtime.lanes import LaneClock, new_stream
 from slidedp.runtime.routes import GpuReduce, HostSum
 from slidedp.runtime.trace import StepTrace
-from slidedp.runtime.transfer import ActivationOffload, pin, unpin
+from slidedp.runtime.transfer import pin, unpin
 from slidedp.runtime.window import DeviceBuffer, Window
 from slidedp.store import HostStore
 from slidedp.update import UpdateWorker
 
-if TYPE_CHECKING:
-    from slidedp.config import RuntimeSection
 
-
-def layer_chunk_elems(adapter: HFAdapter) -> int:
-    """Slot size that holds the largest decoder layer whole in both store layouts (BF16 params
-    padded to 32 elements, F32 state to 16): a layer moves as one chunk, the embedding and the
-    LM head as several, so host slots scale with a layer, not with the vocabulary."""
-    specs = adapter.group_specs()
-    layers = [specs[adapter.layer_group(i)] for i in range(adapter.num_layers)]
-    return max(sum(-(-math.prod(p.shape) // 32) * 32 for p in g.params) for g in layers)
-
-
-def store_args(
-    rt: RuntimeSection, adapter: HFAdapter, bf16: bool, world: int, mirror: bool
-) -> dict[str, Any]:
-    """``HostStore.create``'s arguments for this run (``Trainer`` creates it, ``estimate`` plans
-    it): the slot rings of every rank, one decoder layer per chunk unless set, the BF16 mirror
-    (``mirror``, as ``estimate.resolve_mirror`` decided; it replaces the staging ring) when
-    computing in BF16. The gradient slots are f32 where the host sums the ranks' gradients
-    (``Kernels.sum_into``)."""
-    mirror = bf16 and mirror
-    f32_grads = not bf16 or (world > 1 and rt.grad_route == "cpu")
-    return {
-        "staging_slots": 0 if mirror else rt.staging_slots * world,
-        "grad_dtype": "f32" if f32_grads else "bf16",
-        "grad_slots": rt.grad_slots * world,
-        "chunk_elems": rt.chunk_elems or layer_chunk_elems(adapter),
-        "bf16_mirror": mirror,
-    }
-
-
-def saved_input(saved: list[torch.Tensor | None], layer: int) -> torch.Tensor:
-    """Layer ``layer``'s checkpointed input (on the device, or its host copy when offloaded)."""
-    x = saved[layer]
-    assert x is not None, f"layer {layer}'s input was already released"
-    return x
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    betas: tuple[float, float]
-    eps: float
-    weight_decay: float
-    max_grad_norm: float  # 0: no clipping
+def layer_state(states: list[LayerState | None], layer: int) -> LayerState:
+    """Layer ``layer``'s saved activations (between its forward and its backward)."""
+    state = states[layer]
+    assert state is not None, f"layer {layer}'s activations were already released"
+    return state
 
 
 @dataclass(frozen=True)
@@ -125,32 +89,32 @@ class StepResult:
 
 
 class Engine:
-    """Runs steps on ``device`` in ``dtype`` over the parameters of ``store``."""
+    """Runs steps of ``plan`` (device, dtype, ``Policy``, optimizer) over the parameters of
+    ``store``."""
 
     def __init__(
         self,
         adapter: HFAdapter,
         store: HostStore,
+        plan: Plan,
         *,
-        device: torch.device,
-        dtype: torch.dtype,
-        optim: OptimConfig,
-        slots: int,
-        offload_ratio: float,
-        loss_chunk_tokens: int,
-        threads: int | None,
-        version_timeout_s: float,
         ctx: Dist | None = None,
-        grad_route: Literal["gpu", "cpu"] = "gpu",
-        param_route: Literal["replicated", "sharded"] = "replicated",
         signals: HostStore | None = None,
     ) -> None:
         """With ``ctx``, the store holds ``ctx.world`` times the slots of one rank; the cpu
         gradient route needs ``signals`` (``routes.signal_specs``)."""
-        self.adapter, self.store, self.device, self.dtype = adapter, store, device, dtype
-        self.optim, self.offload = optim, offload_ratio > 0
-        self.chunk_tokens, self.timeout_s = loss_chunk_tokens, version_timeout_s
+        device, policy = plan.device, plan.policy
+        version_timeout_s, threads = plan.version_timeout_s, plan.threads
+        grad_route, param_route = policy.grad_route, policy.param_route
+        self.adapter, self.store, self.device, self.dtype = adapter, store, device, plan.dtype
+        self.plan, self.optim = plan, plan.optim
+        self.chunk_tokens, self.timeout_s = plan.loss_chunk_tokens, version_timeout_s
         self.ctx = ctx
+        if len(policy.layers) != adapter.num_layers:
+            raise ValueError(
+                f"the policy has {len(policy.layers)} layers, the model {adapter.num_layers}"
+            )
+        self.executors = [executor_for(p) for p in policy.layers]
         rank, world = (0, 1) if ctx is None else (ctx.rank, ctx.world)
         self.grad_slots = store.layout["grad_slots"] // world  # this rank's share of each ring
         staging = store.layout["staging_slots"] // world
@@ -185,9 +149,9 @@ class Engine:
             store,
             self.kernels,
             device,
-            dtype,
+            plan.dtype,
             layers,
-            slots,
+            policy.slots,
             self.clock,
             version_timeout_s,
             before_wait=self._send_ready,
@@ -197,7 +161,7 @@ class Engine:
         )
         self.embed_buf = self.window.own_buffer(adapter.embed_group)
         self.head_buf = self.window.own_buffer(adapter.head_group)
-        self.activations = ActivationOffload(device, adapter.num_layers, self.clock)
+        self.activations = ActivationOffload(device, self.clock)
         self.rotary = adapter.make_rotary(device)
         self._update_busy_s = 0.0
         self._pinned: list[torch.Tensor] = []
@@ -287,7 +251,7 @@ class Engine:
         if self.ctx is not None:  # the mean is over the label tokens of the global batch
             n_labels = int(all_reduce_sum([n_labels], self.device)[0])
         self.grads.owned_sum_squares = 0.0
-        self.activations.discard_prefetched()
+        self.activations.discard()
         ids = batch.input_ids.to(self.device, non_blocking=True)  # [B, S]
         targets = targets_host.to(self.device, non_blocking=True)
         # Packed rows: per-sample positions and no padding mask, so transformers' mask builders
@@ -310,20 +274,22 @@ class Engine:
                 "position_embeddings": self.rotary(x, position_ids),
                 "masks": a.layer_masks(x, attn, position_ids),
             }
-        saved: list[torch.Tensor | None] = []
-        for layer in range(a.num_layers):  # forward, inputs saved (full-layer checkpointing)
+        states: list[LayerState | None] = []
+        for layer in range(a.num_layers):  # forward: each layer saves what its family keeps
             buf = self._fetch(a.layer_group(layer), v)
             if layer + 1 < a.num_layers:
                 win.fetch(a.layer_group(layer + 1), v)  # prefetch
             else:
                 win.load(self.head_buf, a.head_group, v)
-            saved.append(self.activations.offload(layer, x) if self.offload else x)
-            with self.clock.stream("compute", compute), torch.no_grad():
-                x = a.run_layer(layer, self._local(layer, buf), x, ctx)
+            run = LayerRun(a, layer, self._local(layer, buf), ctx)
+            with self.clock.stream("compute", compute):
+                x, state = self.executors[layer].forward(run, x)
             win.release(buf)
-        last = a.num_layers - 1
-        if self.offload:  # the backward's first input comes back during the head's loss
-            self.activations.prefetch(last, saved_input(saved, last))
+            ratio = self.executors[layer].policy.ratio
+            self.activations.offload(layer, state, offload_count(state.saved_bytes(), ratio))
+            states.append(state)
+        # the backward's first offloaded tensors come back during the head's loss
+        self.activations.prefetch(a.num_layers - 1)
         win.acquire(self.head_buf)
         head = win.views(self.head_buf, a.head_group)
         with self.clock.stream("compute", compute):
@@ -350,16 +316,15 @@ class Engine:
             buf = self._fetch(group, v)
             if layer > 0:
                 win.fetch(a.layer_group(layer - 1), v)
-            x_saved = saved_input(saved, layer)
+            run = LayerRun(a, layer, self._local(layer, buf), ctx)
+            state = layer_state(states, layer)
             with self.clock.stream("compute", compute):
-                x_in = x_saved
-                if self.offload:
-                    x_in = self.activations.reload(layer, x_saved)
-                    if layer > 0:  # the next input's H2D overlaps this layer's recompute
-                        self.activations.prefetch(layer - 1, saved_input(saved, layer - 1))
-                g, local_grads = a.layer_backward(layer, self._local(layer, buf), x_in, g, ctx)
+                self.activations.reload(layer, state)
+                if layer > 0:  # the next layer's offloaded tensors copy during this one
+                    self.activations.prefetch(layer - 1)
+                g, local_grads = self.executors[layer].backward(run, state, g)
             win.release(buf)
-            saved[layer] = None
+            states[layer] = None
             full = {local: full for full, local in a.groups[group].params}
             ticket = GradLane.ticket(group, {full[n]: gr for n, gr in local_grads.items()})
             self._hand_over(ticket, t, n_adam, lr, tickets)

@@ -28,7 +28,6 @@ from slidedp.config import TrainConfig
 from slidedp.data.build import run_batches
 from slidedp.errors import (
     CheckpointError,
-    ConfigError,
     NonFiniteError,
     TrainingInterruptedError,
 )
@@ -49,8 +48,10 @@ from slidedp.io.checkpoint import (
 from slidedp.io.hf_load import fill_master
 from slidedp.kernels import Kernels, default_threads
 from slidedp.models.hf import HFAdapter
+from slidedp.plan.device import pick_device, pick_dtype
+from slidedp.plan.policy import OptimConfig, Plan, resolve_policy, store_args
 from slidedp.runtime.dist import Dist, all_reduce_sum, start
-from slidedp.runtime.engine import Engine, OptimConfig, store_args
+from slidedp.runtime.engine import Engine
 from slidedp.runtime.flops import device_peak_flops, model_flops_per_token
 from slidedp.runtime.routes import signal_specs
 from slidedp.runtime.schedule import lr_schedule
@@ -59,25 +60,6 @@ from slidedp.runtime.trace import write_trace
 from slidedp.runtime.train_log import RunFacts, StepLog, tensorboard_writer
 from slidedp.runtime.window import fill_mirror
 from slidedp.store import HostStore
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            "runtime.device=cuda but no CUDA device is available; "
-            "set runtime.device=cpu (or auto), or run on a machine with a GPU"
-        )
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
-
-
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
 
 
 class Trainer:
@@ -102,7 +84,8 @@ class Trainer:
         def create() -> HostStore:  # every rank gets its own range of the slot rings
             # decided once, by the creator: the others attach to what it made
             mirror = resolve_mirror(cfg, self.adapter, Machine.probe(cfg, measure=False))
-            args = store_args(rt, self.adapter, bf16, world, mirror)
+            policy = resolve_policy(rt, self.adapter, mirror=mirror)
+            args = store_args(policy, bf16=bf16, world=world)
             store = HostStore.create(self.adapter.group_specs(), **args)
             self.source = self._fill_state(store)
             fill_mirror(store, Kernels(default_threads()))
@@ -119,26 +102,24 @@ class Trainer:
         # reads and checks all the data before any GPU work
         self.data = run_batches(cfg, self.adapter.config, self.adapter.vocab_size)
         self.lr_at = lr_schedule(tc.lr_scheduler, tc.learning_rate, tc.warmup_steps, tc.max_steps)
-        self.engine = Engine(
-            self.adapter,
-            self.store,
+        # every rank's policy: the store's mirror is what the creator decided
+        self.policy = resolve_policy(rt, self.adapter, mirror=self.store.has_mirror)
+        self.plan = Plan(
             device=self.device,
             dtype=self.dtype,
+            policy=self.policy,
             optim=OptimConfig(
                 betas=(tc.adam_beta1, tc.adam_beta2),
                 eps=tc.adam_epsilon,
                 weight_decay=tc.weight_decay,
                 max_grad_norm=tc.max_grad_norm,
             ),
-            slots=rt.slots,
-            offload_ratio=rt.offload_ratio,
             loss_chunk_tokens=rt.loss_chunk_tokens,
             threads=rt.update_threads or self._default_host_threads(),
             version_timeout_s=rt.version_timeout_s,
-            ctx=self.ctx,
-            grad_route=rt.grad_route,
-            param_route=rt.param_route,
-            signals=self.signals,
+        )
+        self.engine = Engine(
+            self.adapter, self.store, self.plan, ctx=self.ctx, signals=self.signals
         )
         if self.resume_from is not None:
             self.engine.start_at(self.progress.step)

@@ -1,0 +1,197 @@
+"""The Policy: every choice of how the engine moves data and keeps activations, in one frozen
+object, resolved once from the config (``resolve_policy``), printed in the banner, saved in
+``resolved_config.yaml`` (as the ``runtime`` keys it came from) and in every checkpoint
+(``trainer_state.json``: ``policy``), and the only place the engine reads these choices from.
+
+Fields: the parameter route (``replicated``: whole layer per rank, ``sharded``: 1/R per rank
+and an all-gather), the gradient route (``gpu``: reduced on the devices, ``cpu``: summed on the
+host), ``chunk_elems`` (elements per transfer chunk = one host slot: one size serves H2D
+and D2H, since the staging and gradient rings share the store's slot size), the device window
+``slots``, the host ``staging_slots`` and ``grad_slots`` per rank, the BF16 ``mirror``, and
+``layers``: one ``LayerPolicy`` per decoder layer (``plan.layout``).
+
+A policy file (``runtime.policy: path.yaml``) holds any of ``layers, param_route, grad_route,
+chunk_elems, slots, staging_slots, grad_slots, bf16_mirror, offload_ratio``; its values replace
+the ``runtime`` ones (setting a key in both places, to different values, is an error).
+
+Example::
+
+    policy = resolve_policy(cfg.runtime, adapter, mirror=True)
+    print(policy.describe())   # 'replicated/gpu, chunk 52,436,992, 2 slots, ..., 31xF-r0, 5xN-r0'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+import yaml
+
+from slidedp.errors import ConfigError
+from slidedp.plan.layout import LayerPolicy, format_layout, parse_layout
+
+if TYPE_CHECKING:
+    from slidedp.config import RuntimeSection
+    from slidedp.models.hf import HFAdapter
+
+POLICY_FILE_KEYS = (
+    "layers",
+    "offload_ratio",
+    "param_route",
+    "grad_route",
+    "chunk_elems",
+    "slots",
+    "staging_slots",
+    "grad_slots",
+    "bf16_mirror",
+)
+
+
+@dataclass(frozen=True)
+class Policy:
+    param_route: Literal["replicated", "sharded"]
+    grad_route: Literal["gpu", "cpu"]
+    chunk_elems: int  # per H2D and D2H transfer (one host slot)
+    slots: int  # decoder-layer slots of the device window
+    staging_slots: int  # per rank (BF16 H2D ring; unused with the mirror)
+    grad_slots: int  # per rank (D2H → AdamW ring)
+    mirror: bool  # BF16 mirror in the store (loads are one DMA, no cast)
+    layers: tuple[LayerPolicy, ...]
+
+    @property
+    def layout(self) -> str:
+        return format_layout(self.layers)
+
+    @property
+    def offloads(self) -> bool:
+        return any(p.ratio > 0 for p in self.layers)
+
+    def describe(self) -> str:
+        return (
+            f"{self.param_route}/{self.grad_route}, chunk {self.chunk_elems:,} elements, "
+            f"{self.slots} slots, {self.staging_slots} staging / {self.grad_slots} gradient "
+            f"slots per rank, mirror {'on' if self.mirror else 'off'}, layers {self.layout}"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["layers"] = self.layout
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Policy:
+        layers = parse_layout(d["layers"], num_layers=_count(d["layers"]), default_ratio=0.0)
+        return cls(**(d | {"layers": layers}))
+
+
+def _count(text: str) -> int:
+    """The layer count of a fully counted layout (as ``Policy.to_dict`` writes it)."""
+    return sum(int(e.strip().split("x", 1)[0]) for e in text.split(",") if e.strip())
+
+
+def layer_chunk_elems(adapter: HFAdapter) -> int:
+    """Slot size that holds the largest decoder layer whole in both store layouts (BF16 params
+    padded to 32 elements, F32 state to 16): a layer moves as one chunk, the embedding and the
+    LM head as several, so host slots scale with a layer, not with the vocabulary."""
+    specs = adapter.group_specs()
+    layers = [specs[adapter.layer_group(i)] for i in range(adapter.num_layers)]
+    return max(sum(-(-math.prod(p.shape) // 32) * 32 for p in g.params) for g in layers)
+
+
+def read_policy_file(path: str) -> dict[str, Any]:
+    """The keys of a policy file, checked (unknown keys, not a mapping: one line)."""
+    try:
+        raw = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"runtime.policy: cannot read {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"runtime.policy: {path} is not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"runtime.policy: {path} must be a mapping of policy keys")
+    unknown = sorted(set(raw) - set(POLICY_FILE_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"runtime.policy: {path} has unknown keys {unknown} (known: {list(POLICY_FILE_KEYS)})"
+        )
+    return raw
+
+
+def effective_runtime(rt: RuntimeSection) -> RuntimeSection:
+    """``rt`` with the policy file's keys applied (``rt`` itself without one)."""
+    if not rt.policy:
+        return rt
+    from_file = read_policy_file(rt.policy)
+    defaults = type(rt)()
+    clash = [
+        k
+        for k, v in from_file.items()
+        if getattr(rt, k) != getattr(defaults, k) and getattr(rt, k) != v
+    ]
+    if clash:
+        raise ConfigError(
+            f"runtime.policy {rt.policy} sets {', '.join(clash)}, which the config sets "
+            "differently: keep each key in one place"
+        )
+    try:
+        return dataclasses.replace(rt, **from_file)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"runtime.policy {rt.policy}: {e}") from None
+
+
+def resolve_policy(rt: RuntimeSection, adapter: HFAdapter, *, mirror: bool) -> Policy:
+    """The policy of ``rt`` (the policy file applied) for ``adapter``; ``mirror`` as
+    ``estimate.resolve_mirror`` decided."""
+    rt = effective_runtime(rt)
+    layers = parse_layout(rt.layers, adapter.num_layers, rt.offload_ratio)
+    return Policy(
+        param_route=rt.param_route,
+        grad_route=rt.grad_route,
+        chunk_elems=rt.chunk_elems or layer_chunk_elems(adapter),
+        slots=rt.slots,
+        staging_slots=rt.staging_slots,
+        grad_slots=rt.grad_slots,
+        mirror=mirror,
+        layers=layers,
+    )
+
+
+def store_args(policy: Policy, *, bf16: bool, world: int) -> dict[str, Any]:
+    """``HostStore.create``'s arguments for a run with ``policy`` (``Trainer`` creates the
+    store, ``estimate`` plans it): the slot rings of every rank, the BF16 mirror when computing
+    in BF16 (it replaces the staging ring). Gradient slots are f32 where the host sums the
+    ranks' gradients (``Kernels.sum_into``)."""
+    mirror = bf16 and policy.mirror
+    f32_grads = not bf16 or (world > 1 and policy.grad_route == "cpu")
+    return {
+        "staging_slots": 0 if mirror else policy.staging_slots * world,
+        "grad_dtype": "f32" if f32_grads else "bf16",
+        "grad_slots": policy.grad_slots * world,
+        "chunk_elems": policy.chunk_elems,
+        "bf16_mirror": mirror,
+    }
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+    max_grad_norm: float  # 0: no clipping
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What ``Engine(adapter, store, plan)`` runs: where, in which dtype, with which policy and
+    optimizer settings."""
+
+    device: torch.device
+    dtype: torch.dtype
+    policy: Policy
+    optim: OptimConfig
+    loss_chunk_tokens: int
+    threads: int | None  # host kernel threads (None: all)
+    version_timeout_s: float

@@ -1,0 +1,139 @@
+"""What every checkpoint family shares: one layer's run, its saved state, the input's gradient.
+
+An executor (``full``, ``segment``, ``selective``, ``none``) has ``forward(run, x) → (y,
+state)`` and ``backward(run, state, g_y) → (g_x, {local name: gradient})``. ``state.tensors``
+are the layer's saved activations that may move to the host (device tensors, in the order the
+forward saved them; ``None`` while offloaded: ``offload.ActivationOffload`` moves them and puts
+them back before ``backward``); ``state.retained_bytes`` counts what the family keeps on the
+device outside that list (the operator outputs of selective checkpointing).
+
+Weights are never saved by value: a layer's parameters are views of a window slot that later
+loads overwrite, so a saved tensor that is (a view of) a parameter is recorded as (name, size,
+stride, offset) and rebuilt from the slot the backward loaded (``ParamAliases``). Tensors shared
+by every layer (the rotary cos/sin, the masks) are kept by reference and belong to no layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from slidedp.models.hf import HFAdapter
+
+
+@dataclass
+class LayerRun:
+    """Decoder layer ``layer`` of ``adapter`` with its parameters bound to ``params`` (views of
+    the slot loaded for this pass, module-local names) and the step's ``ctx`` (masks,
+    positions, rotary)."""
+
+    adapter: HFAdapter
+    layer: int
+    params: dict[str, torch.Tensor]
+    ctx: dict[str, Any]
+
+    def module_forward(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return self.adapter.run_layer(self.layer, params, x, self.ctx)
+
+    def shared_ids(self) -> set[int]:
+        """ids of the tensors every layer reads (rotary cos/sin, masks, positions)."""
+        cos, sin = self.ctx["position_embeddings"]
+        shared = [cos, sin, self.ctx["position_ids"], self.ctx["masks"][self.layer]]
+        return {id(t) for t in shared if isinstance(t, torch.Tensor)}
+
+
+@dataclass
+class LayerState:
+    """One layer's saved activations between its forward and its backward."""
+
+    tensors: list[torch.Tensor | None]
+    retained_bytes: int = 0
+    data: Any = None  # the family's own bookkeeping
+
+    def saved_bytes(self) -> list[int]:
+        return [0 if t is None else t.numel() * t.element_size() for t in self.tensors]
+
+    def tensor(self, k: int) -> torch.Tensor:
+        t = self.tensors[k]
+        assert t is not None, "a saved activation is still on the host (reload it first)"
+        return t
+
+
+def leaves(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Parameters as autograd leaves (no copy: they share the slot's memory)."""
+    return {n: p.detach().requires_grad_(True) for n, p in params.items()}
+
+
+class InputGrad(torch.autograd.Function):
+    """Identity on the layer input that stores the input's gradient in ``box``. The graph then
+    ends at a 0-element ``anchor`` leaf instead of the input, so the graph alone never keeps
+    the input on the device (an offloaded input really leaves)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, anchor: torch.Tensor, box: dict[str, Any]) -> Any:
+        ctx.box = box
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        ctx.box["g"] = g
+        return None, torch.zeros_like(ctx.box["anchor"]), None
+
+
+def capture_input(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``x`` as the start of a graph; after the backward, ``box["g"]`` is d loss / d x and
+    ``box["anchor"]`` is the leaf to ask ``torch.autograd.grad`` for."""
+    anchor = torch.empty(0, device=x.device, dtype=x.dtype, requires_grad=True)
+    box: dict[str, Any] = {"anchor": anchor}
+    return InputGrad.apply(x.detach(), anchor, box), box
+
+
+@dataclass
+class ParamAliases:
+    """Saved-tensor hooks of a graph kept until the backward (``N``): parameter views become
+    (name, size, stride, offset) and are rebuilt on the slot ``params`` points at when the
+    backward unpacks them; shared tensors are kept by reference; every other tensor goes into
+    ``tensors`` once (by identity) and is unpacked from there."""
+
+    param_ids: dict[int, str]
+    shared: set[int]
+    tensors: list[torch.Tensor | None] = field(default_factory=list)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)  # set for the backward
+    _index: dict[int, int] = field(default_factory=dict)
+    _keep: list[torch.Tensor] = field(default_factory=list)  # ids stay unique while kept
+
+    def pack(self, t: torch.Tensor) -> tuple[Any, ...]:
+        root = t._base if t._base is not None else t
+        name = self.param_ids.get(id(root))
+        if name is not None:
+            offset = t.storage_offset() - root.storage_offset()
+            return ("param", name, tuple(t.size()), tuple(t.stride()), offset)
+        if id(root) in self.shared:
+            return ("shared", t)
+        k = self._index.get(id(t))
+        if k is None:
+            k = self._index[id(t)] = len(self.tensors)
+            self.tensors.append(t)
+            self._keep.append(t)
+        return ("act", k)
+
+    def unpack(self, token: tuple[Any, ...]) -> torch.Tensor:
+        kind = token[0]
+        if kind == "param":
+            _, name, size, stride, offset = token
+            p = self.params[name]
+            rebuilt: torch.Tensor = p.as_strided(size, stride, p.storage_offset() + offset)
+            return rebuilt
+        if kind == "shared":
+            shared: torch.Tensor = token[1]
+            return shared
+        t: torch.Tensor | None = self.tensors[token[1]]
+        assert t is not None, "a saved activation is still on the host (reload it first)"
+        return t
+
+    def forget_packed(self) -> None:
+        """After the forward: drop the identity keep-alive list (``tensors`` holds them)."""
+        self._keep = []
+        self._index = {}

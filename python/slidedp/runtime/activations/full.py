@@ -1,0 +1,30 @@
+"""``F``: full-layer checkpointing. The forward saves the layer's input and keeps nothing else;
+the backward replays the layer with grad from it (transformers' own module forward) and
+differentiates the replay."""
+
+from __future__ import annotations
+
+import torch
+
+from slidedp.plan.layout import LayerPolicy
+from slidedp.runtime.activations.base import LayerRun, LayerState, leaves
+
+
+class FullExecutor:
+    def __init__(self, policy: LayerPolicy) -> None:
+        self.policy = policy
+
+    def forward(self, run: LayerRun, x: torch.Tensor) -> tuple[torch.Tensor, LayerState]:
+        with torch.no_grad():
+            y = run.module_forward(run.params, x)
+        return y, LayerState([x])
+
+    def backward(
+        self, run: LayerRun, state: LayerState, g: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        x_in = state.tensor(0).detach().requires_grad_(True)
+        params = leaves(run.params)
+        with torch.enable_grad():
+            out = run.module_forward(params, x_in)
+        grads = torch.autograd.grad(out, (x_in, *params.values()), g)
+        return grads[0], dict(zip(params, grads[1:], strict=True))

@@ -1,0 +1,120 @@
+"""The decoder layer of Llama, Mistral, Qwen2 and Qwen3 as eight segments, each a call of one of
+transformers' own submodules (or the residual add between them), in the order and with the
+arguments of the layer's ``forward``; ``tests/engine/test_activations.py`` checks that the
+segments reproduce the module bit for bit on each architecture.
+
+Boundaries (the state after each segment; ``x`` is the layer input, ``x1`` the residual stream
+after attention)::
+
+    b0 input norm         (x, h = input_layernorm(x))
+    b1 attention          (x, a = self_attn(h))
+    b2 residual           (x1 = x + a,)
+    b3 post-attn norm     (x1, h2 = post_attention_layernorm(x1))
+    b4 gate/up            (x1, gate_proj(h2), up_proj(h2))
+    b5 activation         (x1, m = act_fn(gate) * up)
+    b6 down               (x1, d = down_proj(m))
+    end                   (x1 + d,)
+
+A segment mask ``S1010100`` saves the states at b0, b2 and b4 (first bit = b0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from slidedp.models.hf import bind_params
+
+BOUNDARIES = (
+    "input norm",
+    "attention",
+    "residual",
+    "post-attention norm",
+    "gate/up",
+    "activation",
+    "down",
+)
+State = tuple[torch.Tensor, ...]
+Segment = Callable[[Any, State, dict[str, Any], Any], State]  # (layer module, ...)
+
+
+def _norm1(m: Any, s: State, ctx: dict[str, Any], mask: Any) -> State:
+    return s[0], m.input_layernorm(s[0])
+
+
+def _attention(m: Any, s: State, ctx: dict[str, Any], mask: Any) -> State:
+    out, _ = m.self_attn(
+        hidden_states=s[1],
+        attention_mask=mask,
+        position_ids=ctx["position_ids"],
+        past_key_values=None,
+        use_cache=False,
+        position_embeddings=ctx["position_embeddings"],
+    )
+    return s[0], out
+
+
+def _residual1(m: Any, s: State, ctx: dict[str, Any], mask: Any) -> State:
+    return (s[0] + s[1],)
+
+
+def _norm2(m: Any, s: State, ctx: dict[str, Any], mask: Any) -> State:
+    return s[0], m.post_attention_layernorm(s[0])
+
+
+def _gate_up(m: Any, s: State, ctx: dict[str, Any], mask: Any) -> State:
+    return s[0], m.mlp.gate_proj(s[1]), m.mlp.up_proj(s[1])
+
+
+def _activation(m: Any, s: State, ctx: dict[str, Any], mask: Any) -> State:
+    return s[0], m.mlp.act_fn(s[1]) * s[2]
+
+
+def _down(m: Any, s: State, ctx: dict[str, Any], mask: Any) -> State:
+    return s[0], m.mlp.down_proj(s[1])
+
+
+def _residual2(m: Any, s: State, ctx: dict[str, Any], mask: Any) -> State:
+    return (s[0] + s[1],)
+
+
+SEGMENTS: tuple[Segment, ...] = (
+    _norm1,
+    _attention,
+    _residual1,
+    _norm2,
+    _gate_up,
+    _activation,
+    _down,
+    _residual2,
+)
+_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def check_segmentable(module: nn.Module) -> None:
+    """The submodules the segments call exist (the four supported architectures have them)."""
+    missing = [p for p in _PARTS if not hasattr(module, p)]
+    missing += [f"mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj", "act_fn")
+                if hasattr(module, "mlp") and not hasattr(module.mlp, p)]  # fmt: skip
+    if missing:
+        raise ValueError(f"{type(module).__name__} has no {', '.join(missing)}: not segmentable")
+
+
+def run_segments(
+    module: nn.Module,
+    params: dict[str, torch.Tensor],
+    state: State,
+    ctx: dict[str, Any],
+    mask: Any,
+    first: int,
+    last: int,
+) -> State:
+    """Segments ``first..last`` (inclusive) of ``module`` with its parameters bound to
+    ``params``, from ``state`` (the state before segment ``first``)."""
+    bind_params(module, params)
+    for seg in SEGMENTS[first : last + 1]:
+        state = seg(module, state, ctx, mask)
+    return state

@@ -1,0 +1,119 @@
+"""``SAC.<preset>``: selective activation checkpointing through ``torch.utils.checkpoint``
+(non-reentrant, ``create_selective_checkpoint_contexts``): the forward runs the layer inside a
+checkpoint region that keeps the outputs of the preset's operators and the layer input; the
+backward's replay recomputes the rest and reuses the kept outputs. The replay reads the input
+and the weights from ``_Region`` at replay time, so it runs on the backward's slot and on a
+reloaded input. Offloadable: the layer input (torch keeps the operator outputs in the region's
+cache, which has no public hook; they count as ``retained_bytes``)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from slidedp.plan.layout import LayerPolicy
+from slidedp.runtime.activations.base import LayerRun, LayerState, capture_input, leaves
+
+_MATMULS = ("mm", "addmm", "bmm", "matmul", "linear")
+_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+
+
+def _op_name(op: Any) -> str:
+    return str(getattr(op, "__name__", op)).split(".")[0]
+
+
+def _saves(preset: str) -> Callable[[str], bool]:
+    if preset == "mm":
+        return lambda name: name in _MATMULS
+    if preset == "attn":
+        return lambda name: "scaled_dot_product" in name
+    if preset == "noact":
+        return lambda name: name not in _ACTIVATIONS
+    raise ValueError(f"unknown SAC preset {preset!r}")
+
+
+def _meta(a: Any) -> Any:
+    if isinstance(a, torch.Tensor):
+        return a.to("meta")
+    if isinstance(a, torch.device):
+        return torch.device("meta")
+    if isinstance(a, list | tuple):
+        return type(a)(_meta(b) for b in a)
+    return a
+
+
+def _output_bytes(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Bytes of ``op``'s output, from the op run on meta copies of its arguments (shapes
+    only: nothing is computed or allocated)."""
+    out = op(*_meta(args), **{k: _meta(v) for k, v in kwargs.items()})
+    outs = out if isinstance(out, tuple | list) else (out,)
+    return sum(o.numel() * o.element_size() for o in outs if isinstance(o, torch.Tensor))
+
+
+@dataclass
+class _Region:
+    x: torch.Tensor | None  # the input the replay starts from (None while offloaded)
+    params: dict[str, torch.Tensor]
+    box: dict[str, Any]
+    out: GradientEdge | None = None
+    leaves: dict[str, torch.Tensor] = field(default_factory=dict)
+    cache_bytes: list[int] = field(default_factory=lambda: [0])
+
+
+class SelectiveExecutor:
+    def __init__(self, policy: LayerPolicy) -> None:
+        self.policy = policy
+        self._saves = _saves(policy.arg)
+
+    def _context(self, region: _Region) -> Any:
+        saves = self._saves
+
+        def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            keep = saves(_op_name(op))
+            if keep and not ctx.is_recompute:  # count what the region's cache keeps
+                region.cache_bytes[0] += _output_bytes(op, args, kwargs)
+            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy_fn)  # type: ignore[no-untyped-call]
+
+    def forward(self, run: LayerRun, x: torch.Tensor) -> tuple[torch.Tensor, LayerState]:
+        x_in, box = capture_input(x)
+        params = leaves(run.params)
+        region = _Region(x_in, params, box, leaves=params)
+
+        def replay() -> torch.Tensor:
+            assert region.x is not None, "the layer input is still on the host"
+            return run.module_forward(region.params, region.x)
+
+        with torch.enable_grad():
+            out = checkpoint(
+                replay,
+                use_reentrant=False,
+                context_fn=functools.partial(self._context, region),
+            )
+        region.out = get_gradient_edge(out)
+        region.x = None  # state.tensors holds it (offloadable)
+        state = LayerState([x], retained_bytes=region.cache_bytes[0], data=region)
+        return out.detach(), state
+
+    def backward(
+        self, run: LayerRun, state: LayerState, g: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        region: _Region = state.data
+        region.x = state.tensor(0).detach().requires_grad_(True)
+        region.params = leaves(run.params)  # the replay reads the backward's slot
+        assert region.out is not None
+        inputs = (region.box["anchor"], *region.leaves.values())
+        grads = torch.autograd.grad([region.out], inputs, [g])
+        state.data = None
+        return region.box.pop("g"), dict(zip(region.leaves, grads[1:], strict=True))
