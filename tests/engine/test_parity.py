@@ -28,21 +28,31 @@ from slidedp.cli import main
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
 
-# (architecture, tied embeddings, schedule, max_grad_norm, transfer chunk); 0 = no clipping,
+# (architecture, tied embeddings, schedule, max_grad_norm, transfer chunk, activation layout);
+# 0 = no clipping,
 # updates overlap the backward. 2.4 sits inside the measured grad-norm range (1.6 .. 3.7) of
 # these runs. Chunk 0 = one decoder layer per host slot (embed/head split); 1000 elements
 # splits every group into many chunks through 2 gradient slots (ring reuse and backpressure).
+# The mixed layouts run a layer of each other family, partly offloaded.
 CASES = [
-    ("qwen3", True, "cosine", 2.4, 0),
-    ("llama", False, "linear", 2.4, 0),
-    ("qwen2", False, "cosine", 2.4, 1000),
-    ("qwen3", False, "linear", 0.0, 1000),
+    ("qwen3", True, "cosine", 2.4, 0, "F"),
+    ("llama", False, "linear", 2.4, 0, "F"),
+    ("qwen2", False, "cosine", 2.4, 1000, "F"),
+    ("qwen3", False, "linear", 0.0, 1000, "F"),
+    ("llama", False, "cosine", 2.4, 0, "1xN-r0.5, 1xSAC.mm, 1xS1010100-r1"),
+    ("qwen3", True, "linear", 0.0, 1000, "1xSAC.attn-r1, 1xN, 1xS0001000"),
 ]
 
 
-@pytest.mark.parametrize(("arch", "tied", "schedule", "max_grad_norm", "chunk"), CASES)
+@pytest.mark.parametrize(("arch", "tied", "schedule", "max_grad_norm", "chunk", "layers"), CASES)
 def test_losses_and_final_params_match_the_reference(
-    tmp_path: Path, arch: str, tied: bool, schedule: str, max_grad_norm: float, chunk: int
+    tmp_path: Path,
+    arch: str,
+    tied: bool,
+    schedule: str,
+    max_grad_norm: float,
+    chunk: int,
+    layers: str,
 ) -> None:
     model = make_model(tmp_path, arch, tied=tied, layers=3)
     data = write_data(tmp_path / "data.jsonl", 30)
@@ -56,7 +66,7 @@ def test_losses_and_final_params_match_the_reference(
         "warmup_steps": 3,
     }
     out = tmp_path / "out"
-    runtime = {"chunk_elems": chunk, "grad_slots": 2 if chunk else 4}
+    runtime = {"chunk_elems": chunk, "grad_slots": 2 if chunk else 4, "layers": layers}
     config = write_config(tmp_path / "c.yaml", model, data, out, train=train, runtime=runtime)
     assert main(["train", str(config)]) == 0
 

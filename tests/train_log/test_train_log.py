@@ -149,6 +149,7 @@ def test_the_banner_names_what_a_run_needs() -> None:
         device="cuda",
         dtype="bfloat16",
         window="2 layer slots, 1,024 B",
+        policy="replicated/gpu, layers 2xF-r0",
         isa="avx512",
         threads=16,
         peak_flops=900e12,

@@ -85,6 +85,7 @@ class RunFacts:
     device: str
     dtype: str
     window: str  # the device window: slots and bytes
+    policy: str  # Policy.describe()
     isa: str
     threads: int
     peak_flops: float | None
@@ -103,6 +104,7 @@ class RunFacts:
             f"{self.seq_len} = {self.global_batch_size * self.seq_len:,} tokens per step, "
             f"{steps}{resumed}",
             f"  device window: {self.window}",
+            f"  policy: {self.policy}",
             f"  host memory: store {_gib(self.store_bytes)} (shared, in /dev/shm), "
             f"{_gib(mem_available_bytes())} still available; pinned {_gib(self.pinned_bytes)} "
             "(store slots)",

@@ -183,6 +183,7 @@ class Trainer:
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             window=f"{len(window.slots)} layer slots, {window.param_bytes():,} B",
+            policy=self.policy.describe(),
             isa=self.engine.kernels.isa,
             threads=self.engine.kernels.threads,
             peak_flops=device_peak_flops(self.device),
@@ -248,6 +249,7 @@ class Trainer:
         tc, data = self.cfg.train, self.cfg.data
         meta = {
             "world_size": 1,  # the state does not depend on it: a resume may use other ranks
+            "policy": self.policy.to_dict(),  # how it ran (a resume may run another policy)
             "model": {"model_type": self.adapter.config.model_type, "path": self.cfg.model.path},
             "train": {
                 "global_batch_size": tc.global_batch_size,

@@ -79,7 +79,9 @@ class SelectiveExecutor:
         saves = self._saves
 
         def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            keep = saves(_op_name(op))
+            # a view (of a weight, say) costs nothing to recompute, and a saved view of a slot
+            # would outlive the slot's contents
+            keep = saves(_op_name(op)) and not getattr(op, "is_view", False)
             if keep and not ctx.is_recompute:  # count what the region's cache keeps
                 region.cache_bytes[0] += _output_bytes(op, args, kwargs)
             return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
