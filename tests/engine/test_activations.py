@@ -11,6 +11,7 @@ whole training runs with clipping on two architectures.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -31,8 +32,8 @@ FAMILIES = ["F", "N", "S1111111", "S1010100", "S0000001", "SAC.mm", "SAC.attn", 
 CPU = torch.device("cpu")
 
 
-def _layer(arch: str) -> tuple[HFAdapter, torch.Tensor, dict[str, torch.Tensor], dict]:  # type: ignore[type-arg]
-    config = ARCHS[arch](  # type: ignore[call-arg]
+def _layer(arch: str) -> tuple[HFAdapter, torch.Tensor, dict[str, torch.Tensor], dict[str, Any]]:
+    config = ARCHS[arch](
         hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=128,
     )  # fmt: skip
@@ -43,7 +44,7 @@ def _layer(arch: str) -> tuple[HFAdapter, torch.Tensor, dict[str, torch.Tensor],
     numels = [torch.Size(shapes[full]).numel() for full, _ in group.params]
     slot = torch.randn(sum(numels)) * 0.1  # one flat buffer, as a window slot
     params = {local: t.view(shapes[full]) for (full, local), t in
-              zip(group.params, slot.split(numels), strict=True)}  # fmt: skip
+              zip(group.params, torch.split(slot, numels), strict=True)}  # fmt: skip
     x = torch.randn(2, 12, 64)
     position_ids = torch.arange(12).unsqueeze(0)
     padding = torch.ones(2, 12, dtype=torch.long)
@@ -70,8 +71,8 @@ def _forward_backward(
     adapter: HFAdapter,
     x: torch.Tensor,
     params: dict[str, torch.Tensor],
-    ctx: dict,
-    text: str,  # type: ignore[type-arg]
+    ctx: dict[str, Any],
+    text: str,
 ) -> tuple[torch.Tensor, ...]:
     _, policy = parse_entry(text, 0.0)
     executor = executor_for(policy)
@@ -121,7 +122,9 @@ STEPS = 8
 TRAIN = {"max_steps": STEPS, "global_batch_size": 4, "learning_rate": 3e-3, "max_grad_norm": 2.4}
 
 
-def _train(tmp_path: Path, model: Path, name: str, layers: str) -> tuple[list, dict]:  # type: ignore[type-arg]
+def _train(
+    tmp_path: Path, model: Path, name: str, layers: str
+) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
     data = write_data(tmp_path / "data.jsonl", 32)
     out = tmp_path / name
     config = write_config(tmp_path / f"{name}.yaml", model, data, out, train=TRAIN,

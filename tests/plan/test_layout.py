@@ -86,7 +86,8 @@ def test_the_policy_is_in_the_banner_and_in_every_checkpoint(
                           runtime={"layers": "2xN, SAC.attn-r1"})  # fmt: skip
     assert main(["train", str(config)]) == 0
     banner = capsys.readouterr().out
-    assert "policy: replicated/gpu" in banner and "layers 2xN-r0, 1xSAC.attn-r1" in banner
+    assert "policy: replicated/gpu" in banner
+    assert "layers 2xN-r0, 1xSAC.attn-r1" in banner
     state = (out / "checkpoint-1" / "trainer_state.json").read_text()
     assert '"layers": "2xN-r0, 1xSAC.attn-r1"' in state
     assert "layers: 2xN, SAC.attn-r1" in (out / "resolved_config.yaml").read_text()
