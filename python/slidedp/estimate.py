@@ -7,7 +7,9 @@ The model comes from ``HFAdapter.from_dir`` (meta device: no weight is read or a
 decoder layers, hidden ``H``, intermediate ``I``, ``d_q = heads * head_dim``, ``d_kv = kv_heads *
 head_dim``, vocabulary ``V``, ``N`` parameters; ``B = train.global_batch_size`` rows of ``S =
 data.seq_len`` tokens (an upper bound: unpacked rows are padded to the batch's longest); ``e`` the
-compute dtype's bytes (2 for bf16 on CUDA, 4 for f32 on CPU); ``r = runtime.offload_ratio``.
+compute dtype's bytes (2 for bf16 on CUDA, 4 for f32 on CPU); the per-layer activation layout
+is the run's ``Policy`` (``plan.policy``), its memory ``plan.cost`` (measured by running the
+engine's own executors on the meta device).
 
 Host (``/dev/shm`` and RAM):
 
@@ -15,7 +17,7 @@ Host (``/dev/shm`` and RAM):
   with the trainer's own arguments: staging/gradient slots of ``runtime.chunk_elems`` or one
   decoder layer, gradients in the compute dtype; the BF16 mirror, 2 B/param, where
   ``resolve_mirror`` puts it). It lives in ``/dev/shm`` and counts in RAM.
-- activation offload arena (``r = 1``): ``L * B * S * H * e`` (``runtime/transfer.py``).
+- activation offload arenas: every layer's offloaded bytes (``plan.cost``), pinned.
 - process: 1.6 GiB with CUDA (BENCHMARKS.md "Qwen3-4B shape, host memory": PSS minus store and
   arena), 0.7 GiB on CPU (PSS after importing torch, transformers and the trainer, measured on the
   2-core dev machine).
@@ -30,18 +32,22 @@ GPU peak, as ``torch.cuda.max_memory_reserved`` reports it::
 - window: ``runtime.slots`` x the largest decoder layer + embedding + head, in the compute dtype
   (the groups' slot lengths of the store layout: exactly what ``runtime/window.py`` allocates);
 - loss: ``min(loss_chunk_tokens, B*S) * V * 4 B * 3`` (f32 logits, softmax, their gradient);
-- layer: one layer recomputed with grad, ``2 * B * S * (8H + 4I + 2d_q + 2d_kv) * e`` — the
-  layer's saved tensors (norm inputs and outputs, q/k/v, attention output, gate/up/act/product,
-  residuals) and, factor 2, their gradients alive during its backward;
-- checkpoints (``r = 0``): ``L * B * S * H * e``; parked gradients (``max_grad_norm > 0``):
-  ``N * e``. The backward frees checkpoints as it parks gradients, so the larger one counts;
-- allocator: 0.5 GiB (block rounding, cuBLAS workspaces), the one constant fitted to the
-  measurements below.
+- layer: the largest backward transient of one layer (``plan.cost``: the tensors its replay
+  saves and the gradients alive with them; for full checkpointing ``2.13 GiB`` per 8 rows of
+  1024 tokens on Qwen3-4B, as the earlier hand formula ``2 * B * S * (8H + 4I + 2d_q + 2d_kv)
+  * e`` that was validated below);
+- checkpoints: the activations every layer keeps on the device (its layout's retained share:
+  the F input ``B * S * H * e``, more for S, SAC and N) plus the largest layer's offloaded
+  share (reloaded one layer ahead); parked gradients (``max_grad_norm > 0``): ``N * e``. The
+  backward frees activations as it parks gradients, so the larger one counts;
+- allocator: 0.25 GiB (block rounding, cuBLAS workspaces). With ``plan.cost``'s
+  ``REPLAY_PEAK_FACTOR`` (1.5) the two constants fitted to the measurements below.
 
-Against BENCHMARKS.md (Qwen3-4B, S=1024, 2 slots, H100), GPU reserved: B=16 clip r=1 15.08 vs
-15.0 GiB (+0.5%), B=16 clip r=0 15.08 vs 15.1 (-0.1%), B=16 no clip r=1 7.59 vs 7.6 (-0.1%), B=8
-clip r=1 12.96 vs 12.9 (+0.5%); the batch slope of the layer term (2.13 GiB per 8 rows) matches
-the measured 2.1. Host RAM vs PSS: 50.12 vs 50.15 GiB (B=16 r=1), 47.31 vs 47.30 (r=0), 48.71 vs
+Against BENCHMARKS.md (Qwen3-4B, S=1024, 2 slots, H100), GPU reserved: B=16 clip r=1 15.04 vs
+15.0 GiB (+0.3%), B=16 clip r=0 15.04 vs 15.1 (-0.4%), B=16 no clip r=1 7.63 vs 7.6 (+0.4%), B=8
+clip r=1 12.95 vs 12.9 (+0.4%); the batch slope of the layer term (2.09 GiB per 8 rows) matches
+the measured 2.1. Other layouts: BENCHMARKS.md "Elastic Checkpointing". Host RAM vs PSS:
+50.12 vs 50.15 GiB (B=16 r=1), 47.31 vs 47.30 (r=0), 48.71 vs
 48.71 (B=8); the store 45.71 vs 45.73 GiB of shm. CPU (the demo: SmolLM2-135M, B=8, S=128, f32):
 3.53 GiB vs a peak PSS of 3.60 (-2%). Compared with the device total, the GPU peak adds the CUDA
 context (0.5 GiB, outside torch's allocator: a typical figure, not measured here).
@@ -86,9 +92,11 @@ from slidedp.config import TrainConfig
 from slidedp.envinfo import meminfo_bytes
 from slidedp.errors import OutOfDeviceMemoryError, OutOfSharedMemoryError
 from slidedp.models.hf import HFAdapter
+from slidedp.plan.cost import layer_footprint, layout_memory
 from slidedp.plan.device import pick_device, pick_dtype
+from slidedp.plan.layout import LayerPolicy
 from slidedp.plan.policy import Policy, resolve_policy, store_args
-from slidedp.runtime.flops import attention_dim, model_flops_per_token
+from slidedp.runtime.flops import model_flops_per_token
 from slidedp.store import HostStore
 
 GIB = 2**30
@@ -98,7 +106,7 @@ CUDA_PROCESS_BYTES = int(1.6 * GIB)
 MIRROR_HEADROOM_BYTES = 8 * GIB
 CPU_PROCESS_BYTES = int(0.7 * GIB)
 CUDA_CONTEXT_BYTES = int(0.5 * GIB)
-ALLOCATOR_BYTES = int(0.5 * GIB)
+ALLOCATOR_BYTES = int(0.25 * GIB)
 LOSS_F32_COPIES = 3
 RECOMPUTE_FACTOR = 4 / 3
 ADAMW_BYTES_PER_PARAM = 28
@@ -178,8 +186,8 @@ def measure_cpu_flops(dtype: torch.dtype, n: int = 512, budget_s: float = 0.2) -
 class GpuEstimate:
     window_bytes: int
     loss_bytes: int
-    layer_bytes: int
-    checkpoint_bytes: int
+    layer_bytes: int  # the largest backward transient of one layer (plan.cost)
+    checkpoint_bytes: int  # activations retained on the device + the reload prefetch
     parked_grad_bytes: int
     allocator_bytes: int
     peak_reserved_bytes: int  # what torch.cuda.max_memory_reserved would report
@@ -209,7 +217,8 @@ class Estimate:
     dtype: str
     batch: int
     seq_len: int
-    offload_ratio: float
+    layout: str  # the per-layer activation layout (Policy.layout)
+    layout_rows: list[dict[str, Any]]  # per distinct layer policy: count and bytes per layer
     clipping: bool
     store_bytes: int
     mirror_bytes: int  # of the store: the BF16 mirror (0: cast on delivery, resolve_mirror)
@@ -261,16 +270,6 @@ def plan_store(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> dict[s
 def plan_policy(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> Policy:
     """The policy ``Trainer`` would resolve on ``machine``."""
     return resolve_policy(cfg.runtime, adapter, mirror=resolve_mirror(cfg, adapter, machine))
-
-
-def layer_activation_bytes(adapter: HFAdapter, tokens: int, elem: int) -> int:
-    """One decoder layer recomputed with grad: its saved tensors and their gradients."""
-    c = adapter.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    d_kv = int(c.num_key_value_heads) * int(head_dim)
-    per_token = 8 * adapter.hidden_size + 4 * int(c.intermediate_size)
-    per_token += 2 * attention_dim(c) + 2 * d_kv
-    return 2 * tokens * per_token * elem
 
 
 def adamw_gbps(threads: int) -> float:
@@ -337,12 +336,14 @@ def estimate_run(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> Esti
     own = groups[adapter.embed_group]["slot_len"] + groups[adapter.head_group]["slot_len"]
     window = (rt.slots * largest_layer + own) * elem
     loss = min(rt.loss_chunk_tokens, tokens) * adapter.vocab_size * 4 * LOSS_F32_COPIES
-    layer = layer_activation_bytes(adapter, tokens, elem)
-    inputs = layers * tokens * adapter.hidden_size * elem  # every layer's checkpointed input
-    checkpoints = inputs if rt.offload_ratio == 0 else 0
+    policy = plan_policy(cfg, adapter, machine)
+    dtype = torch.bfloat16 if elem == 2 else torch.float32
+    acts = layout_memory(adapter, policy.layers, b, s, dtype)
+    layer = acts.transient_bytes
+    checkpoints = acts.retained_bytes + acts.prefetch_bytes
     parked = params * elem if cfg.train.max_grad_norm > 0 else 0
     working = window + loss + layer + max(checkpoints, parked)
-    arena = inputs if rt.offload_ratio == 1 else 0
+    arena = acts.offloaded_bytes
     store = int(layout["regions"]["total_bytes"])
     slot_len = int(layout["slot_len"])
     mirror = int(layout["mirror_len"]) * 2  # page-locked like the slots
@@ -370,7 +371,8 @@ def estimate_run(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> Esti
         dtype=machine.dtype,
         batch=b,
         seq_len=s,
-        offload_ratio=rt.offload_ratio,
+        layout=policy.layout,
+        layout_rows=_layout_rows(adapter, policy.layers, b, s, dtype),
         clipping=cfg.train.max_grad_norm > 0,
         store_bytes=store,
         mirror_bytes=mirror,
@@ -384,6 +386,27 @@ def estimate_run(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> Esti
         step=_step_time(cfg, adapter, machine, params),
         machine=machine,
     )
+
+
+def _layout_rows(
+    adapter: HFAdapter, layers: tuple[LayerPolicy, ...], b: int, s: int, dtype: torch.dtype
+) -> list[dict[str, Any]]:
+    counts: dict[LayerPolicy, int] = {}
+    for p in layers:
+        counts[p] = counts.get(p, 0) + 1
+    rows = []
+    for p, n in counts.items():
+        fp = layer_footprint(adapter, p, b, s, dtype)
+        rows.append(
+            {
+                "policy": str(p),
+                "layers": n,
+                "retained_bytes": fp.retained_bytes,
+                "offloaded_bytes": fp.offloaded_bytes,
+                "transient_bytes": fp.transient_bytes,
+            }
+        )
+    return rows
 
 
 def _gib(n: int | None) -> str:
@@ -421,8 +444,8 @@ def check_fits(est: Estimate) -> None:
         )
     if len(host) < len(short):
         fixes.append(
-            "lower train.global_batch_size or data.seq_len, set runtime.offload_ratio=1, or "
-            "runtime.slots=2"
+            "lower train.global_batch_size or data.seq_len, keep fewer activations on the GPU "
+            "(runtime.layers: more F layers, runtime.offload_ratio=1), or runtime.slots=2"
         )
     message = (
         f"not enough space in this machine for the run (slidedp estimate): {'; '.join(short)}; "
@@ -455,7 +478,7 @@ def format_estimate(est: Estimate) -> str:
     if est.mirror_bytes:
         row("    of which the BF16 mirror", _gib(est.mirror_bytes), "runtime.bf16_mirror")
     if est.offload_arena_bytes:
-        row("  activation offload arena (r=1)", _gib(est.offload_arena_bytes))
+        row("  activation offload arenas", _gib(est.offload_arena_bytes), "pinned")
     row(f"  process ({'torch + CUDA' if est.gpu else 'torch'})", _gib(est.process_bytes))
     if est.cpu_working_bytes:
         row("  compute working set (CPU)", _gib(est.cpu_working_bytes))
@@ -470,8 +493,8 @@ def format_estimate(est: Estimate) -> str:
         for what, n in (
             ("window (slots, embed, head)", g.window_bytes),
             ("chunked loss", g.loss_bytes),
-            ("one layer's recompute", g.layer_bytes),
-            ("checkpointed inputs (r=0)", g.checkpoint_bytes),
+            ("one layer's backward (largest)", g.layer_bytes),
+            ("retained activations + prefetch", g.checkpoint_bytes),
             ("parked gradients (clipping)", g.parked_grad_bytes),
             ("allocator", g.allocator_bytes),
             ("CUDA context", g.needed_bytes - g.peak_reserved_bytes),
@@ -497,9 +520,17 @@ def format_estimate(est: Estimate) -> str:
     )
     head = (
         f"slidedp estimate: {est.model}, {est.params:,} parameters, {est.layers} layers; "
-        f"{est.device} {est.dtype}, B={est.batch} x S={est.seq_len}, r={est.offload_ratio:g}, "
+        f"{est.device} {est.dtype}, B={est.batch} x S={est.seq_len}, layers {est.layout}, "
         f"clipping {'on' if est.clipping else 'off'} (an estimate; nothing allocated)"
     )
+    rows.append(
+        f"  activation layout, per layer: {'retained':>10} {'offloaded':>10} {'backward':>10}"
+    )
+    for r in est.layout_rows:
+        rows.append(
+            f"    {r['layers']:>3} x {r['policy']:<22} {_gib(r['retained_bytes']):>10} "
+            f"{_gib(r['offloaded_bytes']):>10} {_gib(r['transient_bytes']):>10}"
+        )
     verdict = shortages(est)
     tail = "fits this machine" if not verdict else "DOES NOT FIT: " + "; ".join(verdict)
     return "\n".join([head, f"  {'':<34} {'needed':>12}  this machine", *rows, f"  {tail}"])

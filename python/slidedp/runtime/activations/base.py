@@ -95,7 +95,8 @@ class ParamAliases:
     """Saved-tensor hooks of a graph kept until the backward (``N``): parameter views become
     (name, size, stride, offset) and are rebuilt on the slot ``params`` points at when the
     backward unpacks them; shared tensors are kept by reference; every other tensor goes into
-    ``tensors`` once (by identity) and is unpacked from there."""
+    ``tensors`` as its base, once (a view saved by several operators costs its storage once,
+    and a reloaded base, laid out with the same strides, rebuilds every view of it)."""
 
     param_ids: dict[int, str]
     shared: set[int]
@@ -105,33 +106,36 @@ class ParamAliases:
     _keep: list[torch.Tensor] = field(default_factory=list)  # ids stay unique while kept
 
     def pack(self, t: torch.Tensor) -> tuple[Any, ...]:
-        root = t._base if t._base is not None else t
+        root = t._base if t._base is not None else t  # views are kept as their base, once
+        offset = t.storage_offset() - root.storage_offset()
         name = self.param_ids.get(id(root))
         if name is not None:
-            offset = t.storage_offset() - root.storage_offset()
             return ("param", name, tuple(t.size()), tuple(t.stride()), offset)
         if id(root) in self.shared:
             return ("shared", t)
-        k = self._index.get(id(t))
+        k = self._index.get(id(root))
         if k is None:
-            k = self._index[id(t)] = len(self.tensors)
-            self.tensors.append(t)
-            self._keep.append(t)
-        return ("act", k)
+            k = self._index[id(root)] = len(self.tensors)
+            self.tensors.append(root)
+            self._keep.append(root)
+        if t is root:
+            return ("act", k)
+        return ("view", k, tuple(t.size()), tuple(t.stride()), offset)
 
     def unpack(self, token: tuple[Any, ...]) -> torch.Tensor:
         kind = token[0]
-        if kind == "param":
-            _, name, size, stride, offset = token
-            p = self.params[name]
-            rebuilt: torch.Tensor = p.as_strided(size, stride, p.storage_offset() + offset)
-            return rebuilt
         if kind == "shared":
             shared: torch.Tensor = token[1]
             return shared
-        t: torch.Tensor | None = self.tensors[token[1]]
-        assert t is not None, "a saved activation is still on the host (reload it first)"
-        return t
+        if kind == "act":
+            t: torch.Tensor | None = self.tensors[token[1]]
+            assert t is not None, "a saved activation is still on the host (reload it first)"
+            return t
+        _, key, size, stride, offset = token
+        base = self.params[key] if kind == "param" else self.tensors[key]
+        assert base is not None, "a saved activation is still on the host (reload it first)"
+        rebuilt: torch.Tensor = base.as_strided(size, stride, base.storage_offset() + offset)
+        return rebuilt
 
     def forget_packed(self) -> None:
         """After the forward: drop the identity keep-alive list (``tensors`` holds them)."""

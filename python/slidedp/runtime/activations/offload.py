@@ -98,9 +98,12 @@ class ActivationOffload:
 
     def _issue(self, layer: int) -> None:
         host = self._host[layer]
+        # each tensor comes back with its device strides: views of it are rebuilt by strides
         if self.stream is None:
             with self.clock.host("offload"):
-                self._ahead[layer] = ([h.clone() for _, h, _, _ in host], None)
+                copies = [torch.empty_strided(shape, stride, dtype=h.dtype).copy_(h)
+                          for _, h, shape, stride in host]  # fmt: skip
+            self._ahead[layer] = (copies, None)
             return
         with on_stream(self.stream), self.clock.stream("offload", self.stream):
             copies = []

@@ -1,23 +1,34 @@
-"""``S<mask>``: segment checkpointing. The forward (no grad) saves the layer input and the state
-at every boundary the mask sets (``segments.BOUNDARIES``); the backward replays one span
-between saved boundaries at a time, from the last, and differentiates it: the replay of a span
-stops at the next saved state, where the later span's gradient is already known."""
+"""``S<mask>``: segment checkpointing. The layer runs as one checkpoint region per span between
+saved boundaries (``segments.BOUNDARIES``; non-reentrant ``torch.utils.checkpoint``): the
+forward keeps the layer input and the state at every boundary the mask sets, nothing inside a
+span. The backward replays a span when it first needs one of the span's tensors, and the
+replay stops as soon as every tensor the span's backward needs is back (torch's early stop):
+an operator whose output nobody needs is not run again — e.g. ``down_proj`` at the end of the
+MLP, or ``up_proj`` when the gate/up outputs (b4) are saved. A span reads its start state
+and the weights when it replays, from the backward's slot and from reloaded tensors."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torch.utils.checkpoint import checkpoint
 
 from slidedp.plan.layout import LayerPolicy
-from slidedp.runtime.activations.base import LayerRun, LayerState, leaves
+from slidedp.runtime.activations.base import LayerRun, LayerState, capture_input, leaves
 from slidedp.runtime.activations.segments import SEGMENTS, run_segments
 
 
 @dataclass
 class _Spans:
-    starts: list[int]  # first segment of each span (0 = from the layer input)
-    states: list[tuple[int, ...]]  # per span, its start state as indices into state.tensors
+    states: list[tuple[int, ...]]  # per span, its start state as indices into ``inputs``
+    params: dict[str, torch.Tensor]  # what a replay binds (the backward's slot)
+    box: dict[str, Any]
+    leaves: dict[str, torch.Tensor]
+    inputs: list[torch.Tensor | None] = field(default_factory=list)  # a replay's start tensors
+    out: GradientEdge | None = None
 
 
 class SegmentExecutor:
@@ -30,39 +41,45 @@ class SegmentExecutor:
     def forward(self, run: LayerRun, x: torch.Tensor) -> tuple[torch.Tensor, LayerState]:
         module = run.adapter.layer_module(run.layer)
         mask = run.ctx["masks"][run.layer]
+        x_in, box = capture_input(x)
+        params = leaves(run.params)
+        spans = _Spans([], params, box, params)
         tensors: list[torch.Tensor | None] = []
         index: dict[int, int] = {}
-        states: list[tuple[int, ...]] = []
-        state: tuple[torch.Tensor, ...] = (x,)
         ends = [*self.starts[1:], len(SEGMENTS)]
-        with torch.no_grad():
-            for first, end in zip(self.starts, ends, strict=True):
-                for t in state:  # save the span's start state (a tensor once)
+
+        def replay(span: int, first: int, last: int) -> tuple[torch.Tensor, ...]:
+            start = []
+            for k in spans.states[span]:
+                t = spans.inputs[k]
+                assert t is not None, "a saved boundary is still on the host"
+                start.append(t)
+            return run_segments(module, spans.params, tuple(start), run.ctx, mask, first, last)
+
+        state: tuple[torch.Tensor, ...] = (x_in,)
+        with torch.enable_grad():
+            for span, (first, end) in enumerate(zip(self.starts, ends, strict=True)):
+                for t in state:  # the span's start state, each tensor once
                     if id(t) not in index:
                         index[id(t)] = len(tensors)
                         tensors.append(t)
-                states.append(tuple(index[id(t)] for t in state))
-                state = run_segments(module, run.params, state, run.ctx, mask, first, end - 1)
-        return state[0], LayerState(tensors, data=_Spans(self.starts, states))
+                spans.states.append(tuple(index[id(t)] for t in state))
+                spans.inputs = list(tensors)
+                state = checkpoint(replay, span, first, end - 1, use_reentrant=False)
+        spans.out = get_gradient_edge(state[0])
+        spans.inputs = []
+        return state[0].detach(), LayerState(tensors, data=spans)
 
     def backward(
         self, run: LayerRun, state: LayerState, g: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         spans: _Spans = state.data
-        module = run.adapter.layer_module(run.layer)
-        mask = run.ctx["masks"][run.layer]
-        ends = [*spans.starts[1:], len(SEGMENTS)]
-        grads: dict[str, torch.Tensor] = {}
-        g_state: tuple[torch.Tensor, ...] = (g,)
-        for first, end, idx in reversed(list(zip(spans.starts, ends, spans.states, strict=True))):
-            start = tuple(state.tensor(k).detach().requires_grad_(True) for k in idx)
-            params = leaves(run.params)
-            with torch.enable_grad():
-                out = run_segments(module, params, start, run.ctx, mask, first, end - 1)
-            got = torch.autograd.grad(out, (*start, *params.values()), g_state, allow_unused=True)
-            g_state = tuple(got[: len(start)])
-            for name, gp in zip(params, got[len(start) :], strict=True):
-                if gp is not None:
-                    grads[name] = gp if name not in grads else grads[name] + gp
-        assert len(g_state) == 1, "the first span starts from the layer input alone"
-        return g_state[0], {name: grads[name] for name in run.params}
+        # a replay starts from leaves that require grad, as the forward's tensors did
+        spans.inputs = [
+            state.tensor(k).detach().requires_grad_(True) for k in range(len(state.tensors))
+        ]
+        spans.params = leaves(run.params)
+        assert spans.out is not None
+        grads = torch.autograd.grad([spans.out], (spans.box["anchor"], *spans.leaves.values()), [g])
+        state.data = None
+        return spans.box.pop("g"), dict(zip(spans.leaves, grads[1:], strict=True))

@@ -1,0 +1,185 @@
+"""What an activation layout costs in device and host memory, measured by running the very
+executors the engine runs (``runtime.activations``) on the ``meta`` device: shapes and dtypes
+only, nothing computed or allocated, a few milliseconds per family.
+
+Per layer (``LayerFootprint``): the tensors its forward saves (offloadable, in save order), the
+operator outputs selective checkpointing keeps on the device, and the transient of its backward:
+the tensors autograd saves while the backward replays (all of a full-layer replay, the largest
+span of a segment replay, nothing for ``N``, which replays nothing) and, factor
+``GRAD_COPIES``, as much again for their gradients — the accounting ``estimate`` validated
+against measured peaks for full checkpointing.
+
+On meta, ``scaled_dot_product_attention`` would take its math path (the S x S attention matrix
+saved); a CUDA run takes the flash/efficient kernels, which save q, k, v, the output and the
+log-sum-exp. ``_FlashOnMeta`` routes attention through the flash operator so the saved tensors
+are the GPU's.
+
+Example::
+
+    fp = layer_footprint(adapter, LayerPolicy("N"), batch=16, seq_len=1024, dtype=torch.bfloat16)
+    fp.retained_bytes, fp.offloaded_bytes, fp.transient_bytes
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.graph import saved_tensors_hooks
+from torch.overrides import TorchFunctionMode
+
+from slidedp.models.hf import HFAdapter
+from slidedp.plan.layout import LayerPolicy
+
+# The backward's peak over a replay's saved tensors: the gradients alive at the same time, as a
+# share of those saved bytes. Fitted so that full checkpointing reproduces the GPU peaks measured
+# for Qwen3-4B (BENCHMARKS.md, within 0.5% with ``estimate.ALLOCATOR_BYTES``); the other families
+# use the same share (validated against measured peaks: BENCHMARKS.md "Elastic Checkpointing").
+REPLAY_PEAK_FACTOR = 1.5
+META = torch.device("meta")
+
+
+@dataclass(frozen=True)
+class LayerFootprint:
+    policy: LayerPolicy
+    saved: tuple[int, ...]  # bytes of each offloadable saved tensor, in save order
+    cache_bytes: int  # kept on the device outside ``saved`` (SAC's operator outputs)
+    replay_bytes: int  # saved by the backward's replay (0: no replay)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        from slidedp.runtime.activations.offload import offload_count
+
+        return sum(self.saved[: offload_count(list(self.saved), self.policy.ratio)])
+
+    @property
+    def retained_bytes(self) -> int:
+        """On the device from the layer's forward to its backward."""
+        return sum(self.saved) - self.offloaded_bytes + self.cache_bytes
+
+    @property
+    def transient_bytes(self) -> int:
+        """Added during the layer's backward: the replay's saved tensors and gradients (``N``:
+        the gradients of what it kept)."""
+        if self.policy.family == "N":
+            return round((REPLAY_PEAK_FACTOR - 1) * sum(self.saved))
+        return round(REPLAY_PEAK_FACTOR * self.replay_bytes)
+
+
+class _FlashOnMeta(TorchFunctionMode):
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        q, k, v = args[:3]  # grouped k/v as they are: the kernels take GQA natively
+        out = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, bool(kwargs.get("is_causal")), scale=kwargs.get("scale")
+        )
+        return out[0]
+
+
+def _meta_run(adapter: HFAdapter, batch: int, seq_len: int, dtype: torch.dtype) -> Any:
+    from slidedp.runtime.activations import LayerRun
+
+    x = torch.empty(batch, seq_len, adapter.hidden_size, device=META, dtype=dtype)
+    position_ids = torch.arange(seq_len, device=META).unsqueeze(0)
+    cos, sin = adapter.make_rotary(META)(x, position_ids)
+    ctx = {
+        "position_ids": position_ids,
+        "position_embeddings": (cos.to(dtype), sin.to(dtype)),
+        "masks": [None] * adapter.num_layers,  # causal, unpadded: the kernels' own mask
+    }
+    group = adapter.groups[adapter.layer_group(0)]
+    shapes = adapter.shapes()
+    params = {
+        local: torch.empty(shapes[full], device=META, dtype=dtype) for full, local in group.params
+    }
+    return LayerRun(adapter, 0, params, ctx), x
+
+
+def _saved_by_grad_run(run: Any, fn: Any) -> int:
+    """Bytes autograd saves while ``fn()`` runs with grad (weights and shared tensors aside)."""
+    from slidedp.runtime.activations.base import ParamAliases
+
+    aliases = ParamAliases({id(p): n for n, p in run.params.items()}, run.shared_ids())
+    with torch.enable_grad(), saved_tensors_hooks(aliases.pack, aliases.unpack):
+        fn()
+    return sum(t.numel() * t.element_size() for t in aliases.tensors if t is not None)
+
+
+def _replay_bytes(policy: LayerPolicy, run: Any, x: torch.Tensor) -> int:
+    from slidedp.runtime.activations.base import leaves
+    from slidedp.runtime.activations.segment import SegmentExecutor
+    from slidedp.runtime.activations.segments import SEGMENTS, run_segments
+
+    if policy.family == "N":
+        return 0
+    params = leaves(run.params)
+    if policy.family != "S":  # F and SAC replay the whole layer (SAC reuses its cached outputs)
+        x_in = x.detach().requires_grad_(True)
+        return _saved_by_grad_run(run, lambda: run.module_forward(params, x_in))
+    starts = SegmentExecutor(policy).starts
+    ends = [*starts[1:], len(SEGMENTS)]
+    module = run.adapter.layer_module(run.layer)
+    # each span replays from its saved start state; measure it from a forward of the segments
+    worst = 0
+    with torch.no_grad():
+        state: tuple[torch.Tensor, ...] = (x,)
+        for first, end in zip(starts, ends, strict=True):
+            start = tuple(t.detach().requires_grad_(True) for t in state)
+            span = functools.partial(
+                run_segments, module, params, start, run.ctx, None, first, end - 1
+            )
+            worst = max(worst, _saved_by_grad_run(run, span))
+            state = run_segments(module, run.params, state, run.ctx, None, first, end - 1)
+    return worst
+
+
+@functools.cache
+def layer_footprint(
+    adapter: HFAdapter, policy: LayerPolicy, batch: int, seq_len: int, dtype: torch.dtype
+) -> LayerFootprint:
+    """One decoder layer's memory under ``policy`` for ``batch`` rows of ``seq_len`` tokens."""
+    from slidedp.runtime.activations import executor_for
+
+    with _FlashOnMeta():
+        run, x = _meta_run(adapter, batch, seq_len, dtype)
+        _, state = executor_for(policy).forward(run, x)
+        replay = _replay_bytes(policy, run, x)
+    return LayerFootprint(policy, tuple(state.saved_bytes()), state.retained_bytes, replay)
+
+
+@dataclass(frozen=True)
+class LayoutMemory:
+    """A whole layout's activation memory (bytes)."""
+
+    retained_bytes: int  # on the device after the forward: every layer's retained share
+    offloaded_bytes: int  # the host arenas (pinned)
+    prefetch_bytes: int  # the largest layer's offloaded share, reloaded one layer ahead
+    transient_bytes: int  # the largest backward transient of one layer
+
+
+def layout_memory(
+    adapter: HFAdapter,
+    layers: Sequence[LayerPolicy],
+    batch: int,
+    seq_len: int,
+    dtype: torch.dtype,
+) -> LayoutMemory:
+    fps = [layer_footprint(adapter, p, batch, seq_len, dtype) for p in layers]
+    return LayoutMemory(
+        retained_bytes=sum(f.retained_bytes for f in fps),
+        offloaded_bytes=sum(f.offloaded_bytes for f in fps),
+        prefetch_bytes=max((f.offloaded_bytes for f in fps), default=0),
+        transient_bytes=max((f.transient_bytes for f in fps), default=0),
+    )

@@ -1,0 +1,42 @@
+"""The memory of a layout measured on the meta device (``plan.cost``) equals what the same
+executors keep when they really run (CPU, float32, unpadded rows as the estimate assumes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.test_activations import _layer
+from slidedp.plan.cost import layer_footprint, layout_memory
+from slidedp.plan.layout import parse_entry, parse_layout
+from slidedp.runtime.activations import LayerRun, executor_for
+
+
+@pytest.mark.parametrize(
+    "text", ["F", "N", "S1010100", "S1111111", "SAC.mm", "SAC.attn", "SAC.noact", "N-r0.5"]
+)
+def test_the_meta_footprint_is_what_the_executor_keeps_on_a_real_run(text: str) -> None:
+    adapter, x, params, ctx = _layer("qwen3")
+    ctx["masks"] = [None]  # unpadded: the attention kernel's own causal mask
+    _, policy = parse_entry(text, 0.0)
+    _, state = executor_for(policy).forward(LayerRun(adapter, 0, params, ctx), x)
+    b, s, _ = x.shape
+    fp = layer_footprint(adapter, policy, b, s, torch.float32)
+    # the flash kernel's meta function also returns its RNG seed and offset (24 B), the CPU
+    # kernel does not: every other tensor is the same, in the same order
+    assert [n for n in fp.saved if n > 64] == [n for n in state.saved_bytes() if n > 64]
+    assert 0 <= fp.cache_bytes - state.retained_bytes <= 64  # the flash kernel's RNG state
+    assert fp.offloaded_bytes + fp.retained_bytes == sum(fp.saved) + fp.cache_bytes
+    if policy.ratio:
+        assert 0 < fp.offloaded_bytes < sum(fp.saved)
+
+
+def test_a_layout_sums_its_layers_and_takes_the_largest_transient() -> None:
+    adapter, x, _, _ = _layer("qwen3")
+    b, s, h = x.shape
+    layers = parse_layout("F-r1, N, S1111111", 3, default_ratio=0.0)
+    mem = layout_memory(adapter, layers, b, s, torch.float32)
+    fps = [layer_footprint(adapter, p, b, s, torch.float32) for p in layers]
+    assert mem.offloaded_bytes == mem.prefetch_bytes == b * s * h * 4  # the F input alone
+    assert mem.retained_bytes == fps[1].retained_bytes + fps[2].retained_bytes
+    assert mem.transient_bytes == max(f.transient_bytes for f in fps) == fps[0].transient_bytes
