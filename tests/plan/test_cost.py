@@ -34,7 +34,7 @@ def test_the_meta_footprint_is_what_the_executor_keeps_on_a_real_run(text: str) 
 def test_a_layout_sums_its_layers_and_takes_the_largest_transient() -> None:
     adapter, x, _, _ = _layer("qwen3")
     b, s, h = x.shape
-    layers = parse_layout("F-r1, N, S1111111", 3, default_ratio=0.0)
+    layers = parse_layout("1xF-r1, 1xN, S1111111", 3, default_ratio=0.0)
     mem = layout_memory(adapter, layers, b, s, torch.float32)
     fps = [layer_footprint(adapter, p, b, s, torch.float32) for p in layers]
     assert mem.offloaded_bytes == mem.prefetch_bytes == b * s * h * 4  # the F input alone
