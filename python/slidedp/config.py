@@ -186,6 +186,11 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raise ConfigError(
             f"cannot read config {path}: {e.strerror} (check the path of the YAML file)"
         ) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config {path} is not a text file (byte {e.start} is not UTF-8): give the YAML "
+            "config file"
+        ) from None
     try:
         raw = load_yaml(text)
     except yaml.MarkedYAMLError as e:

@@ -103,7 +103,7 @@ def test_several_problems_are_listed_under_one_header(
     header, *problems = err.splitlines()
     assert header == "slidedp train: error: the config has 3 problems:"
     assert problems == [
-        "  train.learning_rate must be a number, got 'fast'",  # the file's key order
+        "  train.learning_rate must be a finite number, got 'fast'",  # the file's key order
         "  unknown key 'train.max_stpes' (did you mean 'train.max_steps'?)",
         "  runtime.slots must be >= 1, got 0",
     ]
