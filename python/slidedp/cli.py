@@ -54,10 +54,11 @@ def _train(config: str, overrides: list[str]) -> int:
         return 0
     print(f"slidedp train: resolved config (saved as {cfg.output.dir}/{RESOLVED_CONFIG}):")
     print(resolved_yaml(cfg), end="", flush=True)
-    check_before_training(cfg)
+    checked = check_before_training(cfg)
+    _warn("train", checked.warning)
     from slidedp.runtime.trainer import Trainer  # the engine: imported once the inputs are good
 
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, checked=checked)
     write_resolved_config(cfg)  # only once every input is known good
     trainer.run()
     return 0
@@ -67,11 +68,17 @@ def _validate(config: str, overrides: list[str]) -> int:
     from slidedp.config import load_config
     from slidedp.preflight import validate
 
-    lines = validate(load_config(config, overrides))
+    checked = validate(load_config(config, overrides))
+    _warn("validate", checked.warning)
     print(f"slidedp validate: OK ({config})")
-    for line in lines:
+    for line in checked.lines:
         print(f"  {line}")
     return 0
+
+
+def _warn(verb: str, warning: str | None) -> None:
+    if warning is not None:
+        print(f"slidedp {verb}: warning: {warning}", file=sys.stderr, flush=True)
 
 
 def _estimate(config: str, overrides: list[str], as_json: bool) -> int:

@@ -61,6 +61,7 @@ class TrainSection:
     seed: int = 42
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA, f32 on CPU
     resume: str = ""  # "": new run | auto: newest checkpoint in output.dir, if any | a checkpoint
+    verify_checksums: bool = False  # on resume, every file's CRC-32 too (sizes are always checked)
     on_nonfinite: Literal["stop", "skip"] = "stop"  # skip: count the step, apply no update
     max_consecutive_skips: int = 5  # with skip: stop after this many non-finite steps in a row
 

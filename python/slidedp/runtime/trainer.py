@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,29 +27,14 @@ import torch
 
 from slidedp.config import TrainConfig
 from slidedp.data.build import run_batches
-from slidedp.errors import (
-    CheckpointError,
-    ConfigError,
-    NonFiniteError,
-    TrainingInterruptedError,
-)
+from slidedp.errors import ConfigError, NonFiniteError, TrainingInterruptedError
 from slidedp.estimate import Machine, resolve_mirror
-from slidedp.io.checkpoint import (
-    Progress,
-    check_resumable,
-    checkpoint_step,
-    complete_checkpoints,
-    export_checkpoint,
-    load_tensors,
-    read_rng,
-    read_state,
-    resolve_resume,
-    restore_rng,
-    save_checkpoint,
-)
+from slidedp.io.checkpoint import Progress, export_checkpoint, restore_rng, save_checkpoint
 from slidedp.io.hf_load import fill_master
+from slidedp.io.resume import load_resume_point, plan_resume
 from slidedp.kernels import Kernels, default_threads
 from slidedp.models.hf import HFAdapter
+from slidedp.preflight import Checked
 from slidedp.runtime.dist import Dist, all_reduce_sum, start
 from slidedp.runtime.engine import Engine, OptimConfig, store_args
 from slidedp.runtime.flops import device_peak_flops, model_flops_per_token
@@ -81,7 +67,11 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, *, log: bool = True) -> None:
+    def __init__(
+        self, cfg: TrainConfig, *, log: bool = True, checked: Checked | None = None
+    ) -> None:
+        """``checked``: the preflight's result (``slidedp train``), whose resume decision is
+        taken as is; without it the trainer decides (the same ``plan_resume``)."""
         self.cfg, self.log = cfg, log
         tc, rt = cfg.train, cfg.runtime
         self.ctx = Dist.from_env()  # several ranks: see slidedp.runtime.dist
@@ -95,8 +85,10 @@ class Trainer:
         torch.manual_seed(tc.seed)
         self.adapter = HFAdapter.from_dir(cfg.model.path)
         self.out_dir = Path(cfg.output.dir)
-        self.progress = Progress()
-        self.resume_from = self._check_resume()
+        self.resume = (
+            checked.resume if checked is not None else plan_resume(tc, self.out_dir, self.adapter)
+        )
+        self.progress = Progress() if self.resume is None else replace(self.resume.progress)
         bf16 = self.dtype == torch.bfloat16
 
         def create() -> HostStore:  # every rank gets its own range of the slot rings
@@ -140,39 +132,16 @@ class Trainer:
             param_route=rt.param_route,
             signals=self.signals,
         )
-        if self.resume_from is not None:
+        if self.resume is not None:
             self.engine.start_at(self.progress.step)
-            restore_rng(self._rng)  # last: building the trainer draws random numbers
-
-    def _check_resume(self) -> Path | None:
-        """The checkpoint to continue from (and ``self.progress``), or one clear error."""
-        tc = self.cfg.train
-        path = resolve_resume(tc.resume, self.out_dir)
-        if path is None:
-            return None
-        state = read_state(path)
-        self.progress = check_resumable(
-            path, state, max_steps=tc.max_steps, global_batch_size=tc.global_batch_size
-        )
-        ahead = [
-            p
-            for p in complete_checkpoints(self.out_dir)
-            if checkpoint_step(p) >= self.progress.step and p.resolve() != path.resolve()
-        ]
-        if ahead:
-            raise CheckpointError(
-                f"{self.out_dir} holds {ahead[-1].name}, not older than the resumed {path.name}: "
-                "a checkpoint is never overwritten; move it away or resume from it"
-            )
-        self._rng = read_rng(path)
-        return path
+            restore_rng(self.resume.rng)  # last: building the trainer draws random numbers
 
     def _fill_state(self, store: HostStore) -> str:
         """Master weights (and Adam moments when resuming) into the store; says from where."""
-        if self.resume_from is None:
+        if self.resume is None:
             return fill_master(self.adapter, store, self.cfg.train.seed)
-        load_tensors(self.resume_from, self.adapter, store)
-        return f"resumed from {self.resume_from} (step {self.progress.step})"
+        load_resume_point(self.resume, self.adapter, store)
+        return f"resumed from {self.resume.path} (step {self.progress.step})"
 
     def _default_host_threads(self) -> int | None:
         """All cores for host kernels on GPU; on CPU, half of them (torch computes on the
@@ -196,7 +165,7 @@ class Trainer:
             seq_len=self.cfg.data.seq_len,
             start_step=self.progress.step,
             max_steps=tc.max_steps,
-            resumed_from=None if self.resume_from is None else str(self.resume_from),
+            resumed_from=None if self.resume is None else str(self.resume.path),
             store_bytes=self.store.total_bytes,
             pinned_bytes=pinned,
             device=str(self.device),
@@ -290,6 +259,7 @@ class Trainer:
             self.progress,
             meta,
             total_limit=self.cfg.output.save_total_limit,
+            set_aside=() if self.resume is None else self.resume.set_aside,
         )
 
     def run(self) -> list[dict[str, Any]]:
@@ -305,6 +275,7 @@ class Trainer:
         main = self.ctx is None or self.ctx.main
         log = self._step_log() if main else None
         records: list[dict[str, Any]] = []
+        start_step = self.progress.step
         try:
             with StopSignals() as stop:
                 for t in range(self.progress.step, tc.max_steps):
@@ -333,7 +304,8 @@ class Trainer:
             self.engine.drain()
             return []
         last_dir = self.out_dir / f"checkpoint-{self.progress.step}"
-        if not last_dir.exists():  # else: resumed from it, nothing left to run
+        # a damaged checkpoint-STEP the run went past is set aside by save()
+        if self.progress.step > start_step or not last_dir.exists():  # else: resumed from it
             last_dir = self.save()
             self._say(f"saved {last_dir}")
         if out.export:
