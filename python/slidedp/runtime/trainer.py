@@ -264,9 +264,15 @@ class Trainer:
 
     def run(self) -> list[dict[str, Any]]:
         """The remaining steps; returns their metrics records (also in ``metrics.jsonl``).
-        The engine's page-locked host memory is released at the end, success or not."""
+        The engine's page-locked host memory is released at the end, success or not. A failed
+        host update is reported as itself, whatever error it caused first."""
         try:
             return self._run()
+        except Exception:
+            # this process's update worker failed and poisoned the store: its error is the one
+            # to report, not what a waiter (here or in a peer, then a collective) woke with
+            self.engine.worker.raise_failure()
+            raise
         finally:
             self.engine.close()
 
