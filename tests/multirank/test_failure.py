@@ -69,9 +69,7 @@ def test_a_killed_rank_stops_the_launch(tmp_path: Path) -> None:
 def _lr_failing_on(monkeypatch: pytest.MonkeyPatch, rank: str, step: int) -> None:
     """An infinite learning rate at 0-based ``step`` on rank ``rank`` (ranks read ``RANK``;
     "" is a one-process run): the update worker's AdamW refuses it, the store is poisoned."""
-    from slidedp.runtime import trainer
-
-    real = trainer.lr_schedule
+    from slidedp.runtime.schedule import lr_schedule as real
 
     def schedule(*args: Any) -> Callable[[int], float]:
         lr_at = real(*args)
@@ -79,7 +77,7 @@ def _lr_failing_on(monkeypatch: pytest.MonkeyPatch, rank: str, step: int) -> Non
             float("inf") if (os.environ.get("RANK", ""), t) == (rank, step) else lr_at(t)
         )
 
-    monkeypatch.setattr(trainer, "lr_schedule", schedule)
+    monkeypatch.setattr("slidedp.runtime.trainer.lr_schedule", schedule)
 
 
 @pytest.mark.parametrize(
