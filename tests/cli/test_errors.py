@@ -153,6 +153,20 @@ def test_mismatched_weight_shapes(capsys: Capsys, tmp_path: Path, model_copy: Pa
 
 
 @pytest.mark.parametrize("verb", VERBS)
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("num_hidden_layers", "two"), ("hidden_size", 64.5), ("vocab_size", None), ("head_dim", -1)],
+)
+def test_model_config_field_of_the_wrong_type_or_value(
+    capsys: Capsys, tmp_path: Path, model_copy: Path, verb: str, field: str, value: object
+) -> None:
+    config_json = model_copy / "config.json"
+    config_json.write_text(json.dumps(json.loads(config_json.read_text()) | {field: value}))
+    config = _config(tmp_path, model_copy)
+    _fails(capsys, verb, config, needles=(f"{config_json}", f"'{field}'", "fix the f"))
+
+
+@pytest.mark.parametrize("verb", VERBS)
 def test_unsupported_architecture(capsys: Capsys, tmp_path: Path, verb: str) -> None:
     model = tmp_path / "gpt2"
     model.mkdir()

@@ -44,7 +44,7 @@ from safetensors import SafetensorError, safe_open
 
 from slidedp.errors import CheckpointError
 from slidedp.io.export import DEFAULT_MAX_SHARD_BYTES, copy_tokenizer, write_region
-from slidedp.io.manifest import MANIFEST, write_manifest
+from slidedp.io.manifest import MANIFEST, read_manifest, size_problem, write_manifest
 from slidedp.models.hf import HFAdapter
 from slidedp.store import HostStore, StateRegion
 
@@ -286,7 +286,9 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 def export_checkpoint(checkpoint: Path, out_dir: Path, *, replace: bool = False) -> Path:
     """The HF model part of ``checkpoint`` (or of the checkpoint ``checkpoint/latest`` names)
-    as ``out_dir``: config, tokenizer, f32 weights (hard links when possible)."""
+    as ``out_dir``: config, tokenizer, f32 weights (hard links when possible). Refused before
+    anything is written: a damaged checkpoint (manifest sizes), a target that is a file, not
+    empty (unless ``replace``), or inside a checkpoint or model directory."""
     if (checkpoint / LATEST).is_file():
         checkpoint = checkpoint / (checkpoint / LATEST).read_text().strip()
     if not (checkpoint / STATE_FILE).is_file():
@@ -294,12 +296,38 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, *, replace: bool = False)
             f"{checkpoint} is not a complete slidedp checkpoint (no {STATE_FILE}): give "
             "OUTPUT/checkpoint-STEP or an output directory with a 'latest' pointer"
         )
-    if out_dir.exists() and any(out_dir.iterdir()):
-        if not replace:
-            raise CheckpointError(f"{out_dir} exists and is not empty: choose a new directory")
+    try:
+        manifest = read_manifest(checkpoint)
+        problem = None if manifest is None else size_problem(checkpoint, manifest)
+    except ValueError as e:
+        problem = str(e)
+    if problem is not None:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} is damaged: {problem}; export an earlier checkpoint"
+        )
+    _check_export_target(out_dir, replace)
+    if out_dir.exists():
         shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True)
     for src in checkpoint.iterdir():
         if src.is_file() and src.name not in (STATE_FILE, RNG_FILE, MANIFEST):
             _link_or_copy(src, out_dir / src.name)
     return out_dir
+
+
+def _check_export_target(out_dir: Path, replace: bool) -> None:
+    """``out_dir`` can become the export: a new or empty directory (any, with ``replace``),
+    outside every checkpoint and model directory, under a directory."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"{out_dir} exists and is a file: choose a new directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not replace:
+        raise CheckpointError(f"{out_dir} exists and is not empty: choose a new directory")
+    for parent in [out_dir.resolve(), *out_dir.resolve().parents]:
+        checkpoint = (parent / STATE_FILE).exists() or (parent / MANIFEST).exists()
+        if checkpoint or ((parent / "config.json").exists() and any(parent.glob("*.safetensors"))):
+            raise CheckpointError(
+                f"{out_dir} is inside the checkpoint or model directory {parent}, which is never "
+                "written into: choose a directory outside it"
+            )
+        if parent.exists() and not parent.is_dir():
+            raise CheckpointError(f"{out_dir} cannot be created: {parent} is a file")
