@@ -322,9 +322,11 @@ def _check_export_target(out_dir: Path, replace: bool) -> None:
         raise CheckpointError(f"{out_dir} exists and is a file: choose a new directory")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not replace:
         raise CheckpointError(f"{out_dir} exists and is not empty: choose a new directory")
-    for parent in [out_dir.resolve(), *out_dir.resolve().parents]:
+    target = out_dir.resolve()
+    for parent in [target, *target.parents]:
         checkpoint = (parent / STATE_FILE).exists() or (parent / MANIFEST).exists()
-        if checkpoint or ((parent / "config.json").exists() and any(parent.glob("*.safetensors"))):
+        model = (parent / "config.json").exists() and any(parent.glob("*.safetensors"))
+        if checkpoint or (model and parent != target):  # an earlier export may be replaced
             raise CheckpointError(
                 f"{out_dir} is inside the checkpoint or model directory {parent}, which is never "
                 "written into: choose a directory outside it"
