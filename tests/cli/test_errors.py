@@ -204,6 +204,19 @@ def test_bad_jsonl_line_names_file_and_line(
 
 
 @pytest.mark.parametrize("verb", VERBS)
+def test_text_data_with_a_model_without_tokenizer_files(
+    capsys: Capsys, tmp_path: Path, model: Path, verb: str
+) -> None:
+    assert not (model / "tokenizer.json").exists()
+    data = tmp_path / "text.jsonl"
+    data.write_text(
+        "".join(json.dumps({"text": f"sample {i} of plain text"}) + "\n" for i in range(8))
+    )
+    config = _config(tmp_path, model, data)
+    _fails(capsys, verb, config, needles=(f"{model} has no tokenizer files", "copy them"))
+
+
+@pytest.mark.parametrize("verb", VERBS)
 def test_empty_dataset(capsys: Capsys, tmp_path: Path, model: Path, verb: str) -> None:
     data = tmp_path / "empty.jsonl"
     data.write_text("")
