@@ -35,17 +35,16 @@ def _train(config: str, overrides: list[str]) -> int:
     """Resolve and print the config, check the inputs, build everything (model, store, data),
     save ``resolved_config.yaml``, then train."""
     from slidedp.config import RESOLVED_CONFIG, load_config, resolved_yaml, write_resolved_config
-    from slidedp.preflight import check_before_training
 
     cfg = load_config(config, overrides)
+    from slidedp.preflight import check_before_training
     from slidedp.runtime.dist import Dist
 
     ctx = Dist.from_env()
     if ctx is None and cfg.runtime.world > 1:  # start the ranks (each runs this verb again)
-        from slidedp.runtime.dist import check_config
         from slidedp.runtime.launch import launch
 
-        check_config(cfg.runtime.world, cfg.runtime, cfg.train)
+        check_before_training(cfg)  # a refusal is one line, before any rank starts
         return launch(cfg.runtime.world, ["train", config, *overrides])
     if ctx is not None and not ctx.main:  # rank 0 prints, checks and writes
         from slidedp.runtime.trainer import Trainer
