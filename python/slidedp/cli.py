@@ -35,17 +35,16 @@ def _train(config: str, overrides: list[str]) -> int:
     """Resolve and print the config, check the inputs, build everything (model, store, data),
     save ``resolved_config.yaml``, then train."""
     from slidedp.config import RESOLVED_CONFIG, load_config, resolved_yaml, write_resolved_config
-    from slidedp.preflight import check_before_training
 
     cfg = load_config(config, overrides)
+    from slidedp.preflight import check_before_training
     from slidedp.runtime.dist import Dist
 
     ctx = Dist.from_env()
     if ctx is None and cfg.runtime.world > 1:  # start the ranks (each runs this verb again)
-        from slidedp.runtime.dist import check_config
         from slidedp.runtime.launch import launch
 
-        check_config(cfg.runtime.world, cfg.runtime, cfg.train)
+        check_before_training(cfg)  # a refusal is one line, before any rank starts
         return launch(cfg.runtime.world, ["train", config, *overrides])
     if ctx is not None and not ctx.main:  # rank 0 prints, checks and writes
         from slidedp.runtime.trainer import Trainer
@@ -54,10 +53,11 @@ def _train(config: str, overrides: list[str]) -> int:
         return 0
     print(f"slidedp train: resolved config (saved as {cfg.output.dir}/{RESOLVED_CONFIG}):")
     print(resolved_yaml(cfg), end="", flush=True)
-    check_before_training(cfg)
+    checked = check_before_training(cfg)
+    _warn("train", checked.warning)
     from slidedp.runtime.trainer import Trainer  # the engine: imported once the inputs are good
 
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, checked=checked)
     write_resolved_config(cfg)  # only once every input is known good
     trainer.run()
     return 0
@@ -67,11 +67,17 @@ def _validate(config: str, overrides: list[str]) -> int:
     from slidedp.config import load_config
     from slidedp.preflight import validate
 
-    lines = validate(load_config(config, overrides))
+    checked = validate(load_config(config, overrides))
+    _warn("validate", checked.warning)
     print(f"slidedp validate: OK ({config})")
-    for line in lines:
+    for line in checked.lines:
         print(f"  {line}")
     return 0
+
+
+def _warn(verb: str, warning: str | None) -> None:
+    if warning is not None:
+        print(f"slidedp {verb}: warning: {warning}", file=sys.stderr, flush=True)
 
 
 def _estimate(config: str, overrides: list[str], as_json: bool) -> int:

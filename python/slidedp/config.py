@@ -62,6 +62,7 @@ class TrainSection:
     seed: int = 42
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bf16 on CUDA, f32 on CPU
     resume: str = ""  # "": new run | auto: newest checkpoint in output.dir, if any | a checkpoint
+    verify_checksums: bool = False  # on resume, every file's CRC-32 too (sizes are always checked)
     on_nonfinite: Literal["stop", "skip"] = "stop"  # skip: count the step, apply no update
     max_consecutive_skips: int = 5  # with skip: stop after this many non-finite steps in a row
 
@@ -194,6 +195,11 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except OSError as e:
         raise ConfigError(
             f"cannot read config {path}: {e.strerror} (check the path of the YAML file)"
+        ) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config {path} is not a text file (byte {e.start} is not UTF-8): give the YAML "
+            "config file"
         ) from None
     try:
         raw = load_yaml(text)

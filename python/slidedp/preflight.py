@@ -6,17 +6,21 @@ Each check raises one typed ``SlidedpError`` whose message names the problem and
 returns one line for the OK summary: the device (``runtime.device=cuda`` on a machine without
 CUDA), the model directory (config.json present and of a supported architecture, built on the
 meta device; every safetensors header against the model's names, shapes and dtypes, and against
-the file size, without reading tensor data), the run's memory by ``slidedp.estimate`` (the
-exact store size, the offload arena, the process; the GPU peak on CUDA) against free
+the file size, without reading tensor data), with several ranks the batch split, the resume
+decision (``io.resume``: the checkpoint ``train.resume`` picks, its manifest sizes, trainer
+state and headers checked; the conflicts ``train`` refuses), the run's memory by
+``slidedp.estimate`` (the exact store size, the offload arena, the process; the GPU peak on
+CUDA) against free
 ``/dev/shm``, ``MemAvailable`` and the device total, the data, and the output directory
 (writable, probed with a temporary file; never a model or checkpoint directory, so nothing is
-ever written into one). ``slidedp train`` runs them all but the data check before it starts
-(the trainer checks the data as it reads it).
+ever written into one). ``slidedp train`` runs the same checks, all but the data (the trainer
+checks the data as it reads it), before it allocates or writes anything: the two verbs cannot
+disagree.
 
 Example::
 
     cfg = load_config("run.yaml")
-    for line in validate(cfg):
+    for line in validate(cfg).lines:
         print(line)
 """
 
@@ -25,11 +29,13 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from slidedp.config import TrainConfig
 from slidedp.errors import ConfigError, ModelLoadError
 from slidedp.io.hf_load import check_weight_files, weight_files
+from slidedp.io.resume import ResumePoint, plan_resume
 from slidedp.models.hf import HFAdapter
 
 SHM_DIR = Path("/dev/shm")
@@ -130,19 +136,50 @@ def check_output_dir(cfg: TrainConfig) -> str:
     return f"output   {out}: writable{'' if out.exists() else ' (will be created)'}"
 
 
-def _check_all_but_data(cfg: TrainConfig) -> tuple[HFAdapter, list[str]]:
+def check_ranks(cfg: TrainConfig) -> str:
+    """What several ranks need from the config (the launcher checks it again)."""
+    from slidedp.runtime.dist import check_config
+
+    world = cfg.runtime.world
+    check_config(world, cfg.runtime, cfg.train)
+    return f"ranks    {world}"
+
+
+def check_resume(cfg: TrainConfig, adapter: HFAdapter) -> tuple[ResumePoint | None, str]:
+    """``train.resume`` against ``output.dir`` (``io.resume``): the checkpoint to continue from,
+    its files checked, or the refusal ``train`` would meet (a new run over checkpoints, a step
+    beyond ``train.max_steps``, a damaged checkpoint named by path, ...)."""
+    point = plan_resume(cfg.train, Path(cfg.output.dir), adapter)
+    if point is None:
+        return None, "resume   none: a new run"
+    return point, f"resume   from {point.path} (step {point.progress.step}), files intact"
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What the checks found: one line per part, the resume decision and its warning."""
+
+    lines: list[str]
+    resume: ResumePoint | None
+    adapter: HFAdapter
+
+    @property
+    def warning(self) -> str | None:
+        return None if self.resume is None else self.resume.warning
+
+
+def check_before_training(cfg: TrainConfig) -> Checked:
+    """The checks ``slidedp train`` runs before it allocates or writes anything: all but the
+    data, which the trainer reads once and checks as it builds the batches."""
     device = check_device(cfg)
     adapter, model = check_model(cfg)
-    return adapter, [device, model, check_memory(cfg, adapter), check_output_dir(cfg)]
+    ranks = [check_ranks(cfg)] if cfg.runtime.world > 1 else []
+    resume, resumed = check_resume(cfg, adapter)
+    lines = [device, *ranks, model, resumed, check_memory(cfg, adapter), check_output_dir(cfg)]
+    return Checked(lines, resume, adapter)
 
 
-def check_before_training(cfg: TrainConfig) -> list[str]:
-    """The checks ``slidedp train`` runs before it allocates anything: all but the data, which
-    the trainer reads once and checks as it builds the batches."""
-    return _check_all_but_data(cfg)[1]
-
-
-def validate(cfg: TrainConfig) -> list[str]:
-    """Every check (``slidedp validate``); one summary line each."""
-    adapter, lines = _check_all_but_data(cfg)
-    return [*lines, check_data(cfg, adapter)]
+def validate(cfg: TrainConfig) -> Checked:
+    """Every check (``slidedp validate``): ``train``'s and the data's; one summary line each."""
+    checked = check_before_training(cfg)
+    return replace(checked, lines=[*checked.lines, check_data(cfg, checked.adapter)])

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -107,7 +108,7 @@ def describe(hint: Any) -> str:
         return f"a list whose items are each {describe(args[0])}"
     if origin is dict:
         return f"a mapping from {describe(args[0])} to {describe(args[1])}"
-    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    names = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}
     return names.get(hint, "null" if hint is type(None) else getattr(hint, "__name__", str(hint)))
 
 
@@ -159,6 +160,8 @@ def coerce(value: Any, hint: Any) -> Any:
     if isinstance(value, bool) != (hint is bool):  # bool is an int subclass: never mix them
         raise _Mismatch
     if hint is float and isinstance(value, int | float):
+        if not math.isfinite(value):  # .nan, .inf, 1e999: no config value means them
+            raise _Mismatch
         return float(value)
     if hint is int and isinstance(value, float) and value.is_integer():
         return int(value)

@@ -73,6 +73,11 @@ class UpdateWorker:
         """Waits until every submitted update is done; raises the first failure."""
         self._native.drain(timeout_s)
 
+    def raise_failure(self) -> None:
+        """Raises the first update failure (``UpdateFailedError``), if one happened, at once:
+        the cause of the poisoned store a waiter of this process woke with."""
+        self._native.raise_failure()
+
     def take_spans(self) -> list[tuple[int, float, float]]:
         """``(group, start_s, end_s)`` of each update request completed since the last call,
         in ``time.monotonic()`` seconds (for traces)."""

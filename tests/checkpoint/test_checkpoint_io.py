@@ -6,6 +6,7 @@ import json
 import random
 import tracemalloc
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from engine.tiny import make_model
 from slidedp.cli import main
+from slidedp.config import TrainSection
 from slidedp.errors import CheckpointError
 from slidedp.io import checkpoint as ckpt
 from slidedp.io import export
@@ -24,10 +26,10 @@ from slidedp.io.checkpoint import (
     capture_rng,
     export_checkpoint,
     load_tensors,
-    resolve_resume,
     restore_rng,
     save_checkpoint,
 )
+from slidedp.io.resume import plan_resume
 from slidedp.models.hf import HFAdapter
 from slidedp.store import GroupSpec, HostStore, ParamSpec, StateRegion
 
@@ -46,8 +48,15 @@ def _filled(model: Path, seed: int) -> tuple[HFAdapter, HostStore]:
     return adapter, store
 
 
-def _save(out: Path, adapter: HFAdapter, store: HostStore, step: int, **kw: int) -> Path:
-    return save_checkpoint(out, adapter, store, Progress(step=step, adam_step=step), {}, **kw)
+def _save(out: Path, adapter: HFAdapter, store: HostStore, step: int, **kw: Any) -> Path:
+    meta = {"train": {"global_batch_size": 8}}
+    return save_checkpoint(out, adapter, store, Progress(step=step, adam_step=step), meta, **kw)
+
+
+def resolve_resume(resume: str, out: Path, adapter: HFAdapter) -> Path | None:
+    """The checkpoint ``train.resume=RESUME`` continues from (None: a new run)."""
+    point = plan_resume(TrainSection(max_steps=100, resume=resume), out, adapter)
+    return None if point is None else point.path
 
 
 def _tree(path: Path) -> dict[str, bytes]:
@@ -148,7 +157,7 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_and_latest_intact(
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2", "latest"]
     assert (out / "latest").read_text() == "checkpoint-2\n"
     assert _tree(first) == before
-    assert resolve_resume("auto", out) == first
+    assert resolve_resume("auto", out, adapter) == first
 
 
 def test_a_killed_save_leaves_a_hidden_temp_that_resume_ignores_and_the_next_save_removes(
@@ -161,7 +170,7 @@ def test_a_killed_save_leaves_a_hidden_temp_that_resume_ignores_and_the_next_sav
     stale = out / ".checkpoint-4.tmp"  # what SIGKILL in the middle of a save leaves
     (stale / "optimizer").mkdir(parents=True)
     (stale / "model.safetensors").write_bytes(b"partial")
-    assert resolve_resume("auto", out) == first
+    assert resolve_resume("auto", out, adapter) == first
     _save(out, adapter, store, 6)
     assert not stale.exists()
 
@@ -175,7 +184,7 @@ def test_rotation_keeps_the_newest_and_nothing_is_written_into_an_existing_check
     for step in (10, 20, 30):
         _save(out, adapter, store, step, total_limit=2)
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-20", "checkpoint-30", "latest"]
-    assert resolve_resume("auto", out) == out / "checkpoint-30"
+    assert resolve_resume("auto", out, adapter) == out / "checkpoint-30"
     before = _tree(out / "checkpoint-30")
     store.region("master").zero_()
     with pytest.raises(CheckpointError, match="never written into"):
@@ -187,14 +196,14 @@ def test_resume_settings(tmp_path: Path) -> None:
     model = make_model(tmp_path, "qwen3", tied=True)
     adapter, store = _filled(model, seed=1)
     out = tmp_path / "out"
-    assert resolve_resume("", out) is None
-    assert resolve_resume("auto", out) is None  # nothing to resume: a new run
+    assert resolve_resume("", out, adapter) is None
+    assert resolve_resume("auto", out, adapter) is None  # nothing to resume: a new run
     path = _save(out, adapter, store, 3)
-    assert resolve_resume(str(path), tmp_path / "elsewhere") == path
+    assert resolve_resume(str(path), tmp_path / "elsewhere", adapter) == path
     with pytest.raises(CheckpointError, match=r"already holds checkpoint-3: set train.resume=auto"):
-        resolve_resume("", out)
-    with pytest.raises(CheckpointError, match="not a complete slidedp checkpoint"):
-        resolve_resume(str(model), out)
+        resolve_resume("", out, adapter)
+    with pytest.raises(CheckpointError, match="is not a slidedp checkpoint"):
+        resolve_resume(str(model), out, adapter)
 
 
 def test_a_checkpoint_of_another_model_is_refused_before_anything_is_loaded(

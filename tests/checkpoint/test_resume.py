@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -151,7 +152,7 @@ def test_sigterm_to_a_cli_run_saves_a_checkpoint_and_auto_resume_continues_exact
     assert losses == [m["loss"] for m in read_metrics(tmp_path / "straight")]
 
 
-def test_resume_refusals_are_one_clear_line_and_write_nothing(
+def test_resume_refusals_are_one_clear_line_the_same_for_validate_and_write_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     model = make_model(tmp_path, "qwen3", tied=True, layers=2)
@@ -170,13 +171,14 @@ def test_resume_refusals_are_one_clear_line_and_write_nothing(
             "checkpoint-2 does not fit this model",
         ),
     ]
-    for overrides, message in cases:
+    for (overrides, message), verb in itertools.product(cases, ("validate", "train")):
         capsys.readouterr()
         target = out if overrides[:1] != [f"model.path={deeper}"] else tmp_path / "other"
-        assert main(["train", str(config), f"output.dir={target}", *overrides]) == 2
+        assert main([verb, str(config), f"output.dir={target}", *overrides]) == 2, verb
         err = capsys.readouterr().err
         assert err.count("\n") == 1, err
         assert message in err
+        assert err.startswith(f"slidedp {verb}: error: ")
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     assert main(["train", str(config), "train.resume=auto"]) == 0  # done already: re-exports
     after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}

@@ -32,10 +32,10 @@ def test_validate_prints_an_ok_summary_and_writes_nothing(capsys: Capsys, config
     lines = out.splitlines()
     assert lines[0] == f"slidedp validate: OK ({config})"
     topics = [line.split()[0] for line in lines[1:]]
-    assert topics == ["device", "model", "host", "output", "data"]
+    assert topics == ["device", "model", "resume", "host", "output", "data"]
     assert "qwen3" in lines[2]
     assert "1 safetensors file(s), headers match" in lines[2]
-    assert "8 samples" in lines[5]
+    assert "8 samples" in lines[6]
     assert not (config.parent / "out").exists()
     assert not list(config.parent.glob(".slidedp-write-probe-*"))
 
@@ -63,7 +63,7 @@ def test_the_resolved_config_is_saved_after_every_check_and_before_training(
     seen: list[str] = []
 
     class FakeTrainer:
-        def __init__(self, cfg: object) -> None:
+        def __init__(self, cfg: object, **_: object) -> None:
             seen.append(f"build, saved={resolved.exists()}")
 
         def run(self) -> None:

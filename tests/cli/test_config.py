@@ -64,7 +64,7 @@ def test_every_problem_of_file_and_overrides_is_reported_at_once(tmp_path: Path)
             "missing section 'output' (required: add 'output:' with its keys)",
             "data.seq_len must be an integer, got 'two'",
             "unknown key 'train.max_stpes' (did you mean 'train.max_steps'?)",
-            "train.learning_rate must be a number, got 'fast'",
+            "train.learning_rate must be a finite number, got 'fast'",
             "train.lr_scheduler must be one of 'constant', 'linear', 'cosine', got 'cosin' "
             "(did you mean 'cosine'?)",
             "runtime.slots must be >= 1, got 0",
@@ -90,7 +90,7 @@ def test_value_checks_of_one_section_are_all_reported() -> None:
         ("train", "max_steps", "3", "an integer"),
         ("train", "max_steps", 2.5, "an integer"),
         ("train", "max_steps", True, "an integer"),
-        ("train", "learning_rate", [1e-4], "a number"),
+        ("train", "learning_rate", [1e-4], "a finite number"),
         ("output", "export", "yes", "true or false"),
         ("output", "export", 1, "true or false"),
         ("model", "path", 7, "a string"),
@@ -145,6 +145,25 @@ def test_malformed_overrides_say_how_an_override_looks(tmp_path: Path) -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    "override",
+    [
+        "train.learning_rate=.nan",
+        "train.adam_epsilon=.inf",
+        "train.weight_decay=1e999",
+        "train.max_grad_norm=-.inf",
+        "runtime.version_timeout_s=.inf",
+    ],
+)
+def test_a_value_that_is_not_finite_is_a_config_error_naming_key_and_value(
+    tmp_path: Path, override: str
+) -> None:
+    key, value = override.split("=")
+    with pytest.raises(ConfigError) as info:
+        load_config(_yaml(tmp_path, _raw()), [override])
+    assert info.value.problems == [f"{key} must be a finite number, got '{value}'"]
+
+
 def test_a_key_given_twice_in_the_file_is_an_error(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("train:\n  max_steps: 3\n  max_steps: 4\n")
@@ -170,6 +189,9 @@ def test_unreadable_garbled_and_non_mapping_files(tmp_path: Path) -> None:
     assert len(info.value.problems) == 4  # model, data, train, output missing
     path.write_text(yaml.safe_dump(_raw() | {"train": [1, 2]}))
     with pytest.raises(ConfigError, match=r"section 'train' must be a mapping of keys"):
+        load_config(path)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe")  # not a text file
+    with pytest.raises(ConfigError, match=r"config .*c.yaml is not a text file .*give the YAML"):
         load_config(path)
 
 

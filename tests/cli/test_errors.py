@@ -103,7 +103,7 @@ def test_several_problems_are_listed_under_one_header(
     header, *problems = err.splitlines()
     assert header == "slidedp train: error: the config has 3 problems:"
     assert problems == [
-        "  train.learning_rate must be a number, got 'fast'",  # the file's key order
+        "  train.learning_rate must be a finite number, got 'fast'",  # the file's key order
         "  unknown key 'train.max_stpes' (did you mean 'train.max_steps'?)",
         "  runtime.slots must be >= 1, got 0",
     ]
@@ -153,6 +153,20 @@ def test_mismatched_weight_shapes(capsys: Capsys, tmp_path: Path, model_copy: Pa
 
 
 @pytest.mark.parametrize("verb", VERBS)
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("num_hidden_layers", "two"), ("hidden_size", 64.5), ("vocab_size", None), ("head_dim", -1)],
+)
+def test_model_config_field_of_the_wrong_type_or_value(
+    capsys: Capsys, tmp_path: Path, model_copy: Path, verb: str, field: str, value: object
+) -> None:
+    config_json = model_copy / "config.json"
+    config_json.write_text(json.dumps(json.loads(config_json.read_text()) | {field: value}))
+    config = _config(tmp_path, model_copy)
+    _fails(capsys, verb, config, needles=(f"{config_json}", f"'{field}'", "fix the f"))
+
+
+@pytest.mark.parametrize("verb", VERBS)
 def test_unsupported_architecture(capsys: Capsys, tmp_path: Path, verb: str) -> None:
     model = tmp_path / "gpt2"
     model.mkdir()
@@ -187,6 +201,19 @@ def test_bad_jsonl_line_names_file_and_line(
     data.write_text("\n".join(lines) + "\n")
     config = _config(tmp_path, model, data)
     _fails(capsys, verb, config, needles=(f"{data}:3",))
+
+
+@pytest.mark.parametrize("verb", VERBS)
+def test_text_data_with_a_model_without_tokenizer_files(
+    capsys: Capsys, tmp_path: Path, model: Path, verb: str
+) -> None:
+    assert not (model / "tokenizer.json").exists()
+    data = tmp_path / "text.jsonl"
+    data.write_text(
+        "".join(json.dumps({"text": f"sample {i} of plain text"}) + "\n" for i in range(8))
+    )
+    config = _config(tmp_path, model, data)
+    _fails(capsys, verb, config, needles=(f"{model} has no tokenizer files", "copy them"))
 
 
 @pytest.mark.parametrize("verb", VERBS)

@@ -7,10 +7,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from cli.util import one_error_line, run
 from engine.tiny import make_model, write_config, write_data
 from multirank.ranks import run_ranks
 from slidedp.runtime.dist import EXIT_PEER_FAILED
@@ -61,3 +64,48 @@ def test_a_killed_rank_stops_the_launch(tmp_path: Path) -> None:
     assert "rank 1 was killed by SIGKILL" in err, err
     for pid in children:  # no rank left behind
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+
+
+def _lr_failing_on(monkeypatch: pytest.MonkeyPatch, rank: str, step: int) -> None:
+    """An infinite learning rate at 0-based ``step`` on rank ``rank`` (ranks read ``RANK``;
+    "" is a one-process run): the update worker's AdamW refuses it, the store is poisoned."""
+    from slidedp.runtime.schedule import lr_schedule as real
+
+    def schedule(*args: Any) -> Callable[[int], float]:
+        lr_at = real(*args)
+        return lambda t: (
+            float("inf") if (os.environ.get("RANK", ""), t) == (rank, step) else lr_at(t)
+        )
+
+    monkeypatch.setattr("slidedp.runtime.trainer.lr_schedule", schedule)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["train.max_grad_norm=0"], ["runtime.grad_slots=8"]],
+    ids=["clipped", "overlapped", "deep-ring"],
+)
+def test_an_update_failure_is_reported_as_itself_in_one_process(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    overrides: list[str],
+) -> None:
+    config = _config(tmp_path, steps=4)
+    _lr_failing_on(monkeypatch, "", 1)
+    code, _, err = run(capsys, "train", str(config), "runtime.ranks=1", *overrides)
+    assert code == 2
+    one_error_line(err, "train", "a parameter update failed", "lr must be finite, got inf")
+
+
+def test_an_update_failure_on_one_rank_is_reported_once_as_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    config = _config(tmp_path, steps=4)
+    _lr_failing_on(monkeypatch, "1", 1)
+    codes = run_ranks(config, 2)
+    assert codes == [EXIT_PEER_FAILED, 2]
+    err = capfd.readouterr().err
+    assert err.count("a parameter update failed") == 1, err
+    assert "lr must be finite, got inf" in err
+    assert "poisoned" not in err

@@ -5,9 +5,12 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
+from cli.util import one_error_line, run
+from engine.tiny import make_model, write_config, write_data
 from slidedp.runtime import launch as launch_module
 from slidedp.runtime.dist import EXIT_PEER_FAILED, EXIT_STOPPED_WITH_PEERS
 
@@ -92,3 +95,24 @@ def test_signals_are_forwarded_once_then_a_second_one_kills_the_ranks(
              _Proc(0, 10**6)]  # fmt: skip
     assert _launch_fakes(monkeypatch, stuck) == 1
     assert stuck[0].got == stuck[1].got == ["SIGINT", "SIGKILL"]
+
+
+def test_the_launcher_runs_the_preflight_before_starting_any_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A refusal of a several-rank run is the one line of the checks, not one per rank plus
+    the launcher's report (here: a new run over a checkpoint an interrupted copy left)."""
+    model = make_model(tmp_path, "qwen3", tied=True)
+    data = write_data(tmp_path / "data.jsonl", 8)
+    out = tmp_path / "out"
+    (out / "checkpoint-2").mkdir(parents=True)
+    config = write_config(tmp_path / "c.yaml", model, data, out, runtime={"ranks": 2})
+
+    def no_launch(*args: object) -> int:
+        raise AssertionError("ranks were started")
+
+    monkeypatch.setattr(launch_module, "launch", no_launch)
+    code, _, err = run(capsys, "train", str(config))
+    assert code == 2
+    one_error_line(err, "train", "already holds checkpoint-2", "train.resume=auto")
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2"]

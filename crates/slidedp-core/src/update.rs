@@ -157,6 +157,16 @@ impl UpdateWorker {
         self.wait_completed(submitted, timeout)
     }
 
+    /// The first failure of an update, if one failed (without waiting): the cause of this
+    /// process's poisoned store, reported instead of the poison its waiters wake with.
+    pub fn failure(&self) -> Option<Error> {
+        let progress = self.shared.progress.lock().expect("poisoned");
+        progress
+            .first_error
+            .clone()
+            .map(|message| Error::UpdateFailed { message })
+    }
+
     /// The spans of the requests completed since the last call (oldest first).
     pub fn take_spans(&self) -> Vec<UpdateSpan> {
         self.shared
@@ -251,11 +261,12 @@ fn run(
         };
         let mut progress = shared.progress.lock().expect("poisoned");
         if let Err(error) = outcome {
-            store.poison();
+            // Kept before the store is poisoned: whoever wakes on the poison finds the cause.
             progress.first_error.get_or_insert(format!(
                 "group {} step {}: {error}",
                 request.group, request.hp.step
             ));
+            store.poison();
         }
         progress.completed += 1;
         shared.advanced.notify_all();

@@ -75,6 +75,11 @@ impl PyUpdateWorker {
         gate(py, || self.inner.drain(timeout))
     }
 
+    /// Raises the first update failure, if any (without waiting).
+    fn raise_failure(&self, py: Python<'_>) -> PyResult<()> {
+        gate(py, || self.inner.failure().map_or(Ok(()), Err))
+    }
+
     /// [(group, start_s, end_s)] of the requests completed since the last call
     /// (CLOCK_MONOTONIC seconds, Python's `time.monotonic()`).
     fn take_spans(&self) -> Vec<(usize, f64, f64)> {

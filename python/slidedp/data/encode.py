@@ -41,6 +41,8 @@ from slidedp.data.samples import I64, Samples, flatten_lists, offsets_of, positi
 from slidedp.data.sources import Chunk, TokenColumn
 from slidedp.errors import DataError
 
+_VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
 
 def _first_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
@@ -62,12 +64,24 @@ def load_tokenizer(model_dir: Path, why: str) -> Any:
     """The model directory's fast tokenizer (``why``: what needs it, for the error line)."""
     from transformers import AutoTokenizer
 
+    # without these files transformers may build an empty tokenizer: every text would be 0 tokens
+    if not any((model_dir / name).is_file() for name in _VOCABULARY_FILES):
+        raise DataError(
+            f"{why} needs the model's tokenizer, but {model_dir} has no tokenizer files (none of "
+            f"{', '.join(_VOCABULARY_FILES)}): copy them from the original model, or give "
+            "pre-tokenized input_ids data"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise DataError(
             f"{why} needs the model's tokenizer, but none loads from {model_dir}: {_first_line(e)}"
         ) from None
+    if len(tokenizer) < 2:
+        raise DataError(
+            f"the tokenizer in {model_dir} has {len(tokenizer)} token(s): its files are empty or "
+            "broken; copy them again from the original model"
+        )
     if not getattr(tokenizer, "is_fast", False):
         raise DataError(
             f"the tokenizer in {model_dir} is not a fast one (no tokenizer.json); slidedp needs "

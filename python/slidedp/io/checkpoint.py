@@ -7,6 +7,7 @@ A checkpoint is ``OUTPUT/checkpoint-STEP/`` (STEP = steps completed)::
     optimizer/exp_avg*.safetensors, exp_avg_sq*...          Adam moments, same names and shapes
     rng_state.json                                          python, numpy, torch (and CUDA) RNG
     trainer_state.json                                      step, Adam step, skips, schedule...
+    manifest.json                                           every file's size and CRC-32
 
 Atomic: everything is written into the hidden ``OUTPUT/.checkpoint-STEP.tmp``, every file and
 directory fsync'd, then the directory is renamed to ``checkpoint-STEP`` (the commit point: a
@@ -21,7 +22,7 @@ of the state in memory. The data position is the step (``batch(t)`` is a pure fu
 Example::
 
     path = save_checkpoint(out, adapter, store, Progress(step=20, adam_step=20), meta)
-    state = read_state(path); load_tensors(path, adapter, store)   # in the resumed run
+    load_tensors(path, adapter, store)   # in the resumed run, once io.resume checked it
 """
 
 from __future__ import annotations
@@ -32,16 +33,18 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from slidedp.errors import CheckpointError
 from slidedp.io.export import DEFAULT_MAX_SHARD_BYTES, copy_tokenizer, write_region
+from slidedp.io.manifest import MANIFEST, read_manifest, size_problem, write_manifest
 from slidedp.models.hf import HFAdapter
 from slidedp.store import HostStore, StateRegion
 
@@ -69,73 +72,17 @@ class Progress:
     consecutive_skips: int = 0
 
 
-def complete_checkpoints(out_dir: Path) -> list[Path]:
-    """``out_dir/checkpoint-N`` directories holding a trainer state, oldest first."""
+def checkpoint_dirs(out_dir: Path) -> list[Path]:
+    """Every ``out_dir/checkpoint-N`` directory, intact or not, oldest first."""
     if not out_dir.is_dir():
         return []
-    found = [
-        (int(m.group(1)), p)
-        for p in out_dir.iterdir()
-        if (m := _NAME.fullmatch(p.name)) and (p / STATE_FILE).is_file()
-    ]
-    return [p for _, p in sorted(found)]
+    found = [(int(m.group(1)), p) for p in out_dir.iterdir() if (m := _NAME.fullmatch(p.name))]
+    return [p for _, p in sorted(found) if p.is_dir()]
 
 
-def checkpoint_step(path: Path) -> int:
-    """STEP of a ``checkpoint-STEP`` directory (its trainer state's, whatever its name)."""
-    return int(read_state(path)["progress"]["step"])
-
-
-def resolve_resume(resume: str, out_dir: Path) -> Path | None:
-    """The checkpoint ``train.resume`` names (``""``: none, ``auto``: the newest, or a path)."""
-    existing = complete_checkpoints(out_dir)
-    if resume == "":
-        if existing:
-            raise CheckpointError(
-                f"{out_dir} already holds {existing[-1].name}: set train.resume=auto to continue "
-                "from it, or choose another output.dir (a new run never overwrites checkpoints)"
-            )
-        return None
-    if resume == "auto":
-        return existing[-1] if existing else None
-    path = Path(resume)
-    if not (path / STATE_FILE).is_file():
-        raise CheckpointError(
-            f"train.resume={resume} is not a complete slidedp checkpoint (no {STATE_FILE}): "
-            "give a checkpoint-STEP directory, auto, or '' to start afresh"
-        )
-    return path
-
-
-def read_state(path: Path) -> dict[str, Any]:
-    try:
-        state: dict[str, Any] = json.loads((path / STATE_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read {path / STATE_FILE}: {e}") from None
-    if state.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{path} has checkpoint format {state.get('format')!r}, this slidedp reads {FORMAT}"
-        )
-    return state
-
-
-def check_resumable(
-    path: Path, state: dict[str, Any], *, max_steps: int, global_batch_size: int
-) -> Progress:
-    """The progress to continue from, or one clear error when this config cannot continue."""
-    progress = Progress(**state["progress"])
-    if progress.step > max_steps:
-        raise CheckpointError(
-            f"{path.name} is at step {progress.step}, beyond train.max_steps={max_steps}: "
-            f"raise train.max_steps or resume from an earlier checkpoint"
-        )
-    saved_batch = state["train"]["global_batch_size"]
-    if saved_batch != global_batch_size:
-        raise CheckpointError(
-            f"{path.name} was trained with train.global_batch_size={saved_batch}, this config "
-            f"has {global_batch_size}: the data would not continue where it stopped; set it back"
-        )
-    return progress
+def complete_checkpoints(out_dir: Path) -> list[Path]:
+    """``out_dir/checkpoint-N`` directories holding a trainer state, oldest first."""
+    return [p for p in checkpoint_dirs(out_dir) if (p / STATE_FILE).is_file()]
 
 
 def capture_rng() -> dict[str, Any]:
@@ -155,14 +102,6 @@ def capture_rng() -> dict[str, Any]:
         "torch": b64(torch.get_rng_state()),
         "cuda": [b64(s) for s in cuda],
     }
-
-
-def read_rng(path: Path) -> dict[str, Any]:
-    try:
-        rng: dict[str, Any] = json.loads((path / RNG_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read {path / RNG_FILE}: {e}") from None
-    return rng
 
 
 def restore_rng(rng: dict[str, Any]) -> None:
@@ -210,7 +149,8 @@ def _write_contents(
     for prefix, where, region in _TENSOR_FILES:
         write_region(adapter, store, region, tmp / where, prefix, max_shard_bytes)
     (tmp / RNG_FILE).write_text(json.dumps(capture_rng()))
-    (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")  # last: marks complete
+    (tmp / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+    write_manifest(tmp)  # last: sizes and checksums of everything above
 
 
 def save_checkpoint(
@@ -222,10 +162,15 @@ def save_checkpoint(
     *,
     total_limit: int = 0,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    set_aside: Collection[Path] = (),
 ) -> Path:
     """Write ``out_dir/checkpoint-STEP`` atomically from the (drained) store; point ``latest``
-    at it; keep the newest ``total_limit`` checkpoints (0: all). ``meta`` is recorded as is."""
+    at it; keep the newest ``total_limit`` checkpoints (0: all). ``meta`` is recorded as is.
+    A damaged ``checkpoint-STEP`` listed in ``set_aside`` is renamed ``checkpoint-STEP.damaged``
+    first (kept for the user, never written into)."""
     final = out_dir / f"checkpoint-{progress.step}"
+    if final.exists() and final in set_aside:
+        final.rename(_free_name(final.with_name(f"{final.name}.damaged")))
     if final.exists():
         raise CheckpointError(
             f"{final} already exists and a checkpoint is never written into: move it away, or "
@@ -257,37 +202,58 @@ def save_checkpoint(
     return final
 
 
-def _tensor_files(path: Path, prefix: str) -> list[Path]:
-    index = path / f"{prefix}.safetensors.index.json"
+def _free_name(path: Path) -> Path:
+    """``path``, or ``path-2``, ``path-3``... : the first that does not exist."""
+    n, free = 1, path
+    while free.exists():
+        n += 1
+        free = path.with_name(f"{path.name}-{n}")
+    return free
+
+
+def _tensor_files(path: Path, where: str, prefix: str) -> list[Path]:
+    """The files of one state region (``ValueError`` naming what is missing or unreadable)."""
+    folder = path / where
+    index = folder / f"{prefix}.safetensors.index.json"
+    rel = index.relative_to(path)
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [path / f for f in sorted(set(weight_map.values()))]
-    single = path / f"{prefix}.safetensors"
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return [folder / f for f in sorted(set(weight_map.values()))]
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+            raise ValueError(f"{rel} is unreadable or garbled") from None
+    single = folder / f"{prefix}.safetensors"
     if not single.is_file():
-        raise CheckpointError(f"{path} is incomplete: no {prefix}.safetensors nor its index")
+        raise ValueError(f"{single.relative_to(path)} is missing (nor is there an index)")
     return [single]
 
 
-def load_tensors(path: Path, adapter: HFAdapter, store: HostStore) -> None:
-    """Master weights and Adam moments of checkpoint ``path`` into ``store``, tensor by tensor,
-    after checking every name, shape and dtype (an incompatible checkpoint changes nothing)."""
+def tensor_plan(path: Path, adapter: HFAdapter) -> list[tuple[Path, StateRegion]]:
+    """Every tensor file of checkpoint ``path`` with its region, each header checked against the
+    model (names, shapes, f32; no tensor data read): ``CheckpointError`` when it does not fit,
+    ``ValueError`` naming the file when a file is missing or its header unreadable."""
     shapes = adapter.shapes()
     plan: list[tuple[Path, StateRegion]] = []
     for prefix, where, region in _TENSOR_FILES:
         seen: set[str] = set()
-        for file in _tensor_files(path / where, prefix):
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    info = f.get_slice(name)
-                    got = tuple(info.get_shape())
-                    if name not in shapes or got != shapes[name] or info.get_dtype() != "F32":
-                        here = list(shapes[name]) if name in shapes else "absent"
-                        raise CheckpointError(
-                            f"{path.name} does not fit this model: '{name}' is "
-                            f"{info.get_dtype()}{list(got)} there, {here} here; resume with the "
-                            "model it was trained from (model.path) or start afresh"
-                        )
-                    seen.add(name)
+        for file in _tensor_files(path, where, prefix):
+            try:
+                with safe_open(str(file), framework="pt") as f:
+                    infos = {n: f.get_slice(n) for n in f.keys()}  # noqa: SIM118 (not a mapping)
+                    header = {n: (tuple(i.get_shape()), i.get_dtype()) for n, i in infos.items()}
+            except (SafetensorError, OSError) as e:
+                raise ValueError(
+                    f"{file.relative_to(path)} has an unreadable safetensors header ({e})"
+                ) from None
+            for name, (got, dtype) in header.items():
+                if name not in shapes or got != shapes[name] or dtype != "F32":
+                    here = list(shapes[name]) if name in shapes else "absent"
+                    raise CheckpointError(
+                        f"{path.name} does not fit this model: '{name}' is {dtype}{list(got)} "
+                        f"there, {here} here; resume with the model it was trained from "
+                        "(model.path) or start afresh"
+                    )
+                seen.add(name)
             plan.append((file, region))
         missing = sorted(set(shapes) - seen)
         if missing:
@@ -295,10 +261,20 @@ def load_tensors(path: Path, adapter: HFAdapter, store: HostStore) -> None:
                 f"{path.name} does not fit this model: {prefix} lacks '{missing[0]}' "
                 f"({len(missing)} missing); resume with the model it was trained from"
             )
-    for file, region in plan:
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118
-                store.param(name, region).copy_(f.get_tensor(name))
+    return plan
+
+
+def load_tensors(path: Path, adapter: HFAdapter, store: HostStore) -> None:
+    """Master weights and Adam moments of checkpoint ``path`` into ``store``, tensor by tensor,
+    after checking every name, shape and dtype (an incompatible checkpoint changes nothing).
+    A file that cannot be read raises ``ValueError`` naming it (``io.resume`` reports it)."""
+    for file, region in tensor_plan(path, adapter):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118
+                    store.param(name, region).copy_(f.get_tensor(name))
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{file.relative_to(path)} cannot be read ({e})") from None
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:
@@ -310,7 +286,9 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 def export_checkpoint(checkpoint: Path, out_dir: Path, *, replace: bool = False) -> Path:
     """The HF model part of ``checkpoint`` (or of the checkpoint ``checkpoint/latest`` names)
-    as ``out_dir``: config, tokenizer, f32 weights (hard links when possible)."""
+    as ``out_dir``: config, tokenizer, f32 weights (hard links when possible). Refused before
+    anything is written: a damaged checkpoint (manifest sizes), a target that is a file, not
+    empty (unless ``replace``), or inside a checkpoint or model directory."""
     if (checkpoint / LATEST).is_file():
         checkpoint = checkpoint / (checkpoint / LATEST).read_text().strip()
     if not (checkpoint / STATE_FILE).is_file():
@@ -318,12 +296,40 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, *, replace: bool = False)
             f"{checkpoint} is not a complete slidedp checkpoint (no {STATE_FILE}): give "
             "OUTPUT/checkpoint-STEP or an output directory with a 'latest' pointer"
         )
-    if out_dir.exists() and any(out_dir.iterdir()):
-        if not replace:
-            raise CheckpointError(f"{out_dir} exists and is not empty: choose a new directory")
+    try:
+        manifest = read_manifest(checkpoint)
+        problem = None if manifest is None else size_problem(checkpoint, manifest)
+    except ValueError as e:
+        problem = str(e)
+    if problem is not None:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} is damaged: {problem}; export an earlier checkpoint"
+        )
+    _check_export_target(out_dir, replace)
+    if out_dir.exists():
         shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True)
     for src in checkpoint.iterdir():
-        if src.is_file() and src.name not in (STATE_FILE, RNG_FILE):
+        if src.is_file() and src.name not in (STATE_FILE, RNG_FILE, MANIFEST):
             _link_or_copy(src, out_dir / src.name)
     return out_dir
+
+
+def _check_export_target(out_dir: Path, replace: bool) -> None:
+    """``out_dir`` can become the export: a new or empty directory (any, with ``replace``),
+    outside every checkpoint and model directory, under a directory."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"{out_dir} exists and is a file: choose a new directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not replace:
+        raise CheckpointError(f"{out_dir} exists and is not empty: choose a new directory")
+    target = out_dir.resolve()
+    for parent in [target, *target.parents]:
+        checkpoint = (parent / STATE_FILE).exists() or (parent / MANIFEST).exists()
+        model = (parent / "config.json").exists() and any(parent.glob("*.safetensors"))
+        if checkpoint or (model and parent != target):  # an earlier export may be replaced
+            raise CheckpointError(
+                f"{out_dir} is inside the checkpoint or model directory {parent}, which is never "
+                "written into: choose a directory outside it"
+            )
+        if parent.exists() and not parent.is_dir():
+            raise CheckpointError(f"{out_dir} cannot be created: {parent} is a file")

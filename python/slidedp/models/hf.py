@@ -14,7 +14,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,16 @@ from slidedp.models.loss import chunked_lm_loss
 from slidedp.store import GroupSpec, ParamSpec
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# sizes a config.json may get wrong without a type error (a negative size fails deep in torch)
+_SIZE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
 EMBED = "model.embed_tokens.weight"
 NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
@@ -81,9 +90,28 @@ class HFAdapter:
             raise ModelLoadError(f"{path} has no config.json (expected an HF model directory)")
         try:
             config = AutoConfig.from_pretrained(path)
-        except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
-            raise ModelLoadError(f"cannot read {path}/config.json: {e}") from None
-        return cls(config, path)
+        except Exception as e:  # bad JSON, or transformers' checks of the fields' types
+            what = " ".join(str(e).split()) or type(e).__name__
+            raise ModelLoadError(
+                f"cannot read {path}/config.json: {what}; fix the file or re-download the model"
+            ) from None
+        for field in _SIZE_FIELDS:
+            value = getattr(config, field, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+                raise ModelLoadError(
+                    f"{path}/config.json: '{field}' is {value}, it must be >= 1; fix the field "
+                    "or re-download the model"
+                )
+        try:
+            return cls(config, path)
+        except ModelLoadError:
+            raise
+        except Exception as e:  # a field transformers accepted but cannot build with
+            what = " ".join(str(e).split()) or type(e).__name__
+            raise ModelLoadError(
+                f"{path}/config.json does not describe a buildable model ({what}); fix the "
+                "field or re-download the model"
+            ) from None
 
     def _groups(self) -> list[GroupNames]:
         groups = [GroupNames("embed", ((EMBED, "weight"),))]

@@ -36,7 +36,13 @@ import torch.distributed as dist
 
 from slidedp.config import RuntimeSection, TrainSection
 from slidedp.data.batch import Batch
-from slidedp.errors import ConfigError, PeerFailedError, StorePoisonedError, VersionTimeoutError
+from slidedp.errors import (
+    ConfigError,
+    PeerFailedError,
+    StorePoisonedError,
+    UpdateFailedError,
+    VersionTimeoutError,
+)
 from slidedp.store import HostStore
 
 EXIT_PEER_FAILED = 3  # this rank stopped because another one failed (it prints nothing)
@@ -134,9 +140,12 @@ def is_poisoned(store: HostStore) -> bool:
 def fail(error: BaseException) -> bool:
     """This rank is failing with ``error``: wake every peer (poison the shared stores). Returns
     whether the error is only this rank's reaction to another rank's failure."""
-    by_peer = isinstance(error, StorePoisonedError | PeerFailedError) or any(
-        is_poisoned(s) for s in _SHARED
-    )
+    if isinstance(error, UpdateFailedError):  # this rank's worker poisoned the store itself
+        by_peer = False
+    else:
+        by_peer = isinstance(error, StorePoisonedError | PeerFailedError) or any(
+            is_poisoned(s) for s in _SHARED
+        )
     for store in _SHARED:
         store.poison()
     return by_peer

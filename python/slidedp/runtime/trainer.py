@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,30 +27,16 @@ import torch
 
 from slidedp.config import TrainConfig
 from slidedp.data.build import run_batches
-from slidedp.errors import (
-    CheckpointError,
-    NonFiniteError,
-    TrainingInterruptedError,
-)
+from slidedp.errors import NonFiniteError, TrainingInterruptedError
 from slidedp.estimate import Machine, resolve_mirror
-from slidedp.io.checkpoint import (
-    Progress,
-    check_resumable,
-    checkpoint_step,
-    complete_checkpoints,
-    export_checkpoint,
-    load_tensors,
-    read_rng,
-    read_state,
-    resolve_resume,
-    restore_rng,
-    save_checkpoint,
-)
+from slidedp.io.checkpoint import Progress, export_checkpoint, restore_rng, save_checkpoint
 from slidedp.io.hf_load import fill_master
+from slidedp.io.resume import load_resume_point, plan_resume
 from slidedp.kernels import Kernels, default_threads
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.device import pick_device, pick_dtype
 from slidedp.plan.policy import OptimConfig, Plan, resolve_policy, store_args
+from slidedp.preflight import Checked
 from slidedp.runtime.dist import Dist, all_reduce_sum, start
 from slidedp.runtime.engine import Engine
 from slidedp.runtime.flops import device_peak_flops, model_flops_per_token
@@ -63,7 +50,11 @@ from slidedp.store import HostStore
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, *, log: bool = True) -> None:
+    def __init__(
+        self, cfg: TrainConfig, *, log: bool = True, checked: Checked | None = None
+    ) -> None:
+        """``checked``: the preflight's result (``slidedp train``), whose resume decision is
+        taken as is; without it the trainer decides (the same ``plan_resume``)."""
         self.cfg, self.log = cfg, log
         tc, rt = cfg.train, cfg.runtime
         self.ctx = Dist.from_env()  # several ranks: see slidedp.runtime.dist
@@ -77,8 +68,10 @@ class Trainer:
         torch.manual_seed(tc.seed)
         self.adapter = HFAdapter.from_dir(cfg.model.path)
         self.out_dir = Path(cfg.output.dir)
-        self.progress = Progress()
-        self.resume_from = self._check_resume()
+        self.resume = (
+            checked.resume if checked is not None else plan_resume(tc, self.out_dir, self.adapter)
+        )
+        self.progress = Progress() if self.resume is None else replace(self.resume.progress)
         bf16 = self.dtype == torch.bfloat16
 
         def create() -> HostStore:  # every rank gets its own range of the slot rings
@@ -121,39 +114,16 @@ class Trainer:
         self.engine = Engine(
             self.adapter, self.store, self.plan, ctx=self.ctx, signals=self.signals
         )
-        if self.resume_from is not None:
+        if self.resume is not None:
             self.engine.start_at(self.progress.step)
-            restore_rng(self._rng)  # last: building the trainer draws random numbers
-
-    def _check_resume(self) -> Path | None:
-        """The checkpoint to continue from (and ``self.progress``), or one clear error."""
-        tc = self.cfg.train
-        path = resolve_resume(tc.resume, self.out_dir)
-        if path is None:
-            return None
-        state = read_state(path)
-        self.progress = check_resumable(
-            path, state, max_steps=tc.max_steps, global_batch_size=tc.global_batch_size
-        )
-        ahead = [
-            p
-            for p in complete_checkpoints(self.out_dir)
-            if checkpoint_step(p) >= self.progress.step and p.resolve() != path.resolve()
-        ]
-        if ahead:
-            raise CheckpointError(
-                f"{self.out_dir} holds {ahead[-1].name}, not older than the resumed {path.name}: "
-                "a checkpoint is never overwritten; move it away or resume from it"
-            )
-        self._rng = read_rng(path)
-        return path
+            restore_rng(self.resume.rng)  # last: building the trainer draws random numbers
 
     def _fill_state(self, store: HostStore) -> str:
         """Master weights (and Adam moments when resuming) into the store; says from where."""
-        if self.resume_from is None:
+        if self.resume is None:
             return fill_master(self.adapter, store, self.cfg.train.seed)
-        load_tensors(self.resume_from, self.adapter, store)
-        return f"resumed from {self.resume_from} (step {self.progress.step})"
+        load_resume_point(self.resume, self.adapter, store)
+        return f"resumed from {self.resume.path} (step {self.progress.step})"
 
     def _default_host_threads(self) -> int | None:
         """All cores for host kernels on GPU; on CPU, half of them (torch computes on the
@@ -177,7 +147,7 @@ class Trainer:
             seq_len=self.cfg.data.seq_len,
             start_step=self.progress.step,
             max_steps=tc.max_steps,
-            resumed_from=None if self.resume_from is None else str(self.resume_from),
+            resumed_from=None if self.resume is None else str(self.resume.path),
             store_bytes=self.store.total_bytes,
             pinned_bytes=pinned,
             device=str(self.device),
@@ -273,13 +243,20 @@ class Trainer:
             self.progress,
             meta,
             total_limit=self.cfg.output.save_total_limit,
+            set_aside=() if self.resume is None else self.resume.set_aside,
         )
 
     def run(self) -> list[dict[str, Any]]:
         """The remaining steps; returns their metrics records (also in ``metrics.jsonl``).
-        The engine's page-locked host memory is released at the end, success or not."""
+        The engine's page-locked host memory is released at the end, success or not. A failed
+        host update is reported as itself, whatever error it caused first."""
         try:
             return self._run()
+        except Exception:
+            # this process's update worker failed and poisoned the store: its error is the one
+            # to report, not what a waiter (here or in a peer, then a collective) woke with
+            self.engine.worker.raise_failure()
+            raise
         finally:
             self.engine.close()
 
@@ -288,6 +265,7 @@ class Trainer:
         main = self.ctx is None or self.ctx.main
         log = self._step_log() if main else None
         records: list[dict[str, Any]] = []
+        start_step = self.progress.step
         try:
             with StopSignals() as stop:
                 for t in range(self.progress.step, tc.max_steps):
@@ -316,7 +294,8 @@ class Trainer:
             self.engine.drain()
             return []
         last_dir = self.out_dir / f"checkpoint-{self.progress.step}"
-        if not last_dir.exists():  # else: resumed from it, nothing left to run
+        # a damaged checkpoint-STEP the run went past is set aside by save()
+        if self.progress.step > start_step or not last_dir.exists():  # else: resumed from it
             last_dir = self.save()
             self._say(f"saved {last_dir}")
         if out.export:

@@ -250,6 +250,7 @@ fn bad_requests_and_missing_gradients_are_errors() {
         );
     }
     // step 0 is rejected by the kernel: the failure is reported by drain and poisons the store.
+    assert!(worker.failure().is_none());
     worker.submit(request(0, 0, 8, 0, 0)).unwrap();
     worker
         .submit(UpdateRequest {
@@ -257,6 +258,15 @@ fn bad_requests_and_missing_gradients_are_errors() {
             ..request(1, 0, 8, 1, 1)
         })
         .unwrap();
+    // a waiter woken by the poison finds the cause at once, before anyone drains
+    assert!(matches!(
+        store.wait_version(1, 1, Duration::from_secs(30)),
+        Err(Error::StorePoisoned { .. })
+    ));
+    let cause = worker
+        .failure()
+        .expect("the failure is kept before the store is poisoned");
+    assert!(cause.to_string().contains("group 0 step 0"), "{cause}");
     let err = worker.drain(Duration::from_secs(30)).unwrap_err();
     assert!(matches!(err, Error::UpdateFailed { .. }), "{err}");
     assert_eq!(

@@ -1,0 +1,259 @@
+"""Which checkpoint a run continues from: decided, and the checkpoint checked, before anything is
+allocated or written (``slidedp validate`` and ``slidedp train`` both call ``plan_resume``).
+
+``train.resume``: ``""`` starts afresh (refused when ``output.dir`` already holds a checkpoint),
+``auto`` takes the newest intact checkpoint of ``output.dir`` (none: a new run), a path takes
+that checkpoint. A checkpoint is damaged when its manifest (``io.manifest``: sizes always, CRC-32s
+with ``train.verify_checksums``) or, for older checkpoints without one, the list of files a
+checkpoint needs, says a file is missing or changed, or when its trainer state, RNG state or a
+safetensors header cannot be read (then the checksums say which file changed, if one did).
+``auto`` skips damaged newer checkpoints with one warning line; a damaged checkpoint named by path
+is refused, naming the previous intact one. A damaged checkpoint past the resumed step stays as
+it is until the run saves that step: then it is renamed ``checkpoint-STEP.damaged``, never
+written into (``save_checkpoint``'s ``set_aside``).
+
+Example::
+
+    point = plan_resume(cfg.train, Path(cfg.output.dir), adapter)   # None: a new run
+    if point is not None and point.warning:
+        print(point.warning, file=sys.stderr)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slidedp.config import TrainSection
+from slidedp.errors import CheckpointError
+from slidedp.io.checkpoint import (
+    FORMAT,
+    OPTIMIZER_DIR,
+    RNG_FILE,
+    STATE_FILE,
+    Progress,
+    checkpoint_dirs,
+    load_tensors,
+    tensor_plan,
+)
+from slidedp.io.manifest import MANIFEST, checksum_problem, read_manifest, size_problem
+from slidedp.models.hf import HFAdapter
+from slidedp.store import HostStore
+
+_PROGRESS_FIELDS = ("step", "adam_step", "skipped_steps", "consecutive_skips")
+_RNG_FIELDS = {"python": list, "numpy": list, "torch": str, "cuda": list}
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    path: Path
+    progress: Progress
+    rng: dict[str, Any]
+    warning: str | None  # the one line saying which damaged checkpoints are skipped, and why
+    set_aside: tuple[Path, ...]  # damaged checkpoints past ``path``: renamed when re-saved
+
+
+def _read_json(path: Path, name: str) -> dict[str, Any]:
+    """``path/name`` as a JSON object; ``ValueError`` saying what is wrong with it."""
+    try:
+        value = json.loads((path / name).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{name} is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{name} is unreadable ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} is not a JSON object")
+    return value
+
+
+def _read_state(path: Path) -> dict[str, Any]:
+    """The trainer state with every field resuming reads (``ValueError`` naming a missing one);
+    a state of another format is a ``CheckpointError``."""
+    state = _read_json(path, STATE_FILE)
+    if "format" in state and state["format"] != FORMAT:
+        raise CheckpointError(
+            f"{path} has checkpoint format {state['format']!r}, this slidedp reads {FORMAT}"
+        )
+    progress, train = state.get("progress"), state.get("train")
+    progress = progress if isinstance(progress, dict) else {}
+    train = train if isinstance(train, dict) else {}
+    fields = {
+        "format": state.get("format"),
+        **{f"progress.{k}": progress.get(k) for k in _PROGRESS_FIELDS},
+        "train.global_batch_size": train.get("global_batch_size"),
+    }
+    for name, value in fields.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{STATE_FILE} lacks '{name}' (or it is not a count)")
+    return state
+
+
+def _read_rng(path: Path) -> dict[str, Any]:
+    rng = _read_json(path, RNG_FILE)
+    for name, kind in _RNG_FIELDS.items():
+        if not isinstance(rng.get(name), kind):
+            raise ValueError(f"{RNG_FILE} lacks '{name}'")
+    return rng
+
+
+@dataclass(frozen=True)
+class _Checked:
+    state: dict[str, Any]
+    rng: dict[str, Any]
+
+
+def _check(path: Path, adapter: HFAdapter, checksums: bool) -> _Checked:
+    """Checkpoint ``path``'s files: ``ValueError`` saying what is damaged (``CheckpointError``
+    when it is intact but does not fit this model)."""
+    manifest = read_manifest(path)
+    if manifest is not None:
+        problem = (checksum_problem if checksums else size_problem)(path, manifest)
+        if problem is not None:
+            raise ValueError(problem)
+    try:
+        checked = _Checked(_read_state(path), _read_rng(path))
+        tensor_plan(path, adapter)
+        return checked
+    except ValueError as unreadable:  # the checksums may name the file that changed
+        found = None if manifest is None or checksums else checksum_problem(path, manifest)
+        raise ValueError(found or str(unreadable)) from None
+
+
+def _cheap_problem(path: Path) -> str | None:
+    """What the cheap checks (manifest sizes, trainer state) find wrong with ``path``."""
+    try:
+        manifest = read_manifest(path)
+        problem = None if manifest is None else size_problem(path, manifest)
+        if problem is None:
+            _read_state(path)
+    except (ValueError, CheckpointError) as e:
+        return str(e)
+    return problem
+
+
+def _step(path: Path) -> int | None:
+    name = path.name.removeprefix("checkpoint-")
+    return int(name) if name.isdigit() else None
+
+
+def _damaged(path: Path, problem: str) -> CheckpointError:
+    """The refusal of a damaged checkpoint named by path, pointing at the previous intact one."""
+    step = _step(path)
+    earlier = [
+        p
+        for p in checkpoint_dirs(path.parent)
+        if p != path and (step is None or (_step(p) or 0) < step) and _cheap_problem(p) is None
+    ]
+    fix = (
+        f"resume from the previous checkpoint with train.resume={earlier[-1]} (or "
+        "train.resume=auto, which skips a damaged newest checkpoint)"
+        if earlier
+        else "no intact checkpoint precedes it: start afresh with another output.dir"
+    )
+    return CheckpointError(f"checkpoint {path} is damaged: {problem}; {fix}")
+
+
+def _resumable(path: Path, state: dict[str, Any], train: TrainSection) -> Progress:
+    """The progress to continue from, or one clear error when this config cannot continue."""
+    progress = Progress(**{k: state["progress"][k] for k in _PROGRESS_FIELDS})
+    if progress.step > train.max_steps:
+        raise CheckpointError(
+            f"{path.name} is at step {progress.step}, beyond train.max_steps={train.max_steps}: "
+            "raise train.max_steps or resume from an earlier checkpoint"
+        )
+    saved_batch = state["train"]["global_batch_size"]
+    if saved_batch != train.global_batch_size:
+        raise CheckpointError(
+            f"{path.name} was trained with train.global_batch_size={saved_batch}, this config "
+            f"has {train.global_batch_size}: the data would not continue where it stopped; set "
+            "it back"
+        )
+    return progress
+
+
+def _newest_intact(
+    existing: list[Path], adapter: HFAdapter, checksums: bool
+) -> tuple[Path, _Checked, list[tuple[Path, str]]]:
+    """``auto``: the newest checkpoint that passes ``_check``, and the damaged ones skipped."""
+    skipped: list[tuple[Path, str]] = []
+    for path in reversed(existing):
+        try:
+            return path, _check(path, adapter, checksums), skipped
+        except ValueError as damage:
+            skipped.append((path, str(damage)))
+    newest, problem = skipped[0]
+    raise CheckpointError(
+        f"every checkpoint in {newest.parent} is damaged (the newest, {newest.name}: {problem}); "
+        "move them away to start afresh, or choose another output.dir"
+    )
+
+
+def _named(resume: str, adapter: HFAdapter, checksums: bool) -> tuple[Path, _Checked]:
+    """A checkpoint given by path, checked; a damaged one is refused."""
+    path = Path(resume)
+    looks_like_one = any((path / f).exists() for f in (STATE_FILE, MANIFEST, OPTIMIZER_DIR))
+    if not path.is_dir() or not looks_like_one:
+        raise CheckpointError(
+            f"train.resume={resume} is not a slidedp checkpoint (no {STATE_FILE}): give a "
+            "checkpoint-STEP directory, auto, or '' to start afresh"
+        )
+    try:
+        return path, _check(path, adapter, checksums)
+    except ValueError as damage:
+        raise _damaged(path, str(damage)) from None
+
+
+def plan_resume(train: TrainSection, out_dir: Path, adapter: HFAdapter) -> ResumePoint | None:
+    """The checkpoint to continue from, checked, or None for a new run; one ``CheckpointError``
+    naming the checkpoint, the file and the fix when this run cannot start as configured."""
+    existing = checkpoint_dirs(out_dir)
+    if train.resume == "" and existing:
+        raise CheckpointError(
+            f"{out_dir} already holds {existing[-1].name}: set train.resume=auto to continue "
+            "from it, or choose another output.dir (a new run never overwrites checkpoints)"
+        )
+    if train.resume == "" or (train.resume == "auto" and not existing):
+        return None
+    skipped: list[tuple[Path, str]] = []
+    if train.resume == "auto":
+        path, checked, skipped = _newest_intact(existing, adapter, train.verify_checksums)
+    else:
+        path, checked = _named(train.resume, adapter, train.verify_checksums)
+    progress = _resumable(path, checked.state, train)
+    for other in existing:
+        if other in dict(skipped) or other.resolve() == path.resolve():
+            continue
+        if (_step(other) or 0) >= progress.step:
+            problem = _cheap_problem(other)
+            if problem is None:
+                raise CheckpointError(
+                    f"{out_dir} holds {other.name}, not older than the resumed {path.name}: a "
+                    "checkpoint is never overwritten; move it away or resume from it"
+                )
+            skipped.append((other, problem))
+    return ResumePoint(
+        path, progress, checked.rng, _warning(path, skipped), tuple(p for p, _ in skipped)
+    )
+
+
+def _warning(path: Path, skipped: list[tuple[Path, str]]) -> str | None:
+    if not skipped:
+        return None
+    damaged = ", ".join(f"{p.name} ({problem})" for p, problem in skipped)
+    return (
+        f"damaged {damaged}: skipped, resuming from {path}; a damaged checkpoint is renamed "
+        "checkpoint-STEP.damaged when this run saves that step"
+    )
+
+
+def load_resume_point(point: ResumePoint, adapter: HFAdapter, store: HostStore) -> None:
+    """The checkpoint's tensors into ``store``; a file that cannot be read is reported as
+    damage (the checksums name the file that changed, when the manifest has them)."""
+    try:
+        load_tensors(point.path, adapter, store)
+    except ValueError as unreadable:
+        manifest = read_manifest(point.path)
+        found = None if manifest is None else checksum_problem(point.path, manifest)
+        raise _damaged(point.path, found or str(unreadable)) from None
