@@ -25,6 +25,7 @@ from slidedp.bench import kernels as bench_kernels
 from slidedp.bench import plot as bench_plot
 from slidedp.bench import train as bench_train
 from slidedp.errors import ConfigError, SlidedpError, TrainingInterruptedError
+from slidedp.profile import layer as profile_layer
 
 EXIT_BAD_INPUT = 2
 EXIT_UNEXPECTED = 1
@@ -139,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_kernels.add_arguments(which.add_parser("kernels", help="AdamW and cast vs torch"))
     bench_train.add_arguments(which.add_parser("train", help="ours vs reference and FSDP2"))
     bench_plot.add_arguments(which.add_parser("plot", help="one sweep figure from JSON reports"))
+    profile = verbs.add_parser("profile", help="measure the candidates of a policy")
+    what = profile.add_subparsers(dest="profile", required=True)
+    profile_layer.add_arguments(
+        what.add_parser("layer", parents=[debug], help="every activation layout of one layer")
+    )
     return parser
 
 
@@ -153,6 +159,8 @@ def _run(args: argparse.Namespace) -> int:
         return _estimate(args.config, args.overrides, args.json)
     if args.verb == "export":
         return _export(args.checkpoint, args.out_dir)
+    if args.verb == "profile":
+        return profile_layer.main(args)
     bench_main = {"train": bench_train.main, "plot": bench_plot.main, "kernels": bench_kernels.main}
     return bench_main[args.bench](args)
 

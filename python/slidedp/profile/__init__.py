@@ -1,0 +1,1 @@
+"""``slidedp profile layer``: every activation-layout candidate of one decoder layer, measured."""

@@ -1,0 +1,288 @@
+"""``slidedp profile layer --shape qwen3-4b --batch 16 --seq-len 1024 --json F --png F``.
+
+Runs one decoder layer of the shape (random weights, the compute dtype) through every candidate
+layout — each checkpoint family (``--families``) at each offload ratio (``--ratios``; ratios that
+select the same tensors are one candidate) — with the engine's own executors and offload
+(``runtime.activations``), on one device, and measures per candidate:
+
+- ``forward_s``, ``backward_s`` (median of ``--steps`` after ``--warmup``; the backward includes
+  the reload wait and the replay), ``replay_s``: ``backward_s`` minus ``N``'s (no replay);
+- ``retained_bytes`` (device memory held from the forward to the backward: allocated after the
+  forward and its offload copies, minus before, minus the layer output), ``offloaded_bytes``,
+  ``transient_bytes`` (peak allocated during the backward above its start);
+- the same three from ``plan.cost`` (``estimated_*``: the meta-device footprint the estimate and
+  the solver use), so every profile states the cost model's error.
+
+Pareto-efficient candidates (no other both faster and smaller, by ``retained_bytes`` and
+``forward_s + backward_s``) are marked: the paper's Figure 6, drawn with ``--png``. The JSON is
+the policy solver's input and is cached (``--cache-dir``, default ``~/.cache/slidedp/profile``)
+under a key of GPU name, shape, batch, sequence, dtype, candidates and the torch, transformers
+and slidedp versions; a cached profile is reused unless ``--force``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from slidedp import __version__
+from slidedp.bench.shapes import SHAPES, resolve_shape
+from slidedp.models.hf import HFAdapter
+from slidedp.plan.cost import layer_footprint
+from slidedp.plan.device import pick_device, pick_dtype
+from slidedp.plan.layout import LayerPolicy, parse_entry
+from slidedp.profile.pareto import mark_pareto, plot_pareto
+from slidedp.runtime.activations import LayerRun, LayerState, executor_for
+from slidedp.runtime.activations.offload import ActivationOffload, offload_count
+from slidedp.runtime.lanes import LaneClock
+
+FAMILIES = "F,S0000000,S0000100,S1010100,S1111111,SAC.mm,SAC.attn,SAC.noact,N"
+RATIOS = "0,0.5,1"
+
+
+@dataclass
+class Candidate:
+    policy: str
+    family: str
+    ratio: float  # as given
+    offloaded_tensors: int
+    forward_s: float
+    backward_s: float
+    replay_s: float | None
+    retained_bytes: int | None  # measured on CUDA only (None on CPU)
+    offloaded_bytes: int
+    transient_bytes: int | None
+    estimated_retained_bytes: int
+    estimated_offloaded_bytes: int
+    estimated_transient_bytes: int
+    pareto: bool = False
+
+
+def _layer_inputs(
+    adapter: HFAdapter, batch: int, seq_len: int, device: torch.device, dtype: torch.dtype
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, Any]]:
+    gen = torch.Generator(device).manual_seed(0)
+    group = adapter.groups[adapter.layer_group(0)]
+    shapes = adapter.shapes()
+    params = {}
+    for full, local in group.params:
+        t = torch.empty(shapes[full], device=device, dtype=dtype)
+        params[local] = t.normal_(0.0, 0.02, generator=gen) if t.dim() > 1 else t.fill_(1.0)
+    x = torch.randn(batch, seq_len, adapter.hidden_size, device=device, dtype=dtype, generator=gen)
+    position_ids = torch.arange(seq_len, device=device).unsqueeze(0)
+    cos, sin = adapter.make_rotary(device)(x, position_ids)
+    ctx = {
+        "position_ids": position_ids,
+        "position_embeddings": (cos.to(dtype), sin.to(dtype)),
+        "masks": adapter.layer_masks(x, None, position_ids),
+    }
+    return params, x, ctx
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _allocated(device: torch.device) -> int:
+    return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else 0
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    import time
+
+    _sync(device)
+    start = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - start
+
+
+def measure(
+    adapter: HFAdapter,
+    policy: LayerPolicy,
+    batch: int,
+    seq_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    warmup: int,
+    steps: int,
+) -> Candidate:
+    params, x, ctx = _layer_inputs(adapter, batch, seq_len, device, dtype)
+    executor = executor_for(policy)
+    offload = ActivationOffload(device, LaneClock(device))
+    fwd, bwd, retained, transient, offloaded, count = [], [], 0, 0, 0, 0
+    try:
+        for step in range(warmup + steps):
+            before = _allocated(device)
+
+            def forward() -> tuple[torch.Tensor, LayerState]:
+                return executor.forward(LayerRun(adapter, 0, params, ctx), x)
+
+            (y, state), f_s = _timed(forward, device)
+            count = offload_count(state.saved_bytes(), policy.ratio)
+            offloaded = sum(state.saved_bytes()[:count])
+            offload.offload(0, state, count)
+            _sync(device)
+            retained = _allocated(device) - before - y.numel() * y.element_size()
+            g = torch.ones_like(y)
+            del y
+            start = _allocated(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+
+            def backward(state: LayerState = state, g: torch.Tensor = g) -> Any:
+                offload.reload(0, state)
+                return executor.backward(LayerRun(adapter, 0, params, ctx), state, g)
+
+            _, b_s = _timed(backward, device)
+            if device.type == "cuda":
+                transient = int(torch.cuda.max_memory_allocated(device)) - start
+            del state, g
+            if step >= warmup:
+                fwd.append(f_s)
+                bwd.append(b_s)
+    finally:
+        offload.close()
+    fp = layer_footprint(adapter, policy, batch, seq_len, dtype)
+    return Candidate(
+        policy=str(policy),
+        family=policy.name,
+        ratio=policy.ratio,
+        offloaded_tensors=count,
+        forward_s=statistics.median(fwd),
+        backward_s=statistics.median(bwd),
+        replay_s=None,
+        retained_bytes=retained if device.type == "cuda" else None,
+        offloaded_bytes=offloaded,
+        transient_bytes=transient if device.type == "cuda" else None,
+        estimated_retained_bytes=fp.retained_bytes,
+        estimated_offloaded_bytes=fp.offloaded_bytes,
+        estimated_transient_bytes=fp.transient_bytes,
+    )
+
+
+def candidates(families: str, ratios: str, adapter: HFAdapter, batch: int, seq_len: int,
+               dtype: torch.dtype) -> list[LayerPolicy]:  # fmt: skip
+    """Every family at every ratio, one per distinct offloaded set (ratios merged)."""
+    out: list[LayerPolicy] = []
+    seen: set[tuple[str, int]] = set()
+    for fam in (f.strip() for f in families.split(",") if f.strip()):
+        for r in (float(r) for r in ratios.split(",") if r.strip()):
+            _, policy = parse_entry(f"{fam}-r{r:g}", 0.0)
+            saved = list(layer_footprint(adapter, policy, batch, seq_len, dtype).saved)
+            count = offload_count(saved, r)
+            if (policy.name, count) in seen:
+                continue
+            seen.add((policy.name, count))
+            share = sum(saved[:count]) / sum(saved) if count else 0.0  # what it really offloads
+            out.append(dataclasses.replace(policy, ratio=min(1.0, share)))
+    return out
+
+
+def cache_key(facts: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def profile_layer(args: argparse.Namespace) -> dict[str, Any]:
+    config = resolve_shape(args.shape)
+    adapter = HFAdapter(config)
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    batch, seq_len = args.batch, args.seq_len
+    policies = candidates(args.families, args.ratios, adapter, batch, seq_len, dtype)
+    facts = {
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "shape": config.to_dict() if args.shape not in SHAPES else args.shape,
+        "batch": batch,
+        "seq_len": seq_len,
+        "dtype": str(dtype).removeprefix("torch."),
+        "candidates": [str(p) for p in policies],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "slidedp": __version__,
+    }
+    cache = Path(args.cache_dir).expanduser() / f"layer-{cache_key(facts)}.json"
+    if cache.is_file() and not args.force:
+        report: dict[str, Any] = json.loads(cache.read_text())
+        report["cached"] = str(cache)
+        return report
+    results = [
+        measure(adapter, p, batch, seq_len, device, dtype, args.warmup, args.steps)
+        for p in policies
+    ]
+    no_replay = [c.backward_s for c in results if c.family == "N" and c.ratio == 0]
+    for c in results:
+        c.replay_s = c.backward_s - no_replay[0] if no_replay else None
+    mark_pareto(results)
+    report = facts | {"candidates": [asdict(c) for c in results], "cached": None}
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(report, indent=1))
+    return report
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.3f}G"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    shape = report["shape"] if isinstance(report["shape"], str) else "config"
+    cached = f" (cached: {report['cached']})" if report["cached"] else ""
+    lines = [
+        f"slidedp profile layer: {shape}, B={report['batch']} x S={report['seq_len']}, "
+        f"{report['dtype']} on {report['gpu']}{cached}",
+        f"  {'candidate':<20} {'fwd ms':>8} {'bwd ms':>8} {'replay':>8} {'retained':>9} "
+        f"{'(est.)':>8} {'offload':>8} {'(est.)':>8} {'backward':>9} {'(est.)':>8}  pareto",
+    ]
+    for c in report["candidates"]:
+        replay = "" if c["replay_s"] is None else f"{c['replay_s'] * 1e3:.2f}"
+        memory = (
+            f"{_gib(c['retained_bytes']):>9} {_gib(c['estimated_retained_bytes']):>8} "
+            f"{_gib(c['offloaded_bytes']):>8} {_gib(c['estimated_offloaded_bytes']):>8} "
+            f"{_gib(c['transient_bytes']):>9} {_gib(c['estimated_transient_bytes']):>8}"
+        )
+        lines.append(
+            f"  {c['policy']:<20} {c['forward_s'] * 1e3:8.2f} {c['backward_s'] * 1e3:8.2f} "
+            f"{replay:>8} {memory}  {'*' if c['pareto'] else ''}"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", default="qwen3-4b", help=f"{', '.join(SHAPES)} or a config.json")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step")
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--families", default=FAMILIES, help="comma-separated checkpoint families")
+    parser.add_argument("--ratios", default=RATIOS, help="comma-separated offload ratios")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--json", help="write the report here")
+    parser.add_argument("--png", help="draw the memory-time Pareto frontier here")
+    parser.add_argument("--cache-dir", default="~/.cache/slidedp/profile")
+    parser.add_argument("--force", action="store_true", help="measure even if cached")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.png:
+        from slidedp.bench.plot import require_matplotlib
+
+        require_matplotlib()  # before measuring
+    report = profile_layer(args)
+    print(format_report(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    if args.png:
+        plot_pareto(report, Path(args.png))
+    return 0

@@ -1,0 +1,59 @@
+"""The memory-time Pareto frontier of the layer profile (the paper's Figure 6)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class _Point(Protocol):
+    retained_bytes: int | None
+    estimated_retained_bytes: int
+    forward_s: float
+    backward_s: float
+    pareto: bool
+
+
+def memory(p: Any) -> int:
+    """The retained bytes measured (CUDA), else the cost model's."""
+    if isinstance(p, dict):
+        m = p["retained_bytes"]
+        return int(p["estimated_retained_bytes"] if m is None else m)
+    return int(p.estimated_retained_bytes if p.retained_bytes is None else p.retained_bytes)
+
+
+def mark_pareto(points: Sequence[_Point]) -> None:
+    """``pareto = True`` on every point no other point beats in both retained device memory
+    and layer time (one strictly)."""
+    for p in points:
+        t, m = p.forward_s + p.backward_s, memory(p)
+        p.pareto = not any(
+            q is not p
+            and memory(q) <= m
+            and q.forward_s + q.backward_s <= t
+            and (memory(q) < m or q.forward_s + q.backward_s < t)
+            for q in points
+        )
+
+
+def plot_pareto(report: dict[str, Any], path: Path) -> None:
+    from slidedp.bench.plot import require_matplotlib
+
+    plt = require_matplotlib()
+    cands = report["candidates"]
+    fig, ax = plt.subplots(figsize=(7, 5), constrained_layout=True)
+    for c in cands:
+        x = memory(c) / 2**30
+        y = (c["forward_s"] + c["backward_s"]) * 1e3
+        ax.scatter(x, y, marker="o" if c["pareto"] else "x", color="C0" if c["pareto"] else "C7")
+        ax.annotate(c["policy"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    front = sorted((c for c in cands if c["pareto"]), key=memory)
+    ax.plot([memory(c) / 2**30 for c in front],
+            [(c["forward_s"] + c["backward_s"]) * 1e3 for c in front], "C0-")  # fmt: skip
+    ax.set_xlabel("device memory kept from forward to backward (GiB per layer)")
+    ax.set_ylabel("forward + backward (ms per layer)")
+    shape = report["shape"] if isinstance(report["shape"], str) else "custom shape"
+    ax.set_title(f"{shape}, B={report['batch']} x S={report['seq_len']}, {report['gpu']}")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

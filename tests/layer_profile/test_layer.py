@@ -1,0 +1,83 @@
+"""``slidedp profile layer`` on CPU with a tiny shape: candidates, merged ratios, the Pareto
+marks, the JSON, the PNG and the cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from slidedp.cli import main
+from slidedp.profile import layer
+from slidedp.profile.pareto import mark_pareto
+
+TINY = {
+    "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 256,
+    "max_position_embeddings": 128,
+}  # fmt: skip
+
+
+def _args(tmp_path: Path, *extra: str) -> list[str]:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY))
+    return ["profile", "layer", "--shape", str(config), "--batch", "2", "--seq-len", "16",
+            "--device", "cpu", "--families", "F,S0000100,N", "--ratios", "0,0.5,1",
+            "--warmup", "1", "--steps", "2", "--cache-dir", str(tmp_path / "cache"),
+            "--json", str(tmp_path / "p.json"), *extra]  # fmt: skip
+
+
+def _profile(tmp_path: Path, *extra: str) -> dict[str, Any]:
+    assert main(_args(tmp_path, *extra)) == 0
+    report: dict[str, Any] = json.loads((tmp_path / "p.json").read_text())
+    return report
+
+
+def test_every_candidate_is_measured_once_per_distinct_offloaded_set(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    report = _profile(tmp_path, "--png", str(tmp_path / "p.png"))
+    names = [c["policy"] for c in report["candidates"]]
+    # F saves one tensor: 0.5 and 1 offload the same one, so F has two candidates
+    assert [n for n in names if n.startswith("F")] == ["F-r0", "F-r1"]
+    assert len([n for n in names if n.startswith("S0000100")]) == 3
+    assert len([n for n in names if n.startswith("N")]) == 3
+    for c in report["candidates"]:
+        assert c["forward_s"] > 0
+        assert c["backward_s"] > 0
+        assert c["estimated_retained_bytes"] + c["estimated_offloaded_bytes"] > 0
+    assert report["candidates"][names.index("F-r1")]["estimated_retained_bytes"] == 0
+    assert any(c["pareto"] for c in report["candidates"])
+    assert (tmp_path / "p.png").stat().st_size > 10_000
+    for key in ("gpu", "shape", "batch", "seq_len", "dtype", "torch", "transformers", "slidedp"):
+        assert key in report
+
+
+def test_a_profile_is_cached_by_its_facts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first = _profile(tmp_path)
+    assert first["cached"] is None
+
+    def no_measuring(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a cached profile was measured again")
+
+    monkeypatch.setattr(layer, "measure", no_measuring)
+    again = _profile(tmp_path)
+    assert again["cached"] is not None
+    assert again["candidates"] == first["candidates"]
+    assert "cached" in capsys.readouterr().out
+    assert main(_args(tmp_path, "--force")) == 1
+    assert "measured again" in capsys.readouterr().err
+
+
+def test_pareto_marks_the_points_nothing_beats_in_both_memory_and_time() -> None:
+    def point(mem: int, t: float) -> SimpleNamespace:
+        return SimpleNamespace(retained_bytes=mem, estimated_retained_bytes=0, forward_s=t,
+                               backward_s=0.0, pareto=None)  # fmt: skip
+
+    pts = [point(10, 5.0), point(5, 6.0), point(20, 4.0), point(12, 5.5), point(5, 7.0)]
+    mark_pareto(pts)
+    assert [p.pareto for p in pts] == [True, True, True, False, False]
