@@ -6,10 +6,14 @@ select the same tensors are one candidate) — with the engine's own executors a
 (``runtime.activations``), on one device, and measures per candidate:
 
 - ``forward_s``, ``backward_s`` (median of ``--steps`` after ``--warmup``; the backward includes
-  the reload wait and the replay), ``replay_s``: ``backward_s`` minus ``N``'s (no replay);
+  the replay), ``replay_s``: ``backward_s`` minus ``N``'s (no replay), ``reload_s``: the copy
+  of the offloaded tensors back to the device, timed alone (the engine issues it a layer ahead,
+  under the previous layer's backward; the offload copies run after the forward, on their own
+  stream);
 - ``retained_bytes`` (device memory held from the forward to the backward: allocated after the
-  forward and its offload copies, minus before, minus the layer output), ``offloaded_bytes``,
-  ``transient_bytes`` (peak allocated during the backward above its start);
+  forward and its offload copies, minus before, minus the layer output; the input counts when
+  the family keeps it), ``offloaded_bytes``, ``transient_bytes`` (peak allocated during the
+  backward above its start, the reloaded tensors included);
 - the same three from ``plan.cost`` (``estimated_*``: the meta-device footprint the estimate and
   the solver use), so every profile states the cost model's error.
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import statistics
@@ -58,6 +63,7 @@ class Candidate:
     offloaded_tensors: int
     forward_s: float
     backward_s: float
+    reload_s: float  # the offloaded tensors' copy back, alone (0 without offload)
     replay_s: float | None
     retained_bytes: int | None  # measured on CUDA only (None on CPU)
     offloaded_bytes: int
@@ -121,15 +127,18 @@ def measure(
     params, x, ctx = _layer_inputs(adapter, batch, seq_len, device, dtype)
     executor = executor_for(policy)
     offload = ActivationOffload(device, LaneClock(device))
-    fwd, bwd, retained, transient, offloaded, count = [], [], 0, 0, 0, 0
+    fwd, bwd, reload_s, retained, transient, offloaded, count = [], [], [], 0, 0, 0, 0
     try:
         for step in range(warmup + steps):
-            before = _allocated(device)
+            x_in = x.clone()  # the layer's own input: it counts as retained if the family keeps it
+            x_bytes = x_in.numel() * x_in.element_size()
+            before = _allocated(device) - x_bytes
 
-            def forward() -> tuple[torch.Tensor, LayerState]:
-                return executor.forward(LayerRun(adapter, 0, params, ctx), x)
+            def forward(x_in: torch.Tensor = x_in) -> tuple[torch.Tensor, LayerState]:
+                return executor.forward(LayerRun(adapter, 0, params, ctx), x_in)
 
             (y, state), f_s = _timed(forward, device)
+            del x_in
             count = offload_count(state.saved_bytes(), policy.ratio)
             offloaded = sum(state.saved_bytes()[:count])
             offload.offload(0, state, count)
@@ -137,12 +146,13 @@ def measure(
             retained = _allocated(device) - before - y.numel() * y.element_size()
             g = torch.ones_like(y)
             del y
+            # the copy back is timed apart: the engine prefetches it under the previous layer
+            _, r_s = _timed(functools.partial(offload.reload, 0, state), device)
             start = _allocated(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
 
             def backward(state: LayerState = state, g: torch.Tensor = g) -> Any:
-                offload.reload(0, state)
                 return executor.backward(LayerRun(adapter, 0, params, ctx), state, g)
 
             _, b_s = _timed(backward, device)
@@ -152,6 +162,7 @@ def measure(
             if step >= warmup:
                 fwd.append(f_s)
                 bwd.append(b_s)
+                reload_s.append(r_s)
     finally:
         offload.close()
     fp = layer_footprint(adapter, policy, batch, seq_len, dtype)
@@ -162,6 +173,7 @@ def measure(
         offloaded_tensors=count,
         forward_s=statistics.median(fwd),
         backward_s=statistics.median(bwd),
+        reload_s=statistics.median(reload_s),
         replay_s=None,
         retained_bytes=retained if device.type == "cuda" else None,
         offloaded_bytes=offloaded,
@@ -241,8 +253,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"slidedp profile layer: {shape}, B={report['batch']} x S={report['seq_len']}, "
         f"{report['dtype']} on {report['gpu']}{cached}",
-        f"  {'candidate':<20} {'fwd ms':>8} {'bwd ms':>8} {'replay':>8} {'retained':>9} "
-        f"{'(est.)':>8} {'offload':>8} {'(est.)':>8} {'backward':>9} {'(est.)':>8}  pareto",
+        f"  {'candidate':<20} {'fwd ms':>8} {'bwd ms':>8} {'replay':>8} {'reload':>8} "
+        f"{'retained':>9} {'(est.)':>8} {'offload':>8} {'(est.)':>8} {'backward':>9} {'(est.)':>8}  pareto",
     ]
     for c in report["candidates"]:
         replay = "" if c["replay_s"] is None else f"{c['replay_s'] * 1e3:.2f}"
@@ -253,7 +265,7 @@ def format_report(report: dict[str, Any]) -> str:
         )
         lines.append(
             f"  {c['policy']:<20} {c['forward_s'] * 1e3:8.2f} {c['backward_s'] * 1e3:8.2f} "
-            f"{replay:>8} {memory}  {'*' if c['pareto'] else ''}"
+            f"{replay:>8} {c['reload_s'] * 1e3:8.2f} {memory}  {'*' if c['pareto'] else ''}"
         )
     return "\n".join(lines)
 
