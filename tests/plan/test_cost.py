@@ -19,7 +19,7 @@ def test_the_meta_footprint_is_what_the_executor_keeps_on_a_real_run(text: str) 
     adapter, x, params, ctx = _layer("qwen3")
     ctx["masks"] = [None]  # unpadded: the attention kernel's own causal mask
     _, policy = parse_entry(text, 0.0)
-    _, state = executor_for(policy).forward(LayerRun(adapter, 0, params, ctx), x)
+    _, state = executor_for(policy, measure=True).forward(LayerRun(adapter, 0, params, ctx), x)
     b, s, _ = x.shape
     fp = layer_footprint(adapter, policy, b, s, torch.float32)
     # the flash kernel's meta function also returns its RNG seed and offset (24 B), the CPU

@@ -154,7 +154,7 @@ def layer_footprint(
 
     with _FlashOnMeta():
         run, x = _meta_run(adapter, batch, seq_len, dtype)
-        _, state = executor_for(policy).forward(run, x)
+        _, state = executor_for(policy, measure=True).forward(run, x)
         replay = _replay_bytes(policy, run, x)
     return LayerFootprint(policy, tuple(state.saved_bytes()), state.retained_bytes, replay)
 

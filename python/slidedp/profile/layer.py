@@ -254,7 +254,8 @@ def format_report(report: dict[str, Any]) -> str:
         f"slidedp profile layer: {shape}, B={report['batch']} x S={report['seq_len']}, "
         f"{report['dtype']} on {report['gpu']}{cached}",
         f"  {'candidate':<20} {'fwd ms':>8} {'bwd ms':>8} {'replay':>8} {'reload':>8} "
-        f"{'retained':>9} {'(est.)':>8} {'offload':>8} {'(est.)':>8} {'backward':>9} {'(est.)':>8}  pareto",
+        f"{'retained':>9} {'(est.)':>8} {'offload':>8} {'(est.)':>8} {'backward':>9} "
+        f"{'(est.)':>8}  pareto",
     ]
     for c in report["candidates"]:
         replay = "" if c["replay_s"] is None else f"{c['replay_s'] * 1e3:.2f}"

@@ -30,11 +30,14 @@ class Executor(Protocol):
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 
-def executor_for(policy: LayerPolicy) -> Executor:
+def executor_for(policy: LayerPolicy, *, measure: bool = False) -> Executor:
+    """``measure``: the state also counts what the family keeps outside ``tensors`` (the cost
+    model's runs; a little slower)."""
+    if policy.family == "SAC":
+        return SelectiveExecutor(policy, count_cache=measure)
     families: dict[str, Callable[[LayerPolicy], Executor]] = {
         "F": FullExecutor,
         "S": SegmentExecutor,
-        "SAC": SelectiveExecutor,
         "N": NoCheckpointExecutor,
     }
     return families[policy.family](policy)

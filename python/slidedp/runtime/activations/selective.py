@@ -71,20 +71,28 @@ class _Region:
 
 
 class SelectiveExecutor:
-    def __init__(self, policy: LayerPolicy) -> None:
-        self.policy = policy
-        self._saves = _saves(policy.arg)
+    """``count_cache``: add up the bytes of the kept operator outputs (``retained_bytes``; the
+    cost model's meta runs): each kept operator then runs once more on meta copies, which a
+    training step has no use for."""
+
+    def __init__(self, policy: LayerPolicy, *, count_cache: bool = False) -> None:
+        self.policy, self.count_cache = policy, count_cache
+        saves = _saves(policy.arg)
+        # a view (of a weight, say) costs nothing to recompute, and a saved view of a slot
+        # would outlive the slot's contents
+        self._keep = functools.cache(
+            lambda op: saves(_op_name(op)) and not getattr(op, "is_view", False)
+        )
 
     def _context(self, region: _Region) -> Any:
-        saves = self._saves
+        keep, count = self._keep, self.count_cache
 
         def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            # a view (of a weight, say) costs nothing to recompute, and a saved view of a slot
-            # would outlive the slot's contents
-            keep = saves(_op_name(op)) and not getattr(op, "is_view", False)
-            if keep and not ctx.is_recompute:  # count what the region's cache keeps
+            if not keep(op):
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            if count and not ctx.is_recompute:
                 region.cache_bytes[0] += _output_bytes(op, args, kwargs)
-            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE
 
         return create_selective_checkpoint_contexts(policy_fn)  # type: ignore[no-untyped-call]
 
