@@ -12,7 +12,7 @@ import pytest
 
 from slidedp.cli import main
 from slidedp.profile import layer
-from slidedp.profile.pareto import mark_pareto
+from slidedp.profile.pareto import layer_time, mark_pareto
 
 TINY = {
     "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -76,8 +76,12 @@ def test_a_profile_is_cached_by_its_facts(
 def test_pareto_marks_the_points_nothing_beats_in_both_memory_and_time() -> None:
     def point(mem: int, t: float) -> SimpleNamespace:
         return SimpleNamespace(retained_bytes=mem, estimated_retained_bytes=0, forward_s=t,
-                               backward_s=0.0, pareto=None)  # fmt: skip
+                               backward_s=0.0, reload_s=reload, pareto=None)  # fmt: skip
 
+    reload = 0.0
     pts = [point(10, 5.0), point(5, 6.0), point(20, 4.0), point(12, 5.5), point(5, 7.0)]
+    reload = 9.0  # nothing on the device, but its copy back takes longer than any layer
+    pts.append(point(0, 1.0))
     mark_pareto(pts)
-    assert [p.pareto for p in pts] == [True, True, True, False, False]
+    assert [p.pareto for p in pts] == [True, True, True, False, False, True]
+    assert layer_time(pts[-1]) == 18.0  # copy-bound: the forward and the backward wait for it

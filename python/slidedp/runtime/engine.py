@@ -13,8 +13,10 @@ global barrier). Order:
    layer's gradient to the gradient lane (``grad_lane``);
 4. embedding backward (plus the tied head's gradient when embeddings are tied).
 
-Without clipping (``max_grad_norm == 0``) each group's gradient goes to the host as soon as it
-exists and its AdamW runs while the GPU computes earlier layers (the paper's overlap).
+Where each group's gradient goes and when its update starts is ``grad_sync.GradSync``'s
+protocol. Without clipping (``max_grad_norm == 0``) each group's gradient goes to the host as
+soon as it exists and its AdamW runs while the GPU computes earlier layers (the paper's
+overlap).
 
 Exact global-norm clipping (``max_grad_norm > 0``): the norm is known only after the whole
 backward, so the step's gradients are *parked on the device* (the compute dtype: 2 B/param in
@@ -49,7 +51,7 @@ backward order were already updated (the overlap's price).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -63,7 +65,8 @@ from slidedp.plan.policy import Plan
 from slidedp.runtime.activations import LayerRun, LayerState, executor_for
 from slidedp.runtime.activations.offload import ActivationOffload, offload_count
 from slidedp.runtime.dist import Dist, all_reduce_sum
-from slidedp.runtime.grad_lane import AdamArgs, GradLane, GradTicket
+from slidedp.runtime.grad_lane import GradLane
+from slidedp.runtime.grad_sync import GradSync
 from slidedp.runtime.lanes import LaneClock, new_stream
 from slidedp.runtime.routes import GpuReduce, HostSum
 from slidedp.runtime.trace import StepTrace
@@ -139,11 +142,8 @@ class Engine:
             host_sum=host_sum,
             owns=(lambda g: True) if ctx is None else (lambda g: ctx.owner(g) == ctx.rank),
         )
+        self.sync = GradSync(self.grads, self.reduce, self.optim, ctx, device)
         self._target = 0  # the version every group reaches once this rank's updates are done
-        # Clipping: this step's gradients, parked until the clip coefficient is known; then the
-        # ones ready to leave (with the coefficient), in forward order.
-        self._parked: list[tuple[GradTicket, AdamArgs]] = []
-        self._ready: list[tuple[GradTicket, AdamArgs]] = []
         layers = [adapter.layer_group(i) for i in range(adapter.num_layers)]
         self.window = Window(
             store,
@@ -154,7 +154,7 @@ class Engine:
             policy.slots,
             self.clock,
             version_timeout_s,
-            before_wait=self._send_ready,
+            before_wait=self.sync.send_ready,
             staging_base=rank * staging,
             staging_count=staging,
             shard=(rank, world) if ctx is not None and param_route == "sharded" else None,
@@ -194,51 +194,6 @@ class Engine:
         self.window.acquire(buf)
         return buf
 
-    def _send_ready(self, group: int) -> None:
-        """Before a load waits for ``group``'s version: submit the chunks sent by earlier calls
-        (their copies are done by now), so the update worker is never idle while this thread
-        waits; then send the parked gradients up to ``group`` and a ring's worth ahead (sending
-        into a full ring waits for the oldest update: the backpressure)."""
-        if self._ready:
-            self.grads.flush()
-        ahead = group + self.grad_slots
-        while self._ready and self._ready[0][0].group <= ahead:
-            ticket, adam = self._ready.pop(0)
-            self.grads.send(ticket, adam, check_finite=False, role="update")
-        if self.grads.host_sum is not None:
-            self.grads.flush()  # peers may be waiting for any queued chunk (routes.HostSum)
-        else:
-            self.grads.flush(through_group=group)
-
-    def _adam(self, t: int, adam_step: int, lr: float, grad_scale: float) -> AdamArgs:
-        o = self.optim
-        return AdamArgs(adam_step, lr, o.betas, o.eps, o.weight_decay, grad_scale, t + 1)
-
-    def _hand_over(
-        self, local: GradTicket, t: int, adam_step: int, lr: float, tickets: list[GradTicket]
-    ) -> None:
-        """A group's gradient is issued: reduced onto its owner (gpu route), then sent now
-        (overlap mode) or parked (clipping); ``tickets`` collects what counts for the norm."""
-        ticket = local if self.reduce is None else self.reduce.reduce(local)
-        if ticket is None:
-            return  # another rank owns this group
-        tickets.append(ticket)
-        adam = self._adam(t, adam_step, lr, 1.0)
-        if self.optim.max_grad_norm > 0:
-            self._parked.append((ticket, adam))
-            if self.grads.host_sum is not None:  # the norm is the host sum's: sum it now
-                self.grads.flush(keep_last_group=True)
-                self.grads.send(ticket, adam, check_finite=False, role="norm")
-            return
-        if self.grads.host_sum is None:
-            # Submit everything queued (the previous group's copy was issued a layer's backward
-            # ago), so this send takes a slot whose update ran long ago, not the one just
-            # submitted: that would serialize the backward with the update lane.
-            self.grads.flush()
-        else:  # summing the newest group on the host would wait for slower peers
-            self.grads.flush(keep_last_group=True)
-        self.grads.send(ticket, adam, check_finite=True)
-
     def step(self, t: int, batch: Batch, lr: float, adam_step: int | None = None) -> StepResult:
         """One optimizer step on ``batch`` with learning rate ``lr``; updates are queued.
         ``adam_step`` is AdamW's 1-based step count (default ``t + 1``; lower after skips)."""
@@ -250,7 +205,7 @@ class Engine:
         n_labels = int((targets_host != IGNORE_INDEX).sum())
         if self.ctx is not None:  # the mean is over the label tokens of the global batch
             n_labels = int(all_reduce_sum([n_labels], self.device)[0])
-        self.grads.owned_sum_squares = 0.0
+        self.sync.begin_step()
         self.activations.discard()
         ids = batch.input_ids.to(self.device, non_blocking=True)  # [B, S]
         targets = targets_host.to(self.device, non_blocking=True)
@@ -309,8 +264,7 @@ class Engine:
                 what="loss",
             )
         head_grads = {NORM: g_norm_w} if a.tied else {NORM: g_norm_w, LM_HEAD: g_head_w}
-        tickets: list[GradTicket] = []
-        self._hand_over(GradLane.ticket(a.head_group, head_grads), t, n_adam, lr, tickets)
+        self.sync.hand_over(GradLane.ticket(a.head_group, head_grads), t, n_adam, lr)
         for layer in reversed(range(a.num_layers)):  # backward: reload, recompute, grad
             group = a.layer_group(layer)
             buf = self._fetch(group, v)
@@ -327,52 +281,14 @@ class Engine:
             states[layer] = None
             full = {local: full for full, local in a.groups[group].params}
             ticket = GradLane.ticket(group, {full[n]: gr for n, gr in local_grads.items()})
-            self._hand_over(ticket, t, n_adam, lr, tickets)
+            self.sync.hand_over(ticket, t, n_adam, lr)
         with self.clock.stream("compute", compute):
             g_embed = a.embed_backward(ids, embed_w, g, g_head_w)
         win.release(self.embed_buf)
-        self._hand_over(GradLane.ticket(a.embed_group, {EMBED: g_embed}), t, n_adam, lr, tickets)
-        if self.optim.max_grad_norm == 0 or self.grads.host_sum is not None:
-            # no clipping: a non-finite gradient surfaces in its own step; cpu route with
-            # clipping: every owner's Σ g² is in before the norm is all-reduced
-            self.grads.flush()
+        self.sync.hand_over(GradLane.ticket(a.embed_group, {EMBED: g_embed}), t, n_adam, lr)
+        self.sync.end_backward()
         self._target = t + 1
-        return self._finish(t, loss, n_labels, tickets)
-
-    def _global_norm(self, tickets: list[GradTicket]) -> torch.Tensor:
-        """‖gradient of the global batch‖₂: from the local norms, or across the owners."""
-        all_norms = [n for tk in tickets for n in tk.norms]
-        if self.ctx is None:
-            total: torch.Tensor = torch.linalg.vector_norm(torch.stack(all_norms))
-            return total  # clip_grad_norm_'s total
-        if self.grads.host_sum is not None:  # cpu route: Σ g² of the summed host chunks
-            owned = self.grads.owned_sum_squares
-        else:
-            owned = float(torch.stack(all_norms).double().square().sum()) if all_norms else 0.0
-        return torch.tensor(math.sqrt(all_reduce_sum([owned], self.device)[0]))
-
-    def _finish(self, t: int, loss: float, n_labels: int, tickets: list[GradTicket]) -> StepResult:
-        """Global norm; with clipping, the parked gradients get the clip coefficient."""
-        total = self._global_norm(tickets)
-        grad_norm = float(total)
-        coef = 1.0
-        if self.optim.max_grad_norm > 0:
-            if not torch.isfinite(total):
-                self._parked.clear()
-                raise NonFiniteError(
-                    f"step {t}: the gradient norm is not finite ({grad_norm}); "
-                    "no update of this step was applied",
-                    step=t,
-                    what="grad_norm",
-                )
-            coef_t = torch.clamp(self.optim.max_grad_norm / (total + 1e-6), max=1.0)
-            coef = float(coef_t)
-            assert not self._ready, "the previous step's gradients are all sent by now"
-            self._parked.sort(key=lambda parked: parked[0].group)  # forward order
-            self._ready = [(tk, replace(adam, grad_scale=coef)) for tk, adam in self._parked]
-            self._parked = []
-            if self._ready:  # the updates start now, not when the next step first loads
-                self._send_ready(self._ready[0][0].group)
+        grad_norm, coef = self.sync.finish(t)
         return StepResult(loss=loss, grad_norm=grad_norm, clip_coef=coef, label_tokens=n_labels)
 
     def lane_times(self) -> dict[str, float]:
@@ -401,7 +317,7 @@ class Engine:
 
     def skip(self, t: int) -> None:
         """Step ``t`` failed before any update: advance every group to version ``t + 1``."""
-        self._parked.clear()
+        self.sync.discard()
         for group in range(self.store.num_groups):
             self.grads.publish_only(group, t + 1)  # owned groups only
         self._target = t + 1
@@ -415,9 +331,7 @@ class Engine:
 
     def drain(self) -> None:
         """Send every parked gradient and wait for every queued update."""
-        if self._ready:
-            self._send_ready(self.store.num_groups)
-        self.grads.flush()
+        self.sync.send_all(self.store.num_groups)
         self.worker.drain(self.timeout_s)
         if self.ctx is not None:  # the other owners' updates too
             for group in range(self.store.num_groups):

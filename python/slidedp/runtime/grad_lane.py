@@ -107,6 +107,7 @@ class GradLane:
         self._queued_slots: set[int] = set()
         self._slot_base = slot_base
         count = int(layout["grad_slots"]) if slot_count is None else slot_count
+        self.slot_count = count  # this rank's gradient slots
         # per local slot: ("update", worker seq) or ("sum", chunk seq) of its last reader
         self._slot_reader: list[tuple[str, int] | None] = [None] * count
         self._next_slot = 0
