@@ -56,3 +56,19 @@ def test_gemm_peak_is_measured_once_and_plausible() -> None:
     assert peak is not None
     assert 1e13 < peak < 1e16  # 10 TFLOP/s .. 10 PFLOP/s: any recent GPU, bf16 dense
     assert device_peak_flops(torch.device("cuda")) == peak  # cached per process
+
+
+def test_layer_shapes_read_widths_params_and_the_attended_length() -> None:
+    from slidedp.models.shape import layer_shapes
+
+    h, i = 64, 128
+    fields = {k: TINY[k] for k in TINY if k != "head_dim"}
+    config = MistralConfig(**fields, head_dim=16, sliding_window=16)
+    shapes = layer_shapes(config, 64)
+    assert len(shapes) == TINY["num_hidden_layers"]
+    s = shapes[0]
+    assert (s.hidden, s.ffn, s.q_dim, s.kv_dim, s.attended) == (h, i, 4 * 16, 2 * 16, 16)
+    matmul = h * 64 + 2 * h * 32 + 64 * h + 3 * h * i
+    assert s.matmul_params == matmul
+    assert s.params == s.active_params == matmul + 2 * h  # plus the two norms
+    assert layer_shapes(config, 8)[0].attended == 8

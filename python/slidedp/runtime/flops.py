@@ -32,6 +32,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
 from slidedp.errors import InvalidArgumentError
+from slidedp.models.shape import layer_shapes
 
 FLOPS_FORMULA = "6*N_matmul + 6*L*S*d_attn (causal half; LM head counted, embedding not)"
 
@@ -43,33 +44,15 @@ def matmul_params(config: PretrainedConfig) -> int:
     return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
 
 
-def attention_dim(config: PretrainedConfig) -> int:
-    """``num_attention_heads * head_dim`` (Qwen3's may differ from ``hidden_size``)."""
-    heads = int(config.num_attention_heads)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return heads * int(head_dim)
-
-
-def attended_lengths(config: PretrainedConfig, seq_len: int) -> list[int]:
-    """Per decoder layer, the key length a query sees before the causal half: ``S``, or
-    ``min(S, sliding_window)`` on sliding layers (same rule as ``HFAdapter.layer_masks``)."""
-    layers = int(config.num_hidden_layers)
-    window = getattr(config, "sliding_window", None)
-    kinds = getattr(config, "layer_types", None)
-    if not kinds:
-        kinds = ["sliding_attention" if window is not None else "full_attention"] * layers
-    return [
-        min(seq_len, int(window)) if kind == "sliding_attention" and window else seq_len
-        for kind in kinds[:layers]
-    ]
-
-
 def model_flops_per_token(config: PretrainedConfig, seq_len: int) -> float:
-    """Training model FLOPs per token at ``seq_len`` by ``FLOPS_FORMULA``."""
+    """Training model FLOPs per token at ``seq_len`` by ``FLOPS_FORMULA``, from the layers'
+    shapes (``models.shape``) plus the LM head."""
     if seq_len < 1:
         raise InvalidArgumentError(f"seq_len must be >= 1, got {seq_len}")
-    attention = 6 * attention_dim(config) * sum(attended_lengths(config, seq_len))
-    return float(6 * matmul_params(config) + attention)
+    layers = layer_shapes(config, seq_len)
+    head = int(config.vocab_size) * int(config.hidden_size)  # counted even when tied
+    attention = 6 * sum(s.q_dim * s.attended for s in layers)
+    return float(6 * (sum(s.matmul_params for s in layers) + head) + attention)
 
 
 def device_peak_flops(device: torch.device) -> float | None:
