@@ -3,6 +3,7 @@
 __version__: str
 
 def store_layout(spec_json: str) -> str: ...
+def predict_step(spec_json: str) -> str: ...
 
 class HostStore:
     @staticmethod

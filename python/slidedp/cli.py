@@ -22,6 +22,7 @@ import traceback
 
 from slidedp import __version__
 from slidedp.bench import kernels as bench_kernels
+from slidedp.bench import model as bench_model
 from slidedp.bench import plot as bench_plot
 from slidedp.bench import train as bench_train
 from slidedp.errors import ConfigError, SlidedpError, TrainingInterruptedError
@@ -140,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_kernels.add_arguments(which.add_parser("kernels", help="AdamW and cast vs torch"))
     bench_train.add_arguments(which.add_parser("train", help="ours vs reference and FSDP2"))
     bench_plot.add_arguments(which.add_parser("plot", help="one sweep figure from JSON reports"))
+    bench_model.add_arguments(which.add_parser("model", help="the step-time model vs traced steps"))
     profile = verbs.add_parser("profile", help="measure the candidates of a policy")
     what = profile.add_subparsers(dest="profile", required=True)
     profile_layer.add_arguments(
@@ -161,7 +163,12 @@ def _run(args: argparse.Namespace) -> int:
         return _export(args.checkpoint, args.out_dir)
     if args.verb == "profile":
         return profile_layer.main(args)
-    bench_main = {"train": bench_train.main, "plot": bench_plot.main, "kernels": bench_kernels.main}
+    bench_main = {
+        "train": bench_train.main,
+        "plot": bench_plot.main,
+        "kernels": bench_kernels.main,
+        "model": bench_model.main,
+    }
     return bench_main[args.bench](args)
 
 

@@ -6,6 +6,7 @@
 
 pub mod error;
 pub mod kernels;
+pub mod model;
 pub mod store;
 pub mod update;
 

@@ -4,6 +4,7 @@
 
 mod gate;
 mod kernels;
+mod model;
 mod store;
 mod update;
 
@@ -13,6 +14,7 @@ use pyo3::prelude::*;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<store::PyHostStore>()?;
     m.add_function(wrap_pyfunction!(store::store_layout, m)?)?;
+    m.add_function(wrap_pyfunction!(model::predict_step, m)?)?;
     m.add_class::<kernels::PyKernels>()?;
     m.add_class::<update::PyUpdateWorker>()?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

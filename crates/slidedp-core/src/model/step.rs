@@ -1,0 +1,330 @@
+//! The engine's step (`python/slidedp/runtime/engine.py`) as an operation graph, several steps
+//! in a row, so the boundary between steps (version gates, updates of the previous step) is in.
+//!
+//! Groups are `0` (embedding), `1..=L` (decoder layers) and `L + 1` (final norm and head). Per
+//! step: the forward loads every group through a window of `slots` layer slots (a load waits
+//! for the group's version, i.e. its update of the previous step, and for the compute that
+//! last read its slot), computes each layer and offloads its activations; the head computes
+//! the loss and its gradient; the backward reloads each layer (the last `slots` are still
+//! resident), the activations one layer ahead, computes the layer's backward and hands the
+//! gradient over. Without clipping a gradient goes to the host at once (D2H into a ring of
+//! `grad_slots`, then AdamW); with clipping every gradient waits for the end of the backward
+//! and leaves in forward order, the host sending a ring's worth ahead of each load of the next
+//! step. A step ends when the host has the norm (the backward's end, and without clipping the
+//! last gradient copy).
+
+use serde::{Deserialize, Serialize};
+
+use super::dag::{Dag, Lane};
+use crate::{Error, Result};
+
+/// Service times of one step's operations, seconds (per group: embedding, layers, head).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct StepSpec {
+    /// Forward compute per decoder layer.
+    pub forward_s: Vec<f64>,
+    /// Backward compute per decoder layer (the replay included).
+    pub backward_s: Vec<f64>,
+    /// Embedding forward, head (loss forward and backward), embedding backward.
+    pub embed_forward_s: f64,
+    pub head_s: f64,
+    pub embed_backward_s: f64,
+    /// Per group (`L + 2`): a load into the window, a gradient's copy to the host, its AdamW.
+    pub load_s: Vec<f64>,
+    pub grad_copy_s: Vec<f64>,
+    pub update_s: Vec<f64>,
+    /// Per group: the host's cast of the group to BF16 before a load (empty: loads from the
+    /// BF16 mirror, no cast). The host thread does it, so it also delays what it issues next.
+    #[serde(default)]
+    pub cast_s: Vec<f64>,
+    /// Per decoder layer: the activation offload copy, and its copy back.
+    #[serde(default)]
+    pub offload_s: Vec<f64>,
+    #[serde(default)]
+    pub reload_s: Vec<f64>,
+    pub slots: usize,
+    pub grad_slots: usize,
+    pub clipping: bool,
+}
+
+impl StepSpec {
+    pub fn layers(&self) -> usize {
+        self.forward_s.len()
+    }
+
+    /// Every per-group list has `L + 2` entries and every per-layer list `L` (offload lists
+    /// may be empty: no offload); times are finite and not negative; a gradient ring slot.
+    pub fn check(&self) -> Result<()> {
+        let layers = self.layers();
+        let lists: [(&str, &Vec<f64>, usize); 8] = [
+            (
+                "cast_s",
+                &self.cast_s,
+                if self.cast_s.is_empty() {
+                    0
+                } else {
+                    layers + 2
+                },
+            ),
+            ("backward_s", &self.backward_s, layers),
+            ("load_s", &self.load_s, layers + 2),
+            ("grad_copy_s", &self.grad_copy_s, layers + 2),
+            ("update_s", &self.update_s, layers + 2),
+            (
+                "offload_s",
+                &self.offload_s,
+                if self.offload_s.is_empty() { 0 } else { layers },
+            ),
+            (
+                "reload_s",
+                &self.reload_s,
+                if self.reload_s.is_empty() { 0 } else { layers },
+            ),
+            ("forward_s", &self.forward_s, layers),
+        ];
+        for (name, list, want) in lists {
+            if list.len() != want {
+                return Err(Error::InvalidArgument(format!(
+                    "step spec: {name} has {} entries, expected {want}",
+                    list.len()
+                )));
+            }
+        }
+        let scalars = [self.embed_forward_s, self.head_s, self.embed_backward_s];
+        let all = lists
+            .iter()
+            .flat_map(|(_, l, _)| l.iter())
+            .chain(scalars.iter());
+        if layers == 0 || self.grad_slots == 0 || all.clone().any(|x| !x.is_finite() || *x < 0.0) {
+            return Err(Error::InvalidArgument(
+                "step spec: needs a layer, a gradient slot, and finite times >= 0".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn cast(&self, group: usize) -> f64 {
+        self.cast_s.get(group).copied().unwrap_or(0.0)
+    }
+
+    fn offload(&self, layer: usize) -> f64 {
+        self.offload_s.get(layer - 1).copied().unwrap_or(0.0)
+    }
+
+    fn reload(&self, layer: usize) -> f64 {
+        self.reload_s.get(layer - 1).copied().unwrap_or(0.0)
+    }
+}
+
+/// The graph of `steps` steps in a row, with the index of each step's end.
+pub struct Steps {
+    pub dag: Dag,
+    pub ends: Vec<usize>,
+    /// Per step, the index range of its operations.
+    pub spans: Vec<(usize, usize)>,
+}
+
+struct Builder<'a> {
+    spec: &'a StepSpec,
+    dag: Dag,
+    /// The latest update of each group (its version gate).
+    updates: Vec<Option<usize>>,
+    /// Updates in send order: the gradient ring.
+    ring: Vec<usize>,
+    /// Clipping: groups whose gradient waits for its send, and the step end they wait for.
+    parked: Vec<usize>,
+    backward_end: Option<usize>,
+}
+
+impl Builder<'_> {
+    /// A gradient to the host: a send into a full ring first waits (on the host) for the
+    /// update that used the slot; then the copy, then AdamW.
+    fn send(&mut self, group: usize, after: &[usize]) {
+        let mut deps = after.to_vec();
+        if self.ring.len() >= self.spec.grad_slots {
+            let oldest = self.ring[self.ring.len() - self.spec.grad_slots];
+            deps.push(
+                self.dag
+                    .add(format!("ring wait g{group}"), Lane::Host, 0.0, &[oldest]),
+            );
+        }
+        let copy = self.dag.add(
+            format!("grad copy g{group}"),
+            Lane::D2h,
+            self.spec.grad_copy_s[group],
+            &deps,
+        );
+        let update = self.dag.add(
+            format!("update g{group}"),
+            Lane::Update,
+            self.spec.update_s[group],
+            &[copy],
+        );
+        self.ring.push(update);
+        self.updates[group] = Some(update);
+    }
+
+    /// Before a load waits for `group`'s version, the parked gradients up to a ring's worth
+    /// ahead leave; then the host waits for the group's update of the previous step.
+    fn gate(&mut self, t: usize, group: usize) {
+        while self
+            .parked
+            .first()
+            .is_some_and(|&p| p <= group + self.spec.grad_slots)
+        {
+            let p = self.parked.remove(0);
+            let after: Vec<usize> = self.backward_end.into_iter().collect();
+            self.send(p, &after);
+        }
+        let deps: Vec<usize> = self.updates[group].into_iter().collect();
+        self.dag
+            .add(format!("t{t} version g{group}"), Lane::Host, 0.0, &deps);
+    }
+
+    /// A load of `group` into the window: the host casts it first (without the mirror).
+    fn load(&mut self, name: String, group: usize, deps: &[usize]) -> usize {
+        if self.spec.cast(group) > 0.0 {
+            self.dag.add(
+                format!("cast g{group}"),
+                Lane::Host,
+                self.spec.cast(group),
+                &[],
+            );
+        }
+        self.dag.add(name, Lane::H2d, self.spec.load_s[group], deps)
+    }
+
+    fn hand_over(&mut self, group: usize, grad: usize) {
+        if self.spec.clipping {
+            self.parked.push(group);
+        } else {
+            self.send(group, &[grad]);
+        }
+    }
+
+    fn step(&mut self, t: usize) -> usize {
+        let spec = self.spec;
+        let layers = spec.layers();
+        self.gate(t, 0);
+        let load_embed = self.load(format!("t{t} load embed"), 0, &[]);
+        self.dag.add(
+            format!("t{t} embed fwd"),
+            Lane::Compute,
+            spec.embed_forward_s,
+            &[load_embed],
+        );
+        let mut loads = vec![0; layers + 2];
+        let mut slot_users: Vec<usize> = Vec::new(); // the computes that read each slot, in order
+        self.gate(t, 1);
+        loads[1] = self.load(format!("t{t} load g1"), 1, &[]);
+        for l in 1..=layers {
+            let next = l + 1; // prefetch: the next layer, or the head into its own buffer
+            self.gate(t, next);
+            // the next layer's slot is free once its last reader is done: layer l + 1 - slots
+            // (with one slot, this very layer: the load then follows its compute)
+            let single = spec.slots <= 1 && next <= layers;
+            if !single {
+                let mut deps = vec![];
+                if next <= layers && l >= spec.slots {
+                    deps.push(slot_users[l - spec.slots]);
+                }
+                loads[next] = self.load(format!("t{t} load g{next}"), next, &deps);
+            }
+            let fwd = self.dag.add(
+                format!("t{t} fwd L{l}"),
+                Lane::Compute,
+                spec.forward_s[l - 1],
+                &[loads[l]],
+            );
+            slot_users.push(fwd);
+            if single {
+                loads[next] = self.load(format!("t{t} load g{next}"), next, &[fwd]);
+            }
+            if spec.offload(l) > 0.0 {
+                self.dag.add(
+                    format!("t{t} offload L{l}"),
+                    Lane::Offload,
+                    spec.offload(l),
+                    &[fwd],
+                );
+            }
+        }
+        let head = self.dag.add(
+            format!("t{t} head"),
+            Lane::Compute,
+            spec.head_s,
+            &[loads[layers + 1]],
+        );
+        self.hand_over(layers + 1, head);
+        for l in (1..=layers).rev() {
+            let mut deps = vec![];
+            if layers - l >= spec.slots.max(1) {
+                // evicted since the forward: loaded again once its slot's last reader is done
+                let user = slot_users[slot_users.len() - spec.slots.max(1)];
+                deps.push(self.load(format!("t{t} reload L{l}"), l, &[user]));
+            }
+            if spec.reload(l) > 0.0 {
+                deps.push(self.dag.add(
+                    format!("t{t} acts back L{l}"),
+                    Lane::Offload,
+                    spec.reload(l),
+                    &[],
+                ));
+            }
+            let bwd = self.dag.add(
+                format!("t{t} bwd L{l}"),
+                Lane::Compute,
+                spec.backward_s[l - 1],
+                &deps,
+            );
+            slot_users.push(bwd);
+            self.hand_over(l, bwd);
+        }
+        let embed = self.dag.add(
+            format!("t{t} embed bwd"),
+            Lane::Compute,
+            spec.embed_backward_s,
+            &[],
+        );
+        self.hand_over(0, embed);
+        // the step returns once the host has the norm: the backward done and, without
+        // clipping, the last gradient copied
+        let mut deps = vec![embed];
+        if !spec.clipping {
+            deps.extend(self.ring.last().map(|&update| update - 1)); // its copy
+        }
+        let end = self.dag.add(format!("t{t} end"), Lane::Host, 0.0, &deps);
+        self.backward_end = Some(end);
+        if spec.clipping {
+            self.parked.sort_unstable(); // forward order; the first ring's worth leaves now
+            while self.parked.first().is_some_and(|&p| p < spec.grad_slots) {
+                let p = self.parked.remove(0);
+                self.send(p, &[end]);
+            }
+        }
+        end
+    }
+}
+
+pub fn build(spec: &StepSpec, steps: usize) -> Steps {
+    let mut b = Builder {
+        spec,
+        dag: Dag::default(),
+        updates: vec![None; spec.layers() + 2],
+        ring: Vec::new(),
+        parked: Vec::new(),
+        backward_end: None,
+    };
+    let mut ends = Vec::new();
+    let mut spans = Vec::new();
+    for t in 0..steps {
+        let first = b.dag.ops.len();
+        ends.push(b.step(t));
+        spans.push((first, b.dag.ops.len()));
+    }
+    Steps {
+        dag: b.dag,
+        ends,
+        spans,
+    }
+}

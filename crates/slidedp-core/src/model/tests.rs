@@ -1,0 +1,124 @@
+use super::dag::{Dag, Lane};
+use super::{Prediction, StepSpec, predict};
+
+fn predict_ok(spec: &StepSpec) -> Prediction {
+    predict(spec).expect("a valid spec")
+}
+
+#[test]
+fn a_hand_computed_dag() {
+    // h2d a (2) -> compute b (3); update c (5) on its own lane; compute d (1) after b and c
+    let mut dag = Dag::default();
+    let a = dag.add("a", Lane::H2d, 2.0, &[]);
+    let b = dag.add("b", Lane::Compute, 3.0, &[a]);
+    let c = dag.add("c", Lane::Update, 5.0, &[]);
+    let d = dag.add("d", Lane::Compute, 1.0, &[b, c]);
+    assert_eq!(dag.finish(b), 5.0);
+    assert_eq!(dag.finish(d), 6.0); // c ends at 5 with b: d starts at 5
+    assert_eq!(dag.critical_path(d), vec![a, b, d]); // b's finish is the (first) latest
+    let e = dag.add("e", Lane::Update, 4.0, &[]); // after c on its lane: 5..9
+    let wait = dag.add("wait e", Lane::Host, 0.0, &[e]);
+    let f = dag.add("f", Lane::Compute, 1.0, &[]); // issued after the host waited
+    assert_eq!(dag.finish(wait), 9.0);
+    assert_eq!(dag.ops[f].start_s, 9.0);
+    // f's lane was idle from d's end (6) to 9: e (update, 5..9) ran then, after c
+    assert_eq!(dag.gap_causes(f, dag.finish(d)), vec![(Lane::Update, 3.0)]);
+    assert_eq!(dag.critical_path(f), vec![c, e, wait, f]);
+}
+
+fn spec(layers: usize, clipping: bool, update_s: f64) -> StepSpec {
+    let groups = layers + 2;
+    StepSpec {
+        forward_s: vec![1.0; layers],
+        backward_s: vec![2.0; layers],
+        embed_forward_s: 0.0,
+        head_s: 1.0,
+        embed_backward_s: 0.0,
+        load_s: vec![0.5; groups],
+        grad_copy_s: vec![0.5; groups],
+        update_s: vec![update_s; groups],
+        cast_s: vec![],
+        offload_s: vec![],
+        reload_s: vec![],
+        slots: 2,
+        grad_slots: 4,
+        clipping,
+    }
+}
+
+#[test]
+fn fast_updates_leave_the_compute_and_the_step_boundary() {
+    // 4 layers: 4 x (1 + 2) + head 1 = 13 s of compute. Between steps: the last gradients'
+    // copies (layer 1, embedding: 2 x 0.5), the embedding's update (0.1), then the next step's
+    // loads of the embedding and layer 1 (2 x 0.5): 2.1 s that nothing hides
+    let p = predict_ok(&spec(4, false, 0.1));
+    assert!((p.step_s - 15.1).abs() < 1e-9, "{p:?}");
+    assert!((p.busy_s[&Lane::Compute] - 13.0).abs() < 1e-9);
+    let exposed: f64 = p.exposed_s.values().sum();
+    assert!((exposed - 2.1).abs() < 1e-9, "{p:?}");
+    assert!((p.exposed_s[&Lane::Update] - 0.1).abs() < 1e-9, "{p:?}");
+}
+
+#[test]
+fn slow_updates_bind_the_step_and_show_as_update_waits() {
+    // 6 groups x 4 s of AdamW = 24 s per step > 13 s of compute: the update lane sets the pace;
+    // the embedding's update is submitted last and needed first, so the next forward also
+    // waits for it behind the whole queue
+    let p = predict_ok(&spec(4, false, 4.0));
+    assert!(p.step_s >= 24.0, "{p:?}");
+    assert!(p.exposed_s[&Lane::Update] > 10.0, "{p:?}");
+    assert!(p.regime.starts_with("Update-bound"), "{}", p.regime);
+}
+
+#[test]
+fn clipping_moves_the_updates_after_the_backward() {
+    // updates of 1.5 s x 6 = 9 s: without clipping they hide under the backward (13 s step);
+    // with clipping they start only when the norm is known and gate the next forward's loads
+    let free = predict_ok(&spec(4, false, 1.5));
+    let clipped = predict_ok(&spec(4, true, 1.5));
+    let update = |p: &Prediction| p.exposed_s.get(&Lane::Update).copied().unwrap_or(0.0);
+    assert!(clipped.step_s > free.step_s + 1.0, "{free:?} {clipped:?}");
+    assert!(
+        update(&clipped) > update(&free) + 1.0,
+        "{free:?} {clipped:?}"
+    );
+}
+
+#[test]
+fn one_slot_serializes_each_load_with_the_compute_before_it() {
+    let mut one = spec(4, false, 0.1);
+    one.slots = 1;
+    let two = predict_ok(&spec(4, false, 0.1));
+    let p = predict_ok(&one);
+    // every load after the first waits for the previous layer's compute: 0.5 s more per load
+    // in the forward (3 loads) and the backward (3 reloads)
+    assert!((p.step_s - two.step_s - 3.0).abs() < 1e-9, "{p:?} {two:?}");
+}
+
+#[test]
+fn a_spec_with_a_missing_entry_is_an_error_naming_the_list() {
+    let mut bad = spec(4, false, 0.1);
+    bad.update_s.pop();
+    let err = predict(&bad).unwrap_err().to_string();
+    assert!(err.contains("update_s has 5 entries, expected 6"), "{err}");
+    let mut bad = spec(4, false, 0.1);
+    bad.head_s = f64::NAN;
+    assert!(predict(&bad).is_err());
+}
+
+#[test]
+fn a_cast_on_the_host_delays_every_load_it_precedes() {
+    // without the mirror the host casts each group before its load (0.25 s here) and issues
+    // nothing meanwhile: the embedding's cast opens the step (exposed), the others run while
+    // earlier loads copy (hidden)
+    let mut cast = spec(4, false, 0.1);
+    cast.cast_s = vec![0.25; 6];
+    let p = predict_ok(&cast);
+    let base = predict_ok(&spec(4, false, 0.1));
+    assert!(
+        (p.step_s - base.step_s - 0.25).abs() < 1e-9,
+        "{p:?} {base:?}"
+    );
+    assert!((p.exposed_s[&Lane::Host] - 0.25).abs() < 1e-9, "{p:?}");
+    assert!((p.busy_s[&Lane::Host] - 0.25 * 8.0).abs() < 1e-9); // 6 loads + 2 reloads
+}

@@ -1,0 +1,92 @@
+"""The step-time model from Python: ``predict_step`` (the Rust model, ``slidedp_core::model``)
+and the service times of a traced step (``spec_from_trace``), so the model can be checked
+against what the engine did: ``slidedp bench model TRACE.json ...`` schedules the traced
+operations' own durations through the model's dependencies (window slots, the gradient ring,
+version gates, the clipping schedule) and compares the predicted step with the traced one.
+
+Example::
+
+    spec = spec_from_trace(json.loads(Path("trace.json").read_text()), slots=2, grad_slots=4)
+    predict_step(spec)["step_s"]
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Any
+
+from slidedp import _native
+from slidedp.errors import ConfigError
+
+PREP, H2D, COMPUTE, OFFLOAD, D2H, UPDATE = 1, 2, 3, 4, 5, 6  # the trace's lanes (trace.py)
+
+
+def predict_step(spec: dict[str, Any]) -> dict[str, Any]:
+    """The model's prediction for ``spec`` (``StepSpec``'s fields): ``step_s``, ``busy_s`` and
+    ``exposed_s`` by lane, ``critical_path``, ``regime``."""
+    result: dict[str, Any] = json.loads(_native.predict_step(json.dumps(spec)))
+    return result
+
+
+def _spans(trace: dict[str, Any], tid: int) -> list[dict[str, Any]]:
+    spans = [e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("tid") == tid]
+    return sorted(spans, key=lambda e: float(e["ts"]))
+
+
+def traced_step_s(trace: dict[str, Any]) -> float:
+    """The traced step's wall time: from its start to the last GPU-side span's end."""
+    ends = [
+        float(e["ts"]) + float(e["dur"])
+        for e in trace["traceEvents"]
+        if e.get("ph") == "X" and e.get("tid") in (COMPUTE, H2D, D2H, 7)
+    ]
+    return max(ends) / 1e6
+
+
+def spec_from_trace(
+    trace: dict[str, Any], *, slots: int, grad_slots: int, clipping: bool | None = None
+) -> dict[str, Any]:
+    """A ``StepSpec`` whose service times are the traced step's spans: compute per operation
+    (embedding forward, layers, head, layers backward, embedding backward), the forward's load
+    of each group (a backward reload takes as long), each group's AdamW; the gradient copies'
+    total split in proportion to the groups' AdamW time (both scale with the group's size).
+    ``clipping``: read from the trace when None (the first update of a clipped step is of
+    the previous step, in forward order)."""
+    compute = [float(e["dur"]) / 1e6 for e in _spans(trace, COMPUTE)]
+    layers = (len(compute) - 3) // 2
+    if layers < 1 or len(compute) != 2 * layers + 3:
+        raise ConfigError(f"the trace has {len(compute)} compute spans: not one whole step")
+    loads = [float(e["dur"]) / 1e6 for e in _spans(trace, H2D)][: layers + 2]
+    update_by_group: dict[str, float] = defaultdict(float)
+    updates = _spans(trace, UPDATE)
+    for e in updates:
+        update_by_group[e["name"]] += float(e["dur"]) / 1e6
+    names = ["embed", *[f"layers.{i}" for i in range(layers)], "head"]
+    update_s = [update_by_group.get(n, 0.0) for n in names]
+    total_update = sum(update_s) or 1.0
+    d2h = sum(float(e["dur"]) / 1e6 for e in _spans(trace, D2H))
+    offload = [float(e["dur"]) / 1e6 for e in _spans(trace, OFFLOAD)]
+    # without the mirror the host casts before every load: its total, split by load size over
+    # the forward's loads and the backward's reloads (all layers but the resident ones)
+    prep = sum(float(e["dur"]) / 1e6 for e in _spans(trace, PREP))
+    loaded = sum(loads) + sum(loads[1 : layers + 1 - slots])
+    if clipping is None:
+        clipping = bool(updates) and updates[0]["name"] != "head"
+    acts = len(offload) >= 2 * layers
+    return {
+        "forward_s": compute[1 : layers + 1],
+        "backward_s": compute[layers + 2 : 2 * layers + 2][::-1],  # traced last layer first
+        "embed_forward_s": compute[0],
+        "head_s": compute[layers + 1],
+        "embed_backward_s": compute[-1],
+        "load_s": loads,
+        "grad_copy_s": [d2h * u / total_update for u in update_s],
+        "update_s": update_s,
+        "cast_s": [prep * x / loaded for x in loads] if prep > 0 else [],
+        "offload_s": offload[:layers] if acts else [],
+        "reload_s": offload[layers : 2 * layers][::-1] if acts else [],
+        "slots": slots,
+        "grad_slots": grad_slots,
+        "clipping": clipping,
+    }
