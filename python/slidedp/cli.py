@@ -82,7 +82,7 @@ def _warn(verb: str, warning: str | None) -> None:
         print(f"slidedp {verb}: warning: {warning}", file=sys.stderr, flush=True)
 
 
-def _estimate(config: str, overrides: list[str], as_json: bool) -> int:
+def _estimate(config: str, overrides: list[str], as_json: bool, explain: bool) -> int:
     from slidedp.config import load_config
     from slidedp.estimate import Machine, estimate_run, format_estimate
     from slidedp.preflight import check_model
@@ -90,6 +90,9 @@ def _estimate(config: str, overrides: list[str], as_json: bool) -> int:
     cfg = load_config(config, overrides)
     est = estimate_run(cfg, check_model(cfg)[0], Machine.probe(cfg))
     print(json.dumps(est.to_json(), indent=2) if as_json else format_estimate(est))
+    if explain and not as_json:
+        path = est.step_model["critical_path"] if est.step_model else []
+        print("critical path of a step (model): " + (" -> ".join(path) or "n/a (no GPU model)"))
     return 0
 
 
@@ -133,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("config", help="YAML with model, data, train, output (and runtime)")
     estimate.add_argument("overrides", nargs="*", help="section.key=value, e.g. data.seq_len=4096")
     estimate.add_argument("--json", action="store_true", help="one JSON object instead of text")
+    estimate.add_argument("--explain", action="store_true", help="the model's critical path")
     export = verbs.add_parser("export", parents=[debug], help="checkpoint -> HF model directory")
     export.add_argument("checkpoint", help="OUTPUT/checkpoint-STEP, or OUTPUT (its latest)")
     export.add_argument("out_dir", help="a new directory: config, tokenizer, f32 safetensors")
@@ -158,7 +162,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.verb == "validate":
         return _validate(args.config, args.overrides)
     if args.verb == "estimate":
-        return _estimate(args.config, args.overrides, args.json)
+        return _estimate(args.config, args.overrides, args.json, args.explain)
     if args.verb == "export":
         return _export(args.checkpoint, args.out_dir)
     if args.verb == "profile":

@@ -96,6 +96,7 @@ from slidedp.plan.cost import layer_footprint, layout_memory
 from slidedp.plan.device import pick_device, pick_dtype
 from slidedp.plan.layout import LayerPolicy
 from slidedp.plan.policy import Policy, resolve_policy, store_args
+from slidedp.plan.timing import predict_step, spec_from_shapes
 from slidedp.runtime.flops import model_flops_per_token
 from slidedp.store import HostStore
 
@@ -231,6 +232,9 @@ class Estimate:
     gpu: GpuEstimate | None
     step: StepTimeEstimate
     machine: Machine
+    # the step-time model's prediction (plan.timing; CUDA with a known peak only): step_s,
+    # busy_s and exposed_s by lane, critical_path, regime
+    step_model: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Every field (bytes, seconds, FLOPs as numbers), plus ``fits`` and ``shortages``."""
@@ -385,7 +389,32 @@ def estimate_run(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> Esti
         gpu=gpu,
         step=_step_time(cfg, adapter, machine, params),
         machine=machine,
+        step_model=_step_model(cfg, adapter, machine, policy, dtype),
     )
+
+
+def _step_model(
+    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, policy: Policy, dtype: torch.dtype
+) -> dict[str, Any] | None:
+    """The step-time model's prediction with ``plan.timing``'s rates (uncalibrated: FLOPs at
+    the measured layer efficiency, PCIe ceilings, the AdamW kernel table)."""
+    peak, _ = _gpu_peak(machine.gpu_name)
+    if machine.device != "cuda" or peak is None:
+        return None
+    b, s = cfg.train.global_batch_size, cfg.data.seq_len
+    threads = cfg.runtime.update_threads or machine.cores
+    offloaded = [layer_footprint(adapter, p, b, s, dtype).offloaded_bytes for p in policy.layers]
+    spec = spec_from_shapes(
+        adapter,
+        policy,
+        batch=b,
+        seq_len=s,
+        peak_flops=peak,
+        adamw_gbps=adamw_gbps(threads),
+        clipping=cfg.train.max_grad_norm > 0,
+        offloaded_bytes=offloaded,
+    )
+    return predict_step(spec)
 
 
 def _layout_rows(
@@ -513,6 +542,12 @@ def format_estimate(est: Estimate) -> str:
             f"{st.compute_s[0]:.2f}-{st.compute_s[1]:.2f} s",
             f"{st.flops_per_step / 1e12:.2f} TFLOP at {lo:.0%}-{hi:.0%} of {st.peak_source}",
         )
+    if est.step_model is not None:
+        m_ = est.step_model
+        exposed = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in m_["exposed_s"].items())
+        row("  model (uncalibrated rates)", f"{m_['step_s']:.2f} s", f"{m_['regime']}")
+        if exposed:
+            row("    compute waits for", "", exposed)
     row(
         "  host AdamW floor",
         f"{st.host_floor_s:.2f} s",

@@ -90,3 +90,69 @@ def spec_from_trace(
         "grad_slots": grad_slots,
         "clipping": clipping,
     }
+
+
+# Service rates for a prediction before anything runs (labelled as assumptions where they are):
+# the share of the dense bf16 peak a decoder layer's matmuls reach, measured on the H100 with
+# `slidedp profile layer` (Qwen3-4B, B=16: forward 9.53 ms for 3.44 TFLOP = 36.5% of 989);
+# the head's chunked loss lands at the same share (traced 108 ms vs 106 predicted).
+LAYER_EFFICIENCY = 0.365
+# PCIe copies and the host cast, DEVICE.md's H100-host ceilings (Gen5 x16, pinned)
+H2D_GBPS, D2H_GBPS, CAST_GBPS = 51.0, 54.0, 78.0
+ADAMW_BYTES_PER_PARAM = 28  # f32 master, m, v read and written, the gradient read
+# the backward's replay as a share of the layer's forward: full and selective checkpointing
+# replay up to a whole forward (an upper bound: selective keeps some outputs), N none
+REPLAY_SHARE = {"F": 1.0, "S": 1.0, "SAC": 1.0, "N": 0.0}
+
+
+def spec_from_shapes(
+    adapter: Any,
+    policy: Any,
+    *,
+    batch: int,
+    seq_len: int,
+    peak_flops: float,
+    adamw_gbps: float,
+    clipping: bool,
+    offloaded_bytes: list[int],
+) -> dict[str, Any]:
+    """A ``StepSpec`` from the model's shapes and the policy, with the module's rates: compute
+    from FLOPs at ``LAYER_EFFICIENCY`` of ``peak_flops``, copies at the PCIe ceilings, AdamW
+    at ``adamw_gbps`` (``offloaded_bytes``: per layer, ``plan.cost``)."""
+    from slidedp.models.shape import layer_shapes
+
+    tokens = batch * seq_len
+    rate = LAYER_EFFICIENCY * peak_flops
+    shapes = layer_shapes(adapter.config, seq_len)
+    forward = [
+        (2 * s.matmul_params * tokens + 2 * s.q_dim * s.attended * tokens) / rate for s in shapes
+    ]
+    backward = [
+        (2 + REPLAY_SHARE[p.family]) * f for f, p in zip(forward, policy.layers, strict=True)
+    ]
+    params = [sum(int(torch_numel(p.shape)) for p in g.params) for g in adapter.group_specs()]
+    head = 6 * adapter.vocab_size * adapter.hidden_size * tokens / rate
+    grad_bytes = 2  # the compute dtype (bf16) on the device, then to the host
+    return {
+        "forward_s": forward,
+        "backward_s": backward,
+        "embed_forward_s": 0.0,
+        "head_s": head,
+        "embed_backward_s": 0.0,
+        "load_s": [2 * n / (H2D_GBPS * 1e9) for n in params],
+        "grad_copy_s": [grad_bytes * n / (D2H_GBPS * 1e9) for n in params],
+        "update_s": [ADAMW_BYTES_PER_PARAM * n / (adamw_gbps * 1e9) for n in params],
+        "cast_s": [] if policy.mirror else [6 * n / (CAST_GBPS * 1e9) for n in params],
+        "offload_s": [b / (D2H_GBPS * 1e9) for b in offloaded_bytes],
+        "reload_s": [b / (H2D_GBPS * 1e9) for b in offloaded_bytes],
+        "slots": policy.slots,
+        "grad_slots": policy.grad_slots,
+        "clipping": clipping,
+    }
+
+
+def torch_numel(shape: Any) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
