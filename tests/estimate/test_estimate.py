@@ -7,6 +7,7 @@ import json
 import resource
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -302,7 +303,7 @@ def test_on_a_gpu_the_step_time_model_predicts_a_step_and_its_regime(
 ) -> None:
     adapter = HFAdapter.from_dir(qwen3_4b)
 
-    def model(*overrides: str) -> dict[str, object]:
+    def model(*overrides: str) -> dict[str, Any]:
         cfg = _cfg(tmp_path, qwen3_4b, "data.seq_len=1024", *overrides)
         est = estimate_run(cfg, adapter, H100)
         assert est.step_model is not None

@@ -13,11 +13,16 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slidedp import _native
 from slidedp.errors import ConfigError
+
+if TYPE_CHECKING:
+    from slidedp.models.hf import HFAdapter
+    from slidedp.plan.policy import Policy
 
 PREP, H2D, COMPUTE, OFFLOAD, D2H, UPDATE = 1, 2, 3, 4, 5, 6  # the trace's lanes (trace.py)
 
@@ -106,8 +111,8 @@ REPLAY_SHARE = {"F": 1.0, "S": 1.0, "SAC": 1.0, "N": 0.0}
 
 
 def spec_from_shapes(
-    adapter: Any,
-    policy: Any,
+    adapter: HFAdapter,
+    policy: Policy,
     *,
     batch: int,
     seq_len: int,
@@ -130,7 +135,7 @@ def spec_from_shapes(
     backward = [
         (2 + REPLAY_SHARE[p.family]) * f for f, p in zip(forward, policy.layers, strict=True)
     ]
-    params = [sum(int(torch_numel(p.shape)) for p in g.params) for g in adapter.group_specs()]
+    params = [sum(math.prod(p.shape) for p in g.params) for g in adapter.group_specs()]
     head = 6 * adapter.vocab_size * adapter.hidden_size * tokens / rate
     grad_bytes = 2  # the compute dtype (bf16) on the device, then to the host
     return {
@@ -149,10 +154,3 @@ def spec_from_shapes(
         "grad_slots": policy.grad_slots,
         "clipping": clipping,
     }
-
-
-def torch_numel(shape: Any) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
