@@ -112,7 +112,7 @@ def write_data(path: Path, n: int, *, seed: int = 1, min_len: int = 6, max_len: 
     return path
 
 
-def write_config(path: Path, model: Path, data_path: Path, out: Path, **sections: Any) -> Path:
+def write_config(path: Path, model: Path, data_path: Path, out: Path, /, **sections: Any) -> Path:
     """A config YAML; ``sections`` (e.g. ``data={"packing": True}``) update the defaults."""
     raw: dict[str, Any] = {
         "model": {"path": str(model)},
