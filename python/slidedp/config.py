@@ -42,9 +42,28 @@ def _tensorboard_installed() -> bool:
 @dataclass(kw_only=True)
 class ModelSection:
     path: str  # a local HF model directory: config.json (+ safetensors, tokenizer)
+    # config.json overrides, applied before the model is built (null: the file's value)
+    # RoPE scaling as transformers reads it, e.g. {rope_type: yarn, factor: 4.0,
+    # original_max_position_embeddings: 32768}; merged into the model's rope parameters
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int | None = None  # the longest sequence the model takes
+    output_router_logits: bool | None = None  # MoE: add the load-balancing loss (transformers')
 
     def __post_init__(self) -> None:
         _require(bool(self.path), "model.path is required")
+        _require(
+            self.max_position_embeddings is None or self.max_position_embeddings >= 1,
+            f"model.max_position_embeddings must be >= 1, got {self.max_position_embeddings}",
+        )
+        _require(
+            self.rope_scaling is None or "rope_type" in self.rope_scaling,
+            "model.rope_scaling needs rope_type (e.g. yarn, linear, dynamic, llama3)",
+        )
+
+    def config_overrides(self) -> dict[str, Any]:
+        """The config.json fields this section sets (``HFAdapter.from_dir``'s overrides)."""
+        fields = ("rope_scaling", "max_position_embeddings", "output_router_logits")
+        return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
 
 
 @dataclass(kw_only=True)

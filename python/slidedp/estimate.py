@@ -71,7 +71,8 @@ bound that dominates is the larger one at the fast end. It is an estimate, label
 Example::
 
     cfg = load_config("run.yaml")
-    est = estimate_run(cfg, HFAdapter.from_dir(cfg.model.path), Machine.probe(cfg))
+    adapter = HFAdapter.from_dir(cfg.model.path, cfg.model.config_overrides())
+    est = estimate_run(cfg, adapter, Machine.probe(cfg))
     print(format_estimate(est))
     check_fits(est)   # raises OutOfSharedMemoryError / OutOfDeviceMemoryError, one line
 """

@@ -49,6 +49,17 @@ def check_device(cfg: TrainConfig) -> str:
     return f"device   {device} ({str(pick_dtype(cfg.train.dtype, device)).removeprefix('torch.')})"
 
 
+def check_router_loss_ranks(adapter: HFAdapter, world: int) -> None:
+    """One rank only for a load-balancing loss: it is a function of the whole global batch's
+    router logits (per-expert means over every token), not a sum of the ranks' shares."""
+    if adapter.router_loss is not None and world > 1:
+        raise ConfigError(
+            f"{adapter.config.model_type} with output_router_logits trains on one rank "
+            f"(runtime.ranks/gpus is {world}): its load-balancing loss is not yet summed over "
+            "ranks; use one rank, or set model.output_router_logits=false"
+        )
+
+
 def check_model(cfg: TrainConfig) -> tuple[HFAdapter, str]:
     """The model's adapter (meta device, no weights) with its weight files' headers checked."""
     path = Path(cfg.model.path)
@@ -58,7 +69,8 @@ def check_model(cfg: TrainConfig) -> tuple[HFAdapter, str]:
             f"model.path {path} {what}; set model.path to a local HF model directory "
             "(config.json + *.safetensors)"
         )
-    adapter = HFAdapter.from_dir(path)
+    adapter = HFAdapter.from_dir(path, cfg.model.config_overrides())
+    check_router_loss_ranks(adapter, cfg.runtime.world)
     files = weight_files(path)
     check_weight_files(adapter, files)
     weights = (

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen3Config
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from bench.tiny import write_tiny_config
-from slidedp.bench.shapes import SHAPES, resolve_shape
+from slidedp.bench.shapes import SHAPES, cut_layers, resolve_shape
 from slidedp.errors import ConfigError
+from slidedp.models.shape import layer_shapes
 
 # Published by Qwen (model cards): total and non-embedding parameters, in billions, rounded.
 PUBLISHED = {
@@ -19,7 +20,10 @@ PUBLISHED = {
     "qwen3-4b": (4.0, 3.6),
     "qwen3-8b": (8.2, 6.95),
     "qwen3-14b": (14.8, 13.2),
+    "qwen3-30b-a3b": (30.5, 29.9),  # 3.3 B active
+    "mixtral-8x7b": (46.7, 46.4),  # 12.9 B active
 }
+ACTIVE = {"qwen3-30b-a3b": 3.3, "mixtral-8x7b": 12.9}  # published active parameters (B)
 
 
 def _rope_theta(config: PretrainedConfig) -> float:
@@ -28,18 +32,21 @@ def _rope_theta(config: PretrainedConfig) -> float:
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))
-def test_every_key_is_a_qwen3_config_field(name: str) -> None:
+def test_every_key_is_a_field_of_its_config_class(name: str) -> None:
     # PretrainedConfig keeps unknown kwargs as attributes: a typo would be silently ignored.
-    fields = set(inspect.signature(Qwen3Config.__init__).parameters) | {"rope_theta"}
-    assert set(SHAPES[name]) <= fields
     config = resolve_shape(name)
-    assert _rope_theta(config) == SHAPES[name]["rope_theta"]
+    # rope_theta moved into rope_parameters; Qwen3-MoE's attention reads head_dim by getattr
+    fields = set(inspect.signature(type(config).__init__).parameters) | {"rope_theta", "head_dim"}
+    assert set(SHAPES[name]) - {"model_type"} <= fields
+    assert config.model_type == SHAPES[name].get("model_type", "qwen3")
+    if "rope_theta" in SHAPES[name]:
+        assert _rope_theta(config) == SHAPES[name]["rope_theta"]
     for key, value in SHAPES[name].items():
-        if key != "rope_theta":
+        if key not in ("rope_theta", "model_type"):
             assert getattr(config, key) == value, key
 
 
-@pytest.mark.parametrize("name", sorted(SHAPES))
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_parameter_counts_match_the_published_ones(name: str) -> None:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(resolve_shape(name))  # type: ignore[no-untyped-call]
@@ -49,6 +56,28 @@ def test_parameter_counts_match_the_published_ones(name: str) -> None:
     published_total, published_body = PUBLISHED[name]
     assert total / 1e9 == pytest.approx(published_total, abs=0.05)
     assert (total - heads * vocab_h) / 1e9 == pytest.approx(published_body, abs=0.05)
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVE))
+def test_moe_active_parameters_match_the_published_ones(name: str) -> None:
+    config = resolve_shape(name)
+    shapes = layer_shapes(config, seq_len=1)
+    embeddings = 2 * int(config.vocab_size) * int(config.hidden_size)  # embedding + LM head
+    active = sum(s.active_params for s in shapes) + embeddings
+    assert active / 1e9 == pytest.approx(ACTIVE[name], abs=0.1)
+    assert {(s.experts, s.top_k) for s in shapes} == {
+        (config.num_experts if name.startswith("qwen") else config.num_local_experts,
+         config.num_experts_per_tok)
+    }  # fmt: skip
+
+
+def test_layers_cuts_a_shape_and_its_layer_types() -> None:
+    config = cut_layers(resolve_shape("gemma3-12b"), 7)
+    assert config.num_hidden_layers == 7
+    assert len(config.layer_types) == 7
+    with pytest.raises(ConfigError, match="has 48 layers"):
+        cut_layers(resolve_shape("gemma3-12b"), 49)
+    assert AutoConfig.for_model("qwen3").model_type == "qwen3"
 
 
 def test_a_config_json_path_or_its_directory(tmp_path: Path) -> None:

@@ -51,7 +51,9 @@ def _layer(arch: str) -> tuple[HFAdapter, torch.Tensor, dict[str, torch.Tensor],
     padding[1, 9:] = 0  # a padded row: the masks are real tensors
     ctx = {
         "position_ids": position_ids,
-        "position_embeddings": adapter.make_rotary(CPU)(x, position_ids),
+        "position_embeddings": adapter.position_embeddings(
+            adapter.make_rotary(CPU), x, position_ids
+        ),
         "masks": adapter.layer_masks(x, padding, position_ids),
     }
     return adapter, x, params, ctx
@@ -62,8 +64,8 @@ def test_the_segments_reproduce_the_decoder_layer_bit_for_bit(arch: str) -> None
     adapter, x, params, ctx = _layer(arch)
     module = adapter.layer_module(0)
     with torch.no_grad():
-        whole = adapter.run_layer(0, params, x, ctx)
-        (pieces,) = run_segments(module, params, (x,), ctx, ctx["masks"][0], 0, len(SEGMENTS) - 1)
+        whole, _ = adapter.run_layer(0, params, x, ctx)
+        (pieces,) = run_segments(module, params, (x,), ctx, 0, 0, len(SEGMENTS) - 1)
     assert torch.equal(whole, pieces)
 
 

@@ -2,7 +2,9 @@
 
 The reference is HF Trainer's inner loop written out: the transformers model on the whole
 global batch (loss = mean over label tokens), ``clip_grad_norm_``, ``torch.optim.AdamW`` with
-HF's decay grouping (``Trainer.get_decay_parameter_names``), ``get_scheduler``.
+HF's decay grouping (``Trainer.get_decay_parameter_names``), ``get_scheduler``. For a mixture of
+experts the loss is the model's own with ``output_router_logits`` (the tiny MoE configs set it):
+transformers adds ``router_aux_loss_coef * aux_loss`` to the token loss itself.
 """
 
 from __future__ import annotations
@@ -14,13 +16,17 @@ from typing import Any
 
 import torch
 import yaml
+from safetensors.torch import save_file
 from torch import nn
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
+    MixtralConfig,
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
     get_scheduler,
 )
 from transformers.trainer_pt_utils import get_parameter_names
@@ -33,12 +39,38 @@ CONFIGS: dict[str, type[PretrainedConfig]] = {
     "llama": LlamaConfig,
     "qwen2": Qwen2Config,
 }
+# the other architectures, each with what makes it differ: experts routed top-2 with the
+# load-balancing loss on (a coefficient large enough to move the parameters measurably), a
+# dense layer between MoE ones (Qwen3-MoE's mlp_only_layers); Gemma 3's sliding layers with a
+# window shorter than the sequences, its final logit soft-capping
+MORE_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
+    "qwen3_moe": (
+        Qwen3MoeConfig,
+        {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "mlp_only_layers": [1], "output_router_logits": True, "router_aux_loss_coef": 0.05},
+    ),
+    "mixtral": (
+        MixtralConfig,
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True,
+         "router_aux_loss_coef": 0.05},
+    ),
+    "gemma3_text": (
+        Gemma3TextConfig,
+        {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+         "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16},
+    ),
+}  # fmt: skip
 VOCAB = 256
 
 
-def make_model(root: Path, arch: str, *, tied: bool, layers: int = 2, seed: int = 0) -> Path:
-    """A random tiny model saved with ``save_pretrained`` (safetensors) under ``root/arch``."""
-    config = CONFIGS[arch](  # type: ignore[call-arg]
+def tiny_config(arch: str, *, tied: bool, layers: int) -> PretrainedConfig:
+    """A tiny config of ``arch`` (``CONFIGS`` or ``MORE_CONFIGS``) with ``layers`` layers."""
+    cls, extra = MORE_CONFIGS.get(arch, (CONFIGS.get(arch), {}))
+    assert cls is not None, f"no tiny config for {arch}"
+    if "layer_types" in extra:  # the pattern repeated over the layers
+        kinds = extra["layer_types"]
+        extra = extra | {"layer_types": [kinds[i % len(kinds)] for i in range(layers)]}
+    return cls(  # type: ignore[call-arg]
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=layers,
@@ -48,11 +80,24 @@ def make_model(root: Path, arch: str, *, tied: bool, layers: int = 2, seed: int 
         vocab_size=VOCAB,
         max_position_embeddings=128,
         tie_word_embeddings=tied,
+        **extra,
     )
+
+
+def make_model(root: Path, arch: str, *, tied: bool, layers: int = 2, seed: int = 0) -> Path:
+    """A random tiny model saved with ``save_pretrained`` (safetensors) under ``root/arch``."""
+    config = tiny_config(arch, tied=tied, layers=layers)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     path = root / f"{arch}-{'tied' if tied else 'untied'}-{layers}"
     model.save_pretrained(path)
+    if hasattr(config, "router_aux_loss_coef"):
+        # transformers saves experts one tensor each (the hub's layout) and fuses them on load;
+        # slidedp reads the model's own fused parameters, which transformers loads as well
+        state = {n: t.contiguous() for n, t in model.state_dict().items()}
+        if tied:
+            del state["lm_head.weight"]
+        save_file(state, path / "model.safetensors", metadata={"format": "pt"})
     return path
 
 
@@ -67,7 +112,7 @@ def write_data(path: Path, n: int, *, seed: int = 1, min_len: int = 6, max_len: 
     return path
 
 
-def write_config(path: Path, model: Path, data_path: Path, out: Path, **sections: Any) -> Path:
+def write_config(path: Path, model: Path, data_path: Path, out: Path, /, **sections: Any) -> Path:
     """A config YAML; ``sections`` (e.g. ``data={"packing": True}``) update the defaults."""
     raw: dict[str, Any] = {
         "model": {"path": str(model)},
@@ -107,6 +152,7 @@ def reference_batches(data: Path, batch_size: int, steps: int) -> list[dict[str,
 class Reference:
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
+    aux_losses: list[float] = field(default_factory=list)  # MoE: the load-balancing loss
     params: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -135,8 +181,11 @@ def reference_train(model_dir: Path, data: Path, train: dict[str, Any]) -> Refer
     )
     ref = Reference()
     for batch in reference_batches(data, train["global_batch_size"], train["max_steps"]):
-        loss = model(**batch).loss
+        out = model(**batch)
+        loss = out.loss  # with router_aux_loss_coef * aux_loss added where the config says
         loss.backward()
+        if getattr(out, "aux_loss", None) is not None:
+            ref.aux_losses.append(float(out.aux_loss.detach()))
         max_norm = train["max_grad_norm"] or float("inf")  # HF Trainer skips clipping at 0
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()

@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from slidedp.bench.measure import RunSpec, synthetic_tokens, timed_steps
 from slidedp.models.hf import EMBED, LM_HEAD, NORM, HFAdapter
@@ -58,6 +57,7 @@ class ReferenceModel:
         self.adapter, self.device, self.chunk_tokens = adapter, device, chunk_tokens
         self.weights = init_weights(adapter, device, dtype, seed=0)
         self.rotary = adapter.make_rotary(device)
+        self.embed = adapter.make_embed(device)
         layout = layers or (LayerPolicy("F"),) * adapter.num_layers
         self.executors = [executor_for(p) for p in layout]
 
@@ -74,11 +74,11 @@ class ReferenceModel:
         n_labels = int((targets != IGNORE_INDEX).sum())
         embed_w = w[EMBED]  # [V, H]
         with torch.no_grad():
-            x = F.embedding(ids, embed_w, a.padding_idx)  # [B, S, H]
+            x = a.embed(self.embed, ids, embed_w)  # [B, S, H]
             position_ids = torch.arange(x.shape[1], device=self.device).unsqueeze(0)  # [1, S]
             ctx = {
                 "position_ids": position_ids,
-                "position_embeddings": self.rotary(x, position_ids),
+                "position_embeddings": a.position_embeddings(self.rotary, x, position_ids),
                 "masks": a.layer_masks(x, torch.ones_like(ids), position_ids),
             }
         states: list[LayerState] = []
@@ -90,11 +90,16 @@ class ReferenceModel:
         loss_sum, g, _, g_head_w = a.head_loss(
             x, w[NORM], head_w, targets, n_labels, self.chunk_tokens
         )
+        loss = float(loss_sum) / max(n_labels, 1)
+        g_extra: list[tuple[torch.Tensor, ...]] = [()] * a.num_layers
+        if a.router_loss is not None:  # the load-balancing term, as the engine adds it
+            aux, g_extra = a.router_loss([s.extra for s in states], None)
+            loss += a.router_loss.coef * float(aux)
         for layer in reversed(range(a.num_layers)):  # backward: as the family replays
             run = LayerRun(a, layer, self._layer_params(layer), ctx)
-            g, _ = self.executors[layer].backward(run, states.pop(), g)
-        g_embed = a.embed_backward(ids, embed_w, g, g_head_w)
-        return float(loss_sum) / max(n_labels, 1), g_embed
+            g, _ = self.executors[layer].backward(run, states.pop(), g, g_extra[layer])
+        g_embed = a.embed_backward(self.embed, ids, embed_w, g, g_head_w)
+        return loss, g_embed
 
 
 def run_reference(spec: RunSpec) -> dict[str, Any]:

@@ -1,8 +1,12 @@
-"""Named model shapes for the benchmarks: the Qwen3 dense family, or any HF config.json.
+"""Named model shapes for the benchmarks: the Qwen3 dense family, MoE and Gemma 3 models, or
+any HF config.json.
 
-Values are those of the published ``Qwen/Qwen3-*`` config.json files (head_dim 128, vocab
-151936, rope_theta 1e6, rms_norm_eps 1e-6, embeddings tied up to 4B). Weights are never
-downloaded: the benchmarks initialise randomly, which does not change the time of a step.
+Values are those of the published config.json files: ``Qwen/Qwen3-*`` (head_dim 128, vocab
+151936, rope_theta 1e6, rms_norm_eps 1e-6, embeddings tied up to 4B), ``Qwen/Qwen3-30B-A3B``,
+``allenai/OLMoE-1B-7B-0924``, ``mistralai/Mixtral-8x7B-v0.1`` and the text part of
+``google/gemma-3-12b-pt`` (its RoPE left at the default: rotary scaling does not change a
+step's time). Weights are never downloaded: the benchmarks initialise randomly, which does not
+change the time of a step. ``model_type`` picks the config class (default qwen3).
 
 Example::
 
@@ -65,15 +69,79 @@ SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         **_QWEN3_COMMON,
     },
+    "qwen3-30b-a3b": {
+        "model_type": "qwen3_moe",
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "moe_intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": True,
+        "router_aux_loss_coef": 0.001,
+        "tie_word_embeddings": False,
+        **_QWEN3_COMMON,
+    },
+    "olmoe-1b-7b": {
+        "model_type": "olmoe",
+        "hidden_size": 2048,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "router_aux_loss_coef": 0.01,
+        "vocab_size": 50304,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+    },
+    "mixtral-8x7b": {
+        "model_type": "mixtral",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "router_aux_loss_coef": 0.02,
+        "vocab_size": 32000,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1_000_000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+    },
+    "gemma3-12b": {
+        "model_type": "gemma3_text",
+        "hidden_size": 3840,
+        "intermediate_size": 15360,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 1024,
+        "vocab_size": 262208,
+        "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+    },
 }
 
 
 def resolve_shape(shape: str) -> PretrainedConfig:
     """A name of ``SHAPES``, or the path of an HF ``config.json`` (or of its directory)."""
-    from transformers import AutoConfig, Qwen3Config  # here: the CLI imports SHAPES for --help
+    from transformers import AutoConfig  # here: the CLI imports SHAPES for --help
 
     if shape in SHAPES:
-        return Qwen3Config(**SHAPES[shape])
+        values = dict(SHAPES[shape])
+        named: PretrainedConfig = AutoConfig.for_model(values.pop("model_type", "qwen3"), **values)
+        return named
     path = Path(shape)
     if path.is_dir():
         path = path / "config.json"
@@ -86,4 +154,16 @@ def resolve_shape(shape: str) -> PretrainedConfig:
         config: PretrainedConfig = AutoConfig.from_pretrained(path)
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"cannot read the HF config {path}: {e}") from None
+    return config
+
+
+def cut_layers(config: PretrainedConfig, layers: int) -> PretrainedConfig:
+    """``config`` cut to its first ``layers`` decoder layers (``--layers``: a big model's
+    per-layer throughput on a host that cannot hold all of it)."""
+    total = int(config.num_hidden_layers)
+    if not 1 <= layers <= total:
+        raise ConfigError(f"--layers {layers}: the shape has {total} layers, give 1..{total}")
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
     return config

@@ -6,6 +6,7 @@ Run (on the GPU machine)::
     slidedp bench train --shape qwen3-4b --sweep 4,8,16,32 --png sweep.png --json sweep.json
     slidedp bench train --shape path/to/config.json --systems ours,reference --device cpu
     slidedp bench train --shape qwen3-4b --batch 4 --gpus 2 --routes all --json scale.json
+    slidedp bench train --shape qwen3-30b-a3b --layers 12 --seq 4096 --json moe.json
 
 For each batch size, each system runs in its own subprocess (``bench.child``, ``bench.worker``)
 on the same synthetic tokens, ``--warmup`` steps discarded then ``--steps`` measured:
@@ -48,7 +49,7 @@ from slidedp.bench.child import run_child
 from slidedp.bench.measure import RunSpec
 from slidedp.bench.report import Model, print_report, ratios, summarise
 from slidedp.bench.scaling import collectives_report, print_scale, scale_report
-from slidedp.bench.shapes import SHAPES, resolve_shape
+from slidedp.bench.shapes import SHAPES, cut_layers, resolve_shape
 from slidedp.config import load_config
 from slidedp.errors import ConfigError, SlidedpError
 
@@ -85,6 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg("--batch", type=int, default=4, help="sequences per step")
     arg("--sweep", default=None, help="batch sizes, e.g. 4,8,16,32 (replaces --batch)")
     arg("--seq", type=int, default=1024, help="tokens per sequence")
+    arg("--layers", type=int, default=0, help="cut the shape to its first N layers (0: all)")
     arg("--warmup", type=int, default=3, help="steps run first and discarded")
     arg("--steps", type=int, default=5, help="steps measured")
     arg("--systems", default=",".join(SYSTEMS), help="a subset of ours,reference,fsdp2")
@@ -168,6 +170,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     ours = ours_config(args.overrides)
     scale = multi.parse_scale(args, systems, device, ours)  # None: one GPU only
     config = resolve_shape(args.shape)
+    if args.layers:
+        config = cut_layers(config, args.layers)
     model = Model(model_flops_per_token(config, args.seq), None, _params(config))
     report: dict[str, Any] = {
         "shape": args.shape,

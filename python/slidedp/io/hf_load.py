@@ -9,6 +9,7 @@ norms), then copied in; the full model never exists outside the store.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -143,7 +144,7 @@ def init_weights(adapter: HFAdapter, store: HostStore, seed: int) -> None:
             for full, local in adapter.groups[adapter.layer_group(i)].params:
                 store.param(full).copy_(layer.get_parameter(local).detach())
             del layer
-        norm = type(base.norm)(adapter.hidden_size, eps=base.norm.variance_epsilon)
+        norm = copy.deepcopy(base.norm).to_empty(device="cpu")  # Gemma's takes other args
         _init_module(adapter, norm)
         store.param(NORM).copy_(norm.weight.detach())
         if not adapter.tied:

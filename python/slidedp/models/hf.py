@@ -14,13 +14,15 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import copy
+import inspect
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -29,7 +31,10 @@ from slidedp.errors import ModelLoadError
 from slidedp.models.loss import chunked_lm_loss
 from slidedp.store import GroupSpec, ParamSpec
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# the decoder layer Llama's way (segment checkpointing cuts it: runtime.activations.segments)
+SEGMENTABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = (*SEGMENTABLE_MODEL_TYPES, "gemma3_text", *MOE_MODEL_TYPES)
 # sizes a config.json may get wrong without a type error (a negative size fails deep in torch)
 _SIZE_FIELDS = (
     "vocab_size",
@@ -53,12 +58,92 @@ def bind_params(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         owner._parameters[attr] = cast(nn.Parameter, tensor)
 
 
+def apply_overrides(config: PretrainedConfig, overrides: dict[str, Any]) -> None:
+    """``overrides`` set on ``config`` in place. ``rope_scaling`` is merged into the model's
+    rope parameters (transformers >= 5 keeps ``rope_theta`` there; a model with parameters per
+    layer type scales its full-attention layers, as Gemma 3's checkpoints do), then checked by
+    transformers' own ``standardize_rope_params`` / ``validate_rope`` where they exist."""
+    rope = overrides.get("rope_scaling")
+    for key, value in overrides.items():
+        if key != "rope_scaling":
+            setattr(config, key, value)
+    if rope is None:
+        return
+    current = getattr(config, "rope_parameters", None)
+    if current is None and not hasattr(config, "standardize_rope_params"):
+        config.rope_scaling = dict(rope)  # transformers 4: the field itself
+        return
+    current = dict(current or {})
+    if "full_attention" in current:  # per layer type
+        current["full_attention"] = {**current["full_attention"], **rope}
+    else:
+        current.update(rope)
+    config.rope_parameters = current
+    if hasattr(config, "standardize_rope_params"):
+        config.standardize_rope_params()
+    if hasattr(config, "validate_rope"):
+        config.validate_rope()
+
+
 @dataclass(frozen=True)
 class GroupNames:
     """One store group: its name and its parameters' full HF names with module-local names."""
 
     name: str
     params: tuple[tuple[str, str], ...]  # (full name, name local to the group's module)
+
+
+@dataclass(frozen=True)
+class RouterLoss:
+    """A mixture-of-experts model's load-balancing loss as its ``ForCausalLM.forward`` adds it
+    with ``output_router_logits``: ``router_aux_loss_coef * load_balancing_loss_func(router
+    logits of every layer, num_experts, num_experts_per_tok, attention_mask)``, with the
+    function of the model's own modeling module and the router logits its ``OutputRecorder``
+    names (output ``index`` of every ``router`` module)."""
+
+    router: type[nn.Module]
+    index: int
+    function: Callable[..., Any]
+    num_experts: int
+    top_k: int
+    coef: float
+
+    @classmethod
+    def of(cls, skeleton: PreTrainedModel) -> RouterLoss:
+        model_type = skeleton.config.model_type
+        recorder = getattr(skeleton, "_can_record_outputs", None) or {}
+        function = getattr(sys.modules[type(skeleton).__module__], "load_balancing_loss_func", None)
+        if "router_logits" not in recorder or function is None:
+            raise ModelLoadError(
+                f"model type '{model_type}': this transformers records no router logits or has "
+                "no load_balancing_loss_func for it; install the transformers the model needs"
+            )
+        if float(getattr(skeleton.config, "router_jitter_noise", 0.0) or 0.0) > 0:
+            raise ModelLoadError(
+                f"model type '{model_type}': router_jitter_noise > 0 draws random numbers in "
+                "each forward, which a recomputed layer cannot repeat; set it to 0"
+            )
+        return cls(
+            router=recorder["router_logits"].target_class,
+            index=int(recorder["router_logits"].index),
+            function=function,
+            num_experts=int(cast(Any, skeleton).num_experts),  # the ForCausalLM's own
+            top_k=int(cast(Any, skeleton).num_experts_per_tok),
+            coef=float(skeleton.config.router_aux_loss_coef),
+        )
+
+    def __call__(
+        self, logits: list[tuple[torch.Tensor, ...]], attention_mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
+        """``(aux_loss, d(coef * aux_loss) / d logits)`` from each layer's router logits
+        (``()`` for a layer without a router) and the batch's padding mask (None: packed)."""
+        leaves = [tuple(t.detach().requires_grad_(True) for t in layer) for layer in logits]
+        flat = tuple(t for layer in leaves for t in layer)
+        with torch.enable_grad():
+            aux = self.function(flat, self.num_experts, self.top_k, attention_mask)
+        coef = torch.tensor(self.coef, dtype=aux.dtype, device=aux.device)
+        grads = iter(torch.autograd.grad(aux, flat, coef))
+        return aux.detach(), [tuple(next(grads) for _ in layer) for layer in leaves]
 
 
 class HFAdapter:
@@ -69,6 +154,11 @@ class HFAdapter:
             raise ModelLoadError(
                 f"model type '{config.model_type}' is not supported "
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        if getattr(config, "use_bidirectional_attention", False):
+            raise ModelLoadError(
+                f"model type '{config.model_type}' with use_bidirectional_attention is not a "
+                "causal LM; set it to false"
             )
         self.path = path
         with torch.device("meta"):
@@ -81,10 +171,30 @@ class HFAdapter:
         self.padding_idx: int | None = self.base.embed_tokens.padding_idx
         self.vocab_size = int(self.base.embed_tokens.num_embeddings)
         self.hidden_size = int(self.base.embed_tokens.embedding_dim)
+        self.segmentable = config.model_type in SEGMENTABLE_MODEL_TYPES
+        self.softcap: float | None = getattr(self.config, "final_logit_softcapping", None)
+        # the decoder layer's own keyword arguments (they differ: Gemma's take no use_cache)
+        self._layer_args = set(inspect.signature(type(self.base.layers[0]).forward).parameters)
+        missing = {"attention_mask", "position_embeddings"} - self._layer_args
+        if missing:
+            raise ModelLoadError(
+                f"model type '{config.model_type}': this transformers' decoder layer takes no "
+                f"{', '.join(sorted(missing))}; install a transformers this slidedp supports"
+            )
+        # the load-balancing loss is in the loss where transformers adds it
+        self.router_loss: RouterLoss | None = None
+        self._routers: list[list[nn.Module]] = [[] for _ in range(self.num_layers)]
+        if config.model_type in MOE_MODEL_TYPES and getattr(config, "output_router_logits", False):
+            self.router_loss = RouterLoss.of(skeleton)
+            self._routers = [[m for m in layer.modules() if isinstance(m, self.router_loss.router)]
+                             for layer in self.base.layers]  # fmt: skip
         self.groups = self._groups()
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> HFAdapter:
+    def from_dir(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> HFAdapter:
+        """The model of ``path/config.json`` with ``overrides`` (``ModelSection.
+        config_overrides``: ``rope_scaling``, ``max_position_embeddings``,
+        ``output_router_logits``) applied to its config first."""
         path = Path(path)
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} has no config.json (expected an HF model directory)")
@@ -95,6 +205,11 @@ class HFAdapter:
             raise ModelLoadError(
                 f"cannot read {path}/config.json: {what}; fix the file or re-download the model"
             ) from None
+        try:
+            apply_overrides(config, overrides or {})
+        except Exception as e:  # transformers' checks of the rope parameters
+            what = " ".join(str(e).split()) or type(e).__name__
+            raise ModelLoadError(f"model overrides {overrides} do not apply: {what}") from None
         for field in _SIZE_FIELDS:
             value = getattr(config, field, None)
             if isinstance(value, int) and not isinstance(value, bool) and value < 1:
@@ -152,22 +267,34 @@ class HFAdapter:
 
     def run_layer(
         self, layer: int, params: dict[str, torch.Tensor], x: torch.Tensor, ctx: dict[str, Any]
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Decoder layer ``layer`` on ``x`` [B, S, H] with its parameters bound to ``params``
-        (module-local names); ``ctx`` holds ``masks`` (per layer), ``position_ids`` and
-        ``position_embeddings``. No cache: training recomputes, it never decodes."""
+        (module-local names); ``ctx`` holds ``masks`` and ``position_embeddings`` (per layer)
+        and ``position_ids``. No cache: training recomputes, it never decodes. Returns the
+        output [B, S, H] and the layer's router logits ([B*S, experts] each, recorded as
+        transformers records them) when the loss has a load-balancing term, else ``()``."""
         module = self.layer_module(layer)
         bind_params(module, params)
-        out = module(
-            x,
-            attention_mask=ctx["masks"][layer],
-            position_ids=ctx["position_ids"],
-            position_embeddings=ctx["position_embeddings"],
-            past_key_values=None,
-            use_cache=False,
-        )
+        kwargs = {
+            "attention_mask": ctx["masks"][layer],
+            "position_ids": ctx["position_ids"],
+            "position_embeddings": ctx["position_embeddings"][layer],
+            "past_key_values": None,
+            "use_cache": False,
+        }
+        recorded: list[torch.Tensor] = []
+        hooks = []
+        if self.router_loss is not None:
+            index = self.router_loss.index
+            hooks = [r.register_forward_hook(lambda _m, _i, out: recorded.append(out[index]))
+                     for r in self._routers[layer]]  # fmt: skip
+        try:
+            out = module(x, **{k: v for k, v in kwargs.items() if k in self._layer_args})
+        finally:
+            for hook in hooks:
+                hook.remove()
         result: torch.Tensor = out[0] if isinstance(out, tuple) else out
-        return result
+        return result, tuple(recorded)
 
     def head_loss(
         self,
@@ -186,13 +313,33 @@ class HFAdapter:
         with torch.enable_grad():
             normed = self.norm_module()(x_last)  # [B, S, H]
         loss_sum, g_normed, g_head_w = chunked_lm_loss(
-            normed.detach(), head_w, targets, n_labels, chunk_tokens
+            normed.detach(), head_w, targets, n_labels, chunk_tokens, softcap=self.softcap
         )
         g_x, g_norm_w = torch.autograd.grad(normed, (x_last, norm_w), g_normed)
         return loss_sum, g_x, g_norm_w, g_head_w
 
+    def make_embed(self, device: torch.device) -> nn.Module:
+        """The model's own embedding module on ``device`` (Gemma's scales by sqrt(hidden)),
+        its weight bound at each use (``embed``): a copy of the skeleton's with a 0-row
+        placeholder weight, its buffers filled by transformers' ``_init_weights``."""
+        embed = copy.deepcopy(self.base.embed_tokens)
+        embed.weight = nn.Parameter(torch.empty(0, self.hidden_size, device="meta"))
+        embed = embed.to_empty(device=device)
+        padding, embed.padding_idx = embed.padding_idx, None  # the placeholder has no rows
+        self.skeleton._init_weights(embed)  # type: ignore[no-untyped-call]
+        embed.padding_idx = padding
+        return cast(nn.Module, embed)
+
+    def embed(self, module: nn.Module, ids: torch.Tensor, embed_w: torch.Tensor) -> torch.Tensor:
+        """The embedding module ``module`` (``make_embed``) of ``ids`` [B, S] with weight
+        ``embed_w`` [V, H]: [B, S, H]."""
+        bind_params(module, {"weight": embed_w})
+        out: torch.Tensor = module(ids)
+        return out
+
     def embed_backward(
         self,
+        module: nn.Module,  # make_embed's
         ids: torch.Tensor,  # [B, S] token ids
         embed_w: torch.Tensor,  # [V, H]
         g_x: torch.Tensor,  # [B, S, H] d loss / d embedding output
@@ -201,7 +348,7 @@ class HFAdapter:
         """d loss / d embedding weight (plus the head's gradient when the two are tied)."""
         w = embed_w.detach().requires_grad_(True)
         with torch.enable_grad():
-            emb = F.embedding(ids, w, self.padding_idx)
+            emb = self.embed(module, ids, w)
         (g_embed,) = torch.autograd.grad(emb, w, g_x)
         return g_embed + g_head_w if self.tied else g_embed
 
@@ -220,6 +367,18 @@ class HFAdapter:
         with torch.device("cpu"):
             rotary = rotary_cls(config=self.config)
         return cast(nn.Module, rotary.to(device))
+
+    def position_embeddings(
+        self, rotary: nn.Module, x: torch.Tensor, position_ids: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each decoder layer's rotary (cos, sin), as the model's forward computes them: one
+        pair for every layer, or one per layer type where the rotary module takes one (Gemma's
+        sliding and full attention layers rotate with different bases)."""
+        if "layer_type" not in inspect.signature(rotary.forward).parameters:
+            return [rotary(x, position_ids)] * self.num_layers
+        kinds = self.config.layer_types[: self.num_layers]
+        by_kind = {kind: rotary(x, position_ids, kind) for kind in set(kinds)}
+        return [by_kind[kind] for kind in kinds]
 
     def layer_masks(
         self,

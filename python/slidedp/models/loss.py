@@ -30,8 +30,11 @@ def chunked_lm_loss(
     targets: torch.Tensor,  # [B, S] shifted labels
     n_labels: int,  # label tokens of the global batch: the mean's denominator
     chunk_tokens: int,
+    *,
+    softcap: float | None = None,  # final_logit_softcapping: cap * tanh(logits / cap)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(Σ token losses as a 0-dim f32 tensor, d(mean)/d hidden [B, S, H], d(mean)/d weight)."""
+    """(Σ token losses as a 0-dim f32 tensor, d(mean)/d hidden [B, S, H], d(mean)/d weight).
+    ``softcap``: the logits are soft-capped first, as Gemma's ``ForCausalLM.forward`` does."""
     flat = hidden.reshape(-1, hidden.shape[-1])  # [B*S, H]
     flat_targets = targets.reshape(-1)  # [B*S]
     rows = (flat_targets != IGNORE_INDEX).nonzero().squeeze(1)  # [N] rows with a label
@@ -44,7 +47,10 @@ def chunked_lm_loss(
         idx = rows[start : start + chunk_tokens]  # [n]
         h = flat.index_select(0, idx).detach().requires_grad_(True)  # [n, H]
         with torch.enable_grad():
-            logits = F.linear(h, w).float()  # [n, V]
+            logits = F.linear(h, w)  # [n, V]
+            if softcap is not None:  # the three operations of Gemma3ForCausalLM.forward
+                logits = torch.tanh(logits / softcap) * softcap
+            logits = logits.float()
             loss = F.cross_entropy(logits, flat_targets.index_select(0, idx), reduction="sum")
             grad_h, grad_w = torch.autograd.grad(loss, (h, w), grad_outputs=scale)
         grad_flat.index_copy_(0, idx, grad_h)

@@ -64,9 +64,15 @@ def layer_shapes(config: PretrainedConfig, seq_len: int) -> list[LayerShape]:
     kv_dim = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     kv_dim *= head_dim
     shapes = []
+    top_k = int(getattr(config, "num_experts_per_tok", None) or 1)
     for layer, attended in zip(model.model.layers, attended_lengths(config, seq_len), strict=True):
         params = sum(p.numel() for p in layer.parameters())
         matmul = sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear))
+        # a mixture of experts: its experts' stacked weights, of which a token uses top_k
+        stacks = [m for m in layer.modules() if type(m).__name__.endswith("Experts")]
+        experts = max((int(m.num_experts) for m in stacks), default=1)
+        expert_params = sum(p.numel() for m in stacks for p in m.parameters())
+        active = expert_params * min(top_k, experts) // experts
         shapes.append(
             LayerShape(
                 hidden=int(config.hidden_size),
@@ -75,8 +81,10 @@ def layer_shapes(config: PretrainedConfig, seq_len: int) -> list[LayerShape]:
                 kv_dim=kv_dim,
                 attended=attended,
                 params=params,
-                active_params=params,
-                matmul_params=matmul,
+                active_params=params - expert_params + active,
+                matmul_params=matmul + active,
+                experts=experts,
+                top_k=min(top_k, experts),
             )
         )
     return shapes

@@ -93,10 +93,10 @@ def _meta_run(adapter: HFAdapter, batch: int, seq_len: int, dtype: torch.dtype) 
 
     x = torch.empty(batch, seq_len, adapter.hidden_size, device=META, dtype=dtype)
     position_ids = torch.arange(seq_len, device=META).unsqueeze(0)
-    cos, sin = adapter.make_rotary(META)(x, position_ids)
+    rotary = adapter.position_embeddings(adapter.make_rotary(META), x, position_ids)
     ctx = {
         "position_ids": position_ids,
-        "position_embeddings": (cos.to(dtype), sin.to(dtype)),
+        "position_embeddings": [(cos.to(dtype), sin.to(dtype)) for cos, sin in rotary],
         "masks": [None] * adapter.num_layers,  # causal, unpadded: the kernels' own mask
     }
     group = adapter.groups[adapter.layer_group(0)]
@@ -138,10 +138,10 @@ def _replay_bytes(policy: LayerPolicy, run: Any, x: torch.Tensor) -> int:
         for first, end in zip(starts, ends, strict=True):
             start = tuple(t.detach().requires_grad_(True) for t in state)
             span = functools.partial(
-                run_segments, module, params, start, run.ctx, None, first, end - 1
+                run_segments, module, params, start, run.ctx, run.layer, first, end - 1
             )
             worst = max(worst, _saved_by_grad_run(run, span))
-            state = run_segments(module, run.params, state, run.ctx, None, first, end - 1)
+            state = run_segments(module, run.params, state, run.ctx, run.layer, first, end - 1)
     return worst
 
 

@@ -142,11 +142,33 @@ def effective_runtime(rt: RuntimeSection) -> RuntimeSection:
         raise ConfigError(f"runtime.policy {rt.policy}: {e}") from None
 
 
+def check_layout_fits(layers: tuple[LayerPolicy, ...], adapter: HFAdapter) -> None:
+    """Segment checkpointing (``S<mask>``) cuts the dense Llama-style layer only; ``SAC.noact``
+    would cache the buffers a mixture-of-experts layer fills in place (its router's top-k,
+    its experts' output), which torch's selective checkpointing refuses."""
+    from slidedp.models.hf import MOE_MODEL_TYPES  # here: the CLI imports this module for --help
+
+    model_type = adapter.config.model_type
+    for i, policy in enumerate(layers):
+        if policy.family == "S" and not adapter.segmentable:
+            raise ConfigError(
+                f"runtime.layers: layer {i} is S{policy.arg}, but segment checkpointing cuts "
+                f"only the dense llama/mistral/qwen2/qwen3 layer, not a {model_type} layer: "
+                "use F, SAC or N there"
+            )
+        if policy.family == "SAC" and policy.arg == "noact" and model_type in MOE_MODEL_TYPES:
+            raise ConfigError(
+                f"runtime.layers: layer {i} is SAC.noact, which would cache the buffers a "
+                f"{model_type} layer updates in place: use SAC.mm, SAC.attn, F or N there"
+            )
+
+
 def resolve_policy(rt: RuntimeSection, adapter: HFAdapter, *, mirror: bool) -> Policy:
     """The policy of ``rt`` (the policy file applied) for ``adapter``; ``mirror`` as
     ``estimate.resolve_mirror`` decided."""
     rt = effective_runtime(rt)
     layers = parse_layout(rt.layers, adapter.num_layers, rt.offload_ratio)
+    check_layout_fits(layers, adapter)
     return Policy(
         param_route=rt.param_route,
         grad_route=rt.grad_route,

@@ -86,10 +86,10 @@ def _layer_inputs(
         params[local] = t.normal_(0.0, 0.02, generator=gen) if t.dim() > 1 else t.fill_(1.0)
     x = torch.randn(batch, seq_len, adapter.hidden_size, device=device, dtype=dtype, generator=gen)
     position_ids = torch.arange(seq_len, device=device).unsqueeze(0)
-    cos, sin = adapter.make_rotary(device)(x, position_ids)
+    rotary = adapter.position_embeddings(adapter.make_rotary(device), x, position_ids)
     ctx = {
         "position_ids": position_ids,
-        "position_embeddings": (cos.to(dtype), sin.to(dtype)),
+        "position_embeddings": [(cos.to(dtype), sin.to(dtype)) for cos, sin in rotary],
         "masks": adapter.layer_masks(x, None, position_ids),
     }
     return params, x, ctx

@@ -7,10 +7,13 @@ global barrier). Order:
 1. embed → ``x0``; for each layer ``l``: fetch (version gate, cast, H2D), prefetch ``l + 1``,
    run the forward of ``l``'s activation executor (``plan.policy.layers[l]``: F, S, SAC or N,
    ``runtime.activations``), then offload its ratio of the saved tensors (``offload``);
-2. final norm + chunked linear/CE (``models.loss``), the head's gradient;
+2. final norm + chunked linear/CE (``models.loss``), the head's gradient; for a mixture of
+   experts, the load-balancing loss of every layer's router logits together (kept from the
+   forward, ``HFAdapter.router_loss``) and its gradient for each layer's logits;
 3. for ``l`` from last to first: reload params (and the offloaded tensors, prefetched one layer
-   ahead), the executor's backward (replay as the family says, differentiate), hand the
-   layer's gradient to the gradient lane (``grad_lane``);
+   ahead), the executor's backward (replay as the family says, differentiate; the router
+   logits' gradient joins the output's), hand the layer's gradient to the gradient lane
+   (``grad_lane``);
 4. embedding backward (plus the tied head's gradient when embeddings are tied).
 
 Where each group's gradient goes and when its update starts is ``grad_sync.GradSync``'s
@@ -54,7 +57,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from slidedp.data.batch import Batch
 from slidedp.errors import NonFiniteError
@@ -85,10 +87,11 @@ def layer_state(states: list[LayerState | None], layer: int) -> LayerState:
 
 @dataclass(frozen=True)
 class StepResult:
-    loss: float
+    loss: float  # the mean token loss, plus router_aux_loss_coef * aux_loss for an MoE
     grad_norm: float
     clip_coef: float
     label_tokens: int
+    aux_loss: float | None = None  # the load-balancing loss alone (MoE with router logits)
 
 
 class Engine:
@@ -163,6 +166,7 @@ class Engine:
         self.head_buf = self.window.own_buffer(adapter.head_group)
         self.activations = ActivationOffload(device, self.clock)
         self.rotary = adapter.make_rotary(device)
+        self.embed = adapter.make_embed(device)
         self._update_busy_s = 0.0
         self._pinned: list[torch.Tensor] = []
         if device.type == "cuda":
@@ -219,14 +223,14 @@ class Engine:
         embed_w = win.views(self.embed_buf, a.embed_group)[EMBED]  # [V, H]
         compute = torch.cuda.current_stream() if self.device.type == "cuda" else None
         with self.clock.stream("compute", compute), torch.no_grad():
-            x = F.embedding(ids, embed_w, a.padding_idx)  # [B, S, H]
+            x = a.embed(self.embed, ids, embed_w)  # [B, S, H]
             if batch.position_ids is not None:
                 position_ids = batch.position_ids.to(self.device)  # [B, S]
             else:
                 position_ids = torch.arange(x.shape[1], device=self.device).unsqueeze(0)  # [1, S]
             ctx = {
                 "position_ids": position_ids,
-                "position_embeddings": self.rotary(x, position_ids),
+                "position_embeddings": a.position_embeddings(self.rotary, x, position_ids),
                 "masks": a.layer_masks(x, attn, position_ids),
             }
         states: list[LayerState | None] = []
@@ -257,6 +261,14 @@ class Engine:
         if self.ctx is not None:
             total_loss = all_reduce_sum([total_loss], self.device)[0]
         loss = total_loss / max(n_labels, 1)
+        aux_loss = None
+        g_extra: list[tuple[torch.Tensor, ...]] = [()] * a.num_layers
+        if a.router_loss is not None:  # one rank (several are refused: Trainer)
+            with self.clock.stream("compute", compute):
+                logits = [layer_state(states, i).extra for i in range(a.num_layers)]
+                aux, g_extra = a.router_loss(logits, attn)
+            aux_loss = float(aux)
+            loss += a.router_loss.coef * aux_loss
         if not math.isfinite(loss):
             raise NonFiniteError(
                 f"step {t}: the loss is not finite ({loss}); no update of this step was applied",
@@ -276,20 +288,22 @@ class Engine:
                 self.activations.reload(layer, state)
                 if layer > 0:  # the next layer's offloaded tensors copy during this one
                     self.activations.prefetch(layer - 1)
-                g, local_grads = self.executors[layer].backward(run, state, g)
+                g, local_grads = self.executors[layer].backward(run, state, g, g_extra[layer])
             win.release(buf)
             states[layer] = None
             full = {local: full for full, local in a.groups[group].params}
             ticket = GradLane.ticket(group, {full[n]: gr for n, gr in local_grads.items()})
             self.sync.hand_over(ticket, t, n_adam, lr)
         with self.clock.stream("compute", compute):
-            g_embed = a.embed_backward(ids, embed_w, g, g_head_w)
+            g_embed = a.embed_backward(self.embed, ids, embed_w, g, g_head_w)
         win.release(self.embed_buf)
         self.sync.hand_over(GradLane.ticket(a.embed_group, {EMBED: g_embed}), t, n_adam, lr)
         self.sync.end_backward()
         self._target = t + 1
         grad_norm, coef = self.sync.finish(t)
-        return StepResult(loss=loss, grad_norm=grad_norm, clip_coef=coef, label_tokens=n_labels)
+        return StepResult(
+            loss=loss, grad_norm=grad_norm, clip_coef=coef, label_tokens=n_labels, aux_loss=aux_loss
+        )
 
     def lane_times(self) -> dict[str, float]:
         """This step's lane times (closes the step's timing window)."""

@@ -6,9 +6,11 @@ forward)::
 
     6 * N_matmul + 6 * sum over layers of S_eff * d_attn        ("causal half")
 
-- ``N_matmul``: the weights of every ``nn.Linear`` of the model (q/k/v/o, gate/up/down, and the
-  LM head, counted even when tied to the embedding); the embedding lookup, norms and biases are
-  not matmuls and are not counted.
+- ``N_matmul``: the *active* matmul weights, those one token multiplies by: every ``nn.Linear``
+  of the model (q/k/v/o, gate/up/down, and the LM head, counted even when tied to the
+  embedding) and, in a mixture-of-experts layer, ``top_k / experts`` of its experts' stacked
+  weights (``models.shape.LayerShape``); MFU of an MoE is thus over active parameters. The
+  embedding lookup, norms, biases and the router are not counted.
 - attention: per layer and token, ``Q·Kᵀ`` and ``P·V`` are each ``2 * S * d_attn`` forward FLOPs
   over the full ``S x S`` score matrix (``d_attn = num_attention_heads * head_dim``), so
   ``12 * S * d_attn`` for training; a causal mask needs half of it, and we count that half
@@ -28,20 +30,22 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch import nn
-from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 
 from slidedp.errors import InvalidArgumentError
 from slidedp.models.shape import layer_shapes
 
-FLOPS_FORMULA = "6*N_matmul + 6*L*S*d_attn (causal half; LM head counted, embedding not)"
+FLOPS_FORMULA = (
+    "6*N_matmul(active) + 6*L*S*d_attn (causal half; MoE: top_k of the experts' weights; "
+    "LM head counted, embedding not)"
+)
 
 
 def matmul_params(config: PretrainedConfig) -> int:
-    """Weights of every ``nn.Linear`` of the model ``config`` describes (built on ``meta``)."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
-    return sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    """``N_matmul`` of the model ``config`` describes: its layers' active matmul weights
+    (``models.shape``) plus the LM head."""
+    layers = sum(s.matmul_params for s in layer_shapes(config, seq_len=1))
+    return layers + int(config.vocab_size) * int(config.hidden_size)
 
 
 def model_flops_per_token(config: PretrainedConfig, seq_len: int) -> float:
@@ -49,10 +53,8 @@ def model_flops_per_token(config: PretrainedConfig, seq_len: int) -> float:
     shapes (``models.shape``) plus the LM head."""
     if seq_len < 1:
         raise InvalidArgumentError(f"seq_len must be >= 1, got {seq_len}")
-    layers = layer_shapes(config, seq_len)
-    head = int(config.vocab_size) * int(config.hidden_size)  # counted even when tied
-    attention = 6 * sum(s.q_dim * s.attended for s in layers)
-    return float(6 * (sum(s.matmul_params for s in layers) + head) + attention)
+    attention = 6 * sum(s.q_dim * s.attended for s in layer_shapes(config, seq_len))
+    return float(6 * matmul_params(config) + attention)  # the LM head counted even when tied
 
 
 def device_peak_flops(device: torch.device) -> float | None:

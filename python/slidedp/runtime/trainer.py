@@ -36,7 +36,7 @@ from slidedp.kernels import Kernels, default_threads
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.device import pick_device, pick_dtype
 from slidedp.plan.policy import OptimConfig, Plan, resolve_policy, store_args
-from slidedp.preflight import Checked
+from slidedp.preflight import Checked, check_router_loss_ranks
 from slidedp.runtime.dist import Dist, all_reduce_sum, start
 from slidedp.runtime.engine import Engine
 from slidedp.runtime.flops import device_peak_flops, model_flops_per_token
@@ -66,7 +66,8 @@ class Trainer:
         self.dtype = pick_dtype(tc.dtype, self.device)
         self.cuda = self.device.type == "cuda"
         torch.manual_seed(tc.seed)
-        self.adapter = HFAdapter.from_dir(cfg.model.path)
+        self.adapter = HFAdapter.from_dir(cfg.model.path, cfg.model.config_overrides())
+        check_router_loss_ranks(self.adapter, world)
         self.out_dir = Path(cfg.output.dir)
         self.resume = (
             checked.resume if checked is not None else plan_resume(tc, self.out_dir, self.adapter)
@@ -195,6 +196,8 @@ class Trainer:
                 "clip_coef": result.clip_coef,
                 "label_tokens": result.label_tokens,
             }
+            if result.aux_loss is not None:
+                record["aux_loss"] = result.aux_loss
         step_time_s = time.perf_counter() - start
         p.step = t + 1
         lanes = self.engine.lane_times()

@@ -26,7 +26,11 @@ class Executor(Protocol):
     def forward(self, run: LayerRun, x: torch.Tensor) -> tuple[torch.Tensor, LayerState]: ...
 
     def backward(
-        self, run: LayerRun, state: LayerState, g: torch.Tensor
+        self,
+        run: LayerRun,
+        state: LayerState,
+        g: torch.Tensor,
+        g_extra: tuple[torch.Tensor, ...] = (),
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
 

@@ -1,7 +1,11 @@
 """What every checkpoint family shares: one layer's run, its saved state, the input's gradient.
 
 An executor (``full``, ``segment``, ``selective``, ``none``) has ``forward(run, x) → (y,
-state)`` and ``backward(run, state, g_y) → (g_x, {local name: gradient})``. ``state.tensors``
+state)`` and ``backward(run, state, g_y, g_extra) → (g_x, {local name: gradient})``. A layer may
+have extra outputs besides ``y`` (a mixture-of-experts layer's router logits, which the
+load-balancing loss reads after the whole forward): ``state.extra`` holds them (detached) from
+the forward, and ``g_extra`` brings their gradients to the backward (``()`` for none: a dense
+layer, or no auxiliary loss). ``state.tensors``
 are the layer's saved activations that may move to the host (device tensors, in the order the
 forward saved them; ``None`` while offloaded: ``offload.ActivationOffload`` moves them and puts
 them back before ``backward``); ``state.retained_bytes`` counts what the family keeps on the
@@ -34,12 +38,15 @@ class LayerRun:
     params: dict[str, torch.Tensor]
     ctx: dict[str, Any]
 
-    def module_forward(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def module_forward(
+        self, params: dict[str, torch.Tensor], x: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The layer's output and its extra outputs (``HFAdapter.run_layer``)."""
         return self.adapter.run_layer(self.layer, params, x, self.ctx)
 
     def shared_ids(self) -> set[int]:
         """ids of the tensors every layer reads (rotary cos/sin, masks, positions)."""
-        cos, sin = self.ctx["position_embeddings"]
+        cos, sin = self.ctx["position_embeddings"][self.layer]
         shared = [cos, sin, self.ctx["position_ids"], self.ctx["masks"][self.layer]]
         return {id(t) for t in shared if isinstance(t, torch.Tensor)}
 
@@ -51,6 +58,7 @@ class LayerState:
     tensors: list[torch.Tensor | None]
     retained_bytes: int = 0
     data: Any = None  # the family's own bookkeeping
+    extra: tuple[torch.Tensor, ...] = ()  # the layer's extra outputs (router logits), detached
 
     def saved_bytes(self) -> list[int]:
         return [0 if t is None else t.numel() * t.element_size() for t in self.tensors]
@@ -80,6 +88,20 @@ class InputGrad(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> Any:
         ctx.box["g"] = g
         return None, torch.zeros_like(ctx.box["anchor"]), None
+
+
+def grad_with_extra(
+    out: Any,
+    extra: tuple[Any, ...],
+    inputs: tuple[torch.Tensor, ...],
+    g: torch.Tensor,
+    g_extra: tuple[torch.Tensor, ...],
+) -> tuple[torch.Tensor, ...]:
+    """``torch.autograd.grad`` of the layer output ``out`` (a tensor or its gradient edge) and
+    its extra outputs, with their gradients ``g`` and ``g_extra`` (``()``: none flows back)."""
+    assert not g_extra or len(g_extra) == len(extra), "a gradient for each extra output"
+    outputs = [out, *extra] if g_extra else [out]
+    return torch.autograd.grad(outputs, inputs, [g, *g_extra])
 
 
 def capture_input(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from slidedp.plan.layout import LayerPolicy
-from slidedp.runtime.activations.base import LayerRun, LayerState, leaves
+from slidedp.runtime.activations.base import LayerRun, LayerState, grad_with_extra, leaves
 
 
 class FullExecutor:
@@ -16,15 +16,19 @@ class FullExecutor:
 
     def forward(self, run: LayerRun, x: torch.Tensor) -> tuple[torch.Tensor, LayerState]:
         with torch.no_grad():
-            y = run.module_forward(run.params, x)
-        return y, LayerState([x])
+            y, extra = run.module_forward(run.params, x)
+        return y, LayerState([x], extra=extra)
 
     def backward(
-        self, run: LayerRun, state: LayerState, g: torch.Tensor
+        self,
+        run: LayerRun,
+        state: LayerState,
+        g: torch.Tensor,
+        g_extra: tuple[torch.Tensor, ...] = (),
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         x_in = state.tensor(0).detach().requires_grad_(True)
         params = leaves(run.params)
         with torch.enable_grad():
-            out = run.module_forward(params, x_in)
-        grads = torch.autograd.grad(out, (x_in, *params.values()), g)
+            out, extra = run.module_forward(params, x_in)
+        grads = grad_with_extra(out, extra, (x_in, *params.values()), g, g_extra)
         return grads[0], dict(zip(params, grads[1:], strict=True))

@@ -16,6 +16,7 @@ from slidedp.runtime.activations.base import (
     LayerState,
     ParamAliases,
     capture_input,
+    grad_with_extra,
     leaves,
 )
 
@@ -23,6 +24,7 @@ from slidedp.runtime.activations.base import (
 @dataclass
 class _Graph:
     out: GradientEdge  # the layer output's edge: the graph without the output's memory
+    extra: tuple[GradientEdge, ...]  # the extra outputs' edges
     box: dict[str, Any]  # capture_input's: the anchor, then the input's gradient
     leaves: dict[str, torch.Tensor]  # the forward's parameter leaves (the slot it ran on)
     aliases: ParamAliases
@@ -37,19 +39,23 @@ class NoCheckpointExecutor:
         params = leaves(run.params)
         aliases = ParamAliases({id(p): n for n, p in params.items()}, run.shared_ids())
         with torch.enable_grad(), saved_tensors_hooks(aliases.pack, aliases.unpack):
-            out = run.module_forward(params, x_in)
+            out, extra = run.module_forward(params, x_in)
         aliases.forget_packed()
-        state = LayerState(
-            aliases.tensors, data=_Graph(get_gradient_edge(out), box, params, aliases)
-        )
-        return out.detach(), state
+        edges = tuple(get_gradient_edge(e) for e in extra)
+        graph = _Graph(get_gradient_edge(out), edges, box, params, aliases)
+        detached = tuple(e.detach() for e in extra)
+        return out.detach(), LayerState(aliases.tensors, data=graph, extra=detached)
 
     def backward(
-        self, run: LayerRun, state: LayerState, g: torch.Tensor
+        self,
+        run: LayerRun,
+        state: LayerState,
+        g: torch.Tensor,
+        g_extra: tuple[torch.Tensor, ...] = (),
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         graph: _Graph = state.data
         graph.aliases.params = run.params  # the weights as the backward's slot holds them
         inputs = (graph.box["anchor"], *graph.leaves.values())
-        grads = torch.autograd.grad([graph.out], inputs, [g])
+        grads = grad_with_extra(graph.out, graph.extra, inputs, g, g_extra)
         state.data = None  # the graph is consumed
         return graph.box.pop("g"), dict(zip(graph.leaves, grads[1:], strict=True))

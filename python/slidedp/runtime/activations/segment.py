@@ -40,7 +40,6 @@ class SegmentExecutor:
 
     def forward(self, run: LayerRun, x: torch.Tensor) -> tuple[torch.Tensor, LayerState]:
         module = run.adapter.layer_module(run.layer)
-        mask = run.ctx["masks"][run.layer]
         x_in, box = capture_input(x)
         params = leaves(run.params)
         spans = _Spans([], params, box, params)
@@ -54,7 +53,7 @@ class SegmentExecutor:
                 t = spans.inputs[k]
                 assert t is not None, "a saved boundary is still on the host"
                 start.append(t)
-            return run_segments(module, spans.params, tuple(start), run.ctx, mask, first, last)
+            return run_segments(module, spans.params, tuple(start), run.ctx, run.layer, first, last)
 
         state: tuple[torch.Tensor, ...] = (x_in,)
         with torch.enable_grad():
@@ -71,8 +70,13 @@ class SegmentExecutor:
         return state[0].detach(), LayerState(tensors, data=spans)
 
     def backward(
-        self, run: LayerRun, state: LayerState, g: torch.Tensor
+        self,
+        run: LayerRun,
+        state: LayerState,
+        g: torch.Tensor,
+        g_extra: tuple[torch.Tensor, ...] = (),
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        assert not g_extra, "segments cut dense layers only: no extra outputs"
         spans: _Spans = state.data
         # a replay starts from leaves that require grad, as the forward's tensors did
         spans.inputs = [

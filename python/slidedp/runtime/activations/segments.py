@@ -38,46 +38,46 @@ BOUNDARIES = (
     "down",
 )
 State = tuple[torch.Tensor, ...]
-Segment = Callable[[Any, State, dict[str, Any], Any], State]  # (layer module, ...)
+Segment = Callable[[Any, State, dict[str, Any], int], State]  # (layer module, ..., layer)
 
 
-def _norm1(m: Any, s: State, ctx: dict[str, Any], mask: Any) -> State:
+def _norm1(m: Any, s: State, ctx: dict[str, Any], layer: int) -> State:
     return s[0], m.input_layernorm(s[0])
 
 
-def _attention(m: Any, s: State, ctx: dict[str, Any], mask: Any) -> State:
+def _attention(m: Any, s: State, ctx: dict[str, Any], layer: int) -> State:
     out, _ = m.self_attn(
         hidden_states=s[1],
-        attention_mask=mask,
+        attention_mask=ctx["masks"][layer],
         position_ids=ctx["position_ids"],
         past_key_values=None,
         use_cache=False,
-        position_embeddings=ctx["position_embeddings"],
+        position_embeddings=ctx["position_embeddings"][layer],
     )
     return s[0], out
 
 
-def _residual1(m: Any, s: State, ctx: dict[str, Any], mask: Any) -> State:
+def _residual1(m: Any, s: State, ctx: dict[str, Any], layer: int) -> State:
     return (s[0] + s[1],)
 
 
-def _norm2(m: Any, s: State, ctx: dict[str, Any], mask: Any) -> State:
+def _norm2(m: Any, s: State, ctx: dict[str, Any], layer: int) -> State:
     return s[0], m.post_attention_layernorm(s[0])
 
 
-def _gate_up(m: Any, s: State, ctx: dict[str, Any], mask: Any) -> State:
+def _gate_up(m: Any, s: State, ctx: dict[str, Any], layer: int) -> State:
     return s[0], m.mlp.gate_proj(s[1]), m.mlp.up_proj(s[1])
 
 
-def _activation(m: Any, s: State, ctx: dict[str, Any], mask: Any) -> State:
+def _activation(m: Any, s: State, ctx: dict[str, Any], layer: int) -> State:
     return s[0], m.mlp.act_fn(s[1]) * s[2]
 
 
-def _down(m: Any, s: State, ctx: dict[str, Any], mask: Any) -> State:
+def _down(m: Any, s: State, ctx: dict[str, Any], layer: int) -> State:
     return s[0], m.mlp.down_proj(s[1])
 
 
-def _residual2(m: Any, s: State, ctx: dict[str, Any], mask: Any) -> State:
+def _residual2(m: Any, s: State, ctx: dict[str, Any], layer: int) -> State:
     return (s[0] + s[1],)
 
 
@@ -108,13 +108,14 @@ def run_segments(
     params: dict[str, torch.Tensor],
     state: State,
     ctx: dict[str, Any],
-    mask: Any,
+    layer: int,
     first: int,
     last: int,
 ) -> State:
-    """Segments ``first..last`` (inclusive) of ``module`` with its parameters bound to
-    ``params``, from ``state`` (the state before segment ``first``)."""
+    """Segments ``first..last`` (inclusive) of ``module`` (decoder layer ``layer``: its mask
+    and rotary in ``ctx``) with its parameters bound to ``params``, from ``state`` (the state
+    before segment ``first``)."""
     bind_params(module, params)
     for seg in SEGMENTS[first : last + 1]:
-        state = seg(module, state, ctx, mask)
+        state = seg(module, state, ctx, layer)
     return state

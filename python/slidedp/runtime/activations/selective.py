@@ -22,7 +22,13 @@ from torch.utils.checkpoint import (
 )
 
 from slidedp.plan.layout import LayerPolicy
-from slidedp.runtime.activations.base import LayerRun, LayerState, capture_input, leaves
+from slidedp.runtime.activations.base import (
+    LayerRun,
+    LayerState,
+    capture_input,
+    grad_with_extra,
+    leaves,
+)
 
 _MATMULS = ("mm", "addmm", "bmm", "matmul", "linear")
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
@@ -66,6 +72,7 @@ class _Region:
     params: dict[str, torch.Tensor]
     box: dict[str, Any]
     out: GradientEdge | None = None
+    extra: tuple[GradientEdge, ...] = ()
     leaves: dict[str, torch.Tensor] = field(default_factory=dict)
     cache_bytes: list[int] = field(default_factory=lambda: [0])
 
@@ -101,29 +108,36 @@ class SelectiveExecutor:
         params = leaves(run.params)
         region = _Region(x_in, params, box, leaves=params)
 
-        def replay() -> torch.Tensor:
+        def replay() -> tuple[torch.Tensor, ...]:
             assert region.x is not None, "the layer input is still on the host"
-            return run.module_forward(region.params, region.x)
+            out, extra = run.module_forward(region.params, region.x)
+            return (out, *extra)
 
         with torch.enable_grad():
-            out = checkpoint(
+            out, *extra = checkpoint(
                 replay,
                 use_reentrant=False,
                 context_fn=functools.partial(self._context, region),
             )
         region.out = get_gradient_edge(out)
+        region.extra = tuple(get_gradient_edge(e) for e in extra)
         region.x = None  # state.tensors holds it (offloadable)
-        state = LayerState([x], retained_bytes=region.cache_bytes[0], data=region)
+        detached = tuple(e.detach() for e in extra)
+        state = LayerState([x], retained_bytes=region.cache_bytes[0], data=region, extra=detached)
         return out.detach(), state
 
     def backward(
-        self, run: LayerRun, state: LayerState, g: torch.Tensor
+        self,
+        run: LayerRun,
+        state: LayerState,
+        g: torch.Tensor,
+        g_extra: tuple[torch.Tensor, ...] = (),
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         region: _Region = state.data
         region.x = state.tensor(0).detach().requires_grad_(True)
         region.params = leaves(run.params)  # the replay reads the backward's slot
         assert region.out is not None
         inputs = (region.box["anchor"], *region.leaves.values())
-        grads = torch.autograd.grad([region.out], inputs, [g])
+        grads = grad_with_extra(region.out, region.extra, inputs, g, g_extra)
         state.data = None
         return region.box.pop("g"), dict(zip(region.leaves, grads[1:], strict=True))
