@@ -49,7 +49,7 @@ def test_ours_and_reference_end_to_end_on_cpu(
     spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
     assert {e["name"] for e in spans} >= {"compute", "h2d", "d2h"}, "our measured step traced"
     assert set(report) >= REPORT_KEYS
-    assert report["flops_formula"].startswith("6*N_matmul + 6*L*S*d_attn")
+    assert report["flops_formula"].startswith("6*N_matmul(active) + 6*L*S*d_attn")
     ours, ref = report["runs"]
     for run in (ours, ref):
         assert set(run) >= RUN_KEYS
