@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -82,6 +83,34 @@ def test_without_weight_files_the_model_is_initialised_from_the_config(tmp_path:
     assert torch.equal(w, b.store.param("model.layers.1.mlp.up_proj.weight"))  # seeded
     records = a.run()
     assert records[-1]["loss"] < records[0]["loss"] + 0.1
+
+
+def test_without_clipping_a_non_finite_layer_gradient_stops_before_its_update(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from slidedp.runtime.activations.full import FullExecutor
+
+    backward = FullExecutor.backward
+
+    def poisoned(self: FullExecutor, run: Any, *args: Any, **kwargs: Any) -> Any:
+        g_x, grads = backward(self, run, *args, **kwargs)
+        if run.layer == 0:  # the last layer of the backward: the others are sent by now
+            grads = {n: torch.full_like(g, float("inf")) for n, g in grads.items()}
+        return g_x, grads
+
+    monkeypatch.setattr(FullExecutor, "backward", poisoned)
+    model = make_model(tmp_path, "qwen3", tied=True)
+    data = write_data(tmp_path / "data.jsonl", 16)
+    config = write_config(tmp_path / "c.yaml", model, data, tmp_path / "out",
+                          train={"max_grad_norm": 0.0})  # fmt: skip
+    trainer = Trainer(load_config(config), log=False)
+    layer0 = trainer.adapter.layer_group(0)
+    before = trainer.store.group_state(layer0, "master").clone()
+    with pytest.raises(NonFiniteError, match=r"the gradient of 'layers\.0' is not finite"):
+        trainer.run()
+    trainer.engine.drain()
+    assert torch.equal(trainer.store.group_state(layer0, "master"), before)  # not updated
+    assert trainer.store.version(trainer.adapter.layer_group(1)) == 1  # sent before it: updated
 
 
 def test_a_non_finite_loss_stops_before_any_update(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ kept) and ``update`` once the clip coefficient is known (the same sum again, the
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -79,6 +80,9 @@ class _Chunk:
     seq: int  # chunks sent before this one by this lane (the same on every rank)
     role: Role
     keep: list[torch.Tensor] = field(default_factory=list)
+    # with check_finite, on the first chunk: the group's gradient norm in host memory, copied
+    # on the gradient stream before ``done`` (reading it then needs no device sync)
+    norm: torch.Tensor | None = None
 
 
 class GradLane:
@@ -143,11 +147,13 @@ class GradLane:
         parts = chunks(int(g["state_len"]), self._slot_len)
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())  # after the backward
+        norm = self._norm_to_host(ticket) if check_finite else None
         for i, (start, length) in enumerate(parts):
             k = self._acquire_slot()
             slot = self.store.grad_slot(self._slot_base + k)
             chunk = _Chunk(ticket, start, length, k, i == 0, i == len(parts) - 1, adam,
-                           check_finite, None, self._sent, role)  # fmt: skip
+                           check_finite, None, self._sent, role,
+                           norm=norm if i == 0 else None)  # fmt: skip
             self._sent += 1
             with on_stream(self.stream), self.clock.stream("d2h", self.stream):
                 for p, lo, hi in pieces(params, "state_offset", g["state_offset"], start, length):
@@ -160,6 +166,19 @@ class GradLane:
                     chunk.done.record(self.stream)
             self._queue.append(chunk)
             self._queued_slots.add(k)
+
+    def _norm_to_host(self, ticket: GradTicket) -> torch.Tensor:
+        """The group's gradient norm, copied to host memory on the gradient stream. Checking
+        it with ``bool()`` on the device would make the host wait for the whole compute
+        stream, the layer just issued included, before it issues the next layer's load (about
+        5 ms per layer on Qwen3-4B at B=16: BENCHMARKS.md)."""
+        with on_stream(self.stream):
+            total: torch.Tensor = torch.linalg.vector_norm(torch.stack(ticket.norms))
+            if self.stream is None:
+                return total
+            host = torch.empty((), dtype=total.dtype, pin_memory=True)
+            host.copy_(total, non_blocking=True)
+        return host
 
     def _flush_one(self) -> None:
         chunk = self._queue.popleft()
@@ -183,14 +202,14 @@ class GradLane:
             if chunk.role == "norm":
                 self._slot_reader[chunk.slot] = None  # summed synchronously: free again
                 return
-        if chunk.first and chunk.check_finite:
-            norm = torch.linalg.vector_norm(torch.stack(ticket.norms))
-            if not torch.isfinite(norm):
+        if chunk.norm is not None:
+            norm = float(chunk.norm)  # in host memory, landed with the chunk's copy
+            if not math.isfinite(norm):
                 self._queue.clear()
                 self._queued_slots.clear()
                 raise NonFiniteError(
                     f"step {a.version - 1}: the gradient of '{self.group_name(ticket.group)}' "
-                    f"is not finite ({float(norm)}); its update and those of the groups after "
+                    f"is not finite ({norm}); its update and those of the groups after "
                     "it were not applied",
                     step=a.version - 1,
                     what="grad_norm",
