@@ -40,3 +40,23 @@ def test_a_layout_sums_its_layers_and_takes_the_largest_transient() -> None:
     assert mem.offloaded_bytes == mem.prefetch_bytes == b * s * h * 4  # the F input alone
     assert mem.retained_bytes == fps[1].retained_bytes + fps[2].retained_bytes
     assert mem.transient_bytes == max(f.transient_bytes for f in fps) == fps[0].transient_bytes
+
+
+def test_the_replay_counts_activations_not_the_weights_it_saves() -> None:
+    from torch.autograd.graph import saved_tensors_hooks
+
+    from slidedp.runtime.activations.base import ParamAliases, leaves
+
+    adapter, x, params, ctx = _layer("qwen3")
+    ctx["masks"] = [None]
+    run = LayerRun(adapter, 0, params, ctx)
+    weights = leaves(params)
+    aliases = ParamAliases({id(p): n for n, p in weights.items()}, run.shared_ids())
+    with torch.enable_grad(), saved_tensors_hooks(aliases.pack, aliases.unpack):
+        run.module_forward(weights, x.detach().requires_grad_(True))
+    activations = sum(t.numel() * t.element_size() for t in aliases.tensors if t is not None)
+    b, s, _ = x.shape
+    fp = layer_footprint(adapter, parse_entry("F", 0.0)[1], b, s, torch.float32)
+    weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    assert 0 <= fp.replay_bytes - activations <= 64  # the flash kernel's RNG state on meta
+    assert fp.replay_bytes < weight_bytes + activations  # the weights are not in it

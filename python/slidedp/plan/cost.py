@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +40,7 @@ from slidedp.plan.layout import LayerPolicy
 # share of those saved bytes. Fitted so that full checkpointing reproduces the GPU peaks measured
 # for Qwen3-4B (BENCHMARKS.md, within 0.5% with ``estimate.ALLOCATOR_BYTES``); the other families
 # use the same share (validated against measured peaks: BENCHMARKS.md "Elastic Checkpointing").
-REPLAY_PEAK_FACTOR = 1.6
+REPLAY_PEAK_FACTOR = 1.64
 META = torch.device("meta")
 
 
@@ -107,11 +108,12 @@ def _meta_run(adapter: HFAdapter, batch: int, seq_len: int, dtype: torch.dtype) 
     return LayerRun(adapter, 0, params, ctx), x
 
 
-def _saved_by_grad_run(run: Any, fn: Any) -> int:
-    """Bytes autograd saves while ``fn()`` runs with grad (weights and shared tensors aside)."""
+def _saved_by_grad_run(run: Any, params: dict[str, torch.Tensor], fn: Any) -> int:
+    """Bytes autograd saves while ``fn()`` runs with grad on ``params`` (the weights it saves
+    sit in the window: they are aside, as the shared tensors)."""
     from slidedp.runtime.activations.base import ParamAliases
 
-    aliases = ParamAliases({id(p): n for n, p in run.params.items()}, run.shared_ids())
+    aliases = ParamAliases({id(p): n for n, p in params.items()}, run.shared_ids())
     with torch.enable_grad(), saved_tensors_hooks(aliases.pack, aliases.unpack):
         fn()
     return sum(t.numel() * t.element_size() for t in aliases.tensors if t is not None)
@@ -127,7 +129,7 @@ def _replay_bytes(policy: LayerPolicy, run: Any, x: torch.Tensor) -> int:
     params = leaves(run.params)
     if policy.family != "S":  # F and SAC replay the whole layer (SAC reuses its cached outputs)
         x_in = x.detach().requires_grad_(True)
-        return _saved_by_grad_run(run, lambda: run.module_forward(params, x_in))
+        return _saved_by_grad_run(run, params, lambda: run.module_forward(params, x_in))
     starts = SegmentExecutor(policy).starts
     ends = [*starts[1:], len(SEGMENTS)]
     module = run.adapter.layer_module(run.layer)
@@ -140,7 +142,7 @@ def _replay_bytes(policy: LayerPolicy, run: Any, x: torch.Tensor) -> int:
             span = functools.partial(
                 run_segments, module, params, start, run.ctx, run.layer, first, end - 1
             )
-            worst = max(worst, _saved_by_grad_run(run, span))
+            worst = max(worst, _saved_by_grad_run(run, params, span))
             state = run_segments(module, run.params, state, run.ctx, run.layer, first, end - 1)
     return worst
 
@@ -165,7 +167,9 @@ class LayoutMemory:
 
     retained_bytes: int  # on the device after the forward: every layer's retained share
     offloaded_bytes: int  # the host arenas (pinned)
-    prefetch_bytes: int  # the largest layer's offloaded share, reloaded one layer ahead
+    # back on the device during a backward: a layer's offloaded share in use and the next one's
+    # already prefetched (the largest such pair)
+    prefetch_bytes: int
     transient_bytes: int  # the largest backward transient of one layer
 
 
@@ -180,6 +184,9 @@ def layout_memory(
     return LayoutMemory(
         retained_bytes=sum(f.retained_bytes for f in fps),
         offloaded_bytes=sum(f.offloaded_bytes for f in fps),
-        prefetch_bytes=max((f.offloaded_bytes for f in fps), default=0),
+        prefetch_bytes=max(
+            (a.offloaded_bytes + b.offloaded_bytes for a, b in itertools.pairwise(fps)),
+            default=fps[0].offloaded_bytes if fps else 0,
+        ),
         transient_bytes=max((f.transient_bytes for f in fps), default=0),
     )

@@ -296,8 +296,8 @@ impl Builder<'_> {
         let end = self.dag.add(format!("t{t} end"), Lane::Host, 0.0, &deps);
         self.backward_end = Some(end);
         if spec.clipping {
-            self.parked.sort_unstable(); // forward order; the first ring's worth leaves now
-            while self.parked.first().is_some_and(|&p| p < spec.grad_slots) {
+            self.parked.sort_unstable(); // forward order; as `GradSync.finish`, groups up to the first + the ring leave now
+            while self.parked.first().is_some_and(|&p| p <= spec.grad_slots) {
                 let p = self.parked.remove(0);
                 self.send(p, &[end]);
             }
