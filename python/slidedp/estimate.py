@@ -97,7 +97,7 @@ from slidedp.plan.cost import layer_footprint, layout_memory
 from slidedp.plan.device import pick_device, pick_dtype
 from slidedp.plan.layout import LayerPolicy
 from slidedp.plan.policy import Policy, resolve_policy, store_args
-from slidedp.plan.timing import predict_step, spec_from_shapes
+from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM, predict_step, spec_from_shapes
 from slidedp.runtime.flops import model_flops_per_token
 from slidedp.store import HostStore
 
@@ -111,7 +111,6 @@ CUDA_CONTEXT_BYTES = int(0.5 * GIB)
 ALLOCATOR_BYTES = int(0.4 * GIB)
 LOSS_F32_COPIES = 3
 RECOMPUTE_FACTOR = 4 / 3
-ADAMW_BYTES_PER_PARAM = 28
 GPU_EFFICIENCY = (0.15, 0.50)
 CPU_EFFICIENCY = (0.25, 0.90)
 # AdamW GB/s by host threads, BENCHMARKS.md "Host kernels" (16-core Sapphire Rapids, AVX-512)

@@ -32,6 +32,7 @@ import functools
 import hashlib
 import json
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,6 +42,7 @@ import torch
 import transformers
 
 from slidedp import __version__
+from slidedp.bench.measure import synchronize
 from slidedp.bench.shapes import SHAPES, resolve_shape
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.cost import layer_footprint
@@ -95,22 +97,15 @@ def _layer_inputs(
     return params, x, ctx
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _allocated(device: torch.device) -> int:
     return int(torch.cuda.memory_allocated(device)) if device.type == "cuda" else 0
 
 
 def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
-    import time
-
-    _sync(device)
+    synchronize(device)
     start = time.perf_counter()
     out = fn()
-    _sync(device)
+    synchronize(device)
     return out, time.perf_counter() - start
 
 
@@ -142,7 +137,7 @@ def measure(
             count = offload_count(state.saved_bytes(), policy.ratio)
             offloaded = sum(state.saved_bytes()[:count])
             offload.offload(0, state, count)
-            _sync(device)
+            synchronize(device)
             retained = _allocated(device) - before - y.numel() * y.element_size()
             g = torch.ones_like(y)
             del y

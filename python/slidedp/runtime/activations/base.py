@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from slidedp.models.hf import HFAdapter
 
@@ -104,12 +105,43 @@ def grad_with_extra(
     return torch.autograd.grad(outputs, inputs, [g, *g_extra])
 
 
-def capture_input(x: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-    """``x`` as the start of a graph; after the backward, ``box["g"]`` is d loss / d x and
-    ``box["anchor"]`` is the leaf to ask ``torch.autograd.grad`` for."""
-    anchor = torch.empty(0, device=x.device, dtype=x.dtype, requires_grad=True)
-    box: dict[str, Any] = {"anchor": anchor}
-    return InputGrad.apply(x.detach(), anchor, box), box
+@dataclass
+class KeptGraph:
+    """A layer's autograd graph kept from its forward to its backward (``N``, ``S``, ``SAC``).
+
+    ``start`` makes the input the start of a graph through ``InputGrad`` and the parameters
+    leaves; ``close`` keeps the output's (and extra outputs') gradient edges, not their
+    memory; ``differentiate`` runs the backward from them and returns the input's gradient
+    and the parameters'."""
+
+    box: dict[str, Any]  # InputGrad's: the anchor, then the input's gradient
+    leaves: dict[str, torch.Tensor]  # the forward's parameter leaves (the slot it ran on)
+    out: GradientEdge | None = None
+    extra: tuple[GradientEdge, ...] = ()
+
+    @classmethod
+    def start(
+        cls, x: torch.Tensor, params: dict[str, torch.Tensor]
+    ) -> tuple[KeptGraph, torch.Tensor]:
+        anchor = torch.empty(0, device=x.device, dtype=x.dtype, requires_grad=True)
+        graph = cls({"anchor": anchor}, leaves(params))
+        return graph, InputGrad.apply(x.detach(), anchor, graph.box)
+
+    def close(
+        self, out: torch.Tensor, extra: tuple[torch.Tensor, ...] | list[torch.Tensor] = ()
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Keep the edges; the output and extra outputs, detached."""
+        self.out = get_gradient_edge(out)
+        self.extra = tuple(get_gradient_edge(e) for e in extra)
+        return out.detach(), tuple(e.detach() for e in extra)
+
+    def differentiate(
+        self, g: torch.Tensor, g_extra: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        assert self.out is not None, "the graph was not closed"
+        inputs = (self.box["anchor"], *self.leaves.values())
+        grads = grad_with_extra(self.out, self.extra, inputs, g, g_extra)
+        return self.box.pop("g"), dict(zip(self.leaves, grads[1:], strict=True))
 
 
 @dataclass

@@ -10,25 +10,21 @@ and the weights when it replays, from the backward's slot and from reloaded tens
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.checkpoint import checkpoint
 
 from slidedp.plan.layout import LayerPolicy
-from slidedp.runtime.activations.base import LayerRun, LayerState, capture_input, leaves
+from slidedp.runtime.activations.base import KeptGraph, LayerRun, LayerState, leaves
 from slidedp.runtime.activations.segments import SEGMENTS, run_segments
 
 
 @dataclass
 class _Spans:
-    states: list[tuple[int, ...]]  # per span, its start state as indices into ``inputs``
+    graph: KeptGraph
     params: dict[str, torch.Tensor]  # what a replay binds (the backward's slot)
-    box: dict[str, Any]
-    leaves: dict[str, torch.Tensor]
+    states: list[tuple[int, ...]] = field(default_factory=list)  # start states, into ``inputs``
     inputs: list[torch.Tensor | None] = field(default_factory=list)  # a replay's start tensors
-    out: GradientEdge | None = None
 
 
 class SegmentExecutor:
@@ -40,9 +36,8 @@ class SegmentExecutor:
 
     def forward(self, run: LayerRun, x: torch.Tensor) -> tuple[torch.Tensor, LayerState]:
         module = run.adapter.layer_module(run.layer)
-        x_in, box = capture_input(x)
-        params = leaves(run.params)
-        spans = _Spans([], params, box, params)
+        graph, x_in = KeptGraph.start(x, run.params)
+        spans = _Spans(graph, graph.leaves)
         tensors: list[torch.Tensor | None] = []
         index: dict[int, int] = {}
         ends = [*self.starts[1:], len(SEGMENTS)]
@@ -65,9 +60,9 @@ class SegmentExecutor:
                 spans.states.append(tuple(index[id(t)] for t in state))
                 spans.inputs = list(tensors)
                 state = checkpoint(replay, span, first, end - 1, use_reentrant=False)
-        spans.out = get_gradient_edge(state[0])
         spans.inputs = []
-        return state[0].detach(), LayerState(tensors, data=spans)
+        y, _ = graph.close(state[0])
+        return y, LayerState(tensors, data=spans)
 
     def backward(
         self,
@@ -83,7 +78,5 @@ class SegmentExecutor:
             state.tensor(k).detach().requires_grad_(True) for k in range(len(state.tensors))
         ]
         spans.params = leaves(run.params)
-        assert spans.out is not None
-        grads = torch.autograd.grad([spans.out], (spans.box["anchor"], *spans.leaves.values()), [g])
         state.data = None
-        return spans.box.pop("g"), dict(zip(spans.leaves, grads[1:], strict=True))
+        return spans.graph.differentiate(g, ())

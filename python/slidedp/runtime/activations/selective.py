@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -22,13 +21,7 @@ from torch.utils.checkpoint import (
 )
 
 from slidedp.plan.layout import LayerPolicy
-from slidedp.runtime.activations.base import (
-    LayerRun,
-    LayerState,
-    capture_input,
-    grad_with_extra,
-    leaves,
-)
+from slidedp.runtime.activations.base import KeptGraph, LayerRun, LayerState, leaves
 
 _MATMULS = ("mm", "addmm", "bmm", "matmul", "linear")
 _ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
@@ -68,13 +61,10 @@ def _output_bytes(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int
 
 @dataclass
 class _Region:
+    graph: KeptGraph
     x: torch.Tensor | None  # the input the replay starts from (None while offloaded)
-    params: dict[str, torch.Tensor]
-    box: dict[str, Any]
-    out: GradientEdge | None = None
-    extra: tuple[GradientEdge, ...] = ()
-    leaves: dict[str, torch.Tensor] = field(default_factory=dict)
-    cache_bytes: list[int] = field(default_factory=lambda: [0])
+    params: dict[str, torch.Tensor]  # what the replay binds
+    cache_bytes: int = 0
 
 
 class SelectiveExecutor:
@@ -98,15 +88,14 @@ class SelectiveExecutor:
             if not keep(op):
                 return CheckpointPolicy.PREFER_RECOMPUTE
             if count and not ctx.is_recompute:
-                region.cache_bytes[0] += _output_bytes(op, args, kwargs)
+                region.cache_bytes += _output_bytes(op, args, kwargs)
             return CheckpointPolicy.MUST_SAVE
 
         return create_selective_checkpoint_contexts(policy_fn)  # type: ignore[no-untyped-call]
 
     def forward(self, run: LayerRun, x: torch.Tensor) -> tuple[torch.Tensor, LayerState]:
-        x_in, box = capture_input(x)
-        params = leaves(run.params)
-        region = _Region(x_in, params, box, leaves=params)
+        graph, x_in = KeptGraph.start(x, run.params)
+        region = _Region(graph, x_in, graph.leaves)
 
         def replay() -> tuple[torch.Tensor, ...]:
             assert region.x is not None, "the layer input is still on the host"
@@ -119,12 +108,9 @@ class SelectiveExecutor:
                 use_reentrant=False,
                 context_fn=functools.partial(self._context, region),
             )
-        region.out = get_gradient_edge(out)
-        region.extra = tuple(get_gradient_edge(e) for e in extra)
+        y, kept = graph.close(out, extra)
         region.x = None  # state.tensors holds it (offloadable)
-        detached = tuple(e.detach() for e in extra)
-        state = LayerState([x], retained_bytes=region.cache_bytes[0], data=region, extra=detached)
-        return out.detach(), state
+        return y, LayerState([x], retained_bytes=region.cache_bytes, data=region, extra=kept)
 
     def backward(
         self,
@@ -136,8 +122,5 @@ class SelectiveExecutor:
         region: _Region = state.data
         region.x = state.tensor(0).detach().requires_grad_(True)
         region.params = leaves(run.params)  # the replay reads the backward's slot
-        assert region.out is not None
-        inputs = (region.box["anchor"], *region.leaves.values())
-        grads = grad_with_extra(region.out, region.extra, inputs, g, g_extra)
         state.data = None
-        return region.box.pop("g"), dict(zip(region.leaves, grads[1:], strict=True))
+        return region.graph.differentiate(g, g_extra)
