@@ -27,7 +27,7 @@ from slidedp.cli import main
 from slidedp.config import load_config
 from slidedp.errors import ConfigError
 from slidedp.models import fast
-from slidedp.models.hf import HFAdapter
+from slidedp.models.hf import HFAdapter, bind_params
 
 COUNTER = CompileCounterWithBackend("aot_eager")
 if "slidedp_count" not in torch._dynamo.list_backends(exclude_tags=()):
@@ -77,25 +77,57 @@ def test_liger_on_cpu_and_a_bad_value_are_one_line_config_errors(tmp_path: Path)
         load_config(config, ["runtime.compile=sometimes"])
 
 
-def test_liger_replaces_every_norm_the_swiglu_and_the_rotary_function(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_liger_replaces_every_norm_and_the_swiglu() -> None:
     from liger_kernel.transformers.rms_norm import LigerRMSNorm
-    from liger_kernel.transformers.rope import liger_rotary_pos_emb
     from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
-    from transformers.models.qwen3 import modeling_qwen3
 
-    # the rotary function is a module-level name: put it back for the other tests
-    monkeypatch.setattr(modeling_qwen3, "apply_rotary_pos_emb", modeling_qwen3.apply_rotary_pos_emb)
     adapter = _adapter()
     fast.apply_compute(adapter, fast.Compute("liger", ""))
-    assert modeling_qwen3.apply_rotary_pos_emb is liger_rotary_pos_emb
     norms: list[Any] = [m for m in adapter.skeleton.modules() if type(m).__name__ == "Qwen3RMSNorm"]
     assert len(norms) == 2 * 4 + 1  # per layer: input, post-attention, q, k; the final norm
     assert all(m.forward.__func__ is LigerRMSNorm.forward for m in norms)
     assert all(m.casting_mode == "llama" and m.offset == 0.0 for m in norms)
     mlps: list[Any] = [adapter.layer_module(i).mlp for i in range(adapter.num_layers)]
     assert all(m.forward.__func__ is LigerSwiGLUMLP.forward for m in mlps)
+
+
+def _bound_attention(adapter: HFAdapter) -> Any:
+    """Layer 0's attention with random weights bound (``bind_params``)."""
+    group = adapter.groups[adapter.layer_group(0)]
+    shapes = adapter.shapes()
+    gen = torch.Generator().manual_seed(0)
+    params = {local: torch.randn(shapes[full], generator=gen) * 0.1 for full, local in group.params}
+    bind_params(adapter.layer_module(0), params)
+    return adapter.layer_module(0).self_attn
+
+
+def test_liger_rope_runs_only_inside_the_patched_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An eager model of the same type in the same process (the cost model's meta runs, a
+    reference built after) keeps transformers' rotary function."""
+    from liger_kernel.transformers import rope
+    from transformers.models.llama import modeling_llama
+
+    hf_rope = modeling_llama.apply_rotary_pos_emb
+    calls: list[torch.Size] = []
+
+    def recorder(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
+        calls.append(q.shape)
+        return hf_rope(q, k, cos, sin)
+
+    monkeypatch.setattr(rope, "liger_rotary_pos_emb", recorder)  # Triton: not on CPU
+    patched, plain = _adapter("llama"), _adapter("llama")
+    fast.apply_compute(patched, fast.Compute("liger", ""))
+    assert modeling_llama.apply_rotary_pos_emb is hf_rope
+    x = torch.randn(2, 12, 64)
+    positions = torch.arange(12).unsqueeze(0)
+    cos_sin = plain.position_embeddings(plain.make_rotary(CPU), x, positions)[0]
+    outs = []
+    for adapter in (plain, patched):
+        attention = _bound_attention(adapter)
+        outs.append(attention(x, position_embeddings=cos_sin, attention_mask=None)[0])
+        assert len(calls) == (adapter is patched)
+        assert modeling_llama.apply_rotary_pos_emb is hf_rope
+    assert torch.equal(outs[0], outs[1])  # the recorder computes with transformers' rope
 
 
 STEPS = 4

@@ -8,7 +8,8 @@ model (``runtime.kernels``, ``runtime.compile``) and applied to the adapter by `
   ``pip install 'slidedp[fast]'``) into the adapter's modules — RMSNorm (each layer's input
   and post-attention norms, Qwen3's q/k norms, the final norm), SwiGLU (``act(gate) * up`` in
   one kernel) and RoPE (the modeling module's ``apply_rotary_pos_emb``, a module-level name
-  transformers looks up at call time: it is replaced for the whole process). Llama, Mistral,
+  transformers looks up at call time: replaced only while a patched attention runs). Segment
+  checkpointing (``S``) runs the MLP's pieces itself, so its SwiGLU stays eager. Llama, Mistral,
   Qwen2 and Qwen3 get all three; Gemma 3 and the mixtures of experts keep transformers'
   modules. ``eager``: transformers' modules. ``auto``: ``liger`` where it can run (CUDA, a
   Llama-family model, ``liger_kernel`` importable), else ``eager`` with the reason in the
@@ -114,15 +115,32 @@ def _patch_rms_norm(module: nn.Module, rms_forward: Any) -> None:
     module.forward = MethodType(rms_forward, module)
 
 
+def _scoped_rope(attention: nn.Module, modeling: Any, rope: Any) -> None:
+    """``attention`` runs with ``rope`` as its modeling module's ``apply_rotary_pos_emb`` (the
+    name transformers' attention forward looks up at call time), and every other caller —
+    an eager model of the same type in this process, the cost model's meta-device runs —
+    with transformers' own."""
+    forward = attention.forward
+
+    def with_rope(*args: Any, **kwargs: Any) -> Any:
+        original = modeling.apply_rotary_pos_emb
+        modeling.apply_rotary_pos_emb = rope
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            modeling.apply_rotary_pos_emb = original
+
+    attention.forward = with_rope
+
+
 def _apply_liger(adapter: HFAdapter) -> None:
-    """Liger's RMSNorm, SwiGLU and RoPE in ``adapter``'s modules (module instances; RoPE by
-    its module-level name, process-wide)."""
+    """Liger's RMSNorm, SwiGLU and RoPE in ``adapter``'s modules (instances: another adapter of
+    the same model type keeps transformers' modules)."""
     from liger_kernel.transformers.rms_norm import LigerRMSNorm
     from liger_kernel.transformers.rope import liger_rotary_pos_emb
     from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
 
     modeling: Any = importlib.import_module(type(adapter.base).__module__)
-    modeling.apply_rotary_pos_emb = liger_rotary_pos_emb
     _patch_rms_norm(adapter.norm_module(), LigerRMSNorm.forward)
     for layer in range(adapter.num_layers):
         module: Any = adapter.layer_module(layer)
@@ -132,6 +150,7 @@ def _apply_liger(adapter: HFAdapter) -> None:
         for norm in norms:
             _patch_rms_norm(norm, LigerRMSNorm.forward)
         module.mlp.forward = MethodType(LigerSwiGLUMLP.forward, module.mlp)
+        _scoped_rope(module.self_attn, modeling, liger_rotary_pos_emb)
 
 
 def call_layer(module: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> Any:

@@ -15,7 +15,6 @@ operators by self CPU time; ``--top`` rows, each with its share of the total.
 from __future__ import annotations
 
 import argparse
-import importlib
 import statistics
 import time
 from typing import Any
@@ -84,33 +83,28 @@ def measure_variant(
     from slidedp.profile.layer import layer_inputs  # layer imports this module
 
     adapter = HFAdapter(config)
-    modeling: Any = importlib.import_module(type(adapter.base).__module__)
-    rope = modeling.apply_rotary_pos_emb  # Liger replaces it process-wide: back after
     try:
         compute = _compute(variant, device, adapter, args.backend)
     except ConfigError as e:
         return {"variant": variant, "skipped": str(e)}
-    try:
-        apply_compute(adapter, compute)
-        params, x, ctx = layer_inputs(adapter, batch, seq_len, device, dtype)
-        executor = executor_for(LayerPolicy("N"))
-        g = torch.ones_like(x)
+    apply_compute(adapter, compute)
+    params, x, ctx = layer_inputs(adapter, batch, seq_len, device, dtype)
+    executor = executor_for(LayerPolicy("N"))
+    g = torch.ones_like(x)
 
-        def step() -> None:
-            _, state = executor.forward(LayerRun(adapter, 0, params, ctx), x)
-            executor.backward(LayerRun(adapter, 0, params, ctx), state, g)
+    def step() -> None:
+        _, state = executor.forward(LayerRun(adapter, 0, params, ctx), x)
+        executor.backward(LayerRun(adapter, 0, params, ctx), state, g)
 
-        times = []
-        for i in range(args.warmup + args.steps):
-            synchronize(device)
-            start = time.perf_counter()
-            step()
-            synchronize(device)
-            if i >= args.warmup:
-                times.append(time.perf_counter() - start)
-        kernels = breakdown(step, device, args.top)
-    finally:
-        modeling.apply_rotary_pos_emb = rope
+    times = []
+    for i in range(args.warmup + args.steps):
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    kernels = breakdown(step, device, args.top)
     step_s = statistics.median(times)
     return {
         "variant": variant,
