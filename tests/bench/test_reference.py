@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from bench.tiny import tiny_config, tiny_spec
 from slidedp.bench.reference import ReferenceModel, run_reference
+from slidedp.errors import ConfigError
 from slidedp.models.fast import Compute
 from slidedp.models.hf import HFAdapter
 
@@ -53,3 +54,13 @@ def test_the_reference_with_compiled_layers_is_the_eager_reference() -> None:
     loss_c, grad_c = compiled.step(ids)
     assert loss_c == loss
     assert torch.equal(grad_c, grad)
+
+
+def test_the_reference_reads_the_layer_compute_from_ours_policy_file(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("layers: N\nkernels: liger\n")
+    spec = tiny_spec(tmp_path, "reference", [f"runtime.policy={policy}"])
+    with pytest.raises(ConfigError, match=r"runtime\.kernels=liger cannot run here"):
+        run_reference(spec)  # on CPU: Liger is refused, as ours refuses it
+    policy.write_text("layers: N\nkernels: eager\n")
+    assert run_reference(spec)["kernels"].startswith("eager, not compiled")

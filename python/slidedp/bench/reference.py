@@ -109,16 +109,16 @@ class ReferenceModel:
 
 
 def run_reference(spec: RunSpec) -> dict[str, Any]:
-    """Timed steps of the reference on ``spec``'s synthetic batches, with our engine's dtype
-    and loss chunk (from ``spec.ours``, the config ours runs with)."""
+    """Timed steps of the reference on ``spec``'s synthetic batches, with our engine's dtype,
+    loss chunk, layout and layer compute (from ``spec.ours``, the config ours runs with, and
+    its policy file)."""
     device = torch.device(spec.device)
     adapter = HFAdapter.from_dir(spec.config_dir)
     dtype = pick_dtype(spec.ours["train"]["dtype"], device)
     rt = spec.ours["runtime"]
-    layout = (
-        read_policy_file(rt["policy"]).get("layers", rt["layers"]) if rt["policy"] else rt["layers"]
-    )
-    layers = parse_layout(layout, adapter.num_layers, default_ratio=0.0)
+    if rt["policy"]:  # the policy file's keys replace the runtime's
+        rt = rt | read_policy_file(rt["policy"])
+    layers = parse_layout(rt["layers"], adapter.num_layers, default_ratio=0.0)
     compute = resolve_compute(rt["kernels"], rt["compile"], device, adapter)
     model = ReferenceModel(adapter, device, dtype, rt["loss_chunk_tokens"], layers, compute)
     tokens = synthetic_tokens(
