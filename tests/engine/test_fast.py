@@ -55,6 +55,10 @@ def test_auto_picks_liger_on_cuda_where_it_is_installed_and_compiles_the_eager_f
     gemma = fast.resolve_compute("auto", False, CUDA, _adapter("gemma3_text"))
     assert gemma.kernels == "eager"
     assert "qwen3 layers only" in gemma.reason
+    moe = _adapter("qwen3_moe")  # router logits recorded by per-call hooks: not compiled
+    assert fast.resolve_compute("auto", None, CUDA, moe).compile == ""
+    with pytest.raises(ConfigError, match=r"set runtime\.compile=false"):
+        fast.resolve_compute("auto", True, CUDA, moe)
     monkeypatch.setattr(fast, "liger_available", lambda: False)
     fallback = fast.resolve_compute("auto", None, CUDA, adapter)
     assert fallback == fast.Compute("eager", "inductor", fallback.reason)

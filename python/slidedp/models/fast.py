@@ -22,13 +22,14 @@ model (``runtime.kernels``, ``runtime.compile``) and applied to the adapter by `
   step (``tests/engine/test_fast.py`` counts them). The default (null) compiles on CUDA where
   the kernels are eager: on the H100, one Qwen3-8B layer (B=16, S=1024, fwd+bwd) ran 44.3 ms
   eager, 31.2 compiled, 31.2 with Liger, 32.9 with both (issue 22), so Liger and the compiler
-  are alternatives, not a sum. A mixture-of-experts layer with router logits (hooks registered
-  per call) runs uncompiled.
+  are alternatives, not a sum. The mixtures of experts are not compiled by default (their
+  routing is data-dependent); with router logits (recorded by hooks registered per call)
+  ``compile: true`` is a config error.
 
 The loss head stays ``models.loss.chunked_lm_loss`` (a GEMM per chunk of labelled rows, its
 memory bounded by ``runtime.loss_chunk_tokens``); attention is transformers' SDPA path, whose
-backend PyTorch picks per call (flash for a causal-only mask on CUDA, memory-efficient with a
-padding or packing mask; ``slidedp profile layer --kernels`` shows which kernels ran).
+backend PyTorch picks per call (flash or cuDNN without a mask tensor, memory-efficient with a
+padding or packing mask; ``slidedp profile layer --kernels`` names the kernel that ran).
 
 Example::
 
@@ -96,8 +97,10 @@ def resolve_compute(
         raise ConfigError(f"runtime.kernels=liger cannot run here: {blocker}; use auto or eager")
     chosen: Literal["eager", "liger"] = "liger" if kernels != "eager" and not blocker else "eager"
     reason = blocker if kernels == "auto" else ""
-    if compile is None:
-        compile = device.type == "cuda" and chosen == "eager"
+    if compile is None:  # the dense layers measured; an MoE routes by data (graph breaks)
+        from slidedp.models.hf import MOE_MODEL_TYPES  # hf imports this module
+
+        compile = device.type == "cuda" and chosen == "eager" and model_type not in MOE_MODEL_TYPES
     if compile and adapter.router_loss is not None:
         raise ConfigError(
             "runtime.compile=true: a mixture-of-experts layer with output_router_logits records "
