@@ -14,8 +14,8 @@ kernels and whether the layer is compiled (``models.fast``: ``runtime.kernels``,
 
 A policy file (``runtime.policy: path.yaml``) holds any of ``layers, param_route, grad_route,
 chunk_elems, slots, staging_slots, grad_slots, bf16_mirror, offload_ratio, kernels, compile``;
-its values replace
-the ``runtime`` ones (setting a key in both places, to different values, is an error).
+its values replace the ``runtime`` ones (setting a key in both places, to different values, is
+an error).
 
 Example::
 
