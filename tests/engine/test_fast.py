@@ -28,6 +28,7 @@ from slidedp.config import load_config
 from slidedp.errors import ConfigError
 from slidedp.models import fast
 from slidedp.models.hf import HFAdapter, bind_params
+from slidedp.plan.policy import Policy, resolve_policy
 
 COUNTER = CompileCounterWithBackend("aot_eager")
 if "slidedp_count" not in torch._dynamo.list_backends(exclude_tags=()):
@@ -79,6 +80,21 @@ def test_liger_on_cpu_and_a_bad_value_are_one_line_config_errors(tmp_path: Path)
         load_config(config, ["runtime.kernels=fused"])
     with pytest.raises(ConfigError, match=r"runtime\.compile must be"):
         load_config(config, ["runtime.compile=sometimes"])
+
+
+def test_a_policy_file_sets_the_layer_compute_and_it_is_saved_with_the_policy(
+    tmp_path: Path,
+) -> None:
+    model = make_model(tmp_path, "qwen3", tied=True)
+    data = write_data(tmp_path / "data.jsonl", 4)
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text("kernels: eager\ncompile: true\n")
+    config = write_config(tmp_path / "c.yaml", model, data, tmp_path / "out",
+                          runtime={"policy": str(policy_file)})  # fmt: skip
+    policy = resolve_policy(load_config(config).runtime, HFAdapter.from_dir(model),
+                            mirror=False, device=CPU)  # fmt: skip
+    assert policy.compute == fast.Compute("eager", "inductor")
+    assert Policy.from_dict(policy.to_dict()) == policy
 
 
 def test_liger_replaces_every_norm_and_the_swiglu() -> None:
