@@ -78,7 +78,16 @@ class Compute:
 
 
 def liger_available() -> bool:
-    return importlib.util.find_spec("liger_kernel") is not None
+    """Whether Liger's modules import (installed, and its Triton/torch requirements met)."""
+    if importlib.util.find_spec("liger_kernel") is None:
+        return False
+    try:
+        importlib.import_module("liger_kernel.transformers.rms_norm")
+        importlib.import_module("liger_kernel.transformers.rope")
+        importlib.import_module("liger_kernel.transformers.swiglu")
+    except Exception:  # a broken install: the eager fallback, with the banner's reason
+        return False
+    return True
 
 
 def resolve_compute(
@@ -92,7 +101,10 @@ def resolve_compute(
     elif model_type not in LIGER_MODEL_TYPES:
         blocker = f"Liger kernels are patched into {'/'.join(LIGER_MODEL_TYPES)} layers only"
     elif not liger_available():
-        blocker = "liger_kernel is not installed (pip install 'slidedp[fast]'): eager fallback"
+        blocker = (
+            "liger_kernel is not installed or does not import (pip install 'slidedp[fast]'): "
+            "eager fallback"
+        )
     if kernels == "liger" and blocker:
         raise ConfigError(f"runtime.kernels=liger cannot run here: {blocker}; use auto or eager")
     chosen: Literal["eager", "liger"] = "liger" if kernels != "eager" and not blocker else "eager"
