@@ -6,7 +6,7 @@
 #
 # Each part has its own timeout and writes its JSON under $OUT as soon as it finishes; every
 # part's output also goes to $OUT/log.txt.
-#   1. one Qwen3-8B decoder layer, B=16, S=1024, fwd+bwd without replay: eager, Liger,
+#   1. one Qwen3-8B decoder layer, B=16, S=1024, fwd+bwd without replay: eager, Liger, then
 #      compiled, both — model TFLOP/s and the top kernels of each (slidedp profile layer --kernels)
 #   2. slidedp bench train --shape qwen3-8b --batch 16, ours and the reference with the new
 #      defaults (BENCHMARKS.md's Qwen3-8B H100 run: no clipping, --host-limit 118)
@@ -31,14 +31,17 @@ part() {  # part NAME SECONDS COMMAND...
     echo "== $name: exit $? ($(date -u +%T))" | tee -a "$LOG"
 }
 
-part layer 180 python3 -m slidedp profile layer --shape qwen3-8b --batch 16 --seq-len 1024 \
-    --kernels eager,liger,compiled,liger+compiled --warmup 3 --steps 10 --top 12 \
-    --json "$OUT/layer-kernels-qwen3-8b-b16.json"
+LAYER=(python3 -m slidedp profile layer --shape qwen3-8b --batch 16 --seq-len 1024 --warmup 3
+       --steps 10 --top 12)
+# uncompiled first: a slow compilation must not cost the eager and Liger figures
+part layer-eager 60 "${LAYER[@]}" --kernels eager,liger --json "$OUT/layer-qwen3-8b-b16-eager.json"
+part layer-compiled 150 "${LAYER[@]}" --kernels compiled,liger+compiled \
+    --json "$OUT/layer-qwen3-8b-b16-compiled.json"
 part bench 200 python3 -m slidedp bench train --shape qwen3-8b --batch 16 --systems ours,reference \
     --warmup 2 --steps 3 --host-limit 118 --set train.max_grad_norm=0 \
     --json "$OUT/bench-qwen3-8b-b16.json"
 # -W default: a warning from Liger or the compiler is printed here, not the end of the run
-part parity 170 env SLIDEDP_PARITY_JSON="$OUT/parity.json" python3 -m pytest -q -s -W default \
+part parity 160 env SLIDEDP_PARITY_JSON="$OUT/parity.json" python3 -m pytest -q -s -W default \
     -m "gpu and slow" tests/engine/test_gpu_parity.py \
     -k "fused_and_compiled and (liger-False or eager-True)"
 tail -c 6000 "$LOG"
