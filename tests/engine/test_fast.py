@@ -168,8 +168,14 @@ def _train(
 
 
 @pytest.mark.parametrize(
-    ("arch", "tied", "layers"),
-    [("qwen3", True, "F"), ("llama", False, "2xF-r1, 1xN-r0.5, 1xSAC.mm, S1010100")],
+    ("arch", "tied", "layers", "graphs"),
+    [
+        ("qwen3", True, "F", 2),
+        ("llama", False, "2xF-r1, 1xN-r0.5, 1xSAC.mm, S1010100", 2),
+        # SAC's region runs eagerly: on the GPU an inductor kernel reusing a buffer mutates a
+        # tensor the policy cached, and torch refuses the replay
+        ("qwen3", True, "SAC.mm", 0),
+    ],
 )
 def test_the_compiled_layer_trains_bit_identically_and_compiles_once_per_mode(
     tmp_path: Path,
@@ -178,9 +184,10 @@ def test_the_compiled_layer_trains_bit_identically_and_compiles_once_per_mode(
     arch: str,
     tied: bool,
     layers: str,
+    graphs: int,
 ) -> None:
     """Batches of one shape, no padding. Two graphs: F's forward runs without grad,
-    its replay, N's forward and SAC's region with grad (S runs its spans eagerly). With
+    its replay and N's forward with grad (S and SAC run eagerly). With
     padded batches of varying lengths, dynamo adds one graph per mode with a symbolic length
     at the second length, and one for a batch without padding (no mask tensor)."""
     model = make_model(tmp_path, arch, tied=tied, layers=5)
@@ -192,7 +199,7 @@ def test_the_compiled_layer_trains_bit_identically_and_compiles_once_per_mode(
     metrics, params = _train(tmp_path, model, "compiled", {"layers": layers, "compile": True})
     assert "compiled (slidedp_count)" in capsys.readouterr().out
     # 5 layers x 4 steps: the graphs of the first step serve every layer and step
-    assert COUNTER.frame_count == 2
+    assert COUNTER.frame_count == graphs
     assert len(metrics) == STEPS
     assert metrics == eager_metrics  # losses and gradient norms, every step
     assert all(torch.equal(eager_params[k], params[k]) for k in params)

@@ -269,13 +269,20 @@ class HFAdapter:
         return cast(nn.Module, self.base.layers[layer])
 
     def run_layer(
-        self, layer: int, params: dict[str, torch.Tensor], x: torch.Tensor, ctx: dict[str, Any]
+        self,
+        layer: int,
+        params: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        ctx: dict[str, Any],
+        *,
+        eager: bool = False,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """Decoder layer ``layer`` on ``x`` [B, S, H] with its parameters bound to ``params``
         (module-local names); ``ctx`` holds ``masks`` and ``position_embeddings`` (per layer)
         and ``position_ids``. No cache: training recomputes, it never decodes. Returns the
         output [B, S, H] and the layer's router logits ([B*S, experts] each, recorded as
-        transformers records them) when the loss has a load-balancing term, else ``()``."""
+        transformers records them) when the loss has a load-balancing term, else ``()``.
+        ``eager``: call the module itself even when layers are compiled (``layer_call``)."""
         module = self.layer_module(layer)
         bind_params(module, params)
         kwargs = {
@@ -293,7 +300,7 @@ class HFAdapter:
                      for r in self._routers[layer]]  # fmt: skip
         try:
             args = {k: v for k, v in kwargs.items() if k in self._layer_args}
-            out = self.layer_call(module, x, args)
+            out = (call_layer if eager else self.layer_call)(module, x, args)
         finally:
             for hook in hooks:
                 hook.remove()

@@ -40,10 +40,10 @@ class LayerRun:
     ctx: dict[str, Any]
 
     def module_forward(
-        self, params: dict[str, torch.Tensor], x: torch.Tensor
+        self, params: dict[str, torch.Tensor], x: torch.Tensor, *, eager: bool = False
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """The layer's output and its extra outputs (``HFAdapter.run_layer``)."""
-        return self.adapter.run_layer(self.layer, params, x, self.ctx)
+        return self.adapter.run_layer(self.layer, params, x, self.ctx, eager=eager)
 
     def shared_ids(self) -> set[int]:
         """ids of the tensors every layer reads (rotary cos/sin, masks, positions)."""

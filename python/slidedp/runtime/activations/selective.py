@@ -99,7 +99,9 @@ class SelectiveExecutor:
 
         def replay() -> tuple[torch.Tensor, ...]:
             assert region.x is not None, "the layer input is still on the host"
-            out, extra = run.module_forward(region.params, region.x)
+            # eager even when layers are compiled: the policy must see every operator, and an
+            # inductor kernel reusing a buffer mutates what the policy cached (torch refuses)
+            out, extra = run.module_forward(region.params, region.x, eager=True)
             return (out, *extra)
 
         with torch.enable_grad():
