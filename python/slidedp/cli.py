@@ -26,6 +26,7 @@ from slidedp.bench import model as bench_model
 from slidedp.bench import plot as bench_plot
 from slidedp.bench import train as bench_train
 from slidedp.errors import ConfigError, SlidedpError, TrainingInterruptedError
+from slidedp.plan import command as plan_command
 from slidedp.profile import layer as profile_layer
 
 EXIT_BAD_INPUT = 2
@@ -146,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_train.add_arguments(which.add_parser("train", help="ours vs reference and FSDP2"))
     bench_plot.add_arguments(which.add_parser("plot", help="one sweep figure from JSON reports"))
     bench_model.add_arguments(which.add_parser("model", help="the step-time model vs traced steps"))
+    plan_command.add_arguments(
+        verbs.add_parser(
+            "plan", parents=[debug], help="choose the activation layout: a policy file"
+        )
+    )
     profile = verbs.add_parser("profile", help="measure the candidates of a policy")
     what = profile.add_subparsers(dest="profile", required=True)
     profile_layer.add_arguments(
@@ -167,6 +173,8 @@ def _run(args: argparse.Namespace) -> int:
         return _export(args.checkpoint, args.out_dir)
     if args.verb == "profile":
         return profile_layer.main(args)
+    if args.verb == "plan":
+        return plan_command.main(args)
     bench_main = {
         "train": bench_train.main,
         "plot": bench_plot.main,

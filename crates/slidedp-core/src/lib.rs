@@ -7,6 +7,7 @@
 pub mod error;
 pub mod kernels;
 pub mod model;
+pub mod solve;
 pub mod store;
 pub mod update;
 

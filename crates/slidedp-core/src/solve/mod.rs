@@ -1,0 +1,237 @@
+//! The policy solver's integer program (paper §3.6, Algorithm 1, step "solve"): how many decoder
+//! layers get each activation candidate, and how many keep their weights resident on the GPU,
+//! to minimise the step time under the GPU memory budget.
+//!
+//! Variables: `n_j` layers of candidate `j` (integer), `y_j` whether `j` is used (binary), the
+//! prefetch pool `P` and the backward transient `H` (the largest over the used candidates), `r`
+//! resident layers (integer) and the step time `T`:
+//!
+//! ```text
+//! min T
+//!   Σ n_j = L,  n_j ≤ L·y_j,  P ≥ 2·o_j·y_j,  H ≥ h_j·y_j,  r ≤ R
+//!   Σ n_j·m_j + P + H + r·w ≤ B
+//!   compute C = c0 + Σ n_j·τ_j;  host U = u·(L − r)
+//!   T ≥ C and T ≥ U (the update overlaps the backward), or T ≥ C + U (clipping: after it)
+//! ```
+//!
+//! The prefetch pool holds two consecutive offloaded shares during a backward (the one in use
+//! and the next one, prefetched), bounded here by twice the largest used share. Solved with
+//! `good_lp`'s pure-Rust `microlp` backend (no C library). The step-time model checks and ranks
+//! what comes out; this program is the search.
+
+use good_lp::{
+    Expression, ProblemVariables, Solution, SolverModel, Variable, constraint, microlp, variable,
+};
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result};
+
+/// One activation candidate of a decoder layer, as measured by the layer profiler.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Candidate {
+    pub name: String,
+    /// Its forward + backward (replay included, copies overlapped) in the engine, seconds.
+    pub time_s: f64,
+    /// Device bytes kept from its forward to its backward.
+    pub retained_bytes: f64,
+    /// Bytes moved to host memory and back (the prefetch pool holds two such shares).
+    #[serde(default)]
+    pub offloaded_bytes: f64,
+    /// The largest transient of its backward.
+    #[serde(default)]
+    pub transient_bytes: f64,
+}
+
+/// The host update lane: AdamW and its copies, per streamed (non-resident) layer.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct HostLane {
+    pub update_s_per_layer: f64,
+    /// With gradient clipping the update waits for the global norm: it follows the backward.
+    pub serial: bool,
+}
+
+/// GPU-resident layers: bytes each one keeps on the device (BF16 weights, FP32 master and Adam
+/// moments when updated there) and how many may be resident.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Resident {
+    pub bytes_per_layer: f64,
+    pub max_layers: u32,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Problem {
+    pub layers: u32,
+    /// Device bytes for activations (and resident layers): the GPU's total less everything the
+    /// layout does not change (window, head, allocator reserve).
+    pub budget_bytes: f64,
+    pub candidates: Vec<Candidate>,
+    /// Step time outside the layers' compute (embedding, head, waits), seconds.
+    #[serde(default)]
+    pub fixed_s: f64,
+    #[serde(default)]
+    pub host: Option<HostLane>,
+    #[serde(default)]
+    pub resident: Option<Resident>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Layout {
+    /// Layers per candidate, in the problem's order.
+    pub counts: Vec<u32>,
+    pub resident_layers: u32,
+    pub step_s: f64,
+    pub compute_s: f64,
+    pub host_s: f64,
+    pub memory_bytes: f64,
+}
+
+impl Problem {
+    fn check(&self) -> Result<()> {
+        let bad = |what: String| Err(Error::InvalidArgument(what));
+        if self.layers == 0 || self.candidates.is_empty() {
+            return bad("a layout needs at least one layer and one candidate".into());
+        }
+        let finite = |x: f64| x.is_finite() && x >= 0.0;
+        if !finite(self.budget_bytes) || !finite(self.fixed_s) {
+            return bad("budget_bytes and fixed_s must be finite and non-negative".into());
+        }
+        for c in &self.candidates {
+            let costs = [
+                c.time_s,
+                c.retained_bytes,
+                c.offloaded_bytes,
+                c.transient_bytes,
+            ];
+            if !costs.into_iter().all(finite) {
+                return bad(format!(
+                    "candidate '{}': costs must be finite and >= 0",
+                    c.name
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes of `counts` with `resident` layers, as the program counts them.
+    pub fn memory_bytes(&self, counts: &[u32], resident: u32) -> f64 {
+        let used = || self.candidates.iter().zip(counts).filter(|(_, n)| **n > 0);
+        let kept: f64 = used().map(|(c, n)| c.retained_bytes * f64::from(*n)).sum();
+        let pool = used()
+            .map(|(c, _)| 2.0 * c.offloaded_bytes)
+            .fold(0.0, f64::max);
+        let transient = used().map(|(c, _)| c.transient_bytes).fold(0.0, f64::max);
+        let per_resident = self.resident.as_ref().map_or(0.0, |r| r.bytes_per_layer);
+        kept + pool + transient + f64::from(resident) * per_resident
+    }
+}
+
+/// The fastest layout of `problem` that fits its budget.
+pub fn solve(problem: &Problem) -> Result<Layout> {
+    problem.check()?;
+    let layers = f64::from(problem.layers);
+    let mut vars = ProblemVariables::new();
+    let n: Vec<Variable> = problem
+        .candidates
+        .iter()
+        .map(|_| vars.add(variable().integer().min(0.0).max(layers)))
+        .collect();
+    let y: Vec<Variable> = n.iter().map(|_| vars.add(variable().binary())).collect();
+    let pool = vars.add(variable().min(0.0));
+    let transient = vars.add(variable().min(0.0));
+    let (per_resident, max_resident) = problem.resident.as_ref().map_or((0.0, 0.0), |r| {
+        (
+            r.bytes_per_layer,
+            f64::from(r.max_layers.min(problem.layers)),
+        )
+    });
+    let resident = vars.add(variable().integer().min(0.0).max(max_resident));
+    let step = vars.add(variable().min(0.0));
+
+    let cands = &problem.candidates;
+    let total: Expression = n.iter().sum();
+    let compute: Expression = n
+        .iter()
+        .zip(cands)
+        .map(|(v, c)| c.time_s * *v)
+        .sum::<Expression>()
+        + problem.fixed_s;
+    let memory: Expression = n
+        .iter()
+        .zip(cands)
+        .map(|(v, c)| c.retained_bytes * *v)
+        .sum::<Expression>()
+        + pool
+        + transient
+        + per_resident * resident;
+    let mut model = vars.minimise(step).using(microlp);
+    model.add_constraint(constraint!(total == layers));
+    for ((nj, yj), c) in n.iter().zip(&y).zip(cands) {
+        model.add_constraint(constraint!(*nj <= layers * *yj));
+        model.add_constraint(constraint!(pool >= 2.0 * c.offloaded_bytes * *yj));
+        model.add_constraint(constraint!(transient >= c.transient_bytes * *yj));
+    }
+    model.add_constraint(constraint!(memory <= problem.budget_bytes));
+    match &problem.host {
+        Some(h) => {
+            let host = h.update_s_per_layer * (layers - resident);
+            if h.serial {
+                model.add_constraint(constraint!(step >= compute + host));
+            } else {
+                model.add_constraint(constraint!(step >= compute.clone()));
+                model.add_constraint(constraint!(step >= host));
+            }
+        }
+        None => {
+            model.add_constraint(constraint!(step >= compute));
+        }
+    }
+    let solution = model.solve().map_err(|e| {
+        Error::InvalidArgument(format!(
+            "no layout of {} layers fits {:.2} GiB of device memory ({e})",
+            problem.layers,
+            problem.budget_bytes / f64::from(1u32 << 30)
+        ))
+    })?;
+    // integer variables come back as floats within the solver's tolerance
+    let counts: Vec<u32> = n
+        .iter()
+        .map(|v| solution.value(*v).round() as u32)
+        .collect();
+    let resident_layers = solution.value(resident).round() as u32;
+    Ok(layout_of(problem, counts, resident_layers))
+}
+
+/// The program's own accounting of a layout (used for the solution and for comparisons).
+pub fn layout_of(problem: &Problem, counts: Vec<u32>, resident_layers: u32) -> Layout {
+    let compute_s = problem.fixed_s
+        + problem
+            .candidates
+            .iter()
+            .zip(&counts)
+            .map(|(c, n)| c.time_s * f64::from(*n))
+            .sum::<f64>();
+    let streamed = f64::from(problem.layers - resident_layers.min(problem.layers));
+    let (host_s, step_s) = match &problem.host {
+        Some(h) if h.serial => (
+            h.update_s_per_layer * streamed,
+            compute_s + h.update_s_per_layer * streamed,
+        ),
+        Some(h) => (
+            h.update_s_per_layer * streamed,
+            compute_s.max(h.update_s_per_layer * streamed),
+        ),
+        None => (0.0, compute_s),
+    };
+    let memory_bytes = problem.memory_bytes(&counts, resident_layers);
+    Layout {
+        counts,
+        resident_layers,
+        step_s,
+        compute_s,
+        host_s,
+        memory_bytes,
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,121 @@
+use super::*;
+
+fn cand(name: &str, time_s: f64, retained: f64, offloaded: f64) -> Candidate {
+    Candidate {
+        name: name.into(),
+        time_s,
+        retained_bytes: retained,
+        offloaded_bytes: offloaded,
+        transient_bytes: 1.0,
+    }
+}
+
+/// F: 10 s, 0 B; SAC: 8 s, 1 B; N: 6 s, 3 B; 10 layers, budget 15 B with 1 B of transient.
+/// By hand: SAC saves 2 s per byte and N over SAC 1 s per byte, so fill with SAC (10 B) and
+/// upgrade two layers to N with the 4 B left: 8 x 8 + 2 x 6 = 76 s. The runner-up, 3 N + 5 SAC
+/// + 2 F, takes 78 s.
+fn three() -> Problem {
+    Problem {
+        layers: 10,
+        budget_bytes: 15.0,
+        candidates: vec![
+            cand("F", 10.0, 0.0, 0.0),
+            cand("SAC", 8.0, 1.0, 0.0),
+            cand("N", 6.0, 3.0, 0.0),
+        ],
+        fixed_s: 0.0,
+        host: None,
+        resident: None,
+    }
+}
+
+#[test]
+fn the_hand_checked_optimum() {
+    let layout = solve(&three()).unwrap();
+    assert_eq!(layout.counts, vec![0, 8, 2]);
+    assert_eq!(layout.step_s, 76.0);
+    assert_eq!(layout.memory_bytes, 15.0);
+}
+
+#[test]
+fn a_large_budget_takes_the_fastest_everywhere_and_none_takes_the_lightest() {
+    let mut p = three();
+    p.budget_bytes = 1e6;
+    assert_eq!(solve(&p).unwrap().counts, vec![0, 0, 10]);
+    p.budget_bytes = 1.0; // only the transient fits: every layer F
+    assert_eq!(solve(&p).unwrap().counts, vec![10, 0, 0]);
+    p.budget_bytes = 0.5;
+    let err = solve(&p).unwrap_err().to_string();
+    assert!(err.contains("no layout of 10 layers fits"), "{err}");
+}
+
+#[test]
+fn the_prefetch_pool_counts_two_offloaded_shares_once() {
+    // offloading N (retained 0, 2 B each way) is worth it only while its pool fits
+    let mut p = three();
+    p.candidates.push(cand("N-r1", 7.0, 0.0, 2.0));
+    p.budget_bytes = 5.0; // transient 1 + pool 4: all ten layers offloaded N-r1
+    let layout = solve(&p).unwrap();
+    assert_eq!(layout.counts, vec![0, 0, 0, 10]);
+    assert_eq!(layout.memory_bytes, 5.0);
+    p.budget_bytes = 4.5; // the pool does not fit: SAC (1 B each) on three layers, F elsewhere
+    assert_eq!(solve(&p).unwrap().counts, vec![7, 3, 0, 0]);
+}
+
+#[test]
+fn resident_layers_shorten_the_host_lane_where_it_binds() {
+    let mut p = three();
+    p.budget_bytes = 1e6;
+    p.host = Some(HostLane {
+        update_s_per_layer: 9.0,
+        serial: false,
+    });
+    p.resident = Some(Resident {
+        bytes_per_layer: 10.0,
+        max_layers: 10,
+    });
+    // compute 60 s (all N); host 90 s until 4 layers are resident (9 x 6 = 54 <= 60)
+    let layout = solve(&p).unwrap();
+    assert_eq!(layout.counts, vec![0, 0, 10]);
+    assert!(layout.resident_layers >= 4, "{layout:?}");
+    assert_eq!(layout.step_s, 60.0);
+    // serial (clipping): every resident layer takes 9 s off the step, so all of them
+    p.host = Some(HostLane {
+        update_s_per_layer: 9.0,
+        serial: true,
+    });
+    let layout = solve(&p).unwrap();
+    assert_eq!((layout.resident_layers, layout.step_s), (10, 60.0));
+}
+
+#[test]
+fn resident_layers_compete_with_activations_for_the_budget() {
+    let mut p = three();
+    p.budget_bytes = 21.0; // transient 1 + 20 B
+    p.host = Some(HostLane {
+        update_s_per_layer: 4.0,
+        serial: true,
+    });
+    p.resident = Some(Resident {
+        bytes_per_layer: 4.0,
+        max_layers: 10,
+    });
+    // a resident layer: 4 s for 4 B (1 s/B), an SAC layer 2 s for 1 B, an N upgrade 2 s for 2 B:
+    // 10 SAC (10 B) then 10 B shared between N upgrades and resident layers at 1 s/B each
+    let layout = solve(&p).unwrap();
+    // all SAC: 80 s of compute + 40 s of host, less 10 s: 110 s
+    assert_eq!(layout.step_s, 110.0, "{layout:?}");
+    assert!(layout.memory_bytes <= 21.0);
+}
+
+#[test]
+fn bad_costs_are_refused() {
+    let mut p = three();
+    p.candidates[1].time_s = f64::NAN;
+    assert!(
+        solve(&p)
+            .unwrap_err()
+            .to_string()
+            .contains("candidate 'SAC'")
+    );
+}

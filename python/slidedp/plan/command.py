@@ -1,0 +1,157 @@
+"""``slidedp plan CONFIG.yaml [overrides]``: choose the run's activation layout (the policy
+selector, paper §3.6) and write it as a policy file (``runtime.policy: FILE``).
+
+Stages, each timed in the report: the layer profile of the run's own model, batch and sequence
+(``slidedp profile layer``, cached by device, shape, batch, sequence, dtype and versions), the
+integer program over its Pareto candidates under the GPU budget with the host update lane
+counted (``plan.select``), the placement, and ``slidedp estimate`` of the chosen layout (the same
+check ``train`` runs). The fixed default (all ``F``) is a candidate of the program, and its
+accounting is printed beside the choice.
+
+Example::
+
+    slidedp plan examples/qwen3-4b-1gpu.yaml --out runs/qwen3-4b/policy.yaml
+    slidedp train examples/qwen3-4b-1gpu.yaml runtime.policy=runs/qwen3-4b/policy.yaml
+    slidedp plan tiny.yaml --gpu-memory 80 --device cpu   # plan for an 80 GiB GPU from here
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from slidedp.errors import ConfigError
+from slidedp.profile.layer import FAMILIES, RATIOS, profile_layer
+
+GIB = 2**30
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    arg = parser.add_argument
+    arg("config", help="YAML with model, data, train, output (and runtime)")
+    arg("overrides", nargs="*", help="section.key=value, e.g. train.global_batch_size=16")
+    arg("--out", default="policy.yaml", help="the policy file to write (the report: .json beside)")
+    arg("--profile", default=None, help="a `slidedp profile layer --json` report to use")
+    arg("--gpu-memory", type=float, default=0.0, metavar="GIB",
+        help="plan for a GPU of this size (default: this machine's GPU)")  # fmt: skip
+    arg("--families", default=FAMILIES, help="checkpoint families to profile")
+    arg("--ratios", default=RATIOS, help="offload ratios to profile")
+    arg("--warmup", type=int, default=2)
+    arg("--steps", type=int, default=5)
+    arg("--cache-dir", default="~/.cache/slidedp/profile")
+    arg("--force", action="store_true", help="profile even if cached")
+
+
+def _profile(args: argparse.Namespace, cfg: Any, batch: int) -> dict[str, Any]:
+    if args.profile:
+        try:
+            report: dict[str, Any] = json.loads(Path(args.profile).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(
+                f"--profile {args.profile}: not a readable JSON report ({e})"
+            ) from None
+        if report.get("batch") != batch or report.get("seq_len") != cfg.data.seq_len:
+            raise ConfigError(
+                f"--profile {args.profile} is of B={report.get('batch')} S={report.get('seq_len')}"
+                f", the run is B={batch} S={cfg.data.seq_len}: profile the run's own shape"
+            )
+        return report
+    profile_args = argparse.Namespace(
+        shape=str(Path(cfg.model.path) / "config.json"),
+        batch=batch,
+        seq_len=cfg.data.seq_len,
+        families=args.families,
+        ratios=args.ratios,
+        device=cfg.runtime.device,
+        dtype=cfg.train.dtype,
+        warmup=args.warmup,
+        steps=args.steps,
+        cache_dir=args.cache_dir,
+        force=args.force,
+    )
+    return profile_layer(profile_args)
+
+
+def main(args: argparse.Namespace) -> int:
+    from slidedp.config import load_config
+    from slidedp.estimate import Machine, adamw_gbps, estimate_run, shortages
+    from slidedp.plan.select import select_layout
+    from slidedp.preflight import check_model
+
+    clock: dict[str, float] = {}
+    start = time.perf_counter()
+    cfg = load_config(args.config, args.overrides)
+    adapter = check_model(cfg)[0]
+    machine = Machine.probe(cfg, measure=False)
+    total = int(args.gpu_memory * GIB) if args.gpu_memory > 0 else machine.gpu_total_bytes
+    if total is None:
+        raise ConfigError("no GPU here to plan for: pass --gpu-memory GIB (the target's size)")
+    batch = cfg.train.global_batch_size // cfg.runtime.world
+    clock["setup_s"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    report = _profile(args, cfg, batch)
+    clock["profile_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    threads = cfg.runtime.update_threads or machine.cores
+    choice = select_layout(cfg, adapter, machine, report, total_bytes=total,
+                           update_gbps=adamw_gbps(threads))  # fmt: skip
+    clock["solve_s"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    target = dataclasses.replace(machine, device="cuda", gpu_total_bytes=total)
+    runtime = dataclasses.replace(cfg.runtime, layers=choice.layout, policy="")
+    est = estimate_run(dataclasses.replace(cfg, runtime=runtime), adapter, target)
+    clock["check_s"] = time.perf_counter() - start
+    short = [s for s in shortages(est) if s.startswith("GPU")]
+    if short:  # the program's budget is the estimate's: this is a bug, never a user's error
+        raise ConfigError(f"the chosen layout {choice.layout} does not fit: {short[0]}")
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump({"layers": choice.layout}, sort_keys=False))
+    summary = {
+        "layout": choice.layout,
+        "budget_bytes": choice.budget_bytes,
+        "gpu_total_bytes": total,
+        "profile": report.get("cached") or "measured",
+        "problem": choice.problem,
+        "solution": choice.solution,
+        "default": choice.default,
+        "estimate_gpu_needed_bytes": est.gpu.needed_bytes if est.gpu else None,
+        "timing_s": clock,
+    }
+    out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    print(format_summary(summary, out))
+    return 0
+
+
+def format_summary(s: dict[str, Any], out: Path) -> str:
+    sol, default = s["solution"], s["default"]
+    names = [c["name"] for c in s["problem"]["candidates"]]
+    host = s["problem"]["host"]
+    total = s["gpu_total_bytes"] / GIB
+    when = "after the backward: clipping" if host["serial"] else "overlapping the backward"
+    lines = [
+        f"slidedp plan: {len(names)} candidates from the profile ({s['profile']}): "
+        + ", ".join(names),
+        f"  budget for activations {s['budget_bytes'] / GIB:.2f} GiB of {total:.1f}; host "
+        f"update {host['update_s_per_layer'] * 1e3:.1f} ms/layer ({when})",
+        f"  chosen:  {s['layout']}",
+        f"           step {sol['step_s']:.3f} s (layers {sol['compute_s']:.3f} s, host "
+        f"{sol['host_s']:.3f} s), activations {sol['memory_bytes'] / GIB:.2f} GiB",
+        f"  default: {len(default['counts']) and sum(default['counts'])}xF-r0, step "
+        f"{default['step_s']:.3f} s (layers {default['compute_s']:.3f} s) -> "
+        f"{default['step_s'] / sol['step_s']:.3f}x predicted",
+        f"  estimate of the run with it: GPU {s['estimate_gpu_needed_bytes'] / GIB:.2f} GiB needed",
+        "  stages: "
+        + ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in s["timing_s"].items()),
+        f"wrote {out} (train with runtime.policy={out}) and {out.with_suffix('.json')}",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,132 @@
+"""The policy selector's layout stage (paper §3.6, Algorithm 1): from the layer profile's
+Pareto candidates and the GPU budget, the integer program (``slidedp_core::solve``, through
+``_native.solve_layout``) picks how many layers get each candidate, ``plan.layout.place``
+orders them, and the step-time model and the memory estimate check the result against the
+fixed default (all ``F``), which is always a candidate.
+
+Example::
+
+    report = profile_layer(args)                   # measured or cached
+    choice = select_layout(cfg, adapter, machine, report)
+    print(choice.layout, choice.solution["step_s"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from slidedp import _native
+from slidedp.errors import ConfigError
+from slidedp.plan.layout import LayerPolicy, format_layout, parse_entry, place
+from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM
+from slidedp.profile.pareto import layer_time, memory
+
+if TYPE_CHECKING:
+    from slidedp.config import TrainConfig
+    from slidedp.estimate import Machine
+    from slidedp.models.hf import HFAdapter
+
+# measured on the H100 (BENCHMARKS.md, issue #14): a clipped layout keeping 55 GiB of
+# activations reserved 6% more than the estimate (the allocator does not reuse every block
+# freed by the parked gradients); the budget keeps that share free
+HEADROOM = 0.06
+DEFAULT = LayerPolicy("F")
+
+
+@dataclass(frozen=True)
+class Choice:
+    layout: str  # runtime.layers' text form, placed
+    layers: tuple[LayerPolicy, ...]
+    budget_bytes: int  # device bytes the layout's activations may use
+    problem: dict[str, Any]  # the integer program, as solved
+    solution: dict[str, Any]  # slidedp_core::solve::Layout
+    default: dict[str, Any]  # the fixed default's accounting in the same program, and "fits"
+
+
+def profile_candidates(report: dict[str, Any]) -> list[tuple[LayerPolicy, dict[str, Any]]]:
+    """The Pareto-efficient candidates of a ``slidedp profile layer`` report, plus ``F-r0``
+    (the fixed default), as the program's ``Candidate`` records."""
+    out: dict[LayerPolicy, dict[str, Any]] = {}
+    for c in report["candidates"]:
+        _, policy = parse_entry(c["policy"], 0.0)
+        if not (c["pareto"] or policy == DEFAULT):
+            continue
+        transient = c["transient_bytes"]
+        out[policy] = {
+            "name": str(policy),
+            "time_s": layer_time(c),
+            "retained_bytes": float(memory(c)),
+            "offloaded_bytes": float(c["offloaded_bytes"]),
+            "transient_bytes": float(
+                c["estimated_transient_bytes"] if transient is None else transient
+            ),
+        }
+    if DEFAULT not in out:
+        raise ConfigError("the layer profile has no F-r0 row (the fixed default): re-profile")
+    return list(out.items())
+
+
+def activation_budget(
+    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, total_bytes: int
+) -> int:
+    """Device bytes left for activations: ``total_bytes`` less what no layout changes (the
+    window, the chunked loss, the allocator's reserve, the CUDA context: ``estimate``'s terms
+    for the same run), less ``HEADROOM``."""
+    from slidedp.config import RuntimeSection
+    from slidedp.estimate import estimate_run
+
+    probe = dataclasses.replace(machine, device="cuda", gpu_total_bytes=total_bytes)
+    runtime = dataclasses.replace(cfg.runtime, layers="F", offload_ratio=0.0, policy="")
+    assert isinstance(runtime, RuntimeSection)
+    gpu = estimate_run(dataclasses.replace(cfg, runtime=runtime), adapter, probe).gpu
+    assert gpu is not None
+    fixed = gpu.needed_bytes - gpu.layer_bytes - max(gpu.checkpoint_bytes, gpu.parked_grad_bytes)
+    return int((total_bytes - fixed) * (1.0 - HEADROOM))
+
+
+def host_update_s_per_layer(adapter: HFAdapter, gbps: float) -> float:
+    """One decoder layer's host AdamW pass at ``gbps`` (the kernel's measured bandwidth)."""
+    params = sum(p.numel() for p in adapter.layer_module(0).parameters())
+    return ADAMW_BYTES_PER_PARAM * params / (gbps * 1e9)
+
+
+def solve(problem: dict[str, Any]) -> dict[str, Any]:
+    result: dict[str, Any] = json.loads(_native.solve_layout(json.dumps(problem)))
+    return result
+
+
+def select_layout(
+    cfg: TrainConfig,
+    adapter: HFAdapter,
+    machine: Machine,
+    report: dict[str, Any],
+    *,
+    total_bytes: int,
+    update_gbps: float,
+) -> Choice:
+    """The fastest placed layout of the profile's candidates within ``total_bytes`` of device
+    memory, the host update at ``update_gbps`` counted (after the backward with clipping)."""
+    cands = profile_candidates(report)
+    budget = activation_budget(cfg, adapter, machine, total_bytes)
+    problem = {
+        "layers": adapter.num_layers,
+        "budget_bytes": float(budget),
+        "candidates": [c for _, c in cands],
+        "host": {
+            "update_s_per_layer": host_update_s_per_layer(adapter, update_gbps),
+            "serial": cfg.train.max_grad_norm > 0,
+        },
+    }
+    solution = solve(problem)
+    counts = [(p, int(n)) for (p, _), n in zip(cands, solution["counts"], strict=True) if n > 0]
+    retained = {p: int(c["retained_bytes"]) for p, c in cands}
+    layers = place(counts, retained)
+    default_counts = [adapter.num_layers if p == DEFAULT else 0 for p, _ in cands]
+    # the default's accounting in the same program (unbounded: it may not fit a small budget)
+    default = solve(problem | {"candidates": [dict(cands)[DEFAULT]], "budget_bytes": 1e30})
+    default["counts"] = default_counts
+    default["fits"] = default["memory_bytes"] <= budget
+    return Choice(format_layout(layers), layers, budget, problem, solution, default)

@@ -1,0 +1,143 @@
+"""The policy selector's layout stage (``plan.select``) and ``slidedp plan``: the integer
+program's choice equals a brute-force search over every count vector, the fixed default is
+always feasible and never predicted faster than the choice, and the written policy file trains."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from engine.tiny import make_model, read_metrics, write_config, write_data
+from slidedp.cli import main
+from slidedp.config import load_config
+from slidedp.estimate import Machine
+from slidedp.models.hf import HFAdapter
+from slidedp.plan.layout import parse_layout
+from slidedp.plan.select import activation_budget, host_update_s_per_layer, select_layout
+
+MIB = 2**20
+GIB = 2**30
+LAYERS = 4
+BATCH, SEQ = 4, 32
+
+
+def _row(policy: str, time_ms: float, retained_mib: float, *, pareto: bool = True,
+         offloaded_mib: float = 0.0) -> dict[str, Any]:  # fmt: skip
+    return {
+        "policy": policy,
+        "pareto": pareto,
+        "forward_s": time_ms / 3e3,
+        "backward_s": 2 * time_ms / 3e3,
+        "reload_s": 0.0,
+        "retained_bytes": None,  # as on CPU: the cost model's bytes are used
+        "estimated_retained_bytes": int(retained_mib * MIB),
+        "offloaded_bytes": int(offloaded_mib * MIB),
+        "transient_bytes": None,
+        "estimated_transient_bytes": 4 * MIB,
+    }
+
+
+def _report() -> dict[str, Any]:
+    rows = [
+        _row("F-r0", 30.0, 1.0, pareto=False),  # the default: kept though dominated here
+        _row("F-r1", 30.0, 0.0),
+        _row("SAC.mm-r0", 27.0, 100.0),
+        _row("N-r0", 18.0, 300.0),
+        _row("S1111111-r0", 29.0, 400.0, pareto=False),  # not Pareto: never a candidate
+    ]
+    return {"batch": BATCH, "seq_len": SEQ, "candidates": rows, "cached": None}
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> tuple[Path, Any, HFAdapter, Machine]:
+    model = make_model(tmp_path, "qwen3", tied=True, layers=LAYERS)
+    data = write_data(tmp_path / "data.jsonl", 16, min_len=SEQ, max_len=SEQ)
+    path = write_config(tmp_path / "run.yaml", model, data, tmp_path / "out",
+                        train={"max_steps": 2, "global_batch_size": BATCH, "max_grad_norm": 1.0},
+                        output={"tensorboard": False})  # fmt: skip
+    cfg = load_config(path, [])
+    return path, cfg, HFAdapter.from_dir(model), Machine.probe(cfg, measure=False)
+
+
+def _brute_force(problem: dict[str, Any]) -> float:
+    """The best step of every count vector that fits (the program's accounting)."""
+    cands, best = problem["candidates"], float("inf")
+    host = problem["host"]["update_s_per_layer"] * problem["layers"]
+    for counts in itertools.product(range(LAYERS + 1), repeat=len(cands)):
+        if sum(counts) != LAYERS:
+            continue
+        used = [c for c, n in zip(cands, counts, strict=True) if n]
+        mem = sum(c["retained_bytes"] * n for c, n in zip(cands, counts, strict=True))
+        mem += max(2 * c["offloaded_bytes"] for c in used) + max(c["transient_bytes"] for c in used)
+        if mem <= problem["budget_bytes"]:
+            compute = sum(c["time_s"] * n for c, n in zip(cands, counts, strict=True))
+            best = min(best, compute + host)  # clipping: the update follows the backward
+    return best
+
+
+@pytest.mark.parametrize("extra_mib", [5, 250, 650, 2000])
+def test_the_choice_is_the_brute_force_optimum_within_the_budget(
+    run: tuple[Path, Any, HFAdapter, Machine], extra_mib: int
+) -> None:
+    _, cfg, adapter, machine = run
+    # a GPU as large as what no layout changes plus `extra_mib` for activations
+    base = 10 * GIB
+    free = activation_budget(cfg, adapter, machine, base)
+    total = int(base + (extra_mib * MIB - free) / 0.94)
+    choice = select_layout(cfg, adapter, machine, _report(), total_bytes=total, update_gbps=10.0)
+    names = [c["name"] for c in choice.problem["candidates"]]
+    assert names == ["F-r0", "F-r1", "SAC.mm-r0", "N-r0"]
+    assert choice.budget_bytes == pytest.approx(extra_mib * MIB, abs=MIB)
+    assert choice.solution["step_s"] == pytest.approx(_brute_force(choice.problem), rel=1e-9)
+    assert choice.solution["memory_bytes"] <= choice.budget_bytes
+    layers = parse_layout(choice.layout, LAYERS, 0.0)
+    assert len(layers) == LAYERS
+    assert choice.default["step_s"] >= choice.solution["step_s"]
+    host = host_update_s_per_layer(adapter, 10.0) * LAYERS
+    assert choice.solution["host_s"] == pytest.approx(host)
+    if extra_mib >= 4 * 300 + 4:
+        assert choice.layout == "4xN-r0"
+    if extra_mib == 5:  # the transient and no more: offloaded F (retains nothing)
+        assert choice.layout == "4xF-r1"
+
+
+def test_plan_writes_a_policy_file_that_trains(
+    run: tuple[Path, Any, HFAdapter, Machine], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, _, _, _ = run
+    report = tmp_path / "profile.json"
+    report.write_text(json.dumps(_report()))
+    policy = tmp_path / "plans" / "policy.yaml"
+    argv = ["plan", str(path), "--profile", str(report), "--gpu-memory", "80", "--out", str(policy)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "chosen:  4xN-r0" in out
+    assert "default: 4xF-r0" in out
+    assert yaml.safe_load(policy.read_text()) == {"layers": "4xN-r0"}
+    summary = json.loads(policy.with_suffix(".json").read_text())
+    assert set(summary["timing_s"]) == {"setup_s", "profile_s", "solve_s", "check_s"}
+    assert main(["train", str(path), f"runtime.policy={policy}"]) == 0
+    assert "4xN-r0" in capsys.readouterr().out
+    assert len(read_metrics(tmp_path / "out")) == 2
+
+
+def test_plan_refuses_a_profile_of_another_shape_and_a_machine_without_a_gpu(
+    run: tuple[Path, Any, HFAdapter, Machine], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, _, _, _ = run
+    report = tmp_path / "profile.json"
+    report.write_text(json.dumps(_report() | {"batch": 16}))
+    policy = tmp_path / "policy.yaml"
+    assert main(["plan", str(path), "--profile", str(report), "--gpu-memory", "80",
+                 "--out", str(policy)]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "is of B=16 S=32, the run is B=4 S=32" in err
+    assert len(err.splitlines()) == 1
+    assert main(["plan", str(path), "--profile", str(report), "--out", str(policy)]) == 2
+    assert "no GPU here to plan for: pass --gpu-memory" in capsys.readouterr().err
+    assert not policy.exists()
