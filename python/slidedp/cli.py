@@ -43,11 +43,13 @@ def _train(config: str, overrides: list[str]) -> int:
     from slidedp.runtime.dist import Dist
 
     ctx = Dist.from_env()
-    if ctx is None and cfg.runtime.world > 1:  # start the ranks (each runs this verb again)
-        from slidedp.runtime.launch import launch
+    rt = cfg.runtime
+    if ctx is None and (rt.world > 1 or rt.nodes > 1):  # start the ranks (each runs this verb)
+        from slidedp.runtime.launch import Node, launch
 
         check_before_training(cfg)  # a refusal is one line, before any rank starts
-        return launch(cfg.runtime.world, ["train", config, *overrides])
+        node = Node(rt.nodes, rt.node_rank, rt.master_addr, rt.master_port)
+        return launch(rt.world, ["train", config, *overrides], node=node)
     if ctx is not None and not ctx.main:  # rank 0 prints, checks and writes
         from slidedp.runtime.trainer import Trainer
 
