@@ -51,6 +51,9 @@ def _rank(
             os.kill(os.getpid(), signal.SIGTERM)
         return step(self, t, *args, **kwargs)
 
+    # One compute thread: a forked child must not enter the OpenMP pool of a parent that
+    # trained in-process (it hangs; a rank alone on its simulated node would keep all cores).
+    torch.set_num_threads(1)
     Engine.step = injected  # type: ignore[method-assign]
     Trainer.run = dumping  # type: ignore[method-assign]
     os.environ |= {
