@@ -175,12 +175,12 @@ class RuntimeSection:
         )
         _require(self.nodes >= 1, f"runtime.nodes must be >= 1, got {self.nodes}")
         _require(
-            0 <= self.node_rank < self.nodes,
+            self.nodes < 1 or 0 <= self.node_rank < self.nodes,
             f"runtime.node_rank must be in [0, {self.nodes - 1}] (runtime.nodes={self.nodes}), "
             f"got {self.node_rank}",
         )
         _require(
-            self.nodes == 1 or bool(self.master_addr.strip()),
+            self.nodes <= 1 or bool(self.master_addr.strip()),
             f"runtime.nodes={self.nodes} needs runtime.master_addr: the address of node 0 "
             "as every node reaches it",
         )
