@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from slidedp.cli import main
+from slidedp.store import StateRegion
 
-REGIONS = ("master", "exp_avg", "exp_avg_sq")  # a node's whole optimizer state
+REGIONS: tuple[StateRegion, ...] = ("master", "exp_avg", "exp_avg_sq")  # a node's optimizer state
 
 
 def _rank(

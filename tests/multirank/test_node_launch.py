@@ -27,21 +27,34 @@ def _config(tmp_path: Path, steps: int, **runtime: object) -> Path:
     data = write_data(tmp_path / "data.jsonl", 30)
     train = {"max_steps": steps, "global_batch_size": 4, "max_grad_norm": 1.0}
     runtime = {"version_timeout_s": 60} | runtime  # a collective never waits longer
-    return write_config(tmp_path / "c.yaml", model, data, tmp_path / "out", train=train,
-                        runtime=runtime, output={"tensorboard": False})  # fmt: skip
+    return write_config(
+        tmp_path / "c.yaml",
+        model,
+        data,
+        tmp_path / "out",
+        train=train,
+        runtime=runtime,
+        output={"tensorboard": False},
+    )
 
 
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [
         (["runtime.nodes=2"], "runtime.nodes=2 needs runtime.master_addr"),
-        (["runtime.nodes=2", "runtime.node_rank=2", "runtime.master_addr=127.0.0.1"],
-         "runtime.node_rank must be in [0, 1]"),  # fmt: skip
+        (
+            ["runtime.nodes=2", "runtime.node_rank=2", "runtime.master_addr=127.0.0.1"],
+            "runtime.node_rank must be in [0, 1]",
+        ),
         (["runtime.nodes=0"], "runtime.nodes must be >= 1"),
-        (["runtime.nodes=2", "runtime.master_addr=no-such-host.invalid"],
-         "runtime.master_addr 'no-such-host.invalid' does not resolve"),  # fmt: skip
-        (["runtime.nodes=3", "runtime.master_addr=127.0.0.1"],
-         "not divisible by the 3 ranks (3 nodes x 1)"),  # fmt: skip
+        (
+            ["runtime.nodes=2", "runtime.master_addr=no-such-host.invalid"],
+            "runtime.master_addr 'no-such-host.invalid' does not resolve",
+        ),
+        (
+            ["runtime.nodes=3", "runtime.master_addr=127.0.0.1"],
+            "not divisible by the 3 ranks (3 nodes x 1)",
+        ),
     ],
 )
 def test_bad_node_settings_are_one_line(
@@ -57,10 +70,18 @@ def test_bad_node_settings_are_one_line(
 
 def _node(config: Path, node_rank: int, port: int) -> subprocess.Popen[str]:
     """``slidedp train`` on node ``node_rank`` of 2 (one rank each), node 0 at port ``port``."""
-    overrides = ["runtime.nodes=2", f"runtime.node_rank={node_rank}",
-                 "runtime.master_addr=127.0.0.1", f"runtime.master_port={port}"]  # fmt: skip
-    return subprocess.Popen([sys.executable, "-m", "slidedp", "train", str(config), *overrides],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    overrides = [
+        "runtime.nodes=2",
+        f"runtime.node_rank={node_rank}",
+        "runtime.master_addr=127.0.0.1",
+        f"runtime.master_port={port}",
+    ]
+    return subprocess.Popen(
+        [sys.executable, "-m", "slidedp", "train", str(config), *overrides],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_two_launched_nodes_train_like_one_rank(tmp_path: Path) -> None:
@@ -79,11 +100,27 @@ def test_torchrun_multi_node_rendezvous(tmp_path: Path) -> None:
     """``torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d`` on each "machine"."""
     config = _config(tmp_path, 2)
     endpoint = f"127.0.0.1:{free_port()}"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-               "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-               "-m", "slidedp", "train", str(config)]  # fmt: skip
-    nodes = [subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "-m",
+        "slidedp",
+        "train",
+        str(config),
+    ]
+    nodes = [
+        subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     errs = [p.communicate(timeout=TIMEOUT_S)[1] for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], errs
     assert [m["step"] for m in read_metrics(tmp_path / "out")] == [1, 2]
@@ -102,7 +139,8 @@ def test_a_killed_node_stops_the_other_node(tmp_path: Path) -> None:
     metrics = tmp_path / "out" / "metrics.jsonl"
     deadline = time.monotonic() + TIMEOUT_S
     while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        assert node0.poll() is None and node1.poll() is None, "a node ended before training"
+        assert node0.poll() is None, "node 0 ended before training"
+        assert node1.poll() is None, "node 1 ended before training"
         assert time.monotonic() < deadline, "training did not start"
         time.sleep(0.05)
     ranks = Path(f"/proc/{node1.pid}/task/{node1.pid}/children").read_text().split()

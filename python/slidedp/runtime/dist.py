@@ -129,12 +129,21 @@ class Dist:
         L, N = self.local_world, self.nodes
         nodes = [[n * L + lr for lr in range(L)] for n in range(N)]
         cross = [[n * L + lr for n in range(N)] for lr in range(L)]
-        # every rank creates every group, in the same order (torch.distributed's rule)
-        self.node_group = dist.new_subgroups_by_enumeration(nodes, timeout=timeout)[0]
-        backend = "gloo" if host_sum else None
-        self.cross_group = dist.new_subgroups_by_enumeration(
-            cross, timeout=timeout, backend=backend
-        )[0]
+        self.node_group = self._member_of(nodes, timeout, None)
+        self.cross_group = self._member_of(cross, timeout, "gloo" if host_sum else None)
+
+    def _member_of(
+        self, groups: list[list[int]], timeout: datetime.timedelta, backend: str | None
+    ) -> dist.ProcessGroup:
+        """Creates every group of ``groups`` (every rank creates every group, in the same
+        order: torch.distributed's rule); the one this rank is in."""
+        mine = None
+        for ranks in groups:
+            group = dist.new_group(ranks, timeout=timeout, backend=backend)
+            if self.rank in ranks:
+                mine = group
+        assert isinstance(mine, dist.ProcessGroup), f"rank {self.rank} is in no group"
+        return mine
 
     def share_store(self, create: Callable[[], HostStore]) -> HostStore:
         """The node's local rank 0 runs ``create`` (store + weights); the others attach by its

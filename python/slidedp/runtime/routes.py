@@ -41,7 +41,7 @@ class GpuReduce:
 
     def reduce(self, ticket: GradTicket) -> GradTicket | None:
         """Sum ``ticket``'s gradient onto the group's owner of this node (one collective per
-    group), then over the nodes' owners (one more)."""
+        group), then over the nodes' owners (one more)."""
         grads = ticket.grads
         flat = torch.cat([g.reshape(-1) for g in grads.values()])  # [group numel]
         ctx = self.ctx

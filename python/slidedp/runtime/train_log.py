@@ -102,9 +102,9 @@ class RunFacts:
         resumed = f" (resumed from {self.resumed_from})" if self.resumed_from else ""
         return [
             f"slidedp train: {self.model}, {self.params:,} parameters, {self.layers} layers",
-            f"  {self.ranks} rank(s){nodes}, {self.device} {self.dtype}, <= {self.global_batch_size} x "
-            f"{self.seq_len} = {self.global_batch_size * self.seq_len:,} tokens per step, "
-            f"{steps}{resumed}",
+            f"  {self.ranks} rank(s){nodes}, {self.device} {self.dtype}, "
+            f"<= {self.global_batch_size} x {self.seq_len} = "
+            f"{self.global_batch_size * self.seq_len:,} tokens per step, {steps}{resumed}",
             f"  device window: {self.window}",
             f"  policy: {self.policy}",
             f"  host memory: store {_gib(self.store_bytes)} (shared, in /dev/shm), "

@@ -128,7 +128,7 @@ class Trainer:
         return {
             "step": str(self.progress.step),
             "data": str(self.data.report),
-            "weights checksum": f"{master:.12g}"  # any thread split agrees,
+            "weights checksum": f"{master:.12g}",  # any thread split agrees,
         }
 
     def _fill_state(self, store: HostStore) -> str:

@@ -12,10 +12,11 @@ memory for parameters is ``slots`` times the largest layer plus embed and head, 
 depth.
 
 Several ranks: a rank uses its own range of staging slots (``staging_base``). With the sharded
-parameter route (``shard=(rank, world)``, within a node) the device buffers are padded to a multiple of
-``world``; a rank loads (and, in BF16, casts) only its ``1/world`` share of the group's flat slot
-layout and an all-gather rebuilds the layer on every rank, so no element is cast twice. With
-the mirror nothing is cast on either route (the owner's update wrote it once).
+parameter route (``shard=(rank, world)``, the ranks of one node) the device buffers are padded
+to a multiple of ``world``; a rank loads (and, in BF16, casts) only its ``1/world`` share of
+the group's flat slot layout and an all-gather rebuilds the layer on every rank, so no element
+is cast twice. With the mirror nothing is cast on either route (the owner's update wrote it
+once).
 
 Buffer owners: the store owns host master/staging/grad; the window owns the device buffers;
 a staging slot is reused only after the copy that read it completed (its event), and a device
