@@ -23,6 +23,7 @@ import traceback
 from slidedp import __version__
 from slidedp.bench import kernels as bench_kernels
 from slidedp.bench import model as bench_model
+from slidedp.bench import nodes as bench_nodes
 from slidedp.bench import plot as bench_plot
 from slidedp.bench import train as bench_train
 from slidedp.errors import ConfigError, SlidedpError, TrainingInterruptedError
@@ -49,7 +50,7 @@ def _train(config: str, overrides: list[str]) -> int:
 
         check_before_training(cfg)  # a refusal is one line, before any rank starts
         node = Node(rt.nodes, rt.node_rank, rt.master_addr, rt.master_port)
-        return launch(rt.world, ["train", config, *overrides], node=node)
+        return launch(rt.world, ["train", config, *overrides], node=node if rt.nodes > 1 else None)
     if ctx is not None and not ctx.main:  # rank 0 prints, checks and writes
         from slidedp.runtime.trainer import Trainer
 
@@ -148,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_train.add_arguments(which.add_parser("train", help="ours vs reference and FSDP2"))
     bench_plot.add_arguments(which.add_parser("plot", help="one sweep figure from JSON reports"))
     bench_model.add_arguments(which.add_parser("model", help="the step-time model vs traced steps"))
+    bench_nodes.add_arguments(
+        which.add_parser("nodes", help="the cross-node all-reduce: measured on CPU, predicted")
+    )
     profile = verbs.add_parser("profile", help="measure the candidates of a policy")
     what = profile.add_subparsers(dest="profile", required=True)
     profile_layer.add_arguments(
@@ -174,6 +178,7 @@ def _run(args: argparse.Namespace) -> int:
         "plot": bench_plot.main,
         "kernels": bench_kernels.main,
         "model": bench_model.main,
+        "nodes": bench_nodes.main,
     }
     return bench_main[args.bench](args)
 

@@ -129,12 +129,14 @@ class Engine:
         self.clock = LaneClock(device)
         self.kernels = Kernels(threads)
         self.worker = UpdateWorker(store, threads)
-        self.reduce = GpuReduce(ctx) if ctx is not None and grad_route == "gpu" else None
+        self.reduce = (
+            GpuReduce(ctx, self.clock) if ctx is not None and grad_route == "gpu" else None
+        )
         host_sum = None
         if ctx is not None and grad_route == "cpu":
             assert signals is not None, "the cpu gradient route needs the signal store"
             host_sum = HostSum(ctx, store, signals, self.kernels, self.grad_slots,
-                               version_timeout_s)  # fmt: skip
+                               version_timeout_s, self.clock)  # fmt: skip
         self.grads = GradLane(
             store,
             self.worker,

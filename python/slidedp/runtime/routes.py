@@ -20,7 +20,7 @@ gradient on every node; other ranks only wait for the group's version.
 
 Example::
 
-    route = GpuReduce(ctx)
+    route = GpuReduce(ctx, clock)
     owned = route.reduce(ticket)   # the summed gradient on the owner, None elsewhere
 """
 
@@ -32,12 +32,13 @@ import torch.distributed as dist
 from slidedp.kernels import Kernels
 from slidedp.runtime.dist import Dist, collective
 from slidedp.runtime.grad_lane import GradLane, GradTicket
+from slidedp.runtime.lanes import LaneClock
 from slidedp.store import GroupSpec, HostStore, ParamSpec
 
 
 class GpuReduce:
-    def __init__(self, ctx: Dist) -> None:
-        self.ctx = ctx
+    def __init__(self, ctx: Dist, clock: LaneClock) -> None:
+        self.ctx, self.clock = ctx, clock
 
     def reduce(self, ticket: GradTicket) -> GradTicket | None:
         """Sum ``ticket``'s gradient onto the group's owner of this node (one collective per
@@ -49,7 +50,9 @@ class GpuReduce:
         collective(lambda: dist.reduce(flat, dst=owner, group=ctx.node_group))
         if ctx.rank != owner:
             return None
-        ctx.across_nodes(flat)  # with the owners on the other nodes
+        compute = torch.cuda.current_stream() if flat.is_cuda else None
+        with self.clock.stream("nodes", compute):
+            ctx.across_nodes(flat)  # with the owners on the other nodes
         views, at = {}, 0
         for name, g in grads.items():
             views[name] = flat[at : at + g.numel()].view(g.shape)
@@ -80,9 +83,10 @@ class HostSum:
         kernels: Kernels,
         slots_per_rank: int,
         timeout_s: float,
+        clock: LaneClock,
     ) -> None:
         self.ctx, self.store, self.signals, self.kernels = ctx, store, signals, kernels
-        self.slots, self.timeout_s = slots_per_rank, timeout_s
+        self.slots, self.timeout_s, self.clock = slots_per_rank, timeout_s, clock
 
     def _consumed(self, rank: int, slot: int) -> int:
         return self.ctx.local_world + rank * self.slots + slot
@@ -110,5 +114,6 @@ class HostSum:
             self.kernels.sum_into(dst, srcs, accumulate=True)
         for r in others:
             self.signals.publish(self._consumed(r, slot), seq + 1)
-        ctx.across_nodes(dst)
+        with self.clock.host("nodes"):
+            ctx.across_nodes(dst)
         return self.kernels.sum_squares(dst) if norm else 0.0
