@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -43,7 +44,7 @@ from slidedp.runtime.launch import free_port
 WARMUP_STEPS = 2
 VOCAB = 4096
 H100_PEAK_FLOPS = 989e12  # dense bf16 (estimate.GPU_PEAK_FLOPS)
-HOST_ADAMW_GBPS = 49.0  # the dev host's fused AdamW (BUILD-NOTES.md); the same for every row
+HOST_THREADS = 16  # AdamW at estimate.adamw_gbps(16), as `slidedp estimate` on the H100 host
 
 
 def _write_run(root: Path, args: argparse.Namespace) -> Path:
@@ -80,25 +81,25 @@ def _write_run(root: Path, args: argparse.Namespace) -> Path:
 
 
 def _train(config: Path, out: Path, nodes: int, ranks: int) -> list[dict[str, Any]]:
-    """``slidedp train`` as ``nodes`` node launchers of ``ranks`` ranks; the measured steps."""
+    """``slidedp train`` as ``nodes`` node launchers of ``ranks`` ranks; the measured steps.
+    Each simulated node gets its share of this machine's cores (``OMP_NUM_THREADS``, which its
+    ranks split again) and every rank the same host-update threads in both runs: otherwise
+    the simulated nodes' thread pools would spin on the same cores."""
+    cores = os.cpu_count() or 1
     common = [
         f"output.dir={out}",
         f"runtime.ranks={ranks}",
         f"runtime.nodes={nodes}",
         "runtime.master_addr=127.0.0.1",
         f"runtime.master_port={free_port()}",
+        f"runtime.update_threads={max(1, cores // (2 * nodes * ranks))}",
     ]
+    env = os.environ | {"OMP_NUM_THREADS": str(max(1, cores // nodes))}
+    command = [sys.executable, "-m", "slidedp", "train", str(config), *common]
     procs = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "slidedp",
-                "train",
-                str(config),
-                *common,
-                f"runtime.node_rank={n}",
-            ],
+            [*command, f"runtime.node_rank={n}"],
+            env=env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -143,6 +144,7 @@ def predict(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One GPU's step for 1..8 nodes (module docstring), blocking and overlapped."""
     from slidedp.bench.shapes import resolve_shape
     from slidedp.config import RuntimeSection
+    from slidedp.estimate import adamw_gbps
 
     adapter = HFAdapter(resolve_shape(args.predict))
     policy = resolve_policy(RuntimeSection(), adapter, mirror=True)
@@ -152,7 +154,7 @@ def predict(args: argparse.Namespace) -> list[dict[str, Any]]:
         batch=args.batch,
         seq_len=args.seq_len,
         peak_flops=H100_PEAK_FLOPS,
-        adamw_gbps=HOST_ADAMW_GBPS,
+        adamw_gbps=adamw_gbps(HOST_THREADS),
         clipping=True,
         offloaded_bytes=[0] * adapter.num_layers,
     )
