@@ -4,6 +4,7 @@ costs more than its own stream) and its refusals. The measurement launches simul
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -33,7 +34,7 @@ def test_the_prediction_grows_with_the_nodes(
     assert "PREDICTION" in out
     rows = json.loads(report.read_text())
     assert [r["nodes"] for r in rows] == [1, 2, 4, 8]
-    for a, b in zip(rows, rows[1:], strict=False):
+    for a, b in itertools.pairwise(rows):
         assert b["reduce_layer_s"] > a["reduce_layer_s"]
         assert b["blocking_s"] > a["blocking_s"]
         assert b["overlapped_s"] >= a["overlapped_s"]
