@@ -12,6 +12,7 @@ bits in the same order, so their states must be *equal*, not close.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -182,3 +183,25 @@ def test_a_signal_to_one_node_stops_every_node_after_the_same_step(
     straight = tmp_path / "straight"
     assert run_ranks(config, 4, [f"output.dir={straight}"], nodes=2) == [0] * 4
     assert resumed[-2:] == [(m["loss"], m["grad_norm"]) for m in read_metrics(straight)][-2:]
+
+
+def test_nodes_that_would_start_apart_refuse_with_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Node 1 sees another checkpoint than node 0 (as without a shared output.dir): rank 0
+    names the difference once and exits 2, the others stop as its peers."""
+    from slidedp.runtime.trainer import Trainer
+
+    facts = Trainer._start_facts
+
+    def other_step_on_node_1(self: Trainer) -> dict[str, str]:
+        mine = facts(self)
+        return mine | {"step": "3"} if os.environ["RANK"] == "2" else mine
+
+    monkeypatch.setattr(Trainer, "_start_facts", other_step_on_node_1)
+    codes = run_ranks(_nodes_config(tmp_path, 4), 4, nodes=2)
+    assert codes == [2] + [EXIT_PEER_FAILED] * 3
+    err = capfd.readouterr().err
+    assert err.count("error:") == 1, err
+    assert "node 1 would start from another step than node 0 (3 vs 0)" in err
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
