@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -205,3 +206,33 @@ def test_nodes_that_would_start_apart_refuse_with_one_line(
     assert err.count("error:") == 1, err
     assert "node 1 would start from another step than node 0 (3 vs 0)" in err
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_a_non_finite_gradient_on_one_node_skips_the_step_on_every_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 3 (node 1) alone gets an infinite layer gradient in step 2: the global norm is
+    infinite on every node, every node skips the step (``on_nonfinite: skip``), and the nodes'
+    states stay equal."""
+    from slidedp.runtime.activations.full import FullExecutor
+
+    backward, calls = FullExecutor.backward, [0]
+
+    def poisoned(self: FullExecutor, run: Any, *args: Any, **kwargs: Any) -> Any:
+        g_x, grads = backward(self, run, *args, **kwargs)
+        if run.layer == 0 and os.environ["RANK"] == "3":
+            calls[0] += 1  # this process's count: one per step
+            if calls[0] == 2:
+                grads = {n: torch.full_like(g, float("inf")) for n, g in grads.items()}
+        return g_x, grads
+
+    monkeypatch.setattr(FullExecutor, "backward", poisoned)
+    dump = tmp_path / "dump"
+    dump.mkdir()
+    config = _nodes_config(tmp_path, 4)
+    assert run_ranks(config, 4, ["train.on_nonfinite=skip"], nodes=2, dump=dump) == [0] * 4
+    metrics = read_metrics(tmp_path / "out")
+    assert [m.get("skipped", False) for m in metrics] == [False, True, False, False]
+    node0, node1 = torch.load(dump / "node0.pt"), torch.load(dump / "node1.pt")
+    for region in REGIONS:
+        assert torch.equal(node0[region], node1[region]), region
