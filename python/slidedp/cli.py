@@ -23,6 +23,7 @@ import traceback
 from slidedp import __version__
 from slidedp.bench import kernels as bench_kernels
 from slidedp.bench import model as bench_model
+from slidedp.bench import nodes as bench_nodes
 from slidedp.bench import plot as bench_plot
 from slidedp.bench import train as bench_train
 from slidedp.errors import ConfigError, SlidedpError, TrainingInterruptedError
@@ -44,11 +45,13 @@ def _train(config: str, overrides: list[str]) -> int:
     from slidedp.runtime.dist import Dist
 
     ctx = Dist.from_env()
-    if ctx is None and cfg.runtime.world > 1:  # start the ranks (each runs this verb again)
-        from slidedp.runtime.launch import launch
+    rt = cfg.runtime
+    if ctx is None and (rt.world > 1 or rt.nodes > 1):  # start the ranks (each runs this verb)
+        from slidedp.runtime.launch import Node, launch
 
         check_before_training(cfg)  # a refusal is one line, before any rank starts
-        return launch(cfg.runtime.world, ["train", config, *overrides])
+        node = Node(rt.nodes, rt.node_rank, rt.master_addr, rt.master_port)
+        return launch(rt.world, ["train", config, *overrides], node=node if rt.nodes > 1 else None)
     if ctx is not None and not ctx.main:  # rank 0 prints, checks and writes
         from slidedp.runtime.trainer import Trainer
 
@@ -152,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
             "plan", parents=[debug], help="choose the activation layout: a policy file"
         )
     )
+    bench_nodes.add_arguments(
+        which.add_parser("nodes", help="the cross-node all-reduce: measured on CPU, predicted")
+    )
     profile = verbs.add_parser("profile", help="measure the candidates of a policy")
     what = profile.add_subparsers(dest="profile", required=True)
     profile_layer.add_arguments(
@@ -180,6 +186,7 @@ def _run(args: argparse.Namespace) -> int:
         "plot": bench_plot.main,
         "kernels": bench_kernels.main,
         "model": bench_model.main,
+        "nodes": bench_nodes.main,
     }
     return bench_main[args.bench](args)
 

@@ -126,6 +126,12 @@ class RuntimeSection:
     bf16_mirror: bool | None = None
     ranks: int = 1  # CPU processes (gloo) sharing one host state; `slidedp train` starts them
     gpus: int = 1  # GPUs (one process each, NCCL) sharing one host state
+    # several machines (runtime.dist): one host state per node; `slidedp train` on each node
+    # starts that node's ranks and joins node 0 at master_addr:master_port (torchrun: unused)
+    nodes: int = 1
+    node_rank: int = 0  # this machine's node, 0..nodes-1 (node 0 hosts the rendezvous)
+    master_addr: str = ""  # node 0's address as the other nodes reach it (nodes > 1)
+    master_port: int = 29500  # a TCP port free on node 0
     grad_route: Literal["gpu", "cpu"] = "gpu"  # gradients summed on the devices or on the host
     param_route: Literal["replicated", "sharded"] = "replicated"  # whole layer per rank, or 1/R
     trace_path: str = ""  # write a Chrome/Perfetto trace of step `trace_step` here ("" = off)
@@ -173,6 +179,21 @@ class RuntimeSection:
         _require(
             self.gpus == 1 or self.device != "cpu",
             "runtime.gpus needs CUDA: set runtime.device=cuda (or runtime.ranks for CPU)",
+        )
+        _require(self.nodes >= 1, f"runtime.nodes must be >= 1, got {self.nodes}")
+        _require(
+            self.nodes < 1 or 0 <= self.node_rank < self.nodes,
+            f"runtime.node_rank must be in [0, {self.nodes - 1}] (runtime.nodes={self.nodes}), "
+            f"got {self.node_rank}",
+        )
+        _require(
+            self.nodes <= 1 or bool(self.master_addr.strip()),
+            f"runtime.nodes={self.nodes} needs runtime.master_addr: the address of node 0 "
+            "as every node reaches it",
+        )
+        _require(
+            0 < self.master_port < 65536,
+            f"runtime.master_port must be in [1, 65535], got {self.master_port}",
         )
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -149,12 +150,24 @@ def check_output_dir(cfg: TrainConfig) -> str:
 
 
 def check_ranks(cfg: TrainConfig) -> str:
-    """What several ranks need from the config (the launcher checks it again)."""
+    """What several ranks (and nodes) need from the config (each rank checks it again)."""
     from slidedp.runtime.dist import check_config
 
-    world = cfg.runtime.world
-    check_config(world, cfg.runtime, cfg.train)
-    return f"ranks    {world}"
+    rt = cfg.runtime
+    check_config(rt.world, rt, cfg.train, nodes=rt.nodes)
+    if rt.nodes == 1:
+        return f"ranks    {rt.world}"
+    try:
+        socket.getaddrinfo(rt.master_addr, rt.master_port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ConfigError(
+            f"runtime.master_addr '{rt.master_addr}' does not resolve ({e}): set it to node "
+            "0's address as every node reaches it"
+        ) from None
+    return (
+        f"ranks    {rt.world} per node x {rt.nodes} nodes, this is node {rt.node_rank}; "
+        f"rendezvous at {rt.master_addr}:{rt.master_port}"
+    )
 
 
 def check_resume(cfg: TrainConfig, adapter: HFAdapter) -> tuple[ResumePoint | None, str]:
@@ -185,7 +198,7 @@ def check_before_training(cfg: TrainConfig) -> Checked:
     data, which the trainer reads once and checks as it builds the batches."""
     device = check_device(cfg)
     adapter, model = check_model(cfg)
-    ranks = [check_ranks(cfg)] if cfg.runtime.world > 1 else []
+    ranks = [check_ranks(cfg)] if cfg.runtime.world > 1 or cfg.runtime.nodes > 1 else []
     resume, resumed = check_resume(cfg, adapter)
     lines = [device, *ranks, model, resumed, check_memory(cfg, adapter), check_output_dir(cfg)]
     return Checked(lines, resume, adapter)

@@ -14,21 +14,36 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from slidedp.cli import main
+from slidedp.store import StateRegion
+
+REGIONS: tuple[StateRegion, ...] = ("master", "exp_avg", "exp_avg_sq")  # a node's optimizer state
 
 
 def _rank(
     config: Path,
     rank: int,
     world: int,
+    local_world: int,
     port: int,
     overrides: list[str],
     fail: tuple[int, int],
     term: tuple[int, int],
+    dump: Path | None,
 ) -> None:
     from slidedp.runtime.engine import Engine
+    from slidedp.runtime.trainer import Trainer
 
-    step = Engine.step
+    step, run = Engine.step, Trainer.run
+
+    def dumping(self: Trainer) -> Any:
+        records = run(self)  # every update of this node is in its store now
+        if dump is not None and rank % local_world == 0:
+            regions = {r: self.store.region(r).clone() for r in REGIONS}
+            torch.save(regions, dump / f"node{rank // local_world}.pt")
+        return records
 
     def injected(self: Engine, t: int, *args: Any, **kwargs: Any) -> Any:
         if (rank, t) == fail:  # raises after its collectives started
@@ -37,11 +52,16 @@ def _rank(
             os.kill(os.getpid(), signal.SIGTERM)
         return step(self, t, *args, **kwargs)
 
+    # One compute thread: a forked child must not enter the OpenMP pool of a parent that
+    # trained in-process (it hangs; a rank alone on its simulated node would keep all cores).
+    torch.set_num_threads(1)
     Engine.step = injected  # type: ignore[method-assign]
+    Trainer.run = dumping  # type: ignore[method-assign]
     os.environ |= {
         "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
+        "LOCAL_RANK": str(rank % local_world),
         "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(local_world),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
     }
@@ -54,9 +74,14 @@ def run_ranks(
     overrides: list[str] | None = None,
     fail: tuple[int, int] = (-1, 0),
     term: tuple[int, int] = (-1, 0),
+    nodes: int = 1,
+    dump: Path | None = None,
 ) -> list[int]:
-    """Exit codes of the ``world`` ranks of ``slidedp train CONFIG OVERRIDES``; rank
-    ``fail[0]`` raises at step ``fail[1]``; rank ``term[0]`` gets SIGTERM at step ``term[1]``."""
+    """Exit codes of the ``world`` ranks of ``slidedp train CONFIG OVERRIDES``, as ``nodes``
+    simulated nodes of ``world / nodes`` ranks (each node's local rank 0 creates its own host
+    store); rank ``fail[0]`` raises at step ``fail[1]``; rank ``term[0]`` gets SIGTERM at step
+    ``term[1]``. With ``dump``, each node's local rank 0 saves its store's final state
+    (``REGIONS``) as ``DUMP/nodeN.pt``."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -65,7 +90,10 @@ def run_ranks(
     gc.collect()
     ctx = mp.get_context("fork")
     procs = [
-        ctx.Process(target=_rank, args=(config, r, world, port, overrides or [], fail, term))
+        ctx.Process(
+            target=_rank,
+            args=(config, r, world, world // nodes, port, overrides or [], fail, term, dump),
+        )
         for r in range(world)
     ]
     for p in procs:

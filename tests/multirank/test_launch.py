@@ -43,11 +43,58 @@ class _Proc:
         return self.code
 
 
-def _launch_fakes(monkeypatch: pytest.MonkeyPatch, procs: list[_Proc]) -> int:
+def _launch_fakes(
+    monkeypatch: pytest.MonkeyPatch,
+    procs: list[_Proc],
+    node: launch_module.Node | None = None,
+    envs: list[dict[str, str]] | None = None,
+) -> int:
     fakes = iter(procs)
-    monkeypatch.setattr("slidedp.runtime.launch.subprocess.Popen", lambda *a, **k: next(fakes))
+
+    def popen(*args: object, env: dict[str, str], **kwargs: object) -> _Proc:
+        if envs is not None:
+            envs.append(env)
+        return next(fakes)
+
+    monkeypatch.setattr("slidedp.runtime.launch.subprocess.Popen", popen)
     monkeypatch.setattr("slidedp.runtime.launch.time.sleep", lambda s: None)
-    return launch_module.launch(len(procs), ["train", "x.yaml"])
+    return launch_module.launch(len(procs), ["train", "x.yaml"], node=node)
+
+
+NODE_1 = launch_module.Node(nodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29511)
+
+
+def test_a_node_launcher_numbers_its_ranks_after_the_nodes_before(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    envs: list[dict[str, str]] = []
+    assert _launch_fakes(monkeypatch, [_Proc(0, 1), _Proc(0, 1)], NODE_1, envs) == 0
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    assert [[e[k] for k in keys] for e in envs] == [
+        ["2", "0", "4", "2", "10.0.0.1", "29511"],
+        ["3", "1", "4", "2", "10.0.0.1", "29511"],
+    ]
+
+
+def test_another_node_s_agreed_stop_exits_2_without_a_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rank 0 (node 0) saved; this node's ranks all left with it."""
+    procs = [_Proc(EXIT_STOPPED_WITH_PEERS, 1), _Proc(EXIT_STOPPED_WITH_PEERS, 2)]
+    assert _launch_fakes(monkeypatch, procs, NODE_1) == 2
+    assert capsys.readouterr().err == ""
+
+
+def test_ranks_stopped_by_another_node_make_one_line_saying_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    procs = [_Proc(EXIT_PEER_FAILED, 1), _Proc(EXIT_PEER_FAILED, 2)]
+    assert _launch_fakes(monkeypatch, procs, NODE_1) == EXIT_PEER_FAILED
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "slidedp train: node 1's ranks [2, 3] stopped: a rank of another node failed "
+        "(its node says which)"
+    ]
 
 
 def test_ranks_that_exit_between_two_polls_are_still_reported(

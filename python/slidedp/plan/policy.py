@@ -193,13 +193,13 @@ def resolve_policy(
     )
 
 
-def store_args(policy: Policy, *, bf16: bool, world: int) -> dict[str, Any]:
+def store_args(policy: Policy, *, bf16: bool, world: int, nodes: int = 1) -> dict[str, Any]:
     """``HostStore.create``'s arguments for a run with ``policy`` (``Trainer`` creates the
-    store, ``estimate`` plans it): the slot rings of every rank, the BF16 mirror when computing
-    in BF16 (it replaces the staging ring). Gradient slots are f32 where the host sums the
-    ranks' gradients (``Kernels.sum_into``)."""
+    store, ``estimate`` plans it): the slot rings of the node's ``world`` ranks, the BF16
+    mirror when computing in BF16 (it replaces the staging ring). Gradient slots are f32 where
+    the host sums the ranks' (or the nodes') gradients (``Kernels.sum_into``, gloo)."""
     mirror = bf16 and policy.mirror
-    f32_grads = not bf16 or (world > 1 and policy.grad_route == "cpu")
+    f32_grads = not bf16 or (world * nodes > 1 and policy.grad_route == "cpu")
     return {
         "staging_slots": 0 if mirror else policy.staging_slots * world,
         "grad_dtype": "f32" if f32_grads else "bf16",

@@ -154,3 +154,30 @@ def spec_from_shapes(
         "grad_slots": policy.grad_slots,
         "clipping": clipping,
     }
+
+
+# Several nodes (issue #19), assumptions of the prediction, not measurements: NCCL's reduce of
+# a layer's bf16 gradient over a node's NVLink at 360 GB/s (bus bandwidth of an 8x H100 node),
+# the owners' ring all-reduce across nodes at 90% of the inter-node link, 10 us per ring hop.
+NVLINK_GBPS = 360.0
+LINK_EFFICIENCY = 0.9
+HOP_LATENCY_S = 10e-6
+
+
+def reduce_s(
+    group_params: list[int], *, gpus_per_node: int, nodes: int, link_gbit_s: float
+) -> list[float]:
+    """Per group: its bf16 gradient reduced onto the owner within the node (NVLink), then
+    all-reduced among the nodes' owners by a ring (each moves ``2 (N-1)/N`` of the bytes over
+    the link, ``2 (N-1)`` hops)."""
+    link_bytes_s = link_gbit_s / 8 * 1e9 * LINK_EFFICIENCY
+    out = []
+    for n in group_params:
+        grad_bytes = 2 * n
+        within = grad_bytes / (NVLINK_GBPS * 1e9) if gpus_per_node > 1 else 0.0
+        across = 0.0
+        if nodes > 1:
+            ring = 2 * (nodes - 1)
+            across = ring / nodes * grad_bytes / link_bytes_s + ring * HOP_LATENCY_S
+        out.append(within + across)
+    return out

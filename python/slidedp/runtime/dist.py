@@ -1,20 +1,30 @@
-"""Several ranks on one host, one host state: the process group, the shared store, the data slice.
+"""Several ranks, on one node or several, one host state per node: the process groups, the
+shared store, the data slice.
 
 Every rank is one process (``slidedp.runtime.launch`` starts them, or ``torchrun``: both set
-``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``). Rank 0 creates the host
-store and loads the weights once; it broadcasts the store's name through the process group and
-the others attach (rank 0 stays in the group's barrier until they have). Rank ``r`` computes rows
-``[r*B/R, (r+1)*B/R)`` of every global batch; the loss is the mean over the label tokens of the
-whole global batch (the count is all-reduced first).
+``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``). A
+*node* is the ``LOCAL_WORLD_SIZE`` ranks with consecutive global ranks (torchrun's numbering):
+its local rank 0 creates the node's host store and loads the weights once; it broadcasts the
+store's name in the node's process group and the node's other ranks attach (it stays in the
+group's barrier until they have). Rank ``r`` computes rows ``[r*B/R, (r+1)*B/R)`` of every
+global batch (``R`` ranks over all nodes); the loss is the mean over the label tokens of the
+whole global batch (the count is all-reduced first, over all ranks).
 
-A group's update belongs to one rank, ``owner(group) = group % R`` (its UpdateWorker submits it
-and publishes the version); every rank uses its own range of the store's staging and gradient
-slots, so the store is created with ``R x`` the configured slot counts.
+Within a node a group's update belongs to one local rank, ``owner(group) = group % L`` (its
+UpdateWorker submits it and publishes the version); every rank uses its own range of the store's
+staging and gradient slots, so the store is created with ``L x`` the configured slot counts.
+Across nodes (``nodes > 1``) the owners of a group on every node have the same local rank: the
+*cross* group of local rank ``l`` holds them, and each owner all-reduces its node's summed
+gradient there before the update (``routes``). Every node then applies the same AdamW to the
+same bits: the host states stay identical (replicated host state). Collectives of the node
+(reduce to the owner, the parameter all-gather, the global norm's sum over owners) run in the
+node's group; the cross groups are gloo where the gradient is summed on the host.
 
-A failure on one rank poisons the store (every version waiter in every rank wakes with
-``StorePoisonedError``) and exits the process; peers blocked in a collective get an error from the
-process group, and a peer that hangs is killed by the launcher. Ranks that stop because a peer
-failed exit with ``EXIT_PEER_FAILED`` without printing: the failing rank's error is shown once.
+A failure on one rank poisons the store (every version waiter of that node wakes with
+``StorePoisonedError``) and exits the process; peers blocked in a collective, on any node, get an
+error from the process group, and a peer that hangs is killed by its launcher. Ranks that stop
+because a peer failed exit with ``EXIT_PEER_FAILED`` without printing: the failing rank's error
+is shown once.
 
 Example::
 
@@ -29,7 +39,7 @@ from __future__ import annotations
 import datetime
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -50,11 +60,16 @@ EXIT_STOPPED_WITH_PEERS = 4  # an agreed stop on a signal; rank 0 saved, printed
 _SHARED: list[HostStore] = []  # the stores this rank shares with its peers (poisoned on failure)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Dist:
-    rank: int
-    world: int
+    rank: int  # over all nodes
+    world: int  # ranks over all nodes
     local_rank: int
+    local_world: int  # ranks of this node (they share one host store)
+    # set by ``init``: this node's ranks, and the owners of this rank's groups on every node
+    # (None: one node; the node's collectives then run in the default group)
+    node_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    cross_group: dist.ProcessGroup | None = field(default=None, repr=False)
 
     @staticmethod
     def from_env() -> Dist | None:
@@ -62,38 +77,90 @@ class Dist:
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             return None
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        return Dist(rank, world, int(os.environ.get("LOCAL_RANK", rank)))
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        if world % local_world or rank % local_world != local_rank:
+            raise ConfigError(
+                f"rank {rank} of {world} is local rank {local_rank} of {local_world}: slidedp "
+                "needs the same number of ranks on every node, numbered node by node "
+                "(as torchrun and slidedp train launch them)"
+            )
+        return Dist(rank, world, local_rank, local_world)
 
     @property
     def main(self) -> bool:
+        """Global rank 0: prints, checks, writes the checkpoints."""
         return self.rank == 0
 
-    def owner(self, group: int) -> int:
-        """The rank that updates ``group`` and publishes its versions."""
-        return group % self.world
+    @property
+    def nodes(self) -> int:
+        return self.world // self.local_world
 
-    def init(self, device: torch.device, timeout_s: float) -> None:
-        """Join the process group: NCCL on CUDA, gloo on CPU."""
+    @property
+    def node(self) -> int:
+        return self.rank // self.local_world
+
+    def owner(self, group: int) -> int:
+        """The local rank that updates ``group`` and publishes its versions on every node."""
+        return group % self.local_world
+
+    def owns(self, group: int) -> bool:
+        return self.owner(group) == self.local_rank
+
+    def node_rank_of(self, local_rank: int) -> int:
+        """The global rank of this node's ``local_rank``."""
+        return self.node * self.local_world + local_rank
+
+    def init(self, device: torch.device, timeout_s: float, *, host_sum: bool = False) -> None:
+        """Join the process group: NCCL on CUDA, gloo on CPU; with several nodes, the node and
+        cross groups too (gloo cross groups with ``host_sum``: they sum host memory)."""
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
             rank=self.rank,
             world_size=self.world,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
+        if self.nodes == 1:
+            return
+        L, N = self.local_world, self.nodes
+        nodes = [[n * L + lr for lr in range(L)] for n in range(N)]
+        cross = [[n * L + lr for n in range(N)] for lr in range(L)]
+        self.node_group = self._member_of(nodes, timeout, None)
+        self.cross_group = self._member_of(cross, timeout, "gloo" if host_sum else None)
+
+    def _member_of(
+        self, groups: list[list[int]], timeout: datetime.timedelta, backend: str | None
+    ) -> dist.ProcessGroup:
+        """Creates every group of ``groups`` (every rank creates every group, in the same
+        order: torch.distributed's rule); the one this rank is in."""
+        mine = None
+        for ranks in groups:
+            group = dist.new_group(ranks, timeout=timeout, backend=backend)
+            if self.rank in ranks:
+                mine = group
+        assert isinstance(mine, dist.ProcessGroup), f"rank {self.rank} is in no group"
+        return mine
 
     def share_store(self, create: Callable[[], HostStore]) -> HostStore:
-        """Rank 0 runs ``create`` (store + weights); the others attach by its name."""
-        store = create() if self.main else None
+        """The node's local rank 0 runs ``create`` (store + weights); the others attach by its
+        name."""
+        store = create() if self.local_rank == 0 else None
         names = [store.name if store is not None else ""]
-        dist.broadcast_object_list(names, src=0)
+        dist.broadcast_object_list(names, src=self.node_rank_of(0), group=self.node_group)
         if store is None:
             store = HostStore.attach(names[0])
-        dist.barrier()  # rank 0 (the store's creator) stays alive until every rank attached
+        dist.barrier(group=self.node_group)  # the creator stays alive until every rank attached
         _SHARED.append(store)
         return store
+
+    def across_nodes(self, t: torch.Tensor) -> None:
+        """Sum ``t`` (an owner's node-summed gradient) over the owners on every node, in place."""
+        if self.cross_group is not None:
+            collective(lambda: dist.all_reduce(t, group=self.cross_group))
 
     def rows(self, batch: Batch) -> Batch:
         """This rank's rows of the global batch (same padded width as the whole batch)."""
@@ -111,10 +178,13 @@ def finish() -> None:
         dist.destroy_process_group()
 
 
-def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    """Sum of ``values`` over the ranks (one small collective, float64)."""
+def all_reduce_sum(
+    values: list[float], device: torch.device, group: dist.ProcessGroup | None = None
+) -> list[float]:
+    """Sum of ``values`` over the ranks of ``group`` (default: all; one small collective,
+    float64)."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    collective(lambda: dist.all_reduce(t))
+    collective(lambda: dist.all_reduce(t, group=group))
     return [float(v) for v in t.cpu()]
 
 
@@ -151,34 +221,68 @@ def fail(error: BaseException) -> bool:
     return by_peer
 
 
-def check_config(world: int, runtime: RuntimeSection, train: TrainSection) -> None:
-    """What a run of ``world`` ranks needs from the config (checked before any rank starts)."""
-    configured = runtime.world
-    if configured not in (1, world):
+def check_nodes_agree(ctx: Dist, facts: dict[str, str]) -> None:
+    """Several nodes start from the same state: each node's local rank 0 reports ``facts``
+    (the start step, the data, a checksum of the weights it loaded); rank 0 raises a
+    ``ConfigError`` naming the first that differs from node 0's, the others wait for it to
+    exit (and stop as its peers). Every node reads its own model, data and checkpoint files."""
+    if ctx.nodes == 1:
+        return
+    gathered: list[dict[str, str] | None] = [None] * ctx.world
+    mine = facts if ctx.local_rank == 0 else None
+    collective(lambda: dist.all_gather_object(gathered, mine))
+    reports = [f for f in gathered if f is not None]
+    for node, report in enumerate(reports[1:], start=1):
+        differs = [k for k in reports[0] if report.get(k) != reports[0][k]]
+        if not differs:
+            continue
+        if not ctx.main:
+            collective(dist.barrier)  # fails once rank 0 has exited with the error below
+        key = differs[0]
         raise ConfigError(
-            f"launched with {world} ranks but the config asks for {configured} "
+            f"node {node} would start from another {key} than node 0 ({report[key]} vs "
+            f"{reports[0][key]}): every node must see the same model.path, data.path and "
+            "output.dir checkpoints (a shared filesystem, or identical copies)"
+        )
+
+
+def check_config(
+    local_world: int, runtime: RuntimeSection, train: TrainSection, *, nodes: int = 1
+) -> None:
+    """What a run of ``nodes`` nodes of ``local_world`` ranks needs from the config (checked
+    before any rank starts, and by each rank against its launch)."""
+    configured = runtime.world
+    if configured not in (1, local_world):
+        raise ConfigError(
+            f"launched with {local_world} ranks per node but the config asks for {configured} "
             "(runtime.ranks/runtime.gpus): make them agree"
         )
+    if runtime.nodes not in (1, nodes):
+        raise ConfigError(
+            f"launched on {nodes} nodes but the config asks for runtime.nodes={runtime.nodes}: "
+            "make them agree"
+        )
+    world = local_world * nodes
     if train.global_batch_size % world:
         raise ConfigError(
             f"train.global_batch_size={train.global_batch_size} is not divisible by the "
-            f"{world} ranks: set it to a multiple of {world}"
+            f"{world} ranks ({nodes} nodes x {local_world}): set it to a multiple of {world}"
         )
 
 
 def start(
     ctx: Dist, device: torch.device, runtime: RuntimeSection, train: TrainSection
 ) -> torch.device:
-    """Checks the config against the launch, joins the process group; this rank's device."""
-    check_config(ctx.world, runtime, train)
+    """Checks the config against the launch, joins the process groups; this rank's device."""
+    check_config(ctx.local_world, runtime, train, nodes=ctx.nodes)
     device = rank_device(ctx, device.type)
-    ctx.init(device, runtime.version_timeout_s)
+    ctx.init(device, runtime.version_timeout_s, host_sum=runtime.grad_route == "cpu")
     return device
 
 
 def rank_device(ctx: Dist, device_type: str) -> torch.device:
-    """This rank's device: its own GPU; on CPU the ranks share the cores."""
+    """This rank's device: its own GPU; on CPU the node's ranks share its cores."""
     if device_type == "cuda":
         return torch.device("cuda", ctx.local_rank)
-    torch.set_num_threads(max(1, torch.get_num_threads() // ctx.world))
+    torch.set_num_threads(max(1, torch.get_num_threads() // ctx.local_world))
     return torch.device("cpu")

@@ -42,8 +42,10 @@ owners' Σ g² (one scalar collective per step). On the cpu route that Σ g² is
 which exists only on the host: with clipping every rank parks its own gradient and sends it
 twice, during the backward for the norm (summed, nothing updated) and after it with the
 coefficient (summed again, bit for bit the same, then AdamW) — twice the D2H and host sums,
-no extra host memory. ``param_route`` ``sharded`` loads 1/R of every
-layer per rank and all-gathers it (``Window``).
+no extra host memory. ``param_route`` ``sharded`` loads 1/L of every
+layer per rank of a node and all-gathers it in the node (``Window``). With several nodes (one
+store each) the owners' node sums are all-reduced across nodes before the norm and the update
+(``routes``), so every node applies the same update to the same state.
 
 A non-finite loss, or (clipping) a non-finite norm, raises ``NonFiniteError`` before any update
 of the step is submitted; ``skip(t)`` then advances the versions without updating. Without
@@ -108,7 +110,7 @@ class Engine:
         ctx: Dist | None = None,
         signals: HostStore | None = None,
     ) -> None:
-        """With ``ctx``, the store holds ``ctx.world`` times the slots of one rank; the cpu
+        """With ``ctx``, the store holds ``ctx.local_world`` times the slots of one rank; the cpu
         gradient route needs ``signals`` (``routes.signal_specs``)."""
         device, policy = plan.device, plan.policy
         version_timeout_s, threads = plan.version_timeout_s, plan.threads
@@ -123,18 +125,20 @@ class Engine:
             )
         self.executors = [executor_for(p) for p in policy.layers]
         apply_compute(adapter, policy.compute)
-        rank, world = (0, 1) if ctx is None else (ctx.rank, ctx.world)
+        rank, world = (0, 1) if ctx is None else (ctx.local_rank, ctx.local_world)
         self.grad_slots = store.layout["grad_slots"] // world  # this rank's share of each ring
         staging = store.layout["staging_slots"] // world
         self.clock = LaneClock(device)
         self.kernels = Kernels(threads)
         self.worker = UpdateWorker(store, threads)
-        self.reduce = GpuReduce(ctx) if ctx is not None and grad_route == "gpu" else None
+        self.reduce = (
+            GpuReduce(ctx, self.clock) if ctx is not None and grad_route == "gpu" else None
+        )
         host_sum = None
         if ctx is not None and grad_route == "cpu":
             assert signals is not None, "the cpu gradient route needs the signal store"
             host_sum = HostSum(ctx, store, signals, self.kernels, self.grad_slots,
-                               version_timeout_s)  # fmt: skip
+                               version_timeout_s, self.clock)  # fmt: skip
         self.grads = GradLane(
             store,
             self.worker,
@@ -145,7 +149,7 @@ class Engine:
             slot_base=rank * self.grad_slots,
             slot_count=self.grad_slots,
             host_sum=host_sum,
-            owns=(lambda g: True) if ctx is None else (lambda g: ctx.owner(g) == ctx.rank),
+            owns=(lambda g: True) if ctx is None else ctx.owns,
         )
         self.sync = GradSync(self.grads, self.reduce, self.optim, ctx, device)
         self._target = 0  # the version every group reaches once this rank's updates are done
@@ -163,6 +167,7 @@ class Engine:
             staging_base=rank * staging,
             staging_count=staging,
             shard=(rank, world) if ctx is not None and param_route == "sharded" else None,
+            group=None if ctx is None else ctx.node_group,
         )
         self.embed_buf = self.window.own_buffer(adapter.embed_group)
         self.head_buf = self.window.own_buffer(adapter.head_group)

@@ -103,7 +103,9 @@ class GradSync:
             owned = self.grads.owned_sum_squares
         else:
             owned = float(torch.stack(all_norms).double().square().sum()) if all_norms else 0.0
-        return torch.tensor(math.sqrt(all_reduce_sum([owned], self.device)[0]))
+        # every node's owners hold the same (all-nodes) sums: add up one node's
+        node = self.ctx.node_group
+        return torch.tensor(math.sqrt(all_reduce_sum([owned], self.device, node)[0]))
 
     def finish(self, t: int) -> tuple[float, float]:
         """``(global norm, clip coefficient)``; with clipping, the parked gradients get the

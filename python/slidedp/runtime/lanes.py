@@ -1,7 +1,9 @@
 """Per-step wall time of each lane and the time the compute lane waited on each of them.
 
 Lanes: ``prep`` (host f32→bf16 cast into staging), ``h2d``, ``compute``, ``d2h``, ``offload``
-(activation offload and reload), ``update`` (host AdamW, read from the update worker). Waits are
+(activation offload and reload), ``update`` (host AdamW, read from the update worker), ``nodes``
+(the owners' all-reduce of their node's gradient with the other nodes, several nodes only; on
+the cpu route inside the owner's ``wait_update``). Waits are
 the compute lane's: ``wait_update`` (version gates, host side), ``wait_h2d`` / ``wait_d2h`` /
 ``wait_offload`` (on CUDA the compute stream's stall on a copy event, measured by events around
 ``wait_event``; on CPU copies are synchronous and these stay 0).
@@ -24,7 +26,7 @@ from typing import Any
 
 import torch
 
-LANES = ("prep", "h2d", "compute", "d2h", "offload", "update")
+LANES = ("prep", "h2d", "compute", "d2h", "offload", "update", "nodes")
 WAITS = ("wait_h2d", "wait_update", "wait_d2h", "wait_offload")
 
 

@@ -1,10 +1,16 @@
-"""``slidedp train`` with ``runtime.ranks``/``runtime.gpus`` > 1: one process per rank, watched.
+"""``slidedp train`` with ``runtime.ranks``/``runtime.gpus`` > 1 or ``runtime.nodes`` > 1: one
+process per local rank, watched.
 
 Each rank is ``python -m slidedp train CONFIG ...`` with the environment ``torchrun`` would set
 (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``); stdout and stderr
 pass through (only rank 0 logs). When a rank fails, the others are woken by the poisoned store
 or a failed collective and exit; any rank still running ``GRACE_S`` later is killed. The exit
 code is the first failing rank's (a rank killed by a signal: 1), with one line naming it.
+
+Several nodes (``Node``): ``slidedp train`` runs on each machine and starts that node's ranks,
+numbered node by node as torchrun does (``RANK = node_rank * L + local_rank``); they meet at
+node 0's ``master_addr:master_port`` (torch.distributed's TCP store, hosted by rank 0). Ranks
+that stopped only because another node's rank failed make one line saying so.
 
 SIGTERM and SIGINT to the launcher are forwarded to every rank, SIGHUP as SIGTERM; the ranks
 agree on the step after which they stop, rank 0 saves, prints the one line and exits 2, the
@@ -32,6 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from slidedp.runtime.dist import EXIT_PEER_FAILED, EXIT_STOPPED_WITH_PEERS
 
@@ -58,6 +65,16 @@ def _describe(code: int) -> str:
     return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
 
 
+@dataclass(frozen=True)
+class Node:
+    """This machine's part of a run of several nodes (``runtime.nodes`` > 1)."""
+
+    nodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+
 def launch(
     world: int,
     argv: list[str],
@@ -65,19 +82,21 @@ def launch(
     module: str = "slidedp",
     name: str = "slidedp train",
     own_session: bool = True,
+    node: Node | None = None,
 ) -> int:
-    """Run ``python -m MODULE ARGV`` as ``world`` ranks (``name`` heads the failure line);
-    0 when every rank succeeded."""
-    port = free_port()
+    """Run ``python -m MODULE ARGV`` as ``world`` ranks of this node (``name`` heads the
+    failure line); 0 when every rank succeeded."""
+    node = node or Node(1, 0, "127.0.0.1", free_port())
     procs = []
-    for rank in range(world):
+    for local in range(world):
         env = os.environ | {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
+            "RANK": str(node.node_rank * world + local),
+            "LOCAL_RANK": str(local),
+            "WORLD_SIZE": str(node.nodes * world),
             "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
+            "GROUP_RANK": str(node.node_rank),
+            "MASTER_ADDR": node.master_addr,
+            "MASTER_PORT": str(node.master_port),
         }
         if own_session:
             env[LAUNCHER_PID] = str(os.getpid())
@@ -92,13 +111,21 @@ def launch(
                 p.kill()
             p.wait()
     codes = [p.returncode for p in procs]
-    stopped = [EXIT_SAVED_AND_STOPPED] + [EXIT_STOPPED_WITH_PEERS] * (world - 1)
-    if codes == stopped:  # an agreed stop: rank 0 said what it saved
+    stopped = [EXIT_STOPPED_WITH_PEERS] * world
+    if node.node_rank == 0:
+        stopped[0] = EXIT_SAVED_AND_STOPPED
+    if codes == stopped:  # an agreed stop: rank 0 (node 0) said what it saved
         return EXIT_SAVED_AND_STOPPED
     if first is None:
         return 0
-    rank, code = first
-    others = [r for r in range(world) if r != rank]
+    local, code = first
+    base = node.node_rank * world
+    rank, others = base + local, [base + r for r in range(world) if r != local]
+    if node.nodes > 1 and all(c in (EXIT_PEER_FAILED, EXIT_STOPPED_WITH_PEERS) for c in codes):
+        what = f"node {node.node_rank}'s ranks {[base + r for r in range(world)]} stopped"
+        print(f"{name}: {what}: a rank of another node failed (its node says which)",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return code
     print(
         f"{name}: rank {rank} {_describe(code)}; stopped ranks {others}",
         file=sys.stderr,

@@ -26,6 +26,7 @@ TRACKS = {  # lane key → (track id, track name)
     "offload": (4, "activation offload/reload"),
     "d2h": (5, "gradient D2H"),
     "update": (6, "CPU update"),
+    "nodes": (8, "cross-node all-reduce"),
 }
 WAIT_TRACK = (7, "waits (compute lane)")
 

@@ -90,6 +90,7 @@ class RunFacts:
     isa: str
     threads: int
     peak_flops: float | None
+    nodes: int = 1  # one host store each
 
     def lines(self) -> list[str]:
         peak = (
@@ -97,13 +98,14 @@ class RunFacts:
             if self.peak_flops is None
             else f"MFU = model FLOP/s / {self.peak_flops / 1e12:.0f} TFLOP/s (measured bf16 GEMM)"
         )
+        nodes = f" on {self.nodes} nodes (a host store each)" if self.nodes > 1 else ""
         steps = f"steps {self.start_step + 1}..{self.max_steps} of {self.max_steps}"
         resumed = f" (resumed from {self.resumed_from})" if self.resumed_from else ""
         return [
             f"slidedp train: {self.model}, {self.params:,} parameters, {self.layers} layers",
-            f"  {self.ranks} rank(s), {self.device} {self.dtype}, <= {self.global_batch_size} x "
-            f"{self.seq_len} = {self.global_batch_size * self.seq_len:,} tokens per step, "
-            f"{steps}{resumed}",
+            f"  {self.ranks} rank(s){nodes}, {self.device} {self.dtype}, "
+            f"<= {self.global_batch_size} x {self.seq_len} = "
+            f"{self.global_batch_size * self.seq_len:,} tokens per step, {steps}{resumed}",
             f"  device window: {self.window}",
             f"  policy: {self.policy}",
             f"  layer compute: {self.compute}",

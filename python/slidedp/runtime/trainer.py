@@ -37,7 +37,7 @@ from slidedp.models.hf import HFAdapter
 from slidedp.plan.device import pick_device, pick_dtype
 from slidedp.plan.policy import OptimConfig, Plan, resolve_policy, store_args
 from slidedp.preflight import Checked, check_router_loss_ranks
-from slidedp.runtime.dist import Dist, all_reduce_sum, start
+from slidedp.runtime.dist import Dist, all_reduce_sum, check_nodes_agree, start
 from slidedp.runtime.engine import Engine
 from slidedp.runtime.flops import device_peak_flops, model_flops_per_token
 from slidedp.runtime.routes import signal_specs
@@ -59,6 +59,7 @@ class Trainer:
         tc, rt = cfg.train, cfg.runtime
         self.ctx = Dist.from_env()  # several ranks: see slidedp.runtime.dist
         world = 1 if self.ctx is None else self.ctx.world
+        local_world = 1 if self.ctx is None else self.ctx.local_world  # ranks sharing the store
         self.device = pick_device(rt.device)
         if self.ctx is not None:
             self.device = start(self.ctx, self.device, rt, tc)
@@ -79,7 +80,7 @@ class Trainer:
             # decided once, by the creator: the others attach to what it made
             mirror = resolve_mirror(cfg, self.adapter, Machine.probe(cfg, measure=False))
             policy = resolve_policy(rt, self.adapter, mirror=mirror, device=self.device)
-            args = store_args(policy, bf16=bf16, world=world)
+            args = store_args(policy, bf16=bf16, world=local_world, nodes=world // local_world)
             store = HostStore.create(self.adapter.group_specs(), **args)
             self.source = self._fill_state(store)
             fill_mirror(store, Kernels(default_threads()))
@@ -88,10 +89,10 @@ class Trainer:
         self.signals: HostStore | None = None
         if self.ctx is None:
             self.store = create()
-        else:  # rank 0 creates the store and loads the weights once; the others attach
-            self.source = "shared by rank 0"
+        else:  # each node's local rank 0 creates its store, loads the weights; the others attach
+            self.source = "shared by local rank 0"
             self.store = self.ctx.share_store(create)
-            signals = signal_specs(world, rt.grad_slots)
+            signals = signal_specs(local_world, rt.grad_slots)
             self.signals = self.ctx.share_store(lambda: HostStore.create(signals, 0))
         # reads and checks all the data before any GPU work
         self.data = run_batches(cfg, self.adapter.config, self.adapter.vocab_size)
@@ -117,9 +118,20 @@ class Trainer:
         self.engine = Engine(
             self.adapter, self.store, self.plan, ctx=self.ctx, signals=self.signals
         )
+        if self.ctx is not None:
+            check_nodes_agree(self.ctx, self._start_facts())
         if self.resume is not None:
             self.engine.start_at(self.progress.step)
             restore_rng(self.resume.rng)  # last: building the trainer draws random numbers
+
+    def _start_facts(self) -> dict[str, str]:
+        """What every node must start from alike (``dist.check_nodes_agree``)."""
+        master = self.engine.kernels.sum_squares(self.store.region("master"))
+        return {
+            "step": str(self.progress.step),
+            "data": str(self.data.report),
+            "weights checksum": f"{master:.12g}",  # any thread split agrees,
+        }
 
     def _fill_state(self, store: HostStore) -> str:
         """Master weights (and Adam moments when resuming) into the store; says from where."""
@@ -161,6 +173,7 @@ class Trainer:
             isa=self.engine.kernels.isa,
             threads=self.engine.kernels.threads,
             peak_flops=device_peak_flops(self.device),
+            nodes=1 if self.ctx is None else self.ctx.nodes,
         )
 
     def _step(self, t: int) -> dict[str, Any]:

@@ -12,10 +12,11 @@ memory for parameters is ``slots`` times the largest layer plus embed and head, 
 depth.
 
 Several ranks: a rank uses its own range of staging slots (``staging_base``). With the sharded
-parameter route (``shard=(rank, world)``) the device buffers are padded to a multiple of
-``world``; a rank loads (and, in BF16, casts) only its ``1/world`` share of the group's flat slot
-layout and an all-gather rebuilds the layer on every rank, so no element is cast twice. With
-the mirror nothing is cast on either route (the owner's update wrote it once).
+parameter route (``shard=(rank, world)``, the ranks of one node) the device buffers are padded
+to a multiple of ``world``; a rank loads (and, in BF16, casts) only its ``1/world`` share of
+the group's flat slot layout and an all-gather rebuilds the layer on every rank, so no element
+is cast twice. With the mirror nothing is cast on either route (the owner's update wrote it
+once).
 
 Buffer owners: the store owns host master/staging/grad; the window owns the device buffers;
 a staging slot is reused only after the copy that read it completed (its event), and a device
@@ -79,13 +80,15 @@ class Window:
         staging_base: int = 0,
         staging_count: int | None = None,
         shard: tuple[int, int] | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         """``before_wait(group)`` runs before waiting for a group's version (the gradient lane
-        submits that group's queued update there)."""
+        submits that group's queued update there); ``group``: the process group of the
+        sharded route's all-gather (the node's ranks; None: all)."""
         self.store, self.kernels, self.device, self.dtype = store, kernels, device, dtype
         self.clock, self.timeout_s, self.before_wait = clock, version_timeout_s, before_wait
         self.cuda = device.type == "cuda"
-        self.staging_base, self.shard = staging_base, shard
+        self.staging_base, self.shard, self.group = staging_base, shard, group
         self.copy_stream = new_stream(device) if self.cuda else None
         groups = store.layout["groups"]
         self._params: dict[int, list[dict[str, Any]]] = {
@@ -174,7 +177,7 @@ class Window:
         rank, world = self.shard
         parts = list(flat.view(world, -1).unbind(0))
         with on_stream(stream), self.clock.stream("h2d", stream):
-            collective(lambda: dist.all_gather(parts, parts[rank].clone()))
+            collective(lambda: dist.all_gather(parts, parts[rank].clone(), group=self.group))
 
     def _stage_and_copy(
         self, buf: DeviceBuffer, group: int, stream: torch.cuda.Stream | None, lo: int, hi: int

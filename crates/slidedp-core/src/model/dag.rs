@@ -20,15 +20,18 @@ pub enum Lane {
     D2h,
     Update,
     Offload,
+    /// The gradient's reduction across ranks and nodes (NCCL on its own stream).
+    Reduce,
 }
 
-pub const LANES: [Lane; 6] = [
+pub const LANES: [Lane; 7] = [
     Lane::Host,
     Lane::H2d,
     Lane::Compute,
     Lane::D2h,
     Lane::Update,
     Lane::Offload,
+    Lane::Reduce,
 ];
 
 #[derive(Clone, Debug)]

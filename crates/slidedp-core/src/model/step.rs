@@ -42,9 +42,21 @@ pub struct StepSpec {
     pub offload_s: Vec<f64>,
     #[serde(default)]
     pub reload_s: Vec<f64>,
+    /// Per group: the gradient's reduction across ranks and nodes before it goes to the host
+    /// (empty: one rank). The engine issues it as a synchronous collective: the compute stream
+    /// waits for it before the next layer's backward (`reduce_blocks`), or, when false, it
+    /// runs beside the backward on its own stream.
+    #[serde(default)]
+    pub reduce_s: Vec<f64>,
+    #[serde(default = "blocks")]
+    pub reduce_blocks: bool,
     pub slots: usize,
     pub grad_slots: usize,
     pub clipping: bool,
+}
+
+fn blocks() -> bool {
+    true
 }
 
 impl StepSpec {
@@ -56,7 +68,16 @@ impl StepSpec {
     /// may be empty: no offload); times are finite and not negative; a gradient ring slot.
     pub fn check(&self) -> Result<()> {
         let layers = self.layers();
-        let lists: [(&str, &Vec<f64>, usize); 8] = [
+        let lists: [(&str, &Vec<f64>, usize); 9] = [
+            (
+                "reduce_s",
+                &self.reduce_s,
+                if self.reduce_s.is_empty() {
+                    0
+                } else {
+                    layers + 2
+                },
+            ),
             (
                 "cast_s",
                 &self.cast_s,
@@ -134,6 +155,8 @@ struct Builder<'a> {
     /// Clipping: groups whose gradient waits for its send, and the step end they wait for.
     parked: Vec<usize>,
     backward_end: Option<usize>,
+    /// A blocking reduction the next compute operation waits for.
+    blocking: Option<usize>,
 }
 
 impl Builder<'_> {
@@ -194,12 +217,24 @@ impl Builder<'_> {
         self.dag.add(name, Lane::H2d, self.spec.load_s[group], deps)
     }
 
-    fn hand_over(&mut self, group: usize, grad: usize) {
+    /// A group's gradient exists (`grad`): reduced across ranks and nodes first (when the spec
+    /// has reductions), then sent now, or parked until the norm is known (clipping).
+    fn hand_over(&mut self, group: usize, grad: usize) -> usize {
+        let mut ready = grad;
+        if let Some(&seconds) = self.spec.reduce_s.get(group) {
+            ready = self
+                .dag
+                .add(format!("reduce g{group}"), Lane::Reduce, seconds, &[grad]);
+            if self.spec.reduce_blocks {
+                self.blocking = Some(ready);
+            }
+        }
         if self.spec.clipping {
             self.parked.push(group);
         } else {
-            self.send(group, &[grad]);
+            self.send(group, &[ready]);
         }
+        ready
     }
 
     fn step(&mut self, t: usize) -> usize {
@@ -271,6 +306,7 @@ impl Builder<'_> {
                     &[],
                 ));
             }
+            deps.extend(self.blocking.take());
             let bwd = self.dag.add(
                 format!("t{t} bwd L{l}"),
                 Lane::Compute,
@@ -280,16 +316,18 @@ impl Builder<'_> {
             slot_users.push(bwd);
             self.hand_over(l, bwd);
         }
+        let after: Vec<usize> = self.blocking.take().into_iter().collect();
         let embed = self.dag.add(
             format!("t{t} embed bwd"),
             Lane::Compute,
             spec.embed_backward_s,
-            &[],
+            &after,
         );
-        self.hand_over(0, embed);
-        // the step returns once the host has the norm: the backward done and, without
-        // clipping, the last gradient copied
-        let mut deps = vec![embed];
+        let reduced = self.hand_over(0, embed);
+        self.blocking = None;
+        // the step returns once the host has the norm: the backward done, every gradient
+        // reduced (the embedding's is the last) and, without clipping, the last one copied
+        let mut deps = vec![embed, reduced];
         if !spec.clipping {
             deps.extend(self.ring.last().map(|&update| update - 1)); // its copy
         }
@@ -314,6 +352,7 @@ pub fn build(spec: &StepSpec, steps: usize) -> Steps {
         ring: Vec::new(),
         parked: Vec::new(),
         backward_end: None,
+        blocking: None,
     };
     let mut ends = Vec::new();
     let mut spans = Vec::new();

@@ -40,9 +40,35 @@ fn spec(layers: usize, clipping: bool, update_s: f64) -> StepSpec {
         cast_s: vec![],
         offload_s: vec![],
         reload_s: vec![],
+        reduce_s: vec![],
+        reduce_blocks: true,
         slots: 2,
         grad_slots: 4,
         clipping,
+    }
+}
+
+#[test]
+fn a_blocking_reduction_delays_the_backward_and_an_overlapped_one_hides() {
+    // 0.25 s per group's reduction (6 groups). Blocking, as the engine's synchronous
+    // collective: the head's and 4 layers' reductions sit between backward computes (+1.25 s),
+    // the embedding's before the step's end (hidden by the last copies without clipping). On
+    // its own stream, only the last two can show (layer 1's and the embedding's: its backward
+    // takes no time here).
+    for clipping in [false, true] {
+        let base = predict_ok(&spec(4, clipping, 0.1)).step_s;
+        let mut reduced = spec(4, clipping, 0.1);
+        reduced.reduce_s = vec![0.25; 6];
+        let blocking = predict_ok(&reduced);
+        let added = blocking.step_s - base;
+        assert!(
+            (1.25 - 1e-9..=1.5 + 1e-9).contains(&added),
+            "{base} {blocking:?}"
+        );
+        assert!((blocking.busy_s[&Lane::Reduce] - 1.5).abs() < 1e-9);
+        reduced.reduce_blocks = false;
+        let overlapped = predict_ok(&reduced).step_s;
+        assert!(overlapped - base <= 0.5 + 1e-9, "{base} {overlapped}");
     }
 }
 
