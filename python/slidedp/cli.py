@@ -59,7 +59,10 @@ def _train(config: str, overrides: list[str]) -> int:
         return 0
     print(f"slidedp train: resolved config (saved as {cfg.output.dir}/{RESOLVED_CONFIG}):")
     print(resolved_yaml(cfg), end="", flush=True)
-    checked = check_before_training(cfg)
+    checked = check_before_training(cfg, measure_policy=True)
+    cfg = checked.cfg  # runtime.policy=auto: the chosen layout (saved as it ran)
+    if checked.policy_line:
+        print(checked.policy_line, flush=True)
     _warn("train", checked.warning)
     from slidedp.runtime.trainer import Trainer  # the engine: imported once the inputs are good
 
@@ -89,10 +92,15 @@ def _warn(verb: str, warning: str | None) -> None:
 def _estimate(config: str, overrides: list[str], as_json: bool, explain: bool) -> int:
     from slidedp.config import load_config
     from slidedp.estimate import Machine, estimate_run, format_estimate
+    from slidedp.plan.auto import resolve_auto
     from slidedp.preflight import check_model
 
     cfg = load_config(config, overrides)
-    est = estimate_run(cfg, check_model(cfg)[0], Machine.probe(cfg))
+    adapter, machine = check_model(cfg)[0], Machine.probe(cfg)
+    cfg, chosen = resolve_auto(cfg, adapter, machine, measure=False)  # a cached profile only
+    if chosen:
+        print(chosen)
+    est = estimate_run(cfg, adapter, machine)
     print(json.dumps(est.to_json(), indent=2) if as_json else format_estimate(est))
     if explain and not as_json:
         path = est.step_model["critical_path"] if est.step_model else []

@@ -187,21 +187,32 @@ class Checked:
     lines: list[str]
     resume: ResumePoint | None
     adapter: HFAdapter
+    cfg: TrainConfig  # the config to run: runtime.policy=auto resolved (plan.auto)
+    policy_line: str | None = None  # what runtime.policy=auto chose, and why
 
     @property
     def warning(self) -> str | None:
         return None if self.resume is None else self.resume.warning
 
 
-def check_before_training(cfg: TrainConfig) -> Checked:
+def check_before_training(cfg: TrainConfig, *, measure_policy: bool = False) -> Checked:
     """The checks ``slidedp train`` runs before it allocates or writes anything: all but the
-    data, which the trainer reads once and checks as it builds the batches."""
+    data, which the trainer reads once and checks as it builds the batches. With
+    ``runtime.policy: auto`` the layout is chosen first (``plan.auto``; ``measure_policy``:
+    profile the layer if it is not cached, as ``train`` does) and the rest checks the choice."""
+    from slidedp.estimate import Machine
+    from slidedp.plan.auto import resolve_auto
+
     device = check_device(cfg)
     adapter, model = check_model(cfg)
+    machine = Machine.probe(cfg, measure=False)
+    cfg, chosen = resolve_auto(cfg, adapter, machine, measure=measure_policy)
     ranks = [check_ranks(cfg)] if cfg.runtime.world > 1 or cfg.runtime.nodes > 1 else []
     resume, resumed = check_resume(cfg, adapter)
-    lines = [device, *ranks, model, resumed, check_memory(cfg, adapter), check_output_dir(cfg)]
-    return Checked(lines, resume, adapter)
+    policy = [chosen] if chosen else []
+    lines = [device, *ranks, model, *policy, resumed, check_memory(cfg, adapter),
+             check_output_dir(cfg)]  # fmt: skip
+    return Checked(lines, resume, adapter, cfg, chosen)
 
 
 def validate(cfg: TrainConfig) -> Checked:

@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from slidedp.errors import ConfigError
+from slidedp.plan.auto import CACHE_DIR, profile_args
 from slidedp.profile.layer import FAMILIES, RATIOS, profile_layer
 
 GIB = 2**30
@@ -44,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg("--ratios", default=RATIOS, help="offload ratios to profile")
     arg("--warmup", type=int, default=2)
     arg("--steps", type=int, default=5)
-    arg("--cache-dir", default="~/.cache/slidedp/profile")
+    arg("--cache-dir", default=CACHE_DIR)
     arg("--force", action="store_true", help="profile even if cached")
 
 
@@ -62,20 +63,9 @@ def _profile(args: argparse.Namespace, cfg: Any, batch: int) -> dict[str, Any]:
                 f", the run is B={batch} S={cfg.data.seq_len}: profile the run's own shape"
             )
         return report
-    profile_args = argparse.Namespace(
-        shape=str(Path(cfg.model.path) / "config.json"),
-        batch=batch,
-        seq_len=cfg.data.seq_len,
-        families=args.families,
-        ratios=args.ratios,
-        device=cfg.runtime.device,
-        dtype=cfg.train.dtype,
-        warmup=args.warmup,
-        steps=args.steps,
-        cache_dir=args.cache_dir,
-        force=args.force,
-    )
-    return profile_layer(profile_args)
+    given = {"families": args.families, "ratios": args.ratios, "warmup": args.warmup,
+             "steps": args.steps, "cache_dir": args.cache_dir, "force": args.force}  # fmt: skip
+    return profile_layer(profile_args(cfg, **given))
 
 
 def main(args: argparse.Namespace) -> int:
@@ -92,7 +82,7 @@ def main(args: argparse.Namespace) -> int:
     total = int(args.gpu_memory * GIB) if args.gpu_memory > 0 else machine.gpu_total_bytes
     if total is None:
         raise ConfigError("no GPU here to plan for: pass --gpu-memory GIB (the target's size)")
-    batch = cfg.train.global_batch_size // cfg.runtime.world
+    batch = profile_args(cfg).batch
     clock["setup_s"] = time.perf_counter() - start
 
     start = time.perf_counter()

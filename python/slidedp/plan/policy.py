@@ -133,6 +133,8 @@ def effective_runtime(rt: RuntimeSection) -> RuntimeSection:
     """``rt`` with the policy file's keys applied (``rt`` itself without one)."""
     if not rt.policy:
         return rt
+    if rt.policy == "auto":  # preflight.check_before_training replaces it by the choice
+        raise ConfigError("runtime.policy=auto is chosen by `slidedp train` (or `slidedp plan`)")
     from_file = read_policy_file(rt.policy)
     defaults = type(rt)()
     clash = [

@@ -207,7 +207,8 @@ def cache_key(facts: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def profile_layer(args: argparse.Namespace) -> dict[str, Any]:
+def _plan(args: argparse.Namespace) -> tuple[Any, ...]:
+    """What a profile of ``args`` measures and where its cached report lives."""
     config = resolve_shape(args.shape)
     adapter = HFAdapter(config)
     device = pick_device(args.device)
@@ -226,9 +227,26 @@ def profile_layer(args: argparse.Namespace) -> dict[str, Any]:
         "slidedp": __version__,
     }
     cache = Path(args.cache_dir).expanduser() / f"layer-{cache_key(facts)}.json"
-    if cache.is_file() and not args.force:
-        report: dict[str, Any] = json.loads(cache.read_text())
-        report["cached"] = str(cache)
+    return adapter, device, dtype, policies, facts, cache
+
+
+def _read_cache(cache: Path) -> dict[str, Any] | None:
+    if not cache.is_file():
+        return None
+    report: dict[str, Any] = json.loads(cache.read_text())
+    report["cached"] = str(cache)
+    return report
+
+
+def cached_profile(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The cached report of ``args`` (None when there is none: nothing is measured)."""
+    return _read_cache(_plan(args)[-1])
+
+
+def profile_layer(args: argparse.Namespace) -> dict[str, Any]:
+    adapter, device, dtype, policies, facts, cache = _plan(args)
+    batch, seq_len = args.batch, args.seq_len
+    if not args.force and (report := _read_cache(cache)) is not None:
         return report
     results = [
         measure(adapter, p, batch, seq_len, device, dtype, args.warmup, args.steps)
@@ -238,10 +256,10 @@ def profile_layer(args: argparse.Namespace) -> dict[str, Any]:
     for c in results:
         c.replay_s = c.backward_s - no_replay[0] if no_replay else None
     mark_pareto(results)
-    report = facts | {"candidates": [asdict(c) for c in results], "cached": None}
+    measured: dict[str, Any] = facts | {"candidates": [asdict(c) for c in results], "cached": None}
     cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps(report, indent=1))
-    return report
+    cache.write_text(json.dumps(measured, indent=1))
+    return measured
 
 
 def _gib(n: int | None) -> str:

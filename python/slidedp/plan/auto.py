@@ -1,0 +1,115 @@
+"""``runtime.policy: auto``: the run chooses its own activation layout at start, as ``slidedp
+plan`` would (``plan.select``), and trains with it. The choice replaces ``runtime.layers`` in
+the run's config, so ``resolved_config.yaml`` and every checkpoint record the layout that ran,
+and a resumed run keeps it.
+
+``train`` profiles the layer when the profile is not cached (on the run's device, with the
+run's batch and sequence); ``validate`` and ``estimate`` never run GPU work: they use a cached
+profile, or check the default layout and say that ``train`` will choose.
+
+Example::
+
+    cfg, line = resolve_auto(cfg, adapter, machine, measure=True)
+    print(line)   # 'policy   auto: 11xF-r1, 1xS0000100-r0, 24xN-r0, predicted 1.19x ...'
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from slidedp.errors import ConfigError
+from slidedp.profile.layer import FAMILIES, RATIOS, cached_profile, profile_layer
+
+if TYPE_CHECKING:
+    from slidedp.config import TrainConfig
+    from slidedp.estimate import Machine
+    from slidedp.models.hf import HFAdapter
+
+AUTO = "auto"
+CACHE_DIR = "~/.cache/slidedp/profile"
+
+
+def profile_args(cfg: TrainConfig, **given: Any) -> argparse.Namespace:
+    """``slidedp profile layer``'s arguments for the run's own model, batch per rank and
+    sequence, on its device and dtype; ``given`` replaces any of them."""
+    args = {
+        "shape": str(Path(cfg.model.path) / "config.json"),
+        "batch": cfg.train.global_batch_size // cfg.runtime.world,
+        "seq_len": cfg.data.seq_len,
+        "families": FAMILIES,
+        "ratios": RATIOS,
+        "device": cfg.runtime.device,
+        "dtype": cfg.train.dtype,
+        "warmup": 2,
+        "steps": 5,
+        "cache_dir": CACHE_DIR,
+        "force": False,
+    }
+    return argparse.Namespace(**(args | given))
+
+
+def device_total_bytes(machine: Machine, cfg: TrainConfig, adapter: HFAdapter) -> int:
+    """Memory the layout may plan for: the GPU's total, or on CPU (activations in host memory)
+    what MemAvailable leaves after the host state and the process (``estimate``)."""
+    if machine.gpu_total_bytes is not None:
+        return machine.gpu_total_bytes
+    from slidedp.estimate import estimate_run
+
+    if machine.mem_available_bytes is None:
+        raise ConfigError("runtime.policy=auto: no GPU and no MemAvailable to plan the layout for")
+    est = estimate_run(cfg, adapter, machine)
+    return machine.mem_available_bytes - (est.ram_bytes - est.cpu_working_bytes)
+
+
+def resolve_auto(
+    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, *, measure: bool
+) -> tuple[TrainConfig, str | None]:
+    """``cfg`` with ``runtime.policy: auto`` replaced by the chosen ``runtime.layers``, and the
+    line that says what was chosen and why (``cfg`` unchanged and None without ``auto``).
+    ``measure``: profile the layer when it is not cached (else check the default layout)."""
+    from slidedp.estimate import adamw_gbps
+    from slidedp.plan.select import select_layout
+
+    rt = cfg.runtime
+    if rt.policy != AUTO:
+        return cfg, None
+    if rt.world > 1 or rt.nodes > 1:
+        raise ConfigError(
+            "runtime.policy=auto chooses on one process: run `slidedp plan CONFIG` once and "
+            "pass runtime.policy=FILE to the ranks"
+        )
+    if rt.layers != type(rt)().layers:
+        raise ConfigError(
+            f"runtime.policy=auto chooses runtime.layers, which the config sets to '{rt.layers}':"
+            " keep one of them"
+        )
+    default = dataclasses.replace(cfg, runtime=dataclasses.replace(rt, policy=""))
+    start = time.perf_counter()
+    args = profile_args(cfg)
+    report = profile_layer(args) if measure else cached_profile(args)
+    if report is None:
+        return default, (
+            "policy   auto: the layer is not profiled yet, so the default layout is checked; "
+            "`slidedp train` profiles it and chooses"
+        )
+    profiled = time.perf_counter() - start
+    total = device_total_bytes(machine, default, adapter)
+    threads = rt.update_threads or machine.cores
+    start = time.perf_counter()
+    choice = select_layout(default, adapter, machine, report, total_bytes=total,
+                           update_gbps=adamw_gbps(threads))  # fmt: skip
+    solved = time.perf_counter() - start
+    speedup = choice.default["step_s"] / choice.solution["step_s"]
+    source = "cached profile" if report.get("cached") else f"profiled in {profiled:.1f} s"
+    line = (
+        f"policy   auto: {choice.layout}, predicted {speedup:.2f}x the default all-F layout "
+        f"(step {choice.solution['step_s']:.3f} vs {choice.default['step_s']:.3f} s, "
+        f"activations {choice.solution['memory_bytes'] / 2**30:.2f} of "
+        f"{choice.budget_bytes / 2**30:.2f} GiB; {source}, solved in {solved:.2f} s)"
+    )
+    layers = dataclasses.replace(default.runtime, layers=choice.layout)
+    return dataclasses.replace(default, runtime=layers), line

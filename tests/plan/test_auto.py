@@ -1,0 +1,78 @@
+"""``runtime.policy: auto``: ``train`` profiles the layer (once: cached), chooses the layout,
+trains with it and saves it as the layout that ran; ``validate`` uses only a cached profile;
+settings that contradict ``auto`` are one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from engine.tiny import make_model, read_metrics, write_config, write_data
+from slidedp.cli import main
+from slidedp.plan import auto
+from slidedp.plan.layout import parse_layout
+
+LAYERS = 3
+
+
+def _config(tmp_path: Path, name: str, **runtime: object) -> Path:
+    model = make_model(tmp_path, "qwen3", tied=True, layers=LAYERS)
+    data = write_data(tmp_path / "data.jsonl", 16, min_len=16, max_len=16)
+    return write_config(tmp_path / f"{name}.yaml", model, data, tmp_path / name,
+                        train={"max_steps": 2, "global_batch_size": 2, "max_grad_norm": 1.0},
+                        data={"path": str(data), "seq_len": 16, "pad_id": 0},
+                        runtime=runtime, output={"tensorboard": False})  # fmt: skip
+
+
+def test_auto_profiles_once_chooses_and_trains_as_the_chosen_layout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(auto, "CACHE_DIR", str(tmp_path / "cache"))
+    path = _config(tmp_path, "auto", policy="auto")
+    assert main(["validate", str(path)]) == 0
+    assert "the layer is not profiled yet" in capsys.readouterr().out
+    assert not (tmp_path / "cache").exists()  # validate measures nothing
+
+    assert main(["train", str(path)]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("policy   auto: "))
+    assert "profiled in" in line
+    resolved = yaml.safe_load((tmp_path / "auto" / "resolved_config.yaml").read_text())
+    layout = resolved["runtime"]["layers"]
+    assert resolved["runtime"]["policy"] == ""
+    assert line.startswith(f"policy   auto: {layout}, predicted ")
+    assert len(parse_layout(layout, LAYERS, 0.0)) == LAYERS
+    assert len(list((tmp_path / "cache").glob("layer-*.json"))) == 1
+
+    fresh = f"output.dir={tmp_path / 'fresh'}"
+    assert main(["validate", str(path), fresh]) == 0  # now from the cache, the same choice
+    assert f"policy   auto: {layout}, " in capsys.readouterr().out
+
+    # the chosen layout trains exactly as the same layout written by hand
+    by_hand = _config(tmp_path, "by_hand", layers=layout)
+    assert main(["train", str(by_hand)]) == 0
+    losses = [m["loss"] for m in read_metrics(tmp_path / "auto")]
+    assert losses == [m["loss"] for m in read_metrics(tmp_path / "by_hand")]
+
+
+@pytest.mark.parametrize(
+    ("runtime", "message"),
+    [
+        ({"policy": "auto", "layers": "N"}, "runtime.policy=auto chooses runtime.layers"),
+        ({"policy": "auto", "ranks": 2, "device": "cpu"}, "runtime.policy=auto chooses on one"),
+    ],
+)
+def test_auto_against_settings_it_would_override_is_one_line(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    runtime: dict[str, object],
+    message: str,
+) -> None:
+    path = _config(tmp_path, "bad", **runtime)
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "bad").exists()
