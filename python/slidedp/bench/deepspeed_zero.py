@@ -14,7 +14,8 @@ The model is built as the FSDP2 baseline builds it (HF from the config, FP32, th
 activation checkpointing per layer) on the host, then handed to ``deepspeed.initialize``, which
 casts it to BF16, moves it to the GPU and partitions it (no ``zero.Init``: that would draw other
 initial weights on the GPU). The loss is the model's own (full logits). One process: the
-rendezvous variables DeepSpeed reads are set here (a free localhost port).
+rendezvous variables DeepSpeed reads are set here (a free localhost port); NCCL on CUDA, gloo on
+CPU (DeepSpeed's CPU accelerator: the same code runs in the tests without a GPU).
 
 Example::
 
@@ -97,10 +98,12 @@ def _rendezvous_alone() -> None:
 def run_zero(spec: RunSpec) -> dict[str, Any]:
     """Timed steps of a DeepSpeed ZeRO peer: forward, ``engine.backward``, ``engine.step``."""
     deepspeed: Any = require(spec.system, spec.device)
-    device = torch.device(spec.device, 0)
-    torch.cuda.set_device(device)
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
     _rendezvous_alone()
-    deepspeed.init_distributed(dist_backend="nccl")
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     train = TrainSection(**spec.ours["train"])
     config = AutoConfig.from_pretrained(spec.config_dir)
     ds_config = zero_config(

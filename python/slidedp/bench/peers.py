@@ -39,8 +39,8 @@ class Peer:
 
 
 PEERS: dict[str, Peer] = {
-    "zero3-offload": Peer("deepspeed", needs_cuda=True),
-    "zero-offload": Peer("deepspeed", needs_cuda=True),
+    "zero3-offload": Peer("deepspeed", needs_cuda=False),  # DeepSpeed's CPU accelerator
+    "zero-offload": Peer("deepspeed", needs_cuda=False),
     "fsdp2-resident": Peer(None, needs_cuda=False),
     "roundpipe": Peer("roundpipe", needs_cuda=True),
 }
