@@ -42,7 +42,11 @@ LARGE = int(1e9)  # transformers' guide: sub_group_size, max live parameters, re
 
 
 def zero_config(
-    stage: int, train: TrainSection, batch: int, hidden: int, overrides: dict[str, Any] | None = None
+    stage: int,
+    train: TrainSection,
+    batch: int,
+    hidden: int,
+    overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed config of a ZeRO ``stage`` (3: parameters and optimizer offloaded; 2: the
     optimizer) for one GPU at ``batch`` sequences, with ``overrides`` merged in."""

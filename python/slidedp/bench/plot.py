@@ -60,9 +60,7 @@ def plot_sweep(report: dict[str, Any], path: Path) -> None:
 
     runs = report["runs"]
     labels = list(dict.fromkeys(run_label(r) for r in runs))
-    geomeans = {
-        p["system"]: p["geomean_ours_over_peer"] for p in sweep_summary(runs)["peers"]
-    }
+    geomeans = {p["system"]: p["geomean_ours_over_peer"] for p in sweep_summary(runs)["peers"]}
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4), constrained_layout=True)
     for ax, (key, axis_label) in zip(axes, PANELS, strict=True):
         for label in labels:

@@ -9,9 +9,9 @@ of it (``bench.ranks``). The result holds ``status`` (``ok``, or ``oom`` when th
 host ran out of memory: a result, not a crash), the system's measured step times, the process's
 GPU peak reserved and allocated bytes and its PSS at the end; a peer that cannot run here
 (``bench.peers.PeerUnavailable``: its package missing, no CUDA) is ``missing`` with one line.
-Any other exception propagates (non-zero exit, traceback on stderr). ``system="peak"`` measures the device's bf16 GEMM peak and
-the device name instead; ``system="collectives"`` the bandwidths of the ranks' collectives
-(``bench.collectives``).
+Any other exception propagates (non-zero exit, traceback on stderr). ``system="peak"`` measures
+the device's bf16 GEMM peak and the device name instead; ``system="collectives"`` the bandwidths
+of the ranks' collectives (``bench.collectives``).
 """
 
 from __future__ import annotations
