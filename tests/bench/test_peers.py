@@ -20,6 +20,7 @@ from slidedp.bench import worker
 from slidedp.bench.child import run_child
 from slidedp.bench.deepspeed_zero import zero_config
 from slidedp.bench.peers import PEERS, merged, parse_peer_sets
+from slidedp.bench.train import system_timeouts
 from slidedp.cli import main
 from slidedp.config import TrainSection
 from slidedp.errors import ConfigError
@@ -151,6 +152,18 @@ def test_gpu_resident_fsdp2_trains_the_same_model_as_fsdp2_offload(tmp_path: Pat
     assert resident["status"] == offload["status"] == "ok"
     # same weights, tokens and AdamW: on CPU the two differ only in where FSDP2 keeps the state
     assert resident["losses"] == pytest.approx(offload["losses"], rel=1e-5)
+
+
+def test_system_timeouts_have_a_default_and_per_system_values() -> None:
+    systems = ["ours", "zero3-offload", "fsdp2"]
+    assert system_timeouts(None, systems) == {"ours": 0.0, "zero3-offload": 0.0, "fsdp2": 0.0}
+    assert system_timeouts("120,zero3-offload=200", systems) == {
+        "ours": 120.0, "zero3-offload": 200.0, "fsdp2": 120.0,
+    }  # fmt: skip
+    assert system_timeouts("fsdp2=90", systems) == {"ours": 0.0, "zero3-offload": 0.0, "fsdp2": 90}
+    for bad in ("0", "-5", "soon", "roundpipe=10", "ours=", "120,,ours=5"):
+        with pytest.raises(ConfigError, match="--system-timeout"):
+            system_timeouts(bad, systems)
 
 
 def test_a_run_past_the_system_timeout_is_killed_and_reported(tmp_path: Path) -> None:

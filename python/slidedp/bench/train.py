@@ -113,10 +113,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     arg(
         "--system-timeout",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="kill a system's run after S seconds and report it as TIMEOUT (0: no limit)",
+        default=None,
+        metavar="S[,SYSTEM=S...]",
+        help="kill a run after S seconds and report it as TIMEOUT; SYSTEM=S for one system "
+        "(e.g. 120,zero3-offload=200; default: no limit)",
     )
     arg("--device", default="auto", choices=("auto", "cuda", "cpu"))
     arg(
@@ -170,14 +170,36 @@ def _parse(args: argparse.Namespace) -> tuple[list[int], list[str], str]:
         raise ConfigError("need --batch/--sweep >= 1, --seq >= 2, --steps >= 1, --warmup >= 0")
     if args.gpu_limit < 0 or args.host_limit < 0:
         raise ConfigError("--gpu-limit and --host-limit are GiB > 0 (0: no limit)")
-    if args.system_timeout < 0:
-        raise ConfigError("--system-timeout is seconds > 0 (0: no limit)")
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda but no CUDA device is available; use --device cpu")
     return batches, systems, device
+
+
+def system_timeouts(text: str | None, systems: list[str]) -> dict[str, float]:
+    """``--system-timeout``: seconds per system of ``systems`` (0: no limit), from a default
+    ``S`` and ``SYSTEM=S`` items, or one ``ConfigError`` line."""
+    if text is None:
+        return dict.fromkeys(systems, 0.0)
+    default, per_system = 0.0, {}
+    for item in text.split(","):
+        name, sep, value = item.strip().rpartition("=")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if seconds <= 0 or (sep and name not in systems):
+            raise ConfigError(
+                f"--system-timeout {text!r}: use S or SYSTEM=S, comma-separated, seconds > 0, "
+                f"SYSTEM one of --systems ({','.join(systems)})"
+            )
+        if sep:
+            per_system[name] = seconds
+        else:
+            default = seconds
+    return {s: per_system.get(s, default) for s in systems}
 
 
 def _params(config: Any) -> int:
@@ -199,6 +221,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         require_matplotlib()
     ours = ours_config(args.overrides)
     peer_sets = parse_peer_sets(args.peer_sets)
+    timeouts = system_timeouts(args.system_timeout, systems)
     scale = multi.parse_scale(args, systems, device, ours)  # None: one GPU only
     config = resolve_shape(args.shape)
     if args.layers:
@@ -225,7 +248,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "host_limit_gib": args.host_limit or None,
         "ours_config": {"train": ours["train"], "runtime": ours["runtime"]},
         "peer_sets": peer_sets,
-        "system_timeout_s": args.system_timeout or None,
+        "system_timeout_s": timeouts,
     }
     with tempfile.TemporaryDirectory(prefix="slidedp-bench-") as tmp:
         config.to_json_file(Path(tmp) / "config.json")
@@ -241,7 +264,6 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             ours=ours,
             gpu_limit_gib=args.gpu_limit,
             host_limit_gib=args.host_limit,
-            timeout_s=args.system_timeout,
         )
         if device == "cuda":  # the GEMM peak in a child too: the parent never touches the GPU
             peak, _ = run_child(spec, Path(tmp))
@@ -257,7 +279,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         report["runs"] = runs  # filled in as the runs finish
         for batch in batches:
             at_batch = [
-                dataclasses.replace(spec, system=s, batch=batch, peer=peer_sets.get(s, {}))
+                dataclasses.replace(
+                    spec, system=s, batch=batch, peer=peer_sets.get(s, {}), timeout_s=timeouts[s]
+                )
                 for s in systems
             ]
             if scale is not None:
