@@ -25,6 +25,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -102,6 +103,7 @@ def _rendezvous_alone() -> None:
 def run_zero(spec: RunSpec) -> dict[str, Any]:
     """Timed steps of a DeepSpeed ZeRO peer: forward, ``engine.backward``, ``engine.step``."""
     deepspeed: Any = require(spec.system, spec.device)
+    deepspeed.utils.logger.setLevel(logging.WARNING)  # not its config dump and per-step lines
     device = torch.device(spec.device)
     if device.type == "cuda":
         device = torch.device("cuda", 0)
