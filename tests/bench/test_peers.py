@@ -19,7 +19,7 @@ from slidedp.bench import train as bench_train
 from slidedp.bench import worker
 from slidedp.bench.child import run_child
 from slidedp.bench.deepspeed_zero import zero_config
-from slidedp.bench.peers import PEERS, merged, parse_peer_sets
+from slidedp.bench.peers import PEERS, Peer, PeerUnavailable, merged, parse_peer_sets, require
 from slidedp.bench.train import system_timeouts
 from slidedp.cli import main
 from slidedp.config import TrainSection
@@ -53,12 +53,23 @@ def test_a_peer_that_is_not_installed_is_one_line(
 ) -> None:
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # import fails as if not installed
     result = worker.run(tiny_spec(tmp_path, "zero3-offload"))
-    assert result["status"] == "missing"
+    assert result["status"] == "unavailable"
     assert result["error"].startswith("zero3-offload: deepspeed is not installed (")
     assert result["error"].endswith(
         "pip install 'slidedp[peers]'; on a machine without an index: README, Benchmarks"
     )
     assert "\n" not in result["error"]
+
+
+def test_a_peer_that_fails_at_import_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "broken_peer.py").write_text("raise ValueError('no GPU here\\nmore detail')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(PEERS, "roundpipe", Peer("broken_peer", needs_cuda=False))
+    with pytest.raises(PeerUnavailable) as caught:
+        require("roundpipe", "cpu")
+    assert str(caught.value) == "roundpipe: importing broken_peer failed: ValueError: no GPU here"
 
 
 def test_a_peer_that_cannot_run_here_is_a_row_and_a_summary_line_not_a_failure(
@@ -73,12 +84,12 @@ def test_a_peer_that_cannot_run_here_is_a_row_and_a_summary_line_not_a_failure(
     ref, peer = report["runs"]
     assert ref["status"] == "ok"
     assert (peer["status"], peer["error"]) == (
-        "missing",
+        "unavailable",
         "roundpipe needs CUDA (this run is on cpu)",
     )
     assert report["summary"]["peers"][1]["unavailable"] == peer["error"]
     printed = capsys.readouterr().out
-    assert re.search(r"^ +2 roundpipe +MISSING  roundpipe needs CUDA \(this run is on cpu\)$",
+    assert re.search(r"^ +2 roundpipe +UNAVAILABLE +roundpipe needs CUDA \(this run is on cpu\)$",
                      printed, re.MULTILINE)  # fmt: skip
     assert "summary: ours/roundpipe: not run (roundpipe needs CUDA (this run is on cpu))" in printed
 

@@ -27,11 +27,12 @@ def _run(system: str, batch: int, tokens_per_s: float | None, status: str = "ok"
     }  # fmt: skip
 
 
+NO = "unavailable"
 RUNS = [
-    _run("ours", 4, 400.0), _run("zero3-offload", 4, 100.0), _run("roundpipe", 4, None, "missing"),
-    _run("ours", 8, 900.0), _run("zero3-offload", 8, 400.0), _run("roundpipe", 8, None, "missing"),
+    _run("ours", 4, 400.0), _run("zero3-offload", 4, 100.0), _run("roundpipe", 4, None, NO),
+    _run("ours", 8, 900.0), _run("zero3-offload", 8, 400.0), _run("roundpipe", 8, None, NO),
     _run("ours", 16, 1600.0), _run("zero3-offload", 16, None, "oom"),
-    _run("roundpipe", 16, None, "missing"), _run("ours", 32, None, "timeout"),
+    _run("roundpipe", 16, None, NO), _run("ours", 32, None, "timeout"),
     {**_run("ours", 8, 1700.0), "world": 2},  # runs of several ranks are not matched
 ]  # fmt: skip
 
@@ -46,17 +47,17 @@ def test_geometric_mean_over_the_batches_where_both_ran_and_the_largest_batches(
     assert zero["unavailable"] is None
     assert rp["matched_batches"] == []
     assert rp["geomean_ours_over_peer"] is None
-    assert rp["unavailable"] == "missing line"
+    assert rp["unavailable"] == "unavailable line"
     assert summary["fits"] == {
         "ours": {"largest_batch": 16, "failed_batch": 32, "failed_status": "timeout"},
         "zero3-offload": {"largest_batch": 8, "failed_batch": 16, "failed_status": "oom"},
-        "roundpipe": {"largest_batch": None, "failed_batch": 4, "failed_status": "missing"},
+        "roundpipe": {"largest_batch": None, "failed_batch": 4, "failed_status": "unavailable"},
     }
     assert summary_lines(summary) == [
         "ours/zero3-offload: geometric mean 3.00x over batches 4, 8 (tokens/s where both ran)",
-        "ours/roundpipe: not run (missing line)",
+        "ours/roundpipe: not run (unavailable line)",
         "largest batch trained: ours 16 (TIMEOUT at 32), zero3-offload 8 (OOM at 16), "
-        "roundpipe none (MISSING at 4)",
+        "roundpipe none (UNAVAILABLE at 4)",
     ]
     row = ratios([r for r in RUNS if r.get("world", 1) == 1])[0]
     assert row == {

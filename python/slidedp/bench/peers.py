@@ -11,8 +11,9 @@ ours, in BF16 compute with FP32 master weights:
 - ``roundpipe``: RoundPipe's Qwen3 preset, synchronous optimizer step (``bench.roundpipe_sync``).
 
 Their packages are an optional extra (``pip install 'slidedp[peers]'``), imported only inside
-the peer's worker, never by the engine. A peer whose package is missing, or that cannot run on
-the bench's device, is a result with ``status`` ``missing`` and one line saying why (``require``).
+the peer's worker, never by the engine. A peer whose package is missing or fails to import, or
+that cannot run on the bench's device, is a result with ``status`` ``unavailable`` and one line
+saying why (``require``).
 
 Example::
 
@@ -48,7 +49,8 @@ INSTALL_HINT = "pip install 'slidedp[peers]'; on a machine without an index: REA
 
 
 class PeerUnavailable(Exception):
-    """The peer cannot run here (package missing, no CUDA): one line, a result, not a crash."""
+    """The peer cannot run here (package missing or broken, no CUDA): one line, a result, not a
+    crash."""
 
 
 def require(system: str, device: str = "cuda") -> ModuleType | None:
@@ -63,6 +65,11 @@ def require(system: str, device: str = "cuda") -> ModuleType | None:
     except ImportError as e:
         raise PeerUnavailable(
             f"{system}: {peer.package} is not installed ({e}); {INSTALL_HINT}"
+        ) from None
+    except Exception as e:  # a package that fails at import time cannot start either
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise PeerUnavailable(
+            f"{system}: importing {peer.package} failed: {type(e).__name__}: {first}"
         ) from None
 
 

@@ -49,14 +49,14 @@ def sweep_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         both = sorted(b for s, b in tokens if s == system and ("ours", b) in tokens)
         ratios = [tokens["ours", b] / tokens[system, b] for b in both]
-        missing = [r for r in single if r["system"] == system and r["status"] == "missing"]
+        absent = [r for r in single if r["system"] == system and r["status"] == "unavailable"]
         peers.append(
             {
                 "system": system,
                 "matched_batches": both,
                 "ours_over_peer": ratios,
                 "geomean_ours_over_peer": geometric_mean(ratios),
-                "unavailable": missing[0].get("error", "") if missing else None,
+                "unavailable": absent[0].get("error", "") if absent else None,
             }
         )
     return {"fits": {s: fits(single, s) for s in systems}, "peers": peers}

@@ -29,7 +29,7 @@ child), host PSS peak (sampled over the child's process tree), and for ours the 
 per lane. Ratios are of tokens/s: ours / each other system (``bench.report``), and over a sweep
 the geometric mean of those ratios where both ran and the largest batch of each system
 (``bench.sweep``). A system that runs out of memory is reported as ``OOM``, one that runs past
-``--system-timeout`` as ``TIMEOUT``, a peer that cannot run here as ``MISSING``; any other
+``--system-timeout`` as ``TIMEOUT``, a peer that cannot run here as ``UNAVAILABLE``; any other
 failure makes the command exit 1 after the report. ``--json`` is rewritten after every run, so
 a sweep cut short keeps what it measured.
 
@@ -65,7 +65,7 @@ from slidedp.errors import ConfigError, SlidedpError
 
 DEFAULT_SYSTEMS = ("ours", "reference", "fsdp2")
 SYSTEMS = (*DEFAULT_SYSTEMS, *PEERS)
-RESULTS = ("ok", "oom", "timeout", "missing")  # a run's statuses that are not a failure
+RESULTS = ("ok", "oom", "timeout", "unavailable")  # a run's statuses that are not a failure
 OURS_DEFAULTS: dict[str, Any] = {
     "train": {"max_steps": 1, "learning_rate": 1e-5, "lr_scheduler": "constant"}
 }

@@ -8,7 +8,8 @@ A spec of several ranks (``world > 1``) makes this process their launcher and ea
 of it (``bench.ranks``). The result holds ``status`` (``ok``, or ``oom`` when the device or the
 host ran out of memory: a result, not a crash), the system's measured step times, the process's
 GPU peak reserved and allocated bytes and its PSS at the end; a peer that cannot run here
-(``bench.peers.PeerUnavailable``: its package missing, no CUDA) is ``missing`` with one line.
+(``bench.peers.PeerUnavailable``: its package missing or broken, no CUDA) is ``unavailable``
+with one line.
 Any other exception propagates (non-zero exit, traceback on stderr). ``system="peak"`` measures
 the device's bf16 GEMM peak and the device name instead; ``system="collectives"`` the bandwidths
 of the ranks' collectives (``bench.collectives``).
@@ -114,7 +115,7 @@ def run(spec: RunSpec) -> dict[str, Any]:
     try:
         result.update(SYSTEMS[spec.system](spec), status="ok")
     except PeerUnavailable as e:
-        result.update(status="missing", error=str(e))
+        result.update(status="unavailable", error=str(e))
     except Exception as e:  # only out-of-memory is a result; anything else re-raises
         if not is_out_of_memory(e):
             raise
