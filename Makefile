@@ -10,7 +10,7 @@ STAMP := $(VENV)/.slidedp-installed
 export PYO3_PYTHON := $(PY)
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: test demo lint build bench-kernels wheel peers-wheels clean
+.PHONY: test demo lint build bench-kernels wheel liger-wheels peers-wheels clean
 
 # The venv is rebuilt only when it is missing, broken, or pyproject.toml changed.
 $(STAMP): pyproject.toml
@@ -61,6 +61,15 @@ bench-kernels: build
 # An abi3 wheel for the GPU machine (see ../shared/DEVICE.md).
 wheel: $(STAMP)
 	$(VENV)/bin/maturin build --release -o dist -q
+
+# Liger Kernel (the `fast` extra) for the GPU machine, which cannot download: its wheel alone into
+# wheels/ (git-ignored). It needs torch and triton, which the machine's torch already ships, so
+# nothing else is fetched. Carry wheels/ and install with
+# `python3 -m pip install -q --no-deps --no-index wheels/liger_kernel-*.whl`.
+liger-wheels:
+	mkdir -p wheels
+	python3 -m pip download -q --no-deps -d wheels 'liger-kernel>=0.8'
+	du -sh wheels
 
 # The peers of `slidedp bench train` (DeepSpeed, RoundPipe) for the GPU machine, which has no
 # index: carry peers-wheels/ and run `scripts/peers.sh install` there (README, "Benchmarks").

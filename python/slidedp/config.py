@@ -130,6 +130,13 @@ class RuntimeSection:
     param_route: Literal["replicated", "sharded"] = "replicated"  # whole layer per rank, or 1/R
     trace_path: str = ""  # write a Chrome/Perfetto trace of step `trace_step` here ("" = off)
     trace_step: int = 3  # 0-based step to trace (after warm-up)
+    # decoder-layer kernels (models.fast): liger = Liger Kernel's fused RMSNorm/RoPE/SwiGLU
+    # (the slidedp[fast] extra, CUDA, Llama-family layers); eager = transformers' modules;
+    # auto: liger where it can run, else eager (one banner line says why)
+    kernels: Literal["auto", "eager", "liger"] = "auto"
+    # torch.compile of the decoder layer (one graph shared by every layer); null (default):
+    # on on CUDA where the kernels are eager, off on CPU and with liger (models.fast)
+    compile: bool | None = None
 
     @property
     def world(self) -> int:

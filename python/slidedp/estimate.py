@@ -273,7 +273,8 @@ def plan_store(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> dict[s
 
 def plan_policy(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> Policy:
     """The policy ``Trainer`` would resolve on ``machine``."""
-    return resolve_policy(cfg.runtime, adapter, mirror=resolve_mirror(cfg, adapter, machine))
+    mirror = resolve_mirror(cfg, adapter, machine)
+    return resolve_policy(cfg.runtime, adapter, mirror=mirror, device=torch.device(machine.device))
 
 
 def adamw_gbps(threads: int) -> float:

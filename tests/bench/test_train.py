@@ -61,6 +61,9 @@ def test_ours_and_reference_end_to_end_on_cpu(
         assert run["gpu_peak_reserved_gib"] is None
         assert run["mfu"] is None
     assert set(ours["exposed_wait_s"]) == {"h2d", "update", "d2h", "offload"}
+    # the reference computes with the kernels ours does (CPU: eager, not compiled)
+    assert ours["kernels"] == ref["kernels"]
+    assert ours["kernels"].startswith("eager, not compiled, attention SDPA")
     assert report["ratios"] == [
         {
             "batch": 2,
@@ -71,6 +74,7 @@ def test_ours_and_reference_end_to_end_on_cpu(
     printed = capsys.readouterr().out
     assert "ours/reference" in printed
     assert "exposed wait" in printed
+    assert printed.count("layer compute: eager, not compiled") == 2
 
 
 def test_fsdp2_baseline_runs_on_cpu(tmp_path: Path) -> None:

@@ -85,3 +85,28 @@ def test_pareto_marks_the_points_nothing_beats_in_both_memory_and_time() -> None
     mark_pareto(pts)
     assert [p.pareto for p in pts] == [True, True, True, False, False, True]
     assert layer_time(pts[-1]) == 18.0  # copy-bound: the forward and the backward wait for it
+
+
+def test_the_kernel_view_times_each_compute_variant_and_breaks_it_down(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """CPU: Liger is skipped with its reason; the compiled variant (``aot_eager``: the traced
+    graph, eager kernels) runs the same operators as eager."""
+    args = _args(tmp_path, "--kernels", "eager,liger,compiled", "--backend", "aot_eager")
+    report = _profile(tmp_path, *args[len(_args(tmp_path)) :])
+    eager, liger, compiled = report["variants"]
+    assert "CUDA/Triton only" in liger["skipped"]
+    assert compiled["compute"].startswith("eager, compiled (aot_eager)")
+    for v in (eager, compiled):
+        assert v["step_ms"] > 0
+        assert v["tflops"] == pytest.approx(report["layer_flops"] / v["step_ms"] / 1e9)
+        shares = [k["share"] for k in v["kernels"]]
+        assert shares == sorted(shares, reverse=True)
+        assert 0 < sum(shares) <= 1 + 1e-9
+    assert "aten::mm" in {k["kernel"] for k in eager["kernels"]}
+    # one layer: 6 x (q, k, v, o, gate, up, down weights + S_eff * d_attn) per token
+    tiny = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128 + 16 * 64
+    assert report["layer_flops"] == 2 * 16 * 6 * tiny
+    printed = capsys.readouterr().out
+    assert "liger           skipped: " in printed
+    assert "TFLOP/s  (eager, not compiled" in printed

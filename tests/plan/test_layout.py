@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.tiny import make_model, write_config, write_data
 from slidedp.cli import main
@@ -14,6 +15,8 @@ from slidedp.errors import ConfigError
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.layout import LayerPolicy, format_layout, parse_layout, place
 from slidedp.plan.policy import Policy, resolve_policy
+
+CPU = torch.device("cpu")
 
 
 def test_a_layout_reads_counts_families_and_ratios_and_writes_back() -> None:
@@ -64,16 +67,16 @@ def test_a_policy_file_sets_the_layout_and_routes(tmp_path: Path) -> None:
     config = write_config(tmp_path / "c.yaml", model, data, tmp_path / "out",
                           runtime={"policy": str(policy_file)})  # fmt: skip
     cfg = load_config(config)
-    policy = resolve_policy(cfg.runtime, HFAdapter.from_dir(model), mirror=False)
+    policy = resolve_policy(cfg.runtime, HFAdapter.from_dir(model), mirror=False, device=CPU)
     assert policy.layout == "3xF-r1, 1xN-r0"
     assert policy.grad_slots == 3
     assert Policy.from_dict(policy.to_dict()) == policy
     clash = load_config(config, ["runtime.grad_slots=5"])
     with pytest.raises(ConfigError, match="sets grad_slots, which the config sets differently"):
-        resolve_policy(clash.runtime, HFAdapter.from_dir(model), mirror=False)
+        resolve_policy(clash.runtime, HFAdapter.from_dir(model), mirror=False, device=CPU)
     policy_file.write_text("layers: 3xF\nslotz: 3\n")
     with pytest.raises(ConfigError, match=r"unknown keys \['slotz'\]"):
-        resolve_policy(cfg.runtime, HFAdapter.from_dir(model), mirror=False)
+        resolve_policy(cfg.runtime, HFAdapter.from_dir(model), mirror=False, device=CPU)
 
 
 def test_the_policy_is_in_the_banner_and_in_every_checkpoint(

@@ -150,6 +150,7 @@ def test_the_banner_names_what_a_run_needs() -> None:
         dtype="bfloat16",
         window="2 layer slots, 1,024 B",
         policy="replicated/gpu, layers 2xF-r0",
+        compute="eager, not compiled, attention SDPA",
         isa="avx512",
         threads=16,
         peak_flops=900e12,
@@ -164,6 +165,7 @@ def test_the_banner_names_what_a_run_needs() -> None:
         "still available",
         "pinned 1.00 GiB",
         "avx512 path, 16 thread(s)",
+        "layer compute: eager, not compiled, attention SDPA",
         FLOPS_FORMULA,
         "900 TFLOP/s (measured bf16 GEMM)",
     ):

@@ -141,6 +141,7 @@ def run_zero(spec: RunSpec) -> dict[str, Any]:
         "step_times_s": times,
         "tokens_per_step": spec.batch * spec.seq_len,
         "losses": losses[spec.warmup :],
+        "kernels": "eager (transformers' model, HF gradient checkpointing)",
         "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
         "peer_config": ds_config,
     }

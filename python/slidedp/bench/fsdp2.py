@@ -128,4 +128,5 @@ def run_fsdp2(spec: RunSpec) -> dict[str, Any]:
         "step_times_s": times,
         "tokens_per_step": spec.global_batch * spec.seq_len,
         "losses": losses[spec.warmup :],
+        "kernels": "eager (transformers' model, HF gradient checkpointing)",
     }

@@ -74,7 +74,8 @@ def run_ours(spec: RunSpec) -> dict[str, Any]:
         data = Path(tmp) / "tokens.jsonl"
         write_tokens(data, spec, vocab_size)
         cfg = config_from_dict(ours_raw_config(spec, data, Path(tmp) / "out"))
-        records = _BenchTrainer(cfg, log=False).run()[spec.warmup :]
+        trainer = _BenchTrainer(cfg, log=False)
+        records = trainer.run()[spec.warmup :]
     if not records:  # a rank other than 0: rank 0 reports
         return {}
     lane_keys = [f"{k}_s" for k in LANES + WAITS]
@@ -83,4 +84,5 @@ def run_ours(spec: RunSpec) -> dict[str, Any]:
         "tokens_per_step": records[0]["tokens"],
         "losses": [r["loss"] for r in records],
         "lanes_s": {k: sum(r[k] for r in records) / len(records) for k in lane_keys},
+        "kernels": trainer.policy.compute.describe(),
     }

@@ -4,7 +4,8 @@ Same transformers decoder-layer modules as the engine (``HFAdapter``, parameters
 ``bind_params``), same dtype (bf16 on CUDA, f32 on CPU), the same per-layer activation layout
 run by the same executors (``runtime.activations``: full-layer checkpointing by default; the
 offload ratios are left out, nothing moves), same embedding and chunked linear + cross-entropy
-(``chunked_lm_loss``). What it
+(``chunked_lm_loss``), the same layer kernels and compilation (``models.fast``: the runtime's
+``kernels`` and ``compile`` resolved the way the engine resolves them). What it
 leaves out is everything that moves data or updates weights: no window, no host store, no
 transfers, no optimizer — the parameter gradients are computed and dropped. Every layer of the
 model runs (no one-layer-times-L extrapolation), so its step time is the model's compute time.
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from slidedp.bench.measure import RunSpec, synthetic_tokens, timed_steps
+from slidedp.models.fast import Compute, apply_compute, resolve_compute
 from slidedp.models.hf import EMBED, LM_HEAD, NORM, HFAdapter
 from slidedp.models.loss import IGNORE_INDEX, shift_labels
 from slidedp.plan.device import pick_dtype
@@ -52,14 +54,18 @@ class ReferenceModel:
         dtype: torch.dtype,
         chunk_tokens: int,
         layers: tuple[LayerPolicy, ...] | None = None,
+        compute: Compute | None = None,
     ) -> None:
-        """``layers``: the activation layout (default: every layer ``F``)."""
+        """``layers``: the activation layout (default: every layer ``F``); ``compute``: the
+        layer kernels and compilation (default: eager, not compiled)."""
         self.adapter, self.device, self.chunk_tokens = adapter, device, chunk_tokens
         self.weights = init_weights(adapter, device, dtype, seed=0)
         self.rotary = adapter.make_rotary(device)
         self.embed = adapter.make_embed(device)
         layout = layers or (LayerPolicy("F"),) * adapter.num_layers
         self.executors = [executor_for(p) for p in layout]
+        self.compute = compute or Compute("eager", "")
+        apply_compute(adapter, self.compute)
 
     def _layer_params(self, layer: int) -> dict[str, torch.Tensor]:
         group = self.adapter.groups[self.adapter.layer_group(layer)]
@@ -103,17 +109,18 @@ class ReferenceModel:
 
 
 def run_reference(spec: RunSpec) -> dict[str, Any]:
-    """Timed steps of the reference on ``spec``'s synthetic batches, with our engine's dtype
-    and loss chunk (from ``spec.ours``, the config ours runs with)."""
+    """Timed steps of the reference on ``spec``'s synthetic batches, with our engine's dtype,
+    loss chunk, layout and layer compute (from ``spec.ours``, the config ours runs with, and
+    its policy file)."""
     device = torch.device(spec.device)
     adapter = HFAdapter.from_dir(spec.config_dir)
     dtype = pick_dtype(spec.ours["train"]["dtype"], device)
     rt = spec.ours["runtime"]
-    layout = (
-        read_policy_file(rt["policy"]).get("layers", rt["layers"]) if rt["policy"] else rt["layers"]
-    )
-    layers = parse_layout(layout, adapter.num_layers, default_ratio=0.0)
-    model = ReferenceModel(adapter, device, dtype, rt["loss_chunk_tokens"], layers)
+    if rt["policy"]:  # the policy file's keys replace the runtime's
+        rt = rt | read_policy_file(rt["policy"])
+    layers = parse_layout(rt["layers"], adapter.num_layers, default_ratio=0.0)
+    compute = resolve_compute(rt["kernels"], rt["compile"], device, adapter)
+    model = ReferenceModel(adapter, device, dtype, rt["loss_chunk_tokens"], layers, compute)
     tokens = synthetic_tokens(
         adapter.vocab_size, spec.batch, spec.seq_len, spec.warmup + spec.steps, spec.seed
     )
@@ -128,4 +135,5 @@ def run_reference(spec: RunSpec) -> dict[str, Any]:
         "step_times_s": times,
         "tokens_per_step": spec.batch * spec.seq_len,
         "losses": losses[spec.warmup :],
+        "kernels": compute.describe(),
     }

@@ -125,6 +125,8 @@ def print_report(report: dict[str, Any]) -> None:
         if "exposed_wait_s" in r:
             waits = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["exposed_wait_s"].items())
             print(f"{'':{width + 6}} exposed wait, ms/step: {waits}")
+        if "kernels" in r:
+            print(f"{'':{width + 6}} layer compute: {r['kernels']}")
     one = ""  # with --gpus/--ranks: these are the ratios on one
     if "world" in report:
         one = " on 1 GPU" if report["device"] == "cuda" else " on 1 rank"

@@ -28,6 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from slidedp.errors import ModelLoadError
+from slidedp.models.fast import call_layer
 from slidedp.models.loss import chunked_lm_loss
 from slidedp.store import GroupSpec, ParamSpec
 
@@ -189,6 +190,8 @@ class HFAdapter:
             self._routers = [[m for m in layer.modules() if isinstance(m, self.router_loss.router)]
                              for layer in self.base.layers]  # fmt: skip
         self.groups = self._groups()
+        # how a decoder layer module is called: eager, or compiled (models.fast.apply_compute)
+        self.layer_call: Callable[[nn.Module, torch.Tensor, dict[str, Any]], Any] = call_layer
 
     @classmethod
     def from_dir(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> HFAdapter:
@@ -289,7 +292,8 @@ class HFAdapter:
             hooks = [r.register_forward_hook(lambda _m, _i, out: recorded.append(out[index]))
                      for r in self._routers[layer]]  # fmt: skip
         try:
-            out = module(x, **{k: v for k, v in kwargs.items() if k in self._layer_args})
+            args = {k: v for k, v in kwargs.items() if k in self._layer_args}
+            out = self.layer_call(module, x, args)
         finally:
             for hook in hooks:
                 hook.remove()

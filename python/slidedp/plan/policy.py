@@ -8,16 +8,20 @@ and an all-gather), the gradient route (``gpu``: reduced on the devices, ``cpu``
 host), ``chunk_elems`` (elements per transfer chunk = one host slot: one size serves H2D
 and D2H, since the staging and gradient rings share the store's slot size), the device window
 ``slots``, the host ``staging_slots`` and ``grad_slots`` per rank, the BF16 ``mirror``, and
-``layers``: one ``LayerPolicy`` per decoder layer (``plan.layout``).
+``layers``: one ``LayerPolicy`` per decoder layer (``plan.layout``), and ``compute``: the layer
+kernels and whether the layer is compiled (``models.fast``: ``runtime.kernels``,
+``runtime.compile``).
 
 A policy file (``runtime.policy: path.yaml``) holds any of ``layers, param_route, grad_route,
-chunk_elems, slots, staging_slots, grad_slots, bf16_mirror, offload_ratio``; its values replace
-the ``runtime`` ones (setting a key in both places, to different values, is an error).
+chunk_elems, slots, staging_slots, grad_slots, bf16_mirror, offload_ratio, kernels, compile``;
+its values replace the ``runtime`` ones (setting a key in both places, to different values, is
+an error).
 
 Example::
 
-    policy = resolve_policy(cfg.runtime, adapter, mirror=True)
+    policy = resolve_policy(cfg.runtime, adapter, mirror=True, device=torch.device("cuda"))
     print(policy.describe())   # 'replicated/gpu, chunk 52,436,992, 2 slots, ..., 31xF-r0, 5xN-r0'
+    print(policy.compute.describe())  # 'liger (RMSNorm, RoPE, SwiGLU), not compiled, ...'
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 import yaml
 
 from slidedp.errors import ConfigError
+from slidedp.models.fast import Compute, resolve_compute
 from slidedp.plan.layout import LayerPolicy, format_layout, parse_layout
 
 if TYPE_CHECKING:
@@ -48,6 +53,8 @@ POLICY_FILE_KEYS = (
     "staging_slots",
     "grad_slots",
     "bf16_mirror",
+    "kernels",
+    "compile",
 )
 
 
@@ -61,6 +68,7 @@ class Policy:
     grad_slots: int  # per rank (D2H → AdamW ring)
     mirror: bool  # BF16 mirror in the store (loads are one DMA, no cast)
     layers: tuple[LayerPolicy, ...]
+    compute: Compute  # layer kernels and compilation (models.fast)
 
     @property
     def layout(self) -> str:
@@ -85,7 +93,8 @@ class Policy:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Policy:
         layers = parse_layout(d["layers"], num_layers=_count(d["layers"]), default_ratio=0.0)
-        return cls(**(d | {"layers": layers}))
+        compute = Compute(**d.get("compute", {"kernels": "eager", "compile": ""}))  # older runs
+        return cls(**(d | {"layers": layers, "compute": compute}))
 
 
 def _count(text: str) -> int:
@@ -163,9 +172,11 @@ def check_layout_fits(layers: tuple[LayerPolicy, ...], adapter: HFAdapter) -> No
             )
 
 
-def resolve_policy(rt: RuntimeSection, adapter: HFAdapter, *, mirror: bool) -> Policy:
-    """The policy of ``rt`` (the policy file applied) for ``adapter``; ``mirror`` as
-    ``estimate.resolve_mirror`` decided."""
+def resolve_policy(
+    rt: RuntimeSection, adapter: HFAdapter, *, mirror: bool, device: torch.device
+) -> Policy:
+    """The policy of ``rt`` (the policy file applied) for ``adapter`` on ``device``;
+    ``mirror`` as ``estimate.resolve_mirror`` decided."""
     rt = effective_runtime(rt)
     layers = parse_layout(rt.layers, adapter.num_layers, rt.offload_ratio)
     check_layout_fits(layers, adapter)
@@ -178,6 +189,7 @@ def resolve_policy(rt: RuntimeSection, adapter: HFAdapter, *, mirror: bool) -> P
         grad_slots=rt.grad_slots,
         mirror=mirror,
         layers=layers,
+        compute=resolve_compute(rt.kernels, rt.compile, device, adapter),
     )
 
 

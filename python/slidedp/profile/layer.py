@@ -22,6 +22,10 @@ Pareto-efficient candidates (no other both faster and smaller, by ``retained_byt
 the policy solver's input and is cached (``--cache-dir``, default ``~/.cache/slidedp/profile``)
 under a key of GPU name, shape, batch, sequence, dtype, candidates and the torch, transformers
 and slidedp versions; a cached profile is reused unless ``--force``.
+
+``--kernels eager,liger,compiled,liger+compiled`` shows another view instead: the layer's
+forward + backward under each layer-compute variant, its model TFLOP/s and its kernels with
+their share of the time (``profile.kernels``; not cached).
 """
 
 from __future__ import annotations
@@ -44,10 +48,12 @@ import transformers
 from slidedp import __version__
 from slidedp.bench.measure import synchronize
 from slidedp.bench.shapes import SHAPES, resolve_shape
+from slidedp.models.fast import COMPILE_BACKEND
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.cost import layer_footprint
 from slidedp.plan.device import pick_device, pick_dtype
 from slidedp.plan.layout import LayerPolicy, parse_entry
+from slidedp.profile.kernels import VARIANTS, format_kernels, profile_kernels
 from slidedp.profile.pareto import mark_pareto, plot_pareto
 from slidedp.runtime.activations import LayerRun, LayerState, executor_for
 from slidedp.runtime.activations.offload import ActivationOffload, offload_count
@@ -76,7 +82,7 @@ class Candidate:
     pareto: bool = False
 
 
-def _layer_inputs(
+def layer_inputs(
     adapter: HFAdapter, batch: int, seq_len: int, device: torch.device, dtype: torch.dtype
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, Any]]:
     gen = torch.Generator(device).manual_seed(0)
@@ -119,7 +125,7 @@ def measure(
     warmup: int,
     steps: int,
 ) -> Candidate:
-    params, x, ctx = _layer_inputs(adapter, batch, seq_len, device, dtype)
+    params, x, ctx = layer_inputs(adapter, batch, seq_len, device, dtype)
     executor = executor_for(policy)
     offload = ActivationOffload(device, LaneClock(device))
     fwd, bwd, reload_s, retained, transient, offloaded, count = [], [], [], 0, 0, 0, 0
@@ -280,6 +286,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--png", help="draw the memory-time Pareto frontier here")
     parser.add_argument("--cache-dir", default="~/.cache/slidedp/profile")
     parser.add_argument("--force", action="store_true", help="measure even if cached")
+    parser.add_argument(
+        "--kernels",
+        default="",
+        help="instead of the layouts: these layer-compute variants with their kernel breakdown "
+        f"(comma-separated: {','.join(VARIANTS)})",
+    )
+    parser.add_argument("--top", type=int, default=12, help="kernels shown per variant")
+    parser.add_argument("--backend", default=COMPILE_BACKEND, help="torch.compile backend")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -287,10 +301,14 @@ def main(args: argparse.Namespace) -> int:
         from slidedp.bench.plot import require_matplotlib
 
         require_matplotlib()  # before measuring
-    report = profile_layer(args)
-    print(format_report(report))
+    if args.kernels:
+        report = profile_kernels(args)
+        print(format_kernels(report))
+    else:
+        report = profile_layer(args)
+        print(format_report(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
-    if args.png:
+    if args.png and not args.kernels:
         plot_pareto(report, Path(args.png))
     return 0

@@ -61,6 +61,7 @@ import torch
 from slidedp.data.batch import Batch
 from slidedp.errors import NonFiniteError
 from slidedp.kernels import Kernels
+from slidedp.models.fast import apply_compute
 from slidedp.models.hf import EMBED, LM_HEAD, NORM, HFAdapter
 from slidedp.models.loss import IGNORE_INDEX, shift_labels
 from slidedp.plan.policy import Plan
@@ -121,6 +122,7 @@ class Engine:
                 f"the policy has {len(policy.layers)} layers, the model {adapter.num_layers}"
             )
         self.executors = [executor_for(p) for p in policy.layers]
+        apply_compute(adapter, policy.compute)
         rank, world = (0, 1) if ctx is None else (ctx.rank, ctx.world)
         self.grad_slots = store.layout["grad_slots"] // world  # this rank's share of each ring
         staging = store.layout["staging_slots"] // world

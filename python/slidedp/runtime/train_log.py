@@ -86,6 +86,7 @@ class RunFacts:
     dtype: str
     window: str  # the device window: slots and bytes
     policy: str  # Policy.describe()
+    compute: str  # Policy.compute.describe(): the layer kernels, compiled or not
     isa: str
     threads: int
     peak_flops: float | None
@@ -105,6 +106,7 @@ class RunFacts:
             f"{steps}{resumed}",
             f"  device window: {self.window}",
             f"  policy: {self.policy}",
+            f"  layer compute: {self.compute}",
             f"  host memory: store {_gib(self.store_bytes)} (shared, in /dev/shm), "
             f"{_gib(mem_available_bytes())} still available; pinned {_gib(self.pinned_bytes)} "
             "(store slots)",

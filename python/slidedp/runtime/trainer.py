@@ -78,7 +78,7 @@ class Trainer:
         def create() -> HostStore:  # every rank gets its own range of the slot rings
             # decided once, by the creator: the others attach to what it made
             mirror = resolve_mirror(cfg, self.adapter, Machine.probe(cfg, measure=False))
-            policy = resolve_policy(rt, self.adapter, mirror=mirror)
+            policy = resolve_policy(rt, self.adapter, mirror=mirror, device=self.device)
             args = store_args(policy, bf16=bf16, world=world)
             store = HostStore.create(self.adapter.group_specs(), **args)
             self.source = self._fill_state(store)
@@ -97,7 +97,9 @@ class Trainer:
         self.data = run_batches(cfg, self.adapter.config, self.adapter.vocab_size)
         self.lr_at = lr_schedule(tc.lr_scheduler, tc.learning_rate, tc.warmup_steps, tc.max_steps)
         # every rank's policy: the store's mirror is what the creator decided
-        self.policy = resolve_policy(rt, self.adapter, mirror=self.store.has_mirror)
+        self.policy = resolve_policy(
+            rt, self.adapter, mirror=self.store.has_mirror, device=self.device
+        )
         self.plan = Plan(
             device=self.device,
             dtype=self.dtype,
@@ -155,6 +157,7 @@ class Trainer:
             dtype=str(self.dtype).removeprefix("torch."),
             window=f"{len(window.slots)} layer slots, {window.param_bytes():,} B",
             policy=self.policy.describe(),
+            compute=self.policy.compute.describe(),
             isa=self.engine.kernels.isa,
             threads=self.engine.kernels.threads,
             peak_flops=device_peak_flops(self.device),

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue 22 on the GPU machine, one device call (< 10 minutes on an H100): fast layer compute.
+#
+# Here first:  .venv/bin/maturin build --release -o dist/ -q && make liger-wheels
+# Device call: carry ["dist", "wheels"], command `bash benches/gpu_fast_layers.sh`
+#
+# Each part has its own timeout and writes its JSON under $OUT as soon as it finishes; every
+# part's output also goes to $OUT/log.txt.
+#   1. one Qwen3-8B decoder layer, B=16, S=1024, fwd+bwd without replay: eager, Liger, then
+#      compiled, both — model TFLOP/s and the top kernels of each (slidedp profile layer --kernels)
+#   2. slidedp bench train --shape qwen3-8b --batch 16, ours and the reference with the new
+#      defaults (BENCHMARKS.md's Qwen3-8B H100 run: no clipping, --host-limit 118)
+#   3. the FSDP2 parity tests with Liger and with the compiled layer (200 steps each; the
+#      liger+compiled case and the eager test are left for another call: time)
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-out/gpu-fast}
+mkdir -p "$OUT"
+LOG="$OUT/log.txt"
+python3 -m pip install -q --no-deps --force-reinstall dist/*.whl
+python3 -m pip install -q --no-deps --no-index wheels/liger_kernel-*.whl
+python3 -c "import torch, triton, liger_kernel, slidedp; print('torch', torch.__version__,
+'triton', triton.__version__, 'liger_kernel', liger_kernel.__file__, 'slidedp', slidedp.__file__)" \
+    2>&1 | tee -a "$LOG"
+
+part() {  # part NAME SECONDS COMMAND...
+    local name=$1 seconds=$2
+    shift 2
+    echo "== $name ($(date -u +%T), timeout ${seconds}s): $*" | tee -a "$LOG"
+    timeout "$seconds" "$@" >>"$LOG" 2>&1
+    echo "== $name: exit $? ($(date -u +%T))" | tee -a "$LOG"
+}
+
+LAYER=(python3 -m slidedp profile layer --shape qwen3-8b --batch 16 --seq-len 1024 --warmup 3
+       --steps 10 --top 12)
+# uncompiled first: a slow compilation must not cost the eager and Liger figures
+part layer-eager 60 "${LAYER[@]}" --kernels eager,liger --json "$OUT/layer-qwen3-8b-b16-eager.json"
+part layer-compiled 150 "${LAYER[@]}" --kernels compiled,liger+compiled \
+    --json "$OUT/layer-qwen3-8b-b16-compiled.json"
+part bench 200 python3 -m slidedp bench train --shape qwen3-8b --batch 16 --systems ours,reference \
+    --warmup 2 --steps 3 --host-limit 118 --set train.max_grad_norm=0 \
+    --json "$OUT/bench-qwen3-8b-b16.json"
+# -W default: a warning from Liger or the compiler is printed here, not the end of the run
+part parity 160 env SLIDEDP_PARITY_JSON="$OUT/parity.json" python3 -m pytest -q -s -W default \
+    -m "gpu and slow" tests/engine/test_gpu_parity.py \
+    -k "fused_and_compiled and (liger-False or eager-True)"
+tail -c 6000 "$LOG"

@@ -1,0 +1,198 @@
+"""Fast layer compute (``models.fast``): the kernel/compile choice, Liger's patching, and the
+compiled decoder layer against the eager one, CPU float32.
+
+The compiled layer runs the graph dynamo traced from transformers' own forward through
+``aot_eager`` (the same aten operations, each run by its eager kernel: inductor would fuse
+them, which needs a C++ toolchain and minutes per model, and changes the rounding), so its
+losses and weights must equal the eager run's bit for bit; a guard or a graph that went wrong
+shows as a different loss. Compilations are counted with a counting backend: a recompilation
+per layer (a guard on the module or on the slot's views) or per step would add frames.
+Liger's kernels are Triton (CUDA only): on CPU the tests check the choice and that every norm,
+MLP and the rotary function were replaced; its numerics are checked on the GPU
+(``tests/engine/test_gpu_parity.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from engine.tiny import make_model, read_metrics, tiny_config, write_config, write_data
+from slidedp.cli import main
+from slidedp.config import load_config
+from slidedp.errors import ConfigError
+from slidedp.models import fast
+from slidedp.models.hf import HFAdapter, bind_params
+from slidedp.plan.policy import Policy, resolve_policy
+
+COUNTER = CompileCounterWithBackend("aot_eager")
+if "slidedp_count" not in torch._dynamo.list_backends(exclude_tags=()):
+    torch._dynamo.register_backend(COUNTER, name="slidedp_count")
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def _adapter(arch: str = "qwen3") -> HFAdapter:
+    return HFAdapter(tiny_config(arch, tied=True, layers=2))
+
+
+def test_auto_runs_eager_on_cpu_and_says_why_once() -> None:
+    compute = fast.resolve_compute("auto", None, CPU, _adapter())
+    assert (compute.kernels, compute.compile) == ("eager", "")
+    assert compute.describe().count("CUDA/Triton only: eager on CPU") == 1
+
+
+def test_auto_picks_liger_on_cuda_where_it_is_installed_and_compiles_the_eager_fallback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    adapter = _adapter()
+    assert fast.resolve_compute("auto", None, CUDA, adapter) == fast.Compute("liger", "")
+    assert fast.resolve_compute("auto", True, CUDA, adapter).compile == "inductor"
+    assert fast.resolve_compute("eager", None, CUDA, adapter) == fast.Compute("eager", "inductor")
+    gemma = fast.resolve_compute("auto", False, CUDA, _adapter("gemma3_text"))
+    assert gemma.kernels == "eager"
+    assert "qwen3 layers only" in gemma.reason
+    moe = _adapter("qwen3_moe")  # router logits recorded by per-call hooks: not compiled
+    assert fast.resolve_compute("auto", None, CUDA, moe).compile == ""
+    with pytest.raises(ConfigError, match=r"set runtime\.compile=false"):
+        fast.resolve_compute("auto", True, CUDA, moe)
+    monkeypatch.setattr(fast, "liger_available", lambda: False)
+    fallback = fast.resolve_compute("auto", None, CUDA, adapter)
+    assert fallback == fast.Compute("eager", "inductor", fallback.reason)
+    assert (
+        "liger_kernel is not installed or does not import (pip install 'slidedp[fast]'): "
+        "eager fallback" in fallback.describe()
+    )
+    with pytest.raises(ConfigError, match=r"runtime\.kernels=liger cannot run here: liger_kernel"):
+        fast.resolve_compute("liger", None, CUDA, adapter)
+
+
+def test_liger_on_cpu_and_a_bad_value_are_one_line_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="CUDA/Triton only"):
+        fast.resolve_compute("liger", None, CPU, _adapter())
+    model = make_model(tmp_path, "qwen3", tied=True)
+    data = write_data(tmp_path / "data.jsonl", 4)
+    config = write_config(tmp_path / "c.yaml", model, data, tmp_path / "out")
+    with pytest.raises(ConfigError, match=r"runtime.kernels must be one of .*got 'fused'"):
+        load_config(config, ["runtime.kernels=fused"])
+    with pytest.raises(ConfigError, match=r"runtime\.compile must be"):
+        load_config(config, ["runtime.compile=sometimes"])
+
+
+def test_a_policy_file_sets_the_layer_compute_and_it_is_saved_with_the_policy(
+    tmp_path: Path,
+) -> None:
+    model = make_model(tmp_path, "qwen3", tied=True)
+    data = write_data(tmp_path / "data.jsonl", 4)
+    policy_file = tmp_path / "policy.yaml"
+    policy_file.write_text("kernels: eager\ncompile: true\n")
+    config = write_config(tmp_path / "c.yaml", model, data, tmp_path / "out",
+                          runtime={"policy": str(policy_file)})  # fmt: skip
+    policy = resolve_policy(load_config(config).runtime, HFAdapter.from_dir(model),
+                            mirror=False, device=CPU)  # fmt: skip
+    assert policy.compute == fast.Compute("eager", "inductor")
+    assert Policy.from_dict(policy.to_dict()) == policy
+
+
+def test_liger_replaces_every_norm_and_the_swiglu() -> None:
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm
+    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+
+    adapter = _adapter()
+    fast.apply_compute(adapter, fast.Compute("liger", ""))
+    norms: list[Any] = [m for m in adapter.skeleton.modules() if type(m).__name__ == "Qwen3RMSNorm"]
+    assert len(norms) == 2 * 4 + 1  # per layer: input, post-attention, q, k; the final norm
+    assert all(m.forward.__func__ is LigerRMSNorm.forward for m in norms)
+    assert all(m.casting_mode == "llama" and m.offset == 0.0 for m in norms)
+    mlps: list[Any] = [adapter.layer_module(i).mlp for i in range(adapter.num_layers)]
+    assert all(m.forward.__func__ is LigerSwiGLUMLP.forward for m in mlps)
+
+
+def _bound_attention(adapter: HFAdapter) -> Any:
+    """Layer 0's attention with random weights bound (``bind_params``)."""
+    group = adapter.groups[adapter.layer_group(0)]
+    shapes = adapter.shapes()
+    gen = torch.Generator().manual_seed(0)
+    params = {local: torch.randn(shapes[full], generator=gen) * 0.1 for full, local in group.params}
+    bind_params(adapter.layer_module(0), params)
+    return adapter.layer_module(0).self_attn
+
+
+def test_liger_rope_runs_only_inside_the_patched_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An eager model of the same type in the same process (the cost model's meta runs, a
+    reference built after) keeps transformers' rotary function."""
+    from liger_kernel.transformers import rope
+    from transformers.models.llama import modeling_llama
+
+    hf_rope = modeling_llama.apply_rotary_pos_emb
+    calls: list[torch.Size] = []
+
+    def recorder(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
+        calls.append(q.shape)
+        return hf_rope(q, k, cos, sin)
+
+    monkeypatch.setattr(rope, "liger_rotary_pos_emb", recorder)  # Triton: not on CPU
+    patched, plain = _adapter("llama"), _adapter("llama")
+    fast.apply_compute(patched, fast.Compute("liger", ""))
+    assert modeling_llama.apply_rotary_pos_emb is hf_rope
+    x = torch.randn(2, 12, 64)
+    positions = torch.arange(12).unsqueeze(0)
+    cos_sin = plain.position_embeddings(plain.make_rotary(CPU), x, positions)[0]
+    outs = []
+    for adapter in (plain, patched):
+        attention = _bound_attention(adapter)
+        outs.append(attention(x, position_embeddings=cos_sin, attention_mask=None)[0])
+        assert len(calls) == (adapter is patched)
+        assert modeling_llama.apply_rotary_pos_emb is hf_rope
+    assert torch.equal(outs[0], outs[1])  # the recorder computes with transformers' rope
+
+
+STEPS = 4
+TRAIN = {"max_steps": STEPS, "global_batch_size": 4, "learning_rate": 3e-3, "max_grad_norm": 2.4}
+
+
+def _train(
+    tmp_path: Path, model: Path, name: str, runtime: dict[str, object]
+) -> tuple[list[tuple[float, float]], dict[str, torch.Tensor]]:
+    data = write_data(tmp_path / "data.jsonl", 32, min_len=20, max_len=20)  # no padding
+    out = tmp_path / name
+    config = write_config(tmp_path / f"{name}.yaml", model, data, out, train=TRAIN,
+                          runtime=runtime, output={"tensorboard": False})  # fmt: skip
+    assert main(["train", str(config)]) == 0
+    metrics = [(m["loss"], m["grad_norm"]) for m in read_metrics(out)]
+    return metrics, load_file(out / "final" / "model.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("arch", "tied", "layers"),
+    [("qwen3", True, "F"), ("llama", False, "2xF-r1, 1xN-r0.5, 1xSAC.mm, S1010100")],
+)
+def test_the_compiled_layer_trains_bit_identically_and_compiles_once_per_mode(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    arch: str,
+    tied: bool,
+    layers: str,
+) -> None:
+    """Batches of one shape, no padding. Two graphs: F's forward runs without grad,
+    its replay, N's forward and SAC's region with grad (S runs its spans eagerly). With
+    padded batches of varying lengths, dynamo adds one graph per mode with a symbolic length
+    at the second length, and one for a batch without padding (no mask tensor)."""
+    model = make_model(tmp_path, arch, tied=tied, layers=5)
+    eager_metrics, eager_params = _train(tmp_path, model, "eager", {"layers": layers})
+    assert "layer compute: eager, not compiled" in capsys.readouterr().out
+    monkeypatch.setattr(fast, "COMPILE_BACKEND", "slidedp_count")
+    torch._dynamo.reset()
+    COUNTER.clear()
+    metrics, params = _train(tmp_path, model, "compiled", {"layers": layers, "compile": True})
+    assert "compiled (slidedp_count)" in capsys.readouterr().out
+    # 5 layers x 4 steps: the graphs of the first step serve every layer and step
+    assert COUNTER.frame_count == 2
+    assert len(metrics) == STEPS
+    assert metrics == eager_metrics  # losses and gradient norms, every step
+    assert all(torch.equal(eager_params[k], params[k]) for k in params)
