@@ -10,7 +10,7 @@ STAMP := $(VENV)/.slidedp-installed
 export PYO3_PYTHON := $(PY)
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: test demo lint build bench-kernels wheel liger-wheels clean
+.PHONY: test demo lint build bench-kernels wheel liger-wheels peers-wheels clean
 
 # The venv is rebuilt only when it is missing, broken, or pyproject.toml changed.
 $(STAMP): pyproject.toml
@@ -71,6 +71,11 @@ liger-wheels:
 	python3 -m pip download -q --no-deps -d wheels 'liger-kernel>=0.8'
 	du -sh wheels
 
+# The peers of `slidedp bench train` (DeepSpeed, RoundPipe) for the GPU machine, which has no
+# index: carry peers-wheels/ and run `scripts/peers.sh install` there (README, "Benchmarks").
+peers-wheels:
+	scripts/peers.sh download peers-wheels
+
 clean:
 	cargo clean
-	rm -rf $(VENV) dist python/slidedp/_native*.so
+	rm -rf $(VENV) dist peers-wheels python/slidedp/_native*.so

@@ -10,7 +10,8 @@ With ``spec.host_limit_gib`` the sampler also enforces a host budget (a smaller 
 this one, e.g. an 80 GB H100 with a 125 GiB host): when the tree's PSS passes it, the child's
 process group is killed and the run reported as host ``oom`` — before the kernel's OOM killer
 would pick a process itself. The store of ours is a nameless tmpfs file: nothing is left in
-/dev/shm by the kill.
+/dev/shm by the kill. With ``spec.timeout_s`` the child is killed the same way once it has run
+that long, and reported with ``status`` ``timeout`` (a sweep keeps to its time budget).
 
 Example::
 
@@ -26,6 +27,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,8 @@ class ChildRun:
         self.count_root = spec.world == 1  # else the root is the launcher of the ranks
         self.host_limit_bytes = int(spec.host_limit_gib * GIB)
         self.killed_at_bytes = 0  # the PSS that passed the host limit (0: not killed)
+        self.timeout_s = spec.timeout_s
+        self.timed_out = False
 
     def run(self) -> tuple[int, dict[str, Any] | None, str]:
         """(exit code, result or None, stderr text)."""
@@ -70,11 +74,16 @@ class ChildRun:
         return code, result, self.stderr_path.read_text()
 
     def _sample(self, pid: int, done: threading.Event) -> None:
+        deadline = time.monotonic() + self.timeout_s
         while not done.is_set():
             pss = tree_pss_bytes(pid) - (0 if self.count_root else process_pss_bytes(pid))
             self.peak_pss_bytes = max(self.peak_pss_bytes, pss)
             if self.host_limit_bytes and pss > self.host_limit_bytes:
                 self.killed_at_bytes = pss
+                _kill_group(pid)
+                return
+            if self.timeout_s and time.monotonic() > deadline:
+                self.timed_out = True
                 _kill_group(pid)
                 return
             done.wait(PSS_SAMPLE_S)
@@ -95,6 +104,9 @@ def run_child(spec: RunSpec, workdir: Path) -> tuple[dict[str, Any], int]:
             f"{spec.host_limit_gib:g} GiB; killed"
         )
         result = {"system": spec.system, "batch": spec.batch, "status": "oom", "error": error}
+    elif child.timed_out:
+        error = f"ran past --system-timeout {spec.timeout_s:g} s; killed"
+        result = {"system": spec.system, "batch": spec.batch, "status": "timeout", "error": error}
     elif result is None:
         lines = [line for line in stderr.splitlines() if line.strip()]
         status = "killed" if code < 0 else "error"

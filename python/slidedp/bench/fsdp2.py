@@ -1,4 +1,4 @@
-"""The FSDP2 CPU-offload baseline: how one would fine-tune the model with stock PyTorch.
+"""The FSDP2 baselines: how one would fine-tune the model with stock PyTorch.
 
 The HF model from its config (f32 weights on the host), HF activation checkpointing per decoder
 layer, ``fully_shard`` on every decoder layer and on the root with
@@ -34,25 +34,35 @@ from slidedp.runtime.dist import Dist, rank_device
 from slidedp.runtime.launch import free_port
 
 
-def build_fsdp2_model(config: Any, device: torch.device, world: int = 1) -> nn.Module:
-    """The HF model, checkpointed per layer, fully sharded over ``world`` ranks with CPU offload
-    (process group up)."""
+def enable_checkpointing(model: Any) -> None:
+    """HF activation checkpointing per decoder layer, non-reentrant (FSDP2 and DeepSpeed's
+    ZeRO-3 hooks want it)."""
+    non_reentrant = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (old name warns)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=non_reentrant)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=non_reentrant)
+
+
+def build_fsdp2_model(
+    config: Any, device: torch.device, world: int = 1, offload: bool = True
+) -> nn.Module:
+    """The HF model, checkpointed per layer, fully sharded over ``world`` ranks, with CPU offload
+    or (``offload=False``) every state on ``device``, where ``fully_shard`` moves it (process
+    group up)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     model: Any = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     model.train()
-    non_reentrant = {"use_reentrant": False}  # per decoder layer; FSDP2 wants non-reentrant
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 (old name warns)
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=non_reentrant)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=non_reentrant)
+    enable_checkpointing(model)
     mesh = init_device_mesh(device.type, (world,))
     policies: dict[str, Any] = {
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-        "offload_policy": CPUOffloadPolicy(pin_memory=device.type == "cuda"),
     }
+    if offload:
+        policies["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     for layer in model.model.layers:
         fully_shard(layer, **policies)
     fully_shard(model, **policies)
@@ -70,7 +80,8 @@ def _join_alone(device: torch.device) -> None:
 
 
 def run_fsdp2(spec: RunSpec) -> dict[str, Any]:
-    """Timed steps of the FSDP2 baseline: forward, backward, clip, fused AdamW on the host."""
+    """Timed steps of the FSDP2 baseline: forward, backward, clip, fused AdamW on the host
+    (``fsdp2-resident``: on the GPU)."""
     ctx = Dist.from_env()  # launched ranks, or None: one process
     if ctx is None:
         device, rank, world = torch.device(spec.device), 0, 1
@@ -84,7 +95,7 @@ def run_fsdp2(spec: RunSpec) -> dict[str, Any]:
     try:
         config = AutoConfig.from_pretrained(spec.config_dir)
         torch.manual_seed(spec.seed)
-        model = build_fsdp2_model(config, device, world)
+        model = build_fsdp2_model(config, device, world, offload=spec.system == "fsdp2")
         opt = torch.optim.AdamW(
             model.parameters(),
             lr=train.learning_rate,

@@ -26,7 +26,7 @@ import torch
 class RunSpec:
     """One system at one batch size; crosses the process boundary as JSON."""
 
-    system: str  # ours | reference | fsdp2 | collectives | peak
+    system: str  # ours | reference | fsdp2 | a peer (bench.peers) | collectives | peak
     config_dir: str  # holds the model's config.json (random init from it)
     batch: int  # sequences per rank and step: the global batch is batch x world
     seq_len: int
@@ -39,6 +39,8 @@ class RunSpec:
     layer_numel: int = 0  # collectives: elements of the model's largest decoder layer
     gpu_limit_gib: float = 0.0  # > 0: each rank's CUDA allocator is capped there (worker)
     host_limit_gib: float = 0.0  # > 0: the run is killed, as OOM, when its PSS passes it (child)
+    timeout_s: float = 0.0  # > 0: the run is killed past it and reported as a timeout (child)
+    peer: dict[str, Any] = field(default_factory=dict)  # a peer's config overrides (--peer-set)
 
     @property
     def global_batch(self) -> int:

@@ -1,14 +1,16 @@
 """The batch-sweep figure of ``slidedp bench train --sweep ... --png FILE``.
 
-Three panels against batch size, one line per system (ours, reference, fsdp2; with ``--gpus N``
-also each run of N ranks, ``bench.report.run_label``): tokens/s, GPU peak reserved (GiB) and
-host PSS peak (GiB). A run that ran out of memory has no point; its
-batch is marked "OOM" at the bottom of each panel. Needs matplotlib (``pip install
-'slidedp[bench]'``).
+Three panels against batch size, one line per system (ours, reference, fsdp2, the peers; with
+``--gpus N`` also each run of N ranks, ``bench.report.run_label``): tokens/s, GPU peak reserved
+(GiB) and host PSS peak (GiB), as the SlideDP paper's Figures 2 and 3. A system's legend entry
+carries the geometric mean of ours / it over the batches where both ran (``bench.sweep``). A
+run that ran out of memory has no point; its batch is marked "OOM" at the bottom of each panel.
+Needs matplotlib (``pip install 'slidedp[bench]'``).
 
 A sweep too long for one sitting (one device call) can be run a few batches at a time with
 ``--json`` and drawn afterwards from the reports: ``slidedp bench plot --png sweep.png
-b4-8.json b16-32.json`` (the reports must be of one shape, sequence length and device).
+b4-8.json b16-32.json`` (the reports must be of one shape, sequence length and device; the
+systems may differ, e.g. one report per peer). It prints the sweep summary of the merged runs.
 
 Example::
 
@@ -25,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from slidedp.bench.report import run_label
+from slidedp.bench.sweep import print_summary, sweep_summary
 from slidedp.errors import ConfigError
 
 PANELS = (
@@ -32,7 +35,10 @@ PANELS = (
     ("gpu_peak_reserved_gib", "GPU peak reserved (GiB)"),
     ("host_pss_peak_gib", "host PSS peak (GiB)"),
 )
-STYLE = {"ours": "o-", "reference": "s--", "fsdp2": "^-."}
+STYLE = {
+    "ours": "o-", "reference": "s--", "fsdp2": "^-.", "fsdp2-resident": "v:",
+    "zero3-offload": "D-.", "zero-offload": "d:", "roundpipe": "P--",
+}  # fmt: skip
 SAME = ("shape", "seq_len", "device_name")  # what reports must share to be drawn together
 
 
@@ -54,6 +60,7 @@ def plot_sweep(report: dict[str, Any], path: Path) -> None:
 
     runs = report["runs"]
     labels = list(dict.fromkeys(run_label(r) for r in runs))
+    geomeans = {p["system"]: p["geomean_ours_over_peer"] for p in sweep_summary(runs)["peers"]}
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4), constrained_layout=True)
     for ax, (key, axis_label) in zip(axes, PANELS, strict=True):
         for label in labels:
@@ -62,7 +69,9 @@ def plot_sweep(report: dict[str, Any], path: Path) -> None:
             points = sorted((r["batch"], r[key]) for r in ok if r.get(key) is not None)
             if points:
                 xs, ys = zip(*points, strict=True)
-                ax.plot(xs, ys, STYLE.get(mine[0]["system"], "x-"), label=label)
+                ratio = geomeans.get(label)
+                legend = label if ratio is None else f"{label} (ours {ratio:.2f}x)"
+                ax.plot(xs, ys, STYLE.get(mine[0]["system"], "x-"), label=legend)
             for r in mine:
                 if r["status"] == "oom":
                     ax.annotate(f"{label} OOM", (r["batch"], 0), rotation=90, fontsize=7)
@@ -107,7 +116,9 @@ def main(args: argparse.Namespace) -> int:
                 reports.append(json.loads(Path(path).read_text()))
             except (OSError, ValueError) as e:
                 raise ConfigError(f"{path}: not a readable JSON report ({e})") from None
-        plot_sweep(merge_reports(reports), Path(args.png))
+        merged = merge_reports(reports)
+        plot_sweep(merged, Path(args.png))
+        print_summary(sweep_summary(merged["runs"]))
     except ConfigError as e:
         print(f"slidedp bench plot: error: {e}", file=sys.stderr)
         return 2

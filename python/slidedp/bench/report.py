@@ -1,7 +1,8 @@
 """The report of ``slidedp bench train``: per-run figures, the ratios, the printed table.
 
 A worker's raw result (step times, tokens per step, memory, lanes) becomes a run with means over
-the measured steps; ``ratios`` divides our tokens/s by each baseline's at the same batch.
+the measured steps; ``ratios`` divides our tokens/s by each baseline's and each peer's at the
+same batch.
 
 Example::
 
@@ -54,14 +55,20 @@ def summarise(
     return run
 
 
+def compared(runs: list[dict[str, Any]]) -> list[str]:
+    """The systems ours is divided by: the baselines always, the peers that were asked for."""
+    peers = [r["system"] for r in runs if r["system"] not in ("ours", *BASELINES)]
+    return [*BASELINES, *dict.fromkeys(peers)]
+
+
 def ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per batch, tokens/s of ours over each baseline (None where either did not run)."""
+    """Per batch, tokens/s of ours over each other system (None where either did not run)."""
     by_key = {(r["batch"], r["system"]): r for r in runs}
     out = []
     for batch in sorted({r["batch"] for r in runs}):
         ours = by_key.get((batch, "ours"), {}).get("tokens_per_s")
         row: dict[str, Any] = {"batch": batch}
-        for base in BASELINES:
+        for base in compared(runs):
             theirs = by_key.get((batch, base), {}).get("tokens_per_s")
             row[f"ours_over_{base}"] = ours / theirs if ours and theirs else None
         out.append(row)
@@ -124,5 +131,6 @@ def print_report(report: dict[str, Any]) -> None:
     if "world" in report:
         one = " on 1 GPU" if report["device"] == "cuda" else " on 1 rank"
     for row in report["ratios"]:
-        parts = [f"ours/{b} {_fmt(row[f'ours_over_{b}'], '.2f')}x" for b in BASELINES]
+        parts = [f"ours/{k.removeprefix('ours_over_')} {_fmt(v, '.2f')}x" for k, v in row.items()
+                 if k != "batch"]  # fmt: skip
         print(f"ratios at batch {row['batch']}{one} (tokens/s): {', '.join(parts)}")

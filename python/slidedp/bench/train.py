@@ -1,4 +1,5 @@
-"""``slidedp bench train``: our engine beside the compute-only reference and FSDP2 CPU offload.
+"""``slidedp bench train``: our engine beside the compute-only reference, FSDP2 CPU offload and
+the peers users would pick instead (DeepSpeed ZeRO-Offload, GPU-resident FSDP2, RoundPipe).
 
 Run (on the GPU machine)::
 
@@ -7,6 +8,8 @@ Run (on the GPU machine)::
     slidedp bench train --shape path/to/config.json --systems ours,reference --device cpu
     slidedp bench train --shape qwen3-4b --batch 4 --gpus 2 --routes all --json scale.json
     slidedp bench train --shape qwen3-30b-a3b --layers 12 --seq 4096 --json moe.json
+    slidedp bench train --shape qwen3-4b --sweep 4,8,16,32 --system-timeout 300 --json peers.json \
+        --systems ours,zero3-offload,zero-offload,fsdp2-resident,roundpipe
 
 For each batch size, each system runs in its own subprocess (``bench.child``, ``bench.worker``)
 on the same synthetic tokens, ``--warmup`` steps discarded then ``--steps`` measured:
@@ -16,14 +19,19 @@ on the same synthetic tokens, ``--warmup`` steps discarded then ``--steps`` meas
 - ``reference``: the same layers and step computation, every weight resident, no offload, no
   optimizer (``bench.reference``);
 - ``fsdp2``: HF model, activation checkpointing, FSDP2 with bf16 mixed precision and
-  ``CPUOffloadPolicy(pin_memory=True)``, fused host AdamW (``bench.fsdp2``).
+  ``CPUOffloadPolicy(pin_memory=True)``, fused host AdamW (``bench.fsdp2``);
+- the peers of ``bench.peers`` (optional packages; one line in the report when one cannot run),
+  their config overridden with ``--peer-set SYSTEM.KEY=VALUE``.
 
 Per run: mean step time, tokens/s, model TFLOP/s (``runtime.flops.FLOPS_FORMULA``), MFU against
 the measured bf16 GEMM peak, GPU peak reserved (``torch.cuda.max_memory_reserved`` of the
 child), host PSS peak (sampled over the child's process tree), and for ours the exposed wait
-per lane. Ratios are of tokens/s: ours / fsdp2 and ours / reference (``bench.report``). A
-system that runs out of memory is reported as ``OOM``; any other failure makes the command
-exit 1 after the report.
+per lane. Ratios are of tokens/s: ours / each other system (``bench.report``), and over a sweep
+the geometric mean of those ratios where both ran and the largest batch of each system
+(``bench.sweep``). A system that runs out of memory is reported as ``OOM``, one that runs past
+``--system-timeout`` as ``TIMEOUT``, a peer that cannot run here as ``UNAVAILABLE``; any other
+failure makes the command exit 1 after the report. ``--json`` is rewritten after every run, so
+a sweep cut short keeps what it measured.
 
 With ``--gpus N`` (``--ranks N`` on CPU) the same batches also run on N ranks, weak scaling:
 ours once per route of ``--routes``, FSDP2 on N ranks, the collectives' bandwidths once
@@ -47,13 +55,17 @@ import yaml
 from slidedp.bench import multi
 from slidedp.bench.child import run_child
 from slidedp.bench.measure import RunSpec
+from slidedp.bench.peers import PEERS, parse_peer_sets
 from slidedp.bench.report import Model, print_report, ratios, summarise
 from slidedp.bench.scaling import collectives_report, print_scale, scale_report
 from slidedp.bench.shapes import SHAPES, cut_layers, resolve_shape
+from slidedp.bench.sweep import print_summary, sweep_summary
 from slidedp.config import load_config
 from slidedp.errors import ConfigError, SlidedpError
 
-SYSTEMS = ("ours", "reference", "fsdp2")
+DEFAULT_SYSTEMS = ("ours", "reference", "fsdp2")
+SYSTEMS = (*DEFAULT_SYSTEMS, *PEERS)
+RESULTS = ("ok", "oom", "timeout", "unavailable")  # a run's statuses that are not a failure
 OURS_DEFAULTS: dict[str, Any] = {
     "train": {"max_steps": 1, "learning_rate": 1e-5, "lr_scheduler": "constant"}
 }
@@ -89,7 +101,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg("--layers", type=int, default=0, help="cut the shape to its first N layers (0: all)")
     arg("--warmup", type=int, default=3, help="steps run first and discarded")
     arg("--steps", type=int, default=5, help="steps measured")
-    arg("--systems", default=",".join(SYSTEMS), help="a subset of ours,reference,fsdp2")
+    arg("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"a subset of {','.join(SYSTEMS)}")
+    arg(
+        "--peer-set",
+        dest="peer_sets",
+        action="append",
+        default=[],
+        metavar="SYSTEM.KEY=VALUE",
+        help="a peer's config, e.g. zero3-offload.zero_optimization.stage3_prefetch_bucket_size=1e8"
+        " or roundpipe.num_microbatch=4",
+    )
+    arg(
+        "--system-timeout",
+        default=None,
+        metavar="S[,SYSTEM=S...]",
+        help="kill a run after S seconds and report it as TIMEOUT; SYSTEM=S for one system "
+        "(e.g. 120,zero3-offload=200; default: no limit)",
+    )
     arg("--device", default="auto", choices=("auto", "cuda", "cpu"))
     arg(
         "--set",
@@ -150,6 +178,30 @@ def _parse(args: argparse.Namespace) -> tuple[list[int], list[str], str]:
     return batches, systems, device
 
 
+def system_timeouts(text: str | None, systems: list[str]) -> dict[str, float]:
+    """``--system-timeout``: seconds per system of ``systems`` (0: no limit), from a default
+    ``S`` and ``SYSTEM=S`` items, or one ``ConfigError`` line."""
+    if text is None:
+        return dict.fromkeys(systems, 0.0)
+    default, per_system = 0.0, {}
+    for item in text.split(","):
+        name, sep, value = item.strip().rpartition("=")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = -1.0
+        if seconds <= 0 or (sep and name not in systems):
+            raise ConfigError(
+                f"--system-timeout {text!r}: use S or SYSTEM=S, comma-separated, seconds > 0, "
+                f"SYSTEM one of --systems ({','.join(systems)})"
+            )
+        if sep:
+            per_system[name] = seconds
+        else:
+            default = seconds
+    return {s: per_system.get(s, default) for s in systems}
+
+
 def _params(config: Any) -> int:
     """Stored parameters (a tied head counted once), from a meta-device model."""
     from transformers import AutoModelForCausalLM
@@ -168,6 +220,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.png:
         require_matplotlib()
     ours = ours_config(args.overrides)
+    peer_sets = parse_peer_sets(args.peer_sets)
+    timeouts = system_timeouts(args.system_timeout, systems)
     scale = multi.parse_scale(args, systems, device, ours)  # None: one GPU only
     config = resolve_shape(args.shape)
     if args.layers:
@@ -193,6 +247,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "gpu_limit_gib": args.gpu_limit or None,
         "host_limit_gib": args.host_limit or None,
         "ours_config": {"train": ours["train"], "runtime": ours["runtime"]},
+        "peer_sets": peer_sets,
+        "system_timeout_s": timeouts,
     }
     with tempfile.TemporaryDirectory(prefix="slidedp-bench-") as tmp:
         config.to_json_file(Path(tmp) / "config.json")
@@ -219,9 +275,15 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             print(f"slidedp bench train: collectives on {scale.world} ranks ...", file=sys.stderr)
             result, _ = run_child(multi.collectives_spec(spec, scale, config), Path(tmp))
             report["collectives"] = collectives_report(result)
-        runs = []
+        runs: list[dict[str, Any]] = []
+        report["runs"] = runs  # filled in as the runs finish
         for batch in batches:
-            at_batch = [dataclasses.replace(spec, system=s, batch=batch) for s in systems]
+            at_batch = [
+                dataclasses.replace(
+                    spec, system=s, batch=batch, peer=peer_sets.get(s, {}), timeout_s=timeouts[s]
+                )
+                for s in systems
+            ]
             if scale is not None:
                 at_batch += multi.scaled_specs(
                     dataclasses.replace(spec, batch=batch), systems, scale
@@ -234,11 +296,18 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 runs.append(summarise(result, peak_pss_bytes, model, world=run.world))
                 if scale is not None:
                     runs[-1] |= multi.run_keys(run)
-    report["runs"] = runs
-    report["ratios"] = ratios([r for r in runs if r.get("world", 1) == 1])
+                _conclude(report)
+                if args.json:
+                    Path(args.json).write_text(json.dumps(report, indent=1))
     if scale is not None:
         report |= scale_report(runs, scale)
     return report
+
+
+def _conclude(report: dict[str, Any]) -> None:
+    """The report's ratios and sweep summary from its runs so far."""
+    report["ratios"] = ratios([r for r in report["runs"] if r.get("world", 1) == 1])
+    report["summary"] = sweep_summary(report["runs"])
 
 
 def _describe(run: RunSpec) -> str:
@@ -267,6 +336,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"slidedp bench train: error: {e}", file=sys.stderr)
         return 2
     print_report(report)
+    print_summary(report["summary"])
     if "scaling" in report:
         print_scale(report)
     if args.json:
@@ -275,7 +345,7 @@ def main(args: argparse.Namespace) -> int:
         from slidedp.bench.plot import plot_sweep
 
         plot_sweep(report, Path(args.png))
-    failed = [r for r in report["runs"] if r["status"] not in ("ok", "oom")]
+    failed = [r for r in report["runs"] if r["status"] not in RESULTS]
     if report.get("collectives", {}).get("status", "ok") not in ("ok", "oom"):
         failed.append(report["collectives"])
     return 1 if failed or "peak_error" in report else 0

@@ -7,10 +7,12 @@ Run by the parent (``slidedp.bench.train``), not by hand::
 A spec of several ranks (``world > 1``) makes this process their launcher and each rank a copy
 of it (``bench.ranks``). The result holds ``status`` (``ok``, or ``oom`` when the device or the
 host ran out of memory: a result, not a crash), the system's measured step times, the process's
-GPU peak reserved and allocated bytes and its PSS at the end. Any other exception propagates
-(non-zero exit, traceback on stderr). ``system="peak"`` measures the device's bf16 GEMM peak and
-the device name instead; ``system="collectives"`` the bandwidths of the ranks' collectives
-(``bench.collectives``).
+GPU peak reserved and allocated bytes and its PSS at the end; a peer that cannot run here
+(``bench.peers.PeerUnavailable``: its package missing or broken, no CUDA) is ``unavailable``
+with one line.
+Any other exception propagates (non-zero exit, traceback on stderr). ``system="peak"`` measures
+the device's bf16 GEMM peak and the device name instead; ``system="collectives"`` the bandwidths
+of the ranks' collectives (``bench.collectives``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 
 from slidedp.bench.measure import RunSpec, gpu_memory, process_pss_bytes
+from slidedp.bench.peers import PeerUnavailable
 from slidedp.runtime.flops import device_peak_flops
 
 
@@ -46,6 +49,18 @@ def _fsdp2(spec: RunSpec) -> dict[str, Any]:
     return run_fsdp2(spec)
 
 
+def _zero(spec: RunSpec) -> dict[str, Any]:
+    from slidedp.bench.deepspeed_zero import run_zero
+
+    return run_zero(spec)
+
+
+def _roundpipe(spec: RunSpec) -> dict[str, Any]:
+    from slidedp.bench.roundpipe_sync import run_roundpipe
+
+    return run_roundpipe(spec)
+
+
 def _collectives(spec: RunSpec) -> dict[str, Any]:
     from slidedp.bench.collectives import run_collectives
 
@@ -56,6 +71,10 @@ SYSTEMS: dict[str, Callable[[RunSpec], dict[str, Any]]] = {
     "ours": _ours,
     "reference": _reference,
     "fsdp2": _fsdp2,
+    "fsdp2-resident": _fsdp2,  # the same code without CPUOffloadPolicy
+    "zero3-offload": _zero,
+    "zero-offload": _zero,
+    "roundpipe": _roundpipe,
     "collectives": _collectives,
 }
 
@@ -95,6 +114,8 @@ def run(spec: RunSpec) -> dict[str, Any]:
     result: dict[str, Any] = {"system": spec.system, "batch": spec.batch}
     try:
         result.update(SYSTEMS[spec.system](spec), status="ok")
+    except PeerUnavailable as e:
+        result.update(status="unavailable", error=str(e))
     except Exception as e:  # only out-of-memory is a result; anything else re-raises
         if not is_out_of_memory(e):
             raise

@@ -1,0 +1,87 @@
+"""The RoundPipe peer in its synchronous mode (the SlideDP paper's setting).
+
+The HF model from the config (FP32, the same seed as the other systems), cast to BF16 and
+wrapped by RoundPipe's Qwen3 sequential preset with FP32 optimizer copies
+(``wrap_model_to_roundpipe(..., optim_dtype=float32)``); RoundPipe's CPU Adam in AdamW mode
+(``decoupled_weight_decay=True``) on those copies, with our hyperparameters; clipping at our
+``train.max_grad_norm`` inside the optimizer step, on the FP32 gradients. Each step is
+``forward_backward`` (the model's chunked loss: ``return_logits=False``; each microbatch's mean
+loss weighted by its share of the rows, so the gradient is the batch's mean as in the other
+systems) then ``step(..., is_async=False)``: the next step runs on the updated weights.
+``--peer-set roundpipe.KEY=VALUE`` sets ``RoundPipeRunConfig`` fields (e.g. ``num_microbatch``,
+``recompute_grain``).
+
+Example::
+
+    result = run_roundpipe(spec)  # a RunSpec with system="roundpipe"
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from slidedp.bench.measure import RunSpec, synthetic_tokens, timed_steps
+from slidedp.bench.peers import require
+from slidedp.config import TrainSection
+
+
+def run_roundpipe(spec: RunSpec) -> dict[str, Any]:
+    """Timed synchronous RoundPipe steps: ``forward_backward``, then clip and AdamW on the host."""
+    roundpipe: Any = require(spec.system, spec.device)
+    device = torch.device(spec.device, 0)
+    train = TrainSection(**spec.ours["train"])
+    config = AutoConfig.from_pretrained(spec.config_dir)
+    torch.manual_seed(spec.seed)
+    model: Any = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
+    model = model.to(torch.bfloat16).train()
+    run_config = roundpipe.RoundPipeRunConfig(**spec.peer)
+    wrapped = roundpipe.wrap_model_to_roundpipe(
+        model,
+        use_sequential_preset=True,
+        model_run_config=run_config,
+        optim_dtype=torch.float32,
+        name="bench",
+    )
+    params = list(wrapped.optim_parameters())
+    optimizer = roundpipe.optim.Adam(
+        params,
+        lr=train.learning_rate,
+        betas=(train.adam_beta1, train.adam_beta2),
+        eps=train.adam_epsilon,
+        weight_decay=train.weight_decay,
+        decoupled_weight_decay=True,
+    )
+    steps = spec.warmup + spec.steps
+    tokens = synthetic_tokens(int(config.vocab_size), spec.batch, spec.seq_len, steps, spec.seed)
+    losses: list[float] = []
+
+    def loss_of(outputs: Any, rows: torch.Tensor) -> torch.Tensor:
+        # ``rows``: this microbatch's slice of the batch's ids, split as the inputs are
+        return outputs.loss * (rows.shape[0] / spec.batch)  # type: ignore[no-any-return]
+
+    def update() -> None:
+        if train.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, train.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def step(t: int) -> None:
+        ids = tokens[t]
+        loss = wrapped.forward_backward(
+            input_kwargs={"input_ids": ids, "labels": ids, "return_logits": False},
+            label=ids,
+            loss_fn=loss_of,
+        )
+        wrapped.step(update, is_async=False)
+        losses.append(float(loss))
+
+    times = timed_steps(step, warmup=spec.warmup, steps=spec.steps, device=device)
+    return {
+        "step_times_s": times,
+        "tokens_per_step": spec.batch * spec.seq_len,
+        "losses": losses[spec.warmup :],
+        "kernels": "RoundPipe's Qwen3 preset (transformers' layers, its compiled chunked loss)",
+    }

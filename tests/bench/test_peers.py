@@ -1,0 +1,200 @@
+"""The peers of ``slidedp bench train`` on CPU: the registry, a peer that cannot run as one line,
+``--peer-set``, the DeepSpeed config, GPU-resident FSDP2, ``--system-timeout``, and the DeepSpeed
+runs themselves where DeepSpeed is installed (it is not a test dependency)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.tiny import tiny_spec, write_tiny_config
+from slidedp.bench import train as bench_train
+from slidedp.bench import worker
+from slidedp.bench.child import run_child
+from slidedp.bench.deepspeed_zero import zero_config
+from slidedp.bench.peers import PEERS, Peer, PeerUnavailable, merged, parse_peer_sets, require
+from slidedp.bench.train import system_timeouts
+from slidedp.cli import main
+from slidedp.config import TrainSection
+from slidedp.errors import ConfigError
+
+HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
+
+
+def test_every_system_has_a_worker_and_peers_are_opt_in() -> None:
+    assert set(bench_train.SYSTEMS) <= set(worker.SYSTEMS)
+    assert set(PEERS) == {"zero3-offload", "zero-offload", "fsdp2-resident", "roundpipe"}
+    assert set(bench_train.SYSTEMS) == {*bench_train.DEFAULT_SYSTEMS, *PEERS}
+    parser = __import__("slidedp.cli", fromlist=["build_parser"]).build_parser()
+    args = parser.parse_args(["bench", "train"])
+    assert args.systems == "ours,reference,fsdp2"
+
+
+def test_the_engine_and_the_bench_never_import_a_peer_package() -> None:
+    code = (
+        "import sys\n"
+        "import slidedp.cli, slidedp.runtime.engine, slidedp.bench.train, slidedp.bench.worker\n"
+        "import slidedp.bench.deepspeed_zero, slidedp.bench.roundpipe_sync\n"
+        "print(sorted(m for m in ('deepspeed', 'roundpipe') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_peer_that_is_not_installed_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # import fails as if not installed
+    result = worker.run(tiny_spec(tmp_path, "zero3-offload"))
+    assert result["status"] == "unavailable"
+    assert result["error"].startswith("zero3-offload: deepspeed is not installed (")
+    assert result["error"].endswith(
+        "pip install 'slidedp[peers]'; on a machine without an index: README, Benchmarks"
+    )
+    assert "\n" not in result["error"]
+
+
+def test_a_peer_that_fails_at_import_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "broken_peer.py").write_text("raise ValueError('no GPU here\\nmore detail')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(PEERS, "roundpipe", Peer("broken_peer", needs_cuda=False))
+    with pytest.raises(PeerUnavailable) as caught:
+        require("roundpipe", "cpu")
+    assert str(caught.value) == "roundpipe: importing broken_peer failed: ValueError: no GPU here"
+
+
+def test_a_peer_that_cannot_run_here_is_a_row_and_a_summary_line_not_a_failure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = write_tiny_config(tmp_path / "m")
+    out = tmp_path / "r.json"
+    args = ["bench", "train", "--shape", str(config), "--seq", "16", "--device", "cpu"]
+    args += ["--batch", "2", "--warmup", "0", "--steps", "1", "--json", str(out)]
+    assert main([*args, "--systems", "reference,roundpipe"]) == 0
+    report = json.loads(out.read_text())
+    ref, peer = report["runs"]
+    assert ref["status"] == "ok"
+    assert (peer["status"], peer["error"]) == (
+        "unavailable",
+        "roundpipe needs CUDA (this run is on cpu)",
+    )
+    assert report["summary"]["peers"][1]["unavailable"] == peer["error"]
+    printed = capsys.readouterr().out
+    assert re.search(r"^ +2 roundpipe +UNAVAILABLE +roundpipe needs CUDA \(this run is on cpu\)$",
+                     printed, re.MULTILINE)  # fmt: skip
+    assert "summary: ours/roundpipe: not run (roundpipe needs CUDA (this run is on cpu))" in printed
+
+
+def test_peer_sets_nest_read_yaml_and_refuse_unknown_peers() -> None:
+    sets = parse_peer_sets(
+        [
+            "zero3-offload.zero_optimization.stage3_prefetch_bucket_size=1e8",
+            "zero3-offload.zero_optimization.overlap_comm=false",
+            "zero3-offload.gradient_clipping=0.5",
+            "roundpipe.num_microbatch=4",
+        ]
+    )
+    assert sets == {
+        "zero3-offload": {
+            "zero_optimization": {
+                "stage3_prefetch_bucket_size": 100_000_000,
+                "overlap_comm": False,
+            },
+            "gradient_clipping": 0.5,
+        },
+        "roundpipe": {"num_microbatch": 4},
+    }
+    for bad in ("deepspeed.x=1", "zero3-offload=1", "zero3-offload.x", "roundpipe.x=[1"):
+        with pytest.raises(ConfigError, match="--peer-set"):
+            parse_peer_sets([bad])
+    base = {"a": {"b": 1, "c": 2}, "d": 3}
+    assert merged(base, {"a": {"b": 5}}) == {"a": {"b": 5, "c": 2}, "d": 3}
+    assert base == {"a": {"b": 1, "c": 2}, "d": 3}
+
+
+def test_the_deepspeed_configs_follow_the_fine_tuning_guides() -> None:
+    train = TrainSection(
+        max_steps=1, learning_rate=2e-5, adam_beta1=0.8, adam_beta2=0.95, adam_epsilon=1e-6,
+        weight_decay=0.1, max_grad_norm=1.0,
+    )  # fmt: skip
+    three = zero_config(3, train, batch=16, hidden=2560)
+    assert three["train_batch_size"] == three["train_micro_batch_size_per_gpu"] == 16
+    assert three["gradient_accumulation_steps"] == 1
+    assert three["bf16"] == {"enabled": True}
+    assert three["gradient_clipping"] == 1.0
+    assert three["optimizer"] == {
+        "type": "AdamW",
+        "params": {"lr": 2e-5, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1},
+    }
+    pinned_cpu = {"device": "cpu", "pin_memory": True}
+    assert three["zero_optimization"] == {
+        "stage": 3, "offload_param": pinned_cpu, "offload_optimizer": pinned_cpu,
+        "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 10**9,
+        "reduce_bucket_size": 2560**2, "stage3_prefetch_bucket_size": int(0.9 * 2560**2),
+        "stage3_param_persistence_threshold": 25_600, "stage3_max_live_parameters": 10**9,
+        "stage3_max_reuse_distance": 10**9,
+    }  # fmt: skip
+    two = zero_config(2, dataclasses.replace(train, max_grad_norm=0.0), batch=4, hidden=64)
+    assert two["gradient_clipping"] == 0.0
+    assert two["zero_optimization"] == {
+        "stage": 2, "offload_optimizer": pinned_cpu, "overlap_comm": True,
+        "contiguous_gradients": True, "reduce_bucket_size": 4096, "allgather_partitions": True,
+        "allgather_bucket_size": 4096,
+    }  # fmt: skip
+    tuned = zero_config(
+        3, train, 16, 2560, {"zero_optimization": {"stage3_prefetch_bucket_size": 5 * 10**8}}
+    )
+    assert tuned["zero_optimization"]["stage3_prefetch_bucket_size"] == 5 * 10**8
+    assert tuned["zero_optimization"]["offload_param"] == pinned_cpu
+
+
+def test_gpu_resident_fsdp2_trains_the_same_model_as_fsdp2_offload(tmp_path: Path) -> None:
+    # in workers, as the bench runs them: run in the test process, the resident backward left
+    # autograd's threads there, and the multirank tests' later forks of it failed
+    resident, _ = run_child(tiny_spec(tmp_path, "fsdp2-resident"), tmp_path)
+    offload, _ = run_child(tiny_spec(tmp_path, "fsdp2"), tmp_path)
+    assert resident["status"] == offload["status"] == "ok"
+    # same weights, tokens and AdamW: on CPU the two differ only in where FSDP2 keeps the state
+    assert resident["losses"] == pytest.approx(offload["losses"], rel=1e-5)
+
+
+def test_system_timeouts_have_a_default_and_per_system_values() -> None:
+    systems = ["ours", "zero3-offload", "fsdp2"]
+    assert system_timeouts(None, systems) == {"ours": 0.0, "zero3-offload": 0.0, "fsdp2": 0.0}
+    assert system_timeouts("120,zero3-offload=200", systems) == {
+        "ours": 120.0, "zero3-offload": 200.0, "fsdp2": 120.0,
+    }  # fmt: skip
+    assert system_timeouts("fsdp2=90", systems) == {"ours": 0.0, "zero3-offload": 0.0, "fsdp2": 90}
+    for bad in ("0", "-5", "soon", "roundpipe=10", "ours=", "120,,ours=5"):
+        with pytest.raises(ConfigError, match="--system-timeout"):
+            system_timeouts(bad, systems)
+
+
+def test_a_run_past_the_system_timeout_is_killed_and_reported(tmp_path: Path) -> None:
+    # A worker spends well over 0.3 s importing torch before its first step.
+    spec = dataclasses.replace(tiny_spec(tmp_path, "reference"), timeout_s=0.3)
+    result, _ = run_child(spec, tmp_path)
+    assert (result["status"], result["error"]) == (
+        "timeout",
+        "ran past --system-timeout 0.3 s; killed",
+    )
+
+
+@pytest.mark.skipif(not HAVE_DEEPSPEED, reason="DeepSpeed is not installed (slidedp[peers])")
+def test_zero_peers_train_the_fsdp2_model_on_cpu(tmp_path: Path) -> None:
+    fsdp2, _ = run_child(tiny_spec(tmp_path, "fsdp2"), tmp_path)
+    for system in ("zero3-offload", "zero-offload"):
+        result, _ = run_child(tiny_spec(tmp_path, system), tmp_path)
+        assert result["status"] == "ok", result
+        assert result["optimizer"] == "DeepSpeedCPUAdam"
+        # the same initial weights and tokens: the first losses agree to bf16 rounding
+        assert result["losses"][0] == pytest.approx(fsdp2["losses"][0], rel=1e-3)
