@@ -97,7 +97,12 @@ from slidedp.plan.cost import layer_footprint, layout_memory
 from slidedp.plan.device import pick_device, pick_dtype
 from slidedp.plan.layout import LayerPolicy
 from slidedp.plan.policy import Policy, resolve_policy, store_args
-from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM, predict_step, spec_from_shapes
+from slidedp.plan.timing import (
+    ADAMW_BYTES_PER_PARAM,
+    layer_times,
+    predict_step,
+    spec_from_shapes,
+)
 from slidedp.runtime.flops import model_flops_per_token
 from slidedp.store import HostStore
 
@@ -398,10 +403,16 @@ def _step_model(
     cfg: TrainConfig, adapter: HFAdapter, machine: Machine, policy: Policy, dtype: torch.dtype
 ) -> dict[str, Any] | None:
     """The step-time model's prediction with ``plan.timing``'s rates (uncalibrated: FLOPs at
-    the measured layer efficiency, PCIe ceilings, the AdamW kernel table)."""
+    the measured layer efficiency, PCIe ceilings, the AdamW kernel table), the layers' times
+    taken from the layer profile where this run's is cached (``slidedp profile layer``, ``plan``
+    or ``runtime.policy: auto`` measured it on this GPU). ``calibration`` says which."""
+    from slidedp.plan.auto import profile_args
+    from slidedp.profile.layer import cached_profile
+
     peak, _ = _gpu_peak(machine.gpu_name)
     if machine.device != "cuda" or peak is None:
         return None
+    report = cached_profile(profile_args(cfg))
     b, s = cfg.train.global_batch_size, cfg.data.seq_len
     threads = cfg.runtime.update_threads or machine.cores
     offloaded = [layer_footprint(adapter, p, b, s, dtype).offloaded_bytes for p in policy.layers]
@@ -414,8 +425,10 @@ def _step_model(
         adamw_gbps=adamw_gbps(threads),
         clipping=cfg.train.max_grad_norm > 0,
         offloaded_bytes=offloaded,
+        measured=layer_times(report) if report else None,
     )
-    return predict_step(spec)
+    calibration = "layer profile" if report else "uncalibrated rates"
+    return predict_step(spec) | {"calibration": calibration}
 
 
 def _layout_rows(
@@ -546,7 +559,7 @@ def format_estimate(est: Estimate) -> str:
     if est.step_model is not None:
         m_ = est.step_model
         exposed = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in m_["exposed_s"].items())
-        row("  model (uncalibrated rates)", f"{m_['step_s']:.2f} s", f"{m_['regime']}")
+        row(f"  model ({m_['calibration']})", f"{m_['step_s']:.2f} s", f"{m_['regime']}")
         if exposed:
             row("    compute waits for", "", exposed)
     row(

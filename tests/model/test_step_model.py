@@ -72,3 +72,38 @@ def test_bench_model_prints_the_comparison(
     (row,) = json.loads(out.read_text())
     assert abs(row["error"]) < 0.02
     assert row["regime"].startswith("Update-bound")  # B=4: one AdamW pass binds the step
+
+
+def test_the_layer_profile_calibrates_the_layers_and_predicts_a_traced_layout() -> None:
+    """The H100 layer profile's times replace the FLOPs-rate ones for the profiled policies;
+    with them the model predicts the traced `24xSAC.mm, 12xN` step (no clipping, B=16) within
+    10% (BENCHMARKS.md: traced 1.512 s)."""
+    import dataclasses
+    import functools
+
+    import torch
+
+    from slidedp.bench.shapes import resolve_shape
+    from slidedp.config import RuntimeSection
+    from slidedp.estimate import _gpu_peak, adamw_gbps
+    from slidedp.models.hf import HFAdapter
+    from slidedp.plan.policy import resolve_policy
+    from slidedp.plan.timing import layer_times, spec_from_shapes
+
+    profile = json.loads((TRACES.parent / "qwen3-4b-h100-profile-layer-b16.json").read_text())
+    times = layer_times(profile)
+    adapter = HFAdapter(resolve_shape("qwen3-4b"))
+    runtime = dataclasses.replace(RuntimeSection(), layers="24xSAC.mm, 12xN")
+    policy = resolve_policy(runtime, adapter, mirror=True, device=torch.device("cuda"))
+    peak, _ = _gpu_peak("NVIDIA H100 80GB HBM3")
+    assert peak is not None
+    shaped = functools.partial(
+        spec_from_shapes, adapter, policy, batch=16, seq_len=1024, peak_flops=peak,
+        adamw_gbps=adamw_gbps(16), clipping=False, offloaded_bytes=[0] * adapter.num_layers,
+    )  # fmt: skip
+    spec = shaped(measured=times)
+    assert spec["forward_s"][0] == times["SAC.mm-r0"][0]
+    assert spec["backward_s"][-1] == times["N-r0"][1]
+    uncalibrated = shaped()
+    assert uncalibrated["backward_s"][-1] != spec["backward_s"][-1]
+    assert predict_step(spec)["step_s"] == pytest.approx(1.512, rel=0.10)

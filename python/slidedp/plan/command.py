@@ -98,6 +98,10 @@ def main(args: argparse.Namespace) -> int:
     target = dataclasses.replace(machine, device="cuda", gpu_total_bytes=total)
     runtime = dataclasses.replace(cfg.runtime, layers=choice.layout, policy="")
     est = estimate_run(dataclasses.replace(cfg, runtime=runtime), adapter, target)
+    # the step-time model ranks the choice against the default (on a GPU: it needs its peak)
+    runtime_f = dataclasses.replace(cfg.runtime, layers="F", offload_ratio=0.0, policy="")
+    est_f = estimate_run(dataclasses.replace(cfg, runtime=runtime_f), adapter, target)
+    model = {"chosen": est.step_model, "default": est_f.step_model}
     clock["check_s"] = time.perf_counter() - start
     short = [s for s in shortages(est) if s.startswith("GPU")]
     if short:  # the program's budget is the estimate's: this is a bug, never a user's error
@@ -115,11 +119,26 @@ def main(args: argparse.Namespace) -> int:
         "solution": choice.solution,
         "default": choice.default,
         "estimate_gpu_needed_bytes": est.gpu.needed_bytes if est.gpu else None,
+        "step_model": {
+            k: m and {"step_s": m["step_s"], "regime": m["regime"], "calibration": m["calibration"]}
+            for k, m in model.items()
+        },
         "timing_s": clock,
     }
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     print(format_summary(summary, out))
     return 0
+
+
+def _model_line(model: dict[str, Any]) -> str:
+    chosen, default = model["chosen"], model["default"]
+    if chosen is None or default is None:
+        return "  step-time model: n/a (no GPU here to take its peak from)"
+    return (
+        f"  step-time model ({chosen['calibration']}): {chosen['step_s']:.3f} s chosen vs "
+        f"{default['step_s']:.3f} s default ({default['step_s'] / chosen['step_s']:.3f}x); "
+        f"{chosen['regime']}"
+    )
 
 
 def format_summary(s: dict[str, Any], out: Path) -> str:
@@ -140,6 +159,7 @@ def format_summary(s: dict[str, Any], out: Path) -> str:
         f"{default['step_s']:.3f} s (layers {default['compute_s']:.3f} s) -> "
         f"{default['step_s'] / sol['step_s']:.3f}x predicted",
         f"  estimate of the run with it: GPU {s['estimate_gpu_needed_bytes'] / GIB:.2f} GiB needed",
+        _model_line(s["step_model"]),
         "  stages: "
         + ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in s["timing_s"].items()),
         f"wrote {out} (train with runtime.policy={out}) and {out.with_suffix('.json')}",

@@ -110,6 +110,12 @@ ADAMW_BYTES_PER_PARAM = 28  # f32 master, m, v read and written, the gradient re
 REPLAY_SHARE = {"F": 1.0, "S": 1.0, "SAC": 1.0, "N": 0.0}
 
 
+def layer_times(report: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """Forward and backward seconds per candidate of a ``slidedp profile layer`` report."""
+    return {c["policy"]: (float(c["forward_s"]), float(c["backward_s"]))
+            for c in report["candidates"]}  # fmt: skip
+
+
 def spec_from_shapes(
     adapter: HFAdapter,
     policy: Policy,
@@ -120,10 +126,13 @@ def spec_from_shapes(
     adamw_gbps: float,
     clipping: bool,
     offloaded_bytes: list[int],
+    measured: dict[str, tuple[float, float]] | None = None,
 ) -> dict[str, Any]:
     """A ``StepSpec`` from the model's shapes and the policy, with the module's rates: compute
     from FLOPs at ``LAYER_EFFICIENCY`` of ``peak_flops``, copies at the PCIe ceilings, AdamW
-    at ``adamw_gbps`` (``offloaded_bytes``: per layer, ``plan.cost``)."""
+    at ``adamw_gbps`` (``offloaded_bytes``: per layer, ``plan.cost``). ``measured``: a layer
+    policy's forward and backward (replay included) as the layer profile timed them on this
+    device (``layer_times``); they replace the FLOPs-rate times of the layers with that policy."""
     from slidedp.models.shape import layer_shapes
 
     tokens = batch * seq_len
@@ -135,6 +144,9 @@ def spec_from_shapes(
     backward = [
         (2 + REPLAY_SHARE[p.family]) * f for f, p in zip(forward, policy.layers, strict=True)
     ]
+    for i, p in enumerate(policy.layers):
+        if measured and str(p) in measured:
+            forward[i], backward[i] = measured[str(p)]
     params = [sum(math.prod(p.shape) for p in g.params) for g in adapter.group_specs()]
     head = 6 * adapter.vocab_size * adapter.hidden_size * tokens / rate
     grad_bytes = 2  # the compute dtype (bf16) on the device, then to the host
