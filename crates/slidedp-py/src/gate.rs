@@ -3,6 +3,8 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use pyo3::prelude::*;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
 use slidedp_core::Error;
 
 /// Runs `work` without the GIL and converts its outcome into a Python result.
@@ -28,6 +30,22 @@ where
             ))
         }
     }
+}
+
+/// A JSON-in, JSON-out call into the engine: `input` parsed as `I` (a parse error is an
+/// invalid argument), `work` run through [`gate`], its result serialized.
+pub fn json_call<I, O, F>(py: Python<'_>, input: &str, work: F) -> PyResult<String>
+where
+    I: DeserializeOwned + Sync,
+    O: Serialize + Send,
+    F: FnOnce(&I) -> slidedp_core::Result<O> + Send,
+{
+    let invalid = |py: Python<'_>, e: serde_json::Error| {
+        to_py_err(py, &Error::InvalidArgument(e.to_string()))
+    };
+    let parsed: I = serde_json::from_str(input).map_err(|e| invalid(py, e))?;
+    let output = gate(py, || work(&parsed))?;
+    serde_json::to_string(&output).map_err(|e| invalid(py, e))
 }
 
 /// A timeout argument in seconds, rejected (typed) when negative or not finite.
