@@ -89,9 +89,11 @@ def _warn(verb: str, warning: str | None) -> None:
         print(f"slidedp {verb}: warning: {warning}", file=sys.stderr, flush=True)
 
 
-def _estimate(config: str, overrides: list[str], as_json: bool, explain: bool) -> int:
+def _estimate(
+    config: str, overrides: list[str], as_json: bool, explain: bool, longest: bool
+) -> int:
     from slidedp.config import load_config
-    from slidedp.estimate import Machine, estimate_run, format_estimate
+    from slidedp.estimate import Machine, estimate_run, format_estimate, longest_sequence
     from slidedp.plan.auto import resolve_auto
     from slidedp.preflight import check_model
 
@@ -101,7 +103,15 @@ def _estimate(config: str, overrides: list[str], as_json: bool, explain: bool) -
     if chosen:
         print(chosen)
     est = estimate_run(cfg, adapter, machine)
-    print(json.dumps(est.to_json(), indent=2) if as_json else format_estimate(est))
+    report = est.to_json()
+    if longest:
+        found = longest_sequence(cfg, adapter, machine)
+        report["longest_seq"] = {"seq_len": found.seq_len, "limit": found.limit}
+    print(json.dumps(report, indent=2) if as_json else format_estimate(est))
+    if longest and not as_json:
+        b = cfg.train.global_batch_size
+        print(f"longest sequence at B={b} on this machine: {found.seq_len:,} tokens "
+              f"(next: {found.limit})")  # fmt: skip
     if explain and not as_json:
         path = est.step_model["critical_path"] if est.step_model else []
         print("critical path of a step (model): " + (" -> ".join(path) or "n/a (no GPU model)"))
@@ -149,6 +159,11 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("overrides", nargs="*", help="section.key=value, e.g. data.seq_len=4096")
     estimate.add_argument("--json", action="store_true", help="one JSON object instead of text")
     estimate.add_argument("--explain", action="store_true", help="the model's critical path")
+    estimate.add_argument(
+        "--longest-seq",
+        action="store_true",
+        help="the longest data.seq_len (multiple of 1024) this run fits on this machine",
+    )
     export = verbs.add_parser("export", parents=[debug], help="checkpoint -> HF model directory")
     export.add_argument("checkpoint", help="OUTPUT/checkpoint-STEP, or OUTPUT (its latest)")
     export.add_argument("out_dir", help="a new directory: config, tokenizer, f32 safetensors")
@@ -182,7 +197,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.verb == "validate":
         return _validate(args.config, args.overrides)
     if args.verb == "estimate":
-        return _estimate(args.config, args.overrides, args.json, args.explain)
+        return _estimate(args.config, args.overrides, args.json, args.explain, args.longest_seq)
     if args.verb == "export":
         return _export(args.checkpoint, args.out_dir)
     if args.verb == "profile":

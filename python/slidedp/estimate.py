@@ -328,8 +328,11 @@ def _step_time(
     )
 
 
-def estimate_run(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> Estimate:
-    """Every number of ``slidedp estimate`` for ``cfg`` on ``machine`` (formulas: module doc)."""
+def estimate_run(
+    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, *, step_model: bool = True
+) -> Estimate:
+    """Every number of ``slidedp estimate`` for ``cfg`` on ``machine`` (formulas: module doc);
+    ``step_model=False`` leaves out the step-time model's prediction (memory only)."""
     cuda = machine.device == "cuda"
     elem = 2 if machine.dtype == "bfloat16" else 4
     layout = plan_store(cfg, adapter, machine)
@@ -395,7 +398,37 @@ def estimate_run(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> Esti
         gpu=gpu,
         step=_step_time(cfg, adapter, machine, params),
         machine=machine,
-        step_model=_step_model(cfg, adapter, machine, policy, dtype),
+        step_model=_step_model(cfg, adapter, machine, policy, dtype) if step_model else None,
+    )
+
+
+@dataclass(frozen=True)
+class Longest:
+    seq_len: int  # 0: not even one step of ``step_tokens`` fits
+    limit: str  # what the next longer sequence lacks, or the model's position limit
+
+
+def longest_sequence(
+    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, step_tokens: int = 1024
+) -> Longest:
+    """The longest ``data.seq_len``, a multiple of ``step_tokens`` up to the model's
+    ``max_position_embeddings``, at which the run (its batch, layout, clipping) fits
+    ``machine``: a bisection over the estimate, whose memory grows with the sequence."""
+
+    def short(tokens: int) -> list[str]:
+        data = replace(cfg.data, seq_len=tokens)
+        est = estimate_run(replace(cfg, data=data), adapter, machine, step_model=False)
+        return shortages(est)
+
+    cap = getattr(adapter.config, "max_position_embeddings", None) or 2**22
+    lo, hi = 0, cap // step_tokens  # lo fits (0: trivially), hi + 1 is past the cap
+    if not short(hi * step_tokens):
+        return Longest(hi * step_tokens, f"the model's max_position_embeddings {cap:,}")
+    while hi - lo > 1:  # lo fits, hi does not
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if not short(mid * step_tokens) else (lo, mid)
+    return Longest(
+        lo * step_tokens, f"{hi * step_tokens:,} tokens: " + "; ".join(short(hi * step_tokens))
     )
 
 

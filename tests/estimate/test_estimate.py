@@ -16,6 +16,7 @@ from transformers import Qwen3Config
 from cli.util import one_error_line, run
 from engine.tiny import make_model, write_config, write_data
 from slidedp.bench.shapes import SHAPES
+from slidedp.cli import main
 from slidedp.config import TrainConfig, load_config
 from slidedp.errors import OutOfDeviceMemoryError
 from slidedp.estimate import (
@@ -25,8 +26,10 @@ from slidedp.estimate import (
     adamw_gbps,
     check_fits,
     estimate_run,
+    longest_sequence,
     plan_store,
     resolve_mirror,
+    shortages,
 )
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.cost import layer_footprint
@@ -320,3 +323,31 @@ def test_on_a_gpu_the_step_time_model_predicts_a_step_and_its_regime(
     assert str(small["regime"]).startswith("Update-bound")  # one AdamW pass binds B=4
     assert layout["step_s"] < free["step_s"] - 0.2  # no replay in any layer
     assert estimate_run(_cfg(tmp_path, qwen3_4b), adapter, CPU).step_model is None
+
+
+def test_the_longest_sequence_fits_and_the_next_one_does_not(
+    tmp_path: Path, qwen3_4b: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Qwen3-4B at B=1 with activation offload on a 16 GB GPU: bisected over the estimate,
+    the longest multiple of 1024 that fits, the next one short of GPU memory; a GPU large
+    enough for every length stops at the model's position limit."""
+    adapter = HFAdapter.from_dir(qwen3_4b)
+    cfg = _cfg(tmp_path, qwen3_4b, "train.global_batch_size=1", "runtime.offload_ratio=1")
+    gpu = replace(H100, gpu_total_bytes=16 * 10**9)
+    found = longest_sequence(cfg, adapter, gpu)
+    assert 0 < found.seq_len < 40960
+    assert found.limit.startswith(f"{found.seq_len + 1024:,} tokens: GPU ")
+
+    def fits(tokens: int) -> bool:
+        data = replace(cfg.data, seq_len=tokens)
+        return not shortages(estimate_run(replace(cfg, data=data), adapter, gpu))
+
+    assert fits(found.seq_len)
+    assert not fits(found.seq_len + 1024)
+    huge = replace(H100, gpu_total_bytes=10**15)
+    found = longest_sequence(cfg, adapter, huge)
+    assert (found.seq_len, found.limit) == (40960, "the model's max_position_embeddings 40,960")
+    config = tmp_path / "c.yaml"
+    assert main(["estimate", str(config), "train.global_batch_size=1", "--longest-seq",
+                 "--json"]) == 0  # fmt: skip
+    assert "longest_seq" in json.loads(capsys.readouterr().out)
