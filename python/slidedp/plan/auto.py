@@ -35,7 +35,8 @@ CACHE_DIR = "~/.cache/slidedp/profile"
 
 def profile_args(cfg: TrainConfig, **given: Any) -> argparse.Namespace:
     """``slidedp profile layer``'s arguments for the run's own model, batch per rank and
-    sequence, on its device and dtype; ``given`` replaces any of them."""
+    sequence, on its device and dtype, with its layer compute (``runtime.kernels``,
+    ``runtime.compile``); ``given`` replaces any of them."""
     args = {
         "shape": str(Path(cfg.model.path) / "config.json"),
         "batch": cfg.train.global_batch_size // cfg.runtime.world,
@@ -48,6 +49,8 @@ def profile_args(cfg: TrainConfig, **given: Any) -> argparse.Namespace:
         "steps": 5,
         "cache_dir": CACHE_DIR,
         "force": False,
+        "layer_kernels": cfg.runtime.kernels,
+        "layer_compile": cfg.runtime.compile,
     }
     return argparse.Namespace(**(args | given))
 

@@ -48,7 +48,7 @@ import transformers
 from slidedp import __version__
 from slidedp.bench.measure import synchronize
 from slidedp.bench.shapes import SHAPES, resolve_shape
-from slidedp.models.fast import COMPILE_BACKEND
+from slidedp.models.fast import COMPILE_BACKEND, apply_compute, resolve_compute
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.cost import layer_footprint
 from slidedp.plan.device import pick_device, pick_dtype
@@ -226,8 +226,12 @@ def _plan(args: argparse.Namespace) -> tuple[Any, ...]:
         "transformers": transformers.__version__,
         "slidedp": __version__,
     }
+    # the layer compute the run uses (plan, runtime.policy: auto); the command line's: eager
+    compute = resolve_compute(getattr(args, "layer_kernels", "eager"),
+                              getattr(args, "layer_compile", False), device, adapter)  # fmt: skip
+    facts["compute"] = {"kernels": compute.kernels, "compile": compute.compile}
     cache = Path(args.cache_dir).expanduser() / f"layer-{cache_key(facts)}.json"
-    return adapter, device, dtype, policies, facts, cache
+    return adapter, device, dtype, policies, facts, cache, compute
 
 
 def _read_cache(cache: Path) -> dict[str, Any] | None:
@@ -240,14 +244,15 @@ def _read_cache(cache: Path) -> dict[str, Any] | None:
 
 def cached_profile(args: argparse.Namespace) -> dict[str, Any] | None:
     """The cached report of ``args`` (None when there is none: nothing is measured)."""
-    return _read_cache(_plan(args)[-1])
+    return _read_cache(_plan(args)[-2])
 
 
 def profile_layer(args: argparse.Namespace) -> dict[str, Any]:
-    adapter, device, dtype, policies, facts, cache = _plan(args)
+    adapter, device, dtype, policies, facts, cache, compute = _plan(args)
     batch, seq_len = args.batch, args.seq_len
     if not args.force and (report := _read_cache(cache)) is not None:
         return report
+    apply_compute(adapter, compute)  # after the candidates: the cost model runs on meta
     results = [
         measure(adapter, p, batch, seq_len, device, dtype, args.warmup, args.steps)
         for p in policies
