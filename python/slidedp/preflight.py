@@ -205,13 +205,15 @@ def check_before_training(cfg: TrainConfig, *, measure_policy: bool = False) -> 
 
     device = check_device(cfg)
     adapter, model = check_model(cfg)
-    machine = Machine.probe(cfg, measure=False)
-    cfg, chosen = resolve_auto(cfg, adapter, machine, measure=measure_policy)
     ranks = [check_ranks(cfg)] if cfg.runtime.world > 1 or cfg.runtime.nodes > 1 else []
     resume, resumed = check_resume(cfg, adapter)
+    output = check_output_dir(cfg)
+    # after every refusal that needs no layout: profiling is GPU work and writes its cache
+    machine = Machine.probe(cfg, measure=False)
+    cfg, chosen = resolve_auto(cfg, adapter, machine, measure=measure_policy,
+                               resume=None if resume is None else resume.path)  # fmt: skip
     policy = [chosen] if chosen else []
-    lines = [device, *ranks, model, *policy, resumed, check_memory(cfg, adapter),
-             check_output_dir(cfg)]  # fmt: skip
+    lines = [device, *ranks, model, *policy, resumed, check_memory(cfg, adapter), output]
     return Checked(lines, resume, adapter, cfg, chosen)
 
 

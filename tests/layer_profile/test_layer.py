@@ -110,3 +110,25 @@ def test_the_kernel_view_times_each_compute_variant_and_breaks_it_down(
     printed = capsys.readouterr().out
     assert "liger           skipped: " in printed
     assert "TFLOP/s  (eager, not compiled" in printed
+
+
+def test_candidates_are_what_the_layer_takes_and_their_text_selects_the_same_tensors() -> None:
+    """A MoE layer gets no S mask and no SAC.noact (the runtime refuses them there); a ratio
+    written as the layout's text offloads the tensors the measured candidate offloaded."""
+    import torch
+
+    from engine.tiny import tiny_config
+    from slidedp.models.hf import HFAdapter
+    from slidedp.plan.cost import layer_footprint
+    from slidedp.plan.layout import parse_entry
+    from slidedp.runtime.activations.offload import offload_count
+
+    f32 = torch.float32
+    moe = HFAdapter(tiny_config("qwen3_moe", tied=True, layers=2))
+    families = {p.family + p.arg for p in layer.candidates(layer.FAMILIES, "0", moe, 2, 16, f32)}
+    assert families == {"F", "SACmm", "SACattn", "N"}
+    dense = HFAdapter(tiny_config("qwen3", tied=True, layers=2))
+    for p in layer.candidates(layer.FAMILIES, "0,0.3,0.5,0.7,1", dense, 2, 16, f32):
+        saved = list(layer_footprint(dense, p, 2, 16, f32).saved)
+        _, written = parse_entry(str(p), 0.0)
+        assert offload_count(saved, written.ratio) == offload_count(saved, p.ratio), str(p)

@@ -61,7 +61,10 @@ def test_auto_profiles_once_chooses_and_trains_as_the_chosen_layout(
     ("runtime", "message"),
     [
         ({"policy": "auto", "layers": "N"}, "runtime.policy=auto chooses runtime.layers"),
-        ({"policy": "auto", "ranks": 2, "device": "cpu"}, "runtime.policy=auto chooses on one"),
+        (
+            {"policy": "auto", "ranks": 2, "device": "cpu"},
+            "runtime.policy=auto chooses the layout of one process",
+        ),
     ],
 )
 def test_auto_against_settings_it_would_override_is_one_line(
@@ -91,3 +94,21 @@ def test_the_profile_is_keyed_by_the_runs_layer_compute(tmp_path: Path) -> None:
     assert eager[4]["compute"] == {"kernels": "eager", "compile": ""}
     assert compiled[4]["compute"] == {"kernels": "eager", "compile": "inductor"}
     assert eager[5] != compiled[5]
+
+
+def test_a_resumed_auto_run_keeps_the_layout_its_checkpoint_ran_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(auto, "CACHE_DIR", str(tmp_path / "cache"))
+    path = _config(tmp_path, "auto", policy="auto")
+    out = tmp_path / "auto"
+    assert main(["train", str(path), "output.save_steps=1"]) == 0
+    chosen = yaml.safe_load((out / "resolved_config.yaml").read_text())["runtime"]["layers"]
+    # the cache is gone: a fresh choice would profile again; the resumed run keeps its layout
+    for f in (tmp_path / "cache").glob("*.json"):
+        f.unlink()
+    capsys.readouterr()
+    assert main(["train", str(path), "train.max_steps=3", "train.resume=auto"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("policy   auto"))
+    assert line.startswith(f"policy   auto: {chosen} (kept from checkpoint-2)")
+    assert not list((tmp_path / "cache").glob("*.json"))

@@ -37,6 +37,7 @@ def _row(policy: str, time_ms: float, retained_mib: float, *, pareto: bool = Tru
         "retained_bytes": None,  # as on CPU: the cost model's bytes are used
         "estimated_retained_bytes": int(retained_mib * MIB),
         "offloaded_bytes": int(offloaded_mib * MIB),
+        "estimated_offloaded_bytes": int(offloaded_mib * MIB),
         "transient_bytes": None,
         "estimated_transient_bytes": 4 * MIB,
     }
@@ -74,7 +75,8 @@ def _brute_force(problem: dict[str, Any]) -> float:
         used = [c for c, n in zip(cands, counts, strict=True) if n]
         mem = sum(c["retained_bytes"] * n for c, n in zip(cands, counts, strict=True))
         mem += max(2 * c["offloaded_bytes"] for c in used) + max(c["transient_bytes"] for c in used)
-        if mem <= problem["budget_bytes"]:
+        fits_parked = max(c["transient_bytes"] for c in used) + problem["parked_bytes"]
+        if mem <= problem["budget_bytes"] and fits_parked <= problem["budget_bytes"]:
             compute = sum(c["time_s"] * n for c, n in zip(cands, counts, strict=True))
             best = min(best, compute + host)  # clipping: the update follows the backward
     return best
@@ -87,7 +89,7 @@ def test_the_choice_is_the_brute_force_optimum_within_the_budget(
     _, cfg, adapter, machine = run
     # a GPU as large as what no layout changes plus `extra_mib` for activations
     base = 10 * GIB
-    free = activation_budget(cfg, adapter, machine, base)
+    free = activation_budget(cfg, adapter, machine, base).bytes
     total = int(base + (extra_mib * MIB - free) / 0.94)
     choice = select_layout(cfg, adapter, machine, _report(), total_bytes=total, update_gbps=10.0)
     names = [c["name"] for c in choice.problem["candidates"]]
@@ -141,3 +143,16 @@ def test_plan_refuses_a_profile_of_another_shape_and_a_machine_without_a_gpu(
     assert main(["plan", str(path), "--profile", str(report), "--out", str(policy)]) == 2
     assert "no GPU here to plan for: pass --gpu-memory" in capsys.readouterr().err
     assert not policy.exists()
+
+
+def test_plan_refuses_before_measuring_an_out_that_the_report_would_overwrite(
+    run: tuple[Path, Any, HFAdapter, Machine], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, _, _, _ = run
+    out = tmp_path / "policy.json"
+    assert main(["plan", str(path), "--gpu-memory", "80", "--out", str(out)]) == 2
+    assert "name it .yaml" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", str(path), "--gpu-memory", "-1"])
+    assert "must be a positive size in GiB" in capsys.readouterr().err
+    assert not out.exists()

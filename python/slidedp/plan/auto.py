@@ -5,7 +5,8 @@ and a resumed run keeps it.
 
 ``train`` profiles the layer when the profile is not cached (on the run's device, with the
 run's batch and sequence); ``validate`` and ``estimate`` never run GPU work: they use a cached
-profile, or check the default layout and say that ``train`` will choose.
+profile, or check the default layout and say that ``train`` will choose. A resumed run keeps
+the layout its checkpoint ran with.
 
 Example::
 
@@ -17,15 +18,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slidedp.errors import ConfigError
+from slidedp.io.checkpoint import STATE_FILE
+from slidedp.plan.layout import parse_layout
 from slidedp.profile.layer import FAMILIES, RATIOS, cached_profile, profile_layer
 
 if TYPE_CHECKING:
-    from slidedp.config import TrainConfig
+    from slidedp.config import RuntimeSection, TrainConfig
     from slidedp.estimate import Machine
     from slidedp.models.hf import HFAdapter
 
@@ -68,29 +72,58 @@ def device_total_bytes(machine: Machine, cfg: TrainConfig, adapter: HFAdapter) -
     return machine.mem_available_bytes - (est.ram_bytes - est.cpu_working_bytes)
 
 
+def check_one_process(rt: RuntimeSection, what: str) -> None:
+    """The selector profiles and budgets one process's share of the batch on one device."""
+    if rt.world > 1 or rt.nodes > 1:
+        raise ConfigError(
+            f"{what} chooses the layout of one process for now: for several ranks or nodes "
+            "write runtime.layers by hand (slidedp estimate checks it)"
+        )
+
+
+def _kept_layout(resume: Path | None, layers: int) -> str | None:
+    """The layout a resumed run's checkpoint ran with (``trainer_state.json``), if it has one
+    for this model."""
+    if resume is None:
+        return None
+    try:
+        layout = json.loads((resume / STATE_FILE).read_text())["policy"]["layers"]
+        return str(layout) if len(parse_layout(str(layout), layers, 0.0)) == layers else None
+    except (OSError, ValueError, KeyError, TypeError, ConfigError):
+        return None
+
+
 def resolve_auto(
-    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, *, measure: bool
+    cfg: TrainConfig,
+    adapter: HFAdapter,
+    machine: Machine,
+    *,
+    measure: bool,
+    resume: Path | None = None,
 ) -> tuple[TrainConfig, str | None]:
     """``cfg`` with ``runtime.policy: auto`` replaced by the chosen ``runtime.layers``, and the
     line that says what was chosen and why (``cfg`` unchanged and None without ``auto``).
-    ``measure``: profile the layer when it is not cached (else check the default layout)."""
+    ``measure``: profile the layer when it is not cached (else check the default layout).
+    ``resume``: the checkpoint a run continues from keeps the layout it ran with."""
     from slidedp.estimate import adamw_gbps
     from slidedp.plan.select import select_layout
 
     rt = cfg.runtime
     if rt.policy != AUTO:
         return cfg, None
-    if rt.world > 1 or rt.nodes > 1:
+    check_one_process(rt, "runtime.policy=auto")
+    fixed = [k for k in ("layers", "offload_ratio") if getattr(rt, k) != getattr(type(rt)(), k)]
+    if fixed:
         raise ConfigError(
-            "runtime.policy=auto chooses on one process: run `slidedp plan CONFIG` once and "
-            "pass runtime.policy=FILE to the ranks"
-        )
-    if rt.layers != type(rt)().layers:
-        raise ConfigError(
-            f"runtime.policy=auto chooses runtime.layers, which the config sets to '{rt.layers}':"
-            " keep one of them"
+            f"runtime.policy=auto chooses runtime.layers and their offload, which the config "
+            f"sets ({', '.join(f'{k}={getattr(rt, k)}' for k in fixed)}): keep one of them"
         )
     default = dataclasses.replace(cfg, runtime=dataclasses.replace(rt, policy=""))
+    kept = _kept_layout(resume, adapter.num_layers)
+    if kept is not None:
+        layers = dataclasses.replace(default.runtime, layers=kept)
+        line = f"policy   auto: {kept} (kept from {resume.name if resume else ''})"
+        return dataclasses.replace(default, runtime=layers), line
     start = time.perf_counter()
     args = profile_args(cfg)
     report = profile_layer(args) if measure else cached_profile(args)
@@ -110,7 +143,8 @@ def resolve_auto(
     source = "cached profile" if report.get("cached") else f"profiled in {profiled:.1f} s"
     line = (
         f"policy   auto: {choice.layout}, predicted {speedup:.2f}x the default all-F layout "
-        f"(step {choice.solution['step_s']:.3f} vs {choice.default['step_s']:.3f} s, "
+        f"(layers and host update {choice.solution['step_s']:.3f} vs "
+        f"{choice.default['step_s']:.3f} s, "
         f"activations {choice.solution['memory_bytes'] / 2**30:.2f} of "
         f"{choice.budget_bytes / 2**30:.2f} GiB; {source}, solved in {solved:.2f} s)"
     )

@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -27,10 +29,27 @@ from typing import Any
 import yaml
 
 from slidedp.errors import ConfigError
-from slidedp.plan.auto import CACHE_DIR, profile_args
+from slidedp.plan.auto import CACHE_DIR, check_one_process, profile_args
 from slidedp.profile.layer import FAMILIES, RATIOS, profile_layer
 
 GIB = 2**30
+
+
+def _gib(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive size in GiB, got {text}")
+    return value
+
+
+def _check_out(out: Path) -> None:
+    """Refused before any measuring: a report that would overwrite the policy, a place that
+    cannot be written."""
+    if out.suffix == ".json":
+        raise ConfigError(f"--out {out}: the report goes beside it as .json; name it .yaml")
+    parent = next((p for p in (out.parent, *out.parent.parents) if p.exists()), Path("."))
+    if out.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ConfigError(f"--out {out}: cannot write a file there")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg("overrides", nargs="*", help="section.key=value, e.g. train.global_batch_size=16")
     arg("--out", default="policy.yaml", help="the policy file to write (the report: .json beside)")
     arg("--profile", default=None, help="a `slidedp profile layer --json` report to use")
-    arg("--gpu-memory", type=float, default=0.0, metavar="GIB",
+    arg("--gpu-memory", type=_gib, default=None, metavar="GIB",
         help="plan for a GPU of this size (default: this machine's GPU)")  # fmt: skip
     arg("--families", default=FAMILIES, help="checkpoint families to profile")
     arg("--ratios", default=RATIOS, help="offload ratios to profile")
@@ -57,6 +76,15 @@ def _profile(args: argparse.Namespace, cfg: Any, batch: int) -> dict[str, Any]:
             raise ConfigError(
                 f"--profile {args.profile}: not a readable JSON report ({e})"
             ) from None
+        rows = report.get("candidates") if isinstance(report, dict) else None
+        needed = {"policy", "pareto", "forward_s", "backward_s", "reload_s", "retained_bytes",
+                  "estimated_retained_bytes", "offloaded_bytes", "estimated_offloaded_bytes",
+                  "transient_bytes", "estimated_transient_bytes"}  # fmt: skip
+        if not isinstance(rows, list) or not all(isinstance(r, dict) and needed <= set(r)
+                                                 for r in rows):  # fmt: skip
+            raise ConfigError(
+                f"--profile {args.profile}: not a `slidedp profile layer --json` report"
+            )
         if report.get("batch") != batch or report.get("seq_len") != cfg.data.seq_len:
             raise ConfigError(
                 f"--profile {args.profile} is of B={report.get('batch')} S={report.get('seq_len')}"
@@ -76,10 +104,13 @@ def main(args: argparse.Namespace) -> int:
 
     clock: dict[str, float] = {}
     start = time.perf_counter()
+    out = Path(args.out)
+    _check_out(out)
     cfg = load_config(args.config, args.overrides)
+    check_one_process(cfg.runtime, "slidedp plan")
     adapter = check_model(cfg)[0]
     machine = Machine.probe(cfg, measure=False)
-    total = int(args.gpu_memory * GIB) if args.gpu_memory > 0 else machine.gpu_total_bytes
+    total = int(args.gpu_memory * GIB) if args.gpu_memory else machine.gpu_total_bytes
     if total is None:
         raise ConfigError("no GPU here to plan for: pass --gpu-memory GIB (the target's size)")
     batch = profile_args(cfg).batch
@@ -103,11 +134,12 @@ def main(args: argparse.Namespace) -> int:
     est_f = estimate_run(dataclasses.replace(cfg, runtime=runtime_f), adapter, target)
     model = {"chosen": est.step_model, "default": est_f.step_model}
     clock["check_s"] = time.perf_counter() - start
-    short = [s for s in shortages(est) if s.startswith("GPU")]
-    if short:  # the program's budget is the estimate's: this is a bug, never a user's error
-        raise ConfigError(f"the chosen layout {choice.layout} does not fit: {short[0]}")
+    # the GPU budget is the estimate's (a shortage there is a bug); the host's (offload
+    # arenas in RAM) is checked where the plan is for this machine
+    short = [s for s in shortages(est) if s.startswith("GPU") or not args.gpu_memory]
+    if short:
+        raise ConfigError(f"the chosen layout {choice.layout} does not fit: {'; '.join(short)}")
 
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(yaml.safe_dump({"layers": choice.layout}, sort_keys=False))
     summary = {

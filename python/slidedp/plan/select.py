@@ -54,27 +54,34 @@ def profile_candidates(report: dict[str, Any]) -> list[tuple[LayerPolicy, dict[s
         _, policy = parse_entry(c["policy"], 0.0)
         if not (c["pareto"] or policy == DEFAULT):
             continue
-        transient = c["transient_bytes"]
+        # the larger of the measured and the cost model's bytes: the estimate that checks
+        # the run counts the cost model's, the device holds the measured ones
+        transient = max(c["transient_bytes"] or 0, c["estimated_transient_bytes"])
         out[policy] = {
             "name": str(policy),
             "time_s": layer_time(c),
-            "retained_bytes": float(memory(c)),
-            "offloaded_bytes": float(c["offloaded_bytes"]),
-            "transient_bytes": float(
-                c["estimated_transient_bytes"] if transient is None else transient
-            ),
+            "retained_bytes": float(max(memory(c), c["estimated_retained_bytes"])),
+            "offloaded_bytes": float(max(c["offloaded_bytes"], c["estimated_offloaded_bytes"])),
+            "transient_bytes": float(transient),
         }
     if DEFAULT not in out:
         raise ConfigError("the layer profile has no F-r0 row (the fixed default): re-profile")
     return list(out.items())
 
 
+@dataclass(frozen=True)
+class Budget:
+    bytes: int  # device bytes for the activations (retained, prefetch pool, transient)
+    parked_bytes: int  # the parked gradients of a clipped step, beside the transient
+
+
 def activation_budget(
     cfg: TrainConfig, adapter: HFAdapter, machine: Machine, total_bytes: int
-) -> int:
+) -> Budget:
     """Device bytes left for activations: ``total_bytes`` less what no layout changes (the
     window, the chunked loss, the allocator's reserve, the CUDA context: ``estimate``'s terms
-    for the same run), less ``HEADROOM``."""
+    for the same run), less ``HEADROOM``; and the parked gradients, which take the retained
+    activations' place once the clipped backward has freed them."""
     from slidedp.config import RuntimeSection
     from slidedp.estimate import estimate_run
 
@@ -84,7 +91,12 @@ def activation_budget(
     gpu = estimate_run(dataclasses.replace(cfg, runtime=runtime), adapter, probe).gpu
     assert gpu is not None
     fixed = gpu.needed_bytes - gpu.layer_bytes - max(gpu.checkpoint_bytes, gpu.parked_grad_bytes)
-    return int((total_bytes - fixed) * (1.0 - HEADROOM))
+    if fixed >= total_bytes:
+        raise ConfigError(
+            f"the window, the loss and the CUDA context alone need {fixed / 2**30:.2f} GiB of "
+            f"the GPU's {total_bytes / 2**30:.2f} GiB: no activation layout fits"
+        )
+    return Budget(int((total_bytes - fixed) * (1.0 - HEADROOM)), gpu.parked_grad_bytes)
 
 
 def host_update_s_per_layer(adapter: HFAdapter, gbps: float) -> float:
@@ -113,7 +125,8 @@ def select_layout(
     budget = activation_budget(cfg, adapter, machine, total_bytes)
     problem = {
         "layers": adapter.num_layers,
-        "budget_bytes": float(budget),
+        "budget_bytes": float(budget.bytes),
+        "parked_bytes": float(budget.parked_bytes),
         "candidates": [c for _, c in cands],
         "host": {
             "update_s_per_layer": host_update_s_per_layer(adapter, update_gbps),
@@ -126,7 +139,8 @@ def select_layout(
     layers = place(counts, retained)
     default_counts = [adapter.num_layers if p == DEFAULT else 0 for p, _ in cands]
     # the default's accounting in the same program (unbounded: it may not fit a small budget)
-    default = solve(problem | {"candidates": [dict(cands)[DEFAULT]], "budget_bytes": 1e30})
+    unbounded = {"budget_bytes": 1e30, "parked_bytes": 0.0}
+    default = solve(problem | {"candidates": [dict(cands)[DEFAULT]]} | unbounded)
     default["counts"] = default_counts
-    default["fits"] = default["memory_bytes"] <= budget
-    return Choice(format_layout(layers), layers, budget, problem, solution, default)
+    default["fits"] = default["memory_bytes"] <= budget.bytes
+    return Choice(format_layout(layers), layers, budget.bytes, problem, solution, default)

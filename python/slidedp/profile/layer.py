@@ -35,6 +35,8 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -48,11 +50,13 @@ import transformers
 from slidedp import __version__
 from slidedp.bench.measure import synchronize
 from slidedp.bench.shapes import SHAPES, resolve_shape
+from slidedp.errors import ConfigError
 from slidedp.models.fast import COMPILE_BACKEND, apply_compute, resolve_compute
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.cost import layer_footprint
 from slidedp.plan.device import pick_device, pick_dtype
 from slidedp.plan.layout import LayerPolicy, parse_entry
+from slidedp.plan.policy import check_layout_fits
 from slidedp.profile.kernels import VARIANTS, format_kernels, profile_kernels
 from slidedp.profile.pareto import mark_pareto, plot_pareto
 from slidedp.runtime.activations import LayerRun, LayerState, executor_for
@@ -187,19 +191,27 @@ def measure(
 
 def candidates(families: str, ratios: str, adapter: HFAdapter, batch: int, seq_len: int,
                dtype: torch.dtype) -> list[LayerPolicy]:  # fmt: skip
-    """Every family at every ratio, one per distinct offloaded set (ratios merged)."""
+    """Every family the model's layer takes (``check_layout_fits``: no ``S`` on a Gemma or MoE
+    layer, no ``SAC.noact`` on a MoE) at every ratio, one per distinct offloaded set (ratios
+    merged). A candidate's ratio is the share it really offloads, rounded down to 1e-6 so that
+    its text form (``runtime.layers``) selects the same tensors."""
     out: list[LayerPolicy] = []
     seen: set[tuple[str, int]] = set()
     for fam in (f.strip() for f in families.split(",") if f.strip()):
         for r in (float(r) for r in ratios.split(",") if r.strip()):
             _, policy = parse_entry(f"{fam}-r{r:g}", 0.0)
+            try:
+                check_layout_fits((policy,), adapter)
+            except ConfigError:
+                continue
             saved = list(layer_footprint(adapter, policy, batch, seq_len, dtype).saved)
             count = offload_count(saved, r)
             if (policy.name, count) in seen:
                 continue
             seen.add((policy.name, count))
             share = sum(saved[:count]) / sum(saved) if count else 0.0  # what it really offloads
-            out.append(dataclasses.replace(policy, ratio=min(1.0, share)))
+            ratio = min(1.0, math.floor(share * 1e6) / 1e6)
+            out.append(dataclasses.replace(policy, ratio=ratio))
     return out
 
 
@@ -235,9 +247,13 @@ def _plan(args: argparse.Namespace) -> tuple[Any, ...]:
 
 
 def _read_cache(cache: Path) -> dict[str, Any] | None:
-    if not cache.is_file():
+    """The cached report, or None: none, or one that does not read (measured again)."""
+    try:
+        report = json.loads(cache.read_text())
+    except (OSError, ValueError):
         return None
-    report: dict[str, Any] = json.loads(cache.read_text())
+    if not isinstance(report, dict) or not isinstance(report.get("candidates"), list):
+        return None
     report["cached"] = str(cache)
     return report
 
@@ -263,7 +279,9 @@ def profile_layer(args: argparse.Namespace) -> dict[str, Any]:
     mark_pareto(results)
     measured: dict[str, Any] = facts | {"candidates": [asdict(c) for c in results], "cached": None}
     cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps(measured, indent=1))
+    partial = cache.with_suffix(f".{os.getpid()}.tmp")  # never a half-written cache file
+    partial.write_text(json.dumps(measured, indent=1))
+    os.replace(partial, cache)
     return measured
 
 

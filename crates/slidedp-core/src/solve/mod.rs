@@ -68,6 +68,10 @@ pub struct Problem {
     /// Step time outside the layers' compute (embedding, head, waits), seconds.
     #[serde(default)]
     pub fixed_s: f64,
+    /// Device bytes that take the activations' place at the end of a clipped backward (the
+    /// parked gradients): with the transient they must fit the budget too.
+    #[serde(default)]
+    pub parked_bytes: f64,
     #[serde(default)]
     pub host: Option<HostLane>,
     #[serde(default)]
@@ -92,8 +96,11 @@ impl Problem {
             return bad("a layout needs at least one layer and one candidate".into());
         }
         let finite = |x: f64| x.is_finite() && x >= 0.0;
-        if !finite(self.budget_bytes) || !finite(self.fixed_s) {
-            return bad("budget_bytes and fixed_s must be finite and non-negative".into());
+        if ![self.budget_bytes, self.fixed_s, self.parked_bytes]
+            .into_iter()
+            .all(finite)
+        {
+            return bad("budget_bytes, fixed_s and parked_bytes must be finite and >= 0".into());
         }
         for c in &self.candidates {
             let costs = [
@@ -163,7 +170,10 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
         + pool
         + transient
         + per_resident * resident;
-    let mut model = vars.minimise(step).using(microlp);
+    // among equal steps (the host lane binds) the least compute: its weight is far below any
+    // difference of whole layers' times
+    let objective = step + 1e-6 * compute.clone();
+    let mut model = vars.minimise(objective).using(microlp);
     model.add_constraint(constraint!(total == layers));
     for ((nj, yj), c) in n.iter().zip(&y).zip(cands) {
         model.add_constraint(constraint!(*nj <= layers * *yj));
@@ -171,6 +181,9 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
         model.add_constraint(constraint!(transient >= c.transient_bytes * *yj));
     }
     model.add_constraint(constraint!(memory <= problem.budget_bytes));
+    model.add_constraint(constraint!(
+        transient + problem.parked_bytes <= problem.budget_bytes
+    ));
     match &problem.host {
         Some(h) => {
             let host = h.update_s_per_layer * (layers - resident);
@@ -198,7 +211,18 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
         .map(|v| solution.value(*v).round() as u32)
         .collect();
     let resident_layers = solution.value(resident).round() as u32;
-    Ok(layout_of(problem, counts, resident_layers))
+    let layout = layout_of(problem, counts, resident_layers);
+    // the solver's tolerances must not have bent a constraint (a bug, never bad input)
+    assert_eq!(
+        layout.counts.iter().sum::<u32>(),
+        problem.layers,
+        "{layout:?}"
+    );
+    assert!(
+        layout.memory_bytes <= problem.budget_bytes * (1.0 + 1e-9),
+        "{layout:?}"
+    );
+    Ok(layout)
 }
 
 /// The program's own accounting of a layout (used for the solution and for comparisons).

@@ -24,6 +24,7 @@ fn three() -> Problem {
             cand("N", 6.0, 3.0, 0.0),
         ],
         fixed_s: 0.0,
+        parked_bytes: 0.0,
         host: None,
         resident: None,
     }
@@ -117,5 +118,31 @@ fn bad_costs_are_refused() {
             .unwrap_err()
             .to_string()
             .contains("candidate 'SAC'")
+    );
+}
+
+#[test]
+fn parked_gradients_must_fit_beside_the_transient() {
+    let mut p = three();
+    p.parked_bytes = 14.0; // transient 1 + 14 = 15: fits, and the layout is unchanged
+    assert_eq!(solve(&p).unwrap().counts, vec![0, 8, 2]);
+    p.parked_bytes = 14.5;
+    let err = solve(&p).unwrap_err().to_string();
+    assert!(err.contains("no layout of 10 layers fits"), "{err}");
+}
+
+#[test]
+fn among_equal_steps_the_least_compute() {
+    // the host lane (100 s) binds every layout: all N (60 s of compute) is chosen
+    let mut p = three();
+    p.budget_bytes = 1e6;
+    p.host = Some(HostLane {
+        update_s_per_layer: 10.0,
+        serial: false,
+    });
+    let layout = solve(&p).unwrap();
+    assert_eq!(
+        (layout.counts.clone(), layout.step_s),
+        (vec![0, 0, 10], 100.0)
     );
 }
