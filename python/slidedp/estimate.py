@@ -446,6 +446,7 @@ def _step_model(
     if machine.device != "cuda" or peak is None:
         return None
     report = cached_profile(profile_args(cfg))
+    measured = layer_times(report) if report else {}
     b, s = cfg.train.global_batch_size, cfg.data.seq_len
     threads = cfg.runtime.update_threads or machine.cores
     offloaded = [layer_footprint(adapter, p, b, s, dtype).offloaded_bytes for p in policy.layers]
@@ -458,9 +459,13 @@ def _step_model(
         adamw_gbps=adamw_gbps(threads),
         clipping=cfg.train.max_grad_norm > 0,
         offloaded_bytes=offloaded,
-        measured=layer_times(report) if report else None,
+        measured=measured,
     )
-    calibration = "layer profile" if report else "uncalibrated rates"
+    covered = sum(str(p) in measured for p in policy.layers)
+    calibration = (
+        f"layer profile: {covered} of {len(policy.layers)} layers" if covered
+        else "uncalibrated rates"
+    )  # fmt: skip
     return predict_step(spec) | {"calibration": calibration}
 
 
