@@ -211,3 +211,17 @@ def test_three_systems_on_the_gpu(tmp_path: Path) -> None:
     for row in report["ratios"]:
         assert row["ours_over_fsdp2"] > 0
         assert row["ours_over_reference"] > 0
+
+
+def test_ours_with_runtime_policy_auto_and_the_reference_run_the_chosen_layout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the bench's processes too
+    config = write_tiny_config(tmp_path / "m")
+    out = tmp_path / "report.json"
+    extra = ("--batch", "2", "--systems", "ours,reference", "--set", "runtime.policy=auto")
+    assert _cli(config, out, *extra) == 0
+    ours, ref = json.loads(out.read_text())["runs"]
+    assert ours["policy"].startswith(f"policy   auto: {ours['layout']}, predicted ")
+    assert ref["layout"] == ours["layout"]
+    assert list((tmp_path / "cache" / "slidedp" / "profile").glob("layer-*.json"))

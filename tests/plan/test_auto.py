@@ -29,11 +29,11 @@ def _config(tmp_path: Path, name: str, **runtime: object) -> Path:
 def test_auto_profiles_once_chooses_and_trains_as_the_chosen_layout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(auto, "CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     path = _config(tmp_path, "auto", policy="auto")
     assert main(["validate", str(path)]) == 0
     assert "the layer is not profiled yet" in capsys.readouterr().out
-    assert not (tmp_path / "cache").exists()  # validate measures nothing
+    assert not (tmp_path / "slidedp" / "profile").exists()  # validate measures nothing
 
     assert main(["train", str(path)]) == 0
     out = capsys.readouterr().out
@@ -44,7 +44,7 @@ def test_auto_profiles_once_chooses_and_trains_as_the_chosen_layout(
     assert resolved["runtime"]["policy"] == ""
     assert line.startswith(f"policy   auto: {layout}, predicted ")
     assert len(parse_layout(layout, LAYERS, 0.0)) == LAYERS
-    assert len(list((tmp_path / "cache").glob("layer-*.json"))) == 1
+    assert len(list((tmp_path / "slidedp" / "profile").glob("layer-*.json"))) == 1
 
     fresh = f"output.dir={tmp_path / 'fresh'}"
     assert main(["validate", str(path), fresh]) == 0  # now from the cache, the same choice
@@ -99,16 +99,16 @@ def test_the_profile_is_keyed_by_the_runs_layer_compute(tmp_path: Path) -> None:
 def test_a_resumed_auto_run_keeps_the_layout_its_checkpoint_ran_with(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(auto, "CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     path = _config(tmp_path, "auto", policy="auto")
     out = tmp_path / "auto"
     assert main(["train", str(path), "output.save_steps=1"]) == 0
     chosen = yaml.safe_load((out / "resolved_config.yaml").read_text())["runtime"]["layers"]
     # the cache is gone: a fresh choice would profile again; the resumed run keeps its layout
-    for f in (tmp_path / "cache").glob("*.json"):
+    for f in (tmp_path / "slidedp" / "profile").glob("*.json"):
         f.unlink()
     capsys.readouterr()
     assert main(["train", str(path), "train.max_steps=3", "train.resume=auto"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("policy   auto"))
     assert line.startswith(f"policy   auto: {chosen} (kept from checkpoint-2)")
-    assert not list((tmp_path / "cache").glob("*.json"))
+    assert not list((tmp_path / "slidedp" / "profile").glob("*.json"))

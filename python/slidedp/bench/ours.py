@@ -24,7 +24,10 @@ from typing import Any
 from transformers import AutoConfig
 
 from slidedp.bench.measure import RunSpec, synthetic_tokens
-from slidedp.config import config_from_dict
+from slidedp.config import TrainConfig, config_from_dict
+from slidedp.estimate import Machine
+from slidedp.plan.auto import resolve_auto
+from slidedp.preflight import check_model
 from slidedp.runtime.dist import Dist
 from slidedp.runtime.lanes import LANES, WAITS
 from slidedp.runtime.trainer import Trainer
@@ -58,6 +61,21 @@ def ours_raw_config(spec: RunSpec, data: Path, out: Path) -> dict[str, Any]:
     return raw
 
 
+def resolved_config(spec: RunSpec, data: Path, out: Path) -> tuple[TrainConfig, str | None]:
+    """Our config for this run; with ``runtime.policy=auto`` the layout chosen (and the layer
+    profiled, when not cached) before any timed step, and the line that says so."""
+    cfg = config_from_dict(ours_raw_config(spec, data, out))
+    machine = Machine.probe(cfg, measure=False)
+    return resolve_auto(cfg, check_model(cfg)[0], machine, measure=True)
+
+
+def auto_layout(spec: RunSpec) -> str:
+    """The layout ``runtime.policy=auto`` chooses for ``spec`` (the reference runs it too)."""
+    with tempfile.TemporaryDirectory(prefix="slidedp-bench-") as tmp:
+        cfg, _ = resolved_config(spec, Path(tmp) / "tokens.jsonl", Path(tmp) / "out")
+        return cfg.runtime.layers
+
+
 def write_tokens(path: Path, spec: RunSpec, vocab_size: int) -> None:
     """The synthetic batches as JSONL, one sequence per line, in step order."""
     steps = spec.warmup + spec.steps
@@ -73,7 +91,7 @@ def run_ours(spec: RunSpec) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="slidedp-bench-") as tmp:
         data = Path(tmp) / "tokens.jsonl"
         write_tokens(data, spec, vocab_size)
-        cfg = config_from_dict(ours_raw_config(spec, data, Path(tmp) / "out"))
+        cfg, chosen = resolved_config(spec, data, Path(tmp) / "out")
         trainer = _BenchTrainer(cfg, log=False)
         records = trainer.run()[spec.warmup :]
     if not records:  # a rank other than 0: rank 0 reports
@@ -85,4 +103,6 @@ def run_ours(spec: RunSpec) -> dict[str, Any]:
         "losses": [r["loss"] for r in records],
         "lanes_s": {k: sum(r[k] for r in records) / len(records) for k in lane_keys},
         "kernels": trainer.policy.compute.describe(),
+        "layout": trainer.policy.layout,
+        **({"policy": chosen} if chosen else {}),
     }

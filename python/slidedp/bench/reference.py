@@ -25,8 +25,9 @@ from slidedp.bench.measure import RunSpec, synthetic_tokens, timed_steps
 from slidedp.models.fast import Compute, apply_compute, resolve_compute
 from slidedp.models.hf import EMBED, LM_HEAD, NORM, HFAdapter
 from slidedp.models.loss import IGNORE_INDEX, shift_labels
+from slidedp.plan.auto import AUTO
 from slidedp.plan.device import pick_dtype
-from slidedp.plan.layout import LayerPolicy, parse_layout
+from slidedp.plan.layout import LayerPolicy, format_layout, parse_layout
 from slidedp.plan.policy import read_policy_file
 from slidedp.runtime.activations import LayerRun, LayerState, executor_for
 
@@ -116,7 +117,11 @@ def run_reference(spec: RunSpec) -> dict[str, Any]:
     adapter = HFAdapter.from_dir(spec.config_dir)
     dtype = pick_dtype(spec.ours["train"]["dtype"], device)
     rt = spec.ours["runtime"]
-    if rt["policy"]:  # the policy file's keys replace the runtime's
+    if rt["policy"] == AUTO:  # the layout ours chose
+        from slidedp.bench.ours import auto_layout  # the engine: only where auto needs it
+
+        rt = rt | {"layers": auto_layout(spec), "policy": ""}
+    elif rt["policy"]:  # the policy file's keys replace the runtime's
         rt = rt | read_policy_file(rt["policy"])
     layers = parse_layout(rt["layers"], adapter.num_layers, default_ratio=0.0)
     compute = resolve_compute(rt["kernels"], rt["compile"], device, adapter)
@@ -136,4 +141,5 @@ def run_reference(spec: RunSpec) -> dict[str, Any]:
         "tokens_per_step": spec.batch * spec.seq_len,
         "losses": losses[spec.warmup :],
         "kernels": compute.describe(),
+        "layout": format_layout(layers),
     }

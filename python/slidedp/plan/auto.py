@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from slidedp.models.hf import HFAdapter
 
 AUTO = "auto"
-CACHE_DIR = "~/.cache/slidedp/profile"
 
 
 def profile_args(cfg: TrainConfig, **given: Any) -> argparse.Namespace:
@@ -51,7 +50,7 @@ def profile_args(cfg: TrainConfig, **given: Any) -> argparse.Namespace:
         "dtype": cfg.train.dtype,
         "warmup": 2,
         "steps": 5,
-        "cache_dir": CACHE_DIR,
+        "cache_dir": None,  # profile.layer.default_cache_dir
         "force": False,
         "layer_kernels": cfg.runtime.kernels,
         "layer_compile": cfg.runtime.compile,

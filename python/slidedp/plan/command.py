@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from slidedp.errors import ConfigError
-from slidedp.plan.auto import CACHE_DIR, check_one_process, profile_args
+from slidedp.plan.auto import check_one_process, profile_args
 from slidedp.profile.layer import FAMILIES, RATIOS, profile_layer
 
 GIB = 2**30
@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg("--ratios", default=RATIOS, help="offload ratios to profile")
     arg("--warmup", type=int, default=2)
     arg("--steps", type=int, default=5)
-    arg("--cache-dir", default=CACHE_DIR)
+    arg("--cache-dir", default=None, help="default: $XDG_CACHE_HOME/slidedp/profile")
     arg("--force", action="store_true", help="profile even if cached")
 
 

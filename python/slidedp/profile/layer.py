@@ -19,9 +19,10 @@ select the same tensors are one candidate) — with the engine's own executors a
 
 Pareto-efficient candidates (no other both faster and smaller, by ``retained_bytes`` and
 ``forward_s + backward_s``) are marked: the paper's Figure 6, drawn with ``--png``. The JSON is
-the policy solver's input and is cached (``--cache-dir``, default ``~/.cache/slidedp/profile``)
-under a key of GPU name, shape, batch, sequence, dtype, candidates and the torch, transformers
-and slidedp versions; a cached profile is reused unless ``--force``.
+the policy solver's input and is cached (``--cache-dir``, default
+``$XDG_CACHE_HOME/slidedp/profile``) under a key of GPU name, shape, batch, sequence, dtype,
+candidates, layer compute and the torch, transformers and slidedp versions; a cached profile
+is reused unless ``--force``.
 
 ``--kernels eager,liger,compiled,liger+compiled`` shows another view instead: the layer's
 forward + backward under each layer-compute variant, its model TFLOP/s and its kernels with
@@ -215,6 +216,11 @@ def candidates(families: str, ratios: str, adapter: HFAdapter, batch: int, seq_l
     return out
 
 
+def default_cache_dir() -> str:
+    """``$XDG_CACHE_HOME/slidedp/profile`` (``~/.cache`` when unset, as XDG says)."""
+    return str(Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "slidedp" / "profile")
+
+
 def cache_key(facts: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -242,7 +248,9 @@ def _plan(args: argparse.Namespace) -> tuple[Any, ...]:
     compute = resolve_compute(getattr(args, "layer_kernels", "eager"),
                               getattr(args, "layer_compile", False), device, adapter)  # fmt: skip
     facts["compute"] = {"kernels": compute.kernels, "compile": compute.compile}
-    cache = Path(args.cache_dir).expanduser() / f"layer-{cache_key(facts)}.json"
+    cache = (
+        Path(args.cache_dir or default_cache_dir()).expanduser() / f"layer-{cache_key(facts)}.json"
+    )
     return adapter, device, dtype, policies, facts, cache, compute
 
 
@@ -325,7 +333,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--png", help="draw the memory-time Pareto frontier here")
-    parser.add_argument("--cache-dir", default="~/.cache/slidedp/profile")
+    parser.add_argument(
+        "--cache-dir", default=None, help="default: $XDG_CACHE_HOME/slidedp/profile"
+    )
     parser.add_argument("--force", action="store_true", help="measure even if cached")
     parser.add_argument(
         "--kernels",
