@@ -214,13 +214,14 @@ def test_three_systems_on_the_gpu(tmp_path: Path) -> None:
 
 
 def test_ours_with_runtime_policy_auto_and_the_reference_run_the_chosen_layout(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the bench's processes too
     config = write_tiny_config(tmp_path / "m")
     out = tmp_path / "report.json"
     extra = ("--batch", "2", "--systems", "ours,reference", "--set", "runtime.policy=auto")
     assert _cli(config, out, *extra) == 0
+    assert "policy   auto: " in capsys.readouterr().out
     ours, ref = json.loads(out.read_text())["runs"]
     assert ours["policy"].startswith(f"policy   auto: {ours['layout']}, predicted ")
     assert ref["layout"] == ours["layout"]

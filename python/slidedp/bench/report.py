@@ -127,6 +127,8 @@ def print_report(report: dict[str, Any]) -> None:
             print(f"{'':{width + 6}} exposed wait, ms/step: {waits}")
         if "kernels" in r:
             print(f"{'':{width + 6}} layer compute: {r['kernels']}")
+        if "policy" in r:  # runtime.policy=auto: what it chose
+            print(f"{'':{width + 6}} {r['policy']}")
     one = ""  # with --gpus/--ranks: these are the ratios on one
     if "world" in report:
         one = " on 1 GPU" if report["device"] == "cuda" else " on 1 rank"

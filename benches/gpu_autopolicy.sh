@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Issue 16 (and 22's open check) on the GPU machine, one device call (< 10 minutes on an H100).
+#
+# Here first:  .venv/bin/maturin build --release -o dist/ -q && make liger-wheels
+# Device call: carry ["dist", "wheels"], command `bash benches/gpu_autopolicy.sh`
+#
+# Each part has its own timeout and writes under $OUT as it finishes (log.txt has everything):
+#   1. the compiled-layer FSDP2 parity with SAC layers (eager-True), after the SAC fix
+#   2. Qwen3-4B B=16 without clipping: ours with the fixed default (all F) and with
+#      runtime.policy=auto (the layer profiled on the GPU, then the layout the program chooses;
+#      the profile's time is outside the timed steps and in the log)
+#   3. the same pair with clipping 1.0 (the profile is cached by then)
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-out/gpu-autopolicy}
+mkdir -p "$OUT"
+LOG="$OUT/log.txt"
+python3 -m pip install -q --no-deps --force-reinstall dist/*.whl
+python3 -m pip install -q --no-deps --no-index wheels/liger_kernel-*.whl
+
+part() {  # part NAME SECONDS COMMAND...
+    local name=$1 seconds=$2
+    shift 2
+    echo "== $name ($(date -u +%T), timeout ${seconds}s): $*" | tee -a "$LOG"
+    timeout "$seconds" "$@" >>"$LOG" 2>&1
+    echo "== $name: exit $? ($(date -u +%T))" | tee -a "$LOG"
+}
+
+part parity 100 env SLIDEDP_PARITY_JSON="$OUT/parity.json" python3 -m pytest -q -s -W default \
+    -m "gpu and slow" tests/engine/test_gpu_parity.py -k "fused_and_compiled and eager-True"
+BENCH=(python3 -m slidedp bench train --shape qwen3-4b --batch 16 --warmup 2 --steps 3
+       --systems ours)
+for clip in 0 1.0; do
+    part "fixed-clip$clip" 130 "${BENCH[@]}" --set train.max_grad_norm=$clip \
+        --json "$OUT/fixed-clip$clip.json"
+    part "auto-clip$clip" 200 "${BENCH[@]}" --set train.max_grad_norm=$clip \
+        --set runtime.policy=auto --json "$OUT/auto-clip$clip.json"
+done
+grep -E "^ +16 ours|policy   auto|exposed wait" "$LOG" | tail -12
