@@ -10,21 +10,8 @@
 #      runtime.policy=auto (the layer profiled on the GPU, then the layout the program chooses;
 #      the profile's time is outside the timed steps and in the log)
 #   3. the same pair with clipping 1.0 (the profile is cached by then)
-set -u
-export PYTHONUNBUFFERED=1
 OUT=${OUT:-out/gpu-autopolicy}
-mkdir -p "$OUT"
-LOG="$OUT/log.txt"
-python3 -m pip install -q --no-deps --force-reinstall dist/*.whl
-python3 -m pip install -q --no-deps --no-index wheels/liger_kernel-*.whl
-
-part() {  # part NAME SECONDS COMMAND...
-    local name=$1 seconds=$2
-    shift 2
-    echo "== $name ($(date -u +%T), timeout ${seconds}s): $*" | tee -a "$LOG"
-    timeout "$seconds" "$@" >>"$LOG" 2>&1
-    echo "== $name: exit $? ($(date -u +%T))" | tee -a "$LOG"
-}
+source "$(dirname "$0")/gpu_common.sh"
 
 part parity 100 env SLIDEDP_PARITY_JSON="$OUT/parity.json" python3 -m pytest -q -s -W default \
     -m "gpu and slow" tests/engine/test_gpu_parity.py -k "fused_and_compiled and eager-True"

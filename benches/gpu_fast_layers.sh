@@ -12,24 +12,8 @@
 #      defaults, no clipping (BENCHMARKS.md's issue #14 second measurement ran the same eager)
 #   3. the FSDP2 parity tests with Liger and with the compiled layer (200 steps each; the
 #      liger+compiled case and the eager test are left for another call: time)
-set -u
-export PYTHONUNBUFFERED=1
 OUT=${OUT:-out/gpu-fast}
-mkdir -p "$OUT"
-LOG="$OUT/log.txt"
-python3 -m pip install -q --no-deps --force-reinstall dist/*.whl
-python3 -m pip install -q --no-deps --no-index wheels/liger_kernel-*.whl
-python3 -c "import torch, triton, liger_kernel, slidedp; print('torch', torch.__version__,
-'triton', triton.__version__, 'liger_kernel', liger_kernel.__file__, 'slidedp', slidedp.__file__)" \
-    2>&1 | tee -a "$LOG"
-
-part() {  # part NAME SECONDS COMMAND...
-    local name=$1 seconds=$2
-    shift 2
-    echo "== $name ($(date -u +%T), timeout ${seconds}s): $*" | tee -a "$LOG"
-    timeout "$seconds" "$@" >>"$LOG" 2>&1
-    echo "== $name: exit $? ($(date -u +%T))" | tee -a "$LOG"
-}
+source "$(dirname "$0")/gpu_common.sh"
 
 LAYER=(python3 -m slidedp profile layer --shape qwen3-8b --batch 16 --seq-len 1024 --warmup 3
        --steps 10 --top 12)
