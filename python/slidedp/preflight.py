@@ -56,8 +56,8 @@ def check_router_loss_ranks(adapter: HFAdapter, world: int) -> None:
     if adapter.router_loss is not None and world > 1:
         raise ConfigError(
             f"{adapter.config.model_type} with output_router_logits trains on one rank "
-            f"(runtime.ranks/gpus is {world}): its load-balancing loss is not yet summed over "
-            "ranks; use one rank, or set model.output_router_logits=false"
+            f"(runtime.ranks/gpus x runtime.nodes is {world}): its load-balancing loss is not "
+            "yet summed over ranks; use one rank, or set model.output_router_logits=false"
         )
 
 
@@ -71,7 +71,7 @@ def check_model(cfg: TrainConfig) -> tuple[HFAdapter, str]:
             "(config.json + *.safetensors)"
         )
     adapter = HFAdapter.from_dir(path, cfg.model.config_overrides())
-    check_router_loss_ranks(adapter, cfg.runtime.world)
+    check_router_loss_ranks(adapter, cfg.runtime.world * cfg.runtime.nodes)
     files = weight_files(path)
     check_weight_files(adapter, files)
     weights = (

@@ -203,3 +203,14 @@ def test_the_compiled_layer_trains_bit_identically_and_compiles_once_per_mode(
     assert len(metrics) == STEPS
     assert metrics == eager_metrics  # losses and gradient norms, every step
     assert all(torch.equal(eager_params[k], params[k]) for k in params)
+
+
+def test_liger_is_not_patched_into_a_model_whose_mlp_is_not_silu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(fast, "liger_available", lambda: True)
+    config = tiny_config("llama", tied=True, layers=2)
+    config.hidden_act = "gelu"
+    compute = fast.resolve_compute("auto", None, CUDA, HFAdapter(config))
+    assert compute.kernels == "eager"
+    assert "the model's MLP is gelu" in compute.reason

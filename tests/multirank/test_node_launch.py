@@ -127,6 +127,24 @@ def test_torchrun_multi_node_rendezvous(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "final" / "model.safetensors").exists()
 
 
+def _children(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:  # the process is gone, and its children with it
+        return []
+
+
+def test_a_node_that_cannot_reach_node_0_says_so_and_exits_2(
+    tmp_path: Path,
+) -> None:
+    config = _config(tmp_path, 2, version_timeout_s=3)
+    node1 = _node(config, 1, free_port())  # nobody listens there
+    _, err = node1.communicate(timeout=TIMEOUT_S)
+    assert node1.returncode == 2  # a bad input (where node 0 is), not an unexpected error
+    assert "Traceback (most recent call last)" not in err, err  # c10d's own C++ log stays
+    assert "could not join the run's ranks at 127.0.0.1:" in err, err
+
+
 def _slidedp_in_shm() -> set[str]:
     return {p for p in os.listdir("/dev/shm") if p.startswith("slidedp")}
 
@@ -155,4 +173,5 @@ def test_a_killed_node_stops_the_other_node(tmp_path: Path) -> None:
     lines = err.splitlines()
     assert len(lines) == 1, err
     assert "a rank of another node failed" in lines[0], err
-    assert _slidedp_in_shm() <= before
+    assert _slidedp_in_shm() <= before  # named segments (stores are unlinked once mapped)
+    assert not _children(node0.pid)  # no rank of node 0 outlives it

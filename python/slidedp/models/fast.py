@@ -20,9 +20,11 @@ model (``runtime.kernels``, ``runtime.compile``) and applied to the adapter by `
   load, and every layer of the same class, reuse the graph: one compilation per grad mode
   (the checkpointed forward runs without grad, the replay and ``N`` with it), none per layer or
   step (``tests/engine/test_fast.py`` counts them). The default (null) compiles on CUDA where
-  the kernels are eager: on the H100, one Qwen3-8B layer (B=16, S=1024, fwd+bwd) ran 44.3 ms
-  eager, 31.2 compiled, 31.2 with Liger, 32.9 with both (issue 22), so Liger and the compiler
-  are alternatives, not a sum. The mixtures of experts are not compiled by default (their
+  the kernels are eager. On the H100 one Qwen3-8B layer (B=16, S=1024, fwd+bwd, BENCHMARKS.md
+  issue #22) ran 446 model TFLOP/s eager, 618 with Liger, 627 compiled and 665 with both; the
+  combination is not the default until it has passed the GPU parity test. ``S`` and ``SAC``
+  layers run eagerly (SAC's policy must see every operator). The CPU test compiles with
+  ``aot_eager``, whose bit-identity says nothing of inductor's fusions. The mixtures of experts are not compiled by default (their
   routing is data-dependent); with router logits (recorded by hooks registered per call)
   ``compile: true`` is a config error.
 
@@ -100,6 +102,9 @@ def resolve_compute(
         blocker = "Liger Kernel is CUDA/Triton only: eager on CPU"
     elif model_type not in LIGER_MODEL_TYPES:
         blocker = f"Liger kernels are patched into {'/'.join(LIGER_MODEL_TYPES)} layers only"
+    elif getattr(adapter.config, "hidden_act", "silu") not in ("silu", "swish"):
+        # Liger's SwiGLU module computes SiLU whatever the config says
+        blocker = f"Liger's SwiGLU is SiLU, the model's MLP is {adapter.config.hidden_act}"
     elif not liger_available():
         blocker = (
             "liger_kernel is not installed or does not import (pip install 'slidedp[fast]'): "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -72,8 +73,9 @@ def device_total_bytes(machine: Machine, cfg: TrainConfig, adapter: HFAdapter) -
 
 
 def check_one_process(rt: RuntimeSection, what: str) -> None:
-    """The selector profiles and budgets one process's share of the batch on one device."""
-    if rt.world > 1 or rt.nodes > 1:
+    """The selector profiles and budgets one process's share of the batch on one device (a
+    launcher such as torchrun says how many processes run in ``WORLD_SIZE``)."""
+    if rt.world > 1 or rt.nodes > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError(
             f"{what} chooses the layout of one process for now: for several ranks or nodes "
             "write runtime.layers by hand (slidedp estimate checks it)"

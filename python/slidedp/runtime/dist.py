@@ -117,13 +117,21 @@ class Dist:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         timeout = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(
-            "nccl" if device.type == "cuda" else "gloo",
-            rank=self.rank,
-            world_size=self.world,
-            timeout=timeout,
-            device_id=device if device.type == "cuda" else None,
-        )
+        try:
+            dist.init_process_group(
+                "nccl" if device.type == "cuda" else "gloo",
+                rank=self.rank,
+                world_size=self.world,
+                timeout=timeout,
+                device_id=device if device.type == "cuda" else None,
+            )
+        except dist.DistNetworkError as e:  # no rendezvous: one line, not c10d's frames
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            raise ConfigError(
+                f"rank {self.rank} could not join the run's ranks at {where} within "
+                f"{timeout_s:g} s ({str(e).splitlines()[0]}): start every node, check "
+                "runtime.master_addr/master_port and that the port is reachable"
+            ) from None
         if self.nodes == 1:
             return
         L, N = self.local_world, self.nodes
