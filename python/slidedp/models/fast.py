@@ -24,9 +24,9 @@ model (``runtime.kernels``, ``runtime.compile``) and applied to the adapter by `
   issue #22) ran 446 model TFLOP/s eager, 618 with Liger, 627 compiled and 665 with both; the
   combination is not the default until it has passed the GPU parity test. ``S`` and ``SAC``
   layers run eagerly (SAC's policy must see every operator). The CPU test compiles with
-  ``aot_eager``, whose bit-identity says nothing of inductor's fusions. The mixtures of experts are not compiled by default (their
-  routing is data-dependent); with router logits (recorded by hooks registered per call)
-  ``compile: true`` is a config error.
+  ``aot_eager``, whose bit-identity says nothing of inductor's fusions. The mixtures of
+  experts are not compiled by default (their routing is data-dependent); with router logits
+  (recorded by hooks registered per call) ``compile: true`` is a config error.
 
 The loss head stays ``models.loss.chunked_lm_loss`` (a GEMM per chunk of labelled rows, its
 memory bounded by ``runtime.loss_chunk_tokens``); attention is transformers' SDPA path, whose
