@@ -236,3 +236,32 @@ def test_a_non_finite_gradient_on_one_node_skips_the_step_on_every_node(
     node0, node1 = torch.load(dump / "node0.pt"), torch.load(dump / "node1.pt")
     for region in REGIONS:
         assert torch.equal(node0[region], node1[region]), region
+
+
+def test_the_cross_node_groups_follow_the_policy_files_gradient_route(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cpu route sums host memory across nodes: gloo groups, even when only a policy file
+    (not the config) chooses it; NCCL would refuse host tensors."""
+    import dataclasses
+
+    import torch
+
+    from slidedp.config import RuntimeSection, TrainSection
+    from slidedp.runtime import dist as rdist
+
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("grad_route: cpu\n")
+    seen: dict[str, bool] = {}
+
+    def init(self: rdist.Dist, device: torch.device, timeout_s: float, *, host_sum: bool) -> None:
+        seen["host_sum"] = host_sum
+
+    monkeypatch.setattr(rdist.Dist, "init", init)
+    ctx = rdist.Dist(rank=0, world=2, local_rank=0, local_world=1)
+    train = TrainSection(max_steps=1, global_batch_size=2)
+    cases = ((RuntimeSection(policy=str(policy)), True), (RuntimeSection(), False))
+    for runtime, expected in cases:
+        runtime = dataclasses.replace(runtime, nodes=2, master_addr="127.0.0.1")
+        rdist.start(ctx, torch.device("cpu"), runtime, train)
+        assert seen["host_sum"] is expected

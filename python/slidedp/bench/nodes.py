@@ -42,6 +42,7 @@ from slidedp.plan.timing import predict_step, reduce_s, spec_from_shapes
 from slidedp.runtime.launch import free_port
 
 WARMUP_STEPS = 2
+NODE_RUN_TIMEOUT_S = 600  # one simulated multi-node run; its collectives time out sooner
 VOCAB = 4096
 H100_PEAK_FLOPS = 989e12  # dense bf16 (estimate.GPU_PEAK_FLOPS)
 HOST_THREADS = 16  # AdamW at estimate.adamw_gbps(16), as `slidedp estimate` on the H100 host
@@ -106,7 +107,14 @@ def _train(config: Path, out: Path, nodes: int, ranks: int) -> list[dict[str, An
         )
         for n in range(nodes)
     ]
-    errors = [p.communicate()[1] for p in procs]
+    try:  # a hung node must not hang the bench: every collective times out well before
+        errors = [p.communicate(timeout=NODE_RUN_TIMEOUT_S)[1] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise ConfigError(
+            f"the {nodes}-node run did not finish in {NODE_RUN_TIMEOUT_S} s: a node hung"
+        ) from None
     if any(p.returncode for p in procs):
         raise ConfigError(f"the {nodes}-node run failed: {' '.join(e.strip() for e in errors)}")
     lines = (out / "metrics.jsonl").read_text().splitlines()

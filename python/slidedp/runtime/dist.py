@@ -284,7 +284,12 @@ def start(
     """Checks the config against the launch, joins the process groups; this rank's device."""
     check_config(ctx.local_world, runtime, train, nodes=ctx.nodes)
     device = rank_device(ctx, device.type)
-    ctx.init(device, runtime.version_timeout_s, host_sum=runtime.grad_route == "cpu")
+    from slidedp.plan.policy import effective_runtime  # plan imports runtime modules
+
+    # the route the engine will run: a policy file's grad_route counts (the host sum needs
+    # gloo cross groups, NCCL refuses host memory)
+    route = effective_runtime(runtime).grad_route
+    ctx.init(device, runtime.version_timeout_s, host_sum=route == "cpu")
     return device
 
 
