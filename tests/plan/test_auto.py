@@ -84,16 +84,16 @@ def test_auto_against_settings_it_would_override_is_one_line(
 def test_the_profile_is_keyed_by_the_runs_layer_compute(tmp_path: Path) -> None:
     """A run that compiles its layers is profiled compiled: its cached profile is another."""
     from slidedp.config import load_config
-    from slidedp.profile.layer import _plan
+    from slidedp.profile.layer import _profiled
 
     cfg = load_config(_config(tmp_path, "keyed"), [])
     eager, compiled = (
-        _plan(auto.profile_args(cfg)),
-        _plan(auto.profile_args(cfg, layer_compile=True)),
+        _profiled(auto.profile_args(cfg)),
+        _profiled(auto.profile_args(cfg, layer_compile=True)),
     )
-    assert eager[4]["compute"] == {"kernels": "eager", "compile": ""}
-    assert compiled[4]["compute"] == {"kernels": "eager", "compile": "inductor"}
-    assert eager[5] != compiled[5]
+    assert eager.facts["compute"] == {"kernels": "eager", "compile": ""}
+    assert compiled.facts["compute"] == {"kernels": "eager", "compile": "inductor"}
+    assert eager.cache != compiled.cache
 
 
 def test_a_resumed_auto_run_keeps_the_layout_its_checkpoint_ran_with(

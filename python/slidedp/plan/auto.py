@@ -68,7 +68,7 @@ def device_total_bytes(machine: Machine, cfg: TrainConfig, adapter: HFAdapter) -
 
     if machine.mem_available_bytes is None:
         raise ConfigError("runtime.policy=auto: no GPU and no MemAvailable to plan the layout for")
-    est = estimate_run(cfg, adapter, machine)
+    est = estimate_run(cfg, adapter, machine, step_model=False)
     return machine.mem_available_bytes - (est.ram_bytes - est.cpu_working_bytes)
 
 

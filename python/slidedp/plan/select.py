@@ -13,9 +13,8 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from slidedp import _native
@@ -82,13 +81,11 @@ def activation_budget(
     window, the chunked loss, the allocator's reserve, the CUDA context: ``estimate``'s terms
     for the same run), less ``HEADROOM``; and the parked gradients, which take the retained
     activations' place once the clipped backward has freed them."""
-    from slidedp.config import RuntimeSection
     from slidedp.estimate import estimate_run
 
-    probe = dataclasses.replace(machine, device="cuda", gpu_total_bytes=total_bytes)
-    runtime = dataclasses.replace(cfg.runtime, layers="F", offload_ratio=0.0, policy="")
-    assert isinstance(runtime, RuntimeSection)
-    gpu = estimate_run(dataclasses.replace(cfg, runtime=runtime), adapter, probe).gpu
+    probe = replace(machine, device="cuda", gpu_total_bytes=total_bytes)
+    runtime = replace(cfg.runtime, layers="F", offload_ratio=0.0, policy="")
+    gpu = estimate_run(replace(cfg, runtime=runtime), adapter, probe, step_model=False).gpu
     assert gpu is not None
     fixed = gpu.needed_bytes - gpu.layer_bytes - max(gpu.checkpoint_bytes, gpu.parked_grad_bytes)
     if fixed >= total_bytes:

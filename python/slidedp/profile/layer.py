@@ -52,7 +52,7 @@ from slidedp import __version__
 from slidedp.bench.measure import synchronize
 from slidedp.bench.shapes import SHAPES, resolve_shape
 from slidedp.errors import ConfigError
-from slidedp.models.fast import COMPILE_BACKEND, apply_compute, resolve_compute
+from slidedp.models.fast import COMPILE_BACKEND, Compute, apply_compute, resolve_compute
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.cost import layer_footprint
 from slidedp.plan.device import pick_device, pick_dtype
@@ -225,33 +225,46 @@ def cache_key(facts: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _plan(args: argparse.Namespace) -> tuple[Any, ...]:
-    """What a profile of ``args`` measures and where its cached report lives."""
+@dataclass(frozen=True)
+class _Profiled:
+    """What a profile of given arguments measures with, and where its report is cached."""
+
+    adapter: HFAdapter
+    device: torch.device
+    dtype: torch.dtype
+    compute: Compute
+    facts: dict[str, Any]  # the cache key's facts, the report's first fields
+    cache: Path
+
+
+def _profiled(args: argparse.Namespace) -> _Profiled:
+    """The key names the families and ratios asked for, not the candidates they resolve to:
+    those follow from the shape, batch, sequence, dtype and slidedp version, also in the key,
+    so a cache lookup runs no layer (``estimate`` looks one up at every start on a GPU)."""
     config = resolve_shape(args.shape)
     adapter = HFAdapter(config)
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
-    batch, seq_len = args.batch, args.seq_len
-    policies = candidates(args.families, args.ratios, adapter, batch, seq_len, dtype)
+    # the layer compute the run uses (plan, runtime.policy: auto); the command line's: eager
+    compute = resolve_compute(getattr(args, "layer_kernels", "eager"),
+                              getattr(args, "layer_compile", False), device, adapter)  # fmt: skip
     facts = {
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "shape": config.to_dict() if args.shape not in SHAPES else args.shape,
-        "batch": batch,
-        "seq_len": seq_len,
+        "batch": args.batch,
+        "seq_len": args.seq_len,
         "dtype": str(dtype).removeprefix("torch."),
-        "candidates": [str(p) for p in policies],
+        "families": args.families,
+        "ratios": args.ratios,
+        "compute": {"kernels": compute.kernels, "compile": compute.compile},
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "slidedp": __version__,
     }
-    # the layer compute the run uses (plan, runtime.policy: auto); the command line's: eager
-    compute = resolve_compute(getattr(args, "layer_kernels", "eager"),
-                              getattr(args, "layer_compile", False), device, adapter)  # fmt: skip
-    facts["compute"] = {"kernels": compute.kernels, "compile": compute.compile}
-    cache = (
-        Path(args.cache_dir or default_cache_dir()).expanduser() / f"layer-{cache_key(facts)}.json"
+    folder = Path(args.cache_dir or default_cache_dir()).expanduser()
+    return _Profiled(
+        adapter, device, dtype, compute, facts, folder / f"layer-{cache_key(facts)}.json"
     )
-    return adapter, device, dtype, policies, facts, cache, compute
 
 
 def _read_cache(cache: Path) -> dict[str, Any] | None:
@@ -268,15 +281,17 @@ def _read_cache(cache: Path) -> dict[str, Any] | None:
 
 def cached_profile(args: argparse.Namespace) -> dict[str, Any] | None:
     """The cached report of ``args`` (None when there is none: nothing is measured)."""
-    return _read_cache(_plan(args)[-2])
+    return _read_cache(_profiled(args).cache)
 
 
 def profile_layer(args: argparse.Namespace) -> dict[str, Any]:
-    adapter, device, dtype, policies, facts, cache, compute = _plan(args)
+    prof = _profiled(args)
+    adapter, device, dtype = prof.adapter, prof.device, prof.dtype
     batch, seq_len = args.batch, args.seq_len
-    if not args.force and (report := _read_cache(cache)) is not None:
+    if not args.force and (report := _read_cache(prof.cache)) is not None:
         return report
-    apply_compute(adapter, compute)  # after the candidates: the cost model runs on meta
+    policies = candidates(args.families, args.ratios, adapter, batch, seq_len, dtype)
+    apply_compute(adapter, prof.compute)  # after the candidates: the cost model runs on meta
     results = [
         measure(adapter, p, batch, seq_len, device, dtype, args.warmup, args.steps)
         for p in policies
@@ -285,11 +300,14 @@ def profile_layer(args: argparse.Namespace) -> dict[str, Any]:
     for c in results:
         c.replay_s = c.backward_s - no_replay[0] if no_replay else None
     mark_pareto(results)
-    measured: dict[str, Any] = facts | {"candidates": [asdict(c) for c in results], "cached": None}
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    partial = cache.with_suffix(f".{os.getpid()}.tmp")  # never a half-written cache file
+    measured: dict[str, Any] = prof.facts | {
+        "candidates": [asdict(c) for c in results],
+        "cached": None,
+    }
+    prof.cache.parent.mkdir(parents=True, exist_ok=True)
+    partial = prof.cache.with_suffix(f".{os.getpid()}.tmp")  # never a half-written cache file
     partial.write_text(json.dumps(measured, indent=1))
-    os.replace(partial, cache)
+    os.replace(partial, prof.cache)
     return measured
 
 
