@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from engine.tiny import make_model, read_metrics, tiny_config, write_config, write_data
@@ -28,6 +29,8 @@ from slidedp.config import load_config
 from slidedp.errors import ConfigError
 from slidedp.models import fast
 from slidedp.models.hf import HFAdapter, bind_params
+from slidedp.plan.cost import layer_footprint
+from slidedp.plan.layout import parse_entry
 from slidedp.plan.policy import Policy, resolve_policy
 
 COUNTER = CompileCounterWithBackend("aot_eager")
@@ -98,18 +101,72 @@ def test_a_policy_file_sets_the_layer_compute_and_it_is_saved_with_the_policy(
     assert Policy.from_dict(policy.to_dict()) == policy
 
 
-def test_liger_replaces_every_norm_and_the_swiglu() -> None:
+def _liger_recorders(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Liger's RMSNorm, SwiGLU and RoPE replaced by recorders (Triton does not run on CPU) that
+    compute with transformers' math; the list names each call."""
+    from liger_kernel.transformers import rope
     from liger_kernel.transformers.rms_norm import LigerRMSNorm
     from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
 
+    from transformers.models.qwen3 import modeling_qwen3
+
+    calls: list[str] = []
+
+    def norm(self: Any, x: torch.Tensor) -> torch.Tensor:
+        calls.append("norm")
+        return type(self).forward(self, x)
+
+    def mlp(self: Any, x: torch.Tensor) -> torch.Tensor:
+        calls.append("mlp")
+        return type(self).forward(self, x)
+
+    def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
+        calls.append("rope")
+        return modeling_qwen3.apply_rotary_pos_emb(q, k, cos, sin)
+
+    monkeypatch.setattr(LigerRMSNorm, "forward", norm)
+    monkeypatch.setattr(LigerSwiGLUMLP, "forward", mlp)
+    monkeypatch.setattr(rope, "liger_rotary_pos_emb", rotary)
+    return calls
+
+
+def test_liger_replaces_every_norm_and_the_swiglu(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _liger_recorders(monkeypatch)
     adapter = _adapter()
     fast.apply_compute(adapter, fast.Compute("liger", ""))
     norms: list[Any] = [m for m in adapter.skeleton.modules() if type(m).__name__ == "Qwen3RMSNorm"]
     assert len(norms) == 2 * 4 + 1  # per layer: input, post-attention, q, k; the final norm
-    assert all(m.forward.__func__ is LigerRMSNorm.forward for m in norms)
     assert all(m.casting_mode == "llama" and m.offset == 0.0 for m in norms)
     mlps: list[Any] = [adapter.layer_module(i).mlp for i in range(adapter.num_layers)]
-    assert all(m.forward.__func__ is LigerSwiGLUMLP.forward for m in mlps)
+    for module in norms:
+        module.weight = nn.Parameter(torch.ones(module.weight.shape))
+        module(torch.randn(2, module.weight.shape[0]))
+    assert calls == ["norm"] * len(norms)
+    for module in mlps:
+        for proj in (module.gate_proj, module.up_proj, module.down_proj):
+            proj.weight = nn.Parameter(torch.randn(proj.weight.shape) * 0.1)
+        module(torch.randn(2, adapter.hidden_size))
+    assert calls == ["norm"] * len(norms) + ["mlp"] * len(mlps)
+
+
+def test_the_cost_model_runs_liger_layers_with_transformers_math(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cost model's meta-device runs of a Liger-patched layer (a profile's candidate, a
+    layout priced after the engine started) never reach a Triton kernel: on a GPU that was an
+    illegal memory access. They price the layer as transformers' modules."""
+    calls = _liger_recorders(monkeypatch)
+    layouts = ["F", "N-r0.5", "SAC.mm-r1", "S1010100-r0.6", "S0000100-r0.3"]
+    plain = [layer_footprint(_adapter(), parse_entry(e, 0.0)[1], 2, 16, torch.float32)
+             for e in layouts]  # fmt: skip
+    adapter = _adapter()
+    fast.apply_compute(adapter, fast.Compute("liger", ""))
+    patched = [layer_footprint(adapter, parse_entry(e, 0.0)[1], 2, 16, torch.float32)
+               for e in layouts]  # fmt: skip
+    assert calls == []
+    assert [(f.saved, f.retained_bytes, f.transient_bytes) for f in patched] == [
+        (f.saved, f.retained_bytes, f.transient_bytes) for f in plain
+    ]
 
 
 def _bound_attention(adapter: HFAdapter) -> Any:

@@ -127,12 +127,23 @@ def resolve_compute(
     return Compute(chosen, COMPILE_BACKEND if compile else "", reason)
 
 
+def _off_meta(fast: Any, eager: Any) -> Any:
+    """``fast`` (a Liger function) for real tensors, ``eager`` (transformers') for meta ones:
+    the cost model runs these same modules on the meta device, where a Triton kernel would
+    dereference a null pointer (an illegal memory access that poisons the CUDA context)."""
+
+    def dispatch(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return (eager if x.is_meta else fast)(x, *args, **kwargs)
+
+    return dispatch
+
+
 def _patch_rms_norm(module: nn.Module, rms_forward: Any) -> None:
     """A transformers Llama-style RMSNorm runs Liger's kernel (its weight stays the bound one)."""
     attrs = {"offset": 0.0, "casting_mode": "llama", "in_place": True, "row_mode": None}
     for name, value in attrs.items():
         setattr(module, name, value)
-    module.forward = MethodType(rms_forward, module)
+    module.forward = _off_meta(MethodType(rms_forward, module), module.forward)
 
 
 def _scoped_rope(attention: nn.Module, modeling: Any, rope: Any) -> None:
@@ -141,6 +152,7 @@ def _scoped_rope(attention: nn.Module, modeling: Any, rope: Any) -> None:
     an eager model of the same type in this process, the cost model's meta-device runs —
     with transformers' own."""
     forward = attention.forward
+    rope = _off_meta(rope, modeling.apply_rotary_pos_emb)
 
     def with_rope(*args: Any, **kwargs: Any) -> Any:
         original = modeling.apply_rotary_pos_emb
@@ -169,7 +181,8 @@ def _apply_liger(adapter: HFAdapter) -> None:
                   if hasattr(module.self_attn, n)]  # fmt: skip
         for norm in norms:
             _patch_rms_norm(norm, LigerRMSNorm.forward)
-        module.mlp.forward = MethodType(LigerSwiGLUMLP.forward, module.mlp)
+        module.mlp.forward = _off_meta(MethodType(LigerSwiGLUMLP.forward, module.mlp),
+                                       module.mlp.forward)  # fmt: skip
         _scoped_rope(module.self_attn, modeling, liger_rotary_pos_emb)
 
 

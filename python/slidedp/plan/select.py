@@ -135,9 +135,12 @@ def select_layout(
     retained = {p: int(c["retained_bytes"]) for p, c in cands}
     layers = place(counts, retained)
     default_counts = [adapter.num_layers if p == DEFAULT else 0 for p, _ in cands]
-    # the default's accounting in the same program (unbounded: it may not fit a small budget)
-    unbounded = {"budget_bytes": 1e30, "parked_bytes": 0.0}
-    default = solve(problem | {"candidates": [dict(cands)[DEFAULT]]} | unbounded)
+    # the default's accounting in the same program, within its own bytes (it may not fit the
+    # budget); a finite bound keeps the program well scaled
+    f = dict(cands)[DEFAULT]
+    own = adapter.num_layers * f["retained_bytes"] + 2 * f["offloaded_bytes"] + f["transient_bytes"]
+    unbounded = {"budget_bytes": own + 2**30, "parked_bytes": 0.0}
+    default = solve(problem | {"candidates": [f]} | unbounded)
     default["counts"] = default_counts
     default["fits"] = default["memory_bytes"] <= budget.bytes
     return Choice(format_layout(layers), layers, budget.bytes, problem, solution, default)

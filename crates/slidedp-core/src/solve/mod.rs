@@ -20,11 +20,14 @@
 //! what comes out; this program is the search.
 
 use good_lp::{
-    Expression, ProblemVariables, Solution, SolverModel, Variable, constraint, microlp, variable,
+    Expression, ProblemVariables, ResolutionError, Solution, SolverModel, Variable, constraint,
+    microlp, variable,
 };
 use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
+
+const GIB: f64 = (1u64 << 30) as f64;
 
 /// One activation candidate of a decoder layer, as measured by the layer profiler.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -155,6 +158,14 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
     let step = vars.add(variable().min(0.0));
 
     let cands = &problem.candidates;
+    // memory rows in budgets: bytes (~1e10) beside seconds (~1e-2) make the simplex's basis
+    // ill-conditioned ("Singular matrix" from microlp on real profiles)
+    let unit = if problem.budget_bytes > 0.0 {
+        problem.budget_bytes
+    } else {
+        1.0
+    };
+    let share = |bytes: f64| bytes / unit;
     let total: Expression = n.iter().sum();
     let compute: Expression = n
         .iter()
@@ -165,11 +176,11 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
     let memory: Expression = n
         .iter()
         .zip(cands)
-        .map(|(v, c)| c.retained_bytes * *v)
+        .map(|(v, c)| share(c.retained_bytes) * *v)
         .sum::<Expression>()
         + pool
         + transient
-        + per_resident * resident;
+        + share(per_resident) * resident;
     // among equal steps (the host lane binds) the least compute: its weight is far below any
     // difference of whole layers' times
     let objective = step + 1e-6 * compute.clone();
@@ -177,12 +188,13 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
     model.add_constraint(constraint!(total == layers));
     for ((nj, yj), c) in n.iter().zip(&y).zip(cands) {
         model.add_constraint(constraint!(*nj <= layers * *yj));
-        model.add_constraint(constraint!(pool >= 2.0 * c.offloaded_bytes * *yj));
-        model.add_constraint(constraint!(transient >= c.transient_bytes * *yj));
+        model.add_constraint(constraint!(pool >= 2.0 * share(c.offloaded_bytes) * *yj));
+        model.add_constraint(constraint!(transient >= share(c.transient_bytes) * *yj));
     }
-    model.add_constraint(constraint!(memory <= problem.budget_bytes));
+    let budget = share(problem.budget_bytes);
+    model.add_constraint(constraint!(memory <= budget));
     model.add_constraint(constraint!(
-        transient + problem.parked_bytes <= problem.budget_bytes
+        transient + share(problem.parked_bytes) <= budget
     ));
     match &problem.host {
         Some(h) => {
@@ -198,12 +210,14 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
             model.add_constraint(constraint!(step >= compute));
         }
     }
-    let solution = model.solve().map_err(|e| {
-        Error::InvalidArgument(format!(
-            "no layout of {} layers fits {:.2} GiB of device memory ({e})",
+    let solution = model.solve().map_err(|e| match e {
+        ResolutionError::Infeasible => Error::InvalidArgument(format!(
+            "no layout of {} layers fits {:.2} GiB of device memory",
             problem.layers,
-            problem.budget_bytes / f64::from(1u32 << 30)
-        ))
+            problem.budget_bytes / GIB
+        )),
+        // never the input's fault: name the solver, so it is not read as "does not fit"
+        other => Error::InvalidArgument(format!("the layout solver failed: {other}")),
     })?;
     // integer variables come back as floats within the solver's tolerance
     let counts: Vec<u32> = n

@@ -146,3 +146,16 @@ fn among_equal_steps_the_least_compute() {
         (vec![0, 0, 10], 100.0)
     );
 }
+
+#[test]
+fn a_real_profile_in_bytes_and_seconds_solves() {
+    // a Qwen3-4B B=16 H100 profile's program (times perturbed), host lane overlapping: with the
+    // memory rows in raw bytes microlp answered "Singular matrix", read as "does not fit"
+    let p: Problem = serde_json::from_str(include_str!("h100_profile_problem.json")).unwrap();
+    let layout = solve(&p).unwrap();
+    assert_eq!(layout.counts.iter().sum::<u32>(), 36);
+    assert!(layout.memory_bytes <= p.budget_bytes);
+    // the host lane binds (0.944 s): no layout steps faster
+    let host = p.host.as_ref().unwrap().update_s_per_layer * 36.0;
+    assert!((layout.step_s - host).abs() < 1e-9, "{layout:?}");
+}
