@@ -107,7 +107,6 @@ def _liger_recorders(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     from liger_kernel.transformers import rope
     from liger_kernel.transformers.rms_norm import LigerRMSNorm
     from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
-
     from transformers.models.qwen3 import modeling_qwen3
 
     calls: list[str] = []

@@ -107,7 +107,7 @@ def resolve_auto(
     ``measure``: profile the layer when it is not cached (else check the default layout).
     ``resume``: the checkpoint a run continues from keeps the layout it ran with."""
     from slidedp.estimate import adamw_gbps
-    from slidedp.plan.select import select_layout
+    from slidedp.plan.select import MIN_GAIN, select_layout
 
     rt = cfg.runtime
     if rt.policy != AUTO:
@@ -140,10 +140,15 @@ def resolve_auto(
     choice = select_layout(default, adapter, machine, report, total_bytes=total,
                            update_gbps=adamw_gbps(threads))  # fmt: skip
     solved = time.perf_counter() - start
-    speedup = choice.default["step_s"] / choice.solution["step_s"]
     source = "cached profile" if report.get("cached") else f"profiled in {profiled:.1f} s"
+    kept = (
+        f" kept: the best layout, {choice.program_layout}, is predicted {choice.gain:.2f}x, "
+        f"below the {1 + MIN_GAIN:.2f}x that leaving the default needs"
+        if choice.kept_default
+        else f", predicted {choice.gain:.2f}x the default all-F layout"
+    )
     line = (
-        f"policy   auto: {choice.layout}, predicted {speedup:.2f}x the default all-F layout "
+        f"policy   auto: {choice.layout}{kept} "
         f"(layers and host update {choice.solution['step_s']:.3f} vs "
         f"{choice.default['step_s']:.3f} s, "
         f"activations {choice.solution['memory_bytes'] / 2**30:.2f} of "

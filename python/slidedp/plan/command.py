@@ -30,6 +30,7 @@ import yaml
 
 from slidedp.errors import ConfigError
 from slidedp.plan.auto import check_one_process, profile_args
+from slidedp.plan.select import MIN_GAIN, select_layout
 from slidedp.profile.layer import FAMILIES, RATIOS, profile_layer
 
 GIB = 2**30
@@ -99,7 +100,6 @@ def _profile(args: argparse.Namespace, cfg: Any, batch: int) -> dict[str, Any]:
 def main(args: argparse.Namespace) -> int:
     from slidedp.config import load_config
     from slidedp.estimate import Machine, adamw_gbps, estimate_run, shortages
-    from slidedp.plan.select import select_layout
     from slidedp.preflight import check_model
 
     clock: dict[str, float] = {}
@@ -144,6 +144,8 @@ def main(args: argparse.Namespace) -> int:
     out.write_text(yaml.safe_dump({"layers": choice.layout}, sort_keys=False))
     summary = {
         "layout": choice.layout,
+        "program_layout": choice.program_layout,
+        "kept_default": choice.kept_default,
         "budget_bytes": choice.budget_bytes,
         "gpu_total_bytes": total,
         "profile": report.get("cached") or "measured",
@@ -184,12 +186,14 @@ def format_summary(s: dict[str, Any], out: Path) -> str:
         + ", ".join(names),
         f"  budget for activations {s['budget_bytes'] / GIB:.2f} GiB of {total:.1f}; host "
         f"update {host['update_s_per_layer'] * 1e3:.1f} ms/layer ({when})",
-        f"  chosen:  {s['layout']}",
+        f"  program: {s['program_layout']}",
         f"           step {sol['step_s']:.3f} s (layers {sol['compute_s']:.3f} s, host "
         f"{sol['host_s']:.3f} s), activations {sol['memory_bytes'] / GIB:.2f} GiB",
         f"  default: {len(default['counts']) and sum(default['counts'])}xF-r0, step "
         f"{default['step_s']:.3f} s (layers {default['compute_s']:.3f} s) -> "
         f"{default['step_s'] / sol['step_s']:.3f}x predicted",
+        f"  chosen:  {s['layout']}"
+        + (f" (the default: leaving it needs {1 + MIN_GAIN:.2f}x)" if s["kept_default"] else ""),
         f"  estimate of the run with it: GPU {s['estimate_gpu_needed_bytes'] / GIB:.2f} GiB needed",
         _model_line(s["step_model"]),
         "  stages: "

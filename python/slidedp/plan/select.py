@@ -33,6 +33,10 @@ if TYPE_CHECKING:
 # freed by the parked gradients); the budget keeps that share free
 HEADROOM = 0.06
 DEFAULT = LayerPolicy("F")
+# a layout leaves the default only when predicted this much faster: on the H100 (BENCHMARKS.md,
+# issue #16) predicted gains of 9% and 20% measured 0.99x and 0.97x where the host update bound
+# the step, and a layout spends GPU memory the default leaves free
+MIN_GAIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,13 @@ class Choice:
     problem: dict[str, Any]  # the integer program, as solved
     solution: dict[str, Any]  # slidedp_core::solve::Layout
     default: dict[str, Any]  # the fixed default's accounting in the same program, and "fits"
+    program_layout: str = ""  # the program's own layout, placed (== layout unless kept_default)
+    kept_default: bool = False  # the program's layout was not MIN_GAIN faster: all F instead
+
+    @property
+    def gain(self) -> float:
+        """The program's layout's predicted speed over the default's."""
+        return float(self.default["step_s"] / self.solution["step_s"])
 
 
 def profile_candidates(report: dict[str, Any]) -> list[tuple[LayerPolicy, dict[str, Any]]]:
@@ -143,4 +154,9 @@ def select_layout(
     default = solve(problem | {"candidates": [f]} | unbounded)
     default["counts"] = default_counts
     default["fits"] = default["memory_bytes"] <= budget.bytes
-    return Choice(format_layout(layers), layers, budget.bytes, problem, solution, default)
+    layout = format_layout(layers)
+    choice = Choice(layout, layers, budget.bytes, problem, solution, default, layout)
+    all_f = (DEFAULT,) * adapter.num_layers
+    if layers != all_f and default["fits"] and choice.gain < 1 + MIN_GAIN:
+        return replace(choice, layout=format_layout(all_f), layers=all_f, kept_default=True)
+    return choice
