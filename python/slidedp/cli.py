@@ -28,6 +28,7 @@ from slidedp.bench import plot as bench_plot
 from slidedp.bench import train as bench_train
 from slidedp.errors import ConfigError, SlidedpError, TrainingInterruptedError
 from slidedp.plan import command as plan_command
+from slidedp.profile import host as profile_host
 from slidedp.profile import layer as profile_layer
 
 EXIT_BAD_INPUT = 2
@@ -186,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     profile_layer.add_arguments(
         what.add_parser("layer", parents=[debug], help="every activation layout of one layer")
     )
+    profile_host.add_arguments(
+        what.add_parser("host", parents=[debug], help="host AdamW GB/s, alone and under DMA")
+    )
     return parser
 
 
@@ -201,7 +205,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.verb == "export":
         return _export(args.checkpoint, args.out_dir)
     if args.verb == "profile":
-        return profile_layer.main(args)
+        return profile_host.main(args) if args.profile == "host" else profile_layer.main(args)
     if args.verb == "plan":
         return plan_command.main(args)
     bench_main = {

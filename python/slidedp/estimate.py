@@ -103,6 +103,7 @@ from slidedp.plan.timing import (
     predict_step,
     spec_from_shapes,
 )
+from slidedp.profile.host import cached_host, engine_update_threads, model_gbps, probe_host
 from slidedp.runtime.flops import model_flops_per_token
 from slidedp.store import HostStore
 
@@ -210,6 +211,7 @@ class StepTimeEstimate:
     host_floor_s: float
     host_threads: int
     host_gbps: float
+    host_source: str  # HostRate.source: measured on this machine, or the table's
     range_s: tuple[float, float] | None
     bound: str  # "compute" or "host (AdamW traffic)"
 
@@ -283,7 +285,8 @@ def plan_policy(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> Polic
 
 
 def adamw_gbps(threads: int) -> float:
-    """Measured AdamW bandwidth at ``threads`` (interpolated; linear beyond the table)."""
+    """AdamW bandwidth at ``threads`` from ``ADAMW_GBPS``, measured on another machine
+    (interpolated; linear beyond the table): where ``slidedp profile host`` has not run."""
     table = ADAMW_GBPS
     if threads >= table[-1][0]:
         return table[-1][1] * threads / table[-1][0]
@@ -291,6 +294,36 @@ def adamw_gbps(threads: int) -> float:
         if t0 <= threads <= t1:
             return g0 + (g1 - g0) * (threads - t0) / (t1 - t0)
     return table[0][1]
+
+
+@dataclass(frozen=True)
+class HostRate:
+    """The host AdamW rate the step time takes, and where it comes from."""
+
+    gbps: float
+    source: str
+
+
+def update_threads(cfg: TrainConfig, machine: Machine) -> int:
+    """The update worker's threads for ``cfg`` on ``machine``, as ``Trainer`` starts it."""
+    cuda = machine.device == "cuda"
+    return cfg.runtime.update_threads or engine_update_threads(machine.cores, cuda)
+
+
+def host_rate(threads: int, machine: Machine, *, measure: bool = False) -> HostRate:
+    """The AdamW rate of ``slidedp profile host`` for ``threads`` on ``machine`` (beside its
+    GPU: the rate under DMA) where it is cached, else the table's (``adamw_gbps``).
+    ``measure``: probe it when it is not cached (a few seconds: ``plan``, ``runtime.policy:
+    auto``); estimating alone never measures."""
+    gpu = machine.gpu_name if machine.device == "cuda" else None
+    report = cached_host(threads, gpu)
+    if report is None and measure:
+        report = probe_host(threads, torch.device(machine.device))
+    if report is None:
+        table = "from the table (not measured on this machine: slidedp profile host)"
+        return HostRate(adamw_gbps(threads), table)
+    what = "measured under DMA" if report["joint_adamw_gbps"] else "measured"
+    return HostRate(model_gbps(report), f"{what} ({'cached' if report['cached'] else 'now'})")
 
 
 def _gpu_peak(name: str | None) -> tuple[float | None, str]:
@@ -301,30 +334,28 @@ def _gpu_peak(name: str | None) -> tuple[float | None, str]:
 
 
 def _step_time(
-    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, params: int
+    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, params: int, rate: HostRate
 ) -> StepTimeEstimate:
     b, s = cfg.train.global_batch_size, cfg.data.seq_len
     flops = model_flops_per_token(adapter.config, s) * b * s * RECOMPUTE_FACTOR
     if machine.device == "cuda":
         peak, source = _gpu_peak(machine.gpu_name)
         efficiency = GPU_EFFICIENCY
-        threads = cfg.runtime.update_threads or machine.cores
     else:
         peak = machine.cpu_flops
         source = "the CPU matmul rate was not measured"
         if peak is not None:
             source = f"{peak / 1e9:.0f} GFLOP/s torch {machine.dtype} matmul, measured now"
         efficiency = CPU_EFFICIENCY
-        threads = cfg.runtime.update_threads or max(1, machine.cores // 2)
-    gbps = adamw_gbps(threads)
-    host = ADAMW_BYTES_PER_PARAM * params / (gbps * 1e9)
+    host = ADAMW_BYTES_PER_PARAM * params / (rate.gbps * 1e9)
     compute = (
         None if peak is None else (flops / (efficiency[1] * peak), flops / (efficiency[0] * peak))
     )
     span = None if compute is None else (max(compute[0], host), max(compute[1], host))
     bound = "compute" if compute is not None and compute[0] >= host else "host (AdamW traffic)"
+    threads = update_threads(cfg, machine)
     return StepTimeEstimate(
-        flops, peak, source, efficiency, compute, host, threads, gbps, span, bound
+        flops, peak, source, efficiency, compute, host, threads, rate.gbps, rate.source, span, bound
     )
 
 
@@ -376,6 +407,7 @@ def estimate_run(
         )
     process = CUDA_PROCESS_BYTES if cuda else CPU_PROCESS_BYTES
     cpu_working = 0 if cuda else working
+    rate = host_rate(update_threads(cfg, machine), machine)
     return Estimate(
         model=f"{adapter.config.model_type} ({cfg.model.path})",
         params=params,
@@ -396,9 +428,9 @@ def estimate_run(
         ram_bytes=store + arena + process + cpu_working,
         pinned_bytes=slots_bytes + arena if cuda else 0,
         gpu=gpu,
-        step=_step_time(cfg, adapter, machine, params),
+        step=_step_time(cfg, adapter, machine, params, rate),
         machine=machine,
-        step_model=_step_model(cfg, adapter, machine, policy, dtype) if step_model else None,
+        step_model=_step_model(cfg, adapter, machine, policy, dtype, rate) if step_model else None,
     )
 
 
@@ -433,12 +465,17 @@ def longest_sequence(
 
 
 def _step_model(
-    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, policy: Policy, dtype: torch.dtype
+    cfg: TrainConfig,
+    adapter: HFAdapter,
+    machine: Machine,
+    policy: Policy,
+    dtype: torch.dtype,
+    rate: HostRate,
 ) -> dict[str, Any] | None:
     """The step-time model's prediction with ``plan.timing``'s rates (uncalibrated: FLOPs at
-    the measured layer efficiency, PCIe ceilings, the AdamW kernel table), the layers' times
-    taken from the layer profile where this run's is cached (``slidedp profile layer``, ``plan``
-    or ``runtime.policy: auto`` measured it on this GPU). ``calibration`` says which."""
+    the measured layer efficiency, PCIe ceilings), AdamW at ``rate``, the layers' times taken
+    from the layer profile where this run's is cached (``slidedp profile layer``, ``plan`` or
+    ``runtime.policy: auto`` measured it on this GPU). ``calibration`` says which."""
     from slidedp.plan.auto import profile_args
     from slidedp.profile.layer import cached_profile
 
@@ -448,7 +485,6 @@ def _step_model(
     report = cached_profile(profile_args(cfg))
     measured = layer_times(report) if report else {}
     b, s = cfg.train.global_batch_size, cfg.data.seq_len
-    threads = cfg.runtime.update_threads or machine.cores
     offloaded = [layer_footprint(adapter, p, b, s, dtype).offloaded_bytes for p in policy.layers]
     spec = spec_from_shapes(
         adapter,
@@ -456,16 +492,16 @@ def _step_model(
         batch=b,
         seq_len=s,
         peak_flops=peak,
-        adamw_gbps=adamw_gbps(threads),
+        adamw_gbps=rate.gbps,
         clipping=cfg.train.max_grad_norm > 0,
         offloaded_bytes=offloaded,
         measured=measured,
     )
     covered = sum(str(p) in measured for p in policy.layers)
-    calibration = (
-        f"layer profile: {covered} of {len(policy.layers)} layers" if covered
-        else "uncalibrated rates"
-    )  # fmt: skip
+    measured_parts = [f"layer profile: {covered} of {len(policy.layers)} layers"] * bool(covered)
+    if rate.source.startswith("measured"):
+        measured_parts.append(f"host AdamW {rate.source}")
+    calibration = ", ".join(measured_parts) or "uncalibrated rates"
     return predict_step(spec) | {"calibration": calibration}
 
 
@@ -603,7 +639,7 @@ def format_estimate(est: Estimate) -> str:
     row(
         "  host AdamW floor",
         f"{st.host_floor_s:.2f} s",
-        f"28 B/param at {st.host_gbps:.0f} GB/s ({st.host_threads} threads)",
+        f"28 B/param at {st.host_gbps:.0f} GB/s ({st.host_threads} threads), {st.host_source}",
     )
     head = (
         f"slidedp estimate: {est.model}, {est.params:,} parameters, {est.layers} layers; "

@@ -144,7 +144,7 @@ def test_plan_writes_a_policy_file_that_trains(
     assert "default: 4xF-r0" in out
     assert yaml.safe_load(policy.read_text()) == {"layers": "4xN-r0"}
     summary = json.loads(policy.with_suffix(".json").read_text())
-    assert set(summary["timing_s"]) == {"setup_s", "profile_s", "solve_s", "check_s"}
+    assert set(summary["timing_s"]) == {"setup_s", "profile_s", "host_s", "solve_s", "check_s"}
     assert main(["train", str(path), f"runtime.policy={policy}"]) == 0
     assert "4xN-r0" in capsys.readouterr().out
     assert len(read_metrics(tmp_path / "out")) == 2

@@ -4,9 +4,11 @@ the run's config, so ``resolved_config.yaml`` and every checkpoint record the la
 and a resumed run keeps it.
 
 ``train`` profiles the layer when the profile is not cached (on the run's device, with the
-run's batch and sequence); ``validate`` and ``estimate`` never run GPU work: they use a cached
-profile, or check the default layout and say that ``train`` will choose. A resumed run keeps
-the layout its checkpoint ran with.
+run's batch and sequence), and probes the host AdamW rate the same way (``slidedp profile
+host``: the selector's host lane); ``validate`` and ``estimate`` never run GPU work: they use a
+cached profile, or check the default layout and say that ``train`` will choose, and a cached
+host rate or else ``estimate.ADAMW_GBPS``'s. A resumed run keeps the layout its checkpoint ran
+with.
 
 Example::
 
@@ -51,7 +53,7 @@ def profile_args(cfg: TrainConfig, **given: Any) -> argparse.Namespace:
         "dtype": cfg.train.dtype,
         "warmup": 2,
         "steps": 5,
-        "cache_dir": None,  # profile.layer.default_cache_dir
+        "cache_dir": None,  # profile.cache.default_cache_dir
         "force": False,
         "layer_kernels": cfg.runtime.kernels,
         "layer_compile": cfg.runtime.compile,
@@ -106,7 +108,7 @@ def resolve_auto(
     line that says what was chosen and why (``cfg`` unchanged and None without ``auto``).
     ``measure``: profile the layer when it is not cached (else check the default layout).
     ``resume``: the checkpoint a run continues from keeps the layout it ran with."""
-    from slidedp.estimate import adamw_gbps
+    from slidedp.estimate import host_rate, update_threads
     from slidedp.plan.select import MIN_GAIN, select_layout
 
     rt = cfg.runtime
@@ -134,11 +136,11 @@ def resolve_auto(
             "`slidedp train` profiles it and chooses"
         )
     profiled = time.perf_counter() - start
+    host = host_rate(update_threads(cfg, machine), machine, measure=measure)
     total = device_total_bytes(machine, default, adapter)
-    threads = rt.update_threads or machine.cores
     start = time.perf_counter()
     choice = select_layout(default, adapter, machine, report, total_bytes=total,
-                           update_gbps=adamw_gbps(threads))  # fmt: skip
+                           update_gbps=host.gbps)  # fmt: skip
     solved = time.perf_counter() - start
     source = "cached profile" if report.get("cached") else f"profiled in {profiled:.1f} s"
     kept = (
@@ -152,7 +154,8 @@ def resolve_auto(
         f"(layers and host update {choice.solution['step_s']:.3f} vs "
         f"{choice.default['step_s']:.3f} s, "
         f"activations {choice.solution['memory_bytes'] / 2**30:.2f} of "
-        f"{choice.budget_bytes / 2**30:.2f} GiB; {source}, solved in {solved:.2f} s)"
+        f"{choice.budget_bytes / 2**30:.2f} GiB; {source}, host AdamW {host.gbps:.0f} GB/s "
+        f"{host.source}, solved in {solved:.2f} s)"
     )
     layers = dataclasses.replace(default.runtime, layers=choice.layout)
     return dataclasses.replace(default, runtime=layers), line

@@ -3,6 +3,7 @@ selector, paper §3.6) and write it as a policy file (``runtime.policy: FILE``).
 
 Stages, each timed in the report: the layer profile of the run's own model, batch and sequence
 (``slidedp profile layer``, cached by device, shape, batch, sequence, dtype and versions), the
+host AdamW rate (``slidedp profile host``, cached by CPU, threads, GPU and versions), the
 integer program over its Pareto candidates under the GPU budget with the host update lane
 counted (``plan.select``), the placement, and ``slidedp estimate`` of the chosen layout (the same
 check ``train`` runs). The fixed default (all ``F``) is a candidate of the program, and its
@@ -99,7 +100,7 @@ def _profile(args: argparse.Namespace, cfg: Any, batch: int) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     from slidedp.config import load_config
-    from slidedp.estimate import Machine, adamw_gbps, estimate_run, shortages
+    from slidedp.estimate import Machine, estimate_run, host_rate, shortages, update_threads
     from slidedp.preflight import check_model
 
     clock: dict[str, float] = {}
@@ -120,9 +121,11 @@ def main(args: argparse.Namespace) -> int:
     report = _profile(args, cfg, batch)
     clock["profile_s"] = time.perf_counter() - start
     start = time.perf_counter()
-    threads = cfg.runtime.update_threads or machine.cores
+    host = host_rate(update_threads(cfg, machine), machine, measure=True)
+    clock["host_s"] = time.perf_counter() - start
+    start = time.perf_counter()
     choice = select_layout(cfg, adapter, machine, report, total_bytes=total,
-                           update_gbps=adamw_gbps(threads))  # fmt: skip
+                           update_gbps=host.gbps)  # fmt: skip
     clock["solve_s"] = time.perf_counter() - start
 
     start = time.perf_counter()
@@ -149,6 +152,7 @@ def main(args: argparse.Namespace) -> int:
         "budget_bytes": choice.budget_bytes,
         "gpu_total_bytes": total,
         "profile": report.get("cached") or "measured",
+        "host_adamw": {"gbps": host.gbps, "source": host.source},
         "problem": choice.problem,
         "solution": choice.solution,
         "default": choice.default,
@@ -185,7 +189,8 @@ def format_summary(s: dict[str, Any], out: Path) -> str:
         f"slidedp plan: {len(names)} candidates from the profile ({s['profile']}): "
         + ", ".join(names),
         f"  budget for activations {s['budget_bytes'] / GIB:.2f} GiB of {total:.1f}; host "
-        f"update {host['update_s_per_layer'] * 1e3:.1f} ms/layer ({when})",
+        f"update {host['update_s_per_layer'] * 1e3:.1f} ms/layer ({when}) at "
+        f"{s['host_adamw']['gbps']:.0f} GB/s AdamW, {s['host_adamw']['source']}",
         f"  program: {s['program_layout']}",
         f"           step {sol['step_s']:.3f} s (layers {sol['compute_s']:.3f} s, host "
         f"{sol['host_s']:.3f} s), activations {sol['memory_bytes'] / GIB:.2f} GiB",

@@ -34,10 +34,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import hashlib
 import json
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -58,6 +56,7 @@ from slidedp.plan.cost import layer_footprint
 from slidedp.plan.device import pick_device, pick_dtype
 from slidedp.plan.layout import LayerPolicy, parse_entry
 from slidedp.plan.policy import check_layout_fits
+from slidedp.profile.cache import cache_file, read_report, write_report
 from slidedp.profile.kernels import VARIANTS, format_kernels, profile_kernels
 from slidedp.profile.pareto import mark_pareto, plot_pareto
 from slidedp.runtime.activations import LayerRun, LayerState, executor_for
@@ -216,15 +215,6 @@ def candidates(families: str, ratios: str, adapter: HFAdapter, batch: int, seq_l
     return out
 
 
-def default_cache_dir() -> str:
-    """``$XDG_CACHE_HOME/slidedp/profile`` (``~/.cache`` when unset, as XDG says)."""
-    return str(Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "slidedp" / "profile")
-
-
-def cache_key(facts: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
-
-
 @dataclass(frozen=True)
 class _Profiled:
     """What a profile of given arguments measures with, and where its report is cached."""
@@ -261,19 +251,14 @@ def _profiled(args: argparse.Namespace) -> _Profiled:
         "transformers": transformers.__version__,
         "slidedp": __version__,
     }
-    folder = Path(args.cache_dir or default_cache_dir()).expanduser()
-    return _Profiled(
-        adapter, device, dtype, compute, facts, folder / f"layer-{cache_key(facts)}.json"
-    )
+    return _Profiled(adapter, device, dtype, compute, facts,
+                     cache_file(args.cache_dir, "layer", facts))  # fmt: skip
 
 
 def _read_cache(cache: Path) -> dict[str, Any] | None:
     """The cached report, or None: none, or one that does not read (measured again)."""
-    try:
-        report = json.loads(cache.read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(report, dict) or not isinstance(report.get("candidates"), list):
+    report = read_report(cache)
+    if report is None or not isinstance(report.get("candidates"), list):
         return None
     report["cached"] = str(cache)
     return report
@@ -304,10 +289,7 @@ def profile_layer(args: argparse.Namespace) -> dict[str, Any]:
         "candidates": [asdict(c) for c in results],
         "cached": None,
     }
-    prof.cache.parent.mkdir(parents=True, exist_ok=True)
-    partial = prof.cache.with_suffix(f".{os.getpid()}.tmp")  # never a half-written cache file
-    partial.write_text(json.dumps(measured, indent=1))
-    os.replace(partial, prof.cache)
+    write_report(prof.cache, measured)
     return measured
 
 

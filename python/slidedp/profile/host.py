@@ -1,0 +1,331 @@
+"""``slidedp profile host [--threads N] [--device auto|cpu|cuda] [--state-mib 512] [--force]
+[--json]``: the host AdamW lane's rate on the machine at hand.
+
+The step-time model and the layout selector (``estimate``, ``plan``, ``runtime.policy: auto``)
+take it instead of ``estimate.ADAMW_GBPS``, a table measured on another machine. The probe runs
+the engine's own update path: a ``HostStore`` of ``--state-mib`` of FP32 state (master,
+exp_avg, exp_avg_sq) in ``GROUPS`` groups, each updated as one chunk (as a decoder layer is by
+default) by an ``UpdateWorker`` with the engine's thread count, reading its gradient from a ring
+of ``GRAD_SLOTS`` slots. The store is the one the engine makes on that device: on CUDA, BF16
+gradient slots and the BF16 mirror (written by AdamW; the engine's default where it fits); on
+CPU, f32 gradient slots and no mirror. 512 MiB of state, plus the slots and the mirror, is
+beyond any CPU's caches.
+
+Measured, in GB/s counted as ``ADAMW_BYTES_PER_PARAM`` (28) bytes per parameter, so that
+``28 * N / rate`` is the update time of ``N`` parameters as the model computes it:
+
+- ``adamw_gbps``: the update alone: the worker's busy time over whole passes (about
+  ``budget_s``), after a warm-up pass (the first touch of fresh shared memory faults it in);
+- on CUDA, ``joint_adamw_gbps``: as many passes while the GPU copies the mirror to the device
+  (H2D) and a gradient into the gradient slots (D2H) on two streams, from the same page-locked
+  store regions the engine pins: a training step's situation. AdamW and the DMA share the DRAM,
+  so the model takes this joint rate on CUDA (``model_gbps``); the copies' own rates meanwhile
+  are ``joint_h2d_gbps``, ``joint_d2h_gbps``. On CPU there is no DMA: the plain rate only.
+
+Cached like the layer profile (``profile.cache``) under a key of the CPU model, logical cores,
+threads, GPU name (None on CPU) and the torch and slidedp versions: ``cached_host`` looks it up
+without measuring (``estimate``, ``validate``, ``train``), ``probe_host`` measures when it is
+missing (``plan``, ``runtime.policy: auto``, this command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import platform
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slidedp import __version__
+from slidedp.kernels import Kernels, default_threads
+from slidedp.plan.device import pick_device
+from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM
+from slidedp.profile.cache import cache_file, read_report, write_report
+from slidedp.store import GroupSpec, HostStore, ParamSpec
+from slidedp.update import UpdateWorker
+
+STATE_MIB = 512
+GROUPS = 8
+GRAD_SLOTS = 4  # the engine's gradient ring (runtime.grad_slots)
+COLUMNS = 1024  # the parameters are matrices: weight decay applies, as to a layer's weights
+BUDGET_S = 1.0  # per measurement: alone, then under DMA
+IN_FLIGHT = 2  # copies queued per stream, so the DMA never pauses and never runs far ahead
+DRAIN_TIMEOUT_S = 600.0
+# any gradient: the kernel's time does not depend on the values (no denormals from this one)
+GRAD = 1e-3
+
+
+def engine_update_threads(cores: int, cuda: bool) -> int:
+    """The update worker's threads when ``runtime.update_threads`` is 0, as ``Trainer`` starts
+    it: every core beside a GPU, half of them on CPU (torch computes on the rest)."""
+    return cores if cuda else max(1, cores // 2)
+
+
+@functools.cache
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def host_facts(threads: int, gpu: str | None) -> dict[str, Any]:
+    """The cache key's facts: what the rate depends on."""
+    return {
+        "cpu": cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "threads": threads,
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "slidedp": __version__,
+    }
+
+
+def model_gbps(report: dict[str, Any]) -> float:
+    """The rate the model takes: the joint one where the GPU's copies ran beside (CUDA)."""
+    return float(report["joint_adamw_gbps"] or report["adamw_gbps"])
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0
+
+
+def _read(path: Path, facts: dict[str, Any]) -> dict[str, Any] | None:
+    """The cached report of ``facts``, or None (none, or one that does not read: a miss)."""
+    report = read_report(path)
+    if report is None or any(report.get(k) != v for k, v in facts.items()):
+        return None
+    joint = report.get("joint_adamw_gbps")
+    if not _positive(report.get("adamw_gbps")) or not (joint is None or _positive(joint)):
+        return None
+    return report | {"cached": str(path)}
+
+
+def cached_host(
+    threads: int, gpu: str | None, cache_dir: str | None = None
+) -> dict[str, Any] | None:
+    """The cached probe of this machine at ``threads`` beside ``gpu`` (None: CPU), or None;
+    nothing is measured."""
+    facts = host_facts(threads, gpu)
+    return _read(cache_file(cache_dir, "host", facts), facts)
+
+
+def probe_host(
+    threads: int,
+    device: torch.device,
+    *,
+    state_bytes: int = STATE_MIB << 20,
+    budget_s: float = BUDGET_S,
+    cache_dir: str | None = None,
+    force: bool = False,
+) -> dict[str, Any]:
+    """The probe's report at ``threads`` on ``device``: cached, else (or with ``force``)
+    measured with ``state_bytes`` of FP32 state and cached."""
+    cuda = device.type == "cuda"
+    facts = host_facts(threads, torch.cuda.get_device_name(device) if cuda else None)
+    path = cache_file(cache_dir, "host", facts)
+    if not force and (report := _read(path, facts)) is not None:
+        return report
+    start = time.perf_counter()
+    rates = _measure(threads, device, state_bytes, budget_s)
+    measured = (
+        facts
+        | rates
+        | {
+            "isa": Kernels.detect_isa(),
+            "state_bytes": state_bytes,
+            "measured_s": time.perf_counter() - start,
+        }
+    )
+    write_report(path, measured)
+    return measured | {"cached": None}
+
+
+class _Bench:
+    """The store and update worker the probe times (module docstring)."""
+
+    def __init__(self, state_bytes: int, threads: int, cuda: bool) -> None:
+        rows = max(1, state_bytes // (3 * 4 * GROUPS * COLUMNS))
+        groups = [
+            GroupSpec(f"layers.{i}", [ParamSpec(f"layers.{i}.weight", (rows, COLUMNS))])
+            for i in range(GROUPS)
+        ]
+        self.store = HostStore.create(
+            groups,
+            staging_slots=0,
+            grad_slots=GRAD_SLOTS,
+            grad_dtype="bf16" if cuda else "f32",
+            bf16_mirror=cuda,
+        )
+        self.store.region("grad").fill_(GRAD)
+        self.worker = UpdateWorker(self.store, threads)
+        self.group_params = rows * COLUMNS
+
+    def submit(self, passes: int) -> int:
+        """Queue ``passes`` updates of every group, slots in turn; the requests' count."""
+        for i in range(passes * GROUPS):
+            group, slot = i % GROUPS, i % GRAD_SLOTS
+            self.worker.submit(
+                group,
+                0,
+                self.group_params,
+                slot,
+                step=1,
+                lr=1e-5,
+                betas=(0.9, 0.999),
+                eps=1e-8,
+                weight_decay=0.01,
+            )
+        return passes * GROUPS
+
+    def busy_s(self, passes: int) -> float:
+        """Seconds the worker spends updating ``passes`` times."""
+        before = self.worker.stats()[1]
+        self.submit(passes)
+        self.worker.drain(DRAIN_TIMEOUT_S)
+        return self.worker.stats()[1] - before
+
+    def gbps(self, passes: int, seconds: float) -> float:
+        return ADAMW_BYTES_PER_PARAM * self.group_params * GROUPS * passes / seconds / 1e9
+
+
+def _measure(
+    threads: int, device: torch.device, state_bytes: int, budget_s: float
+) -> dict[str, Any]:
+    bench = _Bench(state_bytes, threads, device.type == "cuda")
+    bench.busy_s(1)  # warm-up: fresh shared memory faults its pages in
+    first = bench.busy_s(1)
+    more = max(1, min(1000, round(budget_s / first) - 1))
+    passes = 1 + more
+    rates: dict[str, Any] = {
+        "params": bench.group_params * GROUPS,
+        "passes": passes,
+        "adamw_gbps": bench.gbps(passes, first + bench.busy_s(more)),
+        "joint_adamw_gbps": None,
+    }
+    if device.type == "cuda":
+        rates |= _under_dma(bench, passes, device)
+    return rates
+
+
+def _under_dma(bench: _Bench, passes: int, device: torch.device) -> dict[str, float]:
+    """``passes`` updates while the mirror goes to the device and gradients come back into the
+    slots, each copy stream kept ``IN_FLIGHT`` deep until the last update is done."""
+    from slidedp.runtime.lanes import new_event, new_stream
+    from slidedp.runtime.transfer import pin, unpin
+
+    mirror, grad = bench.store.region("mirror"), bench.store.region("grad")
+    pinned = []
+    try:
+        for t, what in ((mirror, "mirror"), (grad, "gradient slots")):
+            pin(t, f"the host probe's {what}")
+            pinned.append(t)
+        on_device = torch.empty_like(mirror, device=device)
+        grads = torch.full_like(grad, GRAD, device=device)
+        h2d, d2h = new_stream(device), new_stream(device)
+        queued: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+
+        def copy_both() -> None:
+            done = new_event(), new_event()
+            with torch.cuda.stream(h2d):
+                on_device.copy_(mirror, non_blocking=True)
+                done[0].record(h2d)
+            with torch.cuda.stream(d2h):
+                grad.copy_(grads, non_blocking=True)
+                done[1].record(d2h)
+            queued.append(done)
+
+        torch.cuda.synchronize(device)
+        completed, busy = bench.worker.stats()
+        start = time.perf_counter()
+        copy_both()  # the copies run before the first update starts
+        target = completed + bench.submit(passes)
+        copies = 1
+        while bench.worker.stats()[0] < target:
+            copy_both()
+            copies += 1
+            if len(queued) > IN_FLIGHT:
+                for event in queued.popleft():
+                    event.synchronize()
+        bench.worker.drain(DRAIN_TIMEOUT_S)
+        adamw_s = bench.worker.stats()[1] - busy
+        torch.cuda.synchronize(device)
+        dma_s = time.perf_counter() - start
+    finally:
+        torch.cuda.synchronize(device)
+        for t in pinned:
+            unpin(t)
+    return {
+        "joint_adamw_gbps": bench.gbps(passes, adamw_s),
+        "joint_h2d_gbps": copies * mirror.numel() * mirror.element_size() / dma_s / 1e9,
+        "joint_d2h_gbps": copies * grad.numel() * grad.element_size() / dma_s / 1e9,
+    }
+
+
+def format_report(report: dict[str, Any]) -> str:
+    where = (
+        f"cached: {report['cached']}"
+        if report["cached"]
+        else (f"measured in {report['measured_s']:.1f} s")
+    )
+    lines = [
+        f"slidedp profile host: {report['cpu']} ({report['logical_cores']} logical cores), "
+        f"{report['threads']} update threads, {report['isa']}, beside "
+        f"{report['gpu'] or 'no GPU'} ({where})",
+        f"  AdamW alone      {report['adamw_gbps']:7.1f} GB/s  ({ADAMW_BYTES_PER_PARAM} B/param, "
+        f"{report['params'] * 12 / 2**20:.0f} MiB of FP32 state, {report['passes']} passes)",
+    ]
+    if report["joint_adamw_gbps"] is None:
+        lines.append("  AdamW under DMA       n/a  (no GPU: the model takes the rate alone)")
+    else:
+        lines.append(
+            f"  AdamW under DMA  {report['joint_adamw_gbps']:7.1f} GB/s  (the model's rate; "
+            f"meanwhile H2D {report['joint_h2d_gbps']:.1f}, D2H {report['joint_d2h_gbps']:.1f}"
+            " GB/s)"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    arg = parser.add_argument
+    arg(
+        "--threads",
+        type=int,
+        default=0,
+        help="update threads (0: the engine's default, all cores beside a GPU, half on CPU)",
+    )
+    arg(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="cuda: also AdamW under H2D/D2H copies (the model's rate); cpu: alone",
+    )
+    arg("--state-mib", type=int, default=STATE_MIB, help="FP32 state updated per pass")
+    arg("--cache-dir", default=None, help="default: $XDG_CACHE_HOME/slidedp/profile")
+    arg("--force", action="store_true", help="measure even if cached")
+    arg("--json", action="store_true", help="one JSON object instead of text")
+
+
+def main(args: argparse.Namespace) -> int:
+    device = pick_device(args.device)
+    threads = args.threads or engine_update_threads(default_threads(), device.type == "cuda")
+    report = probe_host(
+        threads,
+        device,
+        state_bytes=args.state_mib << 20,
+        cache_dir=args.cache_dir,
+        force=args.force,
+    )
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
