@@ -15,6 +15,7 @@ from transformers import Qwen3Config
 
 from cli.util import one_error_line, run
 from engine.tiny import make_model, write_config, write_data
+from host_profile.fake import cache_rate
 from slidedp.bench.shapes import SHAPES
 from slidedp.cli import main
 from slidedp.config import TrainConfig, load_config
@@ -26,10 +27,12 @@ from slidedp.estimate import (
     adamw_gbps,
     check_fits,
     estimate_run,
+    format_estimate,
     longest_sequence,
     plan_store,
     resolve_mirror,
     shortages,
+    update_threads,
 )
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.cost import layer_footprint
@@ -134,6 +137,52 @@ def test_adamw_bandwidth_interpolates_the_measured_table() -> None:
     assert adamw_gbps(1) == 18.0
     assert adamw_gbps(3) == pytest.approx((31.6 + 62.8) / 2)
     assert adamw_gbps(32) == pytest.approx(2 * 170.4)
+
+
+def test_the_host_floor_and_the_model_take_this_machines_cached_probe(
+    tmp_path: Path, qwen3_4b: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    adapter = HFAdapter.from_dir(qwen3_4b)
+    cfg = _cfg(tmp_path, qwen3_4b, "data.seq_len=1024", "train.global_batch_size=16")
+    table = estimate_run(cfg, adapter, H100)
+    assert table.step.host_gbps == adamw_gbps(16)
+    not_probed = "from the table (not measured on this machine: slidedp profile host)"
+    assert not_probed in format_estimate(table)
+    assert table.step_model is not None
+    assert "host AdamW" not in table.step_model["calibration"]
+
+    # an absurd rate under DMA (the alone rate is not what the model takes beside a GPU)
+    cache_rate(16, H100.gpu_name, 9999.0, joint_gbps=1.0)
+    probed = estimate_run(cfg, adapter, H100)
+    one_pass_s = 28 * probed.params / 1e9
+    assert probed.step.host_gbps == 1.0
+    assert probed.step.host_floor_s == pytest.approx(one_pass_s)
+    assert probed.step.bound == "host (AdamW traffic)"
+    assert "at 1 GB/s (16 threads), measured under DMA (cached)" in format_estimate(probed)
+    assert probed.step_model is not None
+    assert probed.step_model["step_s"] > one_pass_s  # every update, in the model too
+    assert probed.step_model["calibration"] == "host AdamW measured under DMA (cached)"
+    # another thread count is another machine state: the table again
+    threads = replace(cfg, runtime=replace(cfg.runtime, update_threads=8))
+    assert estimate_run(threads, adapter, H100).step.host_gbps == adamw_gbps(8)
+
+
+def test_the_estimate_verb_says_where_the_host_rate_comes_from(
+    tmp_path: Path, tiny: Path, monkeypatch: pytest.MonkeyPatch, capsys: Capsys
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    data = write_data(tmp_path / "data.jsonl", 8)
+    config = write_config(tmp_path / "c.yaml", tiny, data, tmp_path / "out")
+    assert main(["estimate", str(config)]) == 0
+    assert "from the table (not measured on this machine" in capsys.readouterr().out
+    assert not (tmp_path / "cache").exists()  # estimating never measures the host
+    cfg = load_config(config, [])
+    machine = Machine.probe(cfg, measure=False)
+    cache_rate(update_threads(cfg, machine), None, 1234.0)  # this CPU, the engine's threads
+    assert main(["estimate", str(config)]) == 0
+    assert "at 1234 GB/s" in (out := capsys.readouterr().out)
+    assert "measured (cached)" in out
 
 
 # BENCHMARKS.md "Qwen3-4B shape, host memory" (H100, S=1024, 2 layer slots, 2 gradient slots,

@@ -1,0 +1,21 @@
+"""A host probe report written into the cache as ``slidedp profile host`` would leave it, with
+a rate no machine has, so a test sees whether a caller took it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from slidedp.profile.cache import cache_file, write_report
+from slidedp.profile.host import host_facts
+
+
+def cache_rate(threads: int, gpu: str | None, gbps: float, joint_gbps: float | None = None
+               ) -> Path:  # fmt: skip
+    """Cache ``gbps`` (and ``joint_gbps``) as this machine's probe at ``threads`` beside
+    ``gpu``, in the default cache directory (``$XDG_CACHE_HOME``); returns the file."""
+    facts = host_facts(threads, gpu)
+    path = cache_file(None, "host", facts)
+    write_report(path, facts | {"adamw_gbps": gbps, "joint_adamw_gbps": joint_gbps,
+                                "params": 1, "passes": 1, "isa": "avx2", "state_bytes": 12,
+                                "measured_s": 0.1})  # fmt: skip
+    return path

@@ -1,0 +1,119 @@
+"""``slidedp profile host``: the engine's AdamW timed on this CPU (a tiny store here), the
+cache's key and its bad files, the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from host_profile.fake import cache_rate
+from slidedp.cli import main
+from slidedp.profile import host
+from slidedp.profile.cache import cache_file
+from slidedp.profile.host import cached_host, host_facts, model_gbps, probe_host
+
+CPU = torch.device("cpu")
+TINY = 1 << 20  # bytes of FP32 state: enough to run every path, not to defeat the caches
+
+
+def _probe(tmp_path: Path, threads: int = 1, **given: Any) -> dict[str, Any]:
+    return probe_host(threads, CPU, state_bytes=TINY, budget_s=0.02,
+                      cache_dir=str(tmp_path), **given)  # fmt: skip
+
+
+def _count_measures(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    measure = host._measure
+
+    def counted(*args: Any) -> dict[str, Any]:
+        calls.append(1)
+        return measure(*args)
+
+    monkeypatch.setattr(host, "_measure", counted)
+    return calls
+
+
+def test_the_probe_times_the_engines_update_and_caches_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _count_measures(monkeypatch)
+    report = _probe(tmp_path)
+    assert math.isfinite(report["adamw_gbps"])
+    assert report["adamw_gbps"] > 0
+    assert report["joint_adamw_gbps"] is None  # no GPU: no DMA beside it
+    assert model_gbps(report) == report["adamw_gbps"]
+    assert report["params"] == pytest.approx(TINY / 12, rel=0.1)  # f32 master, m, v
+    assert report["passes"] >= 2
+    assert report["cached"] is None
+    again = _probe(tmp_path)
+    assert calls == [1]  # the second answer is the cached one
+    assert again["cached"] == str(cache_file(str(tmp_path), "host", host_facts(1, None)))
+    assert again["adamw_gbps"] == report["adamw_gbps"]
+    assert cached_host(1, None, str(tmp_path)) == again
+
+
+def test_the_key_names_the_threads_and_the_gpu(tmp_path: Path) -> None:
+    _probe(tmp_path, threads=1)
+    assert cached_host(2, None, str(tmp_path)) is None
+    assert cached_host(1, "NVIDIA H100 80GB HBM3", str(tmp_path)) is None
+    keys = {cache_file(None, "host", host_facts(t, g)) for t in (1, 2) for g in (None, "H100")}
+    assert len(keys) == 4
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "{not json",
+        "[]",
+        '{"adamw_gbps": -1.0}',
+        "HOST_FACTS_WITH_NAN",
+    ],
+)
+def test_a_bad_cache_file_is_measured_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    calls = _count_measures(monkeypatch)
+    _probe(tmp_path)
+    path = cache_file(str(tmp_path), "host", host_facts(1, None))
+    good = json.loads(path.read_text())
+    if damage == "HOST_FACTS_WITH_NAN":
+        damage = json.dumps(good | {"adamw_gbps": float("nan")})
+    path.write_text(damage)
+    assert cached_host(1, None, str(tmp_path)) is None
+    report = _probe(tmp_path)
+    assert calls == [1, 1]
+    assert report["cached"] is None
+    assert report["adamw_gbps"] > 0
+    assert cached_host(1, None, str(tmp_path)) is not None  # written anew, whole
+
+
+def test_the_command_prints_the_rate_and_then_its_cache(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["profile", "host", "--threads", "1", "--state-mib", "1", "--cache-dir", str(tmp_path)]
+    assert main([*argv, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["threads"] == 1
+    assert report["gpu"] is None
+    assert report["adamw_gbps"] > 0
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "AdamW alone" in out
+    assert f"{report['adamw_gbps']:.1f} GB/s" in out
+    assert "cached: " in out
+    assert "no GPU: the model takes the rate alone" in out
+
+
+def test_a_fake_cached_rate_is_what_a_lookup_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cache_rate(16, "NVIDIA H100 80GB HBM3", 500.0, joint_gbps=70.0)
+    report = cached_host(16, "NVIDIA H100 80GB HBM3")
+    assert report is not None
+    assert model_gbps(report) == 70.0  # beside a GPU the model takes the joint rate
