@@ -181,7 +181,8 @@ def test_the_estimate_verb_says_where_the_host_rate_comes_from(
     machine = Machine.probe(cfg, measure=False)
     cache_rate(update_threads(cfg, machine), None, 1234.0)  # this CPU, the engine's threads
     assert main(["estimate", str(config)]) == 0
-    assert "at 1234 GB/s" in (out := capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert "at 1234 GB/s" in out
     assert "measured (cached)" in out
 
 

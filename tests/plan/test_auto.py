@@ -45,10 +45,14 @@ def test_auto_profiles_once_chooses_and_trains_as_the_chosen_layout(
     assert line.startswith(f"policy   auto: {layout}, predicted ")
     assert len(parse_layout(layout, LAYERS, 0.0)) == LAYERS
     assert len(list((tmp_path / "slidedp" / "profile").glob("layer-*.json"))) == 1
+    assert len(list((tmp_path / "slidedp" / "profile").glob("host-*.json"))) == 1
+    assert "measured (now)" in line  # the host AdamW rate of the selector's host lane
 
     fresh = f"output.dir={tmp_path / 'fresh'}"
     assert main(["validate", str(path), fresh]) == 0  # now from the cache, the same choice
-    assert f"policy   auto: {layout}, " in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"policy   auto: {layout}, " in out
+    assert "measured (cached)" in out
 
     # the chosen layout trains exactly as the same layout written by hand
     by_hand = _config(tmp_path, "by_hand", layers=layout)

@@ -4,6 +4,7 @@ always feasible and never predicted faster than the choice, and the written poli
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from pathlib import Path
@@ -13,10 +14,12 @@ import pytest
 import yaml
 
 from engine.tiny import make_model, read_metrics, write_config, write_data
+from host_profile.fake import cache_rate
 from slidedp.cli import main
 from slidedp.config import load_config
-from slidedp.estimate import Machine
+from slidedp.estimate import Machine, update_threads
 from slidedp.models.hf import HFAdapter
+from slidedp.plan import auto, select
 from slidedp.plan.layout import parse_layout
 from slidedp.plan.select import (
     MIN_GAIN,
@@ -145,6 +148,7 @@ def test_plan_writes_a_policy_file_that_trains(
     assert yaml.safe_load(policy.read_text()) == {"layers": "4xN-r0"}
     summary = json.loads(policy.with_suffix(".json").read_text())
     assert set(summary["timing_s"]) == {"setup_s", "profile_s", "host_s", "solve_s", "check_s"}
+    assert summary["host_adamw"]["source"].startswith("measured")  # probed here when missing
     assert main(["train", str(path), f"runtime.policy={policy}"]) == 0
     assert "4xN-r0" in capsys.readouterr().out
     assert len(read_metrics(tmp_path / "out")) == 2
@@ -178,3 +182,39 @@ def test_plan_refuses_before_measuring_an_out_that_the_report_would_overwrite(
         main(["plan", str(path), "--gpu-memory", "-1"])
     assert "must be a positive size in GiB" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_plan_and_auto_take_the_host_lane_from_the_cached_probe(
+    run: tuple[Path, Any, HFAdapter, Machine],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path, cfg, adapter, machine = run
+    cache_rate(update_threads(cfg, machine), None, 3.0)  # this CPU, far slower than the table
+    report = tmp_path / "profile.json"
+    report.write_text(json.dumps(_report()))
+    policy = tmp_path / "policy.yaml"
+    argv = ["plan", str(path), "--profile", str(report), "--gpu-memory", "80", "--out", str(policy)]
+    assert main(argv) == 0
+    assert "at 3 GB/s AdamW, measured (cached)" in capsys.readouterr().out
+    summary = json.loads(policy.with_suffix(".json").read_text())
+    assert summary["host_adamw"] == {"gbps": 3.0, "source": "measured (cached)"}
+    per_layer = host_update_s_per_layer(adapter, 3.0)
+    assert summary["problem"]["host"]["update_s_per_layer"] == pytest.approx(per_layer)
+
+    # runtime.policy: auto, from a cached layer profile: the same rate reaches the selector
+    seen: list[float] = []
+
+    def spy(*args: Any, update_gbps: float, **kwargs: Any) -> select.Choice:
+        seen.append(update_gbps)
+        return select_layout(*args, update_gbps=update_gbps, **kwargs)
+
+    monkeypatch.setattr(auto, "cached_profile", lambda args: _report())
+    monkeypatch.setattr(select, "select_layout", spy)
+    chosen = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, policy="auto"))
+    _, line = auto.resolve_auto(chosen, adapter, machine, measure=False)
+    assert seen == [3.0]
+    assert line is not None
+    assert "host AdamW 3 GB/s measured (cached)" in line
