@@ -64,9 +64,13 @@ on H100 (Qwen3-4B B=8, 1.75 s), 50% a compute-bound run; the measured 2.47 s (B=
 (B=8) lie in their ranges (1.11-3.69 s, 0.66-1.84 s). CPU: torch's matmul FLOP/s in the compute
 dtype, measured when estimating (one thread's best 512³ product, times torch's threads),
 efficiency 25%..90%: the demo on the 2-core dev machine (median step 17.1 s) lies in its range
-(about 7-25 s; single steps of that noisy machine spread over 7.7-54.6 s). AdamW bandwidth:
-BENCHMARKS.md's kernel table (1-16 threads, interpolated; linear in threads beyond 16). The
-bound that dominates is the larger one at the fast end. It is an estimate, labelled as one.
+(about 7-25 s; single steps of that noisy machine spread over 7.7-54.6 s). AdamW bandwidth
+(``host_rate``): this machine's ``slidedp profile host`` at the run's update threads where it
+is cached (beside a GPU, the rate under concurrent H2D/D2H copies), else BENCHMARKS.md's
+kernel table from a 16-core Sapphire Rapids (1-16 threads, interpolated; linear in threads
+beyond 16); the output says which. Estimating never measures it (``plan`` and
+``runtime.policy: auto`` do). The bound that dominates is the larger one at the fast end. It is
+an estimate, labelled as one.
 
 Example::
 

@@ -15,7 +15,9 @@ def cache_rate(threads: int, gpu: str | None, gbps: float, joint_gbps: float | N
     ``gpu``, in the default cache directory (``$XDG_CACHE_HOME``); returns the file."""
     facts = host_facts(threads, gpu)
     path = cache_file(None, "host", facts)
-    write_report(path, facts | {"adamw_gbps": gbps, "joint_adamw_gbps": joint_gbps,
-                                "params": 1, "passes": 1, "isa": "avx2", "state_bytes": 12,
-                                "measured_s": 0.1})  # fmt: skip
+    joint = {"joint_adamw_gbps": joint_gbps}
+    if joint_gbps is not None:
+        joint |= {"joint_h2d_gbps": 50.0, "joint_d2h_gbps": 50.0}
+    numbers = {"params": 1, "passes": 1, "isa": "avx2", "state_bytes": 12, "measured_s": 0.1}
+    write_report(path, facts | {"adamw_gbps": gbps} | joint | numbers)
     return path

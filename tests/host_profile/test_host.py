@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,22 +69,21 @@ def test_the_key_names_the_threads_and_the_gpu(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "damage",
     [
-        "{not json",
-        "[]",
-        '{"adamw_gbps": -1.0}',
-        "HOST_FACTS_WITH_NAN",
+        lambda text: text[: len(text) // 2],  # cut short
+        lambda text: "[]",
+        lambda text: text.replace('"passes"', '"passes_"'),  # a field missing
+        lambda text: json.dumps(json.loads(text) | {"adamw_gbps": float("nan")}),
+        lambda text: json.dumps(json.loads(text) | {"joint_adamw_gbps": 1.0}),  # half a joint
+        lambda text: json.dumps(json.loads(text) | {"threads": 2}),  # another key's report
     ],
 )
 def test_a_bad_cache_file_is_measured_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: Callable[[str], str]
 ) -> None:
     calls = _count_measures(monkeypatch)
     _probe(tmp_path)
     path = cache_file(str(tmp_path), "host", host_facts(1, None))
-    good = json.loads(path.read_text())
-    if damage == "HOST_FACTS_WITH_NAN":
-        damage = json.dumps(good | {"adamw_gbps": float("nan")})
-    path.write_text(damage)
+    path.write_text(damage(path.read_text()))
     assert cached_host(1, None, str(tmp_path)) is None
     report = _probe(tmp_path)
     assert calls == [1, 1]

@@ -38,6 +38,7 @@ import os
 import platform
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,10 @@ IN_FLIGHT = 2  # copies queued per stream, so the DMA never pauses and never run
 DRAIN_TIMEOUT_S = 600.0
 # any gradient: the kernel's time does not depend on the values (no denormals from this one)
 GRAD = 1e-3
+# a cached report's numbers, positive and finite, else it is measured again; the joint ones
+# (CUDA) all or none
+NUMBERS = ("adamw_gbps", "params", "passes", "state_bytes", "measured_s")
+JOINT = ("joint_adamw_gbps", "joint_h2d_gbps", "joint_d2h_gbps")
 
 
 def engine_update_threads(cores: int, cuda: bool) -> int:
@@ -94,7 +99,7 @@ def host_facts(threads: int, gpu: str | None) -> dict[str, Any]:
 
 def model_gbps(report: dict[str, Any]) -> float:
     """The rate the model takes: the joint one where the GPU's copies ran beside (CUDA)."""
-    return float(report["joint_adamw_gbps"] or report["adamw_gbps"])
+    return float(report.get("joint_adamw_gbps") or report["adamw_gbps"])
 
 
 def _positive(x: Any) -> bool:
@@ -106,8 +111,9 @@ def _read(path: Path, facts: dict[str, Any]) -> dict[str, Any] | None:
     report = read_report(path)
     if report is None or any(report.get(k) != v for k, v in facts.items()):
         return None
-    joint = report.get("joint_adamw_gbps")
-    if not _positive(report.get("adamw_gbps")) or not (joint is None or _positive(joint)):
+    joint = [report.get(k) for k in JOINT]
+    whole = all(_positive(report.get(k)) for k in NUMBERS) and isinstance(report.get("isa"), str)
+    if not whole or not (all(map(_positive, joint)) or joint == [None] * len(JOINT)):
         return None
     return report | {"cached": str(path)}
 
@@ -297,11 +303,21 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _count(least: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, got {text}")
+        return value
+
+    return parse
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg = parser.add_argument
     arg(
         "--threads",
-        type=int,
+        type=_count(0),
         default=0,
         help="update threads (0: the engine's default, all cores beside a GPU, half on CPU)",
     )
@@ -311,7 +327,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("auto", "cpu", "cuda"),
         help="cuda: also AdamW under H2D/D2H copies (the model's rate); cpu: alone",
     )
-    arg("--state-mib", type=int, default=STATE_MIB, help="FP32 state updated per pass")
+    arg("--state-mib", type=_count(1), default=STATE_MIB, help="FP32 state updated per pass")
     arg("--cache-dir", default=None, help="default: $XDG_CACHE_HOME/slidedp/profile")
     arg("--force", action="store_true", help="measure even if cached")
     arg("--json", action="store_true", help="one JSON object instead of text")
