@@ -283,12 +283,12 @@ def format_report(report: dict[str, Any]) -> str:
     where = (
         f"cached: {report['cached']}"
         if report["cached"]
-        else (f"measured in {report['measured_s']:.1f} s")
+        else f"measured in {report['measured_s']:.1f} s"
     )
+    threads = f"{report['threads']} update thread{'s' * (report['threads'] != 1)}"
     lines = [
         f"slidedp profile host: {report['cpu']} ({report['logical_cores']} logical cores), "
-        f"{report['threads']} update threads, {report['isa']}, beside "
-        f"{report['gpu'] or 'no GPU'} ({where})",
+        f"{threads}, {report['isa']}, beside {report['gpu'] or 'no GPU'} ({where})",
         f"  AdamW alone      {report['adamw_gbps']:7.1f} GB/s  ({ADAMW_BYTES_PER_PARAM} B/param, "
         f"{report['params'] * 12 / 2**20:.0f} MiB of FP32 state, {report['passes']} passes)",
     ]
