@@ -212,7 +212,7 @@ def _measure(
     bench = _Bench(state_bytes, threads, device.type == "cuda")
     bench.busy_s(1)  # warm-up: fresh shared memory faults its pages in
     first = bench.busy_s(1)
-    more = max(1, min(1000, round(budget_s / first) - 1))
+    more = max(1, min(1000, round(budget_s / max(first, 1e-6)) - 1))
     passes = 1 + more
     rates: dict[str, Any] = {
         "params": bench.group_params * GROUPS,
