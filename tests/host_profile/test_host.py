@@ -117,3 +117,15 @@ def test_a_fake_cached_rate_is_what_a_lookup_returns(
     report = cached_host(16, "NVIDIA H100 80GB HBM3")
     assert report is not None
     assert model_gbps(report) == 70.0  # beside a GPU the model takes the joint rate
+
+
+@pytest.mark.gpu
+def test_beside_a_gpu_the_rate_is_adamw_under_both_copies(tmp_path: Path) -> None:
+    """On the GPU machine: the joint rate, and the copies' own rates meanwhile, are measured."""
+    cuda = torch.device("cuda")
+    report = probe_host(4, cuda, state_bytes=64 << 20, budget_s=0.2, cache_dir=str(tmp_path))
+    assert report["gpu"] == torch.cuda.get_device_name(cuda)
+    for key in ("adamw_gbps", "joint_adamw_gbps", "joint_h2d_gbps", "joint_d2h_gbps"):
+        assert math.isfinite(report[key]), key
+        assert report[key] > 0, key
+    assert model_gbps(report) == report["joint_adamw_gbps"]
