@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -95,3 +96,42 @@ def test_reports_of_different_sweeps_are_refused(
     assert main(["bench", "plot", "--png", str(tmp_path / "p.png"), str(bad)]) == 2
     assert "bad.json: not a readable JSON report" in capsys.readouterr().err
     assert not (tmp_path / "p.png").exists()
+
+
+def _configured(report: dict[str, Any], **runtime: Any) -> dict[str, Any]:
+    train = {"max_grad_norm": runtime.pop("max_grad_norm", 1.0), "learning_rate": 1e-5}
+    return report | {"ours_config": {"train": train, "runtime": {"kernels": "auto"} | runtime}}
+
+
+def test_reports_whose_ours_rows_ran_different_configs_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Ours at B=4, 8 with one config and at B=16, 32 with another would be one curve and one
+    geometric mean: one error line instead, naming the key."""
+    pytest.importorskip("matplotlib")
+    paths = []
+    for i, report in enumerate(
+        (_configured(_report("x", (4, 8))), _configured(_report("x", (16, 32)), kernels="eager"))
+    ):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps(report))
+    png = tmp_path / "sweep.png"
+    assert main(["bench", "plot", "--png", str(png), *map(str, paths)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "slidedp bench plot: error: reports differ in ours_config.runtime.kernels ('auto' vs "
+        "'eager'): rows of two configurations would be drawn and summarised as one; plot the "
+        "reports of one configuration"
+    ]
+    assert not png.exists()
+
+
+def test_a_peer_report_needs_only_the_same_train_section(tmp_path: Path) -> None:
+    """A report of peers alone ran no ours row: our runtime does not matter to it, our train
+    section (hyperparameters, clipping) does."""
+    ours = _configured(_report("x", (4,)))
+    peers = _configured(_report("x", (8,)), kernels="eager")
+    peers["runs"] = [r | {"system": "zero3-offload"} for r in peers["runs"]]
+    assert len(merge_reports([ours, peers])["runs"]) == 4
+    unclipped = _configured(peers, max_grad_norm=0.0)
+    with pytest.raises(ConfigError, match=r"ours_config\.train\.max_grad_norm \(1\.0 vs 0\.0\)"):
+        merge_reports([ours, unclipped])

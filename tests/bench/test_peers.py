@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -198,3 +199,38 @@ def test_zero_peers_train_the_fsdp2_model_on_cpu(tmp_path: Path) -> None:
         assert result["optimizer"] == "DeepSpeedCPUAdam"
         # the same initial weights and tokens: the first losses agree to bf16 rounding
         assert result["losses"][0] == pytest.approx(fsdp2["losses"][0], rel=1e-3)
+
+
+def test_deepspeed_builds_its_ops_where_no_stale_lock_can_block_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DeepSpeed run killed while compiling its CPU Adam leaves torch's build lock behind, and
+    the next run waits on it forever. The build goes to the bench's own directory, where every
+    lock found at a run's start is stale and removed. Stopped (without DeepSpeed) where
+    DeepSpeed would be imported, then its op built: torch's own lookup of the build directory
+    and its lock, as ``cpu_adam``'s just-in-time build goes through them."""
+    from torch.utils.cpp_extension import _get_build_directory
+    from torch.utils.file_baton import FileBaton
+
+    from slidedp.bench import deepspeed_zero
+
+    shared = tmp_path / "cache" / "torch_extensions"  # as ~/.cache/torch_extensions
+    spec = tiny_spec(tmp_path / "bench", "zero3-offload")
+    killed_here = Path(spec.config_dir) / "torch_extensions" / "cpu_adam" / "lock"
+    for lock in (shared / "cpu_adam" / "lock", killed_here):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(shared))
+    acquired = []
+
+    def build_cpu_adam(system: str, device: str) -> None:
+        baton = FileBaton(str(Path(_get_build_directory("cpu_adam", verbose=False), "lock")))
+        acquired.append(baton.try_acquire())
+        baton.release()
+        raise PeerUnavailable("stopped before DeepSpeed")
+
+    monkeypatch.setattr(deepspeed_zero, "require", build_cpu_adam)
+    with pytest.raises(PeerUnavailable):
+        deepspeed_zero.run_zero(spec)
+    assert acquired == [True]
+    assert Path(os.environ["TORCH_EXTENSIONS_DIR"]) == killed_here.parent.parent

@@ -14,6 +14,7 @@ MLP and the rotary function were replaced; its numerics are checked on the GPU
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
+from transformers.models.llama import modeling_llama
+from transformers.models.qwen3 import modeling_qwen3
 
 from engine.tiny import make_model, read_metrics, tiny_config, write_config, write_data
 from slidedp.cli import main
@@ -37,6 +40,10 @@ COUNTER = CompileCounterWithBackend("aot_eager")
 if "slidedp_count" not in torch._dynamo.list_backends(exclude_tags=()):
     torch._dynamo.register_backend(COUNTER, name="slidedp_count")
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+# transformers' rotary functions, taken before any test patches a model (a patched model type's
+# module name is fast's dispatcher from then on)
+HF_ROPE = {m.__name__.rpartition("_")[2]: m.apply_rotary_pos_emb
+           for m in (modeling_llama, modeling_qwen3)}  # fmt: skip
 
 
 def _adapter(arch: str = "qwen3") -> HFAdapter:
@@ -107,23 +114,22 @@ def _liger_recorders(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     from liger_kernel.transformers import rope
     from liger_kernel.transformers.rms_norm import LigerRMSNorm
     from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
-    from transformers.models.qwen3 import modeling_qwen3
 
     calls: list[str] = []
 
-    def norm(self: Any, x: torch.Tensor) -> torch.Tensor:
+    def norm(self: Any, x: torch.Tensor) -> Any:
         calls.append("norm")
         out: torch.Tensor = type(self).forward(self, x)
         return out
 
-    def mlp(self: Any, x: torch.Tensor) -> torch.Tensor:
+    def mlp(self: Any, x: torch.Tensor) -> Any:
         calls.append("mlp")
         out: torch.Tensor = type(self).forward(self, x)
         return out
 
     def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
         calls.append("rope")
-        return modeling_qwen3.apply_rotary_pos_emb(q, k, cos, sin)
+        return HF_ROPE["qwen3"](q, k, cos, sin)
 
     monkeypatch.setattr(LigerRMSNorm, "forward", norm)
     monkeypatch.setattr(LigerSwiGLUMLP, "forward", mlp)
@@ -180,33 +186,133 @@ def _bound_attention(adapter: HFAdapter) -> Any:
     return adapter.layer_module(0).self_attn
 
 
+def _rope_recorder(monkeypatch: pytest.MonkeyPatch, calls: list[Any]) -> None:
+    """Liger's rotary function replaced by one that appends the calling thread to ``calls`` and
+    computes with transformers' (Triton does not run on CPU)."""
+    from liger_kernel.transformers import rope
+
+    def recorder(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
+        calls.append(threading.current_thread())
+        return HF_ROPE["llama"](q, k, cos, sin)
+
+    monkeypatch.setattr(rope, "liger_rotary_pos_emb", recorder)
+
+
+def _attention_inputs(adapter: HFAdapter) -> tuple[torch.Tensor, Any]:
+    x = torch.randn(2, 12, 64)
+    positions = torch.arange(12).unsqueeze(0)
+    return x, adapter.position_embeddings(adapter.make_rotary(CPU), x, positions)[0]
+
+
 def test_liger_rope_runs_only_inside_the_patched_attention(monkeypatch: pytest.MonkeyPatch) -> None:
     """An eager model of the same type in the same process (the cost model's meta runs, a
     reference built after) keeps transformers' rotary function."""
-    from liger_kernel.transformers import rope
-    from transformers.models.llama import modeling_llama
-
-    hf_rope = modeling_llama.apply_rotary_pos_emb
-    calls: list[torch.Size] = []
-
-    def recorder(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
-        calls.append(q.shape)
-        return hf_rope(q, k, cos, sin)
-
-    monkeypatch.setattr(rope, "liger_rotary_pos_emb", recorder)  # Triton: not on CPU
+    calls: list[Any] = []
+    _rope_recorder(monkeypatch, calls)
     patched, plain = _adapter("llama"), _adapter("llama")
     fast.apply_compute(patched, fast.Compute("liger", ""))
-    assert modeling_llama.apply_rotary_pos_emb is hf_rope
-    x = torch.randn(2, 12, 64)
-    positions = torch.arange(12).unsqueeze(0)
-    cos_sin = plain.position_embeddings(plain.make_rotary(CPU), x, positions)[0]
+    x, cos_sin = _attention_inputs(plain)
     outs = []
     for adapter in (plain, patched):
         attention = _bound_attention(adapter)
         outs.append(attention(x, position_embeddings=cos_sin, attention_mask=None)[0])
         assert len(calls) == (adapter is patched)
-        assert modeling_llama.apply_rotary_pos_emb is hf_rope
     assert torch.equal(outs[0], outs[1])  # the recorder computes with transformers' rope
+
+
+def test_a_thread_outside_the_patched_attention_keeps_transformers_rope(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While a thread is inside a patched attention (held in Liger's rotary function), the main
+    thread's unpatched attention of the same model type runs transformers' rotary function: the
+    patch is per thread (swapping the module's name for the call leaked into the other thread)."""
+    from liger_kernel.transformers import rope
+
+    inside, release = threading.Event(), threading.Event()
+    calls: list[threading.Thread] = []
+
+    def held(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
+        calls.append(threading.current_thread())
+        if threading.current_thread() is not threading.main_thread():
+            inside.set()
+            assert release.wait(30)
+        return HF_ROPE["llama"](q, k, cos, sin)
+
+    monkeypatch.setattr(rope, "liger_rotary_pos_emb", held)  # Triton: not on CPU
+    patched, plain = _adapter("llama"), _adapter("llama")
+    fast.apply_compute(patched, fast.Compute("liger", ""))
+    patched_attention, plain_attention = _bound_attention(patched), _bound_attention(plain)
+    x, cos_sin = _attention_inputs(plain)
+    outs: list[torch.Tensor] = []
+
+    def run_patched() -> None:
+        outs.append(patched_attention(x, position_embeddings=cos_sin, attention_mask=None)[0])
+
+    worker = threading.Thread(target=run_patched)
+    worker.start()
+    try:
+        assert inside.wait(30)
+        alongside = plain_attention(x, position_embeddings=cos_sin, attention_mask=None)[0]
+    finally:
+        release.set()
+        worker.join(30)
+    assert calls == [worker]
+    assert torch.equal(alongside, outs[0])
+
+
+def test_apply_compute_twice_patches_once_and_another_compute_is_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = _liger_recorders(monkeypatch)
+    adapter = _adapter()
+    liger = fast.Compute("liger", "")
+    fast.apply_compute(adapter, liger)
+    module: Any = adapter.layer_module(0)
+    patched = (module.self_attn.forward, module.mlp.forward, module.input_layernorm.forward,
+               adapter.norm_module().forward, adapter.layer_call)  # fmt: skip
+    fast.apply_compute(adapter, fast.Compute("liger", "", reason="resolved again"))
+    assert (module.self_attn.forward, module.mlp.forward, module.input_layernorm.forward,
+            adapter.norm_module().forward, adapter.layer_call) == patched  # fmt: skip
+    norm: Any = adapter.norm_module()
+    norm.weight = nn.Parameter(torch.ones(norm.weight.shape))
+    norm(torch.randn(2, norm.weight.shape[0]))
+    assert calls == ["norm"]  # one Liger norm, not a Liger norm wrapping another
+    with pytest.raises(RuntimeError, match=r"patched for liger .* not eager, compiled"):
+        fast.apply_compute(adapter, fast.Compute("eager", "inductor"))
+    compiled = _adapter()
+    fast.apply_compute(compiled, fast.Compute("eager", "aot_eager"))
+    layer_call = compiled.layer_call
+    fast.apply_compute(compiled, fast.Compute("eager", "aot_eager"))
+    assert compiled.layer_call is layer_call  # the compiled callable (and its graphs) kept
+
+
+def test_a_layer_past_the_recompile_limit_is_one_slidedp_warning(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Dynamo runs a frame eagerly once it recompiled it ``recompile_limit`` times; slidedp says
+    so once. Limit 1: the layer's first call compiles, a call with grad (another graph) hits it."""
+    monkeypatch.setattr(fast._RECOMPILE_LIMIT, "told", False)
+    torch._dynamo.reset()
+    adapter = _adapter()
+    fast.apply_compute(adapter, fast.Compute("eager", "eager"))
+    _bound_attention(adapter)  # binds layer 0's parameters
+    layer = adapter.layer_module(0)
+    x, cos_sin = _attention_inputs(adapter)  # x: [2, 12, hidden]
+    kwargs = {"position_embeddings": cos_sin, "attention_mask": None}
+    try:
+        with torch._dynamo.config.patch(recompile_limit=1), torch.no_grad():
+            adapter.layer_call(layer, x, kwargs)
+        with torch._dynamo.config.patch(recompile_limit=1):
+            adapter.layer_call(layer, x.requires_grad_(), kwargs)
+    finally:
+        torch._dynamo.reset()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("slidedp")]
+    assert lines == [
+        "slidedp: warning: the compiled decoder layer (eager, compiled (eager), attention SDPA) "
+        "hit torch._dynamo.config.recompile_limit=1 and now runs eagerly (slower); set "
+        "runtime.compile=false, or run with TORCH_LOGS=recompiles to see what changes between "
+        "calls"
+    ]
 
 
 STEPS = 4

@@ -13,6 +13,10 @@ would pick a process itself. The store of ours is a nameless tmpfs file: nothing
 /dev/shm by the kill. With ``spec.timeout_s`` the child is killed the same way once it has run
 that long, and reported with ``status`` ``timeout`` (a sweep keeps to its time budget).
 
+However the run ends, its process group is then killed and waited for (``lifetime.stop_group``):
+the next system starts on a GPU no process of this one still holds. The worker dies with the
+bench (``lifetime.die_with_parent``).
+
 Example::
 
     result, peak_pss_bytes = run_child(spec, workdir)
@@ -31,17 +35,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+from slidedp.bench.lifetime import GROUP_EXIT_S, stop_group, worker_env
 from slidedp.bench.measure import RunSpec, process_pss_bytes, tree_pss_bytes
 from slidedp.bench.report import GIB
 
 PSS_SAMPLE_S = 0.25
+WORKER = "slidedp.bench.worker"  # the module each run executes
 
 
 class ChildRun:
     """One worker subprocess; a thread samples the PSS of its process tree until it exits."""
 
     def __init__(self, spec: RunSpec, workdir: Path) -> None:
-        stem = spec.name
+        self.spec, stem = spec, spec.name
         self.spec_path, self.result_path = workdir / f"{stem}.spec", workdir / f"{stem}.json"
         self.stderr_path = workdir / f"{stem}.stderr"
         self.spec_path.write_text(json.dumps(spec.to_json()))
@@ -54,12 +60,13 @@ class ChildRun:
 
     def run(self) -> tuple[int, dict[str, Any] | None, str]:
         """(exit code, result or None, stderr text)."""
-        command = [sys.executable, "-m", "slidedp.bench.worker"]
+        command = [sys.executable, "-m", WORKER]
         with self.stderr_path.open("w") as stderr:
             proc = subprocess.Popen(  # its own process group: the tree can be killed as one
                 [*command, str(self.spec_path), str(self.result_path)],
                 stderr=stderr,
                 start_new_session=True,
+                env=worker_env(),
             )
             done = threading.Event()
             sampler = threading.Thread(target=self._sample, args=(proc.pid, done), daemon=True)
@@ -69,7 +76,13 @@ class ChildRun:
             finally:  # also on Ctrl-C of the bench: no rank outlives it
                 done.set()
                 sampler.join()
-                _kill_group(proc.pid)
+                survivors = stop_group(proc.pid)
+        if survivors:
+            print(
+                f"slidedp bench train: warning: {self.spec.system}: processes {survivors} still "
+                f"alive {GROUP_EXIT_S:g} s after SIGKILL; the next run may share the GPU with them",
+                file=sys.stderr,
+            )
         result = json.loads(self.result_path.read_text()) if code == 0 else None
         return code, result, self.stderr_path.read_text()
 

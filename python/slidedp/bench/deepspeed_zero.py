@@ -17,6 +17,12 @@ initial weights on the GPU). The loss is the model's own (full logits). One proc
 rendezvous variables DeepSpeed reads are set here (a free localhost port); NCCL on CUDA, gloo on
 CPU (DeepSpeed's CPU accelerator: the same code runs in the tests without a GPU).
 
+DeepSpeed compiles its CPU Adam on first use (``scripts/peers.sh`` installs it with
+``DS_BUILD_OPS=0``), under a build lock file that a run killed mid-build leaves behind; the next
+run would wait on it forever. The ops are built in the bench's own temporary directory
+(``extensions_dir``): once per ``slidedp bench train``, its first DeepSpeed run paying for the
+build (the GPU machines start bare, so a user-wide cache would not have kept it either).
+
 Example::
 
     config = zero_config(3, train, batch=16, hidden=2560)
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -92,6 +99,20 @@ def zero_config(
     return merged(config, overrides or {})
 
 
+def extensions_dir(bench_dir: Path) -> Path:
+    """``TORCH_EXTENSIONS_DIR`` for DeepSpeed's just-in-time ops: ``bench_dir/torch_extensions``,
+    without the build locks a killed run left there. torch's lock (``FileBaton``: an empty file,
+    its path) names no owner, so in a shared directory (``~/.cache/torch_extensions``) a stale
+    lock cannot be told from another process's build; in this one it can: the bench runs one
+    system at a time, each run's whole process group gone before the next starts
+    (``bench.lifetime.stop_group``), and a DeepSpeed peer is one process, so when it starts no
+    other process can be building here and every lock is stale."""
+    root = bench_dir / "torch_extensions"
+    for lock in root.glob("*/lock"):
+        lock.unlink(missing_ok=True)
+    return root
+
+
 def _rendezvous_alone() -> None:
     """The variables ``deepspeed.init_distributed`` reads, for one process on one GPU."""
     os.environ.update(
@@ -102,6 +123,7 @@ def _rendezvous_alone() -> None:
 
 def run_zero(spec: RunSpec) -> dict[str, Any]:
     """Timed steps of a DeepSpeed ZeRO peer: forward, ``engine.backward``, ``engine.step``."""
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_dir(Path(spec.config_dir)))
     deepspeed: Any = require(spec.system, spec.device)
     deepspeed.utils.logger.setLevel(logging.WARNING)  # not its config dump and per-step lines
     device = torch.device(spec.device)

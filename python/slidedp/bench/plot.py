@@ -11,6 +11,11 @@ A sweep too long for one sitting (one device call) can be run a few batches at a
 ``--json`` and drawn afterwards from the reports: ``slidedp bench plot --png sweep.png
 b4-8.json b16-32.json`` (the reports must be of one shape, sequence length and device; the
 systems may differ, e.g. one report per peer). It prints the sweep summary of the merged runs.
+Reports with ``ours`` or ``reference`` rows must also share our config (``ours_config``: the
+engine's runtime and train sections, which the reference follows for its layout, kernels and
+loss chunk), and every report its train section (each peer takes its hyperparameters and
+clipping from it): rows of two configurations would be drawn as one curve, and their ratios
+summarised as one.
 
 Example::
 
@@ -40,6 +45,7 @@ STYLE = {
     "zero3-offload": "D-.", "zero-offload": "d:", "roundpipe": "P--",
 }  # fmt: skip
 SAME = ("shape", "seq_len", "device_name")  # what reports must share to be drawn together
+OURS_CONFIG_SYSTEMS = ("ours", "reference")  # their rows run our whole config (ours_config)
 
 
 def require_matplotlib() -> Any:
@@ -98,8 +104,40 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
                 f"reports differ in {', '.join(differ)} "
                 f"({first.get(differ[0])!r} vs {other.get(differ[0])!r}): plot one sweep at a time"
             )
+    _check_ours_configs(reports)
     runs = [r for report in reports for r in report["runs"]]
     return {**first, "runs": sorted(runs, key=lambda r: r["batch"])}  # stable: systems keep order
+
+
+def _check_ours_configs(reports: list[dict[str, Any]]) -> None:
+    """One ``ConfigError`` line naming the first key where two reports' ``ours_config`` differ:
+    the whole config among the reports with ours or reference rows, its train section among
+    all."""
+    ours = [r for r in reports if any(run["system"] in OURS_CONFIG_SYSTEMS for run in r["runs"])]
+    scopes = {
+        "ours_config": [r.get("ours_config") for r in ours],
+        "ours_config.train": [(r.get("ours_config") or {}).get("train") for r in reports],
+    }
+    for path, configs in scopes.items():
+        for config in configs[1:]:
+            differ = _first_difference(configs[0], config, path)
+            if differ is not None:
+                key, a, b = differ
+                raise ConfigError(
+                    f"reports differ in {key} ({a!r} vs {b!r}): rows of two configurations "
+                    "would be drawn and summarised as one; plot the reports of one configuration"
+                )
+
+
+def _first_difference(a: Any, b: Any, path: str) -> tuple[str, Any, Any] | None:
+    """(dotted key, value in ``a``, value in ``b``) of the first difference, or None."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in sorted(a.keys() | b.keys()):
+            differ = _first_difference(a.get(key), b.get(key), f"{path}.{key}")
+            if differ is not None:
+                return differ
+        return None
+    return None if a == b else (path, a, b)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -5,9 +5,10 @@ Run by the parent (``slidedp.bench.train``), not by hand::
     python -m slidedp.bench.worker SPEC.json RESULT.json
 
 A spec of several ranks (``world > 1``) makes this process their launcher and each rank a copy
-of it (``bench.ranks``). The result holds ``status`` (``ok``, or ``oom`` when the device or the
-host ran out of memory: a result, not a crash), the system's measured step times, the process's
-GPU peak reserved and allocated bytes and its PSS at the end; a peer that cannot run here
+of it (``bench.ranks``); each dies with the process that started it (``bench.lifetime``). The
+result holds ``status`` (``ok``, or ``oom`` when the device or the host ran out of memory: a
+result, not a crash), the system's measured step times, the process's GPU peak reserved and
+allocated bytes and its PSS at the end; a peer that cannot run here
 (``bench.peers.PeerUnavailable``: its package missing or broken, no CUDA) is ``unavailable``
 with one line.
 Any other exception propagates (non-zero exit, traceback on stderr). ``system="peak"`` measures
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 
+from slidedp.bench.lifetime import die_with_parent
 from slidedp.bench.measure import RunSpec, gpu_memory, process_pss_bytes
 from slidedp.bench.peers import PeerUnavailable
 from slidedp.runtime.flops import device_peak_flops
@@ -126,6 +128,7 @@ def run(spec: RunSpec) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
+    die_with_parent()  # a bench killed by SIGKILL leaves no worker on the GPU
     spec_path, result_path = argv
     spec = RunSpec.from_json(json.loads(Path(spec_path).read_text()))
     if spec.world > 1:

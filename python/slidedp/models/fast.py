@@ -8,7 +8,8 @@ model (``runtime.kernels``, ``runtime.compile``) and applied to the adapter by `
   ``pip install 'slidedp[fast]'``) into the adapter's modules — RMSNorm (each layer's input
   and post-attention norms, Qwen3's q/k norms, the final norm), SwiGLU (``act(gate) * up`` in
   one kernel) and RoPE (the modeling module's ``apply_rotary_pos_emb``, a module-level name
-  transformers looks up at call time: replaced only while a patched attention runs). Segment
+  transformers looks up at call time: a dispatcher installed once runs Liger's function in a
+  thread inside a patched attention, transformers' everywhere else). Segment
   checkpointing (``S``) runs the MLP's pieces itself, so its SwiGLU stays eager. Llama, Mistral,
   Qwen2 and Qwen3 get all three; Gemma 3 and the mixtures of experts keep transformers'
   modules. ``eager``: transformers' modules. ``auto``: ``liger`` where it can run (CUDA, a
@@ -26,7 +27,12 @@ model (``runtime.kernels``, ``runtime.compile``) and applied to the adapter by `
   layers run eagerly (SAC's policy must see every operator). The CPU test compiles with
   ``aot_eager``, whose bit-identity says nothing of inductor's fusions. The mixtures of
   experts are not compiled by default (their routing is data-dependent); with router logits
-  (recorded by hooks registered per call) ``compile: true`` is a config error.
+  (recorded by hooks registered per call) ``compile: true`` is a config error. A layer that
+  recompiles past dynamo's ``recompile_limit`` runs eagerly from then on: slidedp says so once
+  (one ``warning:`` line on stderr naming the layer compute and what to do).
+
+``apply_compute`` patches an adapter once: a second call with the same choice changes nothing,
+another choice is a programming error (the patched modules cannot be unpatched).
 
 The loss head stays ``models.loss.chunked_lm_loss`` (a GEMM per chunk of labelled rows, its
 memory bounded by ``runtime.loss_chunk_tokens``); attention is transformers' SDPA path, whose
@@ -44,6 +50,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
+import sys
+import threading
 import warnings
 from dataclasses import dataclass
 from types import MethodType
@@ -146,21 +155,53 @@ def _patch_rms_norm(module: nn.Module, rms_forward: Any) -> None:
     module.forward = _off_meta(MethodType(rms_forward, module), module.forward)
 
 
+class _ActiveRope(threading.local):
+    """The rotary function of the patched attention that this thread runs (None: transformers').
+    Set in each thread's first use (``threading.local`` runs ``__init__`` per thread), not on the
+    first patched call: a compiled layer would guard on its absence and recompile once."""
+
+    def __init__(self) -> None:
+        self.fn: Any = None
+
+
+_active_rope = _ActiveRope()
+
+
+def _rope_dispatcher(modeling: Any) -> Any:
+    """transformers' ``apply_rotary_pos_emb`` of ``modeling``; the module's name now routes each
+    call to the function of the patched attention running in the calling thread, else to
+    transformers'. Installed once per module and never swapped afterwards, so threads that run
+    attention concurrently (patched or not) each get their own (swapping the module global for
+    the duration of a call would leak into the other thread's attention)."""
+    current = modeling.apply_rotary_pos_emb
+    eager = getattr(current, "slidedp_eager", None)
+    if eager is not None:  # installed by an earlier adapter of this model type
+        return eager
+
+    def apply_rotary_pos_emb(*args: Any, **kwargs: Any) -> Any:
+        rope = _active_rope.fn
+        return (rope or current)(*args, **kwargs)
+
+    apply_rotary_pos_emb.slidedp_eager = current  # type: ignore[attr-defined]
+    modeling.apply_rotary_pos_emb = apply_rotary_pos_emb
+    return current
+
+
 def _scoped_rope(attention: nn.Module, modeling: Any, rope: Any) -> None:
     """``attention`` runs with ``rope`` as its modeling module's ``apply_rotary_pos_emb`` (the
     name transformers' attention forward looks up at call time), and every other caller —
-    an eager model of the same type in this process, the cost model's meta-device runs —
-    with transformers' own."""
+    an eager model of the same type in this process, the cost model's meta-device runs, another
+    thread — with transformers' own."""
     forward = attention.forward
-    rope = _off_meta(rope, modeling.apply_rotary_pos_emb)
+    rope = _off_meta(rope, _rope_dispatcher(modeling))
 
     def with_rope(*args: Any, **kwargs: Any) -> Any:
-        original = modeling.apply_rotary_pos_emb
-        modeling.apply_rotary_pos_emb = rope
+        outer = _active_rope.fn
+        _active_rope.fn = rope
         try:
             return forward(*args, **kwargs)
         finally:
-            modeling.apply_rotary_pos_emb = original
+            _active_rope.fn = outer
 
     attention.forward = with_rope
 
@@ -190,8 +231,50 @@ def call_layer(module: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> An
     return module(x, **kwargs)
 
 
+class _RecompileLimit(logging.Filter):
+    """Watches dynamo's frame-conversion log for its one warning that a frame hit the recompile
+    limit (from then on dynamo runs that frame eagerly), and says once, in one slidedp line,
+    what that means for the compiled decoder layer. torch has no callback for it; the log
+    record is the only signal short of ``fail_on_recompile_limit_hit`` (a process-wide switch
+    that turns the fallback into an exception for every compiled function)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.compute: Compute | None = None  # the compiled layer compute of this process
+        self.told = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        if self.compute is not None and not self.told and message.startswith("torch._dynamo hit"):
+            self.told = True
+            args = record.args if isinstance(record.args, tuple) else ()
+            limit = f"{args[0]}={args[1]}" if len(args) >= 2 else "recompile_limit"
+            print(
+                f"slidedp: warning: the compiled decoder layer ({self.compute.describe()}) hit "
+                f"torch._dynamo.config.{limit} and now runs eagerly (slower); set "
+                "runtime.compile=false, or run with TORCH_LOGS=recompiles to see what changes "
+                "between calls",
+                file=sys.stderr,
+                flush=True,
+            )
+        return True  # torch's own warning is kept
+
+
+_RECOMPILE_LIMIT = _RecompileLimit()
+DYNAMO_LOG = "torch._dynamo.convert_frame"  # the logger of dynamo's recompile-limit warning
+
+
 def apply_compute(adapter: HFAdapter, compute: Compute) -> None:
-    """Patch ``adapter`` (once: its modules are the run's) for ``compute``."""
+    """Patch ``adapter`` for ``compute`` (once: its modules are the run's). Again with the same
+    kernels and compilation: nothing happens (the patches and the compiled call are kept);
+    with another: ``RuntimeError``, a programming error."""
+    if adapter.compute is not None:
+        if (adapter.compute.kernels, adapter.compute.compile) != (compute.kernels, compute.compile):
+            raise RuntimeError(
+                f"apply_compute: the adapter is patched for {adapter.compute.describe()}, "
+                f"not {compute.describe()}; build another adapter"
+            )
+        return
     if compute.kernels == "liger":
         _apply_liger(adapter)
     if compute.compile:
@@ -199,6 +282,11 @@ def apply_compute(adapter: HFAdapter, compute: Compute) -> None:
         # graph is kept (N, SAC) is a non-leaf (runtime.activations.base.InputGrad), which
         # makes torch warn about a read nobody makes
         warnings.filterwarnings("ignore", message=r"The \.grad attribute of a Tensor that is not")
+        _RECOMPILE_LIMIT.compute = compute
+        dynamo_log = logging.getLogger(DYNAMO_LOG)
+        if _RECOMPILE_LIMIT not in dynamo_log.filters:
+            dynamo_log.addFilter(_RECOMPILE_LIMIT)
     adapter.layer_call = (
         torch.compile(call_layer, backend=compute.compile) if compute.compile else call_layer
     )
+    adapter.compute = compute

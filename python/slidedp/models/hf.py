@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from slidedp.errors import ModelLoadError
-from slidedp.models.fast import call_layer
+from slidedp.models.fast import Compute, call_layer
 from slidedp.models.loss import chunked_lm_loss
 from slidedp.store import GroupSpec, ParamSpec
 
@@ -192,6 +192,7 @@ class HFAdapter:
         self.groups = self._groups()
         # how a decoder layer module is called: eager, or compiled (models.fast.apply_compute)
         self.layer_call: Callable[[nn.Module, torch.Tensor, dict[str, Any]], Any] = call_layer
+        self.compute: Compute | None = None  # what apply_compute patched in (None: not yet)
 
     @classmethod
     def from_dir(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> HFAdapter:
