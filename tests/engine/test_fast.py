@@ -107,18 +107,19 @@ def _liger_recorders(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     from liger_kernel.transformers import rope
     from liger_kernel.transformers.rms_norm import LigerRMSNorm
     from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
-
     from transformers.models.qwen3 import modeling_qwen3
 
     calls: list[str] = []
 
     def norm(self: Any, x: torch.Tensor) -> torch.Tensor:
         calls.append("norm")
-        return type(self).forward(self, x)
+        out: torch.Tensor = type(self).forward(self, x)
+        return out
 
     def mlp(self: Any, x: torch.Tensor) -> torch.Tensor:
         calls.append("mlp")
-        return type(self).forward(self, x)
+        out: torch.Tensor = type(self).forward(self, x)
+        return out
 
     def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Any:
         calls.append("rope")
