@@ -25,6 +25,7 @@ from slidedp.estimate import GIB, Machine, check_fits, estimate_run, plan_store
 from slidedp.kernels import Kernels
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.cost import resident_layer_bytes
+from slidedp.plan.policy import Policy, resolve_policy
 from slidedp.runtime.grad_lane import AdamArgs
 from slidedp.runtime.resident import REGIONS, _Group, _Param, fused_adamw
 from slidedp.runtime.trainer import Trainer
@@ -89,21 +90,34 @@ def _train(tmp_path: Path, model: Path, data: Path, name: str, *overrides: str,
     return out
 
 
-@pytest.mark.parametrize("clip", list(CLIP))
-@pytest.mark.parametrize(("arch", "tied"), [("qwen3", True), ("llama", False)])
+# (architecture, tied embeddings, clipping, activation layout): the two dense architectures with
+# clipping on and off; a mixture of experts (router loss on) and Gemma 3 (sliding layers, tied,
+# soft-capped) clipped; a mixed layout, partly offloaded, where the resident layers are N and SAC
+CASES = [
+    ("qwen3", True, "off", "F"),
+    ("qwen3", True, "on", "F"),
+    ("llama", False, "off", "F"),
+    ("llama", False, "on", "1xN-r0.5, 1xSAC.mm, 1xS1010100-r1"),
+    ("qwen3_moe", False, "on", "F"),
+    ("gemma3_text", True, "on", "F"),
+]
+
+
+@pytest.mark.parametrize(("arch", "tied", "clip", "layout"), CASES)
 def test_resident_layers_train_bit_for_bit_like_the_all_host_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, tied: bool, clip: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, tied: bool, clip: str, layout: str
 ) -> None:
     model = make_model(tmp_path, arch, tied=tied, layers=LAYERS)
     data = write_data(tmp_path / "data.jsonl", 40)
     adapter = HFAdapter.from_dir(model)
-    host = _train(tmp_path, model, data, "host", max_grad_norm=CLIP[clip])
+    layers = f"runtime.layers={layout}"
+    host = _train(tmp_path, model, data, "host", layers, max_grad_norm=CLIP[clip])
     expected = read_metrics(host)
     assert any(r["clip_coef"] < 1 for r in expected) == (clip == "on")
     for k in (1, LAYERS):
         spy = _Spy(monkeypatch)
-        out = _train(tmp_path, model, data, f"resident-{k}", f"runtime.resident_layers={k}",
-                     max_grad_norm=CLIP[clip])  # fmt: skip
+        out = _train(tmp_path, model, data, f"resident-{k}", layers,
+                     f"runtime.resident_layers={k}", max_grad_norm=CLIP[clip])  # fmt: skip
         resident = {adapter.layer_group(i) for i in range(k)}
         # the resident layers never went through the window nor the host AdamW; the others did
         assert not spy.loaded & resident
@@ -177,6 +191,20 @@ def test_more_resident_layers_than_the_model_has_or_several_ranks_are_refused(
     assert code == 2
     one_error_line(err, "train", "runtime.resident_layers=2 runs on one process only")
     assert not (tiny_run.parent / "out").exists()
+
+
+def test_a_policy_file_sets_resident_layers_and_the_policy_round_trips(tiny_run: Path) -> None:
+    policy_file = tiny_run.parent / "policy.yaml"
+    policy_file.write_text("resident_layers: 2\n")
+    cfg = load_config(tiny_run, [f"runtime.policy={policy_file}"])
+    adapter = HFAdapter.from_dir(cfg.model.path)
+    policy = resolve_policy(cfg.runtime, adapter, mirror=False, device=torch.device("cpu"))
+    assert policy.resident_layers == 2
+    assert [policy.resident(i) for i in range(LAYERS)] == [True, True, False]
+    assert policy.describe().endswith(", 2 GPU-resident")
+    assert Policy.from_dict(policy.to_dict()) == policy
+    older = {k: v for k, v in policy.to_dict().items() if k != "resident_layers"}
+    assert Policy.from_dict(older).resident_layers == 0  # checkpoints of earlier runs
 
 
 H100 = Machine(
