@@ -294,7 +294,8 @@ def test_the_gpu_update_is_the_host_kernel_to_rounding() -> None:
         fused_adamw(group, {"w": grad[:64].clone(), "b": grad[64:].clone()}, adam)
         for p in params:
             at = slice(p.state_at, p.state_at + p.numel)
-            kernels.adamw(*(host[r][at] for r in REGIONS), grad[at].clone(), lr=adam.lr,
+            master, exp_avg, exp_avg_sq = (host[r][at] for r in REGIONS)
+            kernels.adamw(master, exp_avg, exp_avg_sq, grad[at].clone(), lr=adam.lr,
                           betas=adam.betas, eps=adam.eps, step=step, grad_scale=adam.grad_scale,
                           weight_decay=adam.weight_decay if p.decays else 0.0)  # fmt: skip
     for r in REGIONS:
