@@ -24,7 +24,7 @@ from slidedp.errors import OutOfDeviceMemoryError
 from slidedp.estimate import GIB, Machine, check_fits, estimate_run, plan_store
 from slidedp.kernels import Kernels
 from slidedp.models.hf import HFAdapter
-from slidedp.plan.cost import resident_layer_bytes
+from slidedp.plan.cost import resident_bytes_per_layer, resident_layer_bytes
 from slidedp.plan.policy import Policy, resolve_policy
 from slidedp.runtime.grad_lane import AdamArgs
 from slidedp.runtime.resident import REGIONS, _Group, _Param, fused_adamw
@@ -243,6 +243,8 @@ def test_the_estimate_counts_resident_layers_and_refuses_what_does_not_fit(
         assert est.gpu is not None
         assert est.gpu.resident_bytes == expected
         assert est.resident_layers == k
+        per_layer = resident_bytes_per_layer(adapter, torch.bfloat16, clipping=clip == "on")
+        assert expected == k * per_layer  # the solver's bound: here every layer is alike
         # every layer resident: the window has no layer slots
         slots = 2 * 2 * max(layout["groups"][adapter.layer_group(i)]["slot_len"]
                             for i in range(LAYERS)) if k == LAYERS else 0  # fmt: skip

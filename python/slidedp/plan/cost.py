@@ -199,8 +199,7 @@ def resident_layer_bytes(adapter: HFAdapter, dtype: torch.dtype, *, clipping: bo
     layout) and, without clipping, its gradient (``e`` B/param), kept from its backward to the
     update at the step's end (with clipping every gradient is parked anyway: the estimate's
     parked term). The GPU update's f32 copy of one layer's gradient (4 B/param, at the step's
-    end) takes the place of the backward transient freed by then: not counted.
-    ``max(...)`` is the solver's ``Resident.bytes_per_layer``."""
+    end) takes the place of the backward transient freed by then: not counted."""
     from slidedp.store import HostStore
 
     specs = adapter.group_specs()
@@ -213,3 +212,9 @@ def resident_layer_bytes(adapter: HFAdapter, dtype: torch.dtype, *, clipping: bo
                                          params[g["params"]["start"] : g["params"]["end"]]))
         for g in layout["groups"]
     ]  # fmt: skip
+
+
+def resident_bytes_per_layer(adapter: HFAdapter, dtype: torch.dtype, *, clipping: bool) -> int:
+    """The solver's ``Resident.bytes_per_layer`` (``crates/slidedp-core/src/solve``): the
+    largest decoder layer's resident bytes, so any K layers fit in K times it."""
+    return max(resident_layer_bytes(adapter, dtype, clipping=clipping))
