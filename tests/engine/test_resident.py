@@ -20,13 +20,13 @@ from cli.util import one_error_line, run
 from engine.tiny import make_model, read_metrics, write_config, write_data
 from slidedp.cli import main
 from slidedp.config import load_config
-from slidedp.errors import OutOfDeviceMemoryError
+from slidedp.errors import NonFiniteError, OutOfDeviceMemoryError
 from slidedp.estimate import GIB, Machine, check_fits, estimate_run, plan_store
 from slidedp.kernels import Kernels
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.cost import resident_bytes_per_layer, resident_layer_bytes
 from slidedp.plan.policy import Policy, resolve_policy
-from slidedp.runtime.grad_lane import AdamArgs
+from slidedp.runtime.grad_lane import AdamArgs, GradLane, GradTicket
 from slidedp.runtime.resident import REGIONS, _Group, _Param, fused_adamw
 from slidedp.runtime.trainer import Trainer
 from slidedp.runtime.window import DeviceBuffer, Window
@@ -302,3 +302,53 @@ def test_the_gpu_update_is_the_host_kernel_to_rounding() -> None:
                           weight_decay=adam.weight_decay if p.decays else 0.0)  # fmt: skip
     for r in REGIONS:
         torch.testing.assert_close(state[r], host[r], rtol=1e-6, atol=1e-7)
+
+
+def _poison_gradient(monkeypatch: pytest.MonkeyPatch, group: int, call: int) -> None:
+    """``group``'s gradient gets an infinite element in its ``call``-th ticket (0-based: the
+    step); the counter restarts for every trainer built afterwards (``Trainer`` is wrapped)."""
+    ticket, init = GradLane.ticket, Trainer.__init__
+    calls = [0]
+
+    def poisoned(g: int, grads: dict[str, torch.Tensor]) -> GradTicket:
+        if g == group:
+            if calls[0] == call:
+                next(iter(grads.values())).view(-1)[0] = float("inf")
+            calls[0] += 1
+        return ticket(g, grads)
+
+    def fresh(self: Trainer, *args: Any, **kwargs: Any) -> None:
+        calls[0] = 0
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(GradLane, "ticket", staticmethod(poisoned))
+    monkeypatch.setattr(Trainer, "__init__", fresh)
+
+
+def test_a_non_finite_resident_gradient_stops_or_skips_as_in_the_all_host_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = make_model(tmp_path, "qwen3", tied=True, layers=LAYERS)
+    data = write_data(tmp_path / "data.jsonl", 16)
+    adapter = HFAdapter.from_dir(model)
+    _poison_gradient(monkeypatch, adapter.layer_group(1), call=1)
+    name = adapter.groups[adapter.layer_group(1)].name
+    config = write_config(tmp_path / "c.yaml", model, data, tmp_path / "out",
+                          train=TRAIN | {"max_steps": 3})  # fmt: skip
+    for k in (0, 2):  # without clipping: stopped at step 1, naming the layer
+        cfg = load_config(config, [f"runtime.resident_layers={k}", f"output.dir={tmp_path}/s{k}",
+                                   "train.max_grad_norm=0"])  # fmt: skip
+        with pytest.raises(NonFiniteError, match=f"gradient of '{name}' is not finite") as info:
+            Trainer(cfg, log=False).run()
+        assert (info.value.step, info.value.what) == (1, "grad_norm")
+    runs = {}
+    for k in (0, 2):  # with clipping and skip: step 1 applies nothing, on the device neither
+        skip = ["train.max_grad_norm=1.0", "train.on_nonfinite=skip"]
+        cfg = load_config(config, [f"runtime.resident_layers={k}", f"output.dir={tmp_path}/k{k}",
+                                   *skip])  # fmt: skip
+        runs[k] = Trainer(cfg, log=False).run()
+        assert runs[k][1]["skipped"] is True
+    assert [r.get("loss") for r in runs[2]] == [r.get("loss") for r in runs[0]]
+    _assert_bitwise_equal(
+        _tensors(tmp_path / "k2" / "checkpoint-3"), _tensors(tmp_path / "k0" / "checkpoint-3")
+    )

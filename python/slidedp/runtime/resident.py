@@ -156,9 +156,9 @@ class ResidentLayers:
             if not math.isfinite(norm):
                 self._pending.clear()
                 name = self.store.layout["groups"][ticket.group]["name"]
-                raise NonFiniteError(
-                    f"step {step}: the gradient of '{name}' is not finite ({norm}); its update "
-                    "and those of the groups after it were not applied",
+                raise NonFiniteError(  # the streamed groups' updates overlapped the backward
+                    f"step {step}: the gradient of '{name}' is not finite ({norm}); no resident "
+                    "layer's update of this step was applied",
                     step=step,
                     what="grad_norm",
                 )
