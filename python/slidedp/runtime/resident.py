@@ -150,9 +150,15 @@ class ResidentLayers:
 
     def check_finite(self, step: int) -> None:
         """Without clipping each group's update needs a finite gradient (the host lane checks
-        the streamed ones); raises before any resident group is updated."""
-        for ticket, _ in self._pending:  # backward order: the host lane would stop at the first
-            norm = float(torch.linalg.vector_norm(torch.stack(ticket.norms)))
+        the streamed ones); raises before any resident group is updated. One host sync for
+        all of them; the first non-finite one in backward order is named."""
+        if not self._pending:
+            return
+        norms = torch.stack([torch.linalg.vector_norm(torch.stack(tk.norms))
+                             for tk, _ in self._pending])  # fmt: skip
+        if bool(torch.isfinite(norms).all()):
+            return
+        for (ticket, _), norm in zip(self._pending, norms.tolist(), strict=True):
             if not math.isfinite(norm):
                 self._pending.clear()
                 name = self.store.layout["groups"][ticket.group]["name"]
