@@ -77,10 +77,12 @@ class Policy:
     resident_layers: int = 0
 
     def resident(self, layer: int) -> bool:
-        """Whether decoder layer ``layer`` is GPU-resident. The FIRST layers: their gradients
-        come last in the backward and their weights are needed first in the next forward, so
-        their host updates are the ones no computation hides (the next forward waits for
-        them; with clipping the host pass starts with them, so the forward catches up on it)."""
+        """Whether decoder layer ``layer`` is GPU-resident. The FIRST layers are: their
+        gradients come last in the backward and their weights first in the next forward, so
+        their host updates are the ones no computation hides. Without clipping nothing is
+        left to overlap their update with; with clipping the host pass runs in forward order
+        after the norm, and the next forward would wait for its first layers at once (resident,
+        the pass starts K layers ahead of the forward)."""
         return layer < self.resident_layers
 
     @property
