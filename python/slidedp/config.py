@@ -143,6 +143,9 @@ class RuntimeSection:
     # torch.compile of the decoder layer (one graph shared by every layer); null (default):
     # on on CUDA where the kernels are eager, off on CPU and with liger (models.fast)
     compile: bool | None = None
+    # decoder layers kept on the GPU whole (weights, FP32 master, Adam moments; updated there by
+    # torch's fused AdamW): no H2D, D2H nor host update for them (runtime.resident); one process
+    resident_layers: int = 0
 
     @property
     def world(self) -> int:
@@ -155,6 +158,10 @@ class RuntimeSection:
         _require(self.staging_slots >= 1, "runtime.staging_slots must be >= 1")
         _require(self.grad_slots >= 1, "runtime.grad_slots must be >= 1")
         _require(self.trace_step >= 0, "runtime.trace_step must be >= 0")
+        _require(
+            self.resident_layers >= 0,
+            f"runtime.resident_layers must be >= 0, got {self.resident_layers}",
+        )
         _require(
             0.0 <= self.offload_ratio <= 1.0,
             f"runtime.offload_ratio must be in [0, 1], got {self.offload_ratio}",

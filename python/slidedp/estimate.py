@@ -27,10 +27,11 @@ Pinned (CUDA only): the store's staging and gradient slots plus the offload aren
 
 GPU peak, as ``torch.cuda.max_memory_reserved`` reports it::
 
-    window + loss + layer + max(checkpoints, parked) + allocator
+    window + loss + layer + max(checkpoints, parked) + resident + allocator
 
 - window: ``runtime.slots`` x the largest decoder layer + embedding + head, in the compute dtype
-  (the groups' slot lengths of the store layout: exactly what ``runtime/window.py`` allocates);
+  (the groups' slot lengths of the store layout: exactly what ``runtime/window.py`` allocates;
+  no slots when every layer is resident);
 - loss: ``min(loss_chunk_tokens, B*S) * V * 4 B * 3`` (f32 logits, softmax, their gradient);
 - layer: the largest backward transient of one layer (``plan.cost``: the tensors its replay
   saves and the gradients alive with them; for full checkpointing ``2.13 GiB`` per 8 rows of
@@ -40,6 +41,11 @@ GPU peak, as ``torch.cuda.max_memory_reserved`` reports it::
   the F input ``B * S * H * e``, more for S, SAC and N) plus the largest layer's offloaded
   share (reloaded one layer ahead); parked gradients (``max_grad_norm > 0``): ``N * e``. The
   backward frees activations as it parks gradients, so the larger one counts;
+- resident: the GPU-resident layers (``runtime.resident_layers``, the first K): their weights
+  (``e`` B/param), FP32 master and Adam moments (12 B/param) and, without clipping, their
+  gradients (``e`` B/param; with clipping they are among the parked ones) — exactly the
+  buffers ``runtime/resident.py`` allocates (``plan.cost.resident_layer_bytes``); on CPU they
+  are host RAM, like the rest of the working set;
 - allocator: 0.4 GiB (block rounding, cuBLAS workspaces). With ``plan.cost``'s
   ``REPLAY_PEAK_FACTOR`` (1.64) the two constants fitted to the measurements below.
 
@@ -97,7 +103,7 @@ from slidedp.config import TrainConfig
 from slidedp.envinfo import meminfo_bytes
 from slidedp.errors import OutOfDeviceMemoryError, OutOfSharedMemoryError
 from slidedp.models.hf import HFAdapter
-from slidedp.plan.cost import layer_footprint, layout_memory
+from slidedp.plan.cost import layer_footprint, layout_memory, resident_layer_bytes
 from slidedp.plan.device import pick_device, pick_dtype
 from slidedp.plan.layout import LayerPolicy
 from slidedp.plan.policy import Policy, resolve_policy, store_args
@@ -200,6 +206,7 @@ class GpuEstimate:
     layer_bytes: int  # the largest backward transient of one layer (plan.cost)
     checkpoint_bytes: int  # activations retained on the device + the reload prefetch
     parked_grad_bytes: int
+    resident_bytes: int  # the GPU-resident layers (plan.cost.resident_layer_bytes)
     allocator_bytes: int
     peak_reserved_bytes: int  # what torch.cuda.max_memory_reserved would report
     needed_bytes: int  # peak + CUDA context: compared with the device total
@@ -231,6 +238,8 @@ class Estimate:
     seq_len: int
     layout: str  # the per-layer activation layout (Policy.layout)
     layout_rows: list[dict[str, Any]]  # per distinct layer policy: count and bytes per layer
+    resident_layers: int  # the first K decoder layers stay on the device (Policy)
+    resident_bytes: int  # their device bytes (in host RAM on CPU runs)
     clipping: bool
     store_bytes: int
     mirror_bytes: int  # of the store: the BF16 mirror (0: cast on delivery, resolve_mirror)
@@ -382,15 +391,19 @@ def estimate_run(
     tokens = b * s
     largest_layer = max(groups[adapter.layer_group(i)]["slot_len"] for i in range(layers))
     own = groups[adapter.embed_group]["slot_len"] + groups[adapter.head_group]["slot_len"]
-    window = (rt.slots * largest_layer + own) * elem
-    loss = min(rt.loss_chunk_tokens, tokens) * adapter.vocab_size * 4 * LOSS_F32_COPIES
     policy = plan_policy(cfg, adapter, machine)
+    slots = rt.slots if policy.resident_layers < layers else 0  # every layer resident: none
+    window = (slots * largest_layer + own) * elem
+    loss = min(rt.loss_chunk_tokens, tokens) * adapter.vocab_size * 4 * LOSS_F32_COPIES
     dtype = torch.bfloat16 if elem == 2 else torch.float32
     acts = layout_memory(adapter, policy.layers, b, s, dtype)
     layer = acts.transient_bytes
     checkpoints = acts.retained_bytes + acts.prefetch_bytes
     parked = params * elem if cfg.train.max_grad_norm > 0 else 0
-    working = window + loss + layer + max(checkpoints, parked)
+    clipping = cfg.train.max_grad_norm > 0
+    per_layer = resident_layer_bytes(adapter, dtype, clipping=clipping)
+    resident = sum(per_layer[: policy.resident_layers])
+    working = window + loss + layer + max(checkpoints, parked) + resident
     arena = acts.offloaded_bytes
     store = int(layout["regions"]["total_bytes"])
     slot_len = int(layout["slot_len"])
@@ -405,6 +418,7 @@ def estimate_run(
             layer,
             checkpoints,
             parked,
+            resident,
             ALLOCATOR_BYTES,
             peak,
             peak + CUDA_CONTEXT_BYTES,
@@ -422,7 +436,9 @@ def estimate_run(
         seq_len=s,
         layout=policy.layout,
         layout_rows=_layout_rows(adapter, policy.layers, b, s, dtype),
-        clipping=cfg.train.max_grad_norm > 0,
+        resident_layers=policy.resident_layers,
+        resident_bytes=resident,
+        clipping=clipping,
         store_bytes=store,
         mirror_bytes=mirror,
         shm_bytes=store,
@@ -603,6 +619,8 @@ def format_estimate(est: Estimate) -> str:
     row(f"  process ({'torch + CUDA' if est.gpu else 'torch'})", _gib(est.process_bytes))
     if est.cpu_working_bytes:
         row("  compute working set (CPU)", _gib(est.cpu_working_bytes))
+        if est.resident_bytes:
+            row(f"    of which {est.resident_layers} resident layers", _gib(est.resident_bytes))
     if est.gpu is not None:
         g = est.gpu
         row("pinned host memory", _gib(est.pinned_bytes))
@@ -617,6 +635,7 @@ def format_estimate(est: Estimate) -> str:
             ("one layer's backward (largest)", g.layer_bytes),
             ("retained activations + prefetch", g.checkpoint_bytes),
             ("parked gradients (clipping)", g.parked_grad_bytes),
+            (f"{est.resident_layers} GPU-resident layers", g.resident_bytes),
             ("allocator", g.allocator_bytes),
             ("CUDA context", g.needed_bytes - g.peak_reserved_bytes),
         ):
@@ -648,7 +667,8 @@ def format_estimate(est: Estimate) -> str:
     head = (
         f"slidedp estimate: {est.model}, {est.params:,} parameters, {est.layers} layers; "
         f"{est.device} {est.dtype}, B={est.batch} x S={est.seq_len}, layers {est.layout}, "
-        f"clipping {'on' if est.clipping else 'off'} (an estimate; nothing allocated)"
+        f"{est.resident_layers} resident, clipping {'on' if est.clipping else 'off'} "
+        "(an estimate; nothing allocated)"
     )
     rows.append(
         f"  activation layout, per layer: {'retained':>10} {'offloaded':>10} {'backward':>10}"

@@ -190,3 +190,31 @@ def layout_memory(
         ),
         transient_bytes=max((f.transient_bytes for f in fps), default=0),
     )
+
+
+def resident_layer_bytes(adapter: HFAdapter, dtype: torch.dtype, *, clipping: bool) -> list[int]:
+    """Device bytes each decoder layer holds while GPU-resident (``runtime.resident``), in layer
+    order: its weights in the compute dtype (``e`` B per element of its slot layout, as the
+    window's buffers), the FP32 master and both Adam moments (12 B per element of its state
+    layout) and, without clipping, its gradient (``e`` B/param), kept from its backward to the
+    update at the step's end (with clipping every gradient is parked anyway: the estimate's
+    parked term). The GPU update's f32 copy of one layer's gradient (4 B/param, at the step's
+    end) takes the place of the backward transient freed by then: not counted."""
+    from slidedp.store import HostStore
+
+    specs = adapter.group_specs()
+    layout = HostStore.plan([specs[adapter.layer_group(i)] for i in range(adapter.num_layers)], 0)
+    elem = dtype.itemsize
+    params = layout["params"]
+    return [
+        int(g["slot_len"]) * elem + 3 * 4 * int(g["state_len"])
+        + (0 if clipping else elem * sum(int(p["numel"]) for p in
+                                         params[g["params"]["start"] : g["params"]["end"]]))
+        for g in layout["groups"]
+    ]  # fmt: skip
+
+
+def resident_bytes_per_layer(adapter: HFAdapter, dtype: torch.dtype, *, clipping: bool) -> int:
+    """The solver's ``Resident.bytes_per_layer`` (``crates/slidedp-core/src/solve``): the
+    largest decoder layer's resident bytes, so any K layers fit in K times it."""
+    return max(resident_layer_bytes(adapter, dtype, clipping=clipping))

@@ -10,10 +10,12 @@ and D2H, since the staging and gradient rings share the store's slot size), the 
 ``slots``, the host ``staging_slots`` and ``grad_slots`` per rank, the BF16 ``mirror``, and
 ``layers``: one ``LayerPolicy`` per decoder layer (``plan.layout``), and ``compute``: the layer
 kernels and whether the layer is compiled (``models.fast``: ``runtime.kernels``,
-``runtime.compile``).
+``runtime.compile``), and ``resident_layers``: how many decoder layers stay on the device with
+their optimizer state (``runtime.resident``; the first ones, see ``Policy.resident``).
 
 A policy file (``runtime.policy: path.yaml``) holds any of ``layers, param_route, grad_route,
-chunk_elems, slots, staging_slots, grad_slots, bf16_mirror, offload_ratio, kernels, compile``;
+chunk_elems, slots, staging_slots, grad_slots, bf16_mirror, offload_ratio, kernels, compile,
+resident_layers``;
 its values replace the ``runtime`` ones (setting a key in both places, to different values, is
 an error).
 
@@ -55,6 +57,7 @@ POLICY_FILE_KEYS = (
     "bf16_mirror",
     "kernels",
     "compile",
+    "resident_layers",
 )
 
 
@@ -69,6 +72,18 @@ class Policy:
     mirror: bool  # BF16 mirror in the store (loads are one DMA, no cast)
     layers: tuple[LayerPolicy, ...]
     compute: Compute  # layer kernels and compilation (models.fast)
+    # decoder layers 0..resident_layers-1 keep BF16 weights, FP32 master and Adam moments on the
+    # device, updated there (runtime.resident); 0 in checkpoints of older runs
+    resident_layers: int = 0
+
+    def resident(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` is GPU-resident. The FIRST layers are: their
+        gradients come last in the backward and their weights first in the next forward, so
+        their host updates are the ones no computation hides. Without clipping nothing is
+        left to overlap their update with; with clipping the host pass runs in forward order
+        after the norm, and the next forward would wait for its first layers at once (resident,
+        the pass starts K layers ahead of the forward)."""
+        return layer < self.resident_layers
 
     @property
     def layout(self) -> str:
@@ -82,7 +97,8 @@ class Policy:
         return (
             f"{self.param_route}/{self.grad_route}, chunk {self.chunk_elems:,} elements, "
             f"{self.slots} slots, {self.staging_slots} staging / {self.grad_slots} gradient "
-            f"slots per rank, mirror {'on' if self.mirror else 'off'}, layers {self.layout}"
+            f"slots per rank, mirror {'on' if self.mirror else 'off'}, layers {self.layout}, "
+            f"{self.resident_layers} GPU-resident"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -153,6 +169,16 @@ def effective_runtime(rt: RuntimeSection) -> RuntimeSection:
         raise ConfigError(f"runtime.policy {rt.policy}: {e}") from None
 
 
+def resident_ranks_message(resident_layers: int, world: int) -> str:
+    """Why GPU-resident layers refuse several processes: their gradients would need an
+    all-reduce on the devices and every rank an identical device update, not built yet."""
+    return (
+        f"runtime.resident_layers={resident_layers} runs on one process only (this run has "
+        f"{world} ranks): the resident layers' gradients are not yet reduced across ranks; "
+        "set runtime.resident_layers=0 or train on one GPU"
+    )
+
+
 def check_layout_fits(layers: tuple[LayerPolicy, ...], adapter: HFAdapter) -> None:
     """Segment checkpointing (``S<mask>``) cuts the dense Llama-style layer only; ``SAC.noact``
     would cache the buffers a mixture-of-experts layer fills in place (its router's top-k,
@@ -182,6 +208,11 @@ def resolve_policy(
     rt = effective_runtime(rt)
     layers = parse_layout(rt.layers, adapter.num_layers, rt.offload_ratio)
     check_layout_fits(layers, adapter)
+    if rt.resident_layers > adapter.num_layers:
+        raise ConfigError(
+            f"runtime.resident_layers={rt.resident_layers} but the model has "
+            f"{adapter.num_layers} decoder layers: set 0..{adapter.num_layers}"
+        )
     return Policy(
         param_route=rt.param_route,
         grad_route=rt.grad_route,
@@ -192,6 +223,7 @@ def resolve_policy(
         mirror=mirror,
         layers=layers,
         compute=resolve_compute(rt.kernels, rt.compile, device, adapter),
+        resident_layers=rt.resident_layers,
     )
 
 

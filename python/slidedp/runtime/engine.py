@@ -16,6 +16,10 @@ global barrier). Order:
    (``grad_lane``);
 4. embedding backward (plus the tied head's gradient when embeddings are tied).
 
+GPU-resident layers (``plan.policy.resident_layers``, ``runtime.resident``) are never fetched:
+their weights stay in their own device buffer, their gradients stay on the device, and their
+AdamW runs on the device at the end of the step (``GradSync.finish``); the prefetch skips them.
+
 Where each group's gradient goes and when its update starts is ``grad_sync.GradSync``'s
 protocol. Without clipping (``max_grad_norm == 0``) each group's gradient goes to the host as
 soon as it exists and its AdamW runs while the GPU computes earlier layers (the paper's
@@ -73,6 +77,7 @@ from slidedp.runtime.dist import Dist, all_reduce_sum
 from slidedp.runtime.grad_lane import GradLane
 from slidedp.runtime.grad_sync import GradSync
 from slidedp.runtime.lanes import LaneClock, new_stream
+from slidedp.runtime.resident import ResidentLayers
 from slidedp.runtime.routes import GpuReduce, HostSum
 from slidedp.runtime.trace import StepTrace
 from slidedp.runtime.transfer import pin, unpin
@@ -151,7 +156,6 @@ class Engine:
             host_sum=host_sum,
             owns=(lambda g: True) if ctx is None else ctx.owns,
         )
-        self.sync = GradSync(self.grads, self.reduce, self.optim, ctx, device)
         self._target = 0  # the version every group reaches once this rank's updates are done
         layers = [adapter.layer_group(i) for i in range(adapter.num_layers)]
         self.window = Window(
@@ -160,15 +164,22 @@ class Engine:
             device,
             plan.dtype,
             layers,
-            policy.slots,
+            policy.slots if policy.resident_layers < adapter.num_layers else 0,  # all resident
             self.clock,
             version_timeout_s,
-            before_wait=self.sync.send_ready,
+            before_wait=lambda group: self.sync.send_ready(group),  # the sync comes next
             staging_base=rank * staging,
             staging_count=staging,
             shard=(rank, world) if ctx is not None and param_route == "sharded" else None,
             group=None if ctx is None else ctx.node_group,
         )
+        self.resident = None
+        if policy.resident_layers:
+            assert ctx is None or ctx.world == 1, "refused by dist.check_config"
+            groups = [g for i, g in enumerate(layers) if policy.resident(i)]
+            self.resident = ResidentLayers(store, self.window, self.kernels, self.worker,
+                                           groups, device)  # fmt: skip
+        self.sync = GradSync(self.grads, self.reduce, self.optim, ctx, device, self.resident)
         self.embed_buf = self.window.own_buffer(adapter.embed_group)
         self.head_buf = self.window.own_buffer(adapter.head_group)
         self.activations = ActivationOffload(device, self.clock)
@@ -198,6 +209,19 @@ class Engine:
         group = self.adapter.layer_group(layer)
         views = self.window.views(buf, group)
         return {local: views[full] for full, local in self.adapter.groups[group].params}
+
+    def _layer_buffer(self, layer: int, version: int) -> DeviceBuffer:
+        """Layer ``layer``'s weights on the device: its resident buffer, or a window slot."""
+        group = self.adapter.layer_group(layer)
+        if self.resident is not None and self.resident.holds(group):
+            return self.resident.buffer(group)
+        return self._fetch(group, version)
+
+    def _prefetch(self, layer: int, version: int) -> None:
+        """Start loading ``layer`` into the window, unless it is resident (or past the last:
+        every layer resident)."""
+        if layer < self.adapter.num_layers and not self.plan.policy.resident(layer):
+            self.window.fetch(self.adapter.layer_group(layer), version)
 
     def _fetch(self, group: int, version: int) -> DeviceBuffer:
         buf = self.window.fetch(group, version)
@@ -241,10 +265,11 @@ class Engine:
                 "masks": a.layer_masks(x, attn, position_ids),
             }
         states: list[LayerState | None] = []
+        streamed = self.plan.policy.resident_layers  # the first layer the window loads
         for layer in range(a.num_layers):  # forward: each layer saves what its family keeps
-            buf = self._fetch(a.layer_group(layer), v)
+            buf = self._layer_buffer(layer, v)
             if layer + 1 < a.num_layers:
-                win.fetch(a.layer_group(layer + 1), v)  # prefetch
+                self._prefetch(max(layer + 1, streamed), v)  # a no-op once it is loaded
             else:
                 win.load(self.head_buf, a.head_group, v)
             run = LayerRun(a, layer, self._local(layer, buf), ctx)
@@ -286,9 +311,9 @@ class Engine:
         self.sync.hand_over(GradLane.ticket(a.head_group, head_grads), t, n_adam, lr)
         for layer in reversed(range(a.num_layers)):  # backward: reload, recompute, grad
             group = a.layer_group(layer)
-            buf = self._fetch(group, v)
+            buf = self._layer_buffer(layer, v)
             if layer > 0:
-                win.fetch(a.layer_group(layer - 1), v)
+                self._prefetch(layer - 1, v)
             run = LayerRun(a, layer, self._local(layer, buf), ctx)
             state = layer_state(states, layer)
             with self.clock.stream("compute", compute):
@@ -345,13 +370,21 @@ class Engine:
 
     def start_at(self, t: int) -> None:
         """Resume: the store holds the state after ``t`` steps; the next step is ``t``."""
-        self.drain()
+        self._drain_updates()
         for group in range(self.store.num_groups):
             self.store.publish(group, t)
         self._target = t
+        if self.resident is not None:
+            self.resident.load()
 
     def drain(self) -> None:
-        """Send every parked gradient and wait for every queued update."""
+        """Send every parked gradient and wait for every queued update; then the store holds
+        the whole state (the resident layers' written back)."""
+        self._drain_updates()
+        if self.resident is not None:
+            self.resident.write_back()
+
+    def _drain_updates(self) -> None:
         self.sync.send_all(self.store.num_groups)
         self.worker.drain(self.timeout_s)
         if self.ctx is not None:  # the other owners' updates too

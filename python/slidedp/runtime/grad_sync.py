@@ -12,6 +12,10 @@ leave a ring's worth at a time, before each load of the next step waits for a ve
 On the cpu route the norm is the host sum's: each parked gradient is also sent once during the
 backward for its Σ g² (summed, nothing updated), then again with the coefficient.
 
+GPU-resident groups (``runtime.resident``) never reach the lane: their gradients are kept on the
+device, count once in the global norm like any other group's, and are applied in ``finish``
+(with the coefficient, or 1 without clipping), on the device.
+
 Example::
 
     sync = GradSync(grads, reduce, optim, ctx, device)
@@ -31,6 +35,7 @@ from slidedp.errors import NonFiniteError
 from slidedp.plan.policy import OptimConfig
 from slidedp.runtime.dist import Dist, all_reduce_sum
 from slidedp.runtime.grad_lane import AdamArgs, GradLane, GradTicket
+from slidedp.runtime.resident import ResidentLayers
 from slidedp.runtime.routes import GpuReduce
 
 
@@ -42,10 +47,12 @@ class GradSync:
         optim: OptimConfig,
         ctx: Dist | None,
         device: torch.device,
+        resident: ResidentLayers | None = None,
     ) -> None:
         self.grads, self.reduce, self.optim, self.ctx, self.device = (
             grads, reduce, optim, ctx, device
         )  # fmt: skip
+        self.resident = resident
         self._tickets: list[GradTicket] = []  # this rank's owned gradients of the step
         # clipping: this step's gradients, parked until the clip coefficient is known; then the
         # ones ready to leave (with the coefficient), in forward order
@@ -66,7 +73,11 @@ class GradSync:
 
     def hand_over(self, local: GradTicket, t: int, adam_step: int, lr: float) -> None:
         """A group's gradient is issued: reduced onto its owner (gpu route), then sent now
-        (overlap) or parked (clipping)."""
+        (overlap) or parked (clipping); a resident group's stays on the device until ``finish``."""
+        if self.resident is not None and self.resident.holds(local.group):  # one process only
+            self._tickets.append(local)
+            self.resident.keep(local, self._adam(t, adam_step, lr))
+            return
         ticket = local if self.reduce is None else self.reduce.reduce(local)
         if ticket is None:
             return  # another rank owns this group
@@ -113,9 +124,12 @@ class GradSync:
         total = self._global_norm()
         grad_norm = float(total)
         if not self.clipping:
+            if self.resident is not None:
+                self.resident.check_finite(t)
+                self.resident.update(1.0)
             return grad_norm, 1.0
         if not torch.isfinite(total):
-            self._parked.clear()
+            self.discard()
             raise NonFiniteError(
                 f"step {t}: the gradient norm is not finite ({grad_norm}); "
                 "no update of this step was applied",
@@ -129,6 +143,8 @@ class GradSync:
         self._parked = []
         if self._ready:  # the updates start now, not when the next step first loads
             self.send_ready(self._ready[0][0].group)
+        if self.resident is not None:
+            self.resident.update(coef)
         return grad_norm, coef
 
     def send_ready(self, group: int) -> None:
@@ -150,6 +166,8 @@ class GradSync:
     def discard(self) -> None:
         """The step failed before any update: forget its parked gradients."""
         self._parked.clear()
+        if self.resident is not None:
+            self.resident.discard()
 
     def send_all(self, num_groups: int) -> None:
         """Send every ready gradient and submit everything queued."""

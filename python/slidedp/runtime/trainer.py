@@ -152,7 +152,10 @@ class Trainer:
         if self.device.type == "cuda":  # the engine pins the staging and gradient regions
             regions = (self.store.region("staging"), self.store.region("grad"))
             pinned = sum(r.numel() * r.element_size() for r in regions)
-        window = self.engine.window
+        window, resident = self.engine.window, self.engine.resident
+        held = f"{window.param_bytes():,} B"  # the resident layers' weights included
+        if resident is not None:
+            held += f" + {resident.state_bytes:,} B resident FP32 master and moments"
         return RunFacts(
             model=f"{a.config.model_type} ({self.cfg.model.path}, {self.source})",
             params=sum(self.store.param(n).numel() for _, n in a.iter_params()),
@@ -167,7 +170,7 @@ class Trainer:
             pinned_bytes=pinned,
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
-            window=f"{len(window.slots)} layer slots, {window.param_bytes():,} B",
+            window=f"{len(window.slots)} layer slots, {held}",
             policy=self.policy.describe(),
             compute=self.policy.compute.describe(),
             isa=self.engine.kernels.isa,

@@ -1,0 +1,234 @@
+"""GPU-resident decoder layers (``Policy.resident_layers``): the first K layers keep their
+compute-dtype weights, FP32 master weights and Adam moments on the device for the whole run and
+are updated there, so they skip the H2D load, the gradient D2H and the host AdamW pass.
+
+Per resident group: ``master``, ``exp_avg``, ``exp_avg_sq`` are flat FP32 device tensors in the
+group's state layout (a copy of ``store.group_state``), and the weights one ``DeviceBuffer`` in
+its slot layout (the window's own-buffer kind: never a load target, never evicted). The
+backward hands each resident group's gradient here instead of to the gradient lane
+(``GradSync.hand_over``: its norms join the global norm exactly once); ``update`` runs after
+the backward, once the clip coefficient is known (1 without clipping), with the step's
+``AdamArgs``: the same learning rate, betas, eps, Adam step, decay on ≥2-D tensors only and
+``grad_scale`` as the host update. Then the weights are cast again from the master.
+
+The math of the update:
+- CUDA: ``torch._fused_adamw_`` on the f32 master/moments, the gradient cast to f32 and scaled
+  by the coefficient first (``g * coef``, as the host kernel and ``clip_grad_norm_`` do), one
+  call for the decayed and one for the undecayed tensors of a group. It rounds like torch's
+  fused AdamW, not bit for bit like the host kernel: results track the all-host run within the
+  bf16 bound (``tests/engine/test_gpu_resident.py``).
+- CPU (tests): the "device" is host memory, so the update runs the engine's own host AdamW
+  kernel (``Kernels.adamw``, the update worker's kernel) on the resident tensors: training is
+  bit for bit the all-host run's, which is what the CPU tests check.
+
+The host store stays authoritative: ``write_back`` copies the resident state into it (the
+engine's ``drain``, before every checkpoint and export) and ``load`` copies it out again (at
+start and on resume). A resident group's version advances through the update worker's queue
+(a publish-only request) like every other group's, so the version gates stay consistent.
+
+Device bytes per resident layer: ``plan.cost.resident_bytes``.
+
+Example::
+
+    resident = ResidentLayers(store, window, kernels, worker, groups=[1, 2], device=device)
+    resident.keep(ticket, adam)        # from the backward, per resident group
+    resident.update(coef)              # after the global norm
+    resident.write_back()              # before a checkpoint
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from slidedp.errors import NonFiniteError
+from slidedp.kernels import Kernels
+from slidedp.runtime.grad_lane import AdamArgs, GradTicket
+from slidedp.runtime.window import DeviceBuffer, Window
+from slidedp.store import HostStore, StateRegion
+from slidedp.update import UpdateWorker
+
+REGIONS: tuple[StateRegion, ...] = ("master", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class _Param:
+    name: str
+    state_at: int  # offset in the group's state layout
+    slot_at: int  # offset in the group's slot layout (the weights buffer)
+    numel: int
+    decays: bool  # weight decay applies (tensors of two or more dimensions, as the host)
+
+
+@dataclass
+class _Group:
+    group: int
+    params: list[_Param]
+    state: dict[StateRegion, torch.Tensor]  # region -> [state_len] f32 on the device
+    weights: DeviceBuffer  # the compute-dtype weights, slot layout
+
+    def view(self, region: StateRegion, p: _Param) -> torch.Tensor:
+        return self.state[region][p.state_at : p.state_at + p.numel]
+
+
+class ResidentLayers:
+    """The resident groups' device state, their pending gradients and their update."""
+
+    def __init__(
+        self,
+        store: HostStore,
+        window: Window,
+        kernels: Kernels,
+        worker: UpdateWorker,
+        groups: list[int],
+        device: torch.device,
+    ) -> None:
+        self.store, self.kernels, self.worker, self.device = store, kernels, worker, device
+        layout = store.layout
+        self._groups: dict[int, _Group] = {}
+        for g in groups:
+            spec = layout["groups"][g]
+            params = [
+                _Param(p["name"], p["state_offset"] - spec["state_offset"], p["slot_offset"],
+                       p["numel"], len(p["shape"]) >= 2)
+                for p in layout["params"][spec["params"]["start"] : spec["params"]["end"]]
+            ]  # fmt: skip
+            state = {r: torch.zeros(spec["state_len"], device=device) for r in REGIONS}
+            weights = window.own_buffer(g)
+            weights.group = g
+            self._groups[g] = _Group(g, params, state, weights)
+        self._pending: list[tuple[GradTicket, AdamArgs]] = []
+        self.load()
+
+    def holds(self, group: int) -> bool:
+        return group in self._groups
+
+    def buffer(self, group: int) -> DeviceBuffer:
+        """The group's weights, always current (never loaded through the window)."""
+        return self._groups[group].weights
+
+    @property
+    def state_bytes(self) -> int:
+        """Device bytes of the FP32 master and moments (the weights count in the window's)."""
+        return sum(t.numel() * t.element_size() for g in self._groups.values()
+                   for t in g.state.values())  # fmt: skip
+
+    def load(self) -> None:
+        """Copy the resident groups' state out of the store (start, resume)."""
+        for g in self._groups.values():
+            for region in REGIONS:
+                g.state[region].copy_(self.store.group_state(g.group, region))
+            self._cast_weights(g)
+
+    def write_back(self) -> None:
+        """Copy the resident state into the store (and its BF16 mirror, which then equals an
+        all-host run's): a checkpoint or an export of the store is then the all-host one."""
+        for g in self._groups.values():
+            for region in REGIONS:
+                self.store.group_state(g.group, region).copy_(g.state[region])
+            if self.store.has_mirror:
+                mirror = self.store.mirror_group(g.group)
+                for p in g.params:
+                    self.kernels.cast_f32_to_bf16(
+                        self.store.param(p.name).view(-1), mirror[p.slot_at : p.slot_at + p.numel]
+                    )
+
+    def _cast_weights(self, g: _Group) -> None:
+        for p in g.params:
+            g.weights.flat[p.slot_at : p.slot_at + p.numel].copy_(g.view("master", p))
+
+    def keep(self, ticket: GradTicket, adam: AdamArgs) -> None:
+        """A resident group's gradient from the backward, kept until ``update``."""
+        self._pending.append((ticket, adam))
+
+    def discard(self) -> None:
+        """The step failed before any update: forget its gradients."""
+        self._pending.clear()
+
+    def check_finite(self, step: int) -> None:
+        """Without clipping each group's update needs a finite gradient (the host lane checks
+        the streamed ones); raises before any resident group is updated. One host sync for
+        all of them; the first non-finite one in backward order is named."""
+        if not self._pending:
+            return
+        norms = torch.stack([torch.linalg.vector_norm(torch.stack(tk.norms))
+                             for tk, _ in self._pending])  # fmt: skip
+        if bool(torch.isfinite(norms).all()):
+            return
+        for (ticket, _), norm in zip(self._pending, norms.tolist(), strict=True):
+            if not math.isfinite(norm):
+                self._pending.clear()
+                name = self.store.layout["groups"][ticket.group]["name"]
+                raise NonFiniteError(  # the streamed groups' updates overlapped the backward
+                    f"step {step}: the gradient of '{name}' is not finite ({norm}); no resident "
+                    "layer's update of this step was applied",
+                    step=step,
+                    what="grad_norm",
+                )
+
+    def update(self, grad_scale: float) -> None:
+        """AdamW on every kept gradient (scaled by ``grad_scale``, the clip coefficient), the
+        weights cast again, each group's version published."""
+        for ticket, adam in self._pending:
+            g = self._groups[ticket.group]
+            args = replace(adam, grad_scale=grad_scale)
+            grads = {p.name: ticket.grads[p.name].reshape(-1) for p in g.params}
+            if self.device.type == "cuda":
+                fused_adamw(g, grads, args)
+            else:
+                self._host_adamw(g, grads, args)
+            ticket.grads.clear()
+            self._cast_weights(g)
+            self.worker.submit(ticket.group, 0, 0, 0, step=1, lr=0.0, betas=(0.0, 0.0), eps=1.0,
+                               weight_decay=0.0, publish=args.version)  # fmt: skip
+        self._pending.clear()
+
+    def _host_adamw(self, g: _Group, grads: dict[str, torch.Tensor], a: AdamArgs) -> None:
+        for p in g.params:
+            self.kernels.adamw(
+                g.view("master", p),
+                g.view("exp_avg", p),
+                g.view("exp_avg_sq", p),
+                grads[p.name],
+                lr=a.lr,
+                betas=a.betas,
+                eps=a.eps,
+                weight_decay=a.weight_decay if p.decays else 0.0,
+                step=a.step,
+                grad_scale=a.grad_scale,
+            )
+
+
+def fused_adamw(g: _Group, grads: dict[str, torch.Tensor], a: AdamArgs) -> None:
+    """torch's fused AdamW over one group's tensors (any device torch fuses on): the gradients
+    as f32 times ``grad_scale`` (one transient f32 copy of a group's gradient), decay on the
+    ≥2-D tensors only."""
+    step = torch.tensor(float(a.step), device=g.state["master"].device)
+    for decays in (True, False):
+        params = [p for p in g.params if p.decays == decays]
+        if not params:
+            continue
+        g32 = [grads[p.name].float() for p in params]
+        if a.grad_scale != 1.0:
+            torch._foreach_mul_(g32, a.grad_scale)
+        kwargs: dict[str, Any] = {
+            "lr": a.lr,
+            "beta1": a.betas[0],
+            "beta2": a.betas[1],
+            "weight_decay": a.weight_decay if decays else 0.0,
+            "eps": a.eps,
+            "amsgrad": False,
+            "maximize": False,
+        }
+        torch._fused_adamw_(
+            [g.view("master", p) for p in params],
+            g32,
+            [g.view("exp_avg", p) for p in params],
+            [g.view("exp_avg_sq", p) for p in params],
+            [],
+            [step] * len(params),
+            **kwargs,
+        )

@@ -1,0 +1,78 @@
+"""GPU-resident layers on one GPU (BF16) against the all-host run: the resident layers' AdamW
+is torch's fused kernel on the device instead of the host kernel, so the runs differ by its
+rounding only and must track each other within the bf16 bound of the GPU parity tests.
+
+Run on the GPU machine: ``pytest -m "gpu and slow" tests/engine/test_gpu_resident.py``; set
+``SLIDEDP_PARITY_JSON=FILE`` to keep the loss deltas.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.test_gpu_parity import TRAIN, _data, _small_qwen3
+from engine.tiny import read_metrics, write_config
+from slidedp.config import load_config
+from slidedp.runtime.trainer import Trainer
+
+LAYERS = 4  # _small_qwen3
+EAGER = {"kernels": "eager", "compile": False}
+
+
+def _run(
+    root: Path, model_dir: Path, data: Path, name: str, clip: float, **runtime: Any
+) -> list[float]:
+    out = root / f"out-{name}"
+    config = write_config(root / f"c-{name}.yaml", model_dir, data, out,
+                          train=TRAIN | {"max_grad_norm": clip},
+                          runtime={"device": "cuda", **runtime})  # fmt: skip
+    trainer = Trainer(load_config(str(config), ["data.seq_len=128"]), log=False)
+    k = runtime.get("resident_layers", 0)
+    if k:  # the resident state lives in HBM
+        resident = trainer.engine.resident
+        assert resident is not None
+        assert resident.buffer(trainer.adapter.layer_group(0)).flat.is_cuda
+        assert resident.state_bytes > 0
+    trainer.run()
+    return [r["loss"] for r in read_metrics(out)]
+
+
+@pytest.fixture(scope="module")
+def model_and_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("resident")
+    return _small_qwen3(root), _data(root)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("clip", [1.0, 0.0], ids=["clipped", "overlap"])
+def test_resident_layers_track_the_all_host_run(
+    tmp_path: Path, model_and_data: tuple[Path, Path], clip: float
+) -> None:
+    model_dir, data = model_and_data
+    host = _run(tmp_path, model_dir, data, "host", clip, **EAGER)
+    runs = {
+        "2 resident": _run(tmp_path, model_dir, data, "r2", clip, resident_layers=2, **EAGER),
+        "all resident": _run(tmp_path, model_dir, data, "r4", clip, resident_layers=LAYERS,
+                             **EAGER),
+        # the default layer compute (compiled, or Liger where installed) on resident buffers
+        "2 resident, default compute": _run(tmp_path, model_dir, data, "r2-default", clip,
+                                            resident_layers=2),
+    }  # fmt: skip
+    deltas = {name: max(abs(a - b) for a, b in zip(losses, host, strict=True))
+              for name, losses in runs.items()}  # fmt: skip
+    summary = {"clip": clip, "steps": len(host), "max_abs_delta_loss": deltas,
+               "last_loss": {"host": host[-1]} | {n: r[-1] for n, r in runs.items()}}  # fmt: skip
+    if path := os.environ.get("SLIDEDP_PARITY_JSON"):
+        with Path(path).with_suffix(".resident.jsonl").open("a") as f:
+            f.write(json.dumps(summary) + "\n")
+    print(summary)
+    assert host[0] == runs["2 resident"][0]  # the same weights before any update
+    # the bound of the engine's GPU parity tests (tests/engine/test_gpu_parity.py): 1e-3
+    for name, delta in deltas.items():
+        assert delta <= 1e-3, (name, delta)
