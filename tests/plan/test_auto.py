@@ -42,7 +42,9 @@ def test_auto_profiles_once_chooses_and_trains_as_the_chosen_layout(
     resolved = yaml.safe_load((tmp_path / "auto" / "resolved_config.yaml").read_text())
     layout = resolved["runtime"]["layers"]
     assert resolved["runtime"]["policy"] == ""
-    assert line.startswith(f"policy   auto: {layout}, predicted ")
+    resident = resolved["runtime"]["resident_layers"]
+    assert resident == 0  # on CPU nothing is GPU-resident
+    assert line.startswith(f"policy   auto: {layout}, 0 GPU-resident, predicted ")
     assert len(parse_layout(layout, LAYERS, 0.0)) == LAYERS
     assert len(list((tmp_path / "slidedp" / "profile").glob("layer-*.json"))) == 1
     assert len(list((tmp_path / "slidedp" / "profile").glob("host-*.json"))) == 1
@@ -114,5 +116,5 @@ def test_a_resumed_auto_run_keeps_the_layout_its_checkpoint_ran_with(
     capsys.readouterr()
     assert main(["train", str(path), "train.max_steps=3", "train.resume=auto"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("policy   auto"))
-    assert line.startswith(f"policy   auto: {chosen} (kept from checkpoint-2)")
+    assert line.startswith(f"policy   auto: {chosen}, 0 GPU-resident (kept from checkpoint-2)")
     assert not list((tmp_path / "slidedp" / "profile").glob("*.json"))

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
 from engine.tiny import make_model, read_metrics, write_config, write_data
@@ -20,6 +21,7 @@ from slidedp.config import load_config
 from slidedp.estimate import Machine, update_threads
 from slidedp.models.hf import HFAdapter
 from slidedp.plan import auto, select
+from slidedp.plan.cost import resident_bytes_per_layer
 from slidedp.plan.layout import parse_layout
 from slidedp.plan.select import (
     MIN_GAIN,
@@ -74,19 +76,24 @@ def run(tmp_path: Path) -> tuple[Path, Any, HFAdapter, Machine]:
 
 
 def _brute_force(problem: dict[str, Any]) -> float:
-    """The best step of every count vector that fits (the program's accounting)."""
+    """The best step of every count vector and resident count that fits (the program's
+    accounting)."""
     cands, best = problem["candidates"], float("inf")
-    host = problem["host"]["update_s_per_layer"] * problem["layers"]
+    per_layer = problem["host"]["update_s_per_layer"]
+    resident = problem.get("resident") or {"bytes_per_layer": 0.0, "max_layers": 0}
+    w = resident["bytes_per_layer"]
     for counts in itertools.product(range(LAYERS + 1), repeat=len(cands)):
         if sum(counts) != LAYERS:
             continue
         used = [c for c, n in zip(cands, counts, strict=True) if n]
         mem = sum(c["retained_bytes"] * n for c, n in zip(cands, counts, strict=True))
         mem += max(2 * c["offloaded_bytes"] for c in used) + max(c["transient_bytes"] for c in used)
-        fits_parked = max(c["transient_bytes"] for c in used) + problem["parked_bytes"]
-        if mem <= problem["budget_bytes"] and fits_parked <= problem["budget_bytes"]:
-            compute = sum(c["time_s"] * n for c, n in zip(cands, counts, strict=True))
-            best = min(best, compute + host)  # clipping: the update follows the backward
+        parked = max(c["transient_bytes"] for c in used) + problem["parked_bytes"]
+        for r in range(resident["max_layers"] + 1):
+            if mem + r * w <= problem["budget_bytes"] and parked + r * w <= problem["budget_bytes"]:
+                compute = sum(c["time_s"] * n for c, n in zip(cands, counts, strict=True))
+                # clipping: the update of the streamed layers follows the backward
+                best = min(best, compute + per_layer * (LAYERS - r))
     return best
 
 
@@ -99,7 +106,8 @@ def test_the_choice_is_the_brute_force_optimum_within_the_budget(
     base = 10 * GIB
     free = activation_budget(cfg, adapter, machine, base).bytes
     total = int(base + (extra_mib * MIB - free) / 0.94)
-    choice = select_layout(cfg, adapter, machine, _report(), total_bytes=total, update_gbps=10.0)
+    choice = select_layout(cfg, adapter, machine, _report(), total_bytes=total, update_gbps=10.0,
+                           resident=False)  # fmt: skip
     names = [c["name"] for c in choice.problem["candidates"]]
     assert names == ["F-r0", "F-r1", "SAC.mm-r0", "N-r0"]
     assert choice.budget_bytes == pytest.approx(extra_mib * MIB, abs=MIB)
@@ -116,6 +124,35 @@ def test_the_choice_is_the_brute_force_optimum_within_the_budget(
         assert choice.layout == "4xF-r1"
 
 
+@pytest.mark.parametrize("resident_layers", [0, 1, 3, LAYERS])
+def test_gpu_resident_layers_are_the_brute_force_optimum_within_the_budget(
+    run: tuple[Path, Any, HFAdapter, Machine], resident_layers: int
+) -> None:
+    """A budget with room for the all-F transient and ``resident_layers`` resident layers (and
+    a little more): the program keeps exactly that many resident (a slow host makes each worth
+    more than any activation layout), and its step is the brute force's over counts and K."""
+    _, cfg, adapter, machine = run
+    w = resident_bytes_per_layer(adapter, torch.bfloat16, clipping=True)
+    base = 10 * GIB
+    free = activation_budget(cfg, adapter, machine, base).bytes
+    # 5 MiB fit the all-F-r1 layout alone (above); room for K resident layers and a quarter
+    extra = 5 * MIB + resident_layers * w + w // 4
+    choice = select_layout(cfg, adapter, machine, _report(), update_gbps=0.01,
+                           total_bytes=int(base + (extra - free) / 0.94))  # fmt: skip
+    assert choice.problem["resident"]["bytes_per_layer"] == w
+    problem, sol = choice.problem, choice.solution
+    # what is left beside the chosen activations, in both of the program's memory rows
+    activations = sol["memory_bytes"] - sol["resident_layers"] * w
+    transient = max(c["transient_bytes"] for c, n in zip(problem["candidates"], sol["counts"],
+                                                          strict=True) if n)  # fmt: skip
+    left = problem["budget_bytes"] - max(activations, transient + problem["parked_bytes"])
+    assert choice.resident_layers == min(LAYERS, int(left // w))
+    assert choice.resident_layers >= min(LAYERS, resident_layers)  # the room was used
+    assert sol["step_s"] == pytest.approx(_brute_force(problem), rel=1e-9)
+    host = host_update_s_per_layer(adapter, 0.01) * (LAYERS - choice.resident_layers)
+    assert sol["host_s"] == pytest.approx(host)
+
+
 def test_a_layout_predicted_less_than_min_gain_faster_keeps_the_default(
     run: tuple[Path, Any, HFAdapter, Machine],
 ) -> None:
@@ -123,11 +160,13 @@ def test_a_layout_predicted_less_than_min_gain_faster_keeps_the_default(
     layout (all N), but predicted under MIN_GAIN faster, so the default is kept (on the H100 such
     predictions measured slower than the default, BENCHMARKS.md issue #16)."""
     _, cfg, adapter, machine = run
-    fast = select_layout(cfg, adapter, machine, _report(), total_bytes=80 * GIB, update_gbps=10.0)
+    fast = select_layout(cfg, adapter, machine, _report(), total_bytes=80 * GIB, update_gbps=10.0,
+                         resident=False)  # fmt: skip
     assert (fast.layout, fast.kept_default) == ("4xN-r0", False)
     assert fast.gain >= 1 + MIN_GAIN
-    slow = select_layout(cfg, adapter, machine, _report(), total_bytes=80 * GIB, update_gbps=1e-3)
-    assert slow.program_layout == "4xN-r0"  # the least compute among equal steps
+    slow = select_layout(cfg, adapter, machine, _report(), total_bytes=80 * GIB, update_gbps=1e-3,
+                         resident=False)  # fmt: skip
+    assert slow.program_layout == "4xN-r0, 0 GPU-resident"  # the least compute among equal steps
     assert 1 < slow.gain < 1 + MIN_GAIN
     assert (slow.layout, slow.kept_default) == ("4xF-r0", True)
     assert [str(p) for p in slow.layers] == ["F-r0"] * LAYERS
@@ -143,9 +182,9 @@ def test_plan_writes_a_policy_file_that_trains(
     argv = ["plan", str(path), "--profile", str(report), "--gpu-memory", "80", "--out", str(policy)]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "chosen:  4xN-r0" in out
+    assert "chosen:  4xN-r0, 4 GPU-resident" in out
     assert "default: 4xF-r0" in out
-    assert yaml.safe_load(policy.read_text()) == {"layers": "4xN-r0"}
+    assert yaml.safe_load(policy.read_text()) == {"layers": "4xN-r0", "resident_layers": 4}
     summary = json.loads(policy.with_suffix(".json").read_text())
     assert set(summary["timing_s"]) == {"setup_s", "profile_s", "host_s", "solve_s", "check_s"}
     assert summary["host_adamw"]["source"].startswith("measured")  # probed here when missing

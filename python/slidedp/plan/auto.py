@@ -84,14 +84,16 @@ def check_one_process(rt: RuntimeSection, what: str) -> None:
         )
 
 
-def _kept_layout(resume: Path | None, layers: int) -> str | None:
-    """The layout a resumed run's checkpoint ran with (``trainer_state.json``), if it has one
-    for this model."""
+def _kept_layout(resume: Path | None, layers: int) -> tuple[str, int] | None:
+    """The layout and GPU-resident layer count a resumed run's checkpoint ran with
+    (``trainer_state.json``), if it has them for this model."""
     if resume is None:
         return None
     try:
-        layout = json.loads((resume / STATE_FILE).read_text())["policy"]["layers"]
-        return str(layout) if len(parse_layout(str(layout), layers, 0.0)) == layers else None
+        policy = json.loads((resume / STATE_FILE).read_text())["policy"]
+        layout, resident = str(policy["layers"]), int(policy.get("resident_layers", 0))
+        fits = len(parse_layout(layout, layers, 0.0)) == layers and 0 <= resident <= layers
+        return (layout, resident) if fits else None
     except (OSError, ValueError, KeyError, TypeError, ConfigError):
         return None
 
@@ -115,17 +117,22 @@ def resolve_auto(
     if rt.policy != AUTO:
         return cfg, None
     check_one_process(rt, "runtime.policy=auto")
-    fixed = [k for k in ("layers", "offload_ratio") if getattr(rt, k) != getattr(type(rt)(), k)]
+    chosen = ("layers", "offload_ratio", "resident_layers")
+    fixed = [k for k in chosen if getattr(rt, k) != getattr(type(rt)(), k)]
     if fixed:
         raise ConfigError(
-            f"runtime.policy=auto chooses runtime.layers and their offload, which the config "
+            f"runtime.policy=auto chooses runtime.layers, their offload and the GPU-resident "
+            f"layers, which the config "
             f"sets ({', '.join(f'{k}={getattr(rt, k)}' for k in fixed)}): keep one of them"
         )
     default = dataclasses.replace(cfg, runtime=dataclasses.replace(rt, policy=""))
     kept = _kept_layout(resume, adapter.num_layers)
     if kept is not None:
-        layers = dataclasses.replace(default.runtime, layers=kept)
-        line = f"policy   auto: {kept} (kept from {resume.name if resume else ''})"
+        layers = dataclasses.replace(default.runtime, layers=kept[0], resident_layers=kept[1])
+        line = (
+            f"policy   auto: {kept[0]}, {kept[1]} GPU-resident "
+            f"(kept from {resume.name if resume else ''})"
+        )
         return dataclasses.replace(default, runtime=layers), line
     start = time.perf_counter()
     args = profile_args(cfg)
@@ -139,23 +146,27 @@ def resolve_auto(
     host = host_rate(update_threads(cfg, machine), machine, measure=measure)
     total = device_total_bytes(machine, default, adapter)
     start = time.perf_counter()
+    # GPU-resident layers where there is a GPU (on CPU they would move nothing)
     choice = select_layout(default, adapter, machine, report, total_bytes=total,
-                           update_gbps=host.gbps)  # fmt: skip
+                           update_gbps=host.gbps,
+                           resident=machine.gpu_total_bytes is not None)  # fmt: skip
     solved = time.perf_counter() - start
     source = "cached profile" if report.get("cached") else f"profiled in {profiled:.1f} s"
-    kept = (
+    verdict = (
         f" kept: the best layout, {choice.program_layout}, is predicted {choice.gain:.2f}x, "
         f"below the {1 + MIN_GAIN:.2f}x that leaving the default needs"
         if choice.kept_default
         else f", predicted {choice.gain:.2f}x the default all-F layout"
     )
     line = (
-        f"policy   auto: {choice.layout}{kept} "
+        f"policy   auto: {choice.layout}, {choice.resident_layers} GPU-resident{verdict} "
         f"(layers and host update {choice.solution['step_s']:.3f} vs "
         f"{choice.default['step_s']:.3f} s, "
         f"activations {choice.solution['memory_bytes'] / 2**30:.2f} of "
         f"{choice.budget_bytes / 2**30:.2f} GiB; {source}, host AdamW {host.gbps:.0f} GB/s "
         f"{host.source}, solved in {solved:.2f} s)"
     )
-    layers = dataclasses.replace(default.runtime, layers=choice.layout)
+    layers = dataclasses.replace(
+        default.runtime, layers=choice.layout, resident_layers=choice.resident_layers
+    )
     return dataclasses.replace(default, runtime=layers), line

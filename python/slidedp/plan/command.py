@@ -130,10 +130,13 @@ def main(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     target = dataclasses.replace(machine, device="cuda", gpu_total_bytes=total)
-    runtime = dataclasses.replace(cfg.runtime, layers=choice.layout, policy="")
+    runtime = dataclasses.replace(cfg.runtime, layers=choice.layout, policy="",
+                                  resident_layers=choice.resident_layers)  # fmt: skip
     est = estimate_run(dataclasses.replace(cfg, runtime=runtime), adapter, target)
     # the step-time model ranks the choice against the default (on a GPU: it needs its peak)
-    runtime_f = dataclasses.replace(cfg.runtime, layers="F", offload_ratio=0.0, policy="")
+    runtime_f = dataclasses.replace(
+        cfg.runtime, layers="F", offload_ratio=0.0, policy="", resident_layers=0
+    )
     est_f = estimate_run(dataclasses.replace(cfg, runtime=runtime_f), adapter, target)
     model = {"chosen": est.step_model, "default": est_f.step_model}
     clock["check_s"] = time.perf_counter() - start
@@ -144,10 +147,12 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"the chosen layout {choice.layout} does not fit: {'; '.join(short)}")
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(yaml.safe_dump({"layers": choice.layout}, sort_keys=False))
+    policy = {"layers": choice.layout, "resident_layers": choice.resident_layers}
+    out.write_text(yaml.safe_dump(policy, sort_keys=False))
     summary = {
         "layout": choice.layout,
         "program_layout": choice.program_layout,
+        "resident_layers": choice.resident_layers,
         "kept_default": choice.kept_default,
         "budget_bytes": choice.budget_bytes,
         "gpu_total_bytes": total,
@@ -197,7 +202,7 @@ def format_summary(s: dict[str, Any], out: Path) -> str:
         f"  default: {len(default['counts']) and sum(default['counts'])}xF-r0, step "
         f"{default['step_s']:.3f} s (layers {default['compute_s']:.3f} s) -> "
         f"{default['step_s'] / sol['step_s']:.3f}x predicted",
-        f"  chosen:  {s['layout']}"
+        f"  chosen:  {s['layout']}, {s['resident_layers']} GPU-resident"
         + (f" (the default: leaving it needs {1 + MIN_GAIN:.2f}x)" if s["kept_default"] else ""),
         f"  estimate of the run with it: GPU {s['estimate_gpu_needed_bytes'] / GIB:.2f} GiB needed",
         _model_line(s["step_model"]),

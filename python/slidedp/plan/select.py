@@ -17,8 +17,12 @@ import json
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from slidedp import _native
 from slidedp.errors import ConfigError
+from slidedp.plan.cost import resident_bytes_per_layer
+from slidedp.plan.device import pick_dtype
 from slidedp.plan.layout import LayerPolicy, format_layout, parse_entry, place
 from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM
 from slidedp.profile.pareto import layer_time, memory
@@ -47,7 +51,8 @@ class Choice:
     problem: dict[str, Any]  # the integer program, as solved
     solution: dict[str, Any]  # slidedp_core::solve::Layout
     default: dict[str, Any]  # the fixed default's accounting in the same program, and "fits"
-    program_layout: str = ""  # the program's own layout, placed (== layout unless kept_default)
+    program_layout: str = ""  # the program's own layout, placed, and its resident layers
+    resident_layers: int = 0  # runtime.resident_layers: the first ones stay on the GPU
     kept_default: bool = False  # the program's layout was not MIN_GAIN faster: all F instead
 
     @property
@@ -95,7 +100,7 @@ def activation_budget(
     from slidedp.estimate import estimate_run
 
     probe = replace(machine, device="cuda", gpu_total_bytes=total_bytes)
-    runtime = replace(cfg.runtime, layers="F", offload_ratio=0.0, policy="")
+    runtime = replace(cfg.runtime, layers="F", offload_ratio=0.0, policy="", resident_layers=0)
     gpu = estimate_run(replace(cfg, runtime=runtime), adapter, probe, step_model=False).gpu
     assert gpu is not None
     fixed = gpu.needed_bytes - gpu.layer_bytes - max(gpu.checkpoint_bytes, gpu.parked_grad_bytes)
@@ -126,21 +131,31 @@ def select_layout(
     *,
     total_bytes: int,
     update_gbps: float,
+    resident: bool = True,
 ) -> Choice:
     """The fastest placed layout of the profile's candidates within ``total_bytes`` of device
-    memory, the host update at ``update_gbps`` counted (after the backward with clipping)."""
+    memory, the host update at ``update_gbps`` counted (after the backward with clipping), and
+    with ``resident`` how many layers stay GPU-resident (their memory against the same budget,
+    their update off the host lane)."""
     cands = profile_candidates(report)
     budget = activation_budget(cfg, adapter, machine, total_bytes)
-    problem = {
+    clipping = cfg.train.max_grad_norm > 0
+    problem: dict[str, Any] = {
         "layers": adapter.num_layers,
         "budget_bytes": float(budget.bytes),
         "parked_bytes": float(budget.parked_bytes),
         "candidates": [c for _, c in cands],
         "host": {
             "update_s_per_layer": host_update_s_per_layer(adapter, update_gbps),
-            "serial": cfg.train.max_grad_norm > 0,
+            "serial": clipping,
         },
     }
+    if resident:
+        dtype = pick_dtype(cfg.train.dtype, torch.device("cuda"))
+        problem["resident"] = {
+            "bytes_per_layer": float(resident_bytes_per_layer(adapter, dtype, clipping=clipping)),
+            "max_layers": adapter.num_layers,
+        }
     solution = solve(problem)
     counts = [(p, int(n)) for (p, _), n in zip(cands, solution["counts"], strict=True) if n > 0]
     retained = {p: int(c["retained_bytes"]) for p, c in cands}
@@ -151,12 +166,19 @@ def select_layout(
     f = dict(cands)[DEFAULT]
     own = adapter.num_layers * f["retained_bytes"] + 2 * f["offloaded_bytes"] + f["transient_bytes"]
     unbounded = {"budget_bytes": own + 2**30, "parked_bytes": 0.0}
-    default = solve(problem | {"candidates": [f]} | unbounded)
+    default = solve(problem | {"candidates": [f], "resident": None} | unbounded)
     default["counts"] = default_counts
     default["fits"] = default["memory_bytes"] <= budget.bytes
     layout = format_layout(layers)
-    choice = Choice(layout, layers, budget.bytes, problem, solution, default, layout)
+    program = f"{layout}, {solution['resident_layers']} GPU-resident"
+    choice = Choice(layout, layers, budget.bytes, problem, solution, default, program,
+                    resident_layers=int(solution["resident_layers"]))  # fmt: skip
     all_f = (DEFAULT,) * adapter.num_layers
-    if layers != all_f and default["fits"] and choice.gain < 1 + MIN_GAIN:
-        return replace(choice, layout=format_layout(all_f), layers=all_f, kept_default=True)
+    if (
+        (layers, choice.resident_layers) != (all_f, 0)
+        and default["fits"]
+        and (choice.gain < 1 + MIN_GAIN)
+    ):
+        return replace(choice, layout=format_layout(all_f), layers=all_f, resident_layers=0,
+                       kept_default=True)  # fmt: skip
     return choice

@@ -193,8 +193,9 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
     }
     let budget = share(problem.budget_bytes);
     model.add_constraint(constraint!(memory <= budget));
+    // resident layers stay beside the parked gradients of a clipped step's end
     model.add_constraint(constraint!(
-        transient + share(problem.parked_bytes) <= budget
+        transient + share(problem.parked_bytes) + share(per_resident) * resident <= budget
     ));
     match &problem.host {
         Some(h) => {

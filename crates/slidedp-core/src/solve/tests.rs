@@ -159,3 +159,21 @@ fn a_real_profile_in_bytes_and_seconds_solves() {
     let host = p.host.as_ref().unwrap().update_s_per_layer * 36.0;
     assert!((layout.step_s - host).abs() < 1e-9, "{layout:?}");
 }
+
+#[test]
+fn resident_layers_share_a_clipped_steps_end_with_the_parked_gradients() {
+    let mut p = three();
+    p.budget_bytes = 21.0;
+    p.parked_bytes = 12.0; // transient 1 + parked 12: 8 B left for resident layers at the end
+    p.host = Some(HostLane {
+        update_s_per_layer: 10.0, // a resident layer saves 10 s for 4 B
+        serial: true,
+    });
+    p.resident = Some(Resident {
+        bytes_per_layer: 4.0,
+        max_layers: 10,
+    });
+    // without the parked row's resident term, 5 (20 B, every layer F) would fit the budget
+    let layout = solve(&p).unwrap();
+    assert_eq!(layout.resident_layers, 2, "{layout:?}");
+}
