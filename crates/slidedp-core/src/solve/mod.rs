@@ -9,15 +9,16 @@
 //! ```text
 //! min T
 //!   Σ n_j = L,  n_j ≤ L·y_j,  P ≥ 2·o_j·y_j,  H ≥ h_j·y_j,  r ≤ R
-//!   Σ n_j·m_j + P + H + r·w ≤ B
+//!   Σ n_j·m_j + P + H + r·w ≤ B,  H + G + r·w ≤ B (G: a clipped step's parked gradients)
 //!   compute C = c0 + Σ n_j·τ_j;  host U = u·(L − r)
 //!   T ≥ C and T ≥ U (the update overlaps the backward), or T ≥ C + U (clipping: after it)
 //! ```
 //!
 //! The prefetch pool holds two consecutive offloaded shares during a backward (the one in use
 //! and the next one, prefetched), bounded here by twice the largest used share. Solved with
-//! `good_lp`'s pure-Rust `microlp` backend (no C library). The step-time model checks and ranks
-//! what comes out; this program is the search.
+//! `good_lp`'s pure-Rust `microlp` backend (no C library), memory rows in units of `B` (raw bytes
+//! beside seconds made its simplex basis singular). The step-time model checks and ranks what
+//! comes out; this program is the search.
 
 use good_lp::{
     Expression, ProblemVariables, ResolutionError, Solution, SolverModel, Variable, constraint,
