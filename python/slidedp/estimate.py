@@ -109,6 +109,7 @@ from slidedp.plan.layout import LayerPolicy
 from slidedp.plan.policy import Policy, resolve_policy, store_args
 from slidedp.plan.timing import (
     ADAMW_BYTES_PER_PARAM,
+    Ranks,
     layer_times,
     predict_step,
     spec_from_shapes,
@@ -504,7 +505,8 @@ def _step_model(
         return None
     report = cached_profile(profile_args(cfg))
     measured = layer_times(report) if report else {}
-    b, s = cfg.train.global_batch_size, cfg.data.seq_len
+    rt = cfg.runtime
+    b, s = cfg.train.global_batch_size // rt.world, cfg.data.seq_len  # per rank
     offloaded = [layer_footprint(adapter, p, b, s, dtype).offloaded_bytes for p in policy.layers]
     spec = spec_from_shapes(
         adapter,
@@ -516,6 +518,7 @@ def _step_model(
         clipping=cfg.train.max_grad_norm > 0,
         offloaded_bytes=offloaded,
         measured=measured,
+        ranks=Ranks(rt.world, rt.grad_route, rt.param_route),
     )
     covered = sum(str(p) in measured for p in policy.layers)
     measured_parts = [f"layer profile: {covered} of {len(policy.layers)} layers"] * bool(covered)

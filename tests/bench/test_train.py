@@ -226,3 +226,29 @@ def test_ours_with_runtime_policy_auto_and_the_reference_run_the_chosen_layout(
     assert ours["policy"].startswith(f"policy   auto: {ours['layout']}, 0 GPU-resident, predicted ")
     assert ref["layout"] == ours["layout"]
     assert list((tmp_path / "cache" / "slidedp" / "profile").glob("layer-*.json"))
+
+
+def test_predict_calibrates_here_and_predicts_every_run_of_ours(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the probes measure here
+    config = write_tiny_config(tmp_path / "m")
+    out = tmp_path / "report.json"
+    extra = ("--batch", "2", "--systems", "ours", "--ranks", "2", "--routes", "sharded/cpu")
+    assert _cli(config, out, *extra, "--predict") == 0
+    report = json.loads(out.read_text())
+    one, two = report["predictions"]
+    assert (one["world"], one["route"], two["world"], two["route"]) == (1, None, 2, "sharded/cpu")
+    for row, run in zip((one, two), report["runs"], strict=True):
+        assert row["measured_step_s"] == run["step_time_s"]
+        assert 0 < row["predicted_step_s"] < 60
+        assert row["error"] == pytest.approx(row["predicted_step_s"] / row["measured_step_s"] - 1)
+    # the collectives of the same command calibrate the routes; the host probe the copies
+    assert two["links"]["source"] == "measured"
+    assert two["links"]["gather_gbps"] == next(
+        r["algbw_gbps"] for r in report["collectives"]["rows"]
+        if r["op"] == "all_gather" and r["size"] == "layer"
+    )  # fmt: skip
+    assert list((tmp_path / "cache").rglob("layer-*.json")), "the layer profile is cached"
+    printed = capsys.readouterr().out
+    assert "step-time model (calibrated here" in printed

@@ -3,14 +3,24 @@ errors, and a traced H100 step the model must reproduce."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from slidedp.cli import main
 from slidedp.errors import InvalidArgumentError
-from slidedp.plan.timing import predict_step, spec_from_trace, traced_step_s
+from slidedp.plan.timing import (
+    Links,
+    Ranks,
+    predict_step,
+    spec_from_shapes,
+    spec_from_trace,
+    traced_step_s,
+)
 
 TRACES = Path(__file__).parents[2] / "benchmarks" / "traces"
 
@@ -107,3 +117,51 @@ def test_the_layer_profile_calibrates_the_layers_and_predicts_a_traced_layout() 
     uncalibrated = shaped()
     assert uncalibrated["backward_s"][-1] != spec["backward_s"][-1]
     assert predict_step(spec)["step_s"] == pytest.approx(1.512, rel=0.10)
+
+
+def _route_step(ranks: Ranks, *, batch: int, clipping: bool) -> dict[str, Any]:
+    """Qwen3-1.7B on the 2x H200 host of BENCHMARKS.md ("Two GPUs: ... routes"): its measured
+    layer-sized reduce and all-gather, its H2D/D2H, AdamW at 147 GB/s."""
+    from slidedp.bench.shapes import resolve_shape
+    from slidedp.config import RuntimeSection
+    from slidedp.models.hf import HFAdapter
+    from slidedp.plan.policy import resolve_policy
+
+    adapter = HFAdapter(resolve_shape("qwen3-1.7b"))
+    runtime = dataclasses.replace(
+        RuntimeSection(), gpus=ranks.count, grad_route=ranks.grad_route,
+        param_route=ranks.param_route,
+    )  # fmt: skip
+    policy = resolve_policy(runtime, adapter, mirror=True, device=torch.device("cuda"))
+    links = Links(h2d_gbps=55, d2h_gbps=54, reduce_gbps=301, gather_gbps=320)
+    spec = spec_from_shapes(
+        adapter, policy, batch=batch, seq_len=1024, peak_flops=989e12, adamw_gbps=147,
+        clipping=clipping, offloaded_bytes=[0] * adapter.num_layers, ranks=ranks, links=links,
+    )  # fmt: skip
+    return spec | {"prediction": predict_step(spec)}
+
+
+def test_the_routes_in_the_spec_and_the_gpu_route_beats_the_cpu_route() -> None:
+    one = _route_step(Ranks(1), batch=16, clipping=False)
+    gpu = _route_step(Ranks(2, "gpu", "replicated"), batch=16, clipping=False)
+    sharded = _route_step(Ranks(2, "gpu", "sharded"), batch=16, clipping=False)
+    cpu = _route_step(Ranks(2, "cpu", "replicated"), batch=16, clipping=False)
+    layer = 1  # a decoder layer's group
+    # gpu route: a reduce per group, bf16 copies; sharded: half the H2D, then the all-gather
+    assert gpu["reduce_s"]
+    assert not gpu["host_sum_s"]
+    assert not one["reduce_s"]
+    assert sharded["load_s"][layer] == pytest.approx(
+        gpu["load_s"][layer] / 2 + gpu["load_s"][layer] * 55 / 320
+    )
+    # cpu route: f32 copies (twice the bytes), the owner's host sum on every second group
+    assert cpu["grad_copy_s"][layer] == pytest.approx(2 * gpu["grad_copy_s"][layer])
+    assert [s > 0 for s in cpu["host_sum_s"][:4]] == [True, False, True, False]
+    step = {k: v["prediction"]["step_s"] for k, v in
+            {"one": one, "gpu": gpu, "sharded": sharded, "cpu": cpu}.items()}  # fmt: skip
+    # as measured there (0.77 s on 1 GPU, 0.81 s on either gpu route, 1.12 s on the cpu
+    # route): the gpu route costs a few % over one GPU and beats the cpu route
+    assert step["one"] < step["gpu"] < 1.05 * step["one"]
+    assert abs(step["sharded"] / step["gpu"] - 1) < 0.05
+    assert step["cpu"] > 1.10 * step["gpu"]
+    assert cpu["prediction"]["exposed_s"]["host"] > 0  # the sums delay the training thread

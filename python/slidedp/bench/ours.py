@@ -104,5 +104,6 @@ def run_ours(spec: RunSpec) -> dict[str, Any]:
         "lanes_s": {k: sum(r[k] for r in records) / len(records) for k in lane_keys},
         "kernels": trainer.policy.compute.describe(),
         "layout": trainer.policy.layout,
+        "mirror": trainer.policy.mirror,
         **({"policy": chosen} if chosen else {}),
     }

@@ -56,6 +56,7 @@ from slidedp.bench import multi
 from slidedp.bench.child import run_child
 from slidedp.bench.measure import RunSpec
 from slidedp.bench.peers import PEERS, parse_peer_sets
+from slidedp.bench.predict import predict_report, print_predictions
 from slidedp.bench.report import Model, print_report, ratios, summarise
 from slidedp.bench.scaling import collectives_report, print_scale, scale_report
 from slidedp.bench.shapes import SHAPES, cut_layers, resolve_shape
@@ -150,6 +151,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="Chrome/Perfetto trace of our first measured step (FILE; with --sweep, FILE-bN.json; "
         "on N ranks FILE-xN-PARAM-GRAD-rankR.json)",
+    )
+    arg(
+        "--predict",
+        action="store_true",
+        help="also the step-time model's prediction of each run of ours, calibrated by probes "
+        "run here after the runs (bench.predict)",
     )
     multi.add_arguments(parser)
 
@@ -299,6 +306,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 _conclude(report)
                 if args.json:
                     Path(args.json).write_text(json.dumps(report, indent=1))
+        if args.predict:
+            report["predictions"] = predict_report(report, Path(tmp))
     if scale is not None:
         report |= scale_report(runs, scale)
     return report
@@ -339,6 +348,7 @@ def main(args: argparse.Namespace) -> int:
     print_summary(report["summary"])
     if "scaling" in report:
         print_scale(report)
+    print_predictions(report.get("predictions", []))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     if args.png:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from slidedp import _native
@@ -116,6 +117,75 @@ def layer_times(report: dict[str, Any]) -> dict[str, tuple[float, float]]:
             for c in report["candidates"]}  # fmt: skip
 
 
+# Several nodes (issue #19), assumptions of the prediction, not measurements: NCCL's reduce of
+# a layer's bf16 gradient over a node's NVLink at 360 GB/s (bus bandwidth of an 8x H100 node),
+# the owners' ring all-reduce across nodes at 90% of the inter-node link, 10 us per ring hop.
+NVLINK_GBPS = 360.0
+LINK_EFFICIENCY = 0.9
+HOP_LATENCY_S = 10e-6
+
+
+@dataclass(frozen=True)
+class Links:
+    """The copy and collective rates of a prediction, GB/s (1e9 B/s): the PCIe ceilings and
+    the node's NVLink assumption unless measured (``source`` says which). ``reduce_gbps`` and
+    ``gather_gbps`` are algorithm bandwidths of a layer-sized bf16 ``reduce`` and
+    ``all_gather`` (``bench.collectives``' ``algbw``)."""
+
+    h2d_gbps: float = H2D_GBPS
+    d2h_gbps: float = D2H_GBPS
+    reduce_gbps: float = NVLINK_GBPS
+    gather_gbps: float = NVLINK_GBPS
+    source: str = "assumed"
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """The GPUs of one host that train together, and their routes (``runtime.grad_route``,
+    ``runtime.param_route``)."""
+
+    count: int = 1
+    grad_route: str = "gpu"
+    param_route: str = "replicated"
+
+
+def _route_times(
+    params: list[int], ranks: Ranks, links: Links, host_gbps: float
+) -> dict[str, list[float]]:
+    """One rank's view of the routes, per group: the load (sharded: its share, then the
+    all-gather on the same copy stream), the gradient's reduction onto its owner (gpu route,
+    a synchronous collective), and on the cpu route every rank's gradient copy into its f32
+    slots (``policy.store_args``: 4 bytes per parameter) and the host sum of the ranks' copies
+    on the owner (rank 0 owns every ``count``-th group, ``Dist.owner``): it reads ``count``
+    slots, writes one and reads the sum again for its Σ g², at the host's DRAM rate (as
+    AdamW's)."""
+    r = ranks.count
+    sharded = r > 1 and ranks.param_route == "sharded"
+    load = [
+        2 * n / r / (links.h2d_gbps * 1e9) + 2 * n / (links.gather_gbps * 1e9)
+        if sharded
+        else 2 * n / (links.h2d_gbps * 1e9)
+        for n in params
+    ]
+    if r == 1:
+        return {"load_s": load, "reduce_s": [], "host_sum_s": []}
+    if ranks.grad_route == "gpu":
+        return {
+            "load_s": load,
+            "reduce_s": [2 * n / (links.reduce_gbps * 1e9) for n in params],
+            "host_sum_s": [],
+        }
+    host_sum = [
+        (r + 2) * 4 * n / (host_gbps * 1e9) if g % r == 0 else 0.0 for g, n in enumerate(params)
+    ]
+    return {
+        "load_s": load,
+        "reduce_s": [],
+        "host_sum_s": host_sum,
+        "grad_copy_s": [4 * n / (links.d2h_gbps * 1e9) for n in params],
+    }
+
+
 def spec_from_shapes(
     adapter: HFAdapter,
     policy: Policy,
@@ -127,14 +197,20 @@ def spec_from_shapes(
     clipping: bool,
     offloaded_bytes: list[int],
     measured: dict[str, tuple[float, float]] | None = None,
+    ranks: Ranks | None = None,
+    links: Links | None = None,
 ) -> dict[str, Any]:
     """A ``StepSpec`` from the model's shapes and the policy, with the module's rates: compute
-    from FLOPs at ``LAYER_EFFICIENCY`` of ``peak_flops``, copies at the PCIe ceilings, AdamW
-    at ``adamw_gbps`` (``offloaded_bytes``: per layer, ``plan.cost``). ``measured``: a layer
-    policy's forward and backward (replay included) as the layer profile timed them on this
-    device (``layer_times``); they replace the FLOPs-rate times of the layers with that policy."""
+    from FLOPs at ``LAYER_EFFICIENCY`` of ``peak_flops``, copies at ``links`` (the PCIe
+    ceilings by default), AdamW at ``adamw_gbps`` (``offloaded_bytes``: per layer,
+    ``plan.cost``). ``measured``: a layer policy's forward and backward (replay included) as
+    the layer profile timed them on this device (``layer_times``); they replace the FLOPs-rate
+    times of the layers with that policy. ``batch``: per rank. ``ranks``: several GPUs of this
+    host (``_route_times``); the host's update lane serves all of them, so ``adamw_gbps`` is
+    the host's rate under all their copies."""
     from slidedp.models.shape import layer_shapes
 
+    ranks, links = ranks or Ranks(), links or Links()
     tokens = batch * seq_len
     rate = LAYER_EFFICIENCY * peak_flops
     shapes = layer_shapes(adapter.config, seq_len)
@@ -150,30 +226,23 @@ def spec_from_shapes(
     params = [sum(math.prod(p.shape) for p in g.params) for g in adapter.group_specs()]
     head = 6 * adapter.vocab_size * adapter.hidden_size * tokens / rate
     grad_bytes = 2  # the compute dtype (bf16) on the device, then to the host
+    cast_share = ranks.count if ranks.param_route == "sharded" else 1  # each casts its shard
     return {
         "forward_s": forward,
         "backward_s": backward,
         "embed_forward_s": 0.0,
         "head_s": head,
         "embed_backward_s": 0.0,
-        "load_s": [2 * n / (H2D_GBPS * 1e9) for n in params],
-        "grad_copy_s": [grad_bytes * n / (D2H_GBPS * 1e9) for n in params],
+        "grad_copy_s": [grad_bytes * n / (links.d2h_gbps * 1e9) for n in params],
         "update_s": [ADAMW_BYTES_PER_PARAM * n / (adamw_gbps * 1e9) for n in params],
-        "cast_s": [] if policy.mirror else [6 * n / (CAST_GBPS * 1e9) for n in params],
-        "offload_s": [b / (D2H_GBPS * 1e9) for b in offloaded_bytes],
-        "reload_s": [b / (H2D_GBPS * 1e9) for b in offloaded_bytes],
+        "cast_s": [] if policy.mirror else [6 * n / cast_share / (CAST_GBPS * 1e9) for n in params],
+        "offload_s": [b / (links.d2h_gbps * 1e9) for b in offloaded_bytes],
+        "reload_s": [b / (links.h2d_gbps * 1e9) for b in offloaded_bytes],
         "slots": policy.slots,
         "grad_slots": policy.grad_slots,
         "clipping": clipping,
+        **_route_times(params, ranks, links, adamw_gbps),
     }
-
-
-# Several nodes (issue #19), assumptions of the prediction, not measurements: NCCL's reduce of
-# a layer's bf16 gradient over a node's NVLink at 360 GB/s (bus bandwidth of an 8x H100 node),
-# the owners' ring all-reduce across nodes at 90% of the inter-node link, 10 us per ring hop.
-NVLINK_GBPS = 360.0
-LINK_EFFICIENCY = 0.9
-HOP_LATENCY_S = 10e-6
 
 
 def reduce_s(

@@ -50,6 +50,13 @@ pub struct StepSpec {
     pub reduce_s: Vec<f64>,
     #[serde(default = "blocks")]
     pub reduce_blocks: bool,
+    /// Per group: the cpu gradient route's sum of the ranks' copies on the host (empty: none).
+    /// The training thread sums synchronously after the group's copy has landed, so it delays
+    /// what that thread issues next, and the update follows it. With clipping the route sends
+    /// each gradient twice: once during the backward for the norm (copy and sum, no update),
+    /// then again with the coefficient.
+    #[serde(default)]
+    pub host_sum_s: Vec<f64>,
     pub slots: usize,
     pub grad_slots: usize,
     pub clipping: bool,
@@ -68,7 +75,16 @@ impl StepSpec {
     /// may be empty: no offload); times are finite and not negative; a gradient ring slot.
     pub fn check(&self) -> Result<()> {
         let layers = self.layers();
-        let lists: [(&str, &Vec<f64>, usize); 9] = [
+        let lists: [(&str, &Vec<f64>, usize); 10] = [
+            (
+                "host_sum_s",
+                &self.host_sum_s,
+                if self.host_sum_s.is_empty() {
+                    0
+                } else {
+                    layers + 2
+                },
+            ),
             (
                 "reduce_s",
                 &self.reduce_s,
@@ -124,6 +140,10 @@ impl StepSpec {
         Ok(())
     }
 
+    fn host_sum(&self, group: usize) -> f64 {
+        self.host_sum_s.get(group).copied().unwrap_or(0.0)
+    }
+
     fn cast(&self, group: usize) -> f64 {
         self.cast_s.get(group).copied().unwrap_or(0.0)
     }
@@ -171,20 +191,35 @@ impl Builder<'_> {
                     .add(format!("ring wait g{group}"), Lane::Host, 0.0, &[oldest]),
             );
         }
-        let copy = self.dag.add(
-            format!("grad copy g{group}"),
-            Lane::D2h,
-            self.spec.grad_copy_s[group],
-            &deps,
-        );
+        let landed = self.copy_and_sum(group, "", &deps);
         let update = self.dag.add(
             format!("update g{group}"),
             Lane::Update,
             self.spec.update_s[group],
-            &[copy],
+            &[landed],
         );
         self.ring.push(update);
         self.updates[group] = Some(update);
+    }
+
+    /// The gradient's copy to the host, then (cpu route) the host's sum of the ranks' copies;
+    /// the operation after which the sum is in the owner's slot.
+    fn copy_and_sum(&mut self, group: usize, what: &str, deps: &[usize]) -> usize {
+        let copy = self.dag.add(
+            format!("grad copy{what} g{group}"),
+            Lane::D2h,
+            self.spec.grad_copy_s[group],
+            deps,
+        );
+        if self.spec.host_sum(group) == 0.0 {
+            return copy;
+        }
+        self.dag.add(
+            format!("host sum{what} g{group}"),
+            Lane::Host,
+            self.spec.host_sum(group),
+            &[copy],
+        )
     }
 
     /// Before a load waits for `group`'s version, the parked gradients up to a ring's worth
@@ -230,6 +265,11 @@ impl Builder<'_> {
             }
         }
         if self.spec.clipping {
+            if !self.spec.host_sum_s.is_empty() {
+                // the cpu route's norm pass: its slot is free again once summed
+                let summed = self.copy_and_sum(group, " (norm)", &[ready]);
+                self.ring.push(summed);
+            }
             self.parked.push(group);
         } else {
             self.send(group, &[ready]);

@@ -42,6 +42,7 @@ fn spec(layers: usize, clipping: bool, update_s: f64) -> StepSpec {
         reload_s: vec![],
         reduce_s: vec![],
         reduce_blocks: true,
+        host_sum_s: vec![],
         slots: 2,
         grad_slots: 4,
         clipping,
@@ -147,4 +148,22 @@ fn a_cast_on_the_host_delays_every_load_it_precedes() {
     );
     assert!((p.exposed_s[&Lane::Host] - 0.25).abs() < 1e-9, "{p:?}");
     assert!((p.busy_s[&Lane::Host] - 0.25 * 8.0).abs() < 1e-9); // 6 loads + 2 reloads
+}
+
+#[test]
+fn a_host_sum_runs_on_the_training_thread_before_the_update() {
+    // the cpu route: 0.3 s of host sum per group after its copy. Without clipping the six sums
+    // sit on the host thread between issues; the update of each group starts after its sum
+    let base = predict_ok(&spec(4, false, 0.1));
+    let mut summed = spec(4, false, 0.1);
+    summed.host_sum_s = vec![0.3; 6];
+    let p = predict_ok(&summed);
+    assert!((p.busy_s[&Lane::Host] - 1.8).abs() < 1e-9, "{p:?}");
+    assert!(p.step_s > base.step_s, "{p:?} {base:?}");
+    // with clipping every gradient is copied and summed twice: for the norm, then to update
+    let mut clipped = spec(4, true, 0.1);
+    clipped.host_sum_s = vec![0.3; 6];
+    let c = predict_ok(&clipped);
+    assert!((c.busy_s[&Lane::Host] - 3.6).abs() < 1e-9, "{c:?}");
+    assert!((c.busy_s[&Lane::D2h] - 6.0).abs() < 1e-9, "{c:?}");
 }

@@ -1,0 +1,176 @@
+"""``slidedp bench train --predict``: the step-time model's prediction of every run of ours in
+the report, calibrated on this machine in the same command, beside the measured step.
+
+Calibration (each probe in its own child process, after the runs, so none of them shares the
+GPUs with a timed step; cached like ``slidedp profile``):
+
+- the decoder layer's forward and backward per layer policy of the run, at the run's batch per
+  rank and sequence, with its layer compute (``profile.layer``);
+- the host AdamW rate under the GPU's copies, and the H2D and D2H rates measured meanwhile
+  (``profile.host``, the engine's update thread count);
+- on several ranks, the layer-sized ``reduce`` and ``all_gather`` of the same command's
+  collectives run (``bench.collectives``).
+
+Assumed (``plan.timing``): the head's and embedding's compute from FLOPs at the measured layer
+efficiency. The prediction is ``plan.timing.spec_from_shapes`` (routes and ranks included)
+through the Rust model; the printed error is predicted / measured - 1.
+
+Example::
+
+    predictions = predict_report(report, Path(tmp))   # tmp: the bench's model config dir
+    print_predictions(predictions)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slidedp.errors import ConfigError
+
+PROBE_TIMEOUT_S = 300
+
+
+def _probe(kind: str, args: dict[str, Any], out: Path) -> dict[str, Any]:
+    """The ``kind`` probe (``PROBES``) with ``args`` in a child process; its report."""
+    done = subprocess.run(
+        [sys.executable, "-m", "slidedp.bench.predict", kind, json.dumps(args), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=PROBE_TIMEOUT_S,
+        check=False,
+    )
+    if done.returncode != 0:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise ConfigError(f"the {kind} probe for --predict failed: {tail}")
+    report: dict[str, Any] = json.loads(out.read_text())
+    return report
+
+
+def _layer(args: dict[str, Any]) -> dict[str, Any]:
+    """``profile.layer.profile_layer`` with ``args`` (the run's layer compute too)."""
+    from slidedp.profile.layer import profile_layer
+
+    return profile_layer(argparse.Namespace(**args))
+
+
+def _host(args: dict[str, Any]) -> dict[str, Any]:
+    """``profile.host.probe_host`` with the engine's update threads on ``args["device"]``."""
+    from slidedp.kernels import default_threads
+    from slidedp.profile.host import engine_update_threads, probe_host
+
+    device = torch.device(args["device"])
+    return probe_host(engine_update_threads(default_threads(), device.type == "cuda"), device)
+
+
+PROBES = {"layer": _layer, "host": _host}
+
+
+def _ours_runtime(report: dict[str, Any], run: dict[str, Any]) -> Any:
+    """The run's ``RuntimeSection``: the report's config of ours with the run's routes."""
+    from slidedp.config import RuntimeSection
+
+    known = {f.name for f in dataclasses.fields(RuntimeSection)}
+    given = {k: v for k, v in report["ours_config"]["runtime"].items() if k in known}
+    if run.get("route"):
+        given["param_route"], given["grad_route"] = run["route"].split("/")
+    if run.get("world", 1) > 1:
+        given["gpus"] = run["world"]
+    return RuntimeSection(**given)
+
+
+def _links(report: dict[str, Any], host: dict[str, Any]) -> Any:
+    """Copy rates under AdamW from the host probe, collective rates from the same command."""
+    from slidedp.plan.timing import Links
+
+    rates: dict[str, float] = {}
+    if host.get("joint_h2d_gbps"):
+        rates |= {"h2d_gbps": host["joint_h2d_gbps"], "d2h_gbps": host["joint_d2h_gbps"]}
+    rows = report.get("collectives", {}).get("rows", [])
+    for row in rows:
+        if row["size"] == "layer" and row["op"] in ("reduce", "all_gather"):
+            rates[f"{row['op'].removeprefix('all_')}_gbps"] = row["algbw_gbps"]
+    return Links(**rates, source="measured" if rates else "assumed")
+
+
+def predict_report(report: dict[str, Any], config_dir: Path) -> list[dict[str, Any]]:
+    """The prediction of each finished run of ours (``config_dir``: the bench's model)."""
+    from slidedp.models.hf import HFAdapter
+    from slidedp.plan.policy import resolve_policy
+    from slidedp.plan.timing import Ranks, layer_times, predict_step, spec_from_shapes
+    from slidedp.profile.host import model_gbps
+
+    runs = [r for r in report["runs"] if r["system"] == "ours" and r["status"] == "ok"]
+    if not runs:
+        return []
+    device = report["device"]
+    adapter = HFAdapter.from_dir(config_dir)
+    host = _probe("host", {"device": device}, config_dir / "host.json")
+    links = _links(report, host)
+    clipping = float(report["ours_config"]["train"]["max_grad_norm"]) > 0
+    out = []
+    for run in runs:
+        rt = _ours_runtime(report, run)
+        policy = resolve_policy(
+            rt, adapter, mirror=bool(run["mirror"]), device=torch.device(device)
+        )
+        families = ",".join(sorted({p.name for p in policy.layers}))
+        ratios = ",".join(sorted({f"{p.ratio:g}" for p in policy.layers}))
+        profile_args = {
+            "shape": str(config_dir / "config.json"), "batch": run["batch"],
+            "seq_len": report["seq_len"], "families": families, "ratios": ratios,
+            "device": device, "dtype": "bfloat16" if device == "cuda" else "float32",
+            "warmup": 2, "steps": 5, "cache_dir": None, "force": False,
+            "layer_kernels": rt.kernels, "layer_compile": rt.compile,
+        }  # fmt: skip
+        path = config_dir / f"layer-b{run['batch']}-{families}-{ratios}.json"
+        layer = _probe("layer", profile_args, path)
+        ranks = Ranks(run.get("world", 1), policy.grad_route, policy.param_route)
+        spec = spec_from_shapes(
+            adapter, policy, batch=run["batch"], seq_len=report["seq_len"],
+            peak_flops=report["peak_flops"] or 1e12, adamw_gbps=model_gbps(host),
+            clipping=clipping, offloaded_bytes=[0] * adapter.num_layers,
+            measured=layer_times(layer), ranks=ranks, links=links,
+        )  # fmt: skip
+        predicted = predict_step(spec)
+        out.append({
+            "batch": run["batch"], "world": run.get("world", 1), "route": run.get("route"),
+            "measured_step_s": run["step_time_s"], "predicted_step_s": predicted["step_s"],
+            "error": predicted["step_s"] / run["step_time_s"] - 1,
+            "measured_exposed_s": run.get("exposed_wait_s", {}),
+            "predicted_exposed_s": predicted["exposed_s"], "regime": predicted["regime"],
+            "adamw_gbps": model_gbps(host), "links": dataclasses.asdict(links),
+        })  # fmt: skip
+    return out
+
+
+def print_predictions(rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    print("step-time model (calibrated here: layer profile, host probe, collectives):")
+    print(f"{'batch':>5} {'ranks':>5} {'route':<16} {'measured':>9} {'model':>8} {'error':>7}  "
+          "exposed waits measured | model")  # fmt: skip
+    for r in rows:
+        measured, model = (_waits(r[k]) for k in ("measured_exposed_s", "predicted_exposed_s"))
+        print(f"{r['batch']:5d} {r['world']:5d} {r['route'] or '-':<16} "
+              f"{r['measured_step_s']:8.3f}s {r['predicted_step_s']:7.3f}s {r['error']:+7.1%}  "
+              f"{measured} | {model} ms; {r['regime']}")  # fmt: skip
+
+
+def _waits(exposed: dict[str, float]) -> str:
+    """The exposed waits of 5 ms or more, in ms."""
+    return ", ".join(f"{k} {v * 1e3:.0f}" for k, v in exposed.items() if v >= 5e-3) or "-"
+
+
+if __name__ == "__main__":  # a probe's child: KIND ARGS_JSON OUT
+    if len(sys.argv) != 4 or sys.argv[1] not in PROBES:
+        sys.exit(f"usage: python -m slidedp.bench.predict {{{','.join(PROBES)}}} ARGS_JSON OUT")
+    report = PROBES[sys.argv[1]](json.loads(sys.argv[2]))
+    Path(sys.argv[3]).write_text(json.dumps(report))
