@@ -23,14 +23,28 @@ part() {  # part NAME SECONDS COMMAND...
     timeout "$seconds" "$@" >>"$LOG" 2>&1
     echo "== $name: exit $? ($(date -u +%T))" | tee -a "$LOG"
 }
-routes() {  # routes SHAPE BATCH SECONDS
-    part "$1-b$2" "$3" python3 -m slidedp bench train --shape "$1" --batch "$2" --gpus 2 \
-        --routes all --systems ours --predict --warmup 2 --steps 3 \
+routes() {  # routes SHAPE BATCH ROUTES SECONDS
+    part "$1-b$2" "$4" python3 -m slidedp bench train --shape "$1" --batch "$2" --gpus 2 \
+        --routes "$3" --systems ours --warmup 2 --steps 3 \
         --set runtime.bf16_mirror=true --json "$OUT/$1-b$2.json"
 }
+layer() {  # layer SHAPE BATCH: the calibration probe of bench.predict, F-r0, eager
+    local args="{\"shape\": \"$1\", \"batch\": $2, \"seq_len\": 1024, \"families\": \"F\",
+        \"ratios\": \"0\", \"device\": \"cuda\", \"dtype\": \"bfloat16\", \"warmup\": 2,
+        \"steps\": 5, \"cache_dir\": null, \"force\": false, \"layer_kernels\": \"auto\",
+        \"layer_compile\": null}"
+    part "layer-$1-b$2" 60 python3 -m slidedp.bench.predict layer "$args" "$OUT/layer-$1-b$2.json"
+}
 case ${PARTS:-m17} in
-    m17) routes qwen3-1.7b 4 230; routes qwen3-1.7b 32 320 ;;
-    m4a) routes qwen3-4b 4 540 ;;
-    m4b) routes qwen3-4b 16 540 ;;
+    # the layer probes alone (on any H200: the same GPU as the x2 machine's)
+    probes) for sb in qwen3-1.7b:4 qwen3-1.7b:32 qwen3-4b:4 qwen3-4b:16; do
+            layer "${sb%:*}" "${sb#*:}"; done ;;
+    # each run starts in about 60 s here (a fresh store faults in at ~3 s per 8 GiB)
+    m17) routes qwen3-1.7b 4 all 230; routes qwen3-1.7b 32 all 320 ;;
+    # the probes of the runs above and below, the routes m17 did not reach, Qwen3-4B B=16
+    p2) part host 60 python3 -m slidedp.bench.predict host '{"device": "cuda"}' "$OUT/host.json"
+        for sb in qwen3-1.7b:4 qwen3-1.7b:32 qwen3-4b:16; do layer "${sb%:*}" "${sb#*:}"; done
+        routes qwen3-1.7b 4 replicated/cpu,sharded/gpu,sharded/cpu 240
+        routes qwen3-4b 16 replicated/gpu 200 ;;
 esac
 grep -E "^ +[0-9]+ +[12] |step-time model|== " "$LOG" | tail -30

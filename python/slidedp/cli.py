@@ -25,6 +25,7 @@ from slidedp.bench import kernels as bench_kernels
 from slidedp.bench import model as bench_model
 from slidedp.bench import nodes as bench_nodes
 from slidedp.bench import plot as bench_plot
+from slidedp.bench import predict as bench_predict
 from slidedp.bench import train as bench_train
 from slidedp.errors import ConfigError, SlidedpError, TrainingInterruptedError
 from slidedp.plan import command as plan_command
@@ -174,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_train.add_arguments(which.add_parser("train", help="ours vs reference and FSDP2"))
     bench_plot.add_arguments(which.add_parser("plot", help="one sweep figure from JSON reports"))
     bench_model.add_arguments(which.add_parser("model", help="the step-time model vs traced steps"))
+    bench_predict.add_arguments(
+        which.add_parser("predict", help="the step-time model vs a bench train report")
+    )
     plan_command.add_arguments(
         verbs.add_parser(
             "plan", parents=[debug], help="choose the activation layout: a policy file"
@@ -214,6 +218,7 @@ def _run(args: argparse.Namespace) -> int:
         "kernels": bench_kernels.main,
         "model": bench_model.main,
         "nodes": bench_nodes.main,
+        "predict": bench_predict.main,
     }
     return bench_main[args.bench](args)
 
