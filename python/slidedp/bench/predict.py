@@ -198,7 +198,7 @@ def _from_files(probes: Path, layer: tuple[Any, ...], host_gbps: float | None) -
     """Reads the probes ``predict_report`` asks for from ``probes`` (reports of ``slidedp
     profile layer --json`` / ``profile host --json`` or of this module's children); a layer
     profile counts where its layer (``_layer_of``) is ``layer``."""
-    reports = []
+    reports: list[dict[str, Any]] = []
     for path in sorted(probes.glob("*.json")):
         try:
             reports.append(json.loads(path.read_text()))
