@@ -9,12 +9,20 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from cli.util import one_error_line, run
-from slidedp.bench.node_runs import NCCL_NET_ENV, nccl_transports, node_launches, visible_gpus
+from slidedp.bench.node_runs import (
+    NCCL_NET_ENV,
+    NodeLaunch,
+    nccl_transports,
+    node_launches,
+    run_nodes,
+    visible_gpus,
+)
 from slidedp.errors import ConfigError
 
 # test_nodes.py's bound on losses (1e-5 relative): the runs do the same math and may differ
@@ -129,6 +137,26 @@ def test_the_transports_come_from_nccls_log(tmp_path: Path) -> None:
     )
     assert nccl_transports(tmp_path) == ["NET/Socket", "P2P/CUMEM"]
     assert nccl_transports(tmp_path / "none") == []
+
+
+def test_a_failed_node_run_says_what_each_node_and_nccl_said(tmp_path: Path) -> None:
+    nccl = tmp_path / "nccl"
+    nccl.mkdir()
+    (nccl / "nccl.host.7.log").write_text(
+        "host:7:8 [0] NCCL INFO Bootstrap\nhost:7:8 [0] NCCL WARN No transport found for rank 1\n"
+    )
+    quiet = NodeLaunch([sys.executable, "-c", "pass"], {}, tmp_path / "n0.stderr")
+    env = {"NCCL_DEBUG_FILE": str(nccl / "nccl.%h.%p.log")}
+    failing = NodeLaunch([sys.executable, "-c", "exit('boom')"], env, tmp_path / "n1.stderr")
+    with pytest.raises(ConfigError) as failed:
+        run_nodes([quiet, failing], 60)
+    message = str(failed.value)
+    assert "the 2-node run failed [0, 1]" in message
+    assert "node 0: (nothing on stderr)" in message
+    assert "node 1: boom [host:7:8 [0] NCCL WARN No transport found for rank 1]" in message
+    hung = NodeLaunch([sys.executable, "-c", "import time; time.sleep(60)"], {}, tmp_path / "h")
+    with pytest.raises(ConfigError, match=r"did not finish in 0\.5 s: a node hung"):
+        run_nodes([hung], 0.5)
 
 
 def test_the_visible_gpus_follow_cuda_visible_devices() -> None:

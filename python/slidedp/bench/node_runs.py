@@ -41,12 +41,15 @@ from typing import Literal
 from slidedp.errors import ConfigError
 
 # NCCL between processes of one host as between machines: no CUDA P2P (NVLink), no shared
-# memory, no InfiniBand: its socket transport, on the loopback interface
+# memory, no InfiniBand: its socket transport, on the loopback interface. NCCL then takes the
+# other GPU for another machine's (no P2P or SHM path to it); NET_DISABLE_INTRA=0 (NCCL's
+# default, RCCL's is 1) keeps the network allowed between ranks of one host.
 NCCL_NET_ENV = {
     "NCCL_P2P_DISABLE": "1",
     "NCCL_SHM_DISABLE": "1",
     "NCCL_IB_DISABLE": "1",
     "NCCL_SOCKET_IFNAME": "lo",
+    "NCCL_NET_DISABLE_INTRA": "0",
 }
 # "Channel 00/0 : 0[0] -> 1[1] [send] via NET/Socket/0": transport and its kind
 _VIA = re.compile(r" via ((?:P2P|SHM|NET|COLLNET)/[^/\s]+)")
@@ -164,16 +167,26 @@ def run_nodes(launches: Sequence[NodeLaunch], timeout_s: float) -> None:
 
 
 def _errors(launches: Sequence[NodeLaunch]) -> str:
-    return " | ".join(
-        f"node {n}: {' '.join(x.stderr.read_text().split()[-60:]) or '(nothing on stderr)'}"
-        for n, x in enumerate(launches)
-    )
+    """Each node's last words on stderr, and NCCL's warnings where its log went to files."""
+    said = []
+    for n, x in enumerate(launches):
+        words = " ".join(x.stderr.read_text().split()[-60:]) or "(nothing on stderr)"
+        if "NCCL_DEBUG_FILE" in x.env:
+            warnings = _nccl_lines(Path(x.env["NCCL_DEBUG_FILE"]).parent, " NCCL WARN ")
+            words += "".join(f" [{w}]" for w in warnings[:5])
+        said.append(f"node {n}: {words}")
+    return " | ".join(said)
 
 
 def nccl_transports(nccl_log: Path) -> list[str]:
     """The transports NCCL connected with (``NET/Socket``, ``P2P/CUMEM``, ``SHM/direct``, ...)
     in the INFO logs of ``nccl_log``; empty when none was logged."""
-    found = set()
+    return sorted({m for line in _nccl_lines(nccl_log, " via ") for m in _VIA.findall(line)})
+
+
+def _nccl_lines(nccl_log: Path, needle: str) -> list[str]:
+    """The distinct lines of NCCL's logs in ``nccl_log`` that contain ``needle``, sorted."""
+    lines: set[str] = set()
     for log in nccl_log.glob("nccl.*.log"):
-        found.update(_VIA.findall(log.read_text(errors="replace")))
-    return sorted(found)
+        lines.update(x.strip() for x in log.read_text(errors="replace").splitlines() if needle in x)
+    return sorted(lines)
