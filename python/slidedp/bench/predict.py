@@ -6,14 +6,15 @@ GPUs with a timed step; cached like ``slidedp profile``):
 
 - the decoder layer's forward and backward per layer policy of the run, at the run's batch per
   rank and sequence, with its layer compute (``profile.layer``);
-- the host AdamW rate under the GPU's copies, and the H2D and D2H rates measured meanwhile
-  (``profile.host``, the engine's update thread count);
+- the host AdamW rate under the GPU's copies (``profile.host``, the engine's update thread
+  count);
 - on several ranks, the layer-sized ``reduce`` and ``all_gather`` of the same command's
   collectives run (``bench.collectives``).
 
 Assumed (``plan.timing``): the head's and embedding's compute from FLOPs at the measured layer
-efficiency. The prediction is ``plan.timing.spec_from_shapes`` (routes and ranks included)
-through the Rust model; the printed error is predicted / measured - 1.
+efficiency, the copies at the PCIe ceilings. The prediction is ``plan.timing.spec_from_shapes``
+(routes and ranks included) through the Rust model; the error printed is predicted / measured
+- 1.
 
 Example::
 
@@ -87,13 +88,13 @@ def _ours_runtime(report: dict[str, Any], run: dict[str, Any]) -> Any:
     return RuntimeSection(**given)
 
 
-def _links(report: dict[str, Any], host: dict[str, Any]) -> Any:
-    """Copy rates under AdamW from the host probe, collective rates from the same command."""
+def _links(report: dict[str, Any]) -> Any:
+    """The collectives' rates from the same command; the copies at ``plan.timing``'s PCIe
+    ceilings (the host probe's joint copy rates are paced by its AdamW passes, not a copy
+    engine's capacity)."""
     from slidedp.plan.timing import Links
 
     rates: dict[str, float] = {}
-    if host.get("joint_h2d_gbps"):
-        rates |= {"h2d_gbps": host["joint_h2d_gbps"], "d2h_gbps": host["joint_d2h_gbps"]}
     rows = report.get("collectives", {}).get("rows", [])
     for row in rows:
         if row["size"] == "layer" and row["op"] in ("reduce", "all_gather"):
@@ -123,7 +124,7 @@ def predict_report(
     host = probe("host", {"device": device}, config_dir / "host.json")
     # the layer efficiency of plan.timing is a share of the dense bf16 peak of the GPU's kind
     peak = _gpu_peak(report["device_name"])[0] or report["peak_flops"] or 1e12
-    links = _links(report, host)
+    links = _links(report)
     clipping = float(report["ours_config"]["train"]["max_grad_norm"]) > 0
     out = []
     for run in runs:
