@@ -112,6 +112,7 @@ def predict_report(
     ``probe``: measures here, or reads earlier probes: ``main``)."""
     from slidedp.estimate import _gpu_peak
     from slidedp.models.hf import HFAdapter
+    from slidedp.plan.cost import layer_footprint
     from slidedp.plan.policy import resolve_policy
     from slidedp.plan.timing import Ranks, layer_times, predict_step, spec_from_shapes
     from slidedp.profile.host import model_gbps
@@ -143,11 +144,16 @@ def predict_report(
         }  # fmt: skip
         path = config_dir / f"layer-b{run['batch']}-{families}-{ratios}.json"
         layer = probe("layer", profile_args, path)
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        offloaded = [
+            layer_footprint(adapter, p, run["batch"], report["seq_len"], dtype).offloaded_bytes
+            for p in policy.layers
+        ]
         ranks = Ranks(run.get("world", 1), policy.grad_route, policy.param_route)
         spec = spec_from_shapes(
             adapter, policy, batch=run["batch"], seq_len=report["seq_len"],
             peak_flops=peak, adamw_gbps=model_gbps(host),
-            clipping=clipping, offloaded_bytes=[0] * adapter.num_layers,
+            clipping=clipping, offloaded_bytes=offloaded,
             measured=layer_times(layer), ranks=ranks, links=links,
         )  # fmt: skip
         predicted = predict_step(spec)
