@@ -25,7 +25,7 @@ layer() {  # layer SHAPE BATCH [FAMILIES [RATIOS]]: bench.predict's layer probe
         \"steps\": 5, \"cache_dir\": null, \"force\": false, \"layer_kernels\": \"auto\",
         \"layer_compile\": null}"
     part "layer-$1-b$2-${3:-F}" 60 python3 -m slidedp.bench.predict layer "$args" \
-        "$OUT/layer-$1-b$2-$(echo "${3:-F}" | tr , +).json"
+        "$OUT/layer-$1-b$2-$(echo "${3:-F}" | tr -c "A-Za-z0-9.\n-" _).json"
 }
 part host 60 python3 -m slidedp.bench.predict host '{"device": "cuda"}' "$OUT/host.json"
 BENCH=(python3 -m slidedp bench train --systems ours --warmup 2 --steps 3)
