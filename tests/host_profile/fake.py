@@ -17,7 +17,7 @@ def cache_rate(threads: int, gpu: str | None, gbps: float, joint_gbps: float | N
     path = cache_file(None, "host", facts)
     joint = {"joint_adamw_gbps": joint_gbps}
     if joint_gbps is not None:
-        joint |= {"joint_h2d_gbps": 50.0, "joint_d2h_gbps": 50.0}
+        joint |= {"joint_h2d_gbps": 50.0, "joint_d2h_gbps": 50.0, "joint_cast_gbps": 50.0}
     numbers = {"params": 1, "passes": 1, "isa": "avx2", "state_bytes": 12, "measured_s": 0.1}
     write_report(path, facts | {"adamw_gbps": gbps} | joint | numbers)
     return path

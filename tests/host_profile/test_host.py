@@ -126,7 +126,8 @@ def test_beside_a_gpu_the_rate_is_adamw_under_both_copies(tmp_path: Path) -> Non
     cuda = torch.device("cuda")
     report = probe_host(4, cuda, state_bytes=64 << 20, budget_s=0.2, cache_dir=str(tmp_path))
     assert report["gpu"] == torch.cuda.get_device_name(cuda)
-    for key in ("adamw_gbps", "joint_adamw_gbps", "joint_h2d_gbps", "joint_d2h_gbps"):
+    for key in ("adamw_gbps", "joint_adamw_gbps", "joint_h2d_gbps", "joint_d2h_gbps",
+                "joint_cast_gbps"):  # fmt: skip
         assert math.isfinite(report[key]), key
         assert report[key] > 0, key
     assert model_gbps(report) == report["joint_adamw_gbps"]

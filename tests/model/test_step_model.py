@@ -4,6 +4,7 @@ errors, and a traced H100 step the model must reproduce."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -164,3 +165,20 @@ def test_the_routes_in_the_spec_and_the_gpu_route_beats_the_cpu_route() -> None:
     assert abs(step["sharded"] / step["gpu"] - 1) < 0.05
     assert step["cpu"] > 1.10 * step["gpu"]
     assert cpu["prediction"]["exposed_s"]["host"] > 0  # the sums delay the training thread
+
+
+def test_the_cast_on_delivery_takes_the_probed_cast_rate() -> None:
+    from slidedp.bench.shapes import resolve_shape
+    from slidedp.config import RuntimeSection
+    from slidedp.models.hf import HFAdapter
+    from slidedp.plan.policy import resolve_policy
+
+    adapter = HFAdapter(resolve_shape("qwen3-1.7b"))
+    policy = resolve_policy(RuntimeSection(), adapter, mirror=False, device=torch.device("cuda"))
+    shaped = functools.partial(
+        spec_from_shapes, adapter, policy, batch=16, seq_len=1024, peak_flops=989e12,
+        adamw_gbps=110, clipping=True, offloaded_bytes=[0] * adapter.num_layers,
+    )  # fmt: skip
+    table, probed = shaped(), shaped(cast_gbps=26.0)
+    assert probed["cast_s"][1] == pytest.approx(table["cast_s"][1] * 78.0 / 26.0)
+    assert predict_step(probed)["step_s"] > predict_step(table)["step_s"]

@@ -6,8 +6,8 @@ GPUs with a timed step; cached like ``slidedp profile``):
 
 - the decoder layer's forward and backward per layer policy of the run, at the run's batch per
   rank and sequence, with its layer compute (``profile.layer``);
-- the host AdamW rate under the GPU's copies (``profile.host``, the engine's update thread
-  count);
+- the host AdamW rate under the GPU's copies, and the f32→bf16 cast on delivery meanwhile
+  (``profile.host``, the engine's update thread count);
 - on several ranks, the layer-sized ``reduce`` and ``all_gather`` of the same command's
   collectives run (``bench.collectives``).
 
@@ -114,7 +114,13 @@ def predict_report(
     from slidedp.models.hf import HFAdapter
     from slidedp.plan.cost import layer_footprint
     from slidedp.plan.policy import resolve_policy
-    from slidedp.plan.timing import Ranks, layer_times, predict_step, spec_from_shapes
+    from slidedp.plan.timing import (
+        CAST_GBPS,
+        Ranks,
+        layer_times,
+        predict_step,
+        spec_from_shapes,
+    )
     from slidedp.profile.host import model_gbps
 
     runs = [r for r in report["runs"] if r["system"] == "ours" and r["status"] == "ok"]
@@ -153,6 +159,7 @@ def predict_report(
         spec = spec_from_shapes(
             adapter, policy, batch=run["batch"], seq_len=report["seq_len"],
             peak_flops=peak, adamw_gbps=model_gbps(host),
+            cast_gbps=host.get("joint_cast_gbps") or CAST_GBPS,
             clipping=clipping, offloaded_bytes=offloaded,
             measured=layer_times(layer), ranks=ranks, links=links,
         )  # fmt: skip

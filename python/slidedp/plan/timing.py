@@ -106,6 +106,7 @@ LAYER_EFFICIENCY = 0.365
 # PCIe copies and the host cast, DEVICE.md's H100-host ceilings (Gen5 x16, pinned)
 H2D_GBPS, D2H_GBPS, CAST_GBPS = 51.0, 54.0, 78.0
 ADAMW_BYTES_PER_PARAM = 28  # f32 master, m, v read and written, the gradient read
+CAST_BYTES_PER_PARAM = 6  # the f32 master read, its bf16 copy written
 # the backward's replay as a share of the layer's forward: full and selective checkpointing
 # replay up to a whole forward (an upper bound: selective keeps some outputs), N none
 REPLAY_SHARE = {"F": 1.0, "S": 1.0, "SAC": 1.0, "N": 0.0}
@@ -199,10 +200,12 @@ def spec_from_shapes(
     measured: dict[str, tuple[float, float]] | None = None,
     ranks: Ranks | None = None,
     links: Links | None = None,
+    cast_gbps: float = CAST_GBPS,
 ) -> dict[str, Any]:
     """A ``StepSpec`` from the model's shapes and the policy, with the module's rates: compute
     from FLOPs at ``LAYER_EFFICIENCY`` of ``peak_flops``, copies at ``links`` (the PCIe
-    ceilings by default), AdamW at ``adamw_gbps`` (``offloaded_bytes``: per layer,
+    ceilings by default), AdamW at ``adamw_gbps``, the cast on delivery (no mirror) at
+    ``cast_gbps`` (``offloaded_bytes``: per layer,
     ``plan.cost``). ``measured``: a layer policy's forward and backward (replay included) as
     the layer profile timed them on this device (``layer_times``); they replace the FLOPs-rate
     times of the layers with that policy. ``batch``: per rank. ``ranks``: several GPUs of this
@@ -235,7 +238,9 @@ def spec_from_shapes(
         "embed_backward_s": 0.0,
         "grad_copy_s": [grad_bytes * n / (links.d2h_gbps * 1e9) for n in params],
         "update_s": [ADAMW_BYTES_PER_PARAM * n / (adamw_gbps * 1e9) for n in params],
-        "cast_s": [] if policy.mirror else [6 * n / cast_share / (CAST_GBPS * 1e9) for n in params],
+        "cast_s": []
+        if policy.mirror
+        else [CAST_BYTES_PER_PARAM * n / cast_share / (cast_gbps * 1e9) for n in params],
         "offload_s": [b / (links.d2h_gbps * 1e9) for b in offloaded_bytes],
         "reload_s": [b / (links.h2d_gbps * 1e9) for b in offloaded_bytes],
         "slots": policy.slots,

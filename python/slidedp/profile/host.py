@@ -20,7 +20,9 @@ Measured, in GB/s counted as ``ADAMW_BYTES_PER_PARAM`` (28) bytes per parameter,
   (H2D) and a gradient into the gradient slots (D2H) on two streams, from the same page-locked
   store regions the engine pins: a training step's situation. AdamW and the DMA share the DRAM,
   so the model takes this joint rate on CUDA (``model_gbps``); the copies' own rates meanwhile
-  are ``joint_h2d_gbps``, ``joint_d2h_gbps``. On CPU there is no DMA: the plain rate only.
+  are ``joint_h2d_gbps``, ``joint_d2h_gbps``, and ``joint_cast_gbps`` is the f32→bf16 cast of a
+  group on the probe's own thread meanwhile (the engine's host thread without the BF16 mirror;
+  ``CAST_BYTES_PER_PARAM`` bytes per parameter). On CPU there is no DMA: the plain rate only.
 
 Cached like the layer profile (``profile.cache``) under a key of the CPU model, logical cores,
 threads, GPU name (None on CPU) and the torch and slidedp versions: ``cached_host`` looks it up
@@ -47,7 +49,7 @@ import torch
 from slidedp import __version__
 from slidedp.kernels import Kernels, default_threads
 from slidedp.plan.device import pick_device
-from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM
+from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM, CAST_BYTES_PER_PARAM
 from slidedp.profile.cache import cache_file, read_report, write_report
 from slidedp.store import GroupSpec, HostStore, ParamSpec
 from slidedp.update import UpdateWorker
@@ -65,7 +67,7 @@ GRAD = 1e-3
 # a cached report's numbers, positive and finite, else it is measured again; the joint ones
 # (CUDA) all or none
 NUMBERS = ("adamw_gbps", "params", "passes", "state_bytes", "measured_s")
-JOINT = ("joint_adamw_gbps", "joint_h2d_gbps", "joint_d2h_gbps")
+JOINT = ("joint_adamw_gbps", "joint_h2d_gbps", "joint_d2h_gbps", "joint_cast_gbps")
 
 
 def engine_update_threads(cores: int, cuda: bool) -> int:
@@ -177,7 +179,12 @@ class _Bench:
         )
         self.store.region("grad").fill_(GRAD)
         self.worker = UpdateWorker(self.store, threads)
+        self.threads = threads
         self.group_params = rows * COLUMNS
+
+    def master(self, group: int) -> torch.Tensor:
+        """The FP32 master weights of ``group``, flat."""
+        return self.store.param(f"layers.{group}.weight").view(-1)
 
     def submit(self, passes: int) -> int:
         """Queue ``passes`` updates of every group, slots in turn; the requests' count."""
@@ -244,6 +251,8 @@ def _under_dma(bench: _Bench, passes: int, device: torch.device) -> dict[str, fl
         on_device = torch.empty_like(mirror, device=device)
         grads = torch.full_like(grad, GRAD, device=device)
         h2d, d2h = new_stream(device), new_stream(device)
+        kernels = Kernels(bench.threads)
+        staging = torch.empty(bench.group_params, dtype=torch.bfloat16)
         queued: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
 
         def copy_both() -> None:
@@ -261,10 +270,15 @@ def _under_dma(bench: _Bench, passes: int, device: torch.device) -> dict[str, fl
         start = time.perf_counter()
         copy_both()  # the copies run before the first update starts
         target = completed + bench.submit(passes)
-        copies = 1
-        while bench.worker.stats()[0] < target:
+        copies, casts, cast_s = 1, 0, 0.0
+        while casts == 0 or bench.worker.stats()[0] < target:
             copy_both()
             copies += 1
+            # meanwhile this thread casts a group, as the engine's does without the mirror
+            at = time.perf_counter()
+            kernels.cast_f32_to_bf16(bench.master(casts % GROUPS), staging)
+            cast_s += time.perf_counter() - at
+            casts += 1
             if len(queued) > IN_FLIGHT:
                 for event in queued.popleft():
                     event.synchronize()
@@ -280,6 +294,8 @@ def _under_dma(bench: _Bench, passes: int, device: torch.device) -> dict[str, fl
         "joint_adamw_gbps": bench.gbps(passes, adamw_s),
         "joint_h2d_gbps": copies * mirror.numel() * mirror.element_size() / dma_s / 1e9,
         "joint_d2h_gbps": copies * grad.numel() * grad.element_size() / dma_s / 1e9,
+        # the cast reads 4 and writes 2 bytes per parameter (plan.timing's cast_s)
+        "joint_cast_gbps": CAST_BYTES_PER_PARAM * bench.group_params * casts / cast_s / 1e9,
     }
 
 
@@ -301,7 +317,8 @@ def format_report(report: dict[str, Any]) -> str:
     else:
         lines.append(
             f"  AdamW under DMA  {report['joint_adamw_gbps']:7.1f} GB/s  (the model's rate; "
-            f"meanwhile H2D {report['joint_h2d_gbps']:.1f}, D2H {report['joint_d2h_gbps']:.1f}"
+            f"meanwhile H2D {report['joint_h2d_gbps']:.1f}, D2H {report['joint_d2h_gbps']:.1f}, "
+            f"f32->bf16 cast {report['joint_cast_gbps']:.1f}"
             " GB/s)"
         )
     return "\n".join(lines)
