@@ -55,5 +55,10 @@ case ${PARTS:-first} in
             --set runtime.bf16_mirror=false --json "$OUT/1.7b-b16-cast.json"
         part 4b-b8 150 "${BENCH[@]}" --shape qwen3-4b --batch 8 --set train.max_grad_norm=0 \
             --json "$OUT/4b-b8-noclip.json" ;;
+    fourth)  # the cast probe beside a run without the mirror; the mixed layout's probe again
+        layer qwen3-4b 16 SAC.mm,N
+        layer qwen3-1.7b 16
+        part 1.7b-cast 150 "${BENCH[@]}" --shape qwen3-1.7b --batch 16 \
+            --set runtime.bf16_mirror=false --json "$OUT/1.7b-b16-cast.json" ;;
 esac
 grep -E "^ +[0-9]+ ours|== " "$LOG" | tail -20
