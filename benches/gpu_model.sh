@@ -60,5 +60,8 @@ case ${PARTS:-first} in
         layer qwen3-1.7b 16
         part 1.7b-cast 150 "${BENCH[@]}" --shape qwen3-1.7b --batch 16 \
             --set runtime.bf16_mirror=false --json "$OUT/1.7b-b16-cast.json" ;;
+    fifth)  # Qwen3-8B B=16, clipping (the default): a store of ~100 GB starts in minutes here
+        layer qwen3-8b 16
+        part 8b 420 "${BENCH[@]}" --shape qwen3-8b --batch 16 --json "$OUT/8b-b16.json" ;;
 esac
 grep -E "^ +[0-9]+ ours|== " "$LOG" | tail -20
