@@ -1,15 +1,19 @@
-# Sourced by the benches/gpu_*.sh device scripts (set OUT first): installs our wheel and
-# Liger's from the carried `dist` and `wheels`, and defines `part NAME SECONDS COMMAND...`,
-# which runs one timed part into $OUT/log.txt and says how it ended.
+# Sourced by the benches/gpu_*.sh device scripts (set OUT first): installs our wheel from the
+# carried `dist` and, unless LIGER=0, Liger's from the carried `wheels`; keeps NVLink multicast
+# off (multi-GPU machines); defines `part NAME SECONDS COMMAND...`, which runs one timed part
+# into $OUT/log.txt and says how it ended, and `layer SHAPE BATCH [FAMILIES [RATIOS]]`, the
+# step-time model's layer probe (bench.predict) into $OUT.
 set -u
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT"
 LOG="$OUT/log.txt"
 python3 -m pip install -q --no-deps --force-reinstall dist/*.whl
-python3 -m pip install -q --no-deps --no-index wheels/liger_kernel-*.whl
-python3 -c "import torch, triton, liger_kernel, slidedp; print('torch', torch.__version__,
-'triton', triton.__version__, 'liger_kernel', liger_kernel.__file__, 'slidedp', slidedp.__file__)" \
-    2>&1 | tee -a "$LOG"
+if [[ ${LIGER:-1} != 0 ]]; then
+    python3 -m pip install -q --no-deps --no-index wheels/liger_kernel-*.whl
+fi
+python3 -c "import torch, triton, slidedp; print('torch', torch.__version__, 'triton',
+triton.__version__, 'slidedp', slidedp.__file__, 'GPUs', torch.cuda.device_count())" 2>&1 | tee -a "$LOG"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$LOG"
 
 part() {  # part NAME SECONDS COMMAND...
     local name=$1 seconds=$2
@@ -17,4 +21,14 @@ part() {  # part NAME SECONDS COMMAND...
     echo "== $name ($(date -u +%T), timeout ${seconds}s): $*" | tee -a "$LOG"
     timeout "$seconds" "$@" >>"$LOG" 2>&1
     echo "== $name: exit $? ($(date -u +%T))" | tee -a "$LOG"
+}
+
+layer() {  # layer SHAPE BATCH [FAMILIES [RATIOS]]: F-r0 by default, the run's layer compute
+    local args="{\"shape\": \"$1\", \"batch\": $2, \"seq_len\": 1024, \"families\": \"${3:-F}\",
+        \"ratios\": \"${4:-0}\", \"device\": \"cuda\", \"dtype\": \"bfloat16\", \"warmup\": 2,
+        \"steps\": 5, \"cache_dir\": null, \"force\": false, \"layer_kernels\": \"auto\",
+        \"layer_compile\": null}"
+    # a file name the device hands back: letters, digits, '.', '-' and '_' only
+    part "layer-$1-b$2-${3:-F}" 60 python3 -m slidedp.bench.predict layer "$args" \
+        "$OUT/layer-$1-b$2-$(echo "${3:-F}-r${4:-0}" | tr -c "A-Za-z0-9.\n-" _).json"
 }

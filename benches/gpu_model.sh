@@ -3,30 +3,10 @@
 # runs, each part with its own timeout; the predictions are made afterwards, here:
 #   slidedp bench predict OUT/RUN.json --probes OUT
 # Here first:  rm -f dist/*.whl; .venv/bin/maturin build --release -o dist/ -q
-# Device call: carry ["dist"], command `PARTS=first bash benches/gpu_model.sh` (then second)
+# Device call: carry ["dist"], command `PARTS=first bash benches/gpu_model.sh` (then second, ...)
 # Layer compute: the default (eager kernels, compiled; Liger not installed here).
 OUT=${OUT:-out/gpu-model}
-set -u
-export PYTHONUNBUFFERED=1
-mkdir -p "$OUT"
-LOG="$OUT/log.txt"
-python3 -m pip install -q --no-deps --force-reinstall dist/*.whl
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$LOG"
-part() {  # part NAME SECONDS COMMAND...
-    local name=$1 seconds=$2
-    shift 2
-    echo "== $name ($(date -u +%T), timeout ${seconds}s): $*" | tee -a "$LOG"
-    timeout "$seconds" "$@" >>"$LOG" 2>&1
-    echo "== $name: exit $? ($(date -u +%T))" | tee -a "$LOG"
-}
-layer() {  # layer SHAPE BATCH [FAMILIES [RATIOS]]: bench.predict's layer probe
-    local args="{\"shape\": \"$1\", \"batch\": $2, \"seq_len\": 1024, \"families\": \"${3:-F}\",
-        \"ratios\": \"${4:-0}\", \"device\": \"cuda\", \"dtype\": \"bfloat16\", \"warmup\": 2,
-        \"steps\": 5, \"cache_dir\": null, \"force\": false, \"layer_kernels\": \"auto\",
-        \"layer_compile\": null}"
-    part "layer-$1-b$2-${3:-F}" 60 python3 -m slidedp.bench.predict layer "$args" \
-        "$OUT/layer-$1-b$2-$(echo "${3:-F}" | tr -c "A-Za-z0-9.\n-" _).json"
-}
+LIGER=0 source "$(dirname "$0")/gpu_common.sh"
 part host 60 python3 -m slidedp.bench.predict host '{"device": "cuda"}' "$OUT/host.json"
 BENCH=(python3 -m slidedp bench train --systems ours --warmup 2 --steps 3)
 case ${PARTS:-first} in

@@ -9,31 +9,11 @@
 # clipping 1.0 (the default); the BF16 mirror on for one GPU too (this host's MemTotal starts
 # small and grows, so the default would decide from too little).
 OUT=${OUT:-out/gpu-two}
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-set -u
-export PYTHONUNBUFFERED=1
-mkdir -p "$OUT"
-LOG="$OUT/log.txt"
-python3 -m pip install -q --no-deps --force-reinstall dist/*.whl
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$LOG"
-part() {  # part NAME SECONDS COMMAND...
-    local name=$1 seconds=$2
-    shift 2
-    echo "== $name ($(date -u +%T), timeout ${seconds}s): $*" | tee -a "$LOG"
-    timeout "$seconds" "$@" >>"$LOG" 2>&1
-    echo "== $name: exit $? ($(date -u +%T))" | tee -a "$LOG"
-}
+LIGER=0 source "$(dirname "$0")/gpu_common.sh"
 routes() {  # routes SHAPE BATCH ROUTES SECONDS
     part "$1-b$2" "$4" python3 -m slidedp bench train --shape "$1" --batch "$2" --gpus 2 \
         --routes "$3" --systems ours --warmup 2 --steps 3 \
         --set runtime.bf16_mirror=true --json "$OUT/$1-b$2.json"
-}
-layer() {  # layer SHAPE BATCH: the calibration probe of bench.predict, F-r0, eager
-    local args="{\"shape\": \"$1\", \"batch\": $2, \"seq_len\": 1024, \"families\": \"F\",
-        \"ratios\": \"0\", \"device\": \"cuda\", \"dtype\": \"bfloat16\", \"warmup\": 2,
-        \"steps\": 5, \"cache_dir\": null, \"force\": false, \"layer_kernels\": \"auto\",
-        \"layer_compile\": null}"
-    part "layer-$1-b$2" 60 python3 -m slidedp.bench.predict layer "$args" "$OUT/layer-$1-b$2.json"
 }
 case ${PARTS:-m17} in
     # the layer probes alone (on any H200: the same GPU as the x2 machine's)
