@@ -6,7 +6,9 @@ Run: ``slidedp estimate CONFIG.yaml [section.key=value ...] [--json]``; ``slided
 The model comes from ``HFAdapter.from_dir`` (meta device: no weight is read or allocated). ``L``
 decoder layers, hidden ``H``, intermediate ``I``, ``d_q = heads * head_dim``, ``d_kv = kv_heads *
 head_dim``, vocabulary ``V``, ``N`` parameters; ``B = train.global_batch_size`` rows of ``S =
-data.seq_len`` tokens (an upper bound: unpacked rows are padded to the batch's longest); ``e`` the
+data.seq_len`` tokens (an upper bound: unpacked rows are padded to the batch's longest), of which
+each of ``R`` ranks (``runtime.gpus``/``ranks``) holds ``B/R``: the device terms below are one
+rank's at ``B/R`` rows, the offload arena and a CPU rank's working set count ``R`` times; ``e`` the
 compute dtype's bytes (2 for bf16 on CUDA, 4 for f32 on CPU); the per-layer activation layout
 is the run's ``Policy`` (``plan.policy``), its memory ``plan.cost`` (measured by running the
 engine's own executors on the meta device).
@@ -316,6 +318,9 @@ class HostRate:
 
     gbps: float
     source: str
+    # the probe's copy rates beside a GPU while AdamW ran (``joint_h2d_gbps``, ``joint_d2h_gbps``)
+    h2d_gbps: float | None = None
+    d2h_gbps: float | None = None
 
 
 def update_threads(cfg: TrainConfig, machine: Machine) -> int:
@@ -337,7 +342,9 @@ def host_rate(threads: int, machine: Machine, *, measure: bool = False) -> HostR
         table = "from the table (not measured on this machine: slidedp profile host)"
         return HostRate(adamw_gbps(threads), table)
     what = "measured under DMA" if report["joint_adamw_gbps"] else "measured"
-    return HostRate(model_gbps(report), f"{what} ({'cached' if report['cached'] else 'now'})")
+    source = f"{what} ({'cached' if report['cached'] else 'now'})"
+    return HostRate(model_gbps(report), source, report.get("joint_h2d_gbps"),
+                    report.get("joint_d2h_gbps"))  # fmt: skip
 
 
 def _gpu_peak(name: str | None) -> tuple[float | None, str]:
@@ -389,7 +396,8 @@ def estimate_run(
         adapter.num_layers,
         cfg.runtime,
     )
-    tokens = b * s
+    rows = b // (rt.world * rt.nodes)  # a rank's share of the batch: its activations, its loss
+    tokens = rows * s
     largest_layer = max(groups[adapter.layer_group(i)]["slot_len"] for i in range(layers))
     own = groups[adapter.embed_group]["slot_len"] + groups[adapter.head_group]["slot_len"]
     policy = plan_policy(cfg, adapter, machine)
@@ -397,7 +405,7 @@ def estimate_run(
     window = (slots * largest_layer + own) * elem
     loss = min(rt.loss_chunk_tokens, tokens) * adapter.vocab_size * 4 * LOSS_F32_COPIES
     dtype = torch.bfloat16 if elem == 2 else torch.float32
-    acts = layout_memory(adapter, policy.layers, b, s, dtype)
+    acts = layout_memory(adapter, policy.layers, rows, s, dtype)
     layer = acts.transient_bytes
     checkpoints = acts.retained_bytes + acts.prefetch_bytes
     parked = params * elem if cfg.train.max_grad_norm > 0 else 0
@@ -405,7 +413,7 @@ def estimate_run(
     per_layer = resident_layer_bytes(adapter, dtype, clipping=clipping)
     resident = sum(per_layer[: policy.resident_layers])
     working = window + loss + layer + max(checkpoints, parked) + resident
-    arena = acts.offloaded_bytes
+    arena = acts.offloaded_bytes * rt.world  # each rank of this node pins its own
     store = int(layout["regions"]["total_bytes"])
     slot_len = int(layout["slot_len"])
     mirror = int(layout["mirror_len"]) * 2  # page-locked like the slots
@@ -425,7 +433,7 @@ def estimate_run(
             peak + CUDA_CONTEXT_BYTES,
         )
     process = CUDA_PROCESS_BYTES if cuda else CPU_PROCESS_BYTES
-    cpu_working = 0 if cuda else working
+    cpu_working = 0 if cuda else working * rt.world  # CPU ranks: each its own, in host RAM
     rate = host_rate(update_threads(cfg, machine), machine)
     return Estimate(
         model=f"{adapter.config.model_type} ({cfg.model.path})",
@@ -436,7 +444,7 @@ def estimate_run(
         batch=b,
         seq_len=s,
         layout=policy.layout,
-        layout_rows=_layout_rows(adapter, policy.layers, b, s, dtype),
+        layout_rows=_layout_rows(adapter, policy.layers, rows, s, dtype),
         resident_layers=policy.resident_layers,
         resident_bytes=resident,
         clipping=clipping,

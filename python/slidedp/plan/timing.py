@@ -16,7 +16,7 @@ import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from slidedp import _native
 from slidedp.errors import ConfigError
@@ -145,8 +145,8 @@ class Ranks:
     ``runtime.param_route``)."""
 
     count: int = 1
-    grad_route: str = "gpu"
-    param_route: str = "replicated"
+    grad_route: Literal["gpu", "cpu"] = "gpu"
+    param_route: Literal["replicated", "sharded"] = "replicated"
 
 
 def _route_times(
