@@ -244,7 +244,7 @@ def test_route_table_scaling_and_a_failed_route(
         printed
     )
     assert "ours/fsdp2 10.00x, ours/reference (projected) 0.50x" in printed
-    assert "    2 sharded/cpu           ERROR" in printed
+    assert f"    2 {'sharded/cpu':<22} {'ERROR':>10}" in printed
     assert "reduce       layer" in printed
 
 
