@@ -111,6 +111,7 @@ from slidedp.plan.layout import LayerPolicy
 from slidedp.plan.policy import Policy, resolve_policy, store_args
 from slidedp.plan.timing import (
     ADAMW_BYTES_PER_PARAM,
+    Links,
     Ranks,
     layer_times,
     predict_step,
@@ -516,6 +517,7 @@ def _step_model(
     rt = cfg.runtime
     b, s = cfg.train.global_batch_size // rt.world, cfg.data.seq_len  # per rank
     offloaded = [layer_footprint(adapter, p, b, s, dtype).offloaded_bytes for p in policy.layers]
+    links, links_measured = _links(rt.world, adapter, machine, rate)
     spec = spec_from_shapes(
         adapter,
         policy,
@@ -527,13 +529,41 @@ def _step_model(
         offloaded_bytes=offloaded,
         measured=measured,
         ranks=Ranks(rt.world, rt.grad_route, rt.param_route),
+        links=links,
     )
     covered = sum(str(p) in measured for p in policy.layers)
     measured_parts = [f"layer profile: {covered} of {len(policy.layers)} layers"] * bool(covered)
     if rate.source.startswith("measured"):
         measured_parts.append(f"host AdamW {rate.source}")
+    measured_parts += links_measured
     calibration = ", ".join(measured_parts) or "uncalibrated rates"
     return predict_step(spec) | {"calibration": calibration}
+
+
+def _links(
+    world: int, adapter: HFAdapter, machine: Machine, rate: HostRate
+) -> tuple[Links, list[str]]:
+    """Several GPUs: the copy rates under AdamW where the host probe measured them, the
+    layer-sized reduce and all-gather between ``world`` GPUs where ``profile.links`` cached
+    them (the rates ``runtime.policy: auto`` predicts the routes with); else, and on one GPU,
+    ``plan.timing``'s assumptions. And what was measured, for the calibration line."""
+    from slidedp.plan.measure import layer_numel
+    from slidedp.profile.links import cached_links
+
+    rates: dict[str, float] = {}
+    if world == 1:
+        return Links(), []
+    said = []
+    if rate.h2d_gbps and rate.d2h_gbps:
+        rates |= {"h2d_gbps": rate.h2d_gbps, "d2h_gbps": rate.d2h_gbps}
+        said.append("copies under AdamW")
+    probe = None
+    if machine.gpu_name is not None:
+        probe = cached_links(world, machine.gpu_name, layer_numel(adapter))
+    if probe is not None:
+        rates |= {"reduce_gbps": probe["reduce_gbps"], "gather_gbps": probe["gather_gbps"]}
+        said.append("reduce and all_gather between the GPUs (cached)")
+    return Links(**rates, source="measured" if rates else "assumed"), said
 
 
 def _layout_rows(

@@ -237,3 +237,23 @@ def test_several_nodes_and_other_launchers_are_refused_with_one_line(
     monkeypatch.setenv("WORLD_SIZE", "2")  # a rank of torchrun
     with pytest.raises(ConfigError, match="chooses once, before the ranks start"):
         auto.resolve_auto(_cfg(tmp_path, policy="auto"), adapter, _machine(), measure=False)
+
+
+def test_estimate_on_two_gpus_predicts_with_the_cached_links(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``slidedp estimate`` of a 2-GPU run takes the link and host probes where cached: the
+    same rates auto predicts the routes with."""
+    from slidedp.estimate import estimate_run
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cfg = _cfg(tmp_path)
+    adapter = HFAdapter.from_dir(cfg.model.path)
+    steps = {}
+    for name, links in (("fast", FAST), ("slow", SLOW)):
+        _cache_probes(cfg, adapter, links)
+        model = estimate_run(cfg, adapter, _machine()).step_model
+        assert model is not None
+        assert "reduce and all_gather between the GPUs (cached)" in model["calibration"]
+        steps[name] = model["step_s"]
+    assert steps["slow"] > 1.3 * steps["fast"]  # the gpu route's reduce at 5 GB/s
