@@ -79,6 +79,9 @@ def measure_in_child(cfg: TrainConfig) -> float:
     from slidedp.config import resolved_yaml
 
     start = time.perf_counter()
+    links = ", the links between the GPUs" if cfg.runtime.gpus > 1 else ""
+    print(f"policy   auto: measuring the layer, the host{links} in a child process (cached for "
+          "the next run) ...", file=sys.stderr, flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="slidedp-auto-") as tmp:
         path = Path(tmp) / "config.yaml"
         path.write_text(resolved_yaml(cfg))
