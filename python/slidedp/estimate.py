@@ -319,9 +319,6 @@ class HostRate:
 
     gbps: float
     source: str
-    # the probe's copy rates beside a GPU while AdamW ran (``joint_h2d_gbps``, ``joint_d2h_gbps``)
-    h2d_gbps: float | None = None
-    d2h_gbps: float | None = None
 
 
 def update_threads(cfg: TrainConfig, machine: Machine) -> int:
@@ -343,9 +340,7 @@ def host_rate(threads: int, machine: Machine, *, measure: bool = False) -> HostR
         table = "from the table (not measured on this machine: slidedp profile host)"
         return HostRate(adamw_gbps(threads), table)
     what = "measured under DMA" if report["joint_adamw_gbps"] else "measured"
-    source = f"{what} ({'cached' if report['cached'] else 'now'})"
-    return HostRate(model_gbps(report), source, report.get("joint_h2d_gbps"),
-                    report.get("joint_d2h_gbps"))  # fmt: skip
+    return HostRate(model_gbps(report), f"{what} ({'cached' if report['cached'] else 'now'})")
 
 
 def _gpu_peak(name: str | None) -> tuple[float | None, str]:
@@ -517,7 +512,7 @@ def _step_model(
     rt = cfg.runtime
     b, s = cfg.train.global_batch_size // rt.world, cfg.data.seq_len  # per rank
     offloaded = [layer_footprint(adapter, p, b, s, dtype).offloaded_bytes for p in policy.layers]
-    links, links_measured = _links(rt.world, adapter, machine, rate)
+    links, links_measured = _links(rt.world, adapter, machine)
     spec = spec_from_shapes(
         adapter,
         policy,
@@ -540,30 +535,23 @@ def _step_model(
     return predict_step(spec) | {"calibration": calibration}
 
 
-def _links(
-    world: int, adapter: HFAdapter, machine: Machine, rate: HostRate
-) -> tuple[Links, list[str]]:
-    """Several GPUs: the copy rates under AdamW where the host probe measured them, the
-    layer-sized reduce and all-gather between ``world`` GPUs where ``profile.links`` cached
-    them (the rates ``runtime.policy: auto`` predicts the routes with); else, and on one GPU,
-    ``plan.timing``'s assumptions. And what was measured, for the calibration line."""
+def _links(world: int, adapter: HFAdapter, machine: Machine) -> tuple[Links, list[str]]:
+    """Several GPUs: the layer-sized reduce and all-gather between ``world`` GPUs where
+    ``profile.links`` cached them (the rates ``runtime.policy: auto`` predicts the routes
+    with), and what was measured, for the calibration line; else, and always for the copies,
+    ``plan.timing``'s assumptions (the PCIe ceilings: the host probe's joint copy rates are
+    paced by its AdamW passes, not a copy engine's capacity)."""
     from slidedp.plan.measure import layer_numel
     from slidedp.profile.links import cached_links
 
-    rates: dict[str, float] = {}
-    if world == 1:
-        return Links(), []
-    said = []
-    if rate.h2d_gbps and rate.d2h_gbps:
-        rates |= {"h2d_gbps": rate.h2d_gbps, "d2h_gbps": rate.d2h_gbps}
-        said.append("copies under AdamW")
     probe = None
-    if machine.gpu_name is not None:
+    if world > 1 and machine.gpu_name is not None:
         probe = cached_links(world, machine.gpu_name, layer_numel(adapter))
-    if probe is not None:
-        rates |= {"reduce_gbps": probe["reduce_gbps"], "gather_gbps": probe["gather_gbps"]}
-        said.append("reduce and all_gather between the GPUs (cached)")
-    return Links(**rates, source="measured" if rates else "assumed"), said
+    if probe is None:
+        return Links(), []
+    links = Links(reduce_gbps=probe["reduce_gbps"], gather_gbps=probe["gather_gbps"],
+                  source="measured")  # fmt: skip
+    return links, ["reduce and all_gather between the GPUs (cached)"]
 
 
 def _layout_rows(

@@ -16,7 +16,7 @@ Several GPUs of one host (``runtime.gpus: N``): ``slidedp train``'s launcher cho
 before it starts the ranks, and passes the choice to them as overrides (``chosen_overrides``);
 the bench's launcher (``bench.ranks``) does the same. Its measurements (layer profile, host
 probe, and ``profile.links``: the layer-sized ``reduce`` and ``all_gather`` between the GPUs)
-run in a child process (``plan.measure``), so the launcher never holds a CUDA context. No layer
+run in a child process (``plan.measure``), so the launcher allocates nothing on the GPUs. No layer
 is GPU-resident there (refused with several ranks). CPU ranks choose the layout and keep the
 config's routes (the route model is for GPUs); several nodes, and ranks started by another
 launcher (torchrun), are refused with one line.
@@ -285,7 +285,7 @@ def _routes(
     (the config's routes, and why, where the model cannot predict them)."""
     from slidedp.estimate import _gpu_peak
     from slidedp.plan.measure import layer_numel
-    from slidedp.plan.timing import D2H_GBPS, H2D_GBPS, Links, layer_times
+    from slidedp.plan.timing import Links, layer_times
     from slidedp.profile.links import cached_links
 
     rt = cfg.runtime
@@ -303,9 +303,9 @@ def _routes(
         why = "the links between the GPUs are not measured"
     if why is not None or peak is None or probe is None:
         return cfg, f"{route_name(config_route)}, the config's ({why})"
+    # the copies at the PCIe ceilings: the host probe's joint copy rates are paced by its
+    # AdamW passes, not a copy engine's capacity (as bench.predict)
     links = Links(
-        h2d_gbps=host.h2d_gbps or H2D_GBPS,
-        d2h_gbps=host.d2h_gbps or D2H_GBPS,
         reduce_gbps=float(probe["reduce_gbps"]),
         gather_gbps=float(probe["gather_gbps"]),
         source="measured",
@@ -315,7 +315,7 @@ def _routes(
     choice = choose_route(steps, config_route)
     fixed = ", fixed by the config" if len(candidates) == 1 else ""
     said = (
-        f"{choice.describe()}{fixed}; links reduce {links.reduce_gbps:.0f}, all_gather "
-        f"{links.gather_gbps:.0f}, H2D {links.h2d_gbps:.0f}, D2H {links.d2h_gbps:.0f} GB/s"
+        f"{choice.describe()}{fixed}; reduce {links.reduce_gbps:.0f}, all_gather "
+        f"{links.gather_gbps:.0f} GB/s measured, copies at the PCIe ceilings"
     )
     return _with(cfg, param_route=choice.route[0], grad_route=choice.route[1]), said

@@ -3,8 +3,8 @@ launcher: the layer profile (``profile.layer``, one rank's rows on the first dev
 AdamW rate with the copies under it (``profile.host``) and, on several GPUs, the layer-sized
 ``reduce`` and ``all_gather`` between them (``profile.links``). Each lands in the measurement
 cache; the launcher then chooses from the cache (``plan.auto``), once for every rank, and
-passes the choice to the ranks it starts. So the launcher itself never holds a CUDA context,
-device memory or the probe's pinned store while its ranks train.
+passes the choice to the ranks it starts. So the launcher itself never allocates on the GPUs
+its ranks train on (it only reads their properties), nor keeps the probe's pinned store.
 
 Run by ``plan.auto`` (not by hand)::
 
