@@ -82,7 +82,7 @@ def _ours_runtime(report: dict[str, Any], run: dict[str, Any]) -> Any:
     route = run.get("chosen_route") or run.get("route")  # --routes auto: what auto chose
     if route:
         given["param_route"], given["grad_route"] = route.split("/")
-    if given.get("policy") == "auto" and "layout" in run:  # the layout auto chose
+    if "policy" in run and "layout" in run:  # runtime.policy=auto ran: the layout it chose
         given |= {"policy": "", "layers": run["layout"],
                   "resident_layers": run.get("resident_layers", 0)}  # fmt: skip
     if run.get("world", 1) > 1:
