@@ -48,7 +48,10 @@ def test_auto_profiles_once_chooses_and_trains_as_the_chosen_layout(
     assert resolved["runtime"]["policy"] == ""
     resident = resolved["runtime"]["resident_layers"]
     assert resident == 0  # on CPU nothing is GPU-resident
-    assert line.startswith(f"policy   auto: {layout}, 0 GPU-resident, predicted ")
+    # the choice, or all F kept where the best is not 5% faster: both happen here, from this
+    # 2-core machine's timings of a 3-layer model under load
+    assert line.startswith(f"policy   auto: {layout}, 0 GPU-resident")
+    assert ", predicted " in line or " kept: the best layout" in line
     assert len(parse_layout(layout, LAYERS, 0.0)) == LAYERS
     assert len(list((tmp_path / "slidedp" / "profile").glob("layer-*.json"))) == 1
     assert len(list((tmp_path / "slidedp" / "profile").glob("host-*.json"))) == 1
