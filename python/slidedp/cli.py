@@ -25,6 +25,7 @@ from slidedp.bench import kernels as bench_kernels
 from slidedp.bench import model as bench_model
 from slidedp.bench import nodes as bench_nodes
 from slidedp.bench import plot as bench_plot
+from slidedp.bench import predict as bench_predict
 from slidedp.bench import train as bench_train
 from slidedp.errors import ConfigError, SlidedpError, TrainingInterruptedError
 from slidedp.plan import command as plan_command
@@ -98,14 +99,15 @@ def _warn(verb: str, warning: str | None) -> None:
 
 
 def _estimate(
-    config: str, overrides: list[str], as_json: bool, explain: bool, longest: bool
+    config: str, overrides: list[str], as_json: bool, explain: bool, longest: bool, gpus: int
 ) -> int:
     from slidedp.config import load_config
     from slidedp.estimate import Machine, estimate_run, format_estimate, longest_sequence
     from slidedp.plan.auto import resolve_auto
     from slidedp.preflight import check_model
 
-    cfg = load_config(config, overrides)
+    given = [f"runtime.gpus={gpus}"] if gpus else []  # may exceed this machine's: a prediction
+    cfg = load_config(config, [*overrides, *given])
     adapter, machine = check_model(cfg)[0], Machine.probe(cfg)
     cfg, chosen = resolve_auto(cfg, adapter, machine, measure=False)  # a cached profile only
     if chosen:
@@ -168,6 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--json", action="store_true", help="one JSON object instead of text")
     estimate.add_argument("--explain", action="store_true", help="the model's critical path")
     estimate.add_argument(
+        "--gpus",
+        type=int,
+        default=0,
+        help="N GPUs of this host (runtime.gpus=N, more than it has too): the model on each route",
+    )
+    estimate.add_argument(
         "--longest-seq",
         action="store_true",
         help="the longest data.seq_len (multiple of 1024) this run fits on this machine",
@@ -181,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench_train.add_arguments(which.add_parser("train", help="ours vs reference and FSDP2"))
     bench_plot.add_arguments(which.add_parser("plot", help="one sweep figure from JSON reports"))
     bench_model.add_arguments(which.add_parser("model", help="the step-time model vs traced steps"))
+    bench_predict.add_arguments(
+        which.add_parser("predict", help="the step-time model vs a bench train report")
+    )
     plan_command.add_arguments(
         verbs.add_parser(
             "plan", parents=[debug], help="choose the activation layout: a policy file"
@@ -208,7 +219,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.verb == "validate":
         return _validate(args.config, args.overrides)
     if args.verb == "estimate":
-        return _estimate(args.config, args.overrides, args.json, args.explain, args.longest_seq)
+        return _estimate(
+            args.config, args.overrides, args.json, args.explain, args.longest_seq, args.gpus
+        )
     if args.verb == "export":
         return _export(args.checkpoint, args.out_dir)
     if args.verb == "profile":
@@ -221,6 +234,7 @@ def _run(args: argparse.Namespace) -> int:
         "kernels": bench_kernels.main,
         "model": bench_model.main,
         "nodes": bench_nodes.main,
+        "predict": bench_predict.main,
     }
     return bench_main[args.bench](args)
 

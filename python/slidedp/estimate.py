@@ -158,6 +158,7 @@ class Machine:
     gpu_name: str | None = None
     gpu_total_bytes: int | None = None
     cpu_flops: float | None = None  # measured torch matmul FLOP/s in ``dtype`` (CPU runs)
+    gpu_count: int = 1  # GPUs visible to this process (``estimate --gpus`` may predict more)
 
     @classmethod
     def probe(cls, cfg: TrainConfig, shm_dir: Path = SHM_DIR, measure: bool = True) -> Machine:
@@ -169,7 +170,11 @@ class Machine:
         facts: dict[str, Any] = {}
         if device.type == "cuda":
             props = torch.cuda.get_device_properties(device.index or 0)
-            facts = {"gpu_name": props.name, "gpu_total_bytes": int(props.total_memory)}
+            facts = {
+                "gpu_name": props.name,
+                "gpu_total_bytes": int(props.total_memory),
+                "gpu_count": torch.cuda.device_count(),
+            }
         elif measure:
             facts = {"cpu_flops": measure_cpu_flops(dtype)}
         return cls(
@@ -259,6 +264,10 @@ class Estimate:
     # the step-time model's prediction (plan.timing; CUDA with a known peak only): step_s,
     # busy_s and exposed_s by lane, critical_path, regime
     step_model: dict[str, Any] | None = None
+    # several GPUs: the model's step on each route (param/grad), as ``step_model`` predicts it
+    route_steps: dict[str, float] | None = None
+    world: int = 1  # processes of the node (runtime.gpus / runtime.ranks)
+    route: str = ""  # this run's param_route/grad_route
 
     def to_json(self) -> dict[str, Any]:
         """Every field (bytes, seconds, FLOPs as numbers), plus ``fits`` and ``shortages``."""
@@ -456,7 +465,31 @@ def estimate_run(
         step=_step_time(cfg, adapter, machine, params, rate),
         machine=machine,
         step_model=_step_model(cfg, adapter, machine, policy, dtype, rate) if step_model else None,
+        route_steps=_route_steps(cfg, adapter, machine, dtype, rate) if step_model else None,
+        world=rt.world,
+        route=f"{rt.param_route}/{rt.grad_route}",
     )
+
+
+ROUTES = (("replicated", "gpu"), ("sharded", "gpu"), ("replicated", "cpu"), ("sharded", "cpu"))
+
+
+def _route_steps(
+    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, dtype: torch.dtype, rate: HostRate
+) -> dict[str, float] | None:
+    """Several GPUs: the model's step on each route (``param/grad``), each with the policy
+    ``Trainer`` would resolve for it (the replicated route always has the mirror)."""
+    if cfg.runtime.world == 1:
+        return None
+    steps = {}
+    for param, grad in ROUTES:
+        routed = replace(cfg, runtime=replace(cfg.runtime, param_route=param, grad_route=grad))
+        policy = plan_policy(routed, adapter, machine)
+        model = _step_model(routed, adapter, machine, policy, dtype, rate)
+        if model is None:
+            return None
+        steps[f"{param}/{grad}"] = float(model["step_s"])
+    return steps
 
 
 @dataclass(frozen=True)
@@ -688,6 +721,14 @@ def format_estimate(est: Estimate) -> str:
         row(f"  model ({m_['calibration']})", f"{m_['step_s']:.2f} s", f"{m_['regime']}")
         if exposed:
             row("    compute waits for", "", exposed)
+    if est.route_steps:
+        gpus = f"{est.world} GPUs" + (
+            f", a prediction: this machine has {m.gpu_count}" if est.world > m.gpu_count else ""
+        )
+        row(f"  model on each route ({gpus})", "", "runtime.param_route/grad_route")
+        for route, step_s in est.route_steps.items():
+            chosen = " (this run's)" if route == est.route else ""
+            row(f"    {route}{chosen}", f"{step_s:.2f} s")
     row(
         "  host AdamW floor",
         f"{st.host_floor_s:.2f} s",

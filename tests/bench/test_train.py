@@ -252,3 +252,34 @@ def test_predict_calibrates_here_and_predicts_every_run_of_ours(
     assert list((tmp_path / "cache").rglob("layer-*.json")), "the layer profile is cached"
     printed = capsys.readouterr().out
     assert "step-time model (calibrated here" in printed
+
+
+def test_bench_predict_reads_probes_run_apart(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = write_tiny_config(tmp_path / "m")
+    report = tmp_path / "report.json"
+    assert _cli(config, report, "--batch", "2", "--systems", "ours") == 0
+    probes = tmp_path / "probes"
+    probes.mkdir()
+    args = {
+        "shape": str(config), "batch": 2, "seq_len": 16, "families": "F", "ratios": "0",
+        "device": "cpu", "dtype": "float32", "warmup": 1, "steps": 2,
+        "cache_dir": str(tmp_path / "cache"), "force": False, "layer_kernels": "auto",
+        "layer_compile": None,
+    }  # fmt: skip
+    child = [sys.executable, "-m", "slidedp.bench.predict", "layer", json.dumps(args)]
+    subprocess.run([*child, str(probes / "layer.json")], check=True)
+    out = tmp_path / "predicted.json"
+    cli = ["bench", "predict", str(report), "--probes", str(probes), "--json", str(out)]
+    assert main([*cli, "--host-gbps", "40"]) == 0
+    (row,) = json.loads(out.read_text())
+    assert row["adamw_gbps"] == 40
+    assert row["measured_step_s"] == json.loads(report.read_text())["runs"][0]["step_time_s"]
+    assert "calibrated from" in capsys.readouterr().out
+    # without a host rate, or for a batch no probe covers: one line naming what is missing
+    assert main(cli) == 2
+    assert "no host probe in" in capsys.readouterr().err
+    report.write_text(report.read_text().replace('"batch": 2', '"batch": 4'))
+    assert main([*cli, "--host-gbps", "40"]) == 2
+    assert "no layer profile of this model's layer at batch 4" in capsys.readouterr().err

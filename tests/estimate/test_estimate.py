@@ -401,3 +401,27 @@ def test_the_longest_sequence_fits_and_the_next_one_does_not(
     assert main(["estimate", str(config), "train.global_batch_size=1", "--longest-seq",
                  "--json"]) == 0  # fmt: skip
     assert "longest_seq" in json.loads(capsys.readouterr().out)
+
+
+def test_for_several_gpus_the_model_predicts_each_route(tmp_path: Path, qwen3_4b: Path) -> None:
+    adapter = HFAdapter.from_dir(qwen3_4b)
+    cfg = _cfg(tmp_path, qwen3_4b, "data.seq_len=1024", "train.global_batch_size=64",
+               "runtime.gpus=4", "runtime.device=auto")  # fmt: skip
+    est = estimate_run(cfg, adapter, H100)  # one GPU here: four is a prediction
+    assert est.route_steps is not None
+    assert set(est.route_steps) == {
+        "replicated/gpu", "sharded/gpu", "replicated/cpu", "sharded/cpu"
+    }  # fmt: skip
+    assert est.step_model is not None
+    assert est.route_steps["replicated/gpu"] == est.step_model["step_s"]  # this run's route
+    # the cpu route copies f32 gradients from every GPU and sums them on the host
+    assert est.route_steps["replicated/cpu"] > est.route_steps["replicated/gpu"]
+    # each GPU computes its B/4 = 16 rows: the one-GPU run at B=16 is the same compute
+    one = estimate_run(_cfg(tmp_path, qwen3_4b, "data.seq_len=1024",
+                            "train.global_batch_size=16"), adapter, H100)  # fmt: skip
+    assert one.route_steps is None
+    assert one.step_model is not None
+    assert est.step_model["busy_s"]["compute"] == pytest.approx(one.step_model["busy_s"]["compute"])
+    table = format_estimate(est)
+    assert "model on each route (4 GPUs, a prediction: this machine has 1)" in table
+    assert "replicated/gpu (this run's)" in table

@@ -34,16 +34,8 @@ def _rank(
     dump: Path | None,
 ) -> None:
     from slidedp.runtime.engine import Engine
-    from slidedp.runtime.trainer import Trainer
 
-    step, run = Engine.step, Trainer.run
-
-    def dumping(self: Trainer) -> Any:
-        records = run(self)  # every update of this node is in its store now
-        if dump is not None and rank % local_world == 0:
-            regions = {r: self.store.region(r).clone() for r in REGIONS}
-            torch.save(regions, dump / f"node{rank // local_world}.pt")
-        return records
+    step = Engine.step
 
     def injected(self: Engine, t: int, *args: Any, **kwargs: Any) -> Any:
         if (rank, t) == fail:  # raises after its collectives started
@@ -56,7 +48,8 @@ def _rank(
     # trained in-process (it hangs; a rank alone on its simulated node would keep all cores).
     torch.set_num_threads(1)
     Engine.step = injected  # type: ignore[method-assign]
-    Trainer.run = dumping  # type: ignore[method-assign]
+    if dump is not None:
+        dump_node_state(dump, rank, local_world)
     os.environ |= {
         "RANK": str(rank),
         "LOCAL_RANK": str(rank % local_world),
@@ -66,6 +59,23 @@ def _rank(
         "MASTER_PORT": str(port),
     }
     os._exit(main(["train", str(config), *overrides]))
+
+
+def dump_node_state(dump: Path, rank: int, local_world: int) -> None:
+    """In rank ``rank`` (of nodes of ``local_world`` ranks): once training ends, a node's local
+    rank 0 saves its store's final state (``REGIONS``) as ``DUMP/nodeN.pt``."""
+    from slidedp.runtime.trainer import Trainer
+
+    run = Trainer.run
+
+    def dumping(self: Trainer) -> Any:
+        records = run(self)  # every update of this node is in its store now
+        if rank % local_world == 0:
+            regions = {r: self.store.region(r).clone() for r in REGIONS}
+            torch.save(regions, dump / f"node{rank // local_world}.pt")
+        return records
+
+    Trainer.run = dumping  # type: ignore[method-assign]
 
 
 def run_ranks(

@@ -1,12 +1,24 @@
 """``slidedp bench nodes``: what the cross-node gradient all-reduce adds to a step.
 
-Measured (``--device cpu``, on this machine): one seeded Qwen3-style model trained as 1 node of
-``nodes x ranks`` ranks, then as ``nodes`` simulated nodes of ``ranks`` ranks (one host store
-each, loopback rendezvous, each node started by ``slidedp train`` with ``runtime.nodes``), same
-processes, same global batch. Printed: both step times (median after warm-up), their ratio, and
-the ``nodes`` lane (the owners' all-reduce with the other nodes, ``metrics.jsonl``). The
-simulated nodes share this machine's cores and each applies every AdamW: the ratio is an upper
-bound on a real cluster's, the lane is the collective itself.
+Measured on this machine: one seeded Qwen3-style model trained as 1 node of ``nodes x ranks``
+ranks, then as ``nodes`` simulated nodes of ``ranks`` ranks (one host store each, loopback
+rendezvous, each node started by ``slidedp train`` with ``runtime.nodes``: ``node_runs``), same
+processes, same data and global batch. Printed (and in ``--json``): both step times (median
+after warm-up), their ratio, the ``nodes`` lane (the owners' all-reduce with the other nodes,
+``metrics.jsonl``) and the loss parity (max |Δloss| between the two runs over every step).
+
+- ``--device cpu`` (default): CPU ranks, f32, gloo between the nodes.
+- ``--device cuda``: one GPU per rank, bf16, NCCL between the nodes; node ``n`` sees only its
+  GPUs (``CUDA_VISIBLE_DEVICES``), so 2 nodes x 1 GPU against 1 node x 2 GPUs needs 2 GPUs.
+  Without ``--nccl-net`` NCCL joins the nodes over NVLink (it sees one host); with it, the
+  simulated nodes' NCCL uses its network transport (sockets on loopback), as machines without
+  InfiniBand would. The transports NCCL chose are read from its INFO log and printed.
+
+Assumed: the simulated nodes share this machine's cores, memory bandwidth and host links, and
+each applies every AdamW to its own store: the ratio is an upper bound on a real cluster's (on
+CUDA, where the host update binds, one node's AdamW competes with the other's); the lane is the
+collective itself, timed on the compute stream on CUDA. Loopback sockets are not a NIC: the
+``--nccl-net`` lane has the network protocol's costs, not a link's bandwidth.
 
 Predicted (``--predict SHAPE``): the step-time model (``plan.timing``) for one GPU of ``1..8``
 nodes of ``--gpus-per-node`` GPUs joined by a ``--link-gbit`` link, with the engine's
@@ -16,6 +28,7 @@ on its own stream; every rate is ``plan.timing``'s (labelled as assumptions ther
 Example::
 
     slidedp bench nodes --nodes 2 --ranks 1 --steps 8
+    slidedp bench nodes --device cuda --nodes 2 --ranks 1 --steps 100 --nccl-net
     slidedp bench nodes --predict qwen3-4b --batch 16 --seq-len 1024 --link-gbit 400
 """
 
@@ -26,8 +39,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -35,6 +46,13 @@ from typing import Any
 import torch
 import yaml
 
+from slidedp.bench.node_runs import (
+    NCCL_NET_ENV,
+    nccl_transports,
+    node_launches,
+    run_nodes,
+    visible_gpus,
+)
 from slidedp.errors import ConfigError
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.policy import resolve_policy
@@ -81,44 +99,31 @@ def _write_run(root: Path, args: argparse.Namespace) -> Path:
     return config
 
 
-def _train(config: Path, out: Path, nodes: int, ranks: int) -> list[dict[str, Any]]:
-    """``slidedp train`` as ``nodes`` node launchers of ``ranks`` ranks; the measured steps.
-    Each simulated node gets its share of this machine's cores (``OMP_NUM_THREADS``, which its
-    ranks split again) and every rank the same host-update threads in both runs: otherwise
-    the simulated nodes' thread pools would spin on the same cores."""
-    cores = os.cpu_count() or 1
-    common = [
-        f"output.dir={out}",
-        f"runtime.ranks={ranks}",
-        f"runtime.nodes={nodes}",
-        "runtime.master_addr=127.0.0.1",
-        f"runtime.master_port={free_port()}",
-        f"runtime.update_threads={max(1, cores // (2 * nodes * ranks))}",
-    ]
-    env = os.environ | {"OMP_NUM_THREADS": str(max(1, cores // nodes))}
-    command = [sys.executable, "-m", "slidedp", "train", str(config), *common]
-    procs = [
-        subprocess.Popen(
-            [*command, f"runtime.node_rank={n}"],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for n in range(nodes)
-    ]
-    try:  # a hung node must not hang the bench: every collective times out well before
-        errors = [p.communicate(timeout=NODE_RUN_TIMEOUT_S)[1] for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        raise ConfigError(
-            f"the {nodes}-node run did not finish in {NODE_RUN_TIMEOUT_S} s: a node hung"
-        ) from None
-    if any(p.returncode for p in procs):
-        raise ConfigError(f"the {nodes}-node run failed: {' '.join(e.strip() for e in errors)}")
+def _train(
+    config: Path, out: Path, nodes: int, ranks: int, args: argparse.Namespace, *, nccl_net: bool
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """``slidedp train`` as ``nodes`` node launchers of ``ranks`` ranks (``node_runs``): every
+    step's metrics, and on CUDA the transports NCCL connected with."""
+    cuda = args.device == "cuda"
+    nccl_log = out.parent / f"{out.name}.nccl" if cuda else None
+    launches = node_launches(
+        config,
+        out,
+        nodes=nodes,
+        ranks=ranks,
+        device=args.device,
+        port=free_port(),
+        cores=os.cpu_count() or 1,
+        gpus=visible_gpus() if cuda else (),
+        nccl_net=nccl_net,
+        nccl_log=nccl_log,
+    )
+    run_nodes(launches, NODE_RUN_TIMEOUT_S)
     lines = (out / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines][WARMUP_STEPS:]
+    records = [json.loads(line) for line in lines]
+    if len(records) != args.steps:
+        raise ConfigError(f"the {nodes}-node run logged {len(records)} of {args.steps} steps")
+    return records, [] if nccl_log is None else nccl_transports(nccl_log)
 
 
 def _group_params(adapter: HFAdapter) -> list[int]:
@@ -131,20 +136,39 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         root = Path(tmp)
         config = _write_run(root, args)
         params = sum(_group_params(HFAdapter.from_dir(root / "model")))
-        one = _train(config, root / "one", 1, args.nodes * args.ranks)
-        many = _train(config, root / "many", args.nodes, args.ranks)
-    one_s = statistics.median(m["step_time_s"] for m in one)
-    many_s = statistics.median(m["step_time_s"] for m in many)
-    all_reduce_s = statistics.median(m["nodes_s"] for m in many)
+        one, one_via = _train(
+            config, root / "one", 1, args.nodes * args.ranks, args, nccl_net=False
+        )
+        many, many_via = _train(
+            config, root / "many", args.nodes, args.ranks, args, nccl_net=args.nccl_net
+        )
+    one_s = statistics.median(m["step_time_s"] for m in one[WARMUP_STEPS:])
+    many_s = statistics.median(m["step_time_s"] for m in many[WARMUP_STEPS:])
+    all_reduce_s = statistics.median(m["nodes_s"] for m in many[WARMUP_STEPS:])
+    one_losses, many_losses = [m["loss"] for m in one], [m["loss"] for m in many]
+    grad_bytes = 2 if args.device == "cuda" else 4  # bf16 gradients on CUDA, f32 on CPU
     return {
+        "device": args.device,
+        "dtype": "bfloat16" if args.device == "cuda" else "float32",
+        "nodes": args.nodes,
+        "ranks": args.ranks,
+        "steps": args.steps,
+        "warmup_steps": WARMUP_STEPS,
         "params": params,
         "one_node_step_s": one_s,
         "nodes_step_s": many_s,
         "ratio": many_s / one_s,
         "all_reduce_s": all_reduce_s,
         "share": all_reduce_s / many_s,
-        # f32 gradients on CPU; a ring moves 2 (N-1)/N of them per owner
-        "all_reduce_gbps": 4 * params / all_reduce_s / 1e9 if all_reduce_s > 0 else None,
+        # a ring moves 2 (N-1)/N of them per owner
+        "all_reduce_gbps": grad_bytes * params / all_reduce_s / 1e9 if all_reduce_s > 0 else None,
+        "max_abs_dloss": max(abs(a - b) for a, b in zip(one_losses, many_losses, strict=True)),
+        "one_node_losses": one_losses,
+        "nodes_losses": many_losses,
+        "nccl_net": args.nccl_net,
+        "nccl_net_env": NCCL_NET_ENV if args.nccl_net else {},
+        "one_node_transports": one_via,  # NCCL's, read from its log (CUDA only)
+        "nodes_transports": many_via,
     }
 
 
@@ -182,7 +206,21 @@ def predict(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=2, help="simulated nodes (measurement)")
-    parser.add_argument("--ranks", type=int, default=1, help="CPU ranks per simulated node")
+    parser.add_argument(
+        "--ranks", type=int, default=1, help="ranks per simulated node (CPU ranks or GPUs)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: CPU ranks, f32, gloo; cuda: one GPU per rank, bf16, NCCL",
+    )
+    parser.add_argument(
+        "--nccl-net",
+        action="store_true",
+        help="--device cuda: the simulated nodes' NCCL on its network transport (sockets on "
+        "loopback: NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1), not NVLink",
+    )
     parser.add_argument("--steps", type=int, default=8, help=f"steps ({WARMUP_STEPS} warm-up)")
     parser.add_argument("--hidden", type=int, default=512, help="hidden size of the model")
     parser.add_argument("--layers", type=int, default=4, help="decoder layers of the model")
@@ -217,22 +255,48 @@ def main(args: argparse.Namespace) -> int:
     else:
         if args.nodes < 2 or args.ranks < 1 or args.steps <= WARMUP_STEPS:
             raise ConfigError(f"--nodes must be >= 2, --ranks >= 1 and --steps > {WARMUP_STEPS}")
+        if args.nccl_net and args.device != "cuda":
+            raise ConfigError("--nccl-net needs --device cuda (CPU nodes talk over gloo)")
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("--device cuda needs CUDA, which this machine lacks: --device cpu")
         result = measure(args)
-        n, r = args.nodes, args.ranks
-        print(
-            f"slidedp bench nodes: MEASURED on this machine (CPU, gloo, loopback), "
-            f"{result['params']:,} parameters, B={args.batch} x {args.seq_len}, median of "
-            f"steps {WARMUP_STEPS + 1}..{args.steps}"
-        )
-        print(f"  1 node x {n * r} ranks: {result['one_node_step_s']:.3f} s/step")
-        print(
-            f"  {n} nodes x {r} ranks: {result['nodes_step_s']:.3f} s/step "
-            f"({result['ratio']:.2f}x the single node)"
-        )
-        print(
-            f"  cross-node all-reduce (nodes lane): {result['all_reduce_s'] * 1e3:.1f} ms/step "
-            f"= {result['share']:.1%} of the {n}-node step"
-        )
+        _print_measured(args, result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
+
+
+def _transports(names: list[str]) -> str:
+    return "+".join(names) or "not in NCCL's log"
+
+
+def _print_measured(args: argparse.Namespace, result: dict[str, Any]) -> None:
+    n, r = args.nodes, args.ranks
+    cuda = args.device == "cuda"
+    unit = "GPU" if cuda else "rank"
+    how = "CUDA, bf16, NCCL" if cuda else "CPU, f32, gloo, loopback"
+    print(
+        f"slidedp bench nodes: MEASURED on this machine ({how}), {result['params']:,} "
+        f"parameters, B={args.batch} x {args.seq_len}, median of steps "
+        f"{WARMUP_STEPS + 1}..{args.steps}"
+    )
+    one = f"  1 node x {n * r} {unit}s: {result['one_node_step_s']:.3f} s/step"
+    print(one + (f" (NCCL: {_transports(result['one_node_transports'])})" if cuda else ""))
+    print(
+        f"  {n} nodes x {r} {unit}{'s' if r > 1 else ''}: {result['nodes_step_s']:.3f} s/step "
+        f"({result['ratio']:.2f}x the single node)"
+    )
+    print(
+        f"  cross-node all-reduce (nodes lane): {result['all_reduce_s'] * 1e3:.1f} ms/step "
+        f"= {result['share']:.1%} of the {n}-node step"
+    )
+    if cuda:
+        forced = " ".join(f"{k}={v}" for k, v in result["nccl_net_env"].items())
+        print(
+            f"  between the nodes, NCCL: {_transports(result['nodes_transports'])}"
+            + (f" ({forced})" if forced else " (NCCL's own choice on one host)")
+        )
+    print(
+        f"  loss parity: max |dloss| {result['max_abs_dloss']:.2e} over all {args.steps} steps "
+        "(same seeded model, data and global batch)"
+    )

@@ -6,14 +6,15 @@ GPUs with a timed step; cached like ``slidedp profile``):
 
 - the decoder layer's forward and backward per layer policy of the run, at the run's batch per
   rank and sequence, with its layer compute (``profile.layer``);
-- the host AdamW rate under the GPU's copies, and the H2D and D2H rates measured meanwhile
-  (``profile.host``, the engine's update thread count);
+- the host AdamW rate under the GPU's copies (``profile.host``, the engine's update thread
+  count);
 - on several ranks, the layer-sized ``reduce`` and ``all_gather`` of the same command's
   collectives run (``bench.collectives``).
 
 Assumed (``plan.timing``): the head's and embedding's compute from FLOPs at the measured layer
-efficiency. The prediction is ``plan.timing.spec_from_shapes`` (routes and ranks included)
-through the Rust model; the printed error is predicted / measured - 1.
+efficiency, the copies at the PCIe ceilings. The prediction is ``plan.timing.spec_from_shapes``
+(routes and ranks included) through the Rust model; the error printed is predicted / measured
+- 1.
 
 Example::
 
@@ -28,6 +29,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,13 +92,13 @@ def _ours_runtime(report: dict[str, Any], run: dict[str, Any]) -> Any:
     return RuntimeSection(**given)
 
 
-def _links(report: dict[str, Any], host: dict[str, Any]) -> Any:
-    """Copy rates under AdamW from the host probe, collective rates from the same command."""
+def _links(report: dict[str, Any]) -> Any:
+    """The collectives' rates from the same command; the copies at ``plan.timing``'s PCIe
+    ceilings (the host probe's joint copy rates are paced by its AdamW passes, not a copy
+    engine's capacity)."""
     from slidedp.plan.timing import Links
 
     rates: dict[str, float] = {}
-    if host.get("joint_h2d_gbps"):
-        rates |= {"h2d_gbps": host["joint_h2d_gbps"], "d2h_gbps": host["joint_d2h_gbps"]}
     rows = report.get("collectives", {}).get("rows", [])
     for row in rows:
         if row["size"] == "layer" and row["op"] in ("reduce", "all_gather"):
@@ -104,9 +106,17 @@ def _links(report: dict[str, Any], host: dict[str, Any]) -> Any:
     return Links(**rates, source="measured" if rates else "assumed")
 
 
-def predict_report(report: dict[str, Any], config_dir: Path) -> list[dict[str, Any]]:
-    """The prediction of each finished run of ours (``config_dir``: the bench's model)."""
+Probe = Callable[[str, dict[str, Any], Path], dict[str, Any]]
+
+
+def predict_report(
+    report: dict[str, Any], config_dir: Path, probe: Probe = _probe
+) -> list[dict[str, Any]]:
+    """The prediction of each finished run of ours (``config_dir``: the bench's model;
+    ``probe``: measures here, or reads earlier probes: ``main``)."""
+    from slidedp.estimate import _gpu_peak
     from slidedp.models.hf import HFAdapter
+    from slidedp.plan.cost import layer_footprint
     from slidedp.plan.policy import resolve_policy
     from slidedp.plan.timing import Ranks, layer_times, predict_step, spec_from_shapes
     from slidedp.profile.host import model_gbps
@@ -116,8 +126,10 @@ def predict_report(report: dict[str, Any], config_dir: Path) -> list[dict[str, A
         return []
     device = report["device"]
     adapter = HFAdapter.from_dir(config_dir)
-    host = _probe("host", {"device": device}, config_dir / "host.json")
-    links = _links(report, host)
+    host = probe("host", {"device": device}, config_dir / "host.json")
+    # the layer efficiency of plan.timing is a share of the dense bf16 peak of the GPU's kind
+    peak = _gpu_peak(report["device_name"])[0] or report["peak_flops"] or 1e12
+    links = _links(report)
     clipping = float(report["ours_config"]["train"]["max_grad_norm"]) > 0
     out = []
     for run in runs:
@@ -135,12 +147,17 @@ def predict_report(report: dict[str, Any], config_dir: Path) -> list[dict[str, A
             "layer_kernels": rt.kernels, "layer_compile": rt.compile,
         }  # fmt: skip
         path = config_dir / f"layer-b{run['batch']}-{families}-{ratios}.json"
-        layer = _probe("layer", profile_args, path)
+        layer = probe("layer", profile_args, path)
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        offloaded = [
+            layer_footprint(adapter, p, run["batch"], report["seq_len"], dtype).offloaded_bytes
+            for p in policy.layers
+        ]
         ranks = Ranks(run.get("world", 1), policy.grad_route, policy.param_route)
         spec = spec_from_shapes(
             adapter, policy, batch=run["batch"], seq_len=report["seq_len"],
-            peak_flops=report["peak_flops"] or 1e12, adamw_gbps=model_gbps(host),
-            clipping=clipping, offloaded_bytes=[0] * adapter.num_layers,
+            peak_flops=peak, adamw_gbps=model_gbps(host),
+            clipping=clipping, offloaded_bytes=offloaded,
             measured=layer_times(layer), ranks=ranks, links=links,
         )  # fmt: skip
         predicted = predict_step(spec)
@@ -155,10 +172,10 @@ def predict_report(report: dict[str, Any], config_dir: Path) -> list[dict[str, A
     return out
 
 
-def print_predictions(rows: list[dict[str, Any]]) -> None:
+def print_predictions(rows: list[dict[str, Any]], calibration: str = "here") -> None:
     if not rows:
         return
-    print("step-time model (calibrated here: layer profile, host probe, collectives):")
+    print(f"step-time model (calibrated {calibration}: layer profile, host probe, collectives):")
     print(f"{'batch':>5} {'ranks':>5} {'route':<16} {'measured':>9} {'model':>8} {'error':>7}  "
           "exposed waits measured | model")  # fmt: skip
     for r in rows:
@@ -171,6 +188,87 @@ def print_predictions(rows: list[dict[str, Any]]) -> None:
 def _waits(exposed: dict[str, float]) -> str:
     """The exposed waits of 5 ms or more, in ms."""
     return ", ".join(f"{k} {v * 1e3:.0f}" for k, v in exposed.items() if v >= 5e-3) or "-"
+
+
+LAYER_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads",
+              "num_key_value_heads", "head_dim")  # fmt: skip
+
+
+def _layer_of(shape: Any) -> tuple[Any, ...]:
+    """What fixes a decoder layer's time: from a shape name or a profile's config dict."""
+    from slidedp.bench.shapes import SHAPES, resolve_shape
+
+    if isinstance(shape, str):
+        if shape not in SHAPES and not Path(shape).exists():
+            return ()
+        shape = resolve_shape(shape).to_dict()
+    return tuple(shape.get(k) for k in LAYER_KEYS) if isinstance(shape, dict) else ()
+
+
+def _from_files(probes: Path, layer: tuple[Any, ...], host_gbps: float | None) -> Probe:
+    """Reads the probes ``predict_report`` asks for from ``probes`` (reports of ``slidedp
+    profile layer --json`` / ``profile host --json`` or of this module's children); a layer
+    profile counts where its layer (``_layer_of``) is ``layer``."""
+    reports: list[dict[str, Any]] = []
+    for path in sorted(probes.glob("*.json")):
+        try:
+            reports.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"cannot read the probe {path}: {e}") from None
+
+    def probe(kind: str, args: dict[str, Any], _out: Path) -> dict[str, Any]:
+        if kind == "host":
+            if host_gbps:
+                return {"adamw_gbps": host_gbps}
+            found = [r for r in reports if "adamw_gbps" in r]
+            if not found:
+                raise ConfigError(f"no host probe in {probes}: add one or give --host-gbps")
+            return found[-1]
+        wanted = set(args["families"].split(","))
+        for r in reports:
+            names = {c["policy"].rsplit("-r", 1)[0] for c in r.get("candidates", [])}
+            at = (r.get("batch"), r.get("seq_len")) == (args["batch"], args["seq_len"])
+            if at and wanted <= names and _layer_of(r.get("shape")) == layer:
+                return r
+        raise ConfigError(
+            f"no layer profile of this model's layer at batch {args['batch']} x "
+            f"{args['seq_len']} with {args['families']} in {probes}"
+        )
+
+    return probe
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("report", help="a `slidedp bench train --json` report")
+    parser.add_argument("--probes", required=True, help="a folder of layer and host probes")
+    parser.add_argument(
+        "--host-gbps", type=float, default=None, help="the host AdamW rate, instead of a probe"
+    )
+    parser.add_argument("--json", help="also write the predictions here")
+
+
+def main(args: argparse.Namespace) -> int:
+    """``slidedp bench predict REPORT --probes DIR``: ``--predict`` for a report measured
+    earlier, from probes run apart (on the same machine kind)."""
+    import tempfile
+
+    from slidedp.bench.shapes import cut_layers, resolve_shape
+
+    try:
+        report = json.loads(Path(args.report).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read the report {args.report}: {e}") from None
+    config = resolve_shape(report["shape"])
+    if int(config.num_hidden_layers) != report["model"]["layers"]:
+        config = cut_layers(config, report["model"]["layers"])
+    probe = _from_files(Path(args.probes), _layer_of(config.to_dict()), args.host_gbps)
+    with tempfile.TemporaryDirectory(prefix="slidedp-predict-") as tmp:
+        config.to_json_file(Path(tmp) / "config.json")
+        rows = predict_report(report, Path(tmp), probe)
+    print_predictions(rows, f"from {args.probes}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
 
 
 if __name__ == "__main__":  # a probe's child: KIND ARGS_JSON OUT

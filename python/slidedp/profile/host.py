@@ -56,7 +56,8 @@ STATE_MIB = 512
 GROUPS = 8
 GRAD_SLOTS = 4  # the engine's gradient ring (runtime.grad_slots)
 COLUMNS = 1024  # the parameters are matrices: weight decay applies, as to a layer's weights
-BUDGET_S = 0.8  # per measurement, alone and under DMA: the probe stays under ~3 s
+BUDGET_S = 0.8  # per rate, alone and under DMA, all repeats: the probe stays under ~3 s
+REPEATS = 3
 IN_FLIGHT = 2  # copies queued per stream, so the DMA never pauses and never runs far ahead
 DRAIN_TIMEOUT_S = 600.0
 # any gradient: the kernel's time does not depend on the values (no denormals from this one)
@@ -209,19 +210,22 @@ class _Bench:
 def _measure(
     threads: int, device: torch.device, state_bytes: int, budget_s: float
 ) -> dict[str, Any]:
+    """The best of ``REPEATS`` measurements of each rate: another tenant of the host can only
+    slow a measurement down (on the H100 machines one probe read 58 GB/s under DMA where the
+    engine's update lane ran at 99-112 and another probe at 120)."""
     bench = _Bench(state_bytes, threads, device.type == "cuda")
     bench.busy_s(1)  # warm-up: fresh shared memory faults its pages in
     first = bench.busy_s(1)
-    more = max(1, min(1000, round(budget_s / max(first, 1e-6)) - 1))
-    passes = 1 + more
+    passes = max(1, min(1000, round(budget_s / REPEATS / max(first, 1e-6))))
     rates: dict[str, Any] = {
         "params": bench.group_params * GROUPS,
         "passes": passes,
-        "adamw_gbps": bench.gbps(passes, first + bench.busy_s(more)),
+        "adamw_gbps": max(bench.gbps(passes, bench.busy_s(passes)) for _ in range(REPEATS)),
         "joint_adamw_gbps": None,
     }
     if device.type == "cuda":
-        rates |= _under_dma(bench, passes, device)
+        joint = [_under_dma(bench, passes, device) for _ in range(REPEATS)]
+        rates |= max(joint, key=lambda r: r["joint_adamw_gbps"])
     return rates
 
 

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Issue 15's error table on one GPU (one device call, < 10 minutes): the probes first, then the
+# runs, each part with its own timeout; the predictions are made afterwards, here:
+#   slidedp bench predict OUT/RUN.json --probes OUT
+# Here first:  rm -f dist/*.whl; .venv/bin/maturin build --release -o dist/ -q
+# Device call: carry ["dist"], command `PARTS=first bash benches/gpu_model.sh` (then second)
+# Layer compute: the default (eager kernels, compiled; Liger not installed here).
+OUT=${OUT:-out/gpu-model}
+set -u
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+LOG="$OUT/log.txt"
+python3 -m pip install -q --no-deps --force-reinstall dist/*.whl
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$LOG"
+part() {  # part NAME SECONDS COMMAND...
+    local name=$1 seconds=$2
+    shift 2
+    echo "== $name ($(date -u +%T), timeout ${seconds}s): $*" | tee -a "$LOG"
+    timeout "$seconds" "$@" >>"$LOG" 2>&1
+    echo "== $name: exit $? ($(date -u +%T))" | tee -a "$LOG"
+}
+layer() {  # layer SHAPE BATCH [FAMILIES [RATIOS]]: bench.predict's layer probe
+    local args="{\"shape\": \"$1\", \"batch\": $2, \"seq_len\": 1024, \"families\": \"${3:-F}\",
+        \"ratios\": \"${4:-0}\", \"device\": \"cuda\", \"dtype\": \"bfloat16\", \"warmup\": 2,
+        \"steps\": 5, \"cache_dir\": null, \"force\": false, \"layer_kernels\": \"auto\",
+        \"layer_compile\": null}"
+    part "layer-$1-b$2-${3:-F}" 60 python3 -m slidedp.bench.predict layer "$args" \
+        "$OUT/layer-$1-b$2-$(echo "${3:-F}" | tr , +).json"
+}
+part host 60 python3 -m slidedp.bench.predict host '{"device": "cuda"}' "$OUT/host.json"
+BENCH=(python3 -m slidedp bench train --systems ours --warmup 2 --steps 3)
+case ${PARTS:-first} in
+    first)  # 5 runs: Qwen3-1.7B B=4..32 with clipping, Qwen3-4B B=16 without
+        for b in 4 8 16 32; do layer qwen3-1.7b $b; done
+        layer qwen3-4b 16
+        part sweep-1.7b 300 "${BENCH[@]}" --shape qwen3-1.7b --sweep 4,8,16,32 \
+            --json "$OUT/sweep-1.7b.json"
+        part 4b-noclip 150 "${BENCH[@]}" --shape qwen3-4b --batch 16 \
+            --set train.max_grad_norm=0 --json "$OUT/4b-b16-noclip.json" ;;
+    second)  # Qwen3-4B: B=4 clipped, B=16 offload 1 unclipped, B=16 the mixed layout clipped
+        layer qwen3-4b 4
+        layer qwen3-4b 16 F 1
+        layer qwen3-4b 16 SAC.mm,N
+        part 4b-b4 150 "${BENCH[@]}" --shape qwen3-4b --batch 4 --json "$OUT/4b-b4.json"
+        part 4b-offload 150 "${BENCH[@]}" --shape qwen3-4b --batch 16 \
+            --set train.max_grad_norm=0 --set runtime.offload_ratio=1 \
+            --json "$OUT/4b-b16-offload1-noclip.json"
+        part 4b-mixed 150 "${BENCH[@]}" --shape qwen3-4b --batch 16 \
+            --set "runtime.layers=24xSAC.mm, 12xN" --json "$OUT/4b-b16-mixed.json" ;;
+esac
+grep -E "^ +[0-9]+ ours|== " "$LOG" | tail -20

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Issue 21 on nvidia-h200-x2, one device call per part set (each < 10 minutes):
+#   PARTS=m17  Qwen3-1.7B, B=4 and B=32 per GPU: ours on 1 GPU and on 2 GPUs over the four
+#              routes, each predicted by the step-time model calibrated in the same command
+#   PARTS=m4a / m4b  the same for Qwen3-4B at B=4 / B=16
+# Here first:  rm -f dist/*.whl; .venv/bin/maturin build --release -o dist/ -q
+# Device call: carry ["dist"], command `PARTS=m17 bash benches/gpu_two.sh`
+# Layer compute: eager (Liger not installed here, so no Triton compile on a fresh machine);
+# clipping 1.0 (the default); the BF16 mirror on for one GPU too (this host's MemTotal starts
+# small and grows, so the default would decide from too little).
+OUT=${OUT:-out/gpu-two}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+set -u
+export PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+LOG="$OUT/log.txt"
+python3 -m pip install -q --no-deps --force-reinstall dist/*.whl
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$LOG"
+part() {  # part NAME SECONDS COMMAND...
+    local name=$1 seconds=$2
+    shift 2
+    echo "== $name ($(date -u +%T), timeout ${seconds}s): $*" | tee -a "$LOG"
+    timeout "$seconds" "$@" >>"$LOG" 2>&1
+    echo "== $name: exit $? ($(date -u +%T))" | tee -a "$LOG"
+}
+routes() {  # routes SHAPE BATCH ROUTES SECONDS
+    part "$1-b$2" "$4" python3 -m slidedp bench train --shape "$1" --batch "$2" --gpus 2 \
+        --routes "$3" --systems ours --warmup 2 --steps 3 \
+        --set runtime.bf16_mirror=true --json "$OUT/$1-b$2.json"
+}
+layer() {  # layer SHAPE BATCH: the calibration probe of bench.predict, F-r0, eager
+    local args="{\"shape\": \"$1\", \"batch\": $2, \"seq_len\": 1024, \"families\": \"F\",
+        \"ratios\": \"0\", \"device\": \"cuda\", \"dtype\": \"bfloat16\", \"warmup\": 2,
+        \"steps\": 5, \"cache_dir\": null, \"force\": false, \"layer_kernels\": \"auto\",
+        \"layer_compile\": null}"
+    part "layer-$1-b$2" 60 python3 -m slidedp.bench.predict layer "$args" "$OUT/layer-$1-b$2.json"
+}
+case ${PARTS:-m17} in
+    # the layer probes alone (on any H200: the same GPU as the x2 machine's)
+    probes) for sb in qwen3-1.7b:4 qwen3-1.7b:32 qwen3-4b:4 qwen3-4b:16; do
+            layer "${sb%:*}" "${sb#*:}"; done ;;
+    # each run starts in about 60 s here (a fresh store faults in at ~3 s per 8 GiB)
+    m17) routes qwen3-1.7b 4 all 230; routes qwen3-1.7b 32 all 320 ;;
+    # the probes of the runs above and below, the routes m17 did not reach, Qwen3-4B B=16
+    p2) part host 60 python3 -m slidedp.bench.predict host '{"device": "cuda"}' "$OUT/host.json"
+        for sb in qwen3-1.7b:4 qwen3-1.7b:32 qwen3-4b:16; do layer "${sb%:*}" "${sb#*:}"; done
+        routes qwen3-1.7b 4 replicated/cpu,sharded/gpu,sharded/cpu 240
+        routes qwen3-4b 16 replicated/gpu 200 ;;
+esac
+grep -E "^ +[0-9]+ +[12] |step-time model|== " "$LOG" | tail -30
