@@ -47,5 +47,13 @@ case ${PARTS:-first} in
             --json "$OUT/4b-b16-offload1-noclip.json"
         part 4b-mixed 150 "${BENCH[@]}" --shape qwen3-4b --batch 16 \
             --set "runtime.layers=24xSAC.mm, 12xN" --json "$OUT/4b-b16-mixed.json" ;;
+    third)  # the mixed layout's probe; Qwen3-1.7B B=16 without the mirror; Qwen3-4B B=8 unclipped
+        layer qwen3-4b 16 SAC.mm,N
+        layer qwen3-1.7b 16
+        layer qwen3-4b 8
+        part 1.7b-cast 150 "${BENCH[@]}" --shape qwen3-1.7b --batch 16 \
+            --set runtime.bf16_mirror=false --json "$OUT/1.7b-b16-cast.json"
+        part 4b-b8 150 "${BENCH[@]}" --shape qwen3-4b --batch 8 --set train.max_grad_norm=0 \
+            --json "$OUT/4b-b8-noclip.json" ;;
 esac
 grep -E "^ +[0-9]+ ours|== " "$LOG" | tail -20

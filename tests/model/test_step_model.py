@@ -128,10 +128,9 @@ def _route_step(ranks: Ranks, *, batch: int, clipping: bool) -> dict[str, Any]:
     from slidedp.plan.policy import resolve_policy
 
     adapter = HFAdapter(resolve_shape("qwen3-1.7b"))
-    runtime = dataclasses.replace(
-        RuntimeSection(), gpus=ranks.count, grad_route=ranks.grad_route,
-        param_route=ranks.param_route,
-    )  # fmt: skip
+    runtime = dataclasses.replace(RuntimeSection(), gpus=ranks.count)
+    runtime = dataclasses.replace(runtime, grad_route=ranks.grad_route)
+    runtime = dataclasses.replace(runtime, param_route=ranks.param_route)
     policy = resolve_policy(runtime, adapter, mirror=True, device=torch.device("cuda"))
     links = Links(h2d_gbps=55, d2h_gbps=54, reduce_gbps=301, gather_gbps=320)
     spec = spec_from_shapes(
