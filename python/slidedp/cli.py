@@ -49,11 +49,18 @@ def _train(config: str, overrides: list[str]) -> int:
     ctx = Dist.from_env()
     rt = cfg.runtime
     if ctx is None and (rt.world > 1 or rt.nodes > 1):  # start the ranks (each runs this verb)
+        from slidedp.plan.auto import AUTO, chosen_overrides
         from slidedp.runtime.launch import Node, launch
 
-        check_before_training(cfg)  # a refusal is one line, before any rank starts
+        # a refusal is one line, before any rank starts; runtime.policy=auto is chosen here,
+        # once (its measurements in a child process), and every rank runs the choice
+        checked = check_before_training(cfg, measure_policy=True)
+        if checked.policy_line:
+            print(checked.policy_line, flush=True)
+        chosen = chosen_overrides(checked.cfg) if rt.policy == AUTO else []
         node = Node(rt.nodes, rt.node_rank, rt.master_addr, rt.master_port)
-        return launch(rt.world, ["train", config, *overrides], node=node if rt.nodes > 1 else None)
+        argv = ["train", config, *overrides, *chosen]
+        return launch(rt.world, argv, node=node if rt.nodes > 1 else None)
     if ctx is not None and not ctx.main:  # rank 0 prints, checks and writes
         from slidedp.runtime.trainer import Trainer
 

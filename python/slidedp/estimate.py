@@ -6,7 +6,9 @@ Run: ``slidedp estimate CONFIG.yaml [section.key=value ...] [--json]``; ``slided
 The model comes from ``HFAdapter.from_dir`` (meta device: no weight is read or allocated). ``L``
 decoder layers, hidden ``H``, intermediate ``I``, ``d_q = heads * head_dim``, ``d_kv = kv_heads *
 head_dim``, vocabulary ``V``, ``N`` parameters; ``B = train.global_batch_size`` rows of ``S =
-data.seq_len`` tokens (an upper bound: unpacked rows are padded to the batch's longest); ``e`` the
+data.seq_len`` tokens (an upper bound: unpacked rows are padded to the batch's longest), of which
+each of ``R`` ranks (``runtime.gpus``/``ranks``) holds ``B/R``: the device terms below are one
+rank's at ``B/R`` rows, the offload arena and a CPU rank's working set count ``R`` times; ``e`` the
 compute dtype's bytes (2 for bf16 on CUDA, 4 for f32 on CPU); the per-layer activation layout
 is the run's ``Policy`` (``plan.policy``), its memory ``plan.cost`` (measured by running the
 engine's own executors on the meta device).
@@ -109,6 +111,7 @@ from slidedp.plan.layout import LayerPolicy
 from slidedp.plan.policy import Policy, resolve_policy, store_args
 from slidedp.plan.timing import (
     ADAMW_BYTES_PER_PARAM,
+    Links,
     Ranks,
     layer_times,
     predict_step,
@@ -398,7 +401,8 @@ def estimate_run(
         adapter.num_layers,
         cfg.runtime,
     )
-    tokens = b * s
+    rows = b // (rt.world * rt.nodes)  # a rank's share of the batch: its activations, its loss
+    tokens = rows * s
     largest_layer = max(groups[adapter.layer_group(i)]["slot_len"] for i in range(layers))
     own = groups[adapter.embed_group]["slot_len"] + groups[adapter.head_group]["slot_len"]
     policy = plan_policy(cfg, adapter, machine)
@@ -406,7 +410,7 @@ def estimate_run(
     window = (slots * largest_layer + own) * elem
     loss = min(rt.loss_chunk_tokens, tokens) * adapter.vocab_size * 4 * LOSS_F32_COPIES
     dtype = torch.bfloat16 if elem == 2 else torch.float32
-    acts = layout_memory(adapter, policy.layers, b, s, dtype)
+    acts = layout_memory(adapter, policy.layers, rows, s, dtype)
     layer = acts.transient_bytes
     checkpoints = acts.retained_bytes + acts.prefetch_bytes
     parked = params * elem if cfg.train.max_grad_norm > 0 else 0
@@ -414,7 +418,7 @@ def estimate_run(
     per_layer = resident_layer_bytes(adapter, dtype, clipping=clipping)
     resident = sum(per_layer[: policy.resident_layers])
     working = window + loss + layer + max(checkpoints, parked) + resident
-    arena = acts.offloaded_bytes
+    arena = acts.offloaded_bytes * rt.world  # each rank of this node pins its own
     store = int(layout["regions"]["total_bytes"])
     slot_len = int(layout["slot_len"])
     mirror = int(layout["mirror_len"]) * 2  # page-locked like the slots
@@ -434,7 +438,7 @@ def estimate_run(
             peak + CUDA_CONTEXT_BYTES,
         )
     process = CUDA_PROCESS_BYTES if cuda else CPU_PROCESS_BYTES
-    cpu_working = 0 if cuda else working
+    cpu_working = 0 if cuda else working * rt.world  # CPU ranks: each its own, in host RAM
     rate = host_rate(update_threads(cfg, machine), machine)
     return Estimate(
         model=f"{adapter.config.model_type} ({cfg.model.path})",
@@ -445,7 +449,7 @@ def estimate_run(
         batch=b,
         seq_len=s,
         layout=policy.layout,
-        layout_rows=_layout_rows(adapter, policy.layers, b, s, dtype),
+        layout_rows=_layout_rows(adapter, policy.layers, rows, s, dtype),
         resident_layers=policy.resident_layers,
         resident_bytes=resident,
         clipping=clipping,
@@ -543,6 +547,7 @@ def _step_model(
     rt = cfg.runtime
     b, s = cfg.train.global_batch_size // rt.world, cfg.data.seq_len  # per rank
     offloaded = [layer_footprint(adapter, p, b, s, dtype).offloaded_bytes for p in policy.layers]
+    links, links_measured = _links(rt.world, adapter, machine)
     spec = spec_from_shapes(
         adapter,
         policy,
@@ -554,13 +559,34 @@ def _step_model(
         offloaded_bytes=offloaded,
         measured=measured,
         ranks=Ranks(rt.world, rt.grad_route, rt.param_route),
+        links=links,
     )
     covered = sum(str(p) in measured for p in policy.layers)
     measured_parts = [f"layer profile: {covered} of {len(policy.layers)} layers"] * bool(covered)
     if rate.source.startswith("measured"):
         measured_parts.append(f"host AdamW {rate.source}")
+    measured_parts += links_measured
     calibration = ", ".join(measured_parts) or "uncalibrated rates"
     return predict_step(spec) | {"calibration": calibration}
+
+
+def _links(world: int, adapter: HFAdapter, machine: Machine) -> tuple[Links, list[str]]:
+    """Several GPUs: the layer-sized reduce and all-gather between ``world`` GPUs where
+    ``profile.links`` cached them (the rates ``runtime.policy: auto`` predicts the routes
+    with), and what was measured, for the calibration line; else, and always for the copies,
+    ``plan.timing``'s assumptions (the PCIe ceilings: the host probe's joint copy rates are
+    paced by its AdamW passes, not a copy engine's capacity)."""
+    from slidedp.plan.measure import layer_numel
+    from slidedp.profile.links import cached_links
+
+    probe = None
+    if world > 1 and machine.gpu_name is not None:
+        probe = cached_links(world, machine.gpu_name, layer_numel(adapter))
+    if probe is None:
+        return Links(), []
+    links = Links(reduce_gbps=probe["reduce_gbps"], gather_gbps=probe["gather_gbps"],
+                  source="measured")  # fmt: skip
+    return links, ["reduce and all_gather between the GPUs (cached)"]
 
 
 def _layout_rows(

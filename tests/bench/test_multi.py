@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from bench.tiny import tiny_spec, write_tiny_config
+from host_profile.fake import cache_rate
 from slidedp.bench import multi
 from slidedp.bench import train as bench_train
 from slidedp.bench.child import run_child
@@ -20,7 +21,9 @@ from slidedp.bench.measure import RunSpec
 from slidedp.bench.ours import ours_raw_config
 from slidedp.bench.train import ours_config
 from slidedp.cli import build_parser, main
+from slidedp.config import config_from_dict
 from slidedp.errors import ConfigError
+from slidedp.estimate import Machine, update_threads
 
 OPS = {"all_gather", "reduce", "all_reduce"}
 
@@ -75,6 +78,50 @@ def test_fsdp2_on_two_ranks_on_cpu(tmp_path: Path) -> None:
     assert len(result["step_times_s"]) == 2
     assert all(5.0 < loss < 6.0 for loss in result["losses"])  # about ln(256)
     assert peak_pss_bytes > 0
+
+
+def test_ours_with_auto_on_two_ranks_chooses_once_in_their_launcher(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--routes auto``: the ranks' launcher resolves runtime.policy=auto (measuring in a child
+    process), both ranks train its choice, the result says what it chose."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    spec = tiny_spec(tmp_path / "m", "ours", ["runtime.policy=auto"])
+    spec = dataclasses.replace(spec, world=2, auto_routes=True)
+    assert spec.name == "ours-b2-x2-auto"
+    cfg = config_from_dict(ours_raw_config(spec, tmp_path / "d.jsonl", tmp_path / "o"))
+    cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 3.0)  # no probe
+    result, _ = run_child(spec, tmp_path)
+    assert result["status"] == "ok", result
+    assert result["policy"].startswith(f"policy   auto: {result['layout']}, 0 GPU-resident")
+    assert "measured in a child process" in result["policy"]
+    assert "host AdamW 3 GB/s measured (cached)" in result["policy"]
+    assert result["chosen_route"] == "replicated/gpu"  # on CPU ranks: the config's
+    assert result["tokens_per_step"] == 2 * 2 * 16
+    assert len(list((tmp_path / "cache").rglob("layer-*.json"))) == 1
+
+
+def test_routes_auto_beside_the_fixed_default(tmp_path: Path) -> None:
+    """One command runs the fixed default and AutoPolicy on N ranks: ``--routes X,auto``."""
+    args = ["bench", "train", "--ranks", "2", "--routes", "replicated/gpu,auto"]
+    scale = multi.parse_scale(build_parser().parse_args(args), ["ours"], "cpu", ours_config([]))
+    assert scale is not None
+    assert scale.routes == (("replicated", "gpu"), multi.AUTO_ROUTE)
+    assert scale.main_route == ("replicated", "gpu")
+    single = dataclasses.replace(tiny_spec(tmp_path / "m", "ours"), batch=4)
+    fixed, chosen = multi.scaled_specs(single, ["ours"], scale)
+    assert (fixed.ours["runtime"]["policy"], fixed.auto_routes) == ("", False)
+    assert (chosen.ours["runtime"]["policy"], chosen.auto_routes) == ("auto", True)
+    assert [multi.run_keys(s)["route"] for s in (fixed, chosen)] == ["replicated/gpu", "auto"]
+    assert [s.name for s in (fixed, chosen)] == ["ours-b4-x2-replicated-gpu", "ours-b4-x2-auto"]
+    # --set runtime.policy=auto alone: auto chooses the route too
+    auto = ours_config(["runtime.policy=auto"])
+    only = multi.parse_scale(build_parser().parse_args(args[:4]), ["ours"], "cpu", auto)
+    assert only is not None
+    assert only.routes == (multi.AUTO_ROUTE,)
+    layers = ours_config(["runtime.layers=N"])
+    with pytest.raises(ConfigError, match=r"^route auto: runtime\.policy=auto chooses"):
+        multi.parse_scale(build_parser().parse_args(args), ["ours"], "cpu", layers)
 
 
 INJECT = """
@@ -197,7 +244,7 @@ def test_route_table_scaling_and_a_failed_route(
         printed
     )
     assert "ours/fsdp2 10.00x, ours/reference (projected) 0.50x" in printed
-    assert "    2 sharded/cpu           ERROR" in printed
+    assert f"    2 {'sharded/cpu':<22} {'ERROR':>10}" in printed
     assert "reduce       layer" in printed
 
 

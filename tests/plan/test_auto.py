@@ -4,13 +4,17 @@ settings that contradict ``auto`` are one line."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import yaml
 
 from engine.tiny import make_model, read_metrics, write_config, write_data
+from host_profile.fake import cache_rate
 from slidedp.cli import main
+from slidedp.config import load_config
+from slidedp.estimate import Machine, update_threads
 from slidedp.plan import auto
 from slidedp.plan.layout import parse_layout
 
@@ -44,7 +48,10 @@ def test_auto_profiles_once_chooses_and_trains_as_the_chosen_layout(
     assert resolved["runtime"]["policy"] == ""
     resident = resolved["runtime"]["resident_layers"]
     assert resident == 0  # on CPU nothing is GPU-resident
-    assert line.startswith(f"policy   auto: {layout}, 0 GPU-resident, predicted ")
+    # the choice, or all F kept where the best is not 5% faster: both happen here, from this
+    # 2-core machine's timings of a 3-layer model under load
+    assert line.startswith(f"policy   auto: {layout}, 0 GPU-resident")
+    assert ", predicted " in line or " kept: the best layout" in line
     assert len(parse_layout(layout, LAYERS, 0.0)) == LAYERS
     assert len(list((tmp_path / "slidedp" / "profile").glob("layer-*.json"))) == 1
     assert len(list((tmp_path / "slidedp" / "profile").glob("host-*.json"))) == 1
@@ -63,13 +70,40 @@ def test_auto_profiles_once_chooses_and_trains_as_the_chosen_layout(
     assert losses == [m["loss"] for m in read_metrics(tmp_path / "by_hand")]
 
 
+def test_auto_on_two_cpu_ranks_chooses_once_in_the_launcher(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """``slidedp train runtime.ranks=2``: the launcher measures in a child process, chooses
+    once, and both ranks train the choice (the routes stay the config's on CPU); the resolved
+    config and the checkpoint record it."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = _config(tmp_path, "ranks", policy="auto", ranks=2, device="cpu")
+    cfg = load_config(path, [])
+    cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 3.0)  # no probe
+    assert main(["train", str(path)]) == 0
+    out = capfd.readouterr().out
+    (line,) = [x for x in out.splitlines() if x.startswith("policy   auto: ")]
+    assert "measured in a child process in " in line
+    assert "host AdamW 3 GB/s measured (cached)" in line
+    assert line.endswith("; routes replicated/gpu, the config's (the route model is for GPUs)")
+    resolved = yaml.safe_load((tmp_path / "ranks" / "resolved_config.yaml").read_text())
+    rt = resolved["runtime"]
+    assert (rt["policy"], rt["resident_layers"], rt["ranks"]) == ("", 0, 2)
+    assert line.startswith(f"policy   auto: {rt['layers']}, 0 GPU-resident")
+    state = json.loads((tmp_path / "ranks" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["policy"]["layers"] == rt["layers"]
+    assert (state["policy"]["param_route"], state["policy"]["grad_route"]) == ("replicated", "gpu")
+    assert len(read_metrics(tmp_path / "ranks")) == 2
+    assert len(list((tmp_path / "slidedp" / "profile").glob("layer-*.json"))) == 1
+
+
 @pytest.mark.parametrize(
     ("runtime", "message"),
     [
         ({"policy": "auto", "layers": "N"}, "runtime.policy=auto chooses runtime.layers"),
         (
-            {"policy": "auto", "ranks": 2, "device": "cpu"},
-            "runtime.policy=auto chooses the layout of one process",
+            {"policy": "auto", "device": "cpu", "nodes": 2, "master_addr": "127.0.0.1"},
+            "runtime.policy=auto chooses for the GPUs of one host, not for 2 nodes",
         ),
     ],
 )

@@ -41,6 +41,8 @@ class RunSpec:
     host_limit_gib: float = 0.0  # > 0: the run is killed, as OOM, when its PSS passes it (child)
     timeout_s: float = 0.0  # > 0: the run is killed past it and reported as a timeout (child)
     peer: dict[str, Any] = field(default_factory=dict)  # a peer's config overrides (--peer-set)
+    # ours on several ranks with runtime.policy=auto choosing the routes too (--routes auto)
+    auto_routes: bool = False
 
     @property
     def global_batch(self) -> int:
@@ -52,7 +54,9 @@ class RunSpec:
         name = f"{self.system}-b{self.batch}"
         if self.world > 1:
             name += f"-x{self.world}"
-            if self.system == "ours":
+            if self.system == "ours" and self.auto_routes:
+                name += "-auto"
+            elif self.system == "ours":
                 runtime = self.ours["runtime"]
                 name += f"-{runtime['param_route']}-{runtime['grad_route']}"
         return name

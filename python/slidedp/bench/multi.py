@@ -11,8 +11,11 @@ Weak scaling: ``--batch``/``--sweep`` is the batch of each rank, so at batch B t
 ranks train the global batch N x B, rank ``r`` on rows ``[r*B, (r+1)*B)``. Beside the
 single-GPU runs of ``--systems`` (as without ``--gpus``), per batch: ours on N ranks once per
 route of ``--routes`` (``PARAM/GRAD``: ``replicated|sharded`` / ``gpu|cpu``, or ``all``; default
-the config's ``runtime.param_route``/``grad_route``), FSDP2-offload on N ranks (one
-``fully_shard`` process each), and once per command the collectives' bandwidths
+the config's ``runtime.param_route``/``grad_route``; ``auto``: a run with ``runtime.policy:
+auto`` that chooses its layout and routes as ``slidedp train`` would, so
+``--routes replicated/gpu,auto`` puts AutoPolicy beside the fixed default in one command; a
+fixed route with ``--set runtime.policy=auto`` chooses the layout only), FSDP2-offload on N
+ranks (one ``fully_shard`` process each), and once per command the collectives' bandwidths
 (``bench.collectives``). The compute-only reference runs on one GPU only and is projected
 (x N). ``bench.scaling`` turns the runs into the efficiencies, ratios and the route table.
 
@@ -35,17 +38,19 @@ import torch
 from slidedp.bench.measure import RunSpec
 from slidedp.config import RuntimeSection, TrainSection
 from slidedp.errors import ConfigError
+from slidedp.plan.auto import AUTO, check_auto_free
 from slidedp.runtime.dist import check_config
 
 Route = tuple[str, str]  # (param_route, grad_route)
 ROUTES: tuple[Route, ...] = tuple(
     (param, grad) for param in ("replicated", "sharded") for grad in ("gpu", "cpu")
 )
+AUTO_ROUTE: Route = ("auto", "auto")  # --routes auto: runtime.policy=auto chooses the route
 SCALED_SYSTEMS = ("ours", "fsdp2")  # the systems that run on N ranks
 
 
 def route_name(route: Route) -> str:
-    return f"{route[0]}/{route[1]}"
+    return "auto" if route == AUTO_ROUTE else f"{route[0]}/{route[1]}"
 
 
 @dataclass(frozen=True)
@@ -72,22 +77,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--routes",
         default=None,
         help="with --gpus/--ranks: ours' routes, PARAM/GRAD comma-separated "
-        "(replicated|sharded/gpu|cpu), or all; default the config's",
+        "(replicated|sharded/gpu|cpu), or all; auto: runtime.policy=auto chooses the layout and "
+        "route; default the config's (auto with --set runtime.policy=auto)",
     )
 
 
 def _routes(text: str | None, runtime: dict[str, Any]) -> tuple[Route, ...]:
     if text is None:
+        if runtime["policy"] == AUTO:
+            return (AUTO_ROUTE,)
         return ((runtime["param_route"], runtime["grad_route"]),)
     if text.strip() == "all":
         return ROUTES
     routes = []
     for item in text.split(","):
         param, _, grad = item.strip().partition("/")
+        if item.strip() == AUTO:
+            routes.append(AUTO_ROUTE)
+            continue
         if (param, grad) not in ROUTES:
             raise ConfigError(
                 f"--routes {text!r}: use all, or comma-separated PARAM/GRAD routes from "
-                f"{', '.join(map(route_name, ROUTES))}"
+                f"{', '.join(map(route_name, ROUTES))}, or auto"
             )
         routes.append((param, grad))
     return tuple(dict.fromkeys(routes))
@@ -133,25 +144,38 @@ def parse_scale(
     routes = _routes(args.routes, ours["runtime"])
     # the bench sets the global batch (world x batch): only the routes' own rules can fail here
     train = dataclasses.replace(TrainSection(**ours["train"]), global_batch_size=world)
-    for param, grad in routes:
-        runtime = RuntimeSection(**{**ours["runtime"], "param_route": param, "grad_route": grad})
+    for route in routes:
+        given = _route_runtime(ours["runtime"], route)
+        runtime = RuntimeSection(**given)
         try:
+            if route == AUTO_ROUTE:
+                check_auto_free(runtime)
             check_config(world, runtime, train)
         except ConfigError as e:
-            raise ConfigError(f"route {param}/{grad}: {e} (with --set section.key=value)") from None
+            raise ConfigError(
+                f"route {route_name(route)}: {e} (with --set section.key=value)"
+            ) from None
     config_route = (ours["runtime"]["param_route"], ours["runtime"]["grad_route"])
     main_route = config_route if config_route in routes else routes[0]
     return Scale(world, routes, main_route)
+
+
+def _route_runtime(runtime: dict[str, Any], route: Route) -> dict[str, Any]:
+    """Ours' runtime keys on ``route``: the route set, or for ``AUTO_ROUTE`` the config's
+    routes left to ``runtime.policy: auto``."""
+    if route == AUTO_ROUTE:
+        return {**runtime, "policy": AUTO}
+    return {**runtime, "param_route": route[0], "grad_route": route[1]}
 
 
 def scaled_specs(single: RunSpec, systems: list[str], scale: Scale) -> list[RunSpec]:
     """The runs of ``scale.world`` ranks at ``single``'s batch: ours per route, then fsdp2."""
     specs = []
     if "ours" in systems:
-        for param, grad in scale.routes:
-            runtime = {**single.ours["runtime"], "param_route": param, "grad_route": grad}
-            ours = {**single.ours, "runtime": runtime}
-            specs.append(dataclasses.replace(single, system="ours", world=scale.world, ours=ours))
+        for route in scale.routes:
+            ours = {**single.ours, "runtime": _route_runtime(single.ours["runtime"], route)}
+            specs.append(dataclasses.replace(single, system="ours", world=scale.world, ours=ours,
+                                             auto_routes=route == AUTO_ROUTE))  # fmt: skip
     if "fsdp2" in systems:
         specs.append(dataclasses.replace(single, system="fsdp2", world=scale.world))
     return specs
@@ -182,5 +206,6 @@ def run_keys(spec: RunSpec) -> dict[str, Any]:
     route = None
     if spec.system == "ours" and spec.world > 1:
         runtime = spec.ours["runtime"]
-        route = route_name((runtime["param_route"], runtime["grad_route"]))
+        chosen = AUTO_ROUTE if spec.auto_routes else (runtime["param_route"], runtime["grad_route"])
+        route = route_name(chosen)
     return {"world": spec.world, "route": route}

@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import tempfile
 from pathlib import Path
@@ -26,7 +27,7 @@ from transformers import AutoConfig
 from slidedp.bench.measure import RunSpec, synthetic_tokens
 from slidedp.config import TrainConfig, config_from_dict
 from slidedp.estimate import Machine
-from slidedp.plan.auto import resolve_auto
+from slidedp.plan.auto import AUTO, resolve_auto
 from slidedp.preflight import check_model
 from slidedp.runtime.dist import Dist
 from slidedp.runtime.lanes import LANES, WAITS
@@ -63,10 +64,30 @@ def ours_raw_config(spec: RunSpec, data: Path, out: Path) -> dict[str, Any]:
 
 def resolved_config(spec: RunSpec, data: Path, out: Path) -> tuple[TrainConfig, str | None]:
     """Our config for this run; with ``runtime.policy=auto`` the layout chosen (and the layer
-    profiled, when not cached) before any timed step, and the line that says so."""
+    profiled, when not cached) before any timed step, and the line that says so. On several
+    ranks only their launcher chooses (``choose_for_ranks``): the ranks get the choice."""
     cfg = config_from_dict(ours_raw_config(spec, data, out))
     machine = Machine.probe(cfg, measure=False)
-    return resolve_auto(cfg, check_model(cfg)[0], machine, measure=True)
+    fixed = None if spec.auto_routes else True  # --routes auto, or the route the bench set
+    return resolve_auto(cfg, check_model(cfg)[0], machine, measure=True, routes_fixed=fixed)
+
+
+def choose_for_ranks(spec: RunSpec, spec_path: Path) -> tuple[Path, dict[str, Any]]:
+    """In the launcher of ``spec``'s ranks: ``runtime.policy=auto`` resolved once (its
+    measurements in a child process, ``plan.measure``), written into a copy of the spec the
+    ranks read (the policy cleared, the chosen keys set), and the result's keys that say what
+    was chosen. ``spec_path`` unchanged and nothing to add without ``auto``."""
+    if spec.ours["runtime"]["policy"] != AUTO:
+        return spec_path, {}
+    with tempfile.TemporaryDirectory(prefix="slidedp-bench-") as tmp:
+        cfg, line = resolved_config(spec, Path(tmp) / "tokens.jsonl", Path(tmp) / "out")
+    rt = cfg.runtime
+    chosen = {"policy": "", "layers": rt.layers, "resident_layers": rt.resident_layers,
+              "param_route": rt.param_route, "grad_route": rt.grad_route}  # fmt: skip
+    ours = {**spec.ours, "runtime": {**spec.ours["runtime"], **chosen}}
+    path = spec_path.with_name(f"{spec_path.stem}.chosen.json")
+    path.write_text(json.dumps(dataclasses.replace(spec, ours=ours).to_json()))
+    return path, {"policy": line, "chosen_route": f"{rt.param_route}/{rt.grad_route}"}
 
 
 def auto_layout(spec: RunSpec) -> str:
@@ -104,6 +125,7 @@ def run_ours(spec: RunSpec) -> dict[str, Any]:
         "lanes_s": {k: sum(r[k] for r in records) / len(records) for k in lane_keys},
         "kernels": trainer.policy.compute.describe(),
         "layout": trainer.policy.layout,
+        "resident_layers": trainer.policy.resident_layers,
         "mirror": trainer.policy.mirror,
         **({"policy": chosen} if chosen else {}),
     }

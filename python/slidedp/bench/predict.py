@@ -81,8 +81,12 @@ def _ours_runtime(report: dict[str, Any], run: dict[str, Any]) -> Any:
 
     known = {f.name for f in dataclasses.fields(RuntimeSection)}
     given = {k: v for k, v in report["ours_config"]["runtime"].items() if k in known}
-    if run.get("route"):
-        given["param_route"], given["grad_route"] = run["route"].split("/")
+    route = run.get("chosen_route") or run.get("route")  # --routes auto: what auto chose
+    if route:
+        given["param_route"], given["grad_route"] = route.split("/")
+    if "policy" in run and "layout" in run:  # runtime.policy=auto ran: the layout it chose
+        given |= {"policy": "", "layers": run["layout"],
+                  "resident_layers": run.get("resident_layers", 0)}  # fmt: skip
     if run.get("world", 1) > 1:
         given["gpus"] = run["world"]
     return RuntimeSection(**given)

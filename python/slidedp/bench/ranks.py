@@ -42,7 +42,18 @@ def rank_result_path(result_path: Path, rank: int) -> Path:
 
 
 def launch_ranks(spec: RunSpec, spec_path: Path, result_path: Path) -> int:
-    """Run ``spec`` on ``spec.world`` ranks; writes ``result_path`` unless a rank failed."""
+    """Run ``spec`` on ``spec.world`` ranks; writes ``result_path`` unless a rank failed. Ours
+    with ``runtime.policy=auto`` is chosen here, once, and every rank runs the choice."""
+    chosen: dict[str, Any] = {}
+    if spec.system == "ours":
+        from slidedp.bench.ours import choose_for_ranks
+        from slidedp.errors import SlidedpError
+
+        try:
+            spec_path, chosen = choose_for_ranks(spec, spec_path)
+        except SlidedpError as e:
+            print(f"slidedp bench train: ours on {spec.world} ranks: {e}", file=sys.stderr)
+            return EXIT_FAILED
     code = launch(
         spec.world,
         [str(spec_path), str(result_path)],
@@ -63,7 +74,7 @@ def launch_ranks(spec: RunSpec, spec_path: Path, result_path: Path) -> int:
         result = results[0]
     else:
         return code or EXIT_FAILED
-    result_path.write_text(json.dumps(result))
+    result_path.write_text(json.dumps(result | chosen))
     return 0
 
 

@@ -72,7 +72,9 @@ def route_table(runs: list[Run], scale: Scale) -> list[Run]:
             continue
         one = _tokens_per_s(runs, r["batch"], "ours", 1, None)
         rows.append({
-            "batch": r["batch"], "route": r["route"], "status": r["status"],
+            "batch": r["batch"], "status": r["status"],
+            # --routes auto: the route runtime.policy=auto chose, beside the label
+            "route": f"{r['route']} ({r['chosen_route']})" if r.get("chosen_route") else r["route"],
             "tokens_per_s": r.get("tokens_per_s"), "step_time_s": r.get("step_time_s"),
             "efficiency": efficiency(one, r.get("tokens_per_s"), scale.world),
             "exposed_wait_s": r.get("exposed_wait_s"),
@@ -130,11 +132,11 @@ def _print_routes(report: dict[str, Any], unit: str) -> None:
         "(exposed wait: ms per step the compute lane waited on each lane)"
     )
     print(
-        f"{'batch':>5} {'param/grad':<16} {'tokens/s':>10} {'step ms':>9} {'scaling':>8} "
+        f"{'batch':>5} {'param/grad':<22} {'tokens/s':>10} {'step ms':>9} {'scaling':>8} "
         f"{'h2d':>7} {'update':>7} {'d2h':>7} {'offload':>7} {'host GiB':>9} {'GPU GiB':>8}"
     )
     for row in report["route_table"]:
-        head = f"{row['batch']:>5} {row['route']:<16}"
+        head = f"{row['batch']:>5} {row['route']:<22}"
         if row["status"] != "ok":
             print(f"{head} {row['status'].upper():>10}")
             continue

@@ -331,7 +331,7 @@ def _traced(run: RunSpec, args: argparse.Namespace, batches: int) -> dict[str, A
     path, ours = Path(args.trace), run.ours
     tag = f"-b{run.batch}" if batches > 1 else ""
     if run.world > 1:
-        tag += f"-x{run.world}-{ours['runtime']['param_route']}-{ours['runtime']['grad_route']}"
+        tag += f"-x{run.world}-{str(multi.run_keys(run)['route']).replace('/', '-')}"
     if tag:
         path = path.with_name(f"{path.stem}{tag}{path.suffix or '.json'}")
     runtime = {**ours["runtime"], "trace_path": str(path.resolve()), "trace_step": args.warmup}

@@ -1,14 +1,25 @@
 """``runtime.policy: auto``: the run chooses its own activation layout at start, as ``slidedp
-plan`` would (``plan.select``), and trains with it. The choice replaces ``runtime.layers`` in
-the run's config, so ``resolved_config.yaml`` and every checkpoint record the layout that ran,
-and a resumed run keeps it.
+plan`` would (``plan.select``), and on several GPUs of one host its routes
+(``plan.route_choice``), and trains with them. The choice replaces ``runtime.layers`` (and
+``runtime.grad_route``, ``runtime.param_route``) in the run's config, so
+``resolved_config.yaml`` and every checkpoint record the policy that ran, and a resumed run
+keeps it.
 
 ``train`` profiles the layer when the profile is not cached (on the run's device, with the
-run's batch and sequence), and probes the host AdamW rate the same way (``slidedp profile
-host``: the selector's host lane); ``validate`` and ``estimate`` never run GPU work: they use a
-cached profile, or check the default layout and say that ``train`` will choose, and a cached
-host rate or else ``estimate.ADAMW_GBPS``'s. A resumed run keeps the layout its checkpoint ran
-with.
+batch of one rank and the run's sequence), and probes the host AdamW rate the same way
+(``slidedp profile host``: the selector's host lane); ``validate`` and ``estimate`` never run
+GPU work: they use a cached profile, or check the default layout and say that ``train`` will
+choose, and a cached host rate or else ``estimate.ADAMW_GBPS``'s. A resumed run keeps the
+layout and routes its checkpoint ran with.
+
+Several GPUs of one host (``runtime.gpus: N``): ``slidedp train``'s launcher chooses once,
+before it starts the ranks, and passes the choice to them as overrides (``chosen_overrides``);
+the bench's launcher (``bench.ranks``) does the same. Its measurements (layer profile, host
+probe, and ``profile.links``: the layer-sized ``reduce`` and ``all_gather`` between the GPUs)
+run in a child process (``plan.measure``), so the launcher allocates nothing on the GPUs. No layer
+is GPU-resident there (refused with several ranks). CPU ranks choose the layout and keep the
+config's routes (the route model is for GPUs); several nodes, and ranks started by another
+launcher (torchrun), are refused with one line.
 
 Example::
 
@@ -23,20 +34,30 @@ import dataclasses
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slidedp.errors import ConfigError
 from slidedp.io.checkpoint import STATE_FILE
 from slidedp.plan.layout import parse_layout
+from slidedp.plan.route_choice import (
+    ROUTES,
+    Route,
+    candidate_routes,
+    choose_route,
+    route_name,
+    route_steps,
+)
 from slidedp.profile.layer import FAMILIES, RATIOS, cached_profile, profile_layer
 
 if TYPE_CHECKING:
     from slidedp.config import RuntimeSection, TrainConfig
-    from slidedp.estimate import Machine
+    from slidedp.estimate import HostRate, Machine
     from slidedp.models.hf import HFAdapter
 
 AUTO = "auto"
+CHOSEN = ("layers", "offload_ratio", "resident_layers")  # the keys auto writes (and routes)
 
 
 def profile_args(cfg: TrainConfig, **given: Any) -> argparse.Namespace:
@@ -71,31 +92,105 @@ def device_total_bytes(machine: Machine, cfg: TrainConfig, adapter: HFAdapter) -
     if machine.mem_available_bytes is None:
         raise ConfigError("runtime.policy=auto: no GPU and no MemAvailable to plan the layout for")
     est = estimate_run(cfg, adapter, machine, step_model=False)
-    return machine.mem_available_bytes - (est.ram_bytes - est.cpu_working_bytes)
+    # several CPU ranks: each holds its own activations in the same RAM
+    return (
+        machine.mem_available_bytes - (est.ram_bytes - est.cpu_working_bytes)
+    ) // cfg.runtime.world
+
+
+def chosen_overrides(cfg: TrainConfig) -> list[str]:
+    """``section.key=value`` overrides that make the ranks run ``cfg``'s resolved policy (the
+    launcher's choice), ``runtime.policy`` cleared."""
+    rt = cfg.runtime
+    keys = {"policy": "", "layers": rt.layers, "resident_layers": rt.resident_layers,
+            "param_route": rt.param_route, "grad_route": rt.grad_route}  # fmt: skip
+    return [f"runtime.{k}={v}" for k, v in keys.items()]
 
 
 def check_one_process(rt: RuntimeSection, what: str) -> None:
-    """The selector profiles and budgets one process's share of the batch on one device (a
+    """``slidedp plan`` profiles and budgets one process's share of the batch on one device (a
     launcher such as torchrun says how many processes run in ``WORLD_SIZE``)."""
     if rt.world > 1 or rt.nodes > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError(
             f"{what} chooses the layout of one process for now: for several ranks or nodes "
-            "write runtime.layers by hand (slidedp estimate checks it)"
+            "write runtime.layers by hand (slidedp estimate checks it), or let "
+            "`slidedp train` choose with runtime.policy=auto (one host)"
         )
 
 
-def _kept_layout(resume: Path | None, layers: int) -> tuple[str, int] | None:
-    """The layout and GPU-resident layer count a resumed run's checkpoint ran with
+def check_auto_launch(rt: RuntimeSection) -> None:
+    """``auto`` chooses once, before any rank starts (``slidedp train``'s launcher, the bench's):
+    a rank started by another launcher (torchrun: ``WORLD_SIZE``) cannot, and several nodes
+    would each choose for themselves."""
+    if rt.nodes > 1:
+        raise ConfigError(
+            f"runtime.policy=auto chooses for the GPUs of one host, not for {rt.nodes} nodes: "
+            "write runtime.layers and the routes by hand (slidedp estimate checks them)"
+        )
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(
+            "runtime.policy=auto chooses once, before the ranks start: start them with "
+            "`slidedp train CONFIG runtime.gpus=N` (not torchrun), or write the policy by hand"
+        )
+
+
+def check_auto_free(rt: RuntimeSection) -> None:
+    """The keys ``auto`` chooses must be left to it (detected as differing from the dataclass
+    default: a key set to its default value cannot be told from an unset one)."""
+    fixed = [k for k in CHOSEN if getattr(rt, k) != getattr(type(rt)(), k)]
+    if fixed:
+        raise ConfigError(
+            f"runtime.policy=auto chooses runtime.layers, their offload and the GPU-resident "
+            f"layers, which the config "
+            f"sets ({', '.join(f'{k}={getattr(rt, k)}' for k in fixed)}): keep one of them"
+        )
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What a resumed run's checkpoint ran with (``trainer_state.json``'s policy)."""
+
+    layers: str
+    resident_layers: int
+    route: Route  # (param_route, grad_route)
+
+
+def _kept_policy(resume: Path | None, layers: int) -> Kept | None:
+    """The layout, GPU-resident layer count and routes a resumed run's checkpoint ran with
     (``trainer_state.json``), if it has them for this model."""
     if resume is None:
         return None
     try:
         policy = json.loads((resume / STATE_FILE).read_text())["policy"]
         layout, resident = str(policy["layers"]), int(policy.get("resident_layers", 0))
+        route = (str(policy["param_route"]), str(policy["grad_route"]))
         fits = len(parse_layout(layout, layers, 0.0)) == layers and 0 <= resident <= layers
-        return (layout, resident) if fits else None
+        return Kept(layout, resident, route) if fits and route in ROUTES else None
     except (OSError, ValueError, KeyError, TypeError, ConfigError):
         return None
+
+
+def _with(cfg: TrainConfig, **runtime: Any) -> TrainConfig:
+    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, **runtime))
+
+
+def _kept_line(
+    cfg: TrainConfig, kept: Kept, candidates: list[Route], resume: Path
+) -> tuple[TrainConfig, str]:
+    """The resumed run keeps its checkpoint's layout and, where auto chooses them, routes; on
+    several ranks no layer is GPU-resident (refused there)."""
+    rt = cfg.runtime
+    resident = kept.resident_layers if rt.world == 1 else 0
+    cfg = _with(cfg, layers=kept.layers, resident_layers=resident)
+    routes = ""
+    if rt.world > 1:
+        route = kept.route if kept.route in candidates else (rt.param_route, rt.grad_route)
+        cfg = _with(cfg, param_route=route[0], grad_route=route[1])
+        routes = f", routes {route_name(route)}"
+    line = (
+        f"policy   auto: {kept.layers}, {resident} GPU-resident{routes} (kept from {resume.name})"
+    )
+    return cfg, line
 
 
 def resolve_auto(
@@ -105,53 +200,59 @@ def resolve_auto(
     *,
     measure: bool,
     resume: Path | None = None,
+    routes_fixed: bool | None = None,
 ) -> tuple[TrainConfig, str | None]:
-    """``cfg`` with ``runtime.policy: auto`` replaced by the chosen ``runtime.layers``, and the
-    line that says what was chosen and why (``cfg`` unchanged and None without ``auto``).
-    ``measure``: profile the layer when it is not cached (else check the default layout).
-    ``resume``: the checkpoint a run continues from keeps the layout it ran with."""
+    """``cfg`` with ``runtime.policy: auto`` replaced by the chosen ``runtime.layers`` (and on
+    several GPUs the routes), and the line that says what was chosen and why (``cfg``
+    unchanged and None without ``auto``). ``measure``: profile the layer when it is not cached
+    (else check the default layout); on several ranks every measurement runs in a child
+    process (``plan.measure``) and the choice is made here from the cache, once for every rank.
+    ``resume``: the checkpoint a run continues from keeps the layout and routes it ran with.
+    ``routes_fixed``: True keeps the config's routes, False lets auto choose both, None
+    (``train``) keeps each route key the config sets to another value than its default."""
     from slidedp.estimate import host_rate, update_threads
+    from slidedp.plan.measure import measure_in_child
     from slidedp.plan.select import MIN_GAIN, select_layout
 
     rt = cfg.runtime
     if rt.policy != AUTO:
         return cfg, None
-    check_one_process(rt, "runtime.policy=auto")
-    chosen = ("layers", "offload_ratio", "resident_layers")
-    fixed = [k for k in chosen if getattr(rt, k) != getattr(type(rt)(), k)]
-    if fixed:
-        raise ConfigError(
-            f"runtime.policy=auto chooses runtime.layers, their offload and the GPU-resident "
-            f"layers, which the config "
-            f"sets ({', '.join(f'{k}={getattr(rt, k)}' for k in fixed)}): keep one of them"
-        )
-    default = dataclasses.replace(cfg, runtime=dataclasses.replace(rt, policy=""))
-    kept = _kept_layout(resume, adapter.num_layers)
-    if kept is not None:
-        layers = dataclasses.replace(default.runtime, layers=kept[0], resident_layers=kept[1])
-        line = (
-            f"policy   auto: {kept[0]}, {kept[1]} GPU-resident "
-            f"(kept from {resume.name if resume else ''})"
-        )
-        return dataclasses.replace(default, runtime=layers), line
+    check_auto_launch(rt)
+    check_auto_free(rt)
+    default = _with(cfg, policy="")
+    several = rt.world > 1
+    candidates = candidate_routes(cfg, routes_fixed) if several else []
+    kept = _kept_policy(resume, adapter.num_layers)
+    if kept is not None and resume is not None:
+        return _kept_line(default, kept, candidates, resume)
+    measured_s = None
+    if measure and several:  # the launcher stays free of the measurements' device state
+        measured_s, measure = measure_in_child(cfg), False
     start = time.perf_counter()
     args = profile_args(cfg)
     report = profile_layer(args) if measure else cached_profile(args)
     if report is None:
+        what = "the default layout is" if not several else "the default layout and routes are"
         return default, (
-            "policy   auto: the layer is not profiled yet, so the default layout is checked; "
+            f"policy   auto: the layer is not profiled yet, so {what} checked; "
             "`slidedp train` profiles it and chooses"
         )
     profiled = time.perf_counter() - start
     host = host_rate(update_threads(cfg, machine), machine, measure=measure)
     total = device_total_bytes(machine, default, adapter)
     start = time.perf_counter()
-    # GPU-resident layers where there is a GPU (on CPU they would move nothing)
+    # GPU-resident layers where there is one GPU (on CPU they would move nothing; several ranks
+    # refuse them: their gradients are not reduced across ranks)
+    resident = machine.gpu_total_bytes is not None and not several
     choice = select_layout(default, adapter, machine, report, total_bytes=total,
-                           update_gbps=host.gbps,
-                           resident=machine.gpu_total_bytes is not None)  # fmt: skip
+                           update_gbps=host.gbps, resident=resident)  # fmt: skip
+    chosen = _with(default, layers=choice.layout, resident_layers=choice.resident_layers)
+    routes = _routes(chosen, adapter, machine, candidates, report, host) if several else None
     solved = time.perf_counter() - start
-    source = "cached profile" if report.get("cached") else f"profiled in {profiled:.1f} s"
+    if measured_s is not None:
+        source = f"measured in a child process in {measured_s:.1f} s"
+    else:
+        source = "cached profile" if report.get("cached") else f"profiled in {profiled:.1f} s"
     verdict = (
         f" kept: the best layout, {choice.program_layout}, is predicted {choice.gain:.2f}x, "
         f"below the {1 + MIN_GAIN:.2f}x that leaving the default needs"
@@ -166,7 +267,55 @@ def resolve_auto(
         f"{choice.budget_bytes / 2**30:.2f} GiB; {source}, host AdamW {host.gbps:.0f} GB/s "
         f"{host.source}, solved in {solved:.2f} s)"
     )
-    layers = dataclasses.replace(
-        default.runtime, layers=choice.layout, resident_layers=choice.resident_layers
+    if routes is not None:
+        chosen, said = routes
+        line += f"; routes {said}"
+    return chosen, line
+
+
+def _routes(
+    cfg: TrainConfig,
+    adapter: HFAdapter,
+    machine: Machine,
+    candidates: list[Route],
+    report: dict[str, Any],
+    host: HostRate,
+) -> tuple[TrainConfig, str]:
+    """``cfg`` on the routes ``plan.route_choice`` picks among ``candidates``, and what it says
+    (the config's routes, and why, where the model cannot predict them)."""
+    from slidedp.estimate import _gpu_peak
+    from slidedp.plan.measure import layer_numel
+    from slidedp.plan.timing import Links, layer_times
+    from slidedp.profile.links import cached_links
+
+    rt = cfg.runtime
+    config_route = (rt.param_route, rt.grad_route)
+    peak, _ = _gpu_peak(machine.gpu_name)
+    probe = None
+    if machine.device == "cuda" and machine.gpu_name is not None:
+        probe = cached_links(rt.world, machine.gpu_name, layer_numel(adapter))
+    why = None
+    if machine.device != "cuda":
+        why = "the route model is for GPUs"
+    elif peak is None:
+        why = f"no peak FLOP/s on record for {machine.gpu_name}"
+    elif probe is None:
+        why = "the links between the GPUs are not measured"
+    if why is not None or peak is None or probe is None:
+        return cfg, f"{route_name(config_route)}, the config's ({why})"
+    # the copies at the PCIe ceilings: the host probe's joint copy rates are paced by its
+    # AdamW passes, not a copy engine's capacity (as bench.predict)
+    links = Links(
+        reduce_gbps=float(probe["reduce_gbps"]),
+        gather_gbps=float(probe["gather_gbps"]),
+        source="measured",
     )
-    return dataclasses.replace(default, runtime=layers), line
+    steps = route_steps(cfg, adapter, machine, candidates, links=links, adamw_gbps=host.gbps,
+                        peak_flops=peak, measured=layer_times(report))  # fmt: skip
+    choice = choose_route(steps, config_route)
+    fixed = ", fixed by the config" if len(candidates) == 1 else ""
+    said = (
+        f"{choice.describe()}{fixed}; reduce {links.reduce_gbps:.0f}, all_gather "
+        f"{links.gather_gbps:.0f} GB/s measured, copies at the PCIe ceilings"
+    )
+    return _with(cfg, param_route=choice.route[0], grad_route=choice.route[1]), said

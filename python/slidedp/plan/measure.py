@@ -1,0 +1,117 @@
+"""The measurements ``runtime.policy: auto`` takes on several ranks, in a child process of the
+launcher: the layer profile (``profile.layer``, one rank's rows on the first device), the host
+AdamW rate with the copies under it (``profile.host``) and, on several GPUs, the layer-sized
+``reduce`` and ``all_gather`` between them (``profile.links``). Each lands in the measurement
+cache; the launcher then chooses from the cache (``plan.auto``), once for every rank, and
+passes the choice to the ranks it starts. So the launcher itself never allocates on the GPUs
+its ranks train on (it only reads their properties), nor keeps the probe's pinned store.
+
+Run by ``plan.auto`` (not by hand)::
+
+    python -m slidedp.plan.measure RESOLVED_CONFIG.yaml
+
+Exit code 0 when the layer profile and the host probe are cached (a link probe that fails is
+one warning line on stderr, and the routes stay the config's); 2 with one line on stderr for
+a ``SlidedpError``.
+
+Example::
+
+    seconds = measure_in_child(cfg)   # raises ConfigError with the child's last line
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from slidedp.errors import ConfigError, SlidedpError
+
+if TYPE_CHECKING:
+    from slidedp.config import TrainConfig
+    from slidedp.models.hf import HFAdapter
+
+EXIT_BAD_INPUT = 2
+TIMEOUT_S = 1800.0  # a first torch.compile'd profile of a large layer takes minutes
+
+
+def layer_numel(adapter: HFAdapter) -> int:
+    """Parameters of the largest decoder layer: the size of the routes' collectives."""
+    specs = adapter.group_specs()
+    return max(
+        sum(math.prod(p.shape) for p in specs[adapter.layer_group(i)].params)
+        for i in range(adapter.num_layers)
+    )
+
+
+def measure(cfg: TrainConfig) -> None:
+    """Every measurement ``plan.auto`` takes for ``cfg``, cached (measured where missing)."""
+    import torch
+
+    from slidedp.estimate import Machine, host_rate, update_threads
+    from slidedp.models.hf import HFAdapter
+    from slidedp.plan.auto import profile_args
+    from slidedp.profile.layer import profile_layer
+    from slidedp.profile.links import probe_links
+
+    machine = Machine.probe(cfg, measure=False)
+    profile_layer(profile_args(cfg))
+    host_rate(update_threads(cfg, machine), machine, measure=True)
+    world = cfg.runtime.world
+    if machine.device != "cuda" or world < 2:
+        return
+    adapter = HFAdapter.from_dir(cfg.model.path, cfg.model.config_overrides())
+    try:
+        probe_links(world, layer_numel(adapter))
+    except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # the routes stay the config's
+        line = " ".join(str(e).split())
+        print(f"slidedp train: warning: the link probe failed ({line}): "
+              "runtime.policy=auto keeps the config's routes", file=sys.stderr)  # fmt: skip
+
+
+def measure_in_child(cfg: TrainConfig) -> float:
+    """``measure(cfg)`` in a child process (the environment inherited: NCCL's settings too);
+    its seconds. Its stderr is passed on; a failure is one ``ConfigError`` with its last line."""
+    from slidedp.config import resolved_yaml
+
+    start = time.perf_counter()
+    links = ", the links between the GPUs" if cfg.runtime.gpus > 1 else ""
+    print(f"policy   auto: measuring the layer, the host{links} in a child process (cached for "
+          "the next run) ...", file=sys.stderr, flush=True)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="slidedp-auto-") as tmp:
+        path = Path(tmp) / "config.yaml"
+        path.write_text(resolved_yaml(cfg))
+        command = [sys.executable, "-m", "slidedp.plan.measure", str(path)]
+        try:
+            done = subprocess.run(command, stderr=subprocess.PIPE, text=True, timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise ConfigError(
+                f"runtime.policy=auto: its measurements ran past {TIMEOUT_S:.0f} s; measure "
+                "once with `slidedp profile layer` and `slidedp profile host`, or write the "
+                "policy by hand"
+            ) from None
+    sys.stderr.write(done.stderr)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
+        raise ConfigError(f"runtime.policy=auto: its measurements failed: {lines[-1]}")
+    return time.perf_counter() - start
+
+
+def main(argv: list[str]) -> int:
+    from slidedp.config import load_config
+
+    (config,) = argv
+    try:
+        measure(load_config(config))
+    except SlidedpError as e:
+        print(" ".join(str(e).split()), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

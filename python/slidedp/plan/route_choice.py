@@ -1,0 +1,172 @@
+"""The routes stage of ``runtime.policy: auto`` on several GPUs of one host: which gradient route
+(``runtime.grad_route``: ``gpu``, reduced on the devices; ``cpu``, summed on the host) and which
+parameter route (``runtime.param_route``: ``replicated``, the whole layer to every rank;
+``sharded``, 1/R each and an all-gather) the run takes.
+
+Each candidate route is the run with the chosen layout on that route, predicted by the
+step-time model (``plan.timing.spec_from_shapes`` with ``Ranks`` and ``Links``, then
+``predict_step``): the layers' times from the layer profile, the host AdamW rate and the
+copies' rates under it from the host probe (``profile.host``), the layer-sized ``reduce`` and
+``all_gather`` from the link probe (``profile.links``). A route the machine cannot hold
+(``estimate.shortages``) or that the launch refuses (``runtime.dist.check_config``) is left
+out. The config's route (``replicated/gpu`` unless the config sets one) is kept unless another
+is predicted ``plan.select.MIN_GAIN`` faster, as the layout stage keeps the all-F default.
+
+The chunk size (``runtime.chunk_elems``) is not chosen: the model has no term that depends on
+it (a layer moves as one chunk by default, and nothing measured so far shows another size
+faster), so a choice would rest on no measurement.
+
+Example::
+
+    steps = route_steps(cfg, adapter, machine, layers="F", links=links, adamw_gbps=147.0,
+                        peak_flops=989e12, measured=layer_times(report))
+    choice = choose_route(steps, default=("replicated", "gpu"))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from slidedp.errors import ConfigError
+from slidedp.plan.select import MIN_GAIN
+from slidedp.plan.timing import Links, Ranks, predict_step, spec_from_shapes
+
+if TYPE_CHECKING:
+    from slidedp.config import TrainConfig
+    from slidedp.estimate import Machine
+    from slidedp.models.hf import HFAdapter
+
+ParamRoute = Literal["replicated", "sharded"]
+GradRoute = Literal["gpu", "cpu"]
+Route = tuple[ParamRoute, GradRoute]  # as `bench train --routes` writes them: PARAM/GRAD
+ROUTES: tuple[Route, ...] = (
+    ("replicated", "gpu"),
+    ("replicated", "cpu"),
+    ("sharded", "gpu"),
+    ("sharded", "cpu"),
+)
+
+
+def route_name(route: Route) -> str:
+    return f"{route[0]}/{route[1]}"
+
+
+@dataclass(frozen=True)
+class RouteChoice:
+    route: Route  # the chosen (param_route, grad_route)
+    step_s: dict[Route, float]  # the predicted step of every candidate route, seconds
+    default: Route  # the config's route, kept unless another is MIN_GAIN faster
+    kept_default: bool  # another route was predicted faster, but not by MIN_GAIN
+
+    @property
+    def gain(self) -> float:
+        """The chosen route's predicted speed over the config's."""
+        return self.step_s[self.default] / self.step_s[self.route]
+
+    def describe(self) -> str:
+        """``replicated/gpu (predicted 0.812 s; sharded/gpu 0.815, replicated/cpu 1.113, ...)``."""
+        others = ", ".join(
+            f"{route_name(r)} {s:.3f}" for r, s in sorted(self.step_s.items(), key=lambda x: x[1])
+            if r != self.route
+        )  # fmt: skip
+        why = ""
+        if self.kept_default:
+            best = min(self.step_s, key=lambda r: self.step_s[r])
+            why = f"; kept: {route_name(best)} is not {MIN_GAIN:.0%} faster"
+        elif self.route != self.default:
+            why = f"; {self.gain:.2f}x the config's {route_name(self.default)}"
+        return (
+            f"{route_name(self.route)} (predicted {self.step_s[self.route]:.3f} s"
+            + (f"; {others}" if others else "")
+            + f"{why})"
+        )
+
+
+def candidate_routes(cfg: TrainConfig, fixed: bool | None) -> list[Route]:
+    """The routes auto may take: only the config's with ``fixed``; with None, every route
+    whose keys the config leaves at their defaults (a key that differs from the dataclass
+    default is the user's: a route set to its default value cannot be told from an unset
+    one, and auto may then change it)."""
+    rt = cfg.runtime
+    config_route = (rt.param_route, rt.grad_route)
+    if fixed:
+        return [config_route]
+    defaults = type(rt)()
+    param_free = fixed is False or rt.param_route == defaults.param_route
+    grad_free = fixed is False or rt.grad_route == defaults.grad_route
+    return [
+        (p, g)
+        for p, g in ROUTES
+        if (param_free or p == rt.param_route) and (grad_free or g == rt.grad_route)
+    ]
+
+
+def route_steps(
+    cfg: TrainConfig,
+    adapter: HFAdapter,
+    machine: Machine,
+    routes: list[Route],
+    *,
+    links: Links,
+    adamw_gbps: float,
+    peak_flops: float,
+    measured: dict[str, tuple[float, float]],
+) -> dict[Route, float]:
+    """The predicted step, in seconds, of ``cfg`` (its layout, several ranks of this host) on
+    each of ``routes`` that the launch accepts and ``machine`` holds."""
+    from slidedp.estimate import estimate_run, resolve_mirror, shortages
+    from slidedp.plan.cost import layer_footprint
+    from slidedp.plan.device import pick_dtype
+    from slidedp.plan.policy import resolve_policy
+    from slidedp.runtime.dist import check_config
+
+    rt = cfg.runtime
+    dtype = pick_dtype(cfg.train.dtype, torch.device("cuda"))
+    rows, seq = cfg.train.global_batch_size // rt.world, cfg.data.seq_len  # per rank
+    steps = {}
+    for param, grad in routes:
+        on_route = dataclasses.replace(
+            cfg, runtime=dataclasses.replace(rt, param_route=param, grad_route=grad)
+        )
+        try:
+            check_config(rt.world, on_route.runtime, cfg.train)
+        except ConfigError:
+            continue
+        if shortages(estimate_run(on_route, adapter, machine, step_model=False)):
+            continue
+        mirror = resolve_mirror(on_route, adapter, machine)
+        device = torch.device("cuda")
+        policy = resolve_policy(on_route.runtime, adapter, mirror=mirror, device=device)
+        offloaded = [layer_footprint(adapter, p, rows, seq, dtype).offloaded_bytes
+                     for p in policy.layers]  # fmt: skip
+        spec = spec_from_shapes(
+            adapter,
+            policy,
+            batch=rows,
+            seq_len=seq,
+            peak_flops=peak_flops,
+            adamw_gbps=adamw_gbps,
+            clipping=cfg.train.max_grad_norm > 0,
+            offloaded_bytes=offloaded,
+            measured=measured,
+            ranks=Ranks(rt.world, grad, param),
+            links=links,
+        )
+        steps[(param, grad)] = float(predict_step(spec)["step_s"])
+    return steps
+
+
+def choose_route(steps: dict[Route, float], default: Route) -> RouteChoice:
+    """The fastest of ``steps``, unless ``default`` (among them) is within ``MIN_GAIN`` of it."""
+    if not steps:
+        raise ConfigError("runtime.policy=auto: no route fits this machine (slidedp estimate)")
+    best = min(steps, key=lambda r: steps[r])
+    if default not in steps:  # the config's route does not fit: the fastest that does
+        return RouteChoice(best, steps, best, kept_default=False)
+    if steps[default] < (1 + MIN_GAIN) * steps[best]:
+        return RouteChoice(default, steps, default, kept_default=best != default)
+    return RouteChoice(best, steps, default, kept_default=False)

@@ -1,0 +1,259 @@
+"""``runtime.policy: auto`` on several GPUs of one host: the routes stage (``plan.route_choice``)
+as a function of the probes' numbers, and ``resolve_auto`` for two GPUs from cached (here:
+written) probes, on this machine without a GPU. A resumed run keeps its routes; several nodes
+and a rank of another launcher are refused with one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from host_profile.fake import cache_rate
+from slidedp.bench.shapes import resolve_shape
+from slidedp.config import TrainConfig, config_from_dict
+from slidedp.errors import ConfigError
+from slidedp.estimate import Machine, update_threads
+from slidedp.io.checkpoint import STATE_FILE
+from slidedp.models.hf import HFAdapter
+from slidedp.plan import auto
+from slidedp.plan.measure import layer_numel
+from slidedp.plan.route_choice import (
+    ROUTES,
+    Route,
+    candidate_routes,
+    choose_route,
+    route_steps,
+)
+from slidedp.plan.timing import Links, layer_times
+from slidedp.profile.cache import cache_file, write_report
+from slidedp.profile.links import links_facts
+
+GIB = 2**30
+H200 = "NVIDIA H200"
+BATCH = 16  # per GPU
+DEFAULT: Route = ("replicated", "gpu")
+# the 2x H200 host of BENCHMARKS.md ("Two GPUs"): layer-sized bf16 reduce and all-gather over
+# NVLink, pinned copies while AdamW runs, the joint AdamW rate
+FAST = {"reduce_gbps": 301.0, "gather_gbps": 320.0}
+SLOW = {"reduce_gbps": 5.0, "gather_gbps": 5.0}  # a slow interconnect (PCIe through the host)
+H2D, D2H, ADAMW = 55.0, 54.0, 147.0
+
+
+def _machine() -> Machine:
+    return Machine(device="cuda", dtype="bfloat16", cores=32, shm_free_bytes=1024 * GIB,
+                   mem_available_bytes=1024 * GIB, gpu_name=H200,
+                   gpu_total_bytes=141 * GIB)  # fmt: skip
+
+
+def _cfg(tmp_path: Path, clipping: bool = False, **runtime: Any) -> TrainConfig:
+    """Qwen3-1.7B (published shape, meta device) on 2 GPUs at 16 sequences of 1024 each."""
+    model = tmp_path / "qwen3-1.7b"
+    model.mkdir(exist_ok=True)
+    resolve_shape("qwen3-1.7b").to_json_file(model / "config.json")
+    return config_from_dict({
+        "model": {"path": str(model)},
+        "data": {"path": str(tmp_path / "data.jsonl"), "seq_len": 1024},
+        "train": {"max_steps": 10, "global_batch_size": 2 * BATCH, "dtype": "bfloat16",
+                  "max_grad_norm": 1.0 if clipping else 0.0},
+        "output": {"dir": str(tmp_path / "out")},
+        # device auto: a GPU run on the GPU machine, a cache miss here (never measured)
+        "runtime": {"device": "auto", "gpus": 2} | runtime,
+    })  # fmt: skip
+
+
+def _profile(adapter: HFAdapter) -> dict[str, Any]:
+    """A layer profile as `slidedp profile layer` reports it, F-r0 and N-r0: Qwen3-1.7B's layer
+    at 16 x 1024 at the model's FLOPs rate (36.5% of 989 TFLOP/s), N without the replay."""
+    forward_s = 6.0e-3
+    rows = []
+    for policy, backward_s, retained in (("F-r0", 3 * forward_s, 32), ("N-r0", 2 * forward_s, 900)):
+        rows.append({
+            "policy": policy, "pareto": True, "forward_s": forward_s, "backward_s": backward_s,
+            "reload_s": 0.0, "retained_bytes": None, "estimated_retained_bytes": retained << 20,
+            "offloaded_bytes": 0, "estimated_offloaded_bytes": 0, "transient_bytes": None,
+            "estimated_transient_bytes": 2 * GIB,
+        })  # fmt: skip
+    return {"batch": BATCH, "seq_len": 1024, "candidates": rows, "cached": "test"}
+
+
+def _steps(tmp_path: Path, links: dict[str, float], clipping: bool = False) -> dict[Any, float]:
+    cfg = _cfg(tmp_path, clipping)
+    adapter = HFAdapter.from_dir(cfg.model.path)
+    return route_steps(cfg, adapter, _machine(), list(ROUTES),
+                       links=Links(H2D, D2H, source="measured", **links), adamw_gbps=ADAMW,
+                       peak_flops=989e12, measured=layer_times(_profile(adapter)))  # fmt: skip
+
+
+@pytest.mark.parametrize("clipping", [False, True])
+def test_on_nvlink_the_default_route_is_kept(tmp_path: Path, clipping: bool) -> None:
+    """With the H200 pair's links the two gpu routes are within a few % (sharding halves the
+    H2D, the all-gather at 320 GB/s gives most of it back), and the cpu routes are slower (f32
+    gradient copies, twice the bytes, and the owner's host sums on the training thread): the
+    default, replicated/gpu, stays, since no route is 5% faster."""
+    steps = _steps(tmp_path, FAST, clipping)
+    assert set(steps) == set(ROUTES)
+    gpu, cpu = steps[DEFAULT], steps[("replicated", "cpu")]
+    assert abs(steps[("sharded", "gpu")] / gpu - 1) < 0.05
+    assert cpu > 1.15 * gpu
+    choice = choose_route(steps, DEFAULT)
+    assert choice.route == DEFAULT
+    assert choice.describe().startswith(f"replicated/gpu (predicted {gpu:.3f} s; ")
+
+
+def test_on_a_slow_interconnect_the_cpu_route_is_chosen(tmp_path: Path) -> None:
+    """At 5 GB/s between the GPUs the gpu route's reduce of every layer's bf16 gradient
+    (2 B/param) takes longer than the cpu route's f32 copies over PCIe (4 B/param at 54 GB/s)
+    and the owner's host sum, and the sharded route's all-gather (the whole layer at 5 GB/s)
+    longer than the replicated route's H2D of the whole layer at 55: replicated/cpu."""
+    steps = _steps(tmp_path, SLOW)
+    choice = choose_route(steps, DEFAULT)
+    assert choice.route == ("replicated", "cpu")
+    assert min(steps, key=lambda r: steps[r]) == ("replicated", "cpu")
+    assert choice.gain > 1.3
+    assert "1." in choice.describe()
+    assert "the config's replicated/gpu" in choice.describe()
+
+
+def test_the_default_is_kept_unless_another_is_min_gain_faster() -> None:
+    near: dict[Route, float] = {DEFAULT: 1.04, ("sharded", "gpu"): 1.0}
+    assert choose_route(near, DEFAULT).route == DEFAULT
+    assert choose_route(near, DEFAULT).kept_default
+    far: dict[Route, float] = {DEFAULT: 1.06, ("sharded", "gpu"): 1.0}
+    assert choose_route(far, DEFAULT).route == ("sharded", "gpu")
+    with pytest.raises(ConfigError, match="no route fits"):
+        choose_route({}, DEFAULT)
+
+
+def test_routes_the_config_sets_are_its_own(tmp_path: Path) -> None:
+    assert candidate_routes(_cfg(tmp_path), None) == list(ROUTES)
+    assert candidate_routes(_cfg(tmp_path, grad_route="cpu"), None) == [
+        ("replicated", "cpu"), ("sharded", "cpu"),
+    ]  # fmt: skip
+    assert candidate_routes(_cfg(tmp_path, param_route="sharded"), True) == [("sharded", "gpu")]
+    # a route set to its default value cannot be told from an unset one (documented)
+    assert candidate_routes(_cfg(tmp_path, grad_route="gpu"), None) == list(ROUTES)
+
+
+def _cache_probes(cfg: TrainConfig, adapter: HFAdapter, links: dict[str, float]) -> None:
+    """The host and link probes of this (pretended) 2x H200 host, in the cache."""
+    cache_rate(update_threads(cfg, _machine()), H200, 300.0, joint_gbps=ADAMW)
+    facts = links_facts(2, H200, layer_numel(adapter))
+    write_report(cache_file(None, "links", facts), facts | links | {"measured_s": 1.0})
+
+
+@pytest.mark.parametrize(("links", "route"), [(FAST, DEFAULT), (SLOW, ("replicated", "cpu"))])
+def test_auto_on_two_gpus_chooses_layout_and_routes_from_the_probes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, links: dict[str, float], route: Any
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cfg = _cfg(tmp_path, clipping=True, policy="auto")
+    adapter = HFAdapter.from_dir(cfg.model.path)
+    _cache_probes(cfg, adapter, links)
+    monkeypatch.setattr(auto, "cached_profile", lambda args: _profile(adapter))
+    chosen, line = auto.resolve_auto(cfg, adapter, _machine(), measure=False)
+    rt = chosen.runtime
+    assert rt.policy == ""
+    assert (rt.param_route, rt.grad_route) == route
+    assert rt.resident_layers == 0  # refused with several ranks: never chosen there
+    assert rt.layers != "F"  # the program's placed layout, every layer counted
+    assert line is not None
+    assert line.startswith(f"policy   auto: {rt.layers}, 0 GPU-resident")
+    assert f"; routes {route[0]}/{route[1]} (predicted " in line
+    assert f"; reduce {links['reduce_gbps']:.0f}, all_gather " in line
+    assert line.endswith(" GB/s measured, copies at the PCIe ceilings")
+    assert auto.chosen_overrides(chosen) == [
+        "runtime.policy=", f"runtime.layers={rt.layers}", "runtime.resident_layers=0",
+        f"runtime.param_route={route[0]}", f"runtime.grad_route={route[1]}",
+    ]  # fmt: skip
+
+    # the config's own route stays, and validate/estimate without a link probe say why
+    fixed, line = auto.resolve_auto(
+        _cfg(tmp_path, clipping=True, policy="auto", grad_route="cpu", param_route="sharded"),
+        adapter, _machine(), measure=False,
+    )  # fmt: skip
+    assert (fixed.runtime.param_route, fixed.runtime.grad_route) == ("sharded", "cpu")
+    assert line is not None
+    assert "fixed by the config" in line
+    for f in (tmp_path / "cache").rglob("links-*.json"):
+        f.unlink()
+    unmeasured, line = auto.resolve_auto(cfg, adapter, _machine(), measure=False)
+    assert (unmeasured.runtime.param_route, unmeasured.runtime.grad_route) == DEFAULT
+    assert line is not None
+    assert (
+        "routes replicated/gpu, the config's (the links between the GPUs are not measured)" in line
+    )
+
+
+def test_without_a_profile_validate_says_train_chooses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cfg = _cfg(tmp_path, policy="auto")
+    adapter = HFAdapter.from_dir(cfg.model.path)
+    chosen, line = auto.resolve_auto(cfg, adapter, _machine(), measure=False)
+    assert (chosen.runtime.policy, chosen.runtime.layers) == ("", "F")
+    assert line == (
+        "policy   auto: the layer is not profiled yet, so the default layout and routes are "
+        "checked; `slidedp train` profiles it and chooses"
+    )
+
+
+def test_a_resumed_run_keeps_its_layout_and_routes(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "out" / "checkpoint-4"
+    checkpoint.mkdir(parents=True)
+    policy = {"layers": "20xF-r0, 8xN-r0", "resident_layers": 0, "param_route": "sharded",
+              "grad_route": "cpu"}  # fmt: skip
+    (checkpoint / STATE_FILE).write_text(json.dumps({"policy": policy}))
+    cfg = _cfg(tmp_path, policy="auto")
+    adapter = HFAdapter.from_dir(cfg.model.path)
+    chosen, line = auto.resolve_auto(cfg, adapter, _machine(), measure=True, resume=checkpoint)
+    rt = chosen.runtime
+    assert (rt.layers, rt.param_route, rt.grad_route) == ("20xF-r0, 8xN-r0", "sharded", "cpu")
+    assert line == (
+        "policy   auto: 20xF-r0, 8xN-r0, 0 GPU-resident, routes sharded/cpu "
+        "(kept from checkpoint-4)"
+    )
+    # a route the config sets wins over the checkpoint's
+    policy |= {"param_route": "replicated", "grad_route": "gpu"}
+    (checkpoint / STATE_FILE).write_text(json.dumps({"policy": policy}))
+    own = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, grad_route="cpu"))
+    kept, _ = auto.resolve_auto(own, adapter, _machine(), measure=True, resume=checkpoint)
+    assert (kept.runtime.param_route, kept.runtime.grad_route) == ("replicated", "cpu")
+
+
+def test_several_nodes_and_other_launchers_are_refused_with_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    adapter = HFAdapter.from_dir(_cfg(tmp_path).model.path)
+    nodes = _cfg(tmp_path, policy="auto", nodes=2, master_addr="127.0.0.1")
+    with pytest.raises(
+        ConfigError, match=r"^runtime\.policy=auto chooses for the GPUs of one host"
+    ):
+        auto.resolve_auto(nodes, adapter, _machine(), measure=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a rank of torchrun
+    with pytest.raises(ConfigError, match="chooses once, before the ranks start"):
+        auto.resolve_auto(_cfg(tmp_path, policy="auto"), adapter, _machine(), measure=False)
+
+
+def test_estimate_on_two_gpus_predicts_with_the_cached_links(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``slidedp estimate`` of a 2-GPU run takes the link and host probes where cached: the
+    same rates auto predicts the routes with."""
+    from slidedp.estimate import estimate_run
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cfg = _cfg(tmp_path)
+    adapter = HFAdapter.from_dir(cfg.model.path)
+    steps = {}
+    for name, links in (("fast", FAST), ("slow", SLOW)):
+        _cache_probes(cfg, adapter, links)
+        model = estimate_run(cfg, adapter, _machine()).step_model
+        assert model is not None
+        assert "reduce and all_gather between the GPUs (cached)" in model["calibration"]
+        steps[name] = model["step_s"]
+    assert steps["slow"] > 1.3 * steps["fast"]  # the gpu route's reduce at 5 GB/s
