@@ -111,6 +111,7 @@ from slidedp.plan.layout import LayerPolicy
 from slidedp.plan.policy import Policy, resolve_policy, store_args
 from slidedp.plan.timing import (
     ADAMW_BYTES_PER_PARAM,
+    CAST_GBPS,
     Links,
     Ranks,
     layer_times,
@@ -324,10 +325,12 @@ def adamw_gbps(threads: int) -> float:
 
 @dataclass(frozen=True)
 class HostRate:
-    """The host AdamW rate the step time takes, and where it comes from."""
+    """The host AdamW rate the step time takes, and where it comes from; beside a GPU, the
+    probe's f32->bf16 cast under DMA too (the cast on delivery without the mirror)."""
 
     gbps: float
     source: str
+    cast_gbps: float | None = None
 
 
 def update_threads(cfg: TrainConfig, machine: Machine) -> int:
@@ -349,7 +352,8 @@ def host_rate(threads: int, machine: Machine, *, measure: bool = False) -> HostR
         table = "from the table (not measured on this machine: slidedp profile host)"
         return HostRate(adamw_gbps(threads), table)
     what = "measured under DMA" if report["joint_adamw_gbps"] else "measured"
-    return HostRate(model_gbps(report), f"{what} ({'cached' if report['cached'] else 'now'})")
+    source = f"{what} ({'cached' if report['cached'] else 'now'})"
+    return HostRate(model_gbps(report), source, report.get("joint_cast_gbps"))
 
 
 def _gpu_peak(name: str | None) -> tuple[float | None, str]:
@@ -471,16 +475,13 @@ def estimate_run(
     )
 
 
-ROUTES: tuple[tuple[Literal["replicated", "sharded"], Literal["gpu", "cpu"]], ...] = (
-    ("replicated", "gpu"), ("sharded", "gpu"), ("replicated", "cpu"), ("sharded", "cpu")
-)  # fmt: skip
-
-
 def _route_steps(
     cfg: TrainConfig, adapter: HFAdapter, machine: Machine, dtype: torch.dtype, rate: HostRate
 ) -> dict[str, float] | None:
     """Several GPUs: the model's step on each route (``param/grad``), each with the policy
     ``Trainer`` would resolve for it (the replicated route always has the mirror)."""
+    from slidedp.plan.route_choice import ROUTES
+
     if cfg.runtime.world == 1:
         return None
     steps = {}
@@ -555,6 +556,7 @@ def _step_model(
         seq_len=s,
         peak_flops=peak,
         adamw_gbps=rate.gbps,
+        cast_gbps=rate.cast_gbps or CAST_GBPS,
         clipping=cfg.train.max_grad_norm > 0,
         offloaded_bytes=offloaded,
         measured=measured,

@@ -425,3 +425,21 @@ def test_for_several_gpus_the_model_predicts_each_route(tmp_path: Path, qwen3_4b
     table = format_estimate(est)
     assert "model on each route (4 GPUs, a prediction: this machine has 1)" in table
     assert "replicated/gpu (this run's)" in table
+
+
+def test_without_the_mirror_the_model_casts_at_the_probed_rate(
+    tmp_path: Path, qwen3_4b: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    adapter = HFAdapter.from_dir(qwen3_4b)
+    cfg = _cfg(tmp_path, qwen3_4b, "data.seq_len=1024", "train.global_batch_size=16",
+               "runtime.bf16_mirror=false")  # fmt: skip
+
+    def host_busy(cast_gbps: float) -> float:
+        cache_rate(16, H100.gpu_name, 150.0, joint_gbps=110.0, cast_gbps=cast_gbps)
+        model = estimate_run(cfg, adapter, H100).step_model
+        assert model is not None
+        return float(model["busy_s"]["host"])
+
+    # the host thread casts every load (6 B/param): a quarter of the rate, four times the time
+    assert host_busy(5.0) == pytest.approx(4 * host_busy(20.0), rel=1e-6)
