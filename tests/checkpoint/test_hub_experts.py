@@ -11,6 +11,7 @@ layout is one line, exit 2, nothing written.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,25 @@ def test_per_expert_files_load_into_the_fused_masters_as_transformers_loads_them
     theirs = dict(model.named_parameters())
     assert all(torch.equal(masters[n], theirs[n].detach()) for n in masters)
     assert _masters(fused)[1] == "loaded 1 safetensors file(s)"
+
+
+def test_a_layer_s_experts_may_lie_in_several_shards(tmp_path: Path) -> None:
+    hub = make_model(tmp_path, "qwen3_moe", tied=False, per_expert=True)
+    weights = load_file(hub / "model.safetensors")
+    names = sorted(weights)  # every other tensor to each shard: an expert's are split too
+    shards = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}  # fmt: skip
+    for file, part in shards.items():
+        save_file({n: weights[n] for n in part}, hub / file, metadata={"format": "pt"})
+    (hub / "model.safetensors").unlink()
+    weight_map = {n: file for file, part in shards.items() for n in part}
+    index = {"metadata": {}, "weight_map": weight_map}
+    (hub / "model.safetensors.index.json").write_text(json.dumps(index))
+    masters, how = _masters(hub)
+    assert how.startswith("loaded 2 safetensors file(s), experts one tensor each")
+    model = AutoModelForCausalLM.from_pretrained(hub, dtype=torch.float32)
+    theirs = dict(model.named_parameters())
+    assert all(torch.equal(masters[n], theirs[n].detach()) for n in masters)
 
 
 def test_bf16_per_expert_files_are_cast_into_the_f32_masters(tmp_path: Path) -> None:
