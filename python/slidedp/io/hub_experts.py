@@ -26,7 +26,8 @@ Example::
 
     hub = HubLayout.of(adapter.config.model_type, adapter.shapes())  # None: a dense model
     hub.slot("model.layers.0.block_sparse_moe.experts.3.w3.weight")
-    # Slot(target='model.layers.0.mlp.experts.gate_up_proj', expert=3, rows=(I, 2I), ...)
+    # Slot(target='model.layers.0.mlp.experts.gate_up_proj', shape=(I, H), expert=3,
+    #      rows=(I, 2 * I)): up, the second half of expert 3's rows
 """
 
 from __future__ import annotations
