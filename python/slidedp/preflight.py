@@ -73,9 +73,11 @@ def check_model(cfg: TrainConfig) -> tuple[HFAdapter, str]:
     adapter = HFAdapter.from_dir(path, cfg.model.config_overrides())
     check_router_loss_ranks(adapter, cfg.runtime.world * cfg.runtime.nodes)
     files = weight_files(path)
-    check_weight_files(adapter, files)
+    plan = check_weight_files(adapter, files)
     weights = (
-        f"{len(files)} safetensors file(s), headers match" if files else "no weights: seeded init"
+        f"{len(files)} safetensors file(s), headers match{plan.describe()}"
+        if files
+        else "no weights: seeded init"
     )
     return adapter, (
         f"model    {adapter.config.model_type} at {path}: {adapter.num_layers} layers, "

@@ -23,6 +23,7 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     MixtralConfig,
+    OlmoeConfig,
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
@@ -54,6 +55,11 @@ MORE_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
         {"num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True,
          "router_aux_loss_coef": 0.05},
     ),
+    "olmoe": (  # more than 10 experts: the hub's expert names sort apart from their order
+        OlmoeConfig,
+        {"num_experts": 12, "num_experts_per_tok": 2, "intermediate_size": 32,
+         "output_router_logits": True, "router_aux_loss_coef": 0.05, "eos_token_id": 2},
+    ),
     "gemma3_text": (
         Gemma3TextConfig,
         {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
@@ -70,9 +76,9 @@ def tiny_config(arch: str, *, tied: bool, layers: int) -> PretrainedConfig:
     if "layer_types" in extra:  # the pattern repeated over the layers
         kinds = extra["layer_types"]
         extra = extra | {"layer_types": [kinds[i % len(kinds)] for i in range(layers)]}
+    extra = {"intermediate_size": 128} | extra
     return cls(  # type: ignore[call-arg]
         hidden_size=64,
-        intermediate_size=128,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -84,16 +90,20 @@ def tiny_config(arch: str, *, tied: bool, layers: int) -> PretrainedConfig:
     )
 
 
-def make_model(root: Path, arch: str, *, tied: bool, layers: int = 2, seed: int = 0) -> Path:
-    """A random tiny model saved with ``save_pretrained`` (safetensors) under ``root/arch``."""
+def make_model(
+    root: Path, arch: str, *, tied: bool, layers: int = 2, seed: int = 0, per_expert: bool = False
+) -> Path:
+    """A random tiny model saved with ``save_pretrained`` (safetensors) under ``root/arch``. A
+    mixture of experts is saved with its fused expert parameters, as the model holds them, or
+    with ``per_expert`` as ``save_pretrained`` writes it: one tensor per expert, the hub's
+    layout (``slidedp.io.hub_experts``); transformers and slidedp load both."""
     config = tiny_config(arch, tied=tied, layers=layers)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
-    path = root / f"{arch}-{'tied' if tied else 'untied'}-{layers}"
+    path = root / f"{arch}-{'tied' if tied else 'untied'}-{layers}{'-hub' * per_expert}"
     model.save_pretrained(path)
-    if hasattr(config, "router_aux_loss_coef"):
-        # transformers saves experts one tensor each (the hub's layout) and fuses them on load;
-        # slidedp reads the model's own fused parameters, which transformers loads as well
+    if hasattr(config, "router_aux_loss_coef") and not per_expert:
+        # save_pretrained wrote the hub's layout; over it, the model's own fused parameters
         state = {n: t.contiguous() for n, t in model.state_dict().items()}
         if tied:
             del state["lm_head.weight"]

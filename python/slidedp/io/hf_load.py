@@ -1,7 +1,10 @@
 """Fill the host store's FP32 master weights: from safetensors files, or from a seeded init.
 
 Weights stream tensor by tensor (``safe_open``) straight into ``store.param(name)``: at most one
-tensor of the checkpoint is in memory besides the store. With no weight files, each module is
+tensor of the checkpoint is in memory besides the store. A mixture of experts may come in its
+model's fused expert layout or in the hub's, one tensor per expert (``io.hub_experts``); each
+expert's tensor is copied into its slice of the fused parameter. Every header is checked
+(``check_weight_files``) before the first tensor is read. With no weight files, each module is
 built on CPU one at a time and initialised by the model's own ``_init_weights`` (the scheme of
 ``from_config``: normal(std=initializer_range) for linears and embeddings, zero biases, unit
 norms), then copied in; the full model never exists outside the store.
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from slidedp.errors import ModelLoadError
+from slidedp.io.hub_experts import HubLayout, Slot
 from slidedp.models.hf import EMBED, LM_HEAD, NORM, HFAdapter
 from slidedp.store import HostStore
 
@@ -47,12 +52,40 @@ def weight_files(path: Path) -> list[Path]:
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names
 
 
-def _expected_shape(
-    adapter: HFAdapter, shapes: dict[str, tuple[int, ...]], file: Path, name: str
-) -> tuple[int, ...] | None:
-    """The shape a checkpoint tensor must have, None for one to skip; else ModelLoadError."""
+@dataclass(frozen=True)
+class Copy:
+    """One checkpoint tensor, ``name`` in ``file``, and the part of the store it fills."""
+
+    file: Path
+    name: str
+    slot: Slot
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """What ``load_weights`` copies, in file order; ``per_expert``: the experts are stored one
+    tensor each (the hub's layout, ``io.hub_experts``) and fused on the way into the store."""
+
+    copies: tuple[Copy, ...]
+    per_expert: bool
+
+    def describe(self) -> str:
+        return ", experts one tensor each (fused on load)" if self.per_expert else ""
+
+
+def _slot(
+    adapter: HFAdapter,
+    shapes: dict[str, tuple[int, ...]],
+    hub: HubLayout | None,
+    file: Path,
+    name: str,
+) -> Slot | None:
+    """Where a checkpoint tensor goes, None for one to skip; else ModelLoadError."""
     if name in shapes:
-        return shapes[name]
+        return Slot(name, shapes[name])
+    slot = hub.slot(name) if hub is not None else None
+    if slot is not None:
+        return slot
     if name == LM_HEAD and adapter.tied:
         return None  # the tied head is the embedding; one parameter
     if name.endswith("rotary_emb.inv_freq"):
@@ -63,55 +96,107 @@ def _expected_shape(
     )
 
 
-def check_weight_files(adapter: HFAdapter, files: list[Path]) -> None:
-    """Every tensor of ``files`` against the model (name, shape, float dtype, none missing), from
-    the safetensors headers only: no tensor data is read. ``safe_open`` also checks the header's
-    offsets against the file size, so a truncated or garbled file is a ``ModelLoadError``."""
-    shapes = adapter.shapes()
-    seen: set[str] = set()
-    for file in files:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                header = {n: f.get_slice(n) for n in f.keys()}  # noqa: SIM118 (not a mapping)
-                tensors = {n: (tuple(s.get_shape()), s.get_dtype()) for n, s in header.items()}
-        except (SafetensorError, OSError) as e:
+def _headers(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Each tensor's (shape, dtype) from the file's header, no data read; ``safe_open`` checks
+    the offsets against the file size, so a truncated or garbled file is a ModelLoadError."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            header = {n: f.get_slice(n) for n in f.keys()}  # noqa: SIM118 (not a mapping)
+            return {n: (tuple(s.get_shape()), s.get_dtype()) for n, s in header.items()}
+    except (SafetensorError, OSError) as e:
+        raise ModelLoadError(
+            f"corrupt safetensors file {file} ({e}); re-download or re-export it"
+        ) from None
+
+
+def _check_layouts(copies: list[Copy], hub: HubLayout | None) -> None:
+    """One expert layout per checkpoint, each part of the store filled by one tensor."""
+    if hub is not None:
+        fused = next((c for c in copies if c.name in hub.fused), None)
+        split = next((c for c in copies if hub.is_expert(c.name)), None)
+        if fused is not None and split is not None:
             raise ModelLoadError(
-                f"corrupt safetensors file {file} ({e}); re-download or re-export it"
-            ) from None
-        for name, (shape, dtype) in tensors.items():
-            expected = _expected_shape(adapter, shapes, file, name)
-            if expected is None:
+                f"the checkpoint mixes two expert layouts: '{fused.name}' ({fused.file.name}) "
+                f"holds all experts fused, '{split.name}' ({split.file.name}) one expert; "
+                "keep one layout (re-download or re-export the model)"
+            )
+    filled: dict[Slot, Copy] = {}
+    for c in copies:
+        first = filled.setdefault(c.slot, c)
+        if first is not c:
+            raise ModelLoadError(
+                f"'{first.name}' ({first.file.name}) and '{c.name}' ({c.file.name}) are both "
+                f"'{c.slot.target}'{'' if c.slot.expert is None else f' of expert {c.slot.expert}'}"
+                "; the checkpoint holds it twice: remove one (re-download or re-export the model)"
+            )
+
+
+def _missing(
+    shapes: dict[str, tuple[int, ...]], copies: list[Copy], hub: HubLayout | None, per_expert: bool
+) -> list[str]:
+    """The tensors the checkpoint lacks, named in its own layout (a fused expert parameter of a
+    per-expert checkpoint by the expert tensors that are not there)."""
+    filled = {c.slot for c in copies}
+    missing: list[str] = []
+    for target, shape in shapes.items():
+        if Slot(target, shape) in filled:
+            continue
+        parts = hub.parts(target) if hub is not None and per_expert else {}
+        if parts:
+            missing += [name for name, slot in parts.items() if slot not in filled]
+        else:
+            missing.append(target)
+    return missing
+
+
+def check_weight_files(adapter: HFAdapter, files: list[Path]) -> WeightPlan:
+    """Every tensor of ``files`` against the model (name, shape, float dtype, none missing, none
+    twice, one expert layout), from the safetensors headers only: no tensor data is read.
+    Returns what ``load_weights`` copies where."""
+    shapes = adapter.shapes()
+    hub = HubLayout.of(adapter.config.model_type, shapes)
+    copies: list[Copy] = []
+    for file in files:
+        for name, (shape, dtype) in _headers(file).items():
+            slot = _slot(adapter, shapes, hub, file, name)
+            if slot is None:
                 continue
-            if shape != expected:
+            if shape != slot.shape:
                 raise ModelLoadError(
                     f"{file.name}: '{name}' has shape {shape}, the model's config.json expects "
-                    f"{expected}; the weights and config.json do not match"
+                    f"{slot.shape}; the weights and config.json do not match"
                 )
             if dtype not in _FLOAT_DTYPES:
                 raise ModelLoadError(
                     f"{file.name}: '{name}' is {dtype}; quantized checkpoints are not supported "
                     "(use the unquantized model)"
                 )
-            seen.add(name)
-    missing = [n for n in shapes if n not in seen]
+            copies.append(Copy(file, name, slot))
+    _check_layouts(copies, hub)
+    per_expert = hub is not None and any(hub.is_expert(c.name) for c in copies)
+    missing = _missing(shapes, copies, hub, per_expert)
     if files and missing:
         raise ModelLoadError(
             f"weights missing from the checkpoint: {', '.join(missing[:5])}"
             f"{' ...' if len(missing) > 5 else ''} ({len(missing)} tensors); "
             "re-download the model or remove its safetensors files to start from a seeded init"
         )
+    return WeightPlan(tuple(copies), per_expert)
 
 
-def load_weights(adapter: HFAdapter, store: HostStore, files: list[Path]) -> None:
+def load_weights(adapter: HFAdapter, store: HostStore, files: list[Path]) -> WeightPlan:
     """Copy every stored parameter from ``files`` into the master region (cast to f32), after
-    ``check_weight_files`` accepted them (so a bad file fails before any copy)."""
-    check_weight_files(adapter, files)
-    shapes = adapter.shapes()
-    for file in files:
+    ``check_weight_files`` accepted them (so a bad file fails before any copy): one tensor in
+    memory at a time, an expert's straight into its slice of the fused parameter."""
+    plan = check_weight_files(adapter, files)
+    by_file: dict[Path, list[Copy]] = {file: [] for file in files}
+    for c in plan.copies:
+        by_file[c.file].append(c)
+    for file, copies in by_file.items():
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                if _expected_shape(adapter, shapes, file, name) is not None:
-                    store.param(name).copy_(f.get_tensor(name))
+            for c in copies:
+                c.slot.view(store.param(c.slot.target)).copy_(f.get_tensor(c.name))
+    return plan
 
 
 def _init_module(adapter: HFAdapter, module: nn.Module) -> None:
@@ -157,7 +242,7 @@ def fill_master(adapter: HFAdapter, store: HostStore, seed: int) -> str:
     """Load weights if the model directory has any, else init; returns which was done."""
     files = weight_files(adapter.path) if adapter.path is not None else []
     if files:
-        load_weights(adapter, store, files)
-        return f"loaded {len(files)} safetensors file(s)"
+        plan = load_weights(adapter, store, files)
+        return f"loaded {len(files)} safetensors file(s){plan.describe()}"
     init_weights(adapter, store, seed)
     return f"initialised from the config (seed {seed})"
