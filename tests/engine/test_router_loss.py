@@ -14,12 +14,16 @@ formula (the mean of per-layer losses: 5e-3) moves them by >= 1e-3.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from engine.tiny import tiny_config
+from slidedp.errors import ConfigError
 from slidedp.models.hf import HFAdapter
 from slidedp.models.router_loss import LayerLogits, RouterLoss
+from slidedp.preflight import check_router_loss_ranks
 
 LOSS_RTOL = 1e-6
 GRAD_ATOL = 1e-6  # of the largest gradient entry
@@ -120,3 +124,23 @@ def test_each_rank_gets_its_own_rows_gradient_only() -> None:
     _, shared = loss.from_total(loss.statistics(half, None), total)
     ratio = float(own[0][0].abs().sum() / shared[0][0].abs().sum())
     assert 1.5 < ratio < 2.5
+
+
+def _per_layer_mean(gate_logits: tuple[torch.Tensor, ...], *args: Any) -> Any:
+    """Not the pooled formula: the mean of each layer's own loss."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    return sum(load_balancing_loss_func((g,), *args) for g in gate_logits) / len(gate_logits)
+
+
+def test_the_installed_function_passes_the_split_check_and_another_is_refused() -> None:
+    adapter = HFAdapter(tiny_config("mixtral", tied=False, layers=2))
+    assert adapter.router_loss is not None
+    assert adapter.router_loss.check_split() is None
+    check_router_loss_ranks(adapter, 4)  # the installed transformers: accepted
+    original = adapter.router_loss
+    adapter.router_loss = RouterLoss(**{**original.__dict__, "function": _per_layer_mean})
+    check_router_loss_ranks(adapter, 1)  # one rank calls the function itself
+    with pytest.raises(ConfigError, match="is not the per-expert token means") as e:
+        check_router_loss_ranks(adapter, 2)
+    assert "output_router_logits=false" in str(e.value)
