@@ -467,7 +467,9 @@ def estimate_run(
     )
 
 
-ROUTES = (("replicated", "gpu"), ("sharded", "gpu"), ("replicated", "cpu"), ("sharded", "cpu"))
+ROUTES: tuple[tuple[Literal["replicated", "sharded"], Literal["gpu", "cpu"]], ...] = (
+    ("replicated", "gpu"), ("sharded", "gpu"), ("replicated", "cpu"), ("sharded", "cpu"),
+)  # fmt: skip
 
 
 def _route_steps(

@@ -14,6 +14,7 @@ import torch
 
 from host_profile.fake import cache_rate
 from slidedp.cli import main
+from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM
 from slidedp.profile import host
 from slidedp.profile.cache import cache_file
 from slidedp.profile.host import cached_host, host_facts, model_gbps, probe_host
@@ -139,6 +140,6 @@ def test_the_probe_keeps_the_best_of_its_repeats(
     seconds = iter([1.0, 0.01, 0.04, 0.02, 0.01])
     monkeypatch.setattr(host._Bench, "busy_s", lambda self, passes: next(seconds))
     report = _probe(tmp_path)
-    clean = host.ADAMW_BYTES_PER_PARAM * report["params"] * report["passes"] / 0.01 / 1e9
+    clean = ADAMW_BYTES_PER_PARAM * report["params"] * report["passes"] / 0.01 / 1e9
     assert report["adamw_gbps"] == pytest.approx(clean)
     assert next(seconds, None) is None, "every repeat measured"

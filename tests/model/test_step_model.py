@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -129,8 +129,8 @@ def _route_step(ranks: Ranks, *, batch: int, clipping: bool) -> dict[str, Any]:
 
     adapter = HFAdapter(resolve_shape("qwen3-1.7b"))
     runtime = dataclasses.replace(
-        RuntimeSection(), gpus=ranks.count, grad_route=ranks.grad_route,
-        param_route=ranks.param_route,
+        RuntimeSection(), gpus=ranks.count, grad_route=cast(Any, ranks.grad_route),
+        param_route=cast(Any, ranks.param_route),  # the config's literals, as strings
     )  # fmt: skip
     policy = resolve_policy(runtime, adapter, mirror=True, device=torch.device("cuda"))
     links = Links(h2d_gbps=55, d2h_gbps=54, reduce_gbps=301, gather_gbps=320)
