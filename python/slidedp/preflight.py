@@ -51,13 +51,19 @@ def check_device(cfg: TrainConfig) -> str:
 
 
 def check_router_loss_ranks(adapter: HFAdapter, world: int) -> None:
-    """One rank only for a load-balancing loss: it is a function of the whole global batch's
-    router logits (per-expert means over every token), not a sum of the ranks' shares."""
-    if adapter.router_loss is not None and world > 1:
+    """Several ranks sum the ranks' token statistics of a load-balancing loss (per-expert means
+    over every token of the global batch, ``models.router_loss``): refused only where the
+    installed transformers' ``load_balancing_loss_func`` is not that formula (``check_split``),
+    since the ranks' sums would then not give its value."""
+    if adapter.router_loss is None or world == 1:
+        return
+    differs = adapter.router_loss.check_split()
+    if differs is not None:
         raise ConfigError(
-            f"{adapter.config.model_type} with output_router_logits trains on one rank "
-            f"(runtime.ranks/gpus x runtime.nodes is {world}): its load-balancing loss is not "
-            "yet summed over ranks; use one rank, or set model.output_router_logits=false"
+            f"{adapter.config.model_type} with output_router_logits on {world} ranks "
+            "(runtime.ranks/gpus x runtime.nodes): this transformers' load_balancing_loss_func "
+            f"is not the per-expert token means slidedp sums over ranks ({differs} on a test "
+            "batch); use one rank, or set model.output_router_logits=false"
         )
 
 

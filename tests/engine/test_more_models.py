@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 import torch
+from transformers.models.mixtral import modeling_mixtral
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func as mixtral_loss
 
 from cli.util import one_error_line, run, snapshot
 from engine.tiny import make_model, read_metrics, tiny_config, write_config, write_data
@@ -123,13 +125,21 @@ def test_a_layout_that_does_not_apply_to_the_layer_is_a_config_error(
     _refused(capsys, tmp_path, model, *needles, runtime={"layers": layers})
 
 
-def test_a_moe_with_its_load_balancing_loss_on_several_ranks_is_refused(
-    capsys: Capsys, tmp_path: Path
+def _per_layer_mean(gate_logits: tuple[torch.Tensor, ...], *args: Any) -> Any:
+    """A load-balancing loss that is not the pooled token means: each layer's, averaged."""
+    return sum(mixtral_loss((g,), *args) for g in gate_logits) / len(gate_logits)
+
+
+def test_several_ranks_refuse_a_load_balancing_loss_they_cannot_sum(
+    capsys: Capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Several ranks sum token statistics: a transformers whose function is another formula
+    (here the mean of per-layer losses) is refused before anything is written."""
+    monkeypatch.setattr(modeling_mixtral, "load_balancing_loss_func", _per_layer_mean)
     model = make_model(tmp_path, "mixtral", tied=False, layers=2)
     _refused(
-        capsys, tmp_path, model, "trains on one rank", "output_router_logits=false",
-        runtime={"ranks": 2},
+        capsys, tmp_path, model, "is not the per-expert token means", "aux_loss",
+        "output_router_logits=false", runtime={"ranks": 2},
     )  # fmt: skip
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from slidedp.errors import ModelLoadError
 from slidedp.models.fast import Compute, call_layer
 from slidedp.models.loss import chunked_lm_loss
+from slidedp.models.router_loss import RouterLoss
 from slidedp.store import GroupSpec, ParamSpec
 
 # the decoder layer Llama's way (segment checkpointing cuts it: runtime.activations.segments)
@@ -92,59 +92,6 @@ class GroupNames:
 
     name: str
     params: tuple[tuple[str, str], ...]  # (full name, name local to the group's module)
-
-
-@dataclass(frozen=True)
-class RouterLoss:
-    """A mixture-of-experts model's load-balancing loss as its ``ForCausalLM.forward`` adds it
-    with ``output_router_logits``: ``router_aux_loss_coef * load_balancing_loss_func(router
-    logits of every layer, num_experts, num_experts_per_tok, attention_mask)``, with the
-    function of the model's own modeling module and the router logits its ``OutputRecorder``
-    names (output ``index`` of every ``router`` module)."""
-
-    router: type[nn.Module]
-    index: int
-    function: Callable[..., Any]
-    num_experts: int
-    top_k: int
-    coef: float
-
-    @classmethod
-    def of(cls, skeleton: PreTrainedModel) -> RouterLoss:
-        model_type = skeleton.config.model_type
-        recorder = getattr(skeleton, "_can_record_outputs", None) or {}
-        function = getattr(sys.modules[type(skeleton).__module__], "load_balancing_loss_func", None)
-        if "router_logits" not in recorder or function is None:
-            raise ModelLoadError(
-                f"model type '{model_type}': this transformers records no router logits or has "
-                "no load_balancing_loss_func for it; install the transformers the model needs"
-            )
-        if float(getattr(skeleton.config, "router_jitter_noise", 0.0) or 0.0) > 0:
-            raise ModelLoadError(
-                f"model type '{model_type}': router_jitter_noise > 0 draws random numbers in "
-                "each forward, which a recomputed layer cannot repeat; set it to 0"
-            )
-        return cls(
-            router=recorder["router_logits"].target_class,
-            index=int(recorder["router_logits"].index),
-            function=function,
-            num_experts=int(cast(Any, skeleton).num_experts),  # the ForCausalLM's own
-            top_k=int(cast(Any, skeleton).num_experts_per_tok),
-            coef=float(skeleton.config.router_aux_loss_coef),
-        )
-
-    def __call__(
-        self, logits: list[tuple[torch.Tensor, ...]], attention_mask: torch.Tensor | None
-    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
-        """``(aux_loss, d(coef * aux_loss) / d logits)`` from each layer's router logits
-        (``()`` for a layer without a router) and the batch's padding mask (None: packed)."""
-        leaves = [tuple(t.detach().requires_grad_(True) for t in layer) for layer in logits]
-        flat = tuple(t for layer in leaves for t in layer)
-        with torch.enable_grad():
-            aux = self.function(flat, self.num_experts, self.top_k, attention_mask)
-        coef = torch.tensor(self.coef, dtype=aux.dtype, device=aux.device)
-        grads = iter(torch.autograd.grad(aux, flat, coef))
-        return aux.detach(), [tuple(next(grads) for _ in layer) for layer in leaves]
 
 
 class HFAdapter:

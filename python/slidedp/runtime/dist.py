@@ -196,6 +196,11 @@ def all_reduce_sum(
     return [float(v) for v in t.cpu()]
 
 
+def all_reduce_tensor(t: torch.Tensor, group: dist.ProcessGroup | None = None) -> None:
+    """Sum ``t`` (on this rank's device) over the ranks of ``group`` (default: all), in place."""
+    collective(lambda: dist.all_reduce(t, group=group))
+
+
 def collective(op: Callable[[], object]) -> None:
     """Run a collective; its failure means a peer died or failed: ``PeerFailedError``."""
     try:

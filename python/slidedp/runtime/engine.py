@@ -9,7 +9,9 @@ global barrier). Order:
    ``runtime.activations``), then offload its ratio of the saved tensors (``offload``);
 2. final norm + chunked linear/CE (``models.loss``), the head's gradient; for a mixture of
    experts, the load-balancing loss of every layer's router logits together (kept from the
-   forward, ``HFAdapter.router_loss``) and its gradient for each layer's logits;
+   forward, ``HFAdapter.router_loss``) and its gradient for each layer's logits (several
+   ranks: of the global batch, from its per-expert token statistics summed over all ranks,
+   ``models.router_loss``);
 3. for ``l`` from last to first: reload params (and the offloaded tensors, prefetched one layer
    ahead), the executor's backward (replay as the family says, differentiate; the router
    logits' gradient joins the output's), hand the layer's gradient to the gradient lane
@@ -38,18 +40,20 @@ gradient of the model and no update/backward overlap (measured in BENCHMARKS.md)
 
 Several ranks (``ctx``, ``slidedp.runtime.dist``): each rank computes its rows of the global
 batch with the label count of the whole batch as the loss denominator (all-reduced first), so
-the ranks' gradients sum to the global one. ``grad_route`` says where they are summed
-(``slidedp.runtime.routes``: ``gpu`` reduces each group onto its owner, ``cpu`` sums the ranks'
-gradient slots on the host); the group's owner alone updates it and publishes its version, the
-others only wait for it. The global norm is the square root of the all-reduced sum of the
-owners' Σ g² (one scalar collective per step). On the cpu route that Σ g² is of the host sum,
-which exists only on the host: with clipping every rank parks its own gradient and sends it
-twice, during the backward for the norm (summed, nothing updated) and after it with the
-coefficient (summed again, bit for bit the same, then AdamW) — twice the D2H and host sums,
-no extra host memory. ``param_route`` ``sharded`` loads 1/L of every
-layer per rank of a node and all-gathers it in the node (``Window``). With several nodes (one
-store each) the owners' node sums are all-reduced across nodes before the norm and the update
-(``routes``), so every node applies the same update to the same state.
+the ranks' gradients sum to the global one; likewise a load-balancing loss takes the global
+batch's routed counts, probability sums and rows (one all-reduce of 2E + 1 numbers), so its
+value is the global one on every rank and its gradient each rank's share. ``grad_route`` says
+where they are summed (``slidedp.runtime.routes``: ``gpu`` reduces each group onto its owner,
+``cpu`` sums the ranks' gradient slots on the host); the group's owner alone updates it and
+publishes its version, the others only wait for it. The global norm is the square root of the
+all-reduced sum of the owners' Σ g² (one scalar collective per step). On the cpu route that Σ g²
+is of the host sum, which exists only on the host: with clipping every rank parks its own
+gradient and sends it twice, during the backward for the norm (summed, nothing updated) and
+after it with the coefficient (summed again, bit for bit the same, then AdamW) — twice the D2H
+and host sums, no extra host memory. ``param_route`` ``sharded`` loads 1/L of every layer per
+rank of a node and all-gathers it in the node (``Window``). With several nodes (one store each)
+the owners' node sums are all-reduced across nodes before the norm and the update (``routes``),
+so every node applies the same update to the same state.
 
 A non-finite loss, or (clipping) a non-finite norm, raises ``NonFiniteError`` before any update
 of the step is submitted; ``skip(t)`` then advances the versions without updating. Without
@@ -73,7 +77,7 @@ from slidedp.models.loss import IGNORE_INDEX, shift_labels
 from slidedp.plan.policy import Plan
 from slidedp.runtime.activations import LayerRun, LayerState, executor_for
 from slidedp.runtime.activations.offload import ActivationOffload, offload_count
-from slidedp.runtime.dist import Dist, all_reduce_sum
+from slidedp.runtime.dist import Dist, all_reduce_sum, all_reduce_tensor
 from slidedp.runtime.grad_lane import GradLane
 from slidedp.runtime.grad_sync import GradSync
 from slidedp.runtime.lanes import LaneClock, new_stream
@@ -295,10 +299,13 @@ class Engine:
         loss = total_loss / max(n_labels, 1)
         aux_loss = None
         g_extra: list[tuple[torch.Tensor, ...]] = [()] * a.num_layers
-        if a.router_loss is not None:  # one rank (several are refused: Trainer)
+        if a.router_loss is not None:
             with self.clock.stream("compute", compute):
                 logits = [layer_state(states, i).extra for i in range(a.num_layers)]
-                aux, g_extra = a.router_loss(logits, attn)
+                if self.ctx is None or self.ctx.world == 1:  # transformers' function itself
+                    aux, g_extra = a.router_loss(logits, attn)
+                else:  # the global batch's: its token statistics summed over every rank
+                    aux, g_extra = a.router_loss.over_ranks(logits, attn, all_reduce_tensor)
             aux_loss = float(aux)
             loss += a.router_loss.coef * aux_loss
         if not math.isfinite(loss):
