@@ -257,3 +257,23 @@ def test_estimate_on_two_gpus_predicts_with_the_cached_links(
         assert "reduce and all_gather between the GPUs (cached)" in model["calibration"]
         steps[name] = model["step_s"]
     assert steps["slow"] > 1.3 * steps["fast"]  # the gpu route's reduce at 5 GB/s
+
+
+def test_a_route_without_the_mirror_casts_at_the_probed_rate(tmp_path: Path) -> None:
+    """Without the BF16 mirror (set off), each rank casts what it loads on its host thread: the
+    whole layer on the replicated route, its share on the sharded one. A slower probed cast
+    slows both, the replicated route more."""
+    cfg = _cfg(tmp_path, bf16_mirror=False)
+    adapter = HFAdapter.from_dir(cfg.model.path)
+    routes = [DEFAULT, ("sharded", "gpu")]
+
+    def steps(cast_gbps: float) -> dict[Any, float]:
+        return route_steps(cfg, adapter, _machine(), routes,
+                           links=Links(H2D, D2H, source="measured", **FAST), adamw_gbps=ADAMW,
+                           peak_flops=989e12, measured=layer_times(_profile(adapter)),
+                           cast_gbps=cast_gbps)  # fmt: skip
+
+    fast, slow = steps(80.0), steps(2.0)
+    sharded = slow[("sharded", "gpu")] - fast[("sharded", "gpu")]
+    assert sharded > 0.1
+    assert slow[DEFAULT] - fast[DEFAULT] > 1.5 * sharded

@@ -311,6 +311,7 @@ def _routes(
         source="measured",
     )
     steps = route_steps(cfg, adapter, machine, candidates, links=links, adamw_gbps=host.gbps,
+                        cast_gbps=host.cast_gbps,
                         peak_flops=peak, measured=layer_times(report))  # fmt: skip
     choice = choose_route(steps, config_route)
     fixed = ", fixed by the config" if len(candidates) == 1 else ""

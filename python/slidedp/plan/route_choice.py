@@ -18,7 +18,7 @@ faster), so a choice would rest on no measurement.
 
 Example::
 
-    steps = route_steps(cfg, adapter, machine, layers="F", links=links, adamw_gbps=147.0,
+    steps = route_steps(cfg, adapter, machine, ROUTES, links=links, adamw_gbps=147.0,
                         peak_flops=989e12, measured=layer_times(report))
     choice = choose_route(steps, default=("replicated", "gpu"))
 """
@@ -33,7 +33,7 @@ import torch
 
 from slidedp.errors import ConfigError
 from slidedp.plan.select import MIN_GAIN
-from slidedp.plan.timing import Links, Ranks, predict_step, spec_from_shapes
+from slidedp.plan.timing import CAST_GBPS, Links, Ranks, predict_step, spec_from_shapes
 
 if TYPE_CHECKING:
     from slidedp.config import TrainConfig
@@ -115,9 +115,11 @@ def route_steps(
     adamw_gbps: float,
     peak_flops: float,
     measured: dict[str, tuple[float, float]],
+    cast_gbps: float | None = None,
 ) -> dict[Route, float]:
     """The predicted step, in seconds, of ``cfg`` (its layout, several ranks of this host) on
-    each of ``routes`` that the launch accepts and ``machine`` holds."""
+    each of ``routes`` that the launch accepts and ``machine`` holds (``cast_gbps``: the host
+    probe's cast under DMA, for a route without the BF16 mirror; None: ``plan.timing``'s)."""
     from slidedp.estimate import estimate_run, resolve_mirror, shortages
     from slidedp.plan.cost import layer_footprint
     from slidedp.plan.device import pick_dtype
@@ -150,6 +152,7 @@ def route_steps(
             seq_len=seq,
             peak_flops=peak_flops,
             adamw_gbps=adamw_gbps,
+            cast_gbps=cast_gbps or CAST_GBPS,
             clipping=cfg.train.max_grad_norm > 0,
             offloaded_bytes=offloaded,
             measured=measured,
