@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 21 on nvidia-h200-x2, one device call per part set (each < 10 minutes):
-#   PARTS=m17  Qwen3-1.7B, B=4 and B=32 per GPU: ours on 1 GPU and on 2 GPUs over the four
-#              routes, each predicted by the step-time model calibrated in the same command
-#   PARTS=m4a / m4b  the same for Qwen3-4B at B=4 / B=16
+#   PARTS=m17     Qwen3-1.7B, B=4 and B=32 per GPU: ours on 1 GPU and on 2 GPUs over the four
+#                 routes (predicted afterwards: slidedp bench predict REPORT --probes DIR)
+#   PARTS=p2      the host and layer probes, the routes m17 did not reach, Qwen3-4B B=16
+#   PARTS=probes  the layer probes alone (any H200: the same GPU as the x2 machine's)
 # Here first:  rm -f dist/*.whl; .venv/bin/maturin build --release -o dist/ -q
 # Device call: carry ["dist"], command `PARTS=m17 bash benches/gpu_two.sh`
 # Layer compute: eager (Liger not installed here, so no Triton compile on a fresh machine);
@@ -16,12 +17,10 @@ routes() {  # routes SHAPE BATCH ROUTES SECONDS
         --set runtime.bf16_mirror=true --json "$OUT/$1-b$2.json"
 }
 case ${PARTS:-m17} in
-    # the layer probes alone (on any H200: the same GPU as the x2 machine's)
     probes) for sb in qwen3-1.7b:4 qwen3-1.7b:32 qwen3-4b:4 qwen3-4b:16; do
             layer "${sb%:*}" "${sb#*:}"; done ;;
     # each run starts in about 60 s here (a fresh store faults in at ~3 s per 8 GiB)
     m17) routes qwen3-1.7b 4 all 230; routes qwen3-1.7b 32 all 320 ;;
-    # the probes of the runs above and below, the routes m17 did not reach, Qwen3-4B B=16
     p2) part host 60 python3 -m slidedp.bench.predict host '{"device": "cuda"}' "$OUT/host.json"
         for sb in qwen3-1.7b:4 qwen3-1.7b:32 qwen3-4b:16; do layer "${sb%:*}" "${sb#*:}"; done
         routes qwen3-1.7b 4 replicated/cpu,sharded/gpu,sharded/cpu 240

@@ -265,7 +265,7 @@ class Estimate:
     # the step-time model's prediction (plan.timing; CUDA with a known peak only): step_s,
     # busy_s and exposed_s by lane, critical_path, regime
     step_model: dict[str, Any] | None = None
-    # several GPUs: the model's step on each route (param/grad), as ``step_model`` predicts it
+    # several GPUs: the model's step on each route (param/grad) that fits and the launch takes
     route_steps: dict[str, float] | None = None
     world: int = 1  # processes of the node (runtime.gpus / runtime.ranks)
     route: str = ""  # this run's param_route/grad_route
@@ -469,30 +469,31 @@ def estimate_run(
         step=_step_time(cfg, adapter, machine, params, rate),
         machine=machine,
         step_model=_step_model(cfg, adapter, machine, policy, dtype, rate) if step_model else None,
-        route_steps=_route_steps(cfg, adapter, machine, dtype, rate) if step_model else None,
+        route_steps=_route_steps(cfg, adapter, machine, rate) if step_model else None,
         world=rt.world,
         route=f"{rt.param_route}/{rt.grad_route}",
     )
 
 
 def _route_steps(
-    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, dtype: torch.dtype, rate: HostRate
+    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, rate: HostRate
 ) -> dict[str, float] | None:
-    """Several GPUs: the model's step on each route (``param/grad``), each with the policy
-    ``Trainer`` would resolve for it (the replicated route always has the mirror)."""
-    from slidedp.plan.route_choice import ROUTES
+    """Several GPUs: the model's step on each route (``param/grad``) that the launch accepts
+    and ``machine`` holds, as ``runtime.policy: auto`` predicts them (``plan.route_choice``),
+    with the rates of ``_step_model``."""
+    from slidedp.plan.auto import profile_args
+    from slidedp.plan.route_choice import ROUTES, route_name, route_steps
+    from slidedp.profile.layer import cached_profile
 
-    if cfg.runtime.world == 1:
+    peak, _ = _gpu_peak(machine.gpu_name)
+    if cfg.runtime.world == 1 or machine.device != "cuda" or peak is None:
         return None
-    steps = {}
-    for param, grad in ROUTES:
-        routed = replace(cfg, runtime=replace(cfg.runtime, param_route=param, grad_route=grad))
-        policy = plan_policy(routed, adapter, machine)
-        model = _step_model(routed, adapter, machine, policy, dtype, rate)
-        if model is None:
-            return None
-        steps[f"{param}/{grad}"] = float(model["step_s"])
-    return steps
+    report = cached_profile(profile_args(cfg))
+    links, _ = _links(cfg.runtime.world, adapter, machine)
+    steps = route_steps(cfg, adapter, machine, list(ROUTES), links=links, adamw_gbps=rate.gbps,
+                        cast_gbps=rate.cast_gbps, peak_flops=peak,
+                        measured=layer_times(report) if report else {})  # fmt: skip
+    return {route_name(r): s for r, s in steps.items()}
 
 
 @dataclass(frozen=True)

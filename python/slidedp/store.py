@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -43,6 +44,11 @@ class GroupSpec:
 
     name: str
     params: Sequence[ParamSpec] = field(default_factory=tuple)
+
+    @property
+    def numel(self) -> int:
+        """Elements of all its parameters."""
+        return sum(math.prod(p.shape) for p in self.params)
 
 
 def _spec_json(

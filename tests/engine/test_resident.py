@@ -18,10 +18,11 @@ from safetensors.torch import load_file
 
 from cli.util import one_error_line, run
 from engine.tiny import make_model, read_metrics, write_config, write_data
+from estimate.machines import H100
 from slidedp.cli import main
 from slidedp.config import load_config
 from slidedp.errors import NonFiniteError, OutOfDeviceMemoryError
-from slidedp.estimate import GIB, Machine, check_fits, estimate_run, plan_store
+from slidedp.estimate import Machine, check_fits, estimate_run, plan_store
 from slidedp.kernels import Kernels
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.cost import resident_bytes_per_layer, resident_layer_bytes
@@ -205,17 +206,6 @@ def test_a_policy_file_sets_resident_layers_and_the_policy_round_trips(tiny_run:
     assert Policy.from_dict(policy.to_dict()) == policy
     older = {k: v for k, v in policy.to_dict().items() if k != "resident_layers"}
     assert Policy.from_dict(older).resident_layers == 0  # checkpoints of earlier runs
-
-
-H100 = Machine(
-    device="cuda",
-    dtype="bfloat16",
-    cores=16,
-    shm_free_bytes=100 * GIB,
-    mem_available_bytes=120 * GIB,
-    gpu_name="NVIDIA H100 80GB HBM3",
-    gpu_total_bytes=80 * 10**9,
-)
 
 
 @pytest.mark.parametrize("clip", list(CLIP))

@@ -15,6 +15,7 @@ from transformers import Qwen3Config
 
 from cli.util import one_error_line, run
 from engine.tiny import make_model, write_config, write_data
+from estimate.machines import H100
 from host_profile.fake import cache_rate
 from slidedp.bench.shapes import SHAPES
 from slidedp.cli import main
@@ -42,15 +43,6 @@ from slidedp.runtime.flops import model_flops_per_token
 from slidedp.store import HostStore
 
 Capsys = pytest.CaptureFixture[str]
-H100 = Machine(
-    device="cuda",
-    dtype="bfloat16",
-    cores=16,
-    shm_free_bytes=100 * GIB,
-    mem_available_bytes=120 * GIB,
-    gpu_name="NVIDIA H100 80GB HBM3",
-    gpu_total_bytes=80 * 10**9,
-)
 CPU = Machine(
     device="cpu",
     dtype="float32",

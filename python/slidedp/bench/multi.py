@@ -181,23 +181,18 @@ def scaled_specs(single: RunSpec, systems: list[str], scale: Scale) -> list[RunS
     return specs
 
 
-def decoder_layer_numel(config: Any) -> int:
-    """Parameters of the model's largest decoder layer (a meta-device model: nothing allocated)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
-    return int(max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers))
-
-
 def collectives_spec(single: RunSpec, scale: Scale, config: Any) -> RunSpec:
-    """The collectives' run on ``scale.world`` ranks for the model of ``config``."""
+    """The collectives' run on ``scale.world`` ranks for the model of ``config``, at the size
+    of its largest decoder layer."""
+    from slidedp.models.hf import HFAdapter
+    from slidedp.plan.measure import layer_numel
+
     return dataclasses.replace(
         single,
         system="collectives",
         batch=0,
         world=scale.world,
-        layer_numel=decoder_layer_numel(config),
+        layer_numel=layer_numel(HFAdapter(config)),
     )
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import tempfile
@@ -126,16 +125,12 @@ def _train(
     return records, [] if nccl_log is None else nccl_transports(nccl_log)
 
 
-def _group_params(adapter: HFAdapter) -> list[int]:
-    return [sum(math.prod(p.shape) for p in g.params) for g in adapter.group_specs()]
-
-
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Both runs on this machine (module docstring)."""
     with tempfile.TemporaryDirectory(prefix="slidedp-bench-nodes-") as tmp:
         root = Path(tmp)
         config = _write_run(root, args)
-        params = sum(_group_params(HFAdapter.from_dir(root / "model")))
+        params = sum(g.numel for g in HFAdapter.from_dir(root / "model").group_specs())
         one, one_via = _train(
             config, root / "one", 1, args.nodes * args.ranks, args, nccl_net=False
         )
@@ -190,7 +185,7 @@ def predict(args: argparse.Namespace) -> list[dict[str, Any]]:
         clipping=True,
         offloaded_bytes=[0] * adapter.num_layers,
     )
-    params = _group_params(adapter)
+    params = [g.numel for g in adapter.group_specs()]
     rows = []
     for nodes in (1, 2, 4, 8):
         reduce = reduce_s(

@@ -31,11 +31,15 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from slidedp.errors import ConfigError
+
+if TYPE_CHECKING:
+    from slidedp.config import RuntimeSection
+    from slidedp.plan.timing import Links
 
 PROBE_TIMEOUT_S = 300
 
@@ -75,7 +79,7 @@ def _host(args: dict[str, Any]) -> dict[str, Any]:
 PROBES = {"layer": _layer, "host": _host}
 
 
-def _ours_runtime(report: dict[str, Any], run: dict[str, Any]) -> Any:
+def _ours_runtime(report: dict[str, Any], run: dict[str, Any]) -> RuntimeSection:
     """The run's ``RuntimeSection``: the report's config of ours with the run's routes."""
     from slidedp.config import RuntimeSection
 
@@ -92,7 +96,7 @@ def _ours_runtime(report: dict[str, Any], run: dict[str, Any]) -> Any:
     return RuntimeSection(**given)
 
 
-def _links(report: dict[str, Any]) -> Any:
+def _links(report: dict[str, Any]) -> Links:
     """The collectives' rates from the same command; the copies at ``plan.timing``'s PCIe
     ceilings (the host probe's joint copy rates are paced by its AdamW passes, not a copy
     engine's capacity)."""
@@ -137,6 +141,7 @@ def predict_report(
     peak = _gpu_peak(report["device_name"])[0] or report["peak_flops"] or 1e12
     links = _links(report)
     clipping = float(report["ours_config"]["train"]["max_grad_norm"]) > 0
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     out = []
     for run in runs:
         rt = _ours_runtime(report, run)
@@ -148,13 +153,12 @@ def predict_report(
         profile_args = {
             "shape": str(config_dir / "config.json"), "batch": run["batch"],
             "seq_len": report["seq_len"], "families": families, "ratios": ratios,
-            "device": device, "dtype": "bfloat16" if device == "cuda" else "float32",
+            "device": device, "dtype": str(dtype).removeprefix("torch."),
             "warmup": 2, "steps": 5, "cache_dir": None, "force": False,
             "layer_kernels": rt.kernels, "layer_compile": rt.compile,
         }  # fmt: skip
         path = config_dir / f"layer-b{run['batch']}-{families}-{ratios}.json"
         layer = probe("layer", profile_args, path)
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
         offloaded = [
             layer_footprint(adapter, p, run["batch"], report["seq_len"], dtype).offloaded_bytes
             for p in policy.layers

@@ -21,7 +21,6 @@ Example::
 
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 import tempfile
@@ -42,10 +41,7 @@ TIMEOUT_S = 1800.0  # a first torch.compile'd profile of a large layer takes min
 def layer_numel(adapter: HFAdapter) -> int:
     """Parameters of the largest decoder layer: the size of the routes' collectives."""
     specs = adapter.group_specs()
-    return max(
-        sum(math.prod(p.shape) for p in specs[adapter.layer_group(i)].params)
-        for i in range(adapter.num_layers)
-    )
+    return max(specs[adapter.layer_group(i)].numel for i in range(adapter.num_layers))
 
 
 def measure(cfg: TrainConfig) -> None:

@@ -13,7 +13,6 @@ Example::
 from __future__ import annotations
 
 import json
-import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -226,7 +225,7 @@ def spec_from_shapes(
     for i, p in enumerate(policy.layers):
         if measured and str(p) in measured:
             forward[i], backward[i] = measured[str(p)]
-    params = [sum(math.prod(p.shape) for p in g.params) for g in adapter.group_specs()]
+    params = [g.numel for g in adapter.group_specs()]
     head = 6 * adapter.vocab_size * adapter.hidden_size * tokens / rate
     grad_bytes = 2  # the compute dtype (bf16) on the device, then to the host
     cast_share = ranks.count if ranks.param_route == "sharded" else 1  # each casts its shard
