@@ -161,15 +161,13 @@ def test_bf16_losses_track_fsdp2_mixed_precision(
 
 @pytest.mark.gpu
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("kernels", "compile"), [("liger", False), ("eager", True), ("liger", True)]
-)
+@pytest.mark.parametrize(("kernels", "compile"), [("liger", False), ("eager", True)])
 def test_fused_and_compiled_layers_track_fsdp2(
     tmp_path: Path, fsdp2_run: tuple[Path, Path, list[float]], kernels: str, compile: bool
 ) -> None:
     """Liger's kernels (the ``fast`` extra must be installed: a missing one is a config error,
     not a skip) and the compiled layer, each on the mixed layout against FSDP2 over the same
-    200 steps."""
+    200 steps. Liger compiled drifted 1.7e-2 here (BENCHMARKS.md) and is refused."""
     model_dir, data, ref = fsdp2_run
     ours = _ours(tmp_path, model_dir, data, "fast", layers=MIXED_LAYOUT, bf16_mirror=True,
                  kernels=kernels, compile=compile)  # fmt: skip

@@ -127,6 +127,16 @@ def resolve_compute(
         from slidedp.models.hf import MOE_MODEL_TYPES  # hf imports this module
 
         compile = device.type == "cuda" and chosen == "eager" and model_type not in MOE_MODEL_TYPES
+    if compile and chosen == "liger" and device.type == "cuda":
+        # inductor takes Liger's Triton RMSNorm for a kernel that mutates every input: 200 bf16
+        # steps drift 1.7e-2 from FSDP2 (BENCHMARKS.md, issue #22's compiled layers' parity)
+        if kernels == "liger":
+            raise ConfigError(
+                "runtime.kernels=liger with runtime.compile=true fails the GPU parity test "
+                "(Liger's Triton kernels under torch.compile); set runtime.compile=false, or "
+                "runtime.kernels=eager to compile transformers' modules"
+            )
+        chosen, reason = "eager", "Liger's kernels are never compiled (wrong under torch.compile)"
     if compile and adapter.router_loss is not None:
         raise ConfigError(
             "runtime.compile=true: a mixture-of-experts layer with output_router_logits records "

@@ -75,6 +75,7 @@ def profile_candidates(report: dict[str, Any]) -> list[tuple[LayerPolicy, dict[s
         out[policy] = {
             "name": str(policy),
             "time_s": layer_time(c),
+            "forward_s": max(float(c["forward_s"]), float(c["reload_s"])),
             "retained_bytes": float(max(memory(c), c["estimated_retained_bytes"])),
             "offloaded_bytes": float(max(c["offloaded_bytes"], c["estimated_offloaded_bytes"])),
             "transient_bytes": float(transient),

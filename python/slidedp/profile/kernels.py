@@ -5,7 +5,8 @@ model TFLOP/s (the bench's formula for one layer: ``6 * matmul weights + 6 * S_e
 per token, ``runtime.flops``) and its kernels with their share of the time.
 
 A variant is ``eager``, ``liger``, ``compiled`` or ``liger+compiled``; one that cannot run here
-(Liger on CPU, or not installed) is reported as skipped with the reason. Times are the median
+(Liger on CPU, or not installed; ``liger+compiled`` on CUDA, refused since it failed the GPU
+parity test) is reported as skipped with the reason. Times are the median
 of ``--steps`` after ``--warmup`` (a compiled variant compiles in its warm-up). The breakdown
 is one more step under ``torch.profiler``: on CUDA its GPU kernels by self device time (which
 attention kernel SDPA picked shows there: flash, cuDNN or memory-efficient), on CPU the aten

@@ -10,8 +10,9 @@
 //! min T
 //!   Σ n_j = L,  n_j ≤ L·y_j,  P ≥ 2·o_j·y_j,  H ≥ h_j·y_j,  r ≤ R
 //!   Σ n_j·m_j + P + H + r·w ≤ B,  H + G + r·w ≤ B (G: a clipped step's parked gradients)
-//!   compute C = c0 + Σ n_j·τ_j;  host U = u·(L − r)
-//!   T ≥ C and T ≥ U (the update overlaps the backward), or T ≥ C + U (clipping: after it)
+//!   compute C = c0 + Σ n_j·τ_j;  forward F = Σ n_j·φ_j;  host U = u·(L − r)
+//!   T ≥ C and T ≥ F + U (the update overlaps the backward, never the forward),
+//!   or T ≥ C + U (clipping: after the backward)
 //! ```
 //!
 //! The prefetch pool holds two consecutive offloaded shares during a backward (the one in use
@@ -36,6 +37,9 @@ pub struct Candidate {
     pub name: String,
     /// Its forward + backward (replay included, copies overlapped) in the engine, seconds.
     pub time_s: f64,
+    /// Its forward alone, seconds: the host lane has nothing to update before the backward.
+    #[serde(default)]
+    pub forward_s: f64,
     /// Device bytes kept from its forward to its backward.
     pub retained_bytes: f64,
     /// Bytes moved to host memory and back (the prefetch pool holds two such shares).
@@ -174,6 +178,7 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
         .map(|(v, c)| c.time_s * *v)
         .sum::<Expression>()
         + problem.fixed_s;
+    let forward: Expression = n.iter().zip(cands).map(|(v, c)| c.forward_s * *v).sum();
     let memory: Expression = n
         .iter()
         .zip(cands)
@@ -205,7 +210,7 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
                 model.add_constraint(constraint!(step >= compute + host));
             } else {
                 model.add_constraint(constraint!(step >= compute.clone()));
-                model.add_constraint(constraint!(step >= host));
+                model.add_constraint(constraint!(step >= forward + host));
             }
         }
         None => {
@@ -250,6 +255,9 @@ pub fn layout_of(problem: &Problem, counts: Vec<u32>, resident_layers: u32) -> L
             .zip(&counts)
             .map(|(c, n)| c.time_s * f64::from(*n))
             .sum::<f64>();
+    let forward_s: f64 = (problem.candidates.iter().zip(&counts))
+        .map(|(c, n)| c.forward_s * f64::from(*n))
+        .sum();
     let streamed = f64::from(problem.layers - resident_layers.min(problem.layers));
     let (host_s, step_s) = match &problem.host {
         Some(h) if h.serial => (
@@ -258,7 +266,7 @@ pub fn layout_of(problem: &Problem, counts: Vec<u32>, resident_layers: u32) -> L
         ),
         Some(h) => (
             h.update_s_per_layer * streamed,
-            compute_s.max(h.update_s_per_layer * streamed),
+            compute_s.max(forward_s + h.update_s_per_layer * streamed),
         ),
         None => (0.0, compute_s),
     };

@@ -4,6 +4,7 @@ fn cand(name: &str, time_s: f64, retained: f64, offloaded: f64) -> Candidate {
     Candidate {
         name: name.into(),
         time_s,
+        forward_s: 0.0,
         retained_bytes: retained,
         offloaded_bytes: offloaded,
         transient_bytes: 1.0,
@@ -87,6 +88,30 @@ fn resident_layers_shorten_the_host_lane_where_it_binds() {
     });
     let layout = solve(&p).unwrap();
     assert_eq!((layout.resident_layers, layout.step_s), (10, 60.0));
+}
+
+#[test]
+fn the_overlapped_host_lane_starts_after_the_forward() {
+    let mut p = three();
+    p.budget_bytes = 1e6;
+    for c in &mut p.candidates {
+        c.forward_s = c.time_s / 3.0; // N: 2 s of its 6
+    }
+    p.host = Some(HostLane {
+        update_s_per_layer: 9.0,
+        serial: false,
+    });
+    p.resident = Some(Resident {
+        bytes_per_layer: 10.0,
+        max_layers: 10,
+    });
+    // compute 60 s (all N), forward 20 s: the lane ends by 60 s with 6 resident layers
+    // (20 + 9 x 4 = 56), where 4 would do if it could overlap the forward (20 + 54 = 74 s)
+    let layout = solve(&p).unwrap();
+    assert_eq!(layout.counts, vec![0, 0, 10]);
+    assert!(layout.resident_layers >= 6, "{layout:?}");
+    assert_eq!(layout.step_s, 60.0);
+    assert_eq!(layout_of(&p, vec![0, 0, 10], 4).step_s, 74.0);
 }
 
 #[test]
