@@ -194,7 +194,8 @@ def format_summary(s: dict[str, Any], out: Path) -> str:
         f"slidedp plan: {len(names)} candidates from the profile ({s['profile']}): "
         + ", ".join(names),
         f"  budget for activations {s['budget_bytes'] / GIB:.2f} GiB of {total:.1f}; host "
-        f"update {host['update_s_per_layer'] * 1e3:.1f} ms/layer ({when}) at "
+        f"update {host['update_s_per_layer'] * 1e3:.1f} ms/layer ({when}) and "
+        f"{host['tail_s'] * 1e3:.0f} ms for the embedding and head (after it) at "
         f"{s['host_adamw']['gbps']:.0f} GB/s AdamW, {s['host_adamw']['source']}",
         f"  program: {s['program_layout']}",
         f"           step {sol['step_s']:.3f} s (layers {sol['compute_s']:.3f} s, host "

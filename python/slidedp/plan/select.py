@@ -119,6 +119,14 @@ def host_update_s_per_layer(adapter: HFAdapter, gbps: float) -> float:
     return ADAMW_BYTES_PER_PARAM * params / (gbps * 1e9)
 
 
+def host_update_s_tail(adapter: HFAdapter, gbps: float) -> float:
+    """The host AdamW pass of the embedding and head groups (never resident): their gradients
+    come last in the backward, so this part of the update ends every step."""
+    specs = adapter.group_specs()
+    params = specs[adapter.embed_group].numel + specs[adapter.head_group].numel
+    return ADAMW_BYTES_PER_PARAM * params / (gbps * 1e9)
+
+
 def solve(problem: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = json.loads(_native.solve_layout(json.dumps(problem)))
     return result
@@ -149,6 +157,7 @@ def select_layout(
         "host": {
             "update_s_per_layer": host_update_s_per_layer(adapter, update_gbps),
             "serial": clipping,
+            "tail_s": host_update_s_tail(adapter, update_gbps),
         },
     }
     if resident:

@@ -11,9 +11,12 @@
 //!   Σ n_j = L,  n_j ≤ L·y_j,  P ≥ 2·o_j·y_j,  H ≥ h_j·y_j,  r ≤ R
 //!   Σ n_j·m_j + P + H + r·w ≤ B,  H + G + r·w ≤ B (G: a clipped step's parked gradients)
 //!   compute C = c0 + Σ n_j·τ_j;  forward F = Σ n_j·φ_j;  host U = u·(L − r)
-//!   T ≥ C and T ≥ F + U (the update overlaps the backward, never the forward),
-//!   or T ≥ C + U (clipping: after the backward)
+//!   T ≥ C + E and T ≥ F + U + E (the update overlaps the backward, never the forward),
+//!   or T ≥ C + U + E (clipping: after the backward)
 //! ```
+//!
+//! `E` is the update of what is not a decoder layer (embedding, final norm, head): its
+//! gradient is the backward's last, so its update ends every step.
 //!
 //! The prefetch pool holds two consecutive offloaded shares during a backward (the one in use
 //! and the next one, prefetched), bounded here by twice the largest used share. Solved with
@@ -56,6 +59,9 @@ pub struct HostLane {
     pub update_s_per_layer: f64,
     /// With gradient clipping the update waits for the global norm: it follows the backward.
     pub serial: bool,
+    /// The update of the embedding and head (never resident), after the backward's end.
+    #[serde(default)]
+    pub tail_s: f64,
 }
 
 /// GPU-resident layers: bytes each one keeps on the device (BF16 weights, FP32 master and Adam
@@ -207,10 +213,10 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
         Some(h) => {
             let host = h.update_s_per_layer * (layers - resident);
             if h.serial {
-                model.add_constraint(constraint!(step >= compute + host));
+                model.add_constraint(constraint!(step >= compute + host + h.tail_s));
             } else {
-                model.add_constraint(constraint!(step >= compute.clone()));
-                model.add_constraint(constraint!(step >= forward + host));
+                model.add_constraint(constraint!(step >= compute.clone() + h.tail_s));
+                model.add_constraint(constraint!(step >= forward + host + h.tail_s));
             }
         }
         None => {
@@ -261,12 +267,12 @@ pub fn layout_of(problem: &Problem, counts: Vec<u32>, resident_layers: u32) -> L
     let streamed = f64::from(problem.layers - resident_layers.min(problem.layers));
     let (host_s, step_s) = match &problem.host {
         Some(h) if h.serial => (
-            h.update_s_per_layer * streamed,
-            compute_s + h.update_s_per_layer * streamed,
+            h.update_s_per_layer * streamed + h.tail_s,
+            compute_s + h.update_s_per_layer * streamed + h.tail_s,
         ),
         Some(h) => (
-            h.update_s_per_layer * streamed,
-            compute_s.max(forward_s + h.update_s_per_layer * streamed),
+            h.update_s_per_layer * streamed + h.tail_s,
+            compute_s.max(forward_s + h.update_s_per_layer * streamed) + h.tail_s,
         ),
         None => (0.0, compute_s),
     };

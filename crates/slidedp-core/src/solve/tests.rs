@@ -71,6 +71,7 @@ fn resident_layers_shorten_the_host_lane_where_it_binds() {
     p.host = Some(HostLane {
         update_s_per_layer: 9.0,
         serial: false,
+        tail_s: 0.0,
     });
     p.resident = Some(Resident {
         bytes_per_layer: 10.0,
@@ -85,6 +86,7 @@ fn resident_layers_shorten_the_host_lane_where_it_binds() {
     p.host = Some(HostLane {
         update_s_per_layer: 9.0,
         serial: true,
+        tail_s: 0.0,
     });
     let layout = solve(&p).unwrap();
     assert_eq!((layout.resident_layers, layout.step_s), (10, 60.0));
@@ -100,6 +102,7 @@ fn the_overlapped_host_lane_starts_after_the_forward() {
     p.host = Some(HostLane {
         update_s_per_layer: 9.0,
         serial: false,
+        tail_s: 0.0,
     });
     p.resident = Some(Resident {
         bytes_per_layer: 10.0,
@@ -112,6 +115,15 @@ fn the_overlapped_host_lane_starts_after_the_forward() {
     assert!(layout.resident_layers >= 6, "{layout:?}");
     assert_eq!(layout.step_s, 60.0);
     assert_eq!(layout_of(&p, vec![0, 0, 10], 4).step_s, 74.0);
+    // the embedding's update ends every step, after the backward, resident layers or not
+    if let Some(h) = p.host.as_mut() {
+        h.tail_s = 5.0;
+    }
+    let layout = solve(&p).unwrap();
+    assert_eq!(
+        (layout.step_s, layout.host_s),
+        (65.0, 5.0 + 9.0 * f64::from(10 - layout.resident_layers))
+    );
 }
 
 #[test]
@@ -121,6 +133,7 @@ fn resident_layers_compete_with_activations_for_the_budget() {
     p.host = Some(HostLane {
         update_s_per_layer: 4.0,
         serial: true,
+        tail_s: 0.0,
     });
     p.resident = Some(Resident {
         bytes_per_layer: 4.0,
@@ -164,6 +177,7 @@ fn among_equal_steps_the_least_compute() {
     p.host = Some(HostLane {
         update_s_per_layer: 10.0,
         serial: false,
+        tail_s: 0.0,
     });
     let layout = solve(&p).unwrap();
     assert_eq!(
@@ -193,6 +207,7 @@ fn resident_layers_share_a_clipped_steps_end_with_the_parked_gradients() {
     p.host = Some(HostLane {
         update_s_per_layer: 10.0, // a resident layer saves 10 s for 4 B
         serial: true,
+        tail_s: 0.0,
     });
     p.resident = Some(Resident {
         bytes_per_layer: 4.0,
