@@ -231,7 +231,6 @@ def resolve_auto(
     if kept is not None and resume is not None:
         return _kept_line(default, kept, candidates, resume)
     measuring, clock = measure, Clock(say=_say_stage if measure else None)
-    validating = measure and not several  # in this process, before the trainer
     measured_s = None
     if measure and several:  # the launcher stays free of the measurements' device state
         with clock.stage("measure"):
@@ -270,7 +269,7 @@ def resolve_auto(
             f"{choice.program_layout}, predicted {choice.gain:.2f}x the default)"
         )
     steps, validation = rt.policy_validate_steps, None
-    if validating and steps and needs_validation(choice):
+    if measuring and not several and steps and needs_validation(choice):
         with clock.stage("validation") as notes:
             validation = validate_choice(default, choice, solve_at, steps=steps,
                                          limit_bytes=limit_bytes(machine),
@@ -306,7 +305,7 @@ def resolve_auto(
     if routes is not None:  # several ranks: not validated, the solver's choice runs
         chosen, said = routes
         line += f"; routes {said}"
-    line += f"; {_validated(validation, choice, steps, validating)}"
+    line += f"; {_validated(validation, choice, steps, several=several, measuring=measuring)}"
     if measuring:  # from a cache alone (validate, estimate) the seconds say nothing
         line += f"; {_selection(clock, validation)}"
     return chosen, line
@@ -316,16 +315,18 @@ def _say_stage(line: str) -> None:
     print(f"policy   auto: {line}", file=sys.stderr, flush=True)
 
 
-def _validated(validation: Validation | None, choice: Choice, steps: int, here: bool) -> str:
+def _validated(
+    validation: Validation | None, choice: Choice, steps: int, *, several: bool, measuring: bool
+) -> str:
     if validation is not None:
         return f"validated ({steps} steps each): {validation.describe()}"
     if not steps:
         return "not validated (runtime.policy_validate_steps=0)"
-    if not here:
-        return "not validated here (`slidedp train` validates on one process)"
-    if not needs_validation(choice):
-        return "not validated (the default chosen: nothing to compare)"
-    return "not validated"
+    if several:
+        return "not validated on several ranks (the solver's choice runs)"
+    if not measuring:
+        return "not validated here (`slidedp train` validates)"
+    return "not validated (the default chosen: nothing to compare)"
 
 
 def _selection(clock: Clock, validation: Validation | None) -> str:
