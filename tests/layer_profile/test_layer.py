@@ -4,11 +4,13 @@ marks, the JSON, the PNG and the cache."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from slidedp.cli import main
 from slidedp.profile import layer
@@ -146,8 +148,8 @@ def test_a_profile_whose_key_changed_is_measured_again(
     assert first["world"] == 1
     stale = {
         "cpu": lambda: monkeypatch.setattr(layer, "cpu_model", lambda: "another CPU"),
-        "logical_cores": lambda: monkeypatch.setattr(layer.os, "cpu_count", lambda: 512),
-        "torch": lambda: monkeypatch.setattr(layer.torch, "__version__", "0.0.1"),
+        "logical_cores": lambda: monkeypatch.setattr(os, "cpu_count", lambda: 512),
+        "torch": lambda: monkeypatch.setattr(torch, "__version__", "0.0.1"),
         "slidedp": lambda: monkeypatch.setattr(layer, "__version__", "0.0.1"),
     }
     stale[changed]()
