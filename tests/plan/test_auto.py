@@ -40,14 +40,15 @@ def test_auto_profiles_once_chooses_and_trains_as_the_chosen_layout(
     assert not (tmp_path / "slidedp" / "profile").exists()  # validate measures nothing
 
     assert main(["train", str(path)]) == 0
-    out, err = capsys.readouterr()
+    out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("policy   auto: "))
     assert "profiled in" in line
     # each stage said as it ended, the solver's choice in the solve stage's line
-    stages = [x.split(" ")[4] for x in err.splitlines() if x.startswith("policy   auto: ")]
+    said = [x.removeprefix("policy   auto ") for x in out.splitlines()
+            if x.startswith("policy   auto ") and not x.startswith("policy   auto: ")]  # fmt: skip
+    stages = [x.split(":")[0] for x in said]
     assert stages[:3] == ["profile", "host", "solve"]
-    solved = next(x for x in err.splitlines() if x.startswith("policy   auto: solve "))
-    solver_choice = solved.split(": ", 2)[2].split(" (the program's")[0]
+    solver_choice = said[2].split(" s (", 1)[1].split(" (the program's")[0]
     resolved = yaml.safe_load((tmp_path / "auto" / "resolved_config.yaml").read_text())
     layout = resolved["runtime"]["layers"]
     assert resolved["runtime"]["policy"] == ""

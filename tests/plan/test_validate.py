@@ -266,7 +266,7 @@ def test_plan_reports_the_validated_step_times_selection_time_and_break_even(
     report.write_text(json.dumps(_report()))
     policy = tmp_path / "policy.yaml"
     assert main(["plan", str(path), "--profile", str(report), "--out", str(policy)]) == 0
-    out, err = capsys.readouterr()
+    out = capsys.readouterr().out
     summary = json.loads(policy.with_suffix(".json").read_text())
     stages = ["setup_s", "profile_s", "host_s", "solve_s", "validation_s", "check_s"]
     assert list(summary["timing_s"]) == stages
@@ -278,7 +278,10 @@ def test_plan_reports_the_validated_step_times_selection_time_and_break_even(
     assert yaml.safe_load(policy.read_text())["layers"] == summary["layout"] == CHOICE
     assert "  validated (3 steps each): " in out
     assert f"break-even after {summary['break_even_steps']:,} steps" in out
-    assert [x.split(" ")[2] for x in err.splitlines()] == [s.removesuffix("_s") for s in stages]
+    said = [
+        x.split(":")[0].split(" ")[-1] for x in out.splitlines() if x.startswith("slidedp plan ")
+    ]
+    assert said == [s.removesuffix("_s") for s in stages]  # each stage said as it ended
 
     monkeypatch.setattr(validate, "run_trial", FakeTrials({"F": 1.0, "*": 1.2}))
     assert main(["plan", str(path), "--profile", str(report), "--out", str(policy)]) == 0
@@ -306,7 +309,7 @@ def test_auto_validates_on_the_tiny_model_and_trains_the_winner(
     cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 1000.0)
     monkeypatch.setattr(auto, "profile_layer", lambda args: _report())  # the program picks N
     assert main(["train", str(path)]) == 0
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("policy   auto"))
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("policy   auto: "))
     assert f"; validated (3 steps each): {CHOICE}, 0 GPU-resident " in line
     resolved = yaml.safe_load((tmp_path / "out" / "resolved_config.yaml").read_text())
     assert resolved["runtime"]["layers"] in (CHOICE, ALL_F)

@@ -33,7 +33,6 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -312,7 +311,7 @@ def resolve_auto(
 
 
 def _say_stage(line: str) -> None:
-    print(f"policy   auto: {line}", file=sys.stderr, flush=True)
+    print(f"policy   auto {line}", flush=True)
 
 
 def _validated(

@@ -23,7 +23,6 @@ import dataclasses
 import json
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +111,7 @@ def main(args: argparse.Namespace) -> int:
     from slidedp.estimate import Machine, estimate_run, host_rate, shortages, update_threads
     from slidedp.preflight import check_model
 
-    clock = Clock(say=lambda line: print(f"slidedp plan: {line}", file=sys.stderr, flush=True))
+    clock = Clock(say=lambda line: print(f"slidedp plan {line}", flush=True))
     with clock.stage("setup"):
         out = Path(args.out)
         _check_out(out)
