@@ -7,9 +7,14 @@ keeps it.
 
 ``train`` profiles the layer when the profile is not cached (on the run's device, with the
 batch of one rank and the run's sequence), and probes the host AdamW rate the same way
-(``slidedp profile host``: the selector's host lane); ``validate`` and ``estimate`` never run
-GPU work: they use a cached profile, or check the default layout and say that ``train`` will
-choose, and a cached host rate or else ``estimate.ADAMW_GBPS``'s. A resumed run keeps the
+(``slidedp profile host``: the selector's host lane); on one process it then validates the
+solver's choice against the fixed default in ``runtime.policy_validate_steps`` training steps
+each (``plan.validate``: the faster one runs, the default on a tie; a choice out of memory is
+re-solved with a smaller budget). Each stage is said in one line as it ends, and the banner
+line ends with the selection time by stage and the break-even steps (``plan.clock``).
+``validate`` and ``estimate`` never run GPU work: they use a cached profile, or check the
+default layout and say that ``train`` will choose, and a cached host rate or else
+``estimate.ADAMW_GBPS``'s; they show the solver's choice, unvalidated. A resumed run keeps the
 layout and routes its checkpoint ran with.
 
 Several GPUs of one host (``runtime.gpus: N``): ``slidedp train``'s launcher chooses once,
@@ -19,7 +24,8 @@ probe, and ``profile.links``: the layer-sized ``reduce`` and ``all_gather`` betw
 run in a child process (``plan.measure``), so the launcher allocates nothing on the GPUs. No layer
 is GPU-resident there (refused with several ranks). CPU ranks choose the layout and keep the
 config's routes (the route model is for GPUs); several nodes, and ranks started by another
-launcher (torchrun), are refused with one line.
+launcher (torchrun), are refused with one line. The launcher's choice is not validated (a trial
+there would start every rank, twice).
 
 Example::
 

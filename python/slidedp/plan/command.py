@@ -5,9 +5,13 @@ Stages, each timed in the report: the layer profile of the run's own model, batc
 (``slidedp profile layer``, cached by device, shape, batch, sequence, dtype and versions), the
 host AdamW rate (``slidedp profile host``, cached by CPU, threads, GPU and versions), the
 integer program over its Pareto candidates under the GPU budget with the host update lane
-counted (``plan.select``), the placement, and ``slidedp estimate`` of the chosen layout (the same
-check ``train`` runs). The fixed default (all ``F``) is a candidate of the program, and its
-accounting is printed beside the choice.
+counted (``plan.select``), the placement, the validation (``plan.validate``: a few training steps
+of the choice and of the default on this GPU, the choice kept only when faster, re-solved with
+a smaller budget when it does not fit; not for ``--gpu-memory``, another GPU), and ``slidedp
+estimate`` of the chosen layout (the same check ``train`` runs). The fixed default (all ``F``)
+is a candidate of the program, and its accounting is printed beside the choice. Each stage is
+said in one line as it ends; the report adds the selection time (their sum) and the break-even
+steps (``plan.clock``).
 
 Example::
 
