@@ -222,7 +222,7 @@ def resolve_auto(
     (``train``) keeps each route key the config sets to another value than its default."""
     from slidedp.estimate import host_rate, update_threads
     from slidedp.plan.measure import measure_in_child
-    from slidedp.plan.select import MIN_GAIN, select_layout
+    from slidedp.plan.select import select_layout
 
     rt = cfg.runtime
     if rt.policy != AUTO:
@@ -286,7 +286,23 @@ def resolve_auto(
         profiled = clock.seconds["profile"]
         source = "cached profile" if report.get("cached") else f"profiled in {profiled:.1f} s"
     shown = choice if validation is None else validation.result(choice)
-    if validation is not None and validation.choice is None:
+    line = _head(choice, shown, source, host, clock.seconds["solve"])
+    chosen = _with(default, layers=shown.layout, resident_layers=shown.resident_layers)
+    if routes is not None:  # several ranks: not validated, the solver's choice runs
+        chosen, said = routes
+        line += f"; routes {said}"
+    line += f"; {_validated(validation, choice, steps, several=several, measuring=measuring)}"
+    if measuring:  # from a cache alone (validate, estimate) the seconds say nothing
+        line += f"; {_selection(clock, validation)}"
+    return chosen, line
+
+
+def _head(choice: Choice, shown: Choice, source: str, host: HostRate, solve_s: float) -> str:
+    """What runs (``shown``: the solver's ``choice`` or, after validation, the winner) and why,
+    with the program's accounting."""
+    from slidedp.plan.select import MIN_GAIN
+
+    if shown.kept_default and not choice.kept_default:  # validation kept the default
         verdict = (
             f" kept: the solver's {choice.program_layout}, predicted {choice.gain:.2f}x, "
             "did not run faster in validation"
@@ -298,22 +314,14 @@ def resolve_auto(
         )
     else:
         verdict = f", predicted {shown.gain:.2f}x the default all-F layout"
-    line = (
+    return (
         f"policy   auto: {shown.layout}, {shown.resident_layers} GPU-resident{verdict} "
         f"(layers and host update {shown.solution['step_s']:.3f} vs "
         f"{shown.default['step_s']:.3f} s, "
         f"activations {shown.solution['memory_bytes'] / 2**30:.2f} of "
         f"{shown.budget_bytes / 2**30:.2f} GiB; {source}, host AdamW {host.gbps:.0f} GB/s "
-        f"{host.source}, solved in {clock.seconds['solve']:.2f} s)"
+        f"{host.source}, solved in {solve_s:.2f} s)"
     )
-    chosen = _with(default, layers=shown.layout, resident_layers=shown.resident_layers)
-    if routes is not None:  # several ranks: not validated, the solver's choice runs
-        chosen, said = routes
-        line += f"; routes {said}"
-    line += f"; {_validated(validation, choice, steps, several=several, measuring=measuring)}"
-    if measuring:  # from a cache alone (validate, estimate) the seconds say nothing
-        line += f"; {_selection(clock, validation)}"
-    return chosen, line
 
 
 def _say_stage(line: str) -> None:
