@@ -96,7 +96,7 @@ def test_the_choice_trains_only_when_validated_faster_than_the_default(
     trials = FakeTrials({ALL_F: 1.0, "F": 1.0, "*": choice_s})
     monkeypatch.setattr(validate, "run_trial", trials)
     chosen, line = _resolve(auto_run[1])
-    assert [c.runtime.layers for c in trials.ran] == ["F", CHOICE]  # the default, the choice
+    assert [c.runtime.layers for c in trials.ran] == [CHOICE, "F"]  # the choice, the default
     assert (chosen.runtime.layers, chosen.runtime.resident_layers) == (runs, 0)
     assert line.startswith(f"policy   auto: {runs}, 0 GPU-resident")
     said = f"{CHOICE}, 0 GPU-resident {choice_s:.3f} s/step vs the default's 1.000 s"
@@ -170,7 +170,9 @@ def test_a_choice_out_of_memory_is_solved_again_with_a_smaller_budget_at_most_tw
     assert cuts == [over, 2 * over]  # the overshoot taken off again after each failure
     assert len(cuts) == RESOLVES
     assert found.cuts_bytes == (over, 2 * over)
-    assert len(trials.ran) == 1 + 1 + RESOLVES  # the default, the choice, each re-solve
+    # the choice, each re-solve, the default
+    assert [c.runtime.layers for c in trials.ran][1 + RESOLVES :] == ["F"]
+    assert len(trials.ran) == 1 + RESOLVES + 1
     assert found.choice is None
     assert found.winner == found.default
     assert found.result(first).layout == ALL_F

@@ -12,7 +12,9 @@ On CUDA each trial runs in a child process (``python -m slidedp.plan.validate CO
 everything a trial holds (the caching allocator's blocks, the page-locked staging, the
 shared-memory store, the update worker) goes with it, and an out-of-memory failure cannot
 leave the training process's allocator fragmented or its peak statistics spent. On CPU a trial
-runs in this process (there is no device memory to hand back; the store goes with the trainer).
+runs in this process (there is no device memory to hand back; the store goes with the trainer);
+the default runs after the choice, so the process's one-time costs that a warm-up step does not
+absorb (the first host update lands in the second step) count against the choice, never for it.
 
 Example::
 
@@ -257,7 +259,6 @@ def validate_choice(
     """The default and ``choice`` validated by ``runner`` (``steps`` steps each); a choice that
     does not fit ``limit_bytes`` re-solved by ``resolve(budget cut in bytes)``, ``RESOLVES``
     times at most. Raises ``ConfigError`` when nothing fits, the default included."""
-    default = runner(default_cfg, steps)
     trials, cuts = [runner(with_choice(default_cfg, choice), steps)], list[int]()
     first_budget = choice.budget_bytes
     while not trials[-1].fits(limit_bytes) and len(cuts) < RESOLVES:
@@ -272,6 +273,8 @@ def validate_choice(
         if _is_default(choice):
             break
         trials.append(runner(with_choice(default_cfg, choice), steps))
+    # last: where trials share a process (CPU), its one-time costs count against the choice
+    default = runner(default_cfg, steps)
     last = trials[-1]
     won = last.fits(limit_bytes) and (
         default.step_s is None or (last.step_s is not None and last.step_s < default.step_s)
