@@ -129,9 +129,8 @@ def main(args: argparse.Namespace) -> int:
         batch = profile_args(cfg).batch
     with clock.stage("profile") as notes:
         report = _profile(args, cfg, batch)
-        notes.append(
-            f"{len(report['candidates'])} candidates, {report.get('cached') or 'measured'}"
-        )
+        source = args.profile or report.get("cached") or "measured"
+        notes.append(f"{len(report['candidates'])} candidates, {source}")
     with clock.stage("host") as notes:
         host = host_rate(update_threads(cfg, machine), machine, measure=True)
         notes.append(f"AdamW {host.gbps:.0f} GB/s {host.source}")
