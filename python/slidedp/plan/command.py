@@ -222,6 +222,14 @@ def _validation_summary(validation: Validation | None, why: str | None) -> dict[
     }
 
 
+def _kept(s: dict[str, Any]) -> str:
+    if not s["kept_default"]:
+        return ""
+    if s["validation"].get("winner") == "default":
+        return " (the default: the program's layout did not run faster in validation)"
+    return f" (the default: leaving it needs {1 + MIN_GAIN:.2f}x)"
+
+
 def _validation_line(s: dict[str, Any]) -> str:
     v = s["validation"]
     if "skipped" in v:
@@ -268,8 +276,7 @@ def format_summary(s: dict[str, Any], out: Path) -> str:
         f"  default: {len(default['counts']) and sum(default['counts'])}xF-r0, step "
         f"{default['step_s']:.3f} s (layers {default['compute_s']:.3f} s) -> "
         f"{default['step_s'] / sol['step_s']:.3f}x predicted",
-        f"  chosen:  {s['layout']}, {s['resident_layers']} GPU-resident"
-        + (f" (the default: leaving it needs {1 + MIN_GAIN:.2f}x)" if s["kept_default"] else ""),
+        f"  chosen:  {s['layout']}, {s['resident_layers']} GPU-resident{_kept(s)}",
         f"  estimate of the run with it: GPU {s['estimate_gpu_needed_bytes'] / GIB:.2f} GiB needed",
         _model_line(s["step_model"]),
         _validation_line(s),

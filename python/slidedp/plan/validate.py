@@ -38,7 +38,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from slidedp.errors import ConfigError, InvalidArgumentError, SlidedpError
+from slidedp.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    OutOfSharedMemoryError,
+    SlidedpError,
+)
 from slidedp.plan.clock import break_even_steps
 
 if TYPE_CHECKING:
@@ -108,8 +113,8 @@ def run_trial(cfg: TrainConfig, steps: int) -> Trial:
         try:
             times = Trainer(trial_config(cfg, steps, Path(tmp)), log=False).timed_steps(steps)
             step_s = statistics.median(times[1:])
-        except Exception as e:  # only running out of memory is a result
-            if not is_out_of_memory(e):
+        except Exception as e:  # only running out of device memory is a result
+            if not is_out_of_memory(e) or isinstance(e, OutOfSharedMemoryError):
                 raise
     gc.collect()  # the trainer's store and window, before the next trial's
     reserved = int(torch.cuda.max_memory_reserved()) if cuda else None
