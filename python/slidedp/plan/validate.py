@@ -124,6 +124,7 @@ def run_trial(cfg: TrainConfig, steps: int) -> Trial:
 def trial_in_child(cfg: TrainConfig, steps: int) -> Trial:
     """``run_trial`` in a child process; its stderr is passed on, a failure is one
     ``ConfigError`` with its last line."""
+    from slidedp.bench.lifetime import worker_env
     from slidedp.config import resolved_yaml
 
     with tempfile.TemporaryDirectory(prefix="slidedp-validate-") as tmp:
@@ -131,7 +132,8 @@ def trial_in_child(cfg: TrainConfig, steps: int) -> Trial:
         path.write_text(resolved_yaml(cfg))
         command = [sys.executable, "-m", "slidedp.plan.validate", str(path), str(steps)]
         try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S)
+            done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S,
+                                  env=worker_env())  # fmt: skip
         except subprocess.TimeoutExpired:
             raise ConfigError(
                 f"runtime.policy=auto: validating {cfg.runtime.layers} ran past {TIMEOUT_S:.0f} "
@@ -294,8 +296,10 @@ def validate_choice(
 
 
 def main(argv: list[str]) -> int:
+    from slidedp.bench.lifetime import die_with_parent
     from slidedp.config import load_config
 
+    die_with_parent()  # a run killed while validating leaves no trial on the GPU
     config, steps = argv
     try:
         trial = run_trial(load_config(config), int(steps))
