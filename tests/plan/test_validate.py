@@ -225,7 +225,8 @@ def test_nothing_fitting_the_default_included_is_one_line_and_leaves_no_output(
     monkeypatch.setattr(validate, "run_trial", FakeTrials({"*": None}))
     assert main(["train", str(auto_run[0])]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert "in validation the default layout ran out of memory and so did" in err[-1]
+    assert "no layout fit the device in validation (4xN-r0, 0 GPU-resident ran out of " in err[-1]
+    assert "; the default ran out of memory): lower train.global_batch_size" in err[-1]
     assert err[-1].startswith("slidedp train: error: ")
     assert not (tmp_path / "out").exists()
 

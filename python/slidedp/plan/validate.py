@@ -213,8 +213,10 @@ def _overshoot(trial: Trial, limit_bytes: int | None, budget_bytes: int) -> int:
     the limit, or after an out-of-memory failure below it ``OOM_CUT`` of the budget."""
     if trial.fits(limit_bytes):
         return 0
-    over = (trial.reserved_bytes or 0) - (limit_bytes or 0) if limit_bytes is not None else 0
-    return over if over > 0 else max(1, int(OOM_CUT * budget_bytes))
+    reserved = trial.reserved_bytes
+    if limit_bytes is not None and reserved is not None and reserved > limit_bytes:
+        return reserved - limit_bytes
+    return max(1, int(OOM_CUT * budget_bytes))
 
 
 def default_config(cfg: TrainConfig) -> TrainConfig:
@@ -286,13 +288,14 @@ def validate_choice(
     won = last.fits(limit_bytes) and (
         default.step_s is None or (last.step_s is not None and last.step_s < default.step_s)
     )
+    found = Validation(steps, default, tuple(trials), tuple(cuts), choice if won else None,
+                       limit_bytes)  # fmt: skip
     if not won and default.step_s is None:
         raise ConfigError(
-            f"runtime.policy=auto: in validation the default layout ran out of memory and so did "
-            f"{last.name()}: lower train.global_batch_size or data.seq_len"
+            f"runtime.policy=auto: no layout fit the device in validation ({found.describe()}): "
+            "lower train.global_batch_size or data.seq_len"
         )
-    chosen = choice if won else None
-    return Validation(steps, default, tuple(trials), tuple(cuts), chosen, limit_bytes)
+    return found
 
 
 def main(argv: list[str]) -> int:
