@@ -111,6 +111,9 @@ class RuntimeSection:
     layers: str = "F"
     offload_ratio: float = 0.0  # ratio of the entries of `layers` that give none (0..1)
     policy: str = ""  # a policy file (plan.policy): its keys replace these runtime keys
+    # runtime.policy=auto: training steps each of the choice and the fixed default run before
+    # training, the faster one wins (plan.validate; the first step is a warm-up); 0: off
+    policy_validate_steps: int = 3
     loss_chunk_tokens: int = 1024  # tokens per chunk of the linear + cross-entropy
     device: Literal["auto", "cpu", "cuda"] = "auto"
     update_threads: int = 0  # host AdamW threads; 0: all available
@@ -158,6 +161,11 @@ class RuntimeSection:
         _require(self.staging_slots >= 1, "runtime.staging_slots must be >= 1")
         _require(self.grad_slots >= 1, "runtime.grad_slots must be >= 1")
         _require(self.trace_step >= 0, "runtime.trace_step must be >= 0")
+        _require(
+            self.policy_validate_steps == 0 or self.policy_validate_steps >= 2,
+            "runtime.policy_validate_steps must be 0 (no validation) or >= 2 (a warm-up step, "
+            f"then timed ones), got {self.policy_validate_steps}",
+        )
         _require(
             self.resident_layers >= 0,
             f"runtime.resident_layers must be >= 0, got {self.resident_layers}",

@@ -207,7 +207,9 @@ def check_before_training(cfg: TrainConfig, *, measure_policy: bool = False) -> 
     """The checks ``slidedp train`` runs before it allocates or writes anything: all but the
     data, which the trainer reads once and checks as it builds the batches. With
     ``runtime.policy: auto`` the layout is chosen first (``plan.auto``; ``measure_policy``:
-    profile the layer if it is not cached, as ``train`` does) and the rest checks the choice."""
+    profile the layer if it is not cached and validate the choice in a few training steps
+    beside the default, as ``train`` does; nothing is written into ``output.dir``) and the rest
+    checks the choice."""
     from slidedp.estimate import Machine
     from slidedp.plan.auto import resolve_auto
 

@@ -20,6 +20,7 @@ from slidedp.bench.report import Model, print_report, ratios, summarise
 from slidedp.bench.train import ours_config
 from slidedp.cli import main
 from slidedp.errors import ConfigError
+from slidedp.plan.validate import is_out_of_memory
 
 RUN_KEYS = {
     "system", "batch", "status", "step_times_s", "step_time_s", "tokens_per_step",
@@ -109,8 +110,8 @@ def test_out_of_memory_is_a_result_other_errors_are_not(
     monkeypatch.setitem(worker.SYSTEMS, "fsdp2", bug)
     with pytest.raises(ValueError, match="a bug"):
         worker.run(_spec(tmp_path, "fsdp2"))
-    assert worker.is_out_of_memory(RuntimeError("CUDA error: out of memory"))
-    assert not worker.is_out_of_memory(RuntimeError("shape mismatch"))
+    assert is_out_of_memory(RuntimeError("CUDA error: out of memory"))
+    assert not is_out_of_memory(RuntimeError("shape mismatch"))
 
 
 def _raw(system: str, batch: int, step_s: float | None) -> dict[str, Any]:

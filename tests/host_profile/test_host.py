@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,27 @@ def test_the_key_names_the_threads_and_the_gpu(tmp_path: Path) -> None:
     assert cached_host(1, "NVIDIA H100 80GB HBM3", str(tmp_path)) is None
     keys = {cache_file(None, "host", host_facts(t, g)) for t in (1, 2) for g in (None, "H100")}
     assert len(keys) == 4
+
+
+@pytest.mark.parametrize("changed", ["cpu", "logical_cores", "torch", "slidedp"])
+def test_a_probe_whose_key_changed_is_measured_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, changed: str
+) -> None:
+    """The CPU model, its core count and the versions are in the key (issue #16): a change is a
+    miss, measured again, never the old rate."""
+    calls = _count_measures(monkeypatch)
+    first = _probe(tmp_path)
+    stale = {
+        "cpu": lambda: monkeypatch.setattr(host, "cpu_model", lambda: "another CPU"),
+        "logical_cores": lambda: monkeypatch.setattr(os, "cpu_count", lambda: 512),
+        "torch": lambda: monkeypatch.setattr(torch, "__version__", "0.0.1"),
+        "slidedp": lambda: monkeypatch.setattr(host, "__version__", "0.0.1"),
+    }
+    stale[changed]()
+    again = _probe(tmp_path)
+    assert calls == [1, 1]
+    assert again["cached"] is None
+    assert again[changed] != first[changed]
 
 
 @pytest.mark.parametrize(

@@ -4,11 +4,13 @@ marks, the JSON, the PNG and the cache."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 from slidedp.cli import main
 from slidedp.profile import layer
@@ -132,3 +134,26 @@ def test_candidates_are_what_the_layer_takes_and_their_text_selects_the_same_ten
         saved = list(layer_footprint(dense, p, 2, 16, f32).saved)
         _, written = parse_entry(str(p), 0.0)
         assert offload_count(saved, written.ratio) == offload_count(saved, p.ratio), str(p)
+
+
+@pytest.mark.parametrize("changed", ["cpu", "logical_cores", "torch", "slidedp"])
+def test_a_profile_whose_key_changed_is_measured_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, changed: str
+) -> None:
+    """The key holds the host's CPU model and core count, the world size and the library
+    versions beside the GPU, shape, batch, sequence and dtype: a change of any of them is a
+    miss, never the old report (issue #16; the world size: ``test_auto``)."""
+    first = _profile(tmp_path)
+    assert {"cpu", "logical_cores", "world", "liger_kernel"} <= set(first)
+    assert first["world"] == 1
+    stale = {
+        "cpu": lambda: monkeypatch.setattr(layer, "cpu_model", lambda: "another CPU"),
+        "logical_cores": lambda: monkeypatch.setattr(os, "cpu_count", lambda: 512),
+        "torch": lambda: monkeypatch.setattr(torch, "__version__", "0.0.1"),
+        "slidedp": lambda: monkeypatch.setattr(layer, "__version__", "0.0.1"),
+    }
+    stale[changed]()
+    again = _profile(tmp_path)
+    assert again["cached"] is None  # measured, not read
+    assert again[changed] != first[changed]
+    assert len(list((tmp_path / "cache").glob("layer-*.json"))) == 2

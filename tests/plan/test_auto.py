@@ -43,6 +43,12 @@ def test_auto_profiles_once_chooses_and_trains_as_the_chosen_layout(
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("policy   auto: "))
     assert "profiled in" in line
+    # each stage said as it ended, the solver's choice in the solve stage's line
+    said = [x.removeprefix("policy   auto ") for x in out.splitlines()
+            if x.startswith("policy   auto ") and not x.startswith("policy   auto: ")]  # fmt: skip
+    stages = [x.split(":")[0] for x in said]
+    assert stages[:3] == ["profile", "host", "solve"]
+    solver_choice = said[2].split(" s (", 1)[1].split(" (the program's")[0]
     resolved = yaml.safe_load((tmp_path / "auto" / "resolved_config.yaml").read_text())
     layout = resolved["runtime"]["layers"]
     assert resolved["runtime"]["policy"] == ""
@@ -51,16 +57,31 @@ def test_auto_profiles_once_chooses_and_trains_as_the_chosen_layout(
     # the choice, or all F kept where the best is not 5% faster: both happen here, from this
     # 2-core machine's timings of a 3-layer model under load
     assert line.startswith(f"policy   auto: {layout}, 0 GPU-resident")
-    assert ", predicted " in line or " kept: the best layout" in line
+    assert any(x in line for x in (", predicted ", " kept: the best layout", " kept: the solver's"))
+    # the solver's choice ran its steps against the default's, unless it is the default; the
+    # one that ran faster trains (either, on this loaded 2-core machine)
+    if solver_choice.startswith(f"{LAYERS}xF-r0, 0 "):
+        assert "; not validated (the default chosen: nothing to compare)" in line
+        assert "break-even unknown (not validated)" in line
+    else:
+        assert stages[3] == "validation"
+        assert "; validated (3 steps each): " in line
+        if solver_choice.startswith(f"{layout}, "):
+            assert "x faster; selection " in line
+            assert " steps" in line.split("break-even after ")[1]
+        else:
+            assert "did not run faster in validation" in line
+            assert line.endswith("break-even never (the default runs)")
     assert len(parse_layout(layout, LAYERS, 0.0)) == LAYERS
     assert len(list((tmp_path / "slidedp" / "profile").glob("layer-*.json"))) == 1
     assert len(list((tmp_path / "slidedp" / "profile").glob("host-*.json"))) == 1
     assert "measured (now)" in line  # the host AdamW rate of the selector's host lane
 
     fresh = f"output.dir={tmp_path / 'fresh'}"
-    assert main(["validate", str(path), fresh]) == 0  # now from the cache, the same choice
+    assert main(["validate", str(path), fresh]) == 0  # now from the cache, the same solve
     out = capsys.readouterr().out
-    assert f"policy   auto: {layout}, " in out
+    assert f"policy   auto: {solver_choice}" in out  # validate runs no steps: the solver's
+    assert "not validated here (`slidedp train` validates)" in out
     assert "measured (cached)" in out
 
     # the chosen layout trains exactly as the same layout written by hand
@@ -85,7 +106,9 @@ def test_auto_on_two_cpu_ranks_chooses_once_in_the_launcher(
     (line,) = [x for x in out.splitlines() if x.startswith("policy   auto: ")]
     assert "measured in a child process in " in line
     assert "host AdamW 3 GB/s measured (cached)" in line
-    assert line.endswith("; routes replicated/gpu, the config's (the route model is for GPUs)")
+    routes = "; routes replicated/gpu, the config's (the route model is for GPUs)"
+    several = "not validated on several ranks (the solver's choice runs)"
+    assert f"{routes}; {several}; selection " in line
     resolved = yaml.safe_load((tmp_path / "ranks" / "resolved_config.yaml").read_text())
     rt = resolved["runtime"]
     assert (rt["policy"], rt["resident_layers"], rt["ranks"]) == ("", 0, 2)
@@ -122,7 +145,8 @@ def test_auto_against_settings_it_would_override_is_one_line(
 
 
 def test_the_profile_is_keyed_by_the_runs_layer_compute(tmp_path: Path) -> None:
-    """A run that compiles its layers is profiled compiled: its cached profile is another."""
+    """A run that compiles its layers is profiled compiled: its cached profile is another; so
+    is a run of another world size."""
     from slidedp.config import load_config
     from slidedp.profile.layer import _profiled
 
@@ -134,6 +158,9 @@ def test_the_profile_is_keyed_by_the_runs_layer_compute(tmp_path: Path) -> None:
     assert eager.facts["compute"] == {"kernels": "eager", "compile": ""}
     assert compiled.facts["compute"] == {"kernels": "eager", "compile": "inductor"}
     assert eager.cache != compiled.cache
+    # the run's world size is in the key too (one rank's batch of another split is another run)
+    assert eager.facts["world"] == 1
+    assert _profiled(auto.profile_args(cfg, world=2)).cache != eager.cache
 
 
 def test_a_resumed_auto_run_keeps_the_layout_its_checkpoint_ran_with(

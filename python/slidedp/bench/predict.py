@@ -156,6 +156,7 @@ def predict_report(
             "device": device, "dtype": str(dtype).removeprefix("torch."),
             "warmup": 2, "steps": 5, "cache_dir": None, "force": False,
             "layer_kernels": rt.kernels, "layer_compile": rt.compile,
+            "world": run.get("world", 1),
         }  # fmt: skip
         path = config_dir / f"layer-b{run['batch']}-{families}-{ratios}.json"
         layer = probe("layer", profile_args, path)

@@ -30,6 +30,7 @@ import torch
 from slidedp.bench.lifetime import die_with_parent
 from slidedp.bench.measure import RunSpec, gpu_memory, process_pss_bytes
 from slidedp.bench.peers import PeerUnavailable
+from slidedp.plan.validate import is_out_of_memory
 from slidedp.runtime.flops import device_peak_flops
 
 
@@ -85,17 +86,6 @@ def _peak(spec: RunSpec) -> dict[str, Any]:
     device = torch.device(spec.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {"device_name": name, "peak_flops": device_peak_flops(device)}
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """CUDA or host allocation failure (torch's OOM, our shared-memory shortage, a failed
-    pinned allocation, the CPU allocator giving up)."""
-    if isinstance(error, torch.OutOfMemoryError | MemoryError):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and (
-        "out of memory" in text or "can't allocate memory" in text
-    )
 
 
 def limit_gpu(spec: RunSpec) -> None:

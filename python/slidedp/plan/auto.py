@@ -7,9 +7,14 @@ keeps it.
 
 ``train`` profiles the layer when the profile is not cached (on the run's device, with the
 batch of one rank and the run's sequence), and probes the host AdamW rate the same way
-(``slidedp profile host``: the selector's host lane); ``validate`` and ``estimate`` never run
-GPU work: they use a cached profile, or check the default layout and say that ``train`` will
-choose, and a cached host rate or else ``estimate.ADAMW_GBPS``'s. A resumed run keeps the
+(``slidedp profile host``: the selector's host lane); on one process it then validates the
+solver's choice against the fixed default in ``runtime.policy_validate_steps`` training steps
+each (``plan.validate``: the faster one runs, the default on a tie; a choice out of memory is
+re-solved with a smaller budget). Each stage is said in one line as it ends, and the banner
+line ends with the selection time by stage and the break-even steps (``plan.clock``).
+``validate`` and ``estimate`` never run GPU work: they use a cached profile, or check the
+default layout and say that ``train`` will choose, and a cached host rate or else
+``estimate.ADAMW_GBPS``'s; they show the solver's choice, unvalidated. A resumed run keeps the
 layout and routes its checkpoint ran with.
 
 Several GPUs of one host (``runtime.gpus: N``): ``slidedp train``'s launcher chooses once,
@@ -19,7 +24,8 @@ probe, and ``profile.links``: the layer-sized ``reduce`` and ``all_gather`` betw
 run in a child process (``plan.measure``), so the launcher allocates nothing on the GPUs. No layer
 is GPU-resident there (refused with several ranks). CPU ranks choose the layout and keep the
 config's routes (the route model is for GPUs); several nodes, and ranks started by another
-launcher (torchrun), are refused with one line.
+launcher (torchrun), are refused with one line. The launcher's choice is not validated (a trial
+there would start every rank, twice).
 
 Example::
 
@@ -33,13 +39,13 @@ import argparse
 import dataclasses
 import json
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slidedp.errors import ConfigError
 from slidedp.io.checkpoint import STATE_FILE
+from slidedp.plan.clock import Clock
 from slidedp.plan.layout import parse_layout
 from slidedp.plan.route_choice import (
     ROUTES,
@@ -49,12 +55,15 @@ from slidedp.plan.route_choice import (
     route_name,
     route_steps,
 )
+from slidedp.plan.validate import limit_bytes, needs_validation, runner_for, validate_choice
 from slidedp.profile.layer import FAMILIES, RATIOS, cached_profile, profile_layer
 
 if TYPE_CHECKING:
     from slidedp.config import RuntimeSection, TrainConfig
     from slidedp.estimate import HostRate, Machine
     from slidedp.models.hf import HFAdapter
+    from slidedp.plan.select import Choice
+    from slidedp.plan.validate import Validation
 
 AUTO = "auto"
 CHOSEN = ("layers", "offload_ratio", "resident_layers")  # the keys auto writes (and routes)
@@ -67,6 +76,7 @@ def profile_args(cfg: TrainConfig, **given: Any) -> argparse.Namespace:
     args = {
         "shape": str(Path(cfg.model.path) / "config.json"),
         "batch": cfg.train.global_batch_size // cfg.runtime.world,
+        "world": cfg.runtime.world,
         "seq_len": cfg.data.seq_len,
         "families": FAMILIES,
         "ratios": RATIOS,
@@ -212,7 +222,7 @@ def resolve_auto(
     (``train``) keeps each route key the config sets to another value than its default."""
     from slidedp.estimate import host_rate, update_threads
     from slidedp.plan.measure import measure_in_child
-    from slidedp.plan.select import MIN_GAIN, select_layout
+    from slidedp.plan.select import select_layout
 
     rt = cfg.runtime
     if rt.policy != AUTO:
@@ -225,52 +235,120 @@ def resolve_auto(
     kept = _kept_policy(resume, adapter.num_layers)
     if kept is not None and resume is not None:
         return _kept_line(default, kept, candidates, resume)
+    measuring, clock = measure, Clock(say=_say_stage if measure else None)
     measured_s = None
     if measure and several:  # the launcher stays free of the measurements' device state
-        measured_s, measure = measure_in_child(cfg), False
-    start = time.perf_counter()
+        with clock.stage("measure"):
+            measured_s, measure = measure_in_child(cfg), False
     args = profile_args(cfg)
-    report = profile_layer(args) if measure else cached_profile(args)
+    with clock.stage("profile") as notes:
+        report = profile_layer(args) if measure else cached_profile(args)
+        notes.append("cached" if report is None or report.get("cached") else "measured")
     if report is None:
         what = "the default layout is" if not several else "the default layout and routes are"
         return default, (
             f"policy   auto: the layer is not profiled yet, so {what} checked; "
             "`slidedp train` profiles it and chooses"
         )
-    profiled = time.perf_counter() - start
-    host = host_rate(update_threads(cfg, machine), machine, measure=measure)
+    with clock.stage("host") as notes:
+        host = host_rate(update_threads(cfg, machine), machine, measure=measure)
+        notes.append(f"AdamW {host.gbps:.0f} GB/s {host.source}")
     total = device_total_bytes(machine, default, adapter)
-    start = time.perf_counter()
     # GPU-resident layers where there is one GPU (on CPU they would move nothing; several ranks
     # refuse them: their gradients are not reduced across ranks)
     resident = machine.gpu_total_bytes is not None and not several
-    choice = select_layout(default, adapter, machine, report, total_bytes=total,
-                           update_gbps=host.gbps, resident=resident)  # fmt: skip
-    chosen = _with(default, layers=choice.layout, resident_layers=choice.resident_layers)
-    routes = _routes(chosen, adapter, machine, candidates, report, host) if several else None
-    solved = time.perf_counter() - start
+
+    def solve_at(cut_bytes: int = 0) -> Choice:
+        return select_layout(default, adapter, machine, report, total_bytes=total,
+                             update_gbps=host.gbps, resident=resident,
+                             budget_cut_bytes=cut_bytes)  # fmt: skip
+
+    with clock.stage("solve") as notes:
+        choice = solve_at()
+        routes = None
+        if several:
+            solved = _with(default, layers=choice.layout, resident_layers=choice.resident_layers)
+            routes = _routes(solved, adapter, machine, candidates, report, host)
+        notes.append(
+            f"{choice.layout}, {choice.resident_layers} GPU-resident (the program's "
+            f"{choice.program_layout}, predicted {choice.gain:.2f}x the default)"
+        )
+    steps, validation = rt.policy_validate_steps, None
+    if measuring and not several and steps and needs_validation(choice):
+        with clock.stage("validation") as notes:
+            validation = validate_choice(default, choice, solve_at, steps=steps,
+                                         limit_bytes=limit_bytes(machine),
+                                         runner=runner_for(machine))  # fmt: skip
+            notes.append(validation.describe())
     if measured_s is not None:
         source = f"measured in a child process in {measured_s:.1f} s"
     else:
+        profiled = clock.seconds["profile"]
         source = "cached profile" if report.get("cached") else f"profiled in {profiled:.1f} s"
-    verdict = (
-        f" kept: the best layout, {choice.program_layout}, is predicted {choice.gain:.2f}x, "
-        f"below the {1 + MIN_GAIN:.2f}x that leaving the default needs"
-        if choice.kept_default
-        else f", predicted {choice.gain:.2f}x the default all-F layout"
-    )
-    line = (
-        f"policy   auto: {choice.layout}, {choice.resident_layers} GPU-resident{verdict} "
-        f"(layers and host update {choice.solution['step_s']:.3f} vs "
-        f"{choice.default['step_s']:.3f} s, "
-        f"activations {choice.solution['memory_bytes'] / 2**30:.2f} of "
-        f"{choice.budget_bytes / 2**30:.2f} GiB; {source}, host AdamW {host.gbps:.0f} GB/s "
-        f"{host.source}, solved in {solved:.2f} s)"
-    )
-    if routes is not None:
+    shown = choice if validation is None else validation.result(choice)
+    line = _head(choice, shown, source, host, clock.seconds["solve"])
+    chosen = _with(default, layers=shown.layout, resident_layers=shown.resident_layers)
+    if routes is not None:  # several ranks: not validated, the solver's choice runs
         chosen, said = routes
         line += f"; routes {said}"
+    line += f"; {_validated(validation, choice, steps, several=several, measuring=measuring)}"
+    if measuring:  # from a cache alone (validate, estimate) the seconds say nothing
+        line += f"; {_selection(clock, validation)}"
     return chosen, line
+
+
+def _head(choice: Choice, shown: Choice, source: str, host: HostRate, solve_s: float) -> str:
+    """What runs (``shown``: the solver's ``choice`` or, after validation, the winner) and why,
+    with the program's accounting."""
+    from slidedp.plan.select import MIN_GAIN
+
+    if shown.kept_default and not choice.kept_default:  # validation kept the default
+        verdict = (
+            f" kept: the solver's {choice.program_layout}, predicted {choice.gain:.2f}x, "
+            "did not run faster in validation"
+        )
+    elif choice.kept_default:
+        verdict = (
+            f" kept: the best layout, {choice.program_layout}, is predicted {choice.gain:.2f}x, "
+            f"below the {1 + MIN_GAIN:.2f}x that leaving the default needs"
+        )
+    else:
+        verdict = f", predicted {shown.gain:.2f}x the default all-F layout"
+    return (
+        f"policy   auto: {shown.layout}, {shown.resident_layers} GPU-resident{verdict} "
+        f"(layers and host update {shown.solution['step_s']:.3f} vs "
+        f"{shown.default['step_s']:.3f} s, "
+        f"activations {shown.solution['memory_bytes'] / 2**30:.2f} of "
+        f"{shown.budget_bytes / 2**30:.2f} GiB; {source}, host AdamW {host.gbps:.0f} GB/s "
+        f"{host.source}, solved in {solve_s:.2f} s)"
+    )
+
+
+def _say_stage(line: str) -> None:
+    print(f"policy   auto {line}", flush=True)
+
+
+def _validated(
+    validation: Validation | None, choice: Choice, steps: int, *, several: bool, measuring: bool
+) -> str:
+    if validation is not None:
+        return f"validated ({steps} steps each): {validation.describe()}"
+    if not steps:
+        return "not validated (runtime.policy_validate_steps=0)"
+    if several:
+        return "not validated on several ranks (the solver's choice runs)"
+    if not measuring:
+        return "not validated here (`slidedp train` validates)"
+    return "not validated (the default chosen: nothing to compare)"
+
+
+def _selection(clock: Clock, validation: Validation | None) -> str:
+    """The selection's seconds by stage, and the steps after which the choice paid for them."""
+    if validation is None:
+        return f"{clock.describe()}, break-even unknown (not validated)"
+    steps = validation.break_even_steps(clock.total_s)
+    even = "never (the default runs)" if steps is None else f"after {steps:,} steps"
+    return f"{clock.describe()}, break-even {even}"
 
 
 def _routes(

@@ -5,9 +5,13 @@ Stages, each timed in the report: the layer profile of the run's own model, batc
 (``slidedp profile layer``, cached by device, shape, batch, sequence, dtype and versions), the
 host AdamW rate (``slidedp profile host``, cached by CPU, threads, GPU and versions), the
 integer program over its Pareto candidates under the GPU budget with the host update lane
-counted (``plan.select``), the placement, and ``slidedp estimate`` of the chosen layout (the same
-check ``train`` runs). The fixed default (all ``F``) is a candidate of the program, and its
-accounting is printed beside the choice.
+counted (``plan.select``), the placement, the validation (``plan.validate``: a few training steps
+of the choice and of the default on this GPU, the choice kept only when faster, re-solved with
+a smaller budget when it does not fit; not for ``--gpu-memory``, another GPU), and ``slidedp
+estimate`` of the chosen layout (the same check ``train`` runs). The fixed default (all ``F``)
+is a candidate of the program, and its accounting is printed beside the choice. Each stage is
+said in one line as it ends; the report adds the selection time (their sum) and the break-even
+steps (``plan.clock``).
 
 Example::
 
@@ -23,7 +27,6 @@ import dataclasses
 import json
 import math
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +34,16 @@ import yaml
 
 from slidedp.errors import ConfigError
 from slidedp.plan.auto import check_one_process, profile_args
-from slidedp.plan.select import MIN_GAIN, select_layout
+from slidedp.plan.clock import Clock
+from slidedp.plan.select import MIN_GAIN, Choice, select_layout
+from slidedp.plan.validate import (
+    Validation,
+    default_config,
+    limit_bytes,
+    needs_validation,
+    runner_for,
+    validate_choice,
+)
 from slidedp.profile.layer import FAMILIES, RATIOS, profile_layer
 
 GIB = 2**30
@@ -103,43 +115,51 @@ def main(args: argparse.Namespace) -> int:
     from slidedp.estimate import Machine, estimate_run, host_rate, shortages, update_threads
     from slidedp.preflight import check_model
 
-    clock: dict[str, float] = {}
-    start = time.perf_counter()
-    out = Path(args.out)
-    _check_out(out)
-    cfg = load_config(args.config, args.overrides)
-    check_one_process(cfg.runtime, "slidedp plan")
-    adapter = check_model(cfg)[0]
-    machine = Machine.probe(cfg, measure=False)
-    total = int(args.gpu_memory * GIB) if args.gpu_memory else machine.gpu_total_bytes
-    if total is None:
-        raise ConfigError("no GPU here to plan for: pass --gpu-memory GIB (the target's size)")
-    batch = profile_args(cfg).batch
-    clock["setup_s"] = time.perf_counter() - start
+    clock = Clock(say=lambda line: print(f"slidedp plan {line}", flush=True))
+    with clock.stage("setup"):
+        out = Path(args.out)
+        _check_out(out)
+        cfg = load_config(args.config, args.overrides)
+        check_one_process(cfg.runtime, "slidedp plan")
+        adapter = check_model(cfg)[0]
+        machine = Machine.probe(cfg, measure=False)
+        total = int(args.gpu_memory * GIB) if args.gpu_memory else machine.gpu_total_bytes
+        if total is None:
+            raise ConfigError("no GPU here to plan for: pass --gpu-memory GIB (the target's size)")
+        batch = profile_args(cfg).batch
+    with clock.stage("profile") as notes:
+        report = _profile(args, cfg, batch)
+        source = args.profile or report.get("cached") or "measured"
+        notes.append(f"{len(report['candidates'])} candidates, {source}")
+    with clock.stage("host") as notes:
+        host = host_rate(update_threads(cfg, machine), machine, measure=True)
+        notes.append(f"AdamW {host.gbps:.0f} GB/s {host.source}")
 
-    start = time.perf_counter()
-    report = _profile(args, cfg, batch)
-    clock["profile_s"] = time.perf_counter() - start
-    start = time.perf_counter()
-    host = host_rate(update_threads(cfg, machine), machine, measure=True)
-    clock["host_s"] = time.perf_counter() - start
-    start = time.perf_counter()
-    choice = select_layout(cfg, adapter, machine, report, total_bytes=total,
-                           update_gbps=host.gbps)  # fmt: skip
-    clock["solve_s"] = time.perf_counter() - start
+    def solve_at(cut_bytes: int = 0) -> Choice:
+        return select_layout(cfg, adapter, machine, report, total_bytes=total,
+                             update_gbps=host.gbps, budget_cut_bytes=cut_bytes)  # fmt: skip
 
-    start = time.perf_counter()
-    target = dataclasses.replace(machine, device="cuda", gpu_total_bytes=total)
-    runtime = dataclasses.replace(cfg.runtime, layers=choice.layout, policy="",
-                                  resident_layers=choice.resident_layers)  # fmt: skip
-    est = estimate_run(dataclasses.replace(cfg, runtime=runtime), adapter, target)
-    # the step-time model ranks the choice against the default (on a GPU: it needs its peak)
-    runtime_f = dataclasses.replace(
-        cfg.runtime, layers="F", offload_ratio=0.0, policy="", resident_layers=0
-    )
-    est_f = estimate_run(dataclasses.replace(cfg, runtime=runtime_f), adapter, target)
-    model = {"chosen": est.step_model, "default": est_f.step_model}
-    clock["check_s"] = time.perf_counter() - start
+    with clock.stage("solve") as notes:
+        choice = solved = solve_at()
+        notes.append(f"{choice.layout}, {choice.resident_layers} GPU-resident")
+    validation, why = None, _why_not_validated(args, cfg, choice)
+    if why is None:  # the plan is for this machine's GPU: its steps can be run here
+        with clock.stage("validation") as notes:
+            validation = validate_choice(default_config(cfg), choice, solve_at,
+                                         steps=cfg.runtime.policy_validate_steps,
+                                         limit_bytes=limit_bytes(machine),
+                                         runner=runner_for(machine))  # fmt: skip
+            notes.append(validation.describe())
+        choice = validation.result(solved)
+
+    with clock.stage("check"):
+        target = dataclasses.replace(machine, device="cuda", gpu_total_bytes=total)
+        runtime = dataclasses.replace(cfg.runtime, layers=choice.layout, policy="",
+                                      resident_layers=choice.resident_layers)  # fmt: skip
+        est = estimate_run(dataclasses.replace(cfg, runtime=runtime), adapter, target)
+        # the step-time model ranks the choice against the default (on a GPU: it needs its peak)
+        est_f = estimate_run(default_config(cfg), adapter, target)
+        model = {"chosen": est.step_model, "default": est_f.step_model}
     # the GPU budget is the estimate's (a shortage there is a bug); the host's (offload
     # arenas in RAM) is checked where the plan is for this machine
     short = [s for s in shortages(est) if s.startswith("GPU") or not args.gpu_memory]
@@ -166,11 +186,65 @@ def main(args: argparse.Namespace) -> int:
             k: m and {"step_s": m["step_s"], "regime": m["regime"], "calibration": m["calibration"]}
             for k, m in model.items()
         },
-        "timing_s": clock,
+        "validation": _validation_summary(validation, why),
+        "timing_s": {f"{k}_s": v for k, v in clock.seconds.items()},
+        "selection_s": clock.total_s,
+        "break_even_steps": validation and validation.break_even_steps(clock.total_s),
     }
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     print(format_summary(summary, out))
     return 0
+
+
+def _why_not_validated(args: argparse.Namespace, cfg: Any, choice: Choice) -> str | None:
+    """Why the plan is not validated by running it (None: it is)."""
+    if not cfg.runtime.policy_validate_steps:
+        return "runtime.policy_validate_steps=0"
+    if args.gpu_memory:
+        return "planned for another GPU (--gpu-memory)"
+    if not needs_validation(choice):
+        return "the default chosen: nothing to compare"
+    return None
+
+
+def _validation_summary(validation: Validation | None, why: str | None) -> dict[str, Any]:
+    if validation is None:
+        return {"skipped": why}
+    return {
+        "steps": validation.steps,
+        "default": dataclasses.asdict(validation.default),
+        "trials": [dataclasses.asdict(t) for t in validation.trials],
+        "budget_cuts_bytes": list(validation.cuts_bytes),
+        "limit_bytes": validation.limit_bytes,
+        "winner": "default" if validation.choice is None else "chosen",
+        "speedup": validation.speedup(),
+        "said": validation.describe(),
+    }
+
+
+def _kept(s: dict[str, Any]) -> str:
+    if not s["kept_default"]:
+        return ""
+    if s["validation"].get("winner") == "default":
+        return " (the default: the program's layout did not run faster in validation)"
+    return f" (the default: leaving it needs {1 + MIN_GAIN:.2f}x)"
+
+
+def _validation_line(s: dict[str, Any]) -> str:
+    v = s["validation"]
+    if "skipped" in v:
+        return f"  validated: no ({v['skipped']})"
+    return f"  validated ({v['steps']} steps each): {v['said']}"
+
+
+def _selection_line(s: dict[str, Any]) -> str:
+    steps = s["break_even_steps"]
+    if "skipped" in s["validation"]:
+        even = "unknown (not validated)"
+    else:
+        even = "never (the default runs)" if steps is None else f"after {steps:,} steps"
+    stages = ", ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in s["timing_s"].items())
+    return f"  selection {s['selection_s']:.1f} s ({stages}); break-even {even}"
 
 
 def _model_line(model: dict[str, Any]) -> str:
@@ -203,12 +277,11 @@ def format_summary(s: dict[str, Any], out: Path) -> str:
         f"  default: {len(default['counts']) and sum(default['counts'])}xF-r0, step "
         f"{default['step_s']:.3f} s (layers {default['compute_s']:.3f} s) -> "
         f"{default['step_s'] / sol['step_s']:.3f}x predicted",
-        f"  chosen:  {s['layout']}, {s['resident_layers']} GPU-resident"
-        + (f" (the default: leaving it needs {1 + MIN_GAIN:.2f}x)" if s["kept_default"] else ""),
+        f"  chosen:  {s['layout']}, {s['resident_layers']} GPU-resident{_kept(s)}",
         f"  estimate of the run with it: GPU {s['estimate_gpu_needed_bytes'] / GIB:.2f} GiB needed",
         _model_line(s["step_model"]),
-        "  stages: "
-        + ", ".join(f"{k.removesuffix('_s')} {v:.1f} s" for k, v in s["timing_s"].items()),
+        _validation_line(s),
+        _selection_line(s),
         f"wrote {out} (train with runtime.policy={out}) and {out.with_suffix('.json')}",
     ]
     return "\n".join(lines)

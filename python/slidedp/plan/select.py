@@ -141,13 +141,17 @@ def select_layout(
     total_bytes: int,
     update_gbps: float,
     resident: bool = True,
+    budget_cut_bytes: int = 0,
 ) -> Choice:
     """The fastest placed layout of the profile's candidates within ``total_bytes`` of device
     memory, the host update at ``update_gbps`` counted (after the backward with clipping), and
     with ``resident`` how many layers stay GPU-resident (their memory against the same budget,
-    their update off the host lane)."""
+    their update off the host lane). ``budget_cut_bytes``: taken off the activations' budget
+    (``plan.validate``'s feedback: what a validated choice reserved beyond the device)."""
     cands = profile_candidates(report)
     budget = activation_budget(cfg, adapter, machine, total_bytes)
+    if budget_cut_bytes:
+        budget = replace(budget, bytes=max(0, budget.bytes - budget_cut_bytes))
     clipping = cfg.train.max_grad_norm > 0
     problem: dict[str, Any] = {
         "layers": adapter.num_layers,

@@ -11,9 +11,11 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+import platform
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,19 @@ from typing import Any
 def default_cache_dir() -> str:
     """``$XDG_CACHE_HOME/slidedp/profile`` (``~/.cache`` when unset, as XDG says)."""
     return str(Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "slidedp" / "profile")
+
+
+@functools.cache
+def cpu_model() -> str:
+    """This host's CPU model (``/proc/cpuinfo``), part of every measurement's key."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def cache_key(facts: dict[str, Any]) -> str:

@@ -33,11 +33,9 @@ missing (``plan``, ``runtime.policy: auto``, this command).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
-import platform
 import time
 from collections import deque
 from collections.abc import Callable
@@ -50,7 +48,7 @@ from slidedp import __version__
 from slidedp.kernels import Kernels, default_threads
 from slidedp.plan.device import pick_device
 from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM, CAST_BYTES_PER_PARAM
-from slidedp.profile.cache import cache_file, read_report, write_report
+from slidedp.profile.cache import cache_file, cpu_model, read_report, write_report
 from slidedp.store import GroupSpec, HostStore, ParamSpec
 from slidedp.update import UpdateWorker
 
@@ -74,18 +72,6 @@ def engine_update_threads(cores: int, cuda: bool) -> int:
     """The update worker's threads when ``runtime.update_threads`` is 0, as ``Trainer`` starts
     it: every core beside a GPU, half of them on CPU (torch computes on the rest)."""
     return cores if cuda else max(1, cores // 2)
-
-
-@functools.cache
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def host_facts(threads: int, gpu: str | None) -> dict[str, Any]:

@@ -20,9 +20,11 @@ select the same tensors are one candidate) — with the engine's own executors a
 Pareto-efficient candidates (no other both faster and smaller, by ``retained_bytes`` and
 ``forward_s + backward_s``) are marked: the paper's Figure 6, drawn with ``--png``. The JSON is
 the policy solver's input and is cached (``--cache-dir``, default
-``$XDG_CACHE_HOME/slidedp/profile``) under a key of GPU name, shape, batch, sequence, dtype,
-candidates, layer compute and the torch, transformers and slidedp versions; a cached profile
-is reused unless ``--force``.
+``$XDG_CACHE_HOME/slidedp/profile``) under a key of GPU name, CPU model and logical cores,
+shape, batch, sequence, dtype, world size (a run's processes: ``plan.auto.profile_args``; 1
+from the command line), candidates, layer compute and the torch, transformers, Liger Kernel
+(where its kernels run) and slidedp versions; a cached profile is reused unless ``--force``,
+and any changed fact is another key: measured again, never reused.
 
 ``--kernels eager,liger,compiled,liger+compiled`` shows another view instead: the layer's
 forward + backward under each layer-compute variant, its model TFLOP/s and its kernels with
@@ -34,8 +36,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib.metadata
 import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -56,7 +60,7 @@ from slidedp.plan.cost import layer_footprint
 from slidedp.plan.device import pick_device, pick_dtype
 from slidedp.plan.layout import LayerPolicy, parse_entry
 from slidedp.plan.policy import check_layout_fits
-from slidedp.profile.cache import cache_file, read_report, write_report
+from slidedp.profile.cache import cache_file, cpu_model, read_report, write_report
 from slidedp.profile.kernels import VARIANTS, format_kernels, profile_kernels
 from slidedp.profile.pareto import mark_pareto, plot_pareto
 from slidedp.runtime.activations import LayerRun, LayerState, executor_for
@@ -240,19 +244,28 @@ def _profiled(args: argparse.Namespace) -> _Profiled:
                               getattr(args, "layer_compile", False), device, adapter)  # fmt: skip
     facts = {
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        # the host runs the layer on CPU and launches its kernels beside a GPU
+        "cpu": cpu_model(),
+        "logical_cores": os.cpu_count(),
         "shape": config.to_dict() if args.shape not in SHAPES else args.shape,
         "batch": args.batch,
         "seq_len": args.seq_len,
         "dtype": str(dtype).removeprefix("torch."),
+        "world": getattr(args, "world", 1),  # processes the run's batch is split over
         "families": args.families,
         "ratios": args.ratios,
         "compute": {"kernels": compute.kernels, "compile": compute.compile},
         "torch": torch.__version__,
         "transformers": transformers.__version__,
+        "liger_kernel": _liger_version() if compute.kernels == "liger" else None,
         "slidedp": __version__,
     }
     return _Profiled(adapter, device, dtype, compute, facts,
                      cache_file(args.cache_dir, "layer", facts))  # fmt: skip
+
+
+def _liger_version() -> str:
+    return importlib.metadata.version("liger-kernel")
 
 
 def _read_cache(cache: Path) -> dict[str, Any] | None:

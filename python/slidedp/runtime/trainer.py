@@ -282,6 +282,19 @@ class Trainer:
         finally:
             self.engine.close()
 
+    def timed_steps(self, count: int) -> list[float]:
+        """The seconds of ``count`` steps from the start, nothing logged or written (the policy
+        selector's validation, ``plan.validate``); the engine is closed after."""
+        try:
+            times = [float(self._step(t)["step_time_s"]) for t in range(count)]
+            self.engine.drain()
+            return times
+        except Exception:
+            self.engine.worker.raise_failure()
+            raise
+        finally:
+            self.engine.close()
+
     def _run(self) -> list[dict[str, Any]]:
         tc, out = self.cfg.train, self.cfg.output
         main = self.ctx is None or self.ctx.main

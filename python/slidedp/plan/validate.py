@@ -1,0 +1,317 @@
+"""AutoPolicy's validation stage (paper §3.6, the end of Algorithm 1): a few training steps of
+the full model for the solver's choice and for the fixed default (all ``F``, nothing
+GPU-resident): the run's own engine, data, batch and sequence, in a scratch output directory
+that is deleted after (no checkpoint, export, trace or log). A trial's step time is the median
+of its steps after the first (a warm-up); on CUDA its peak ``torch.cuda.max_memory_reserved``
+is checked against the device total less ``select.HEADROOM``. A choice that runs out of memory
+or reserves beyond that is solved again with the activation budget cut by the overshoot
+(reserved-memory feedback), ``RESOLVES`` times at most. The choice runs only when validated
+faster than the default; the default wins ties, and whenever the choice does not fit.
+
+On CUDA each trial runs in a child process (``python -m slidedp.plan.validate CONFIG STEPS``):
+everything a trial holds (the caching allocator's blocks, the page-locked staging, the
+shared-memory store, the update worker) goes with it, and an out-of-memory failure cannot
+leave the training process's allocator fragmented or its peak statistics spent. On CPU a trial
+runs in this process (there is no device memory to hand back; the store goes with the trainer);
+the default runs after the choice, so the process's one-time costs that a warm-up step does not
+absorb (the first host update lands in the second step) count against the choice, never for it.
+
+Example::
+
+    found = validate_choice(default_cfg, choice, resolve, steps=3, limit_bytes=None)
+    print(found.describe())   # '4xN-r0, 0 GPU-resident 0.210 s/step vs the default's 0.260 s'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from slidedp.errors import (
+    ConfigError,
+    InvalidArgumentError,
+    OutOfSharedMemoryError,
+    SlidedpError,
+)
+from slidedp.plan.clock import break_even_steps
+
+if TYPE_CHECKING:
+    from slidedp.config import TrainConfig
+    from slidedp.estimate import Machine
+    from slidedp.plan.select import Choice
+
+RESOLVES = 2  # re-solves after a trial that did not fit, at most
+OOM_CUT = 0.1  # share of the budget cut after an out-of-memory failure below the limit
+TIMEOUT_S = 1800.0  # a trial loads the whole model (and may compile its layer) first
+EXIT_BAD_INPUT = 2
+GIB = 2**30
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA or host allocation failure (torch's OOM, our shared-memory shortage, a failed
+    pinned allocation, the CPU allocator giving up)."""
+    if isinstance(error, torch.OutOfMemoryError | MemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and (
+        "out of memory" in text or "can't allocate memory" in text
+    )
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One policy's validation run."""
+
+    layout: str
+    resident_layers: int
+    step_s: float | None  # median of the timed steps; None: it ran out of memory
+    reserved_bytes: int | None  # CUDA's peak reserved bytes (at the failure too); None on CPU
+
+    def fits(self, limit_bytes: int | None) -> bool:
+        over = limit_bytes is not None and (self.reserved_bytes or 0) > limit_bytes
+        return self.step_s is not None and not over
+
+    def name(self) -> str:
+        return f"{self.layout}, {self.resident_layers} GPU-resident"
+
+
+Runner = Callable[["TrainConfig", int], Trial]
+
+
+def trial_config(cfg: TrainConfig, steps: int, out_dir: Path) -> TrainConfig:
+    """``cfg`` for a trial of ``steps`` steps writing nothing but into ``out_dir``: a new run
+    (no resume), no export, TensorBoard nor trace, the policy as given."""
+    train = dataclasses.replace(cfg.train, max_steps=max(cfg.train.max_steps, steps), resume="")
+    output = dataclasses.replace(cfg.output, dir=str(out_dir), export=False, tensorboard=False,
+                                 save_steps=0)  # fmt: skip
+    runtime = dataclasses.replace(cfg.runtime, policy="", trace_path="")
+    return dataclasses.replace(cfg, train=train, output=output, runtime=runtime)
+
+
+def run_trial(cfg: TrainConfig, steps: int) -> Trial:
+    """``steps`` training steps of ``cfg`` in this process (``Trainer.timed_steps``)."""
+    from slidedp.plan.device import pick_device
+    from slidedp.runtime.trainer import Trainer
+
+    cuda = pick_device(cfg.runtime.device).type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    rt = cfg.runtime
+    step_s = None
+    with tempfile.TemporaryDirectory(prefix="slidedp-validate-") as tmp:
+        try:
+            times = Trainer(trial_config(cfg, steps, Path(tmp)), log=False).timed_steps(steps)
+            step_s = statistics.median(times[1:])
+        except Exception as e:  # only running out of device memory is a result
+            if not is_out_of_memory(e) or isinstance(e, OutOfSharedMemoryError):
+                raise
+    gc.collect()  # the trainer's store and window, before the next trial's
+    reserved = int(torch.cuda.max_memory_reserved()) if cuda else None
+    return Trial(rt.layers, rt.resident_layers, step_s, reserved)
+
+
+def trial_in_child(cfg: TrainConfig, steps: int) -> Trial:
+    """``run_trial`` in a child process; its stderr is passed on, a failure is one
+    ``ConfigError`` with its last line."""
+    from slidedp.bench.lifetime import worker_env
+    from slidedp.config import resolved_yaml
+
+    with tempfile.TemporaryDirectory(prefix="slidedp-validate-") as tmp:
+        path = Path(tmp) / "config.yaml"
+        path.write_text(resolved_yaml(cfg))
+        command = [sys.executable, "-m", "slidedp.plan.validate", str(path), str(steps)]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S,
+                                  env=worker_env())  # fmt: skip
+        except subprocess.TimeoutExpired:
+            raise ConfigError(
+                f"runtime.policy=auto: validating {cfg.runtime.layers} ran past {TIMEOUT_S:.0f} "
+                "s; set runtime.policy_validate_steps=0 or write the policy by hand"
+            ) from None
+    sys.stderr.write(done.stderr)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        raise ConfigError(f"runtime.policy=auto: validating {cfg.runtime.layers} failed: {last}")
+    return Trial(**json.loads(lines[-1]))
+
+
+@dataclass(frozen=True)
+class Validation:
+    """What validation ran and which policy won (``choice`` None: the default)."""
+
+    steps: int  # per trial, the warm-up included
+    default: Trial
+    trials: tuple[Trial, ...]  # the solver's choice, then each re-solve's
+    cuts_bytes: tuple[int, ...]  # the budget's cut (in all) at each re-solve
+    choice: Choice | None
+    limit_bytes: int | None
+
+    @property
+    def winner(self) -> Trial:
+        return self.default if self.choice is None else self.trials[-1]
+
+    def speedup(self) -> float | None:
+        """The default's validated step over the winner's (None: the default runs)."""
+        won, default = self.winner.step_s, self.default.step_s
+        if self.choice is None or won is None or default is None:
+            return None
+        return default / won
+
+    def result(self, solved: Choice) -> Choice:
+        """The choice that runs: the validated one, or the fixed default in ``solved``'s place
+        (its accounting kept, ``kept_default`` set)."""
+        if self.choice is not None:
+            return self.choice
+        from slidedp.plan.layout import format_layout
+        from slidedp.plan.select import DEFAULT
+
+        all_f = (DEFAULT,) * len(solved.layers)
+        return dataclasses.replace(solved, layout=format_layout(all_f), layers=all_f,
+                                   resident_layers=0, kept_default=True)  # fmt: skip
+
+    def break_even_steps(self, selection_s: float) -> int | None:
+        """Steps of the winner that pay for ``selection_s`` (None: the default runs)."""
+        won, default = self.winner.step_s, self.default.step_s
+        if self.choice is None or won is None or default is None:
+            return None
+        return break_even_steps(selection_s, default, won)
+
+    def _said(self, t: Trial) -> str:
+        if t.step_s is None:
+            return f"{t.name()} ran out of memory"
+        said = f"{t.name()} {t.step_s:.3f} s/step"
+        if t.reserved_bytes is not None and self.limit_bytes is not None:
+            said += f" reserving {t.reserved_bytes / GIB:.2f} of {self.limit_bytes / GIB:.2f} GiB"
+        return said
+
+    def describe(self) -> str:
+        """One clause: every trial, the re-solves, and the verdict."""
+        tried = "; ".join(self._said(t) for t in self.trials)
+        if self.cuts_bytes:
+            cuts = ", ".join(f"{c / GIB:.2f}" for c in self.cuts_bytes)
+            tried += f" (re-solved {len(self.cuts_bytes)}x, the budget cut by {cuts} GiB)"
+        if self.default.step_s is None:
+            return f"{tried}; the default ran out of memory"
+        verdict = "the default runs" if self.choice is None else f"{self.speedup():.2f}x faster"
+        return f"{tried} vs the default's {self.default.step_s:.3f} s: {verdict}"
+
+
+def _overshoot(trial: Trial, limit_bytes: int | None, budget_bytes: int) -> int:
+    """Bytes to take off the budget after ``trial`` (0: it fits): what it reserved beyond
+    the limit, or after an out-of-memory failure below it ``OOM_CUT`` of the budget."""
+    if trial.fits(limit_bytes):
+        return 0
+    reserved = trial.reserved_bytes
+    if limit_bytes is not None and reserved is not None and reserved > limit_bytes:
+        return reserved - limit_bytes
+    return max(1, int(OOM_CUT * budget_bytes))
+
+
+def default_config(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` on the fixed default: every layer ``F`` without offload, none GPU-resident."""
+    runtime = dataclasses.replace(cfg.runtime, layers="F", offload_ratio=0.0, policy="",
+                                  resident_layers=0)  # fmt: skip
+    return dataclasses.replace(cfg, runtime=runtime)
+
+
+def limit_bytes(machine: Machine) -> int | None:
+    """What a validated policy may reserve on the device: its total less ``HEADROOM`` (None
+    on CPU: nothing to check)."""
+    from slidedp.plan.select import HEADROOM
+
+    if machine.device != "cuda" or machine.gpu_total_bytes is None:
+        return None
+    return int(machine.gpu_total_bytes * (1.0 - HEADROOM))
+
+
+def runner_for(machine: Machine) -> Runner:
+    """Each trial in a child process on CUDA, in this one on CPU (see the module's text)."""
+    return trial_in_child if machine.device == "cuda" else run_trial
+
+
+def _is_default(choice: Choice) -> bool:
+    return choice.resident_layers == 0 and all(str(p) == "F-r0" for p in choice.layers)
+
+
+def with_choice(cfg: TrainConfig, choice: Choice) -> TrainConfig:
+    runtime = dataclasses.replace(cfg.runtime, layers=choice.layout,
+                                  resident_layers=choice.resident_layers)  # fmt: skip
+    return dataclasses.replace(cfg, runtime=runtime)
+
+
+def needs_validation(choice: Choice) -> bool:
+    """A choice other than the default (the default alone has nothing to be compared with)."""
+    return not _is_default(choice)
+
+
+def validate_choice(
+    default_cfg: TrainConfig,
+    choice: Choice,
+    resolve: Callable[[int], Choice],
+    *,
+    steps: int,
+    limit_bytes: int | None,
+    runner: Runner,
+) -> Validation:
+    """The default and ``choice`` validated by ``runner`` (``steps`` steps each); a choice that
+    does not fit ``limit_bytes`` re-solved by ``resolve(budget cut in bytes)``, ``RESOLVES``
+    times at most. Raises ``ConfigError`` when nothing fits, the default included."""
+    trials, cuts = [runner(with_choice(default_cfg, choice), steps)], list[int]()
+    first_budget = choice.budget_bytes
+    while not trials[-1].fits(limit_bytes) and len(cuts) < RESOLVES:
+        cut = (cuts[-1] if cuts else 0) + _overshoot(trials[-1], limit_bytes, first_budget)
+        if cut >= first_budget:
+            break
+        try:
+            choice = resolve(cut)
+        except InvalidArgumentError:  # no layout fits the cut budget
+            break
+        cuts.append(cut)
+        if _is_default(choice):
+            break
+        trials.append(runner(with_choice(default_cfg, choice), steps))
+    # last: where trials share a process (CPU), its one-time costs count against the choice
+    default = runner(default_cfg, steps)
+    last = trials[-1]
+    won = last.fits(limit_bytes) and (
+        default.step_s is None or (last.step_s is not None and last.step_s < default.step_s)
+    )
+    found = Validation(steps, default, tuple(trials), tuple(cuts), choice if won else None,
+                       limit_bytes)  # fmt: skip
+    if not won and default.step_s is None:
+        raise ConfigError(
+            f"runtime.policy=auto: no layout fit the device in validation ({found.describe()}): "
+            "lower train.global_batch_size or data.seq_len"
+        )
+    return found
+
+
+def main(argv: list[str]) -> int:
+    from slidedp.bench.lifetime import die_with_parent
+    from slidedp.config import load_config
+
+    die_with_parent()  # a run killed while validating leaves no trial on the GPU
+    config, steps = argv
+    try:
+        trial = run_trial(load_config(config), int(steps))
+    except SlidedpError as e:
+        print(" ".join(str(e).split()), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(json.dumps(dataclasses.asdict(trial)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
