@@ -2,8 +2,7 @@
 
 The parent passes our whole resolved training config (``RunSpec.ours``, ``--set`` overrides
 applied and validated); this sets what the bench owns — model config, data (the same synthetic
-tokens as the baselines, as JSONL), output, steps, batch, device, and no validation of
-``runtime.policy: auto`` (``plan.validate``) — and reads the step times and
+tokens as the baselines, as JSONL), output, steps, batch, device — and reads the step times and
 lane times from the per-step records. On several ranks (``spec.world``, launched by
 ``bench.ranks``) each rank builds the trainer, which joins them (``Dist.from_env``); the global
 batch is ``world x batch``, rank 0's records are the result and each rank traces into its own
@@ -53,9 +52,6 @@ def ours_raw_config(spec: RunSpec, data: Path, out: Path) -> dict[str, Any]:
     raw["output"].update(dir=str(out), export=False)
     raw["train"].update(max_steps=spec.warmup + spec.steps, global_batch_size=spec.global_batch)
     raw["runtime"]["device"] = spec.device
-    # auto's choice unvalidated: the bench runs it beside the default itself, and the reference
-    # runs the layout auto chooses for ours (``auto_layout``), which trials could change
-    raw["runtime"]["policy_validate_steps"] = 0
     if spec.world > 1:
         raw["runtime"]["gpus" if spec.device == "cuda" else "ranks"] = spec.world
         ctx = Dist.from_env()
