@@ -5,6 +5,8 @@
 #   BATCHES="4 16 8 32" CLIP=1.0 bash benches/gpu_targets.sh          (the config default)
 #   BATCHES="4 16 8 32" CLIP=0 REF="16 32" bash benches/gpu_targets.sh (and the reference)
 #   SHAPE=qwen3-8b BATCHES=16 bash benches/gpu_targets.sh
+# VALIDATE=N lets auto validate its choice against the default in N-step trials before it
+# trains (runtime.policy_validate_steps; the bench's default is 0).
 # A part that would pass the call's 560 s is skipped and says so. The reports come back as one
 # archive ($OUT/targets.tgz), since a device call returns few files.
 #
@@ -28,11 +30,12 @@ for B in ${BATCHES:-4 16}; do
     within "$LIMIT" "$name-fixed" && part "$name-fixed" "$LIMIT" "${BENCH[@]}" --systems ours \
         --batch "$B" --json "$JSON/$name-fixed.json"
     within "$LIMIT" "$name-auto" && part "$name-auto" "$LIMIT" "${BENCH[@]}" --systems ours \
-        --batch "$B" --set runtime.policy=auto --json "$JSON/$name-auto.json"
+        --batch "$B" --set runtime.policy=auto --set runtime.policy_validate_steps="${VALIDATE:-0}" \
+        --json "$JSON/$name-auto.json"
 done
 for B in ${REF:-}; do
     within 120 "$SHAPE-b$B-reference" && part "$SHAPE-b$B-reference" 120 "${BENCH[@]}" \
         --systems reference --batch "$B" --json "$JSON/$SHAPE-b$B-reference.json"
 done
 tar czf "$OUT/targets.tgz" -C "$JSON" .
-grep -E "^ +[0-9]+ (ours|reference)|policy   auto|exposed wait|skipped|exit" "$LOG" | tail -30
+grep -E "^ +[0-9]+ (ours|reference)|policy   auto|validat|exposed wait|skipped|exit" "$LOG" | tail -30
