@@ -78,6 +78,14 @@ def check_model(cfg: TrainConfig) -> tuple[HFAdapter, str]:
         )
     adapter = HFAdapter.from_dir(path, cfg.model.config_overrides())
     check_router_loss_ranks(adapter, cfg.runtime.world * cfg.runtime.nodes)
+    if cfg.data.packing and "linear_attention" in (
+        getattr(adapter.config, "layer_types", None) or []
+    ):
+        raise ConfigError(
+            f"data.packing=true with {adapter.config.model_type}'s linear-attention layers "
+            "(layer_types): their recurrent state and convolution run along the whole row, "
+            "across the packed samples' boundaries; set data.packing=false"
+        )
     files = weight_files(path)
     plan = check_weight_files(adapter, files)
     weights = (

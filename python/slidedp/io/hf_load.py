@@ -90,6 +90,8 @@ def _slot(
         return None  # the tied head is the embedding; one parameter
     if name.endswith("rotary_emb.inv_freq"):
         return None  # a buffer some old checkpoints carry
+    if name in adapter.buffers.persistent:
+        return None  # a layer's buffer: read by ``read_buffers``
     raise ModelLoadError(
         f"{file.name}: tensor '{name}' is not a parameter of this {adapter.config.model_type} "
         "config; the weights belong to another model (check model.path)"
@@ -197,6 +199,26 @@ def load_weights(adapter: HFAdapter, store: HostStore, files: list[Path]) -> Wei
             for c in copies:
                 c.slot.view(store.param(c.slot.target)).copy_(f.get_tensor(c.name))
     return plan
+
+
+def read_buffers(adapter: HFAdapter, files: list[Path]) -> None:
+    """The decoder layers' persistent buffers that ``files`` (a model's or a checkpoint's
+    weights) carry into ``adapter.buffers`` (``models.buffers``); the others keep their
+    ``_init_weights`` value. Every rank reads them: they are not in the shared store."""
+    wanted = adapter.buffers.persistent
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (not a mapping)
+                if name not in wanted:
+                    continue
+                value = f.get_tensor(name)
+                if tuple(value.shape) != wanted[name]:
+                    raise ModelLoadError(
+                        f"{file.name}: '{name}' has shape {tuple(value.shape)}, the model's "
+                        f"config.json expects {wanted[name]}; the weights and config.json do "
+                        "not match"
+                    )
+                adapter.buffers.set(name, value)
 
 
 def _init_module(adapter: HFAdapter, module: nn.Module) -> None:
