@@ -45,7 +45,9 @@ def _masters(path: Path) -> tuple[dict[str, torch.Tensor], str]:
 
 
 def test_every_moe_model_type_has_its_hub_names() -> None:
-    assert set(HUB_NAMES) == set(MOE_MODEL_TYPES) == set(ARCHS)
+    """But Qwen3.5-MoE's and Gemma 4's, whose checkpoints hold the experts fused as the model
+    does (transformers converts none on load)."""
+    assert set(HUB_NAMES) == set(MOE_MODEL_TYPES) - {"qwen3_5_moe_text"} == set(ARCHS)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

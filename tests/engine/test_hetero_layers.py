@@ -2,7 +2,8 @@
 
 Gemma 4's full-attention layers have a wider head (``global_head_dim``) and share keys and
 values (``attention_k_eq_v``: no ``v_proj``), and every layer carries a ``layer_scalar``
-buffer; Qwen3.5-MoE mixes Gated DeltaNet linear-attention layers (other parameters, a
+buffer (with ``enable_moe_block`` also experts beside its MLP; transformers adds no
+load-balancing loss for them); Qwen3.5-MoE mixes Gated DeltaNet linear-attention layers (other parameters, a
 recurrent state) with gated full attention, every layer a mixture of experts with a shared
 expert and the load-balancing loss. Each layer is bound to its own module and its own store
 group; the window's slots hold the largest. ``slidedp train`` matches the plain PyTorch
@@ -31,6 +32,9 @@ from engine.tiny import (
 )
 from slidedp.cli import main
 from slidedp.models.hf import HFAdapter
+from slidedp.models.shape import layer_shapes
+from slidedp.plan.cost import layer_footprint, layout_memory
+from slidedp.plan.layout import parse_entry
 
 Capsys = pytest.CaptureFixture[str]
 
@@ -55,10 +59,12 @@ SIGN_ENTRIES = 8
 CASES = [
     ("gemma4_text", False, 11.0, 0, "F"),
     ("gemma4_text", True, 11.0, 1000, "1xN-r1, 1xSAC.mm, 1xF"),
+    ("gemma4_text_moe", False, 14.0, 0, "F"),
+    ("gemma4_text_moe", True, 14.0, 1000, "1xSAC.attn-r1, 1xN, 1xF"),
     ("qwen3_5_moe_text", False, 1.6, 0, "F"),
     ("qwen3_5_moe_text", True, 1.6, 1000, "1xSAC.attn-r1, 1xN, 1xF"),
 ]
-LR = {"gemma4_text": 1e-3, "qwen3_5_moe_text": 3e-3}
+LR = {"gemma4_text": 1e-3, "gemma4_text_moe": 1e-3, "qwen3_5_moe_text": 3e-3}
 
 
 def _train(arch: str, max_grad_norm: float) -> dict[str, Any]:
@@ -75,12 +81,27 @@ def _train(arch: str, max_grad_norm: float) -> dict[str, Any]:
 
 def test_the_tiny_models_mix_layers_of_two_kinds() -> None:
     """What the parity runs stream: layers whose parameters differ, in both orders."""
-    for arch in ("gemma4_text", "qwen3_5_moe_text"):
+    for arch in ("gemma4_text", "gemma4_text_moe", "qwen3_5_moe_text"):
         adapter = HFAdapter(tiny_config(arch, tied=False, layers=3))
-        assert adapter.layer_kinds == ([0, 0, 2] if arch == "gemma4_text" else [0, 1, 0])
+        assert adapter.layer_kinds == ([0, 1, 0] if arch == "qwen3_5_moe_text" else [0, 0, 2])
         sizes = {sum(p.numel() for p in adapter.layer_module(k).parameters())
                  for k in set(adapter.layer_kinds)}  # fmt: skip
         assert len(sizes) == 2
+
+
+def test_flops_and_the_cost_model_take_each_layer_as_its_kind() -> None:
+    """Gemma 4's full-attention layer has twice the head dimension (and saves more for the
+    backward); Qwen3.5's linear-attention layers have no softmax attention to count."""
+    gemma = HFAdapter(tiny_config("gemma4_text", tied=False, layers=3))
+    shapes = layer_shapes(gemma.config, seq_len=32)
+    assert [(s.q_dim, s.kv_dim, s.attended) for s in shapes] == [(32, 16, 8)] * 2 + [(64, 16, 32)]
+    qwen = tiny_config("qwen3_5_moe_text", tied=False, layers=3)
+    assert [s.q_dim for s in layer_shapes(qwen, seq_len=32)] == [0, 64, 0]
+    _, policy = parse_entry("N", 0.0)
+    sliding, full = (layer_footprint(gemma, policy, 2, 32, torch.bfloat16, i) for i in (0, 2))
+    assert full.retained_bytes > sliding.retained_bytes
+    memory = layout_memory(gemma, [policy] * 3, 2, 32, torch.bfloat16)
+    assert memory.retained_bytes == 2 * sliding.retained_bytes + full.retained_bytes
 
 
 @pytest.mark.parametrize(("arch", "tied", "max_grad_norm", "chunk", "layers"), CASES)
@@ -105,7 +126,7 @@ def test_losses_and_final_params_match_the_reference(
     torch.testing.assert_close(norms[:2], ref_norms[:2], rtol=FIRST_STEPS_RTOL, atol=0)
     torch.testing.assert_close(losses[:2], ref_losses[:2], rtol=FIRST_STEPS_RTOL, atol=0)
     torch.testing.assert_close(norms, ref_norms, rtol=NORM_RTOL, atol=0)
-    aux = [m["aux_loss"] for m in metrics if "aux_loss" in m]
+    aux = [m["aux_loss"] for m in metrics if "aux_loss" in m]  # Gemma 4 MoE: none
     assert len(aux) == len(ref.aux_losses) == (8 if arch == "qwen3_5_moe_text" else 0)
     torch.testing.assert_close(
         torch.tensor(aux), torch.tensor(ref.aux_losses), rtol=LOSS_RTOL, atol=0
@@ -185,6 +206,14 @@ def test_what_a_gemma4_layer_cannot_stream_is_refused(
 ) -> None:
     model = _with_config(make_model(tmp_path, "gemma4_text", tied=True, layers=3), **fields)
     _refused(capsys, tmp_path, model, *needles)
+
+
+def test_sac_noact_on_a_gemma4_layer_with_experts_is_refused(
+    capsys: Capsys, tmp_path: Path
+) -> None:
+    model = make_model(tmp_path, "gemma4_text_moe", tied=False, layers=3)
+    _refused(capsys, tmp_path, model, "layer 1 is SAC.noact", "gemma4_text layer",
+             runtime={"layers": "1xF, 1xSAC.noact, 1xF"})  # fmt: skip
 
 
 def test_packed_rows_through_linear_attention_are_refused(capsys: Capsys, tmp_path: Path) -> None:

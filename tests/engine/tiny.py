@@ -77,6 +77,15 @@ MORE_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
          "attention_k_eq_v": True, "num_global_key_value_heads": 1,
          "hidden_size_per_layer_input": 0},
     ),
+    "gemma4_text_moe": (  # its layers' MLP beside experts, routed by its own router
+        Gemma4TextConfig,
+        {"sliding_window": 8,
+         "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+         "final_logit_softcapping": 30.0, "head_dim": 8, "global_head_dim": 16,
+         "attention_k_eq_v": True, "num_global_key_value_heads": 1,
+         "hidden_size_per_layer_input": 0, "enable_moe_block": True, "num_experts": 4,
+         "top_k_experts": 2, "moe_intermediate_size": 32},
+    ),
     "qwen3_5_moe_text": (
         Qwen3_5MoeTextConfig,
         {"layer_types": ["linear_attention", "full_attention"], "num_experts": 8,
@@ -192,11 +201,13 @@ def reference_train(model_dir: Path, data: Path, train: dict[str, Any]) -> Refer
     decay = set(get_parameter_names(model, [nn.LayerNorm], patterns))  # type: ignore[no-untyped-call]
     named = list(model.named_parameters())  # tied weights appear once
     decay &= {n for n, _ in named}  # HF lists the tied lm_head.weight too
-    # HF's rule is the 1-D rule here but for Qwen3.5's 1-D A_log, which HF's names would decay
-    # and slidedp (1-D tensors never decay) does not: the reference takes slidedp's rule there
+    # HF's rule is the 1-D rule here but for Qwen3.5's A_log and Gemma 4's router scales, 1-D
+    # tensors HF's names would decay and slidedp (1-D tensors never decay) does not: the
+    # reference takes slidedp's rule there
     one_d_rule = {n for n, p in named if p.ndim >= 2}
     assert one_d_rule <= decay
-    assert all(n.endswith(".A_log") for n in decay - one_d_rule), decay - one_d_rule
+    one_d_scales = (".A_log", ".router.scale", ".router.per_expert_scale")  # Gemma 4's router
+    assert all(n.endswith(one_d_scales) for n in decay - one_d_rule), decay - one_d_rule
     decay = one_d_rule
     groups = [
         {"params": [p for n, p in named if n in decay], "weight_decay": train["weight_decay"]},

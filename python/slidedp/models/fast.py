@@ -125,11 +125,8 @@ def resolve_compute(
     reason = blocker if kernels == "auto" else ""
     if compile is None:  # the dense layers measured; an MoE routes by data (graph breaks);
         # layers of several kinds would each compile a graph of their own (not measured)
-        from slidedp.models.hf import MOE_MODEL_TYPES  # hf imports this module
-
         one_kind = len(set(adapter.layer_kinds)) == 1
-        compile = (device.type == "cuda" and chosen == "eager" and one_kind
-                   and model_type not in MOE_MODEL_TYPES)  # fmt: skip
+        compile = device.type == "cuda" and chosen == "eager" and one_kind and not adapter.moe
     if compile and adapter.router_loss is not None:
         raise ConfigError(
             "runtime.compile=true: a mixture-of-experts layer with output_router_logits records "

@@ -168,6 +168,10 @@ class HFAdapter:
         self.vocab_size = int(self.base.embed_tokens.num_embeddings)
         self.hidden_size = int(self.base.embed_tokens.embedding_dim)
         self.segmentable = config.model_type in SEGMENTABLE_MODEL_TYPES
+        # experts in the layers (Gemma 4's beside its MLP where enable_moe_block is set)
+        self.moe = config.model_type in MOE_MODEL_TYPES or bool(
+            getattr(config, "enable_moe_block", False)
+        )
         self.softcap: float | None = getattr(self.config, "final_logit_softcapping", None)
         # the decoder layer's own keyword arguments (they differ: Gemma's take no use_cache)
         self._layer_args = set(inspect.signature(type(self.base.layers[0]).forward).parameters)
