@@ -3,12 +3,13 @@
 Gemma 4's full-attention layers have a wider head (``global_head_dim``) and share keys and
 values (``attention_k_eq_v``: no ``v_proj``), and every layer carries a ``layer_scalar``
 buffer (with ``enable_moe_block`` also experts beside its MLP; transformers adds no
-load-balancing loss for them); Qwen3.5-MoE mixes Gated DeltaNet linear-attention layers (other parameters, a
-recurrent state) with gated full attention, every layer a mixture of experts with a shared
-expert and the load-balancing loss. Each layer is bound to its own module and its own store
-group; the window's slots hold the largest. ``slidedp train`` matches the plain PyTorch
-reference trainer (tests/engine/tiny.py) as tests/engine/test_parity.py does; what the engine
-cannot stream is refused in one line before anything is written.
+load-balancing loss for them). Qwen3.5-MoE mixes Gated DeltaNet linear-attention layers
+(other parameters, a recurrent state) with gated full attention, every layer a mixture of
+experts with a shared expert and the load-balancing loss. Each layer is bound to its own
+module and its own store group; the window's slots hold the largest. ``slidedp train``
+matches the plain PyTorch reference trainer (tests/engine/tiny.py) as tests/engine/
+test_parity.py does; what the engine cannot stream is refused in one line before anything is
+written.
 """
 
 from __future__ import annotations
