@@ -93,8 +93,9 @@ def check_model(cfg: TrainConfig) -> tuple[HFAdapter, str]:
         if files
         else "no weights: seeded init"
     )
+    of = f" (the text model of a {adapter.multimodal} model)" if adapter.multimodal else ""
     return adapter, (
-        f"model    {adapter.config.model_type} at {path}: {adapter.num_layers} layers, "
+        f"model    {adapter.config.model_type}{of} at {path}: {adapter.num_layers} layers, "
         f"{parameter_count(adapter):,} parameters, {weights}"
     )
 

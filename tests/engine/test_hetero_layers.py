@@ -20,7 +20,9 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, Gemma4Config
+from transformers.models.qwen3_5_moe import Qwen3_5MoeConfig
 
 from cli.util import one_error_line, run, snapshot
 from engine.tiny import (
@@ -199,7 +201,6 @@ def _with_config(model: Path, **fields: Any) -> Path:
         ({"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 256},
          ("per-layer input embeddings", "hidden_size_per_layer_input=8")),
         ({"num_kv_shared_layers": 1}, ("shared across layers", "num_kv_shared_layers=1")),
-        ({"model_type": "gemma4"}, ("'gemma4' is the multimodal model", "'gemma4_text'")),
     ],
 )  # fmt: skip
 def test_what_a_gemma4_layer_cannot_stream_is_refused(
@@ -215,6 +216,45 @@ def test_sac_noact_on_a_gemma4_layer_with_experts_is_refused(
     model = make_model(tmp_path, "gemma4_text_moe", tied=False, layers=3)
     _refused(capsys, tmp_path, model, "layer 1 is SAC.noact", "gemma4_text layer",
              runtime={"layers": "1xF, 1xSAC.noact, 1xF"})  # fmt: skip
+
+
+def _multimodal(text_dir: Path, arch: str) -> Path:
+    """The multimodal model around the text model of ``text_dir``: its config as
+    ``text_config``, its weights under ``model.language_model.`` beside a vision tensor."""
+    text = AutoConfig.from_pretrained(text_dir)
+    kind = {"gemma4_text": Gemma4Config, "qwen3_5_moe_text": Qwen3_5MoeConfig}[arch]
+    top = kind(text_config=text.to_dict(), tie_word_embeddings=text.tie_word_embeddings)
+    out = text_dir.with_name(text_dir.name + "-multimodal")
+    top.save_pretrained(out)
+    prefix = "model.language_model."
+    tensors = {(prefix + n.removeprefix("model.") if n.startswith("model.") else n): t
+               for n, t in load_file(text_dir / "model.safetensors").items()}  # fmt: skip
+    tensors["model.vision_tower.patch_embedder.weight"] = torch.ones(4, 4)  # not the text's
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize(("arch", "tied"), [("gemma4_text", True), ("qwen3_5_moe_text", False)])
+def test_a_multimodal_directory_trains_its_text_model(
+    tmp_path: Path, arch: str, tied: bool
+) -> None:
+    """The same run as from the text model's own directory, bit for bit; the checkpoints and
+    the export are the text model's."""
+    text = make_model(tmp_path, arch, tied=tied, layers=3)
+    data = write_data(tmp_path / "data.jsonl", 12)
+    runs = {}
+    for name, model in (("text", text), ("multimodal", _multimodal(text, arch))):
+        out = tmp_path / name
+        config = write_config(tmp_path / f"{name}.yaml", model, data, out)
+        assert main(["train", str(config)]) == 0
+        runs[name] = (read_metrics(out), load_file(out / "final" / "model.safetensors"))
+        exported = json.loads((out / "final" / "config.json").read_text())
+        assert exported["model_type"] == arch
+        assert exported["tie_word_embeddings"] is tied
+    (m1, p1), (m2, p2) = runs["text"], runs["multimodal"]
+    assert [m["loss"] for m in m1] == [m["loss"] for m in m2]
+    assert set(p1) == set(p2)
+    assert all(torch.equal(p1[n], p2[n]) for n in p1)
 
 
 def test_packed_rows_through_linear_attention_are_refused(capsys: Capsys, tmp_path: Path) -> None:

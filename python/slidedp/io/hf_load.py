@@ -54,11 +54,13 @@ _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names
 
 @dataclass(frozen=True)
 class Copy:
-    """One checkpoint tensor, ``name`` in ``file``, and the part of the store it fills."""
+    """One checkpoint tensor, ``name`` (the model's name of it) stored as ``stored`` in
+    ``file``, and the part of the store it fills."""
 
     file: Path
     name: str
     slot: Slot
+    stored: str
 
 
 @dataclass(frozen=True)
@@ -159,21 +161,22 @@ def check_weight_files(adapter: HFAdapter, files: list[Path]) -> WeightPlan:
     hub = HubLayout.of(adapter.config.model_type, shapes)
     copies: list[Copy] = []
     for file in files:
-        for name, (shape, dtype) in _headers(file).items():
-            slot = _slot(adapter, shapes, hub, file, name)
-            if slot is None:
+        for stored, (shape, dtype) in _headers(file).items():
+            name = adapter.stored_name(stored)
+            slot = None if name is None else _slot(adapter, shapes, hub, file, name)
+            if name is None or slot is None:
                 continue
             if shape != slot.shape:
                 raise ModelLoadError(
-                    f"{file.name}: '{name}' has shape {shape}, the model's config.json expects "
+                    f"{file.name}: '{stored}' has shape {shape}, the model's config.json expects "
                     f"{slot.shape}; the weights and config.json do not match"
                 )
             if dtype not in _FLOAT_DTYPES:
                 raise ModelLoadError(
-                    f"{file.name}: '{name}' is {dtype}; quantized checkpoints are not supported "
+                    f"{file.name}: '{stored}' is {dtype}; quantized checkpoints are not supported "
                     "(use the unquantized model)"
                 )
-            copies.append(Copy(file, name, slot))
+            copies.append(Copy(file, name, slot, stored))
     _check_layouts(copies, hub)
     per_expert = hub is not None and any(hub.is_expert(c.name) for c in copies)
     missing = _missing(shapes, copies, hub, per_expert)
@@ -197,7 +200,7 @@ def load_weights(adapter: HFAdapter, store: HostStore, files: list[Path]) -> Wei
     for file, copies in by_file.items():
         with safe_open(str(file), framework="pt") as f:
             for c in copies:
-                c.slot.view(store.param(c.slot.target)).copy_(f.get_tensor(c.name))
+                c.slot.view(store.param(c.slot.target)).copy_(f.get_tensor(c.stored))
     return plan
 
 
@@ -208,13 +211,14 @@ def read_buffers(adapter: HFAdapter, files: list[Path]) -> None:
     wanted = adapter.buffers.persistent
     for file in files:
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (not a mapping)
+            for stored in f.keys():  # noqa: SIM118 (not a mapping)
+                name = adapter.stored_name(stored)
                 if name not in wanted:
                     continue
-                value = f.get_tensor(name)
+                value = f.get_tensor(stored)
                 if tuple(value.shape) != wanted[name]:
                     raise ModelLoadError(
-                        f"{file.name}: '{name}' has shape {tuple(value.shape)}, the model's "
+                        f"{file.name}: '{stored}' has shape {tuple(value.shape)}, the model's "
                         f"config.json expects {wanted[name]}; the weights and config.json do "
                         "not match"
                     )

@@ -109,21 +109,26 @@ class GroupNames:
     params: tuple[tuple[str, str], ...]  # (full name, name local to the group's module)
 
 
-# the multimodal models whose text model slidedp trains, from the text model's own config
-TEXT_MODEL_TYPES = {"gemma4": "gemma4_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+# the multimodal models whose text model slidedp trains: their language model's weights
+MULTIMODAL_TEXT_PREFIX = {"gemma4": "model.language_model.", "qwen3_5_moe": "model.language_model."}
+
+
+def text_part(config: PretrainedConfig) -> tuple[PretrainedConfig, str]:
+    """``(the text model's config, the prefix of its weights' names in the checkpoint)``: of a
+    multimodal model, its ``text_config`` (tied as the multimodal model ties its LM head, by
+    the top-level ``tie_word_embeddings``) and ``model.language_model.``; else
+    ``(config, "")``."""
+    prefix = MULTIMODAL_TEXT_PREFIX.get(config.model_type)
+    if prefix is None:
+        return config, ""
+    text = config.get_text_config()
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+    return text, prefix
 
 
 def refuse_unstreamable(config: PretrainedConfig) -> None:
-    """A config whose layers cannot be streamed one at a time, or that names the multimodal
-    model: ModelLoadError naming the feature and its config key."""
-    text = TEXT_MODEL_TYPES.get(config.model_type)
-    if text is not None:
-        raise ModelLoadError(
-            f"model type '{config.model_type}' is the multimodal model; slidedp trains its text "
-            f"model: give a directory whose config.json is its text_config with model_type "
-            f"'{text}' and the language model's weights under model.layers.* (not "
-            "model.language_model.*)"
-        )
+    """A config whose layers cannot be streamed one at a time: ModelLoadError naming the
+    feature and its config key."""
     per_layer_input = getattr(config, "hidden_size_per_layer_input", 0) or 0
     if per_layer_input:
         raise ModelLoadError(
@@ -145,6 +150,10 @@ class HFAdapter:
     """Layer discovery, tied weights, rotary embeddings and masks of one HF causal LM."""
 
     def __init__(self, config: PretrainedConfig, path: Path | None = None) -> None:
+        self.multimodal: str | None = (
+            config.model_type if config.model_type in MULTIMODAL_TEXT_PREFIX else None
+        )
+        config, self.weight_prefix = text_part(config)
         refuse_unstreamable(config)
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelLoadError(
@@ -197,9 +206,9 @@ class HFAdapter:
 
     @classmethod
     def from_dir(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> HFAdapter:
-        """The model of ``path/config.json`` with ``overrides`` (``ModelSection.
-        config_overrides``: ``rope_scaling``, ``max_position_embeddings``,
-        ``output_router_logits``) applied to its config first."""
+        """The model of ``path/config.json`` (of a multimodal model, its text model) with
+        ``overrides`` (``ModelSection.config_overrides``: ``rope_scaling``,
+        ``max_position_embeddings``, ``output_router_logits``) applied to its config first."""
         path = Path(path)
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} has no config.json (expected an HF model directory)")
@@ -210,13 +219,14 @@ class HFAdapter:
             raise ModelLoadError(
                 f"cannot read {path}/config.json: {what}; fix the file or re-download the model"
             ) from None
+        text = config.get_text_config()  # a multimodal model's text_config, else config
         try:
-            apply_overrides(config, overrides or {})
+            apply_overrides(text, overrides or {})
         except Exception as e:  # transformers' checks of the rope parameters
             what = " ".join(str(e).split()) or type(e).__name__
             raise ModelLoadError(f"model overrides {overrides} do not apply: {what}") from None
         for field in _SIZE_FIELDS:
-            for value in config_values(config, field):
+            for value in config_values(text, field):
                 if isinstance(value, int) and not isinstance(value, bool) and value < 1:
                     raise ModelLoadError(
                         f"{path}/config.json: '{field}' is {value}, it must be >= 1; fix the "
@@ -255,6 +265,15 @@ class HFAdapter:
             params = tuple((n, tuple(p.shape)) for n, p in layer.named_parameters())
             kinds.append(first.setdefault((type(layer).__name__, params), i))
         return kinds
+
+    def stored_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name as a name of the model (None: not the text model's,
+        e.g. a multimodal model's vision tower, skipped)."""
+        if not self.weight_prefix or name == LM_HEAD:
+            return name
+        if name.startswith(self.weight_prefix):
+            return "model." + name.removeprefix(self.weight_prefix)
+        return None
 
     @property
     def embed_group(self) -> int:
