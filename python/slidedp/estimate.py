@@ -247,7 +247,7 @@ class Estimate:
     batch: int
     seq_len: int
     layout: str  # the per-layer activation layout (Policy.layout)
-    layout_rows: list[dict[str, Any]]  # per distinct layer policy: count and bytes per layer
+    layout_rows: list[dict[str, Any]]  # per distinct layer policy and kind: count, bytes/layer
     resident_layers: int  # the first K decoder layers stay on the device (Policy)
     resident_bytes: int  # their device bytes (in host RAM on CPU runs)
     clipping: bool
@@ -548,7 +548,10 @@ def _step_model(
     measured = layer_times(report) if report else {}
     rt = cfg.runtime
     b, s = cfg.train.global_batch_size // rt.world, cfg.data.seq_len  # per rank
-    offloaded = [layer_footprint(adapter, p, b, s, dtype).offloaded_bytes for p in policy.layers]
+    offloaded = [
+        layer_footprint(adapter, p, b, s, dtype, i).offloaded_bytes
+        for i, p in enumerate(policy.layers)
+    ]
     links, links_measured = _links(rt.world, adapter, machine)
     spec = spec_from_shapes(
         adapter,
@@ -595,15 +598,17 @@ def _links(world: int, adapter: HFAdapter, machine: Machine) -> tuple[Links, lis
 def _layout_rows(
     adapter: HFAdapter, layers: tuple[LayerPolicy, ...], b: int, s: int, dtype: torch.dtype
 ) -> list[dict[str, Any]]:
-    counts: dict[LayerPolicy, int] = {}
-    for p in layers:
-        counts[p] = counts.get(p, 0) + 1
+    counts: dict[tuple[LayerPolicy, int], int] = {}  # (policy, kind of layer): layers
+    for i, p in enumerate(layers):
+        key = (p, adapter.layer_kinds[i])
+        counts[key] = counts.get(key, 0) + 1
+    several_kinds = len(set(adapter.layer_kinds)) > 1
     rows = []
-    for p, n in counts.items():
-        fp = layer_footprint(adapter, p, b, s, dtype)
+    for (p, kind), n in counts.items():
+        fp = layer_footprint(adapter, p, b, s, dtype, kind)
         rows.append(
             {
-                "policy": str(p),
+                "policy": f"{p} (like layer {kind})" if several_kinds else str(p),
                 "layers": n,
                 "retained_bytes": fp.retained_bytes,
                 "offloaded_bytes": fp.offloaded_bytes,

@@ -78,6 +78,14 @@ def check_model(cfg: TrainConfig) -> tuple[HFAdapter, str]:
         )
     adapter = HFAdapter.from_dir(path, cfg.model.config_overrides())
     check_router_loss_ranks(adapter, cfg.runtime.world * cfg.runtime.nodes)
+    if cfg.data.packing and "linear_attention" in (
+        getattr(adapter.config, "layer_types", None) or []
+    ):
+        raise ConfigError(
+            f"data.packing=true with {adapter.config.model_type}'s linear-attention layers "
+            "(layer_types): their recurrent state and convolution run along the whole row, "
+            "across the packed samples' boundaries; set data.packing=false"
+        )
     files = weight_files(path)
     plan = check_weight_files(adapter, files)
     weights = (
@@ -85,8 +93,9 @@ def check_model(cfg: TrainConfig) -> tuple[HFAdapter, str]:
         if files
         else "no weights: seeded init"
     )
+    of = f" (the text model of a {adapter.multimodal} model)" if adapter.multimodal else ""
     return adapter, (
-        f"model    {adapter.config.model_type} at {path}: {adapter.num_layers} layers, "
+        f"model    {adapter.config.model_type}{of} at {path}: {adapter.num_layers} layers, "
         f"{parameter_count(adapter):,} parameters, {weights}"
     )
 

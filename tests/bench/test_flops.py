@@ -67,7 +67,7 @@ def test_layer_shapes_read_widths_params_and_the_attended_length() -> None:
     shapes = layer_shapes(config, 64)
     assert len(shapes) == TINY["num_hidden_layers"]
     s = shapes[0]
-    assert (s.hidden, s.ffn, s.q_dim, s.kv_dim, s.attended) == (h, i, 4 * 16, 2 * 16, 16)
+    assert (s.hidden, s.q_dim, s.kv_dim, s.attended) == (h, 4 * 16, 2 * 16, 16)
     matmul = h * 64 + 2 * h * 32 + 64 * h + 3 * h * i
     assert s.matmul_params == matmul
     assert s.params == s.active_params == matmul + 2 * h  # plus the two norms

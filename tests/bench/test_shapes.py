@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from bench.tiny import write_tiny_config
 from slidedp.bench.shapes import SHAPES, cut_layers, resolve_shape
 from slidedp.errors import ConfigError
+from slidedp.models.hf import HFAdapter, config_values
 from slidedp.models.shape import layer_shapes
 
 # Published by Qwen (model cards): total and non-embedding parameters, in billions, rounded.
@@ -31,19 +33,42 @@ def _rope_theta(config: PretrainedConfig) -> float:
     return float(rope["rope_theta"] if rope else config.rope_theta)
 
 
+# Gemma 4's keys for its full-attention layers, which its config keeps per layer
+FULL_LAYER_KEYS = {
+    "global_head_dim": "head_dim",
+    "num_global_key_value_heads": "num_key_value_heads",
+}
+
+
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_every_key_is_a_field_of_its_config_class(name: str) -> None:
     # PretrainedConfig keeps unknown kwargs as attributes: a typo would be silently ignored.
     config = resolve_shape(name)
     # rope_theta moved into rope_parameters; Qwen3-MoE's attention reads head_dim by getattr
     fields = set(inspect.signature(type(config).__init__).parameters) | {"rope_theta", "head_dim"}
-    assert set(SHAPES[name]) - {"model_type"} <= fields
+    assert set(SHAPES[name]) - {"model_type"} <= fields | set(FULL_LAYER_KEYS)
     assert config.model_type == SHAPES[name].get("model_type", "qwen3")
     if "rope_theta" in SHAPES[name]:
         assert _rope_theta(config) == SHAPES[name]["rope_theta"]
     for key, value in SHAPES[name].items():
-        if key not in ("rope_theta", "model_type"):
-            assert getattr(config, key) == value, key
+        if key in ("rope_theta", "model_type"):
+            continue
+        values = config_values(config, FULL_LAYER_KEYS.get(key, key))
+        if len(values) > 1:  # per layer: the full-attention layers' or the others'
+            full = key in FULL_LAYER_KEYS
+            kinds = config.layer_types
+            values = [v for v, kind in zip(values, kinds, strict=True)
+                      if (kind == "full_attention") == full]  # fmt: skip
+        assert set(values) == {value}, key
+
+
+@pytest.mark.parametrize(("name", "kinds"), [("gemma4-31b", 2), ("qwen3.5-35b-a3b", 2)])
+def test_the_heterogeneous_shapes_have_layers_of_two_kinds(name: str, kinds: int) -> None:
+    adapter = HFAdapter(resolve_shape(name))
+    assert len(set(adapter.layer_kinds)) == kinds
+    if name == "gemma4-31b":  # the model card's 30.7 B
+        total = sum(math.prod(s) for s in adapter.shapes().values())
+        assert total / 1e9 == pytest.approx(30.7, abs=0.05)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

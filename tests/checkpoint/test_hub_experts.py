@@ -1,6 +1,6 @@
 """Mixture-of-experts checkpoints in the hub's per-expert layout (``slidedp.io.hub_experts``).
 
-A tiny seeded Qwen3-MoE, Mixtral and OLMoE (12 experts: ``experts.10`` sorts before
+A tiny seeded Qwen3-MoE, Mixtral, Qwen3.5-MoE and OLMoE (12 experts: ``experts.10`` sorts before
 ``experts.2`` by name) saved twice: by ``save_pretrained`` (one tensor per expert, the hub's
 layout) and with the model's own fused expert parameters. Loaded through slidedp, both give
 masters equal to the model's parameters bit for bit and to what ``from_pretrained`` (transformers'
@@ -29,7 +29,7 @@ from slidedp.models.hf import MOE_MODEL_TYPES, HFAdapter
 from slidedp.store import HostStore
 
 Capsys = pytest.CaptureFixture[str]
-ARCHS = ("qwen3_moe", "mixtral", "olmoe")
+ARCHS = ("qwen3_moe", "mixtral", "olmoe", "qwen3_5_moe_text")
 
 
 def _names(path: Path) -> list[str]:

@@ -21,6 +21,7 @@ from torch import nn
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
+    Gemma4TextConfig,
     LlamaConfig,
     MixtralConfig,
     OlmoeConfig,
@@ -30,6 +31,7 @@ from transformers import (
     Qwen3MoeConfig,
     get_scheduler,
 )
+from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
 from transformers.trainer_pt_utils import get_parameter_names
 from transformers.utils import logging as hf_logging
 
@@ -43,7 +45,9 @@ CONFIGS: dict[str, type[PretrainedConfig]] = {
 # the other architectures, each with what makes it differ: experts routed top-2 with the
 # load-balancing loss on (a coefficient large enough to move the parameters measurably), a
 # dense layer between MoE ones (Qwen3-MoE's mlp_only_layers); Gemma 3's sliding layers with a
-# window shorter than the sequences, its final logit soft-capping
+# window shorter than the sequences, its final logit soft-capping; layers of two kinds (the
+# last full attention): Gemma 4's wider full-attention heads sharing k and v, Qwen3.5-MoE's
+# linear-attention layers beside gated full attention, each an MoE with a shared expert
 MORE_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
     "qwen3_moe": (
         Qwen3MoeConfig,
@@ -65,6 +69,31 @@ MORE_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
         {"sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
          "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 16},
     ),
+    "gemma4_text": (
+        Gemma4TextConfig,
+        {"sliding_window": 8,
+         "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+         "final_logit_softcapping": 30.0, "head_dim": 8, "global_head_dim": 16,
+         "attention_k_eq_v": True, "num_global_key_value_heads": 1,
+         "hidden_size_per_layer_input": 0},
+    ),
+    "gemma4_text_moe": (  # its layers' MLP beside experts, routed by its own router
+        Gemma4TextConfig,
+        {"sliding_window": 8,
+         "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+         "final_logit_softcapping": 30.0, "head_dim": 8, "global_head_dim": 16,
+         "attention_k_eq_v": True, "num_global_key_value_heads": 1,
+         "hidden_size_per_layer_input": 0, "enable_moe_block": True, "num_experts": 4,
+         "top_k_experts": 2, "moe_intermediate_size": 32},
+    ),
+    "qwen3_5_moe_text": (
+        Qwen3_5MoeTextConfig,
+        {"layer_types": ["linear_attention", "full_attention"], "num_experts": 8,
+         "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "shared_expert_intermediate_size": 48, "linear_num_key_heads": 2,
+         "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 8,
+         "output_router_logits": True, "router_aux_loss_coef": 0.05},
+    ),
 }  # fmt: skip
 VOCAB = 256
 
@@ -76,17 +105,14 @@ def tiny_config(arch: str, *, tied: bool, layers: int) -> PretrainedConfig:
     if "layer_types" in extra:  # the pattern repeated over the layers
         kinds = extra["layer_types"]
         extra = extra | {"layer_types": [kinds[i % len(kinds)] for i in range(layers)]}
-    extra = {"intermediate_size": 128} | extra
+    sizes = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16, "intermediate_size": 128}  # fmt: skip
     return cls(  # type: ignore[call-arg]
-        hidden_size=64,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
         vocab_size=VOCAB,
         max_position_embeddings=128,
         tie_word_embeddings=tied,
-        **extra,
+        **(sizes | extra),
     )
 
 
@@ -100,6 +126,9 @@ def make_model(
     config = tiny_config(arch, tied=tied, layers=layers)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    for name, buffer in model.named_buffers():
+        if name.endswith("layer_scalar"):  # Gemma 4's: not 1, so that loading it matters
+            buffer.fill_(0.5 + 0.25 * int(name.split(".")[2]))
     path = root / f"{arch}-{'tied' if tied else 'untied'}-{layers}{'-hub' * per_expert}"
     model.save_pretrained(path)
     if hasattr(config, "router_aux_loss_coef") and not per_expert:
@@ -172,7 +201,14 @@ def reference_train(model_dir: Path, data: Path, train: dict[str, Any]) -> Refer
     decay = set(get_parameter_names(model, [nn.LayerNorm], patterns))  # type: ignore[no-untyped-call]
     named = list(model.named_parameters())  # tied weights appear once
     decay &= {n for n, _ in named}  # HF lists the tied lm_head.weight too
-    assert decay == {n for n, p in named if p.ndim >= 2}  # HF's rule is the 1-D rule here
+    # HF's rule is the 1-D rule here but for Qwen3.5's A_log and Gemma 4's router scales, 1-D
+    # tensors HF's names would decay and slidedp (1-D tensors never decay) does not: the
+    # reference takes slidedp's rule there
+    one_d_rule = {n for n, p in named if p.ndim >= 2}
+    assert one_d_rule <= decay
+    one_d_scales = (".A_log", ".router.scale", ".router.per_expert_scale")  # Gemma 4's router
+    assert all(n.endswith(one_d_scales) for n in decay - one_d_rule), decay - one_d_rule
+    decay = one_d_rule
     groups = [
         {"params": [p for n, p in named if n in decay], "weight_decay": train["weight_decay"]},
         {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from engine.test_activations import _layer
+from engine.tiny import tiny_config
+from slidedp.models.hf import HFAdapter
 from slidedp.plan.cost import layer_footprint, layout_memory
 from slidedp.plan.layout import parse_entry, parse_layout
 from slidedp.runtime.activations import LayerRun, executor_for
@@ -32,11 +34,11 @@ def test_the_meta_footprint_is_what_the_executor_keeps_on_a_real_run(text: str) 
 
 
 def test_a_layout_sums_its_layers_and_takes_the_largest_transient() -> None:
-    adapter, x, _, _ = _layer("qwen3")
-    b, s, h = x.shape
+    adapter = HFAdapter(tiny_config("qwen3", tied=False, layers=3))  # a policy per layer
+    b, s, h = 2, 12, adapter.hidden_size
     layers = parse_layout("1xF-r1, 1xN, S1111111", 3, default_ratio=0.0)
     mem = layout_memory(adapter, layers, b, s, torch.float32)
-    fps = [layer_footprint(adapter, p, b, s, torch.float32) for p in layers]
+    fps = [layer_footprint(adapter, p, b, s, torch.float32, i) for i, p in enumerate(layers)]
     assert mem.offloaded_bytes == mem.prefetch_bytes == b * s * h * 4  # the F input alone
     assert mem.retained_bytes == fps[1].retained_bytes + fps[2].retained_bytes
     assert mem.transient_bytes == max(f.transient_bytes for f in fps) == fps[0].transient_bytes

@@ -161,8 +161,8 @@ def predict_report(
         path = config_dir / f"layer-b{run['batch']}-{families}-{ratios}.json"
         layer = probe("layer", profile_args, path)
         offloaded = [
-            layer_footprint(adapter, p, run["batch"], report["seq_len"], dtype).offloaded_bytes
-            for p in policy.layers
+            layer_footprint(adapter, p, run["batch"], report["seq_len"], dtype, i).offloaded_bytes
+            for i, p in enumerate(policy.layers)
         ]
         ranks = Ranks(run.get("world", 1), policy.grad_route, policy.param_route)
         spec = spec_from_shapes(

@@ -1,12 +1,17 @@
-"""Named model shapes for the benchmarks: the Qwen3 dense family, MoE and Gemma 3 models, or
-any HF config.json.
+"""Named model shapes for the benchmarks: the Qwen3 dense family, MoE and Gemma 3 models,
+models whose layers differ (Gemma 4, Qwen3.5-MoE), or any HF config.json.
 
 Values are those of the published config.json files: ``Qwen/Qwen3-*`` (head_dim 128, vocab
 151936, rope_theta 1e6, rms_norm_eps 1e-6, embeddings tied up to 4B), ``Qwen/Qwen3-30B-A3B``,
 ``allenai/OLMoE-1B-7B-0924``, ``mistralai/Mixtral-8x7B-v0.1`` and the text part of
 ``google/gemma-3-12b-pt`` (its RoPE left at the default: rotary scaling does not change a
-step's time). Weights are never downloaded: the benchmarks initialise randomly, which does not
-change the time of a step. ``model_type`` picks the config class (default qwen3).
+step's time). The text parts of two multimodal models: ``google/gemma-4-31B`` (as its model
+card describes the decoder: 60 layers, 5 sliding of head dim 256 to 1 full of 512 with 4
+key/value heads and k = v; 30.7 B parameters) and ``Qwen/Qwen3.5-35B-A3B`` (transformers'
+``Qwen3_5MoeTextConfig`` defaults, documented as that checkpoint's: 3 Gated DeltaNet layers to
+1 full attention, 256 experts top-8 with a shared expert). Weights are never downloaded: the
+benchmarks initialise randomly, which does not change the time of a step. ``model_type``
+picks the config class (default qwen3).
 
 Example::
 
@@ -114,6 +119,44 @@ SHAPES: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 32768,
         "rope_theta": 1_000_000.0,
         "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+    },
+    "gemma4-31b": {
+        "model_type": "gemma4_text",
+        "hidden_size": 5376,
+        "intermediate_size": 21504,
+        "num_hidden_layers": 60,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 16,
+        "head_dim": 256,
+        "global_head_dim": 512,
+        "num_global_key_value_heads": 4,
+        "attention_k_eq_v": True,
+        "sliding_window": 1024,
+        "hidden_size_per_layer_input": 0,
+        "final_logit_softcapping": 30.0,
+        "vocab_size": 262144,
+        "max_position_embeddings": 262144,
+        "tie_word_embeddings": True,
+    },
+    "qwen3.5-35b-a3b": {
+        "model_type": "qwen3_5_moe_text",
+        "hidden_size": 2048,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "router_aux_loss_coef": 0.001,
+        "vocab_size": 248320,
+        "max_position_embeddings": 262144,
         "tie_word_embeddings": False,
     },
     "gemma3-12b": {

@@ -233,6 +233,7 @@ def tensor_plan(path: Path, adapter: HFAdapter) -> list[tuple[Path, StateRegion]
     model (names, shapes, f32; no tensor data read): ``CheckpointError`` when it does not fit,
     ``ValueError`` naming the file when a file is missing or its header unreadable."""
     shapes = adapter.shapes()
+    buffers = adapter.buffers.persistent
     plan: list[tuple[Path, StateRegion]] = []
     for prefix, where, region in _TENSOR_FILES:
         seen: set[str] = set()
@@ -246,6 +247,8 @@ def tensor_plan(path: Path, adapter: HFAdapter) -> list[tuple[Path, StateRegion]
                     f"{file.relative_to(path)} has an unreadable safetensors header ({e})"
                 ) from None
             for name, (got, dtype) in header.items():
+                if region == "master" and got == buffers.get(name):
+                    continue  # a layer's buffer: ``read_buffers`` reads it
                 if name not in shapes or got != shapes[name] or dtype != "F32":
                     here = list(shapes[name]) if name in shapes else "absent"
                     raise CheckpointError(
@@ -272,7 +275,8 @@ def load_tensors(path: Path, adapter: HFAdapter, store: HostStore) -> None:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118
-                    store.param(name, region).copy_(f.get_tensor(name))
+                    if name not in adapter.buffers.persistent:
+                        store.param(name, region).copy_(f.get_tensor(name))
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{file.relative_to(path)} cannot be read ({e})") from None
 

@@ -108,11 +108,14 @@ def write_region(
     prefix: str,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> list[Path]:
-    """One f32 state region (``master``, ``exp_avg``, ``exp_avg_sq``) under the HF names."""
+    """One f32 state region (``master``, ``exp_avg``, ``exp_avg_sq``) under the HF names; the
+    master weights with the decoder layers' persistent buffers (``models.buffers``)."""
     names = [full for _, full in adapter.iter_params()]
-    return write_sharded(
-        out_dir, prefix, ((n, store.param(n, region)) for n in names), max_shard_bytes
-    )
+    tensors = [(n, store.param(n, region)) for n in names]
+    if region == "master":
+        values = adapter.buffers.values
+        tensors += [(n, values[n].contiguous()) for n in adapter.buffers.persistent]
+    return write_sharded(out_dir, prefix, tensors, max_shard_bytes)
 
 
 def copy_tokenizer(source: Path | None, out_dir: Path) -> None:

@@ -54,11 +54,13 @@ _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names
 
 @dataclass(frozen=True)
 class Copy:
-    """One checkpoint tensor, ``name`` in ``file``, and the part of the store it fills."""
+    """One checkpoint tensor, ``name`` (the model's name of it) stored as ``stored`` in
+    ``file``, and the part of the store it fills."""
 
     file: Path
     name: str
     slot: Slot
+    stored: str
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,8 @@ def _slot(
         return None  # the tied head is the embedding; one parameter
     if name.endswith("rotary_emb.inv_freq"):
         return None  # a buffer some old checkpoints carry
+    if name in adapter.buffers.persistent:
+        return None  # a layer's buffer: read by ``read_buffers``
     raise ModelLoadError(
         f"{file.name}: tensor '{name}' is not a parameter of this {adapter.config.model_type} "
         "config; the weights belong to another model (check model.path)"
@@ -157,21 +161,22 @@ def check_weight_files(adapter: HFAdapter, files: list[Path]) -> WeightPlan:
     hub = HubLayout.of(adapter.config.model_type, shapes)
     copies: list[Copy] = []
     for file in files:
-        for name, (shape, dtype) in _headers(file).items():
-            slot = _slot(adapter, shapes, hub, file, name)
-            if slot is None:
+        for stored, (shape, dtype) in _headers(file).items():
+            name = adapter.stored_name(stored)
+            slot = None if name is None else _slot(adapter, shapes, hub, file, name)
+            if name is None or slot is None:
                 continue
             if shape != slot.shape:
                 raise ModelLoadError(
-                    f"{file.name}: '{name}' has shape {shape}, the model's config.json expects "
+                    f"{file.name}: '{stored}' has shape {shape}, the model's config.json expects "
                     f"{slot.shape}; the weights and config.json do not match"
                 )
             if dtype not in _FLOAT_DTYPES:
                 raise ModelLoadError(
-                    f"{file.name}: '{name}' is {dtype}; quantized checkpoints are not supported "
+                    f"{file.name}: '{stored}' is {dtype}; quantized checkpoints are not supported "
                     "(use the unquantized model)"
                 )
-            copies.append(Copy(file, name, slot))
+            copies.append(Copy(file, name, slot, stored))
     _check_layouts(copies, hub)
     per_expert = hub is not None and any(hub.is_expert(c.name) for c in copies)
     missing = _missing(shapes, copies, hub, per_expert)
@@ -195,8 +200,29 @@ def load_weights(adapter: HFAdapter, store: HostStore, files: list[Path]) -> Wei
     for file, copies in by_file.items():
         with safe_open(str(file), framework="pt") as f:
             for c in copies:
-                c.slot.view(store.param(c.slot.target)).copy_(f.get_tensor(c.name))
+                c.slot.view(store.param(c.slot.target)).copy_(f.get_tensor(c.stored))
     return plan
+
+
+def read_buffers(adapter: HFAdapter, files: list[Path]) -> None:
+    """The decoder layers' persistent buffers that ``files`` (a model's or a checkpoint's
+    weights) carry into ``adapter.buffers`` (``models.buffers``); the others keep their
+    ``_init_weights`` value. Every rank reads them: they are not in the shared store."""
+    wanted = adapter.buffers.persistent
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for stored in f.keys():  # noqa: SIM118 (not a mapping)
+                name = adapter.stored_name(stored)
+                if name not in wanted:
+                    continue
+                value = f.get_tensor(stored)
+                if tuple(value.shape) != wanted[name]:
+                    raise ModelLoadError(
+                        f"{file.name}: '{stored}' has shape {tuple(value.shape)}, the model's "
+                        f"config.json expects {wanted[name]}; the weights and config.json do "
+                        "not match"
+                    )
+                adapter.buffers.set(name, value)
 
 
 def _init_module(adapter: HFAdapter, module: nn.Module) -> None:

@@ -1,12 +1,14 @@
 """The hub's per-expert layout of mixture-of-experts checkpoints, mapped onto the model's fused
 expert parameters.
 
-transformers 5 builds the Qwen3-MoE, Mixtral and OLMoE layers with each layer's experts fused
-into two parameters, ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj``
-[E, H, I], which is what the store holds and what ``slidedp export`` writes. Checkpoints on the
-hub, and transformers' own ``save_pretrained``, keep one tensor per expert and projection::
+transformers 5 builds the Qwen3-MoE, Qwen3.5-MoE, Mixtral and OLMoE layers with each layer's
+experts fused into two parameters, ``mlp.experts.gate_up_proj`` [E, 2I, H] and
+``mlp.experts.down_proj`` [E, H, I], which is what the store holds and what ``slidedp export``
+writes. Checkpoints on the hub, and transformers' own ``save_pretrained``, keep one tensor per
+expert and projection (Gemma 4's experts stay fused: transformers converts none)::
 
-    qwen3_moe, olmoe  model.layers.N.mlp.experts.E.{gate_proj,up_proj,down_proj}.weight
+    qwen3_moe, olmoe, model.layers.N.mlp.experts.E.{gate_proj,up_proj,down_proj}.weight
+    qwen3_5_moe_text
     mixtral           model.layers.N.block_sparse_moe.experts.E.{w1,w3,w2}.weight
                       model.layers.N.block_sparse_moe.gate.weight  (the router, mlp.gate.weight)
 
@@ -50,6 +52,7 @@ class HubNames:
 
 HUB_NAMES = {
     "qwen3_moe": HubNames("mlp", "gate_proj", "up_proj", "down_proj"),
+    "qwen3_5_moe_text": HubNames("mlp", "gate_proj", "up_proj", "down_proj"),
     "olmoe": HubNames("mlp", "gate_proj", "up_proj", "down_proj"),
     "mixtral": HubNames("block_sparse_moe", "w1", "w3", "w2"),
 }

@@ -123,10 +123,10 @@ def resolve_compute(
         raise ConfigError(f"runtime.kernels=liger cannot run here: {blocker}; use auto or eager")
     chosen: Literal["eager", "liger"] = "liger" if kernels != "eager" and not blocker else "eager"
     reason = blocker if kernels == "auto" else ""
-    if compile is None:  # the dense layers measured; an MoE routes by data (graph breaks)
-        from slidedp.models.hf import MOE_MODEL_TYPES  # hf imports this module
-
-        compile = device.type == "cuda" and chosen == "eager" and model_type not in MOE_MODEL_TYPES
+    if compile is None:  # the dense layers measured; an MoE routes by data (graph breaks);
+        # layers of several kinds would each compile a graph of their own (not measured)
+        one_kind = len(set(adapter.layer_kinds)) == 1
+        compile = device.type == "cuda" and chosen == "eager" and one_kind and not adapter.moe
     if compile and chosen == "liger" and device.type == "cuda":
         # inductor takes Liger's Triton RMSNorm for a kernel that mutates every input: 200 bf16
         # steps drift 1.7e-2 from FSDP2 (BENCHMARKS.md, issue #22's compiled layers' parity)

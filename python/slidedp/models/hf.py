@@ -24,9 +24,14 @@ from typing import Any, cast
 import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_recurrent_attention_mask,
+    create_sliding_window_causal_mask,
+)
 
 from slidedp.errors import ModelLoadError
+from slidedp.models.buffers import LayerBuffers, bind_buffers
 from slidedp.models.fast import Compute, call_layer
 from slidedp.models.loss import chunked_lm_loss
 from slidedp.models.router_loss import RouterLoss
@@ -34,8 +39,8 @@ from slidedp.store import GroupSpec, ParamSpec
 
 # the decoder layer Llama's way (segment checkpointing cuts it: runtime.activations.segments)
 SEGMENTABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen3_moe")
-SUPPORTED_MODEL_TYPES = (*SEGMENTABLE_MODEL_TYPES, "gemma3_text", *MOE_MODEL_TYPES)
+MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen3_moe", "qwen3_5_moe_text")
+SUPPORTED_MODEL_TYPES = (*SEGMENTABLE_MODEL_TYPES, "gemma3_text", "gemma4_text", *MOE_MODEL_TYPES)
 # sizes a config.json may get wrong without a type error (a negative size fails deep in torch)
 _SIZE_FIELDS = (
     "vocab_size",
@@ -49,6 +54,16 @@ _SIZE_FIELDS = (
 EMBED = "model.embed_tokens.weight"
 NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
+
+
+def config_values(config: PretrainedConfig, field: str) -> list[Any]:
+    """``config``'s ``field``: ``[value]``, or each layer's where the config keeps it per layer
+    (transformers' heterogeneous configs, e.g. Gemma 4's ``head_dim``, refuse a global read)."""
+    spec = config.__dict__.get("_heterogeneity_spec")
+    if spec is not None and field in spec.per_layer_attributes:
+        layers = range(int(config.num_hidden_layers))
+        return [getattr(config.per_layer_config[i], field, None) for i in layers]
+    return [getattr(config, field, None)]
 
 
 def bind_params(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -94,10 +109,52 @@ class GroupNames:
     params: tuple[tuple[str, str], ...]  # (full name, name local to the group's module)
 
 
+# the multimodal models whose text model slidedp trains: their language model's weights
+MULTIMODAL_TEXT_PREFIX = {"gemma4": "model.language_model.", "qwen3_5_moe": "model.language_model."}
+
+
+def text_part(config: PretrainedConfig) -> tuple[PretrainedConfig, str]:
+    """``(the text model's config, the prefix of its weights' names in the checkpoint)``: of a
+    multimodal model, its ``text_config`` (tied as the multimodal model ties its LM head, by
+    the top-level ``tie_word_embeddings``) and ``model.language_model.``; else
+    ``(config, "")``."""
+    prefix = MULTIMODAL_TEXT_PREFIX.get(config.model_type)
+    if prefix is None:
+        return config, ""
+    text = config.get_text_config()
+    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+    return text, prefix
+
+
+def refuse_unstreamable(config: PretrainedConfig) -> None:
+    """A config whose layers cannot be streamed one at a time: ModelLoadError naming the
+    feature and its config key."""
+    per_layer_input = getattr(config, "hidden_size_per_layer_input", 0) or 0
+    if per_layer_input:
+        raise ModelLoadError(
+            f"model type '{config.model_type}' with per-layer input embeddings "
+            f"(hidden_size_per_layer_input={per_layer_input}): they are computed outside the "
+            "decoder layers from a second embedding table, which slidedp does not stream; "
+            "not supported"
+        )
+    shared = getattr(config, "num_kv_shared_layers", 0) or 0
+    if shared:
+        raise ModelLoadError(
+            f"model type '{config.model_type}' with keys and values shared across layers "
+            f"(num_kv_shared_layers={shared}): a layer would read another layer's attention "
+            "state, which slidedp's one-layer-at-a-time recompute cannot keep; not supported"
+        )
+
+
 class HFAdapter:
     """Layer discovery, tied weights, rotary embeddings and masks of one HF causal LM."""
 
     def __init__(self, config: PretrainedConfig, path: Path | None = None) -> None:
+        self.multimodal: str | None = (
+            config.model_type if config.model_type in MULTIMODAL_TEXT_PREFIX else None
+        )
+        config, self.weight_prefix = text_part(config)
+        refuse_unstreamable(config)
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ModelLoadError(
                 f"model type '{config.model_type}' is not supported "
@@ -120,6 +177,10 @@ class HFAdapter:
         self.vocab_size = int(self.base.embed_tokens.num_embeddings)
         self.hidden_size = int(self.base.embed_tokens.embedding_dim)
         self.segmentable = config.model_type in SEGMENTABLE_MODEL_TYPES
+        # experts in the layers (Gemma 4's beside its MLP where enable_moe_block is set)
+        self.moe = config.model_type in MOE_MODEL_TYPES or bool(
+            getattr(config, "enable_moe_block", False)
+        )
         self.softcap: float | None = getattr(self.config, "final_logit_softcapping", None)
         # the decoder layer's own keyword arguments (they differ: Gemma's take no use_cache)
         self._layer_args = set(inspect.signature(type(self.base.layers[0]).forward).parameters)
@@ -137,15 +198,17 @@ class HFAdapter:
             self._routers = [[m for m in layer.modules() if isinstance(m, self.router_loss.router)]
                              for layer in self.base.layers]  # fmt: skip
         self.groups = self._groups()
+        self.buffers = LayerBuffers.of(skeleton, self.base.layers)  # Gemma 4's layer_scalar
+        self.layer_kinds = self._layer_kinds()
         # how a decoder layer module is called: eager, or compiled (models.fast.apply_compute)
         self.layer_call: Callable[[nn.Module, torch.Tensor, dict[str, Any]], Any] = call_layer
         self.compute: Compute | None = None  # what apply_compute patched in (None: not yet)
 
     @classmethod
     def from_dir(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> HFAdapter:
-        """The model of ``path/config.json`` with ``overrides`` (``ModelSection.
-        config_overrides``: ``rope_scaling``, ``max_position_embeddings``,
-        ``output_router_logits``) applied to its config first."""
+        """The model of ``path/config.json`` (of a multimodal model, its text model) with
+        ``overrides`` (``ModelSection.config_overrides``: ``rope_scaling``,
+        ``max_position_embeddings``, ``output_router_logits``) applied to its config first."""
         path = Path(path)
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} has no config.json (expected an HF model directory)")
@@ -156,18 +219,19 @@ class HFAdapter:
             raise ModelLoadError(
                 f"cannot read {path}/config.json: {what}; fix the file or re-download the model"
             ) from None
+        text = config.get_text_config()  # a multimodal model's text_config, else config
         try:
-            apply_overrides(config, overrides or {})
+            apply_overrides(text, overrides or {})
         except Exception as e:  # transformers' checks of the rope parameters
             what = " ".join(str(e).split()) or type(e).__name__
             raise ModelLoadError(f"model overrides {overrides} do not apply: {what}") from None
         for field in _SIZE_FIELDS:
-            value = getattr(config, field, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value < 1:
-                raise ModelLoadError(
-                    f"{path}/config.json: '{field}' is {value}, it must be >= 1; fix the field "
-                    "or re-download the model"
-                )
+            for value in config_values(text, field):
+                if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+                    raise ModelLoadError(
+                        f"{path}/config.json: '{field}' is {value}, it must be >= 1; fix the "
+                        "field or re-download the model"
+                    )
         try:
             return cls(config, path)
         except ModelLoadError:
@@ -189,6 +253,27 @@ class HFAdapter:
         head = [(NORM, "weight")] + ([] if self.tied else [(LM_HEAD, "weight")])
         groups.append(GroupNames("head", tuple(head)))
         return groups
+
+    def _layer_kinds(self) -> list[int]:
+        """Per decoder layer, the first layer of its kind: the same module class with the same
+        parameters (names and shapes). Layers of a kind cost the same; a model may mix kinds
+        (Gemma 4's full-attention layers are wider, Qwen3.5's linear-attention layers hold
+        other parameters, Qwen3-MoE's ``mlp_only_layers`` are dense)."""
+        first: dict[tuple[Any, ...], int] = {}
+        kinds = []
+        for i, layer in enumerate(self.base.layers):
+            params = tuple((n, tuple(p.shape)) for n, p in layer.named_parameters())
+            kinds.append(first.setdefault((type(layer).__name__, params), i))
+        return kinds
+
+    def stored_name(self, name: str) -> str | None:
+        """A checkpoint tensor's name as a name of the model (None: not the text model's,
+        e.g. a multimodal model's vision tower, skipped)."""
+        if not self.weight_prefix or name == LM_HEAD:
+            return name
+        if name.startswith(self.weight_prefix):
+            return "model." + name.removeprefix(self.weight_prefix)
+        return None
 
     @property
     def embed_group(self) -> int:
@@ -233,6 +318,7 @@ class HFAdapter:
         ``eager``: call the module itself even when layers are compiled (``layer_call``)."""
         module = self.layer_module(layer)
         bind_params(module, params)
+        bind_buffers(module, self.buffers.on(layer, x.device, x.dtype))
         kwargs = {
             "attention_mask": ctx["masks"][layer],
             "position_ids": ctx["position_ids"],
@@ -347,7 +433,8 @@ class HFAdapter:
     ) -> list[Any]:
         """The attention mask of each decoder layer, built by transformers' own mask functions
         with the same rule as the model's forward (per ``layer_types``, else Mistral-style
-        sliding window when ``config.sliding_window`` is set, else causal)."""
+        sliding window when ``config.sliding_window`` is set, else causal); a linear-attention
+        layer's is the [B, S] padding mask (None unpadded), which zeroes padded states."""
         kwargs: dict[str, Any] = {
             "config": self.config,
             "inputs_embeds": inputs_embeds,
@@ -360,9 +447,10 @@ class HFAdapter:
             sliding = getattr(self.config, "sliding_window", None) is not None
             kind = "sliding_attention" if sliding else "full_attention"
             layer_types = [kind] * self.num_layers
-        makers = {
+        makers: dict[str, Callable[..., Any]] = {
             "full_attention": create_causal_mask,
             "sliding_attention": create_sliding_window_causal_mask,
+            "linear_attention": create_recurrent_attention_mask,
         }
         masks: dict[str, Any] = {}
         for kind in set(layer_types):

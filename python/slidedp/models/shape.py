@@ -1,11 +1,13 @@
 """Per-layer shapes of a decoder-only LM: what FLOPs, the cost model and the executors share.
 
 ``LayerShape`` is read from transformers' own modules built on the meta device (no weight
-allocated), so it follows the architecture, not a formula per model family: the hidden size,
-the MLP width, the attention widths, the key length a query attends to at a sequence length
-(``S``, or the window of a sliding-attention layer), and the parameters — all of them and the
-ones a token uses (equal for dense layers; a mixture-of-experts layer uses ``top_k`` of its
-``experts``), with the matmul weights among them (the ``nn.Linear`` weights that FLOPs count).
+allocated), so it follows the architecture, not a formula per model family, and each layer
+from its own module (layers differ: Gemma 4's full-attention layers have wider heads,
+Qwen3.5's linear-attention layers no softmax attention): the hidden size, the attention
+widths, the key length a query attends to at a sequence length (``S``, or the window of a
+sliding-attention layer), and the parameters — all of them and the ones a token uses (equal
+for dense layers; a mixture-of-experts layer uses ``top_k`` of its ``experts``), with the
+matmul weights among them (the ``nn.Linear`` weights that FLOPs count).
 
 Example::
 
@@ -25,8 +27,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 @dataclass(frozen=True)
 class LayerShape:
     hidden: int
-    ffn: int  # the MLP's intermediate size (per expert)
-    q_dim: int  # attention heads x head_dim
+    q_dim: int  # attention heads x head_dim (0: no softmax attention, a linear-attention layer)
     kv_dim: int  # key/value heads x head_dim
     attended: int  # keys a query sees before the causal half: S, or min(S, window)
     params: int  # every parameter of the layer
@@ -36,9 +37,15 @@ class LayerShape:
     top_k: int = 1
 
 
-def _head_dim(config: PretrainedConfig) -> int:
-    heads = int(config.num_attention_heads)
-    return int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+def _attention_dims(layer: nn.Module, config: PretrainedConfig) -> tuple[int, int]:
+    """``(q_dim, kv_dim)`` of the layer's softmax attention (``self_attn``; its own head
+    dimension and key/value groups), ``(0, 0)`` for a layer without one. A linear-attention
+    layer's cost grows with ``S`` only through its matmuls, which ``matmul_params`` counts."""
+    attention = getattr(layer, "self_attn", None)
+    if attention is None:
+        return 0, 0
+    q_dim = int(config.num_attention_heads) * int(attention.head_dim)
+    return q_dim, q_dim // int(getattr(attention, "num_key_value_groups", 1))
 
 
 def attended_lengths(config: PretrainedConfig, seq_len: int) -> list[int]:
@@ -59,12 +66,10 @@ def layer_shapes(config: PretrainedConfig, seq_len: int) -> list[LayerShape]:
     """One ``LayerShape`` per decoder layer of ``config`` at ``seq_len`` tokens."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
-    head_dim = _head_dim(config)
-    q_dim = int(config.num_attention_heads) * head_dim
-    kv_dim = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-    kv_dim *= head_dim
     shapes = []
-    top_k = int(getattr(config, "num_experts_per_tok", None) or 1)
+    top_k = int(
+        getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k_experts", None) or 1
+    )
     for layer, attended in zip(model.model.layers, attended_lengths(config, seq_len), strict=True):
         params = sum(p.numel() for p in layer.parameters())
         matmul = sum(m.weight.numel() for m in layer.modules() if isinstance(m, nn.Linear))
@@ -73,10 +78,10 @@ def layer_shapes(config: PretrainedConfig, seq_len: int) -> list[LayerShape]:
         experts = max((int(m.num_experts) for m in stacks), default=1)
         expert_params = sum(p.numel() for m in stacks for p in m.parameters())
         active = expert_params * min(top_k, experts) // experts
+        q_dim, kv_dim = _attention_dims(layer, config)
         shapes.append(
             LayerShape(
                 hidden=int(config.hidden_size),
-                ffn=int(config.intermediate_size),
                 q_dim=q_dim,
                 kv_dim=kv_dim,
                 attended=attended,

@@ -89,7 +89,7 @@ class _FlashOnMeta(TorchFunctionMode):
         return out[0]
 
 
-def _meta_run(adapter: HFAdapter, batch: int, seq_len: int, dtype: torch.dtype) -> Any:
+def _meta_run(adapter: HFAdapter, layer: int, batch: int, seq_len: int, dtype: torch.dtype) -> Any:
     from slidedp.runtime.activations import LayerRun
 
     x = torch.empty(batch, seq_len, adapter.hidden_size, device=META, dtype=dtype)
@@ -100,12 +100,12 @@ def _meta_run(adapter: HFAdapter, batch: int, seq_len: int, dtype: torch.dtype) 
         "position_embeddings": [(cos.to(dtype), sin.to(dtype)) for cos, sin in rotary],
         "masks": [None] * adapter.num_layers,  # causal, unpadded: the kernels' own mask
     }
-    group = adapter.groups[adapter.layer_group(0)]
+    group = adapter.groups[adapter.layer_group(layer)]
     shapes = adapter.shapes()
     params = {
         local: torch.empty(shapes[full], device=META, dtype=dtype) for full, local in group.params
     }
-    return LayerRun(adapter, 0, params, ctx), x
+    return LayerRun(adapter, layer, params, ctx), x
 
 
 def _saved_by_grad_run(run: Any, params: dict[str, torch.Tensor], fn: Any) -> int:
@@ -147,15 +147,32 @@ def _replay_bytes(policy: LayerPolicy, run: Any, x: torch.Tensor) -> int:
     return worst
 
 
-@functools.cache
 def layer_footprint(
-    adapter: HFAdapter, policy: LayerPolicy, batch: int, seq_len: int, dtype: torch.dtype
+    adapter: HFAdapter,
+    policy: LayerPolicy,
+    batch: int,
+    seq_len: int,
+    dtype: torch.dtype,
+    layer: int = 0,
 ) -> LayerFootprint:
-    """One decoder layer's memory under ``policy`` for ``batch`` rows of ``seq_len`` tokens."""
+    """Decoder layer ``layer``'s memory under ``policy`` for ``batch`` rows of ``seq_len``
+    tokens (measured once per kind of layer: ``HFAdapter.layer_kinds``)."""
+    return _kind_footprint(adapter, policy, batch, seq_len, dtype, adapter.layer_kinds[layer])
+
+
+@functools.cache
+def _kind_footprint(
+    adapter: HFAdapter,
+    policy: LayerPolicy,
+    batch: int,
+    seq_len: int,
+    dtype: torch.dtype,
+    layer: int,
+) -> LayerFootprint:
     from slidedp.runtime.activations import executor_for
 
     with _FlashOnMeta():
-        run, x = _meta_run(adapter, batch, seq_len, dtype)
+        run, x = _meta_run(adapter, layer, batch, seq_len, dtype)
         _, state = executor_for(policy, measure=True).forward(run, x)
         replay = _replay_bytes(policy, run, x)
     return LayerFootprint(policy, tuple(state.saved_bytes()), state.retained_bytes, replay)
@@ -180,7 +197,7 @@ def layout_memory(
     seq_len: int,
     dtype: torch.dtype,
 ) -> LayoutMemory:
-    fps = [layer_footprint(adapter, p, batch, seq_len, dtype) for p in layers]
+    fps = [layer_footprint(adapter, p, batch, seq_len, dtype, i) for i, p in enumerate(layers)]
     return LayoutMemory(
         retained_bytes=sum(f.retained_bytes for f in fps),
         offloaded_bytes=sum(f.offloaded_bytes for f in fps),

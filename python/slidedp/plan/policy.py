@@ -183,8 +183,6 @@ def check_layout_fits(layers: tuple[LayerPolicy, ...], adapter: HFAdapter) -> No
     """Segment checkpointing (``S<mask>``) cuts the dense Llama-style layer only; ``SAC.noact``
     would cache the buffers a mixture-of-experts layer fills in place (its router's top-k,
     its experts' output), which torch's selective checkpointing refuses."""
-    from slidedp.models.hf import MOE_MODEL_TYPES  # here: the CLI imports this module for --help
-
     model_type = adapter.config.model_type
     for i, policy in enumerate(layers):
         if policy.family == "S" and not adapter.segmentable:
@@ -193,7 +191,7 @@ def check_layout_fits(layers: tuple[LayerPolicy, ...], adapter: HFAdapter) -> No
                 f"only the dense llama/mistral/qwen2/qwen3 layer, not a {model_type} layer: "
                 "use F, SAC or N there"
             )
-        if policy.family == "SAC" and policy.arg == "noact" and model_type in MOE_MODEL_TYPES:
+        if policy.family == "SAC" and policy.arg == "noact" and adapter.moe:
             raise ConfigError(
                 f"runtime.layers: layer {i} is SAC.noact, which would cache the buffers a "
                 f"{model_type} layer updates in place: use SAC.mm, SAC.attn, F or N there"

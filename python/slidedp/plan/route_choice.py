@@ -143,8 +143,8 @@ def route_steps(
         mirror = resolve_mirror(on_route, adapter, machine)
         device = torch.device("cuda")
         policy = resolve_policy(on_route.runtime, adapter, mirror=mirror, device=device)
-        offloaded = [layer_footprint(adapter, p, rows, seq, dtype).offloaded_bytes
-                     for p in policy.layers]  # fmt: skip
+        offloaded = [layer_footprint(adapter, p, rows, seq, dtype, i).offloaded_bytes
+                     for i, p in enumerate(policy.layers)]  # fmt: skip
         spec = spec_from_shapes(
             adapter,
             policy,

@@ -114,9 +114,11 @@ def activation_budget(
 
 
 def host_update_s_per_layer(adapter: HFAdapter, gbps: float) -> float:
-    """One decoder layer's host AdamW pass at ``gbps`` (the kernel's measured bandwidth)."""
-    params = sum(p.numel() for p in adapter.layer_module(0).parameters())
-    return ADAMW_BYTES_PER_PARAM * params / (gbps * 1e9)
+    """A decoder layer's host AdamW pass at ``gbps`` (the kernel's measured bandwidth), the
+    mean over the layers: the program counts it once per layer."""
+    layers = range(adapter.num_layers)
+    params = sum(p.numel() for i in layers for p in adapter.layer_module(i).parameters())
+    return ADAMW_BYTES_PER_PARAM * params / adapter.num_layers / (gbps * 1e9)
 
 
 def host_update_s_tail(adapter: HFAdapter, gbps: float) -> float:

@@ -285,6 +285,14 @@ def cached_profile(args: argparse.Namespace) -> dict[str, Any] | None:
 def profile_layer(args: argparse.Namespace) -> dict[str, Any]:
     prof = _profiled(args)
     adapter, device, dtype = prof.adapter, prof.device, prof.dtype
+    kinds = sorted(set(adapter.layer_kinds))
+    if len(kinds) > 1:
+        raise ConfigError(
+            f"the layer profile measures one decoder layer for all, and this "
+            f"{adapter.config.model_type}'s layers are of {len(kinds)} kinds (like layers "
+            f"{', '.join(map(str, kinds))}: other parameters); set runtime.layers by hand "
+            "(slidedp plan and runtime.policy: auto need one kind of layer)"
+        )
     batch, seq_len = args.batch, args.seq_len
     if not args.force and (report := _read_cache(prof.cache)) is not None:
         return report

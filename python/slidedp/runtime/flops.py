@@ -14,7 +14,10 @@ forward)::
 - attention: per layer and token, ``Q·Kᵀ`` and ``P·V`` are each ``2 * S * d_attn`` forward FLOPs
   over the full ``S x S`` score matrix (``d_attn = num_attention_heads * head_dim``), so
   ``12 * S * d_attn`` for training; a causal mask needs half of it, and we count that half
-  (``6 * S * d_attn``). A sliding-window layer uses ``S_eff = min(S, sliding_window)``.
+  (``6 * S * d_attn``). A sliding-window layer uses ``S_eff = min(S, sliding_window)``;
+  each layer its own head dimension (Gemma 4's full-attention layers are wider), and a
+  linear-attention layer (Qwen3.5's Gated DeltaNet) none: ``d_attn = 0``, its cost is linear
+  in ``S`` through its matmuls, counted in ``N_matmul``.
 - not counted: checkpoint recomputation (a second forward), the optimizer, transfers, softmax
   and elementwise work. MFU = model FLOP/s / measured peak, so recomputation lowers MFU.
 

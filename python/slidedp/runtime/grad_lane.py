@@ -156,11 +156,18 @@ class GradLane:
                            norm=norm if i == 0 else None)  # fmt: skip
             self._sent += 1
             with on_stream(self.stream), self.clock.stream("d2h", self.stream):
+                # the gaps (alignment padding after a parameter whose size is not a multiple
+                # of 16) are zeroed: the cpu route sums and squares whole chunks, and a slot's
+                # gaps hold values of the chunk it carried before
+                end = 0
                 for p, lo, hi in pieces(params, "state_offset", g["state_offset"], start, length):
                     src = ticket.grads[p["name"]].view(-1)[lo:hi]
                     at = p["state_offset"] - g["state_offset"] + lo - start
+                    slot[end:at].zero_()
                     slot[at : at + hi - lo].copy_(src, non_blocking=self.stream is not None)
                     chunk.keep.append(src)
+                    end = at + hi - lo
+                slot[end:length].zero_()
                 if self.stream is not None:
                     chunk.done = new_event()
                     chunk.done.record(self.stream)

@@ -30,7 +30,7 @@ from slidedp.data.build import run_batches
 from slidedp.errors import NonFiniteError, TrainingInterruptedError
 from slidedp.estimate import Machine, resolve_mirror
 from slidedp.io.checkpoint import Progress, export_checkpoint, restore_rng, save_checkpoint
-from slidedp.io.hf_load import fill_master
+from slidedp.io.hf_load import fill_master, read_buffers, weight_files
 from slidedp.io.resume import load_resume_point, plan_resume
 from slidedp.kernels import Kernels, default_threads
 from slidedp.models.hf import HFAdapter
@@ -94,6 +94,8 @@ class Trainer:
             self.store = self.ctx.share_store(create)
             signals = signal_specs(local_world, rt.grad_slots)
             self.signals = self.ctx.share_store(lambda: HostStore.create(signals, 0))
+        weights = self.resume.path if self.resume is not None else self.adapter.path
+        read_buffers(self.adapter, weight_files(weights) if weights is not None else [])
         # reads and checks all the data before any GPU work
         self.data = run_batches(cfg, self.adapter.config, self.adapter.vocab_size)
         self.lr_at = lr_schedule(tc.lr_scheduler, tc.learning_rate, tc.warmup_steps, tc.max_steps)
