@@ -210,16 +210,7 @@ def _why_not_validated(args: argparse.Namespace, cfg: Any, choice: Choice) -> st
 def _validation_summary(validation: Validation | None, why: str | None) -> dict[str, Any]:
     if validation is None:
         return {"skipped": why}
-    return {
-        "steps": validation.steps,
-        "default": dataclasses.asdict(validation.default),
-        "trials": [dataclasses.asdict(t) for t in validation.trials],
-        "budget_cuts_bytes": list(validation.cuts_bytes),
-        "limit_bytes": validation.limit_bytes,
-        "winner": "default" if validation.choice is None else "chosen",
-        "speedup": validation.speedup(),
-        "said": validation.describe(),
-    }
+    return validation.summary()
 
 
 def _kept(s: dict[str, Any]) -> str:
