@@ -5,6 +5,7 @@ and rewritten; ``runtime.policy_force`` selects again; a refused run caches noth
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import yaml
 
 from engine.tiny import read_metrics
 from host_profile.fake import cache_rate
-from plan.test_validate import ALL_F, CHOICE, FakeTrials, _config, _report
+from plan.test_validate import ALL_F, CHOICE, GIB, FakeTrials, _config, _report
 from slidedp import estimate
 from slidedp.cli import main
 from slidedp.config import TrainConfig, load_config
@@ -197,3 +198,38 @@ def test_a_resumed_run_keeps_its_checkpoints_layout_over_the_cache(
     assert main(["train", str(path), "train.max_steps=3", "train.resume=auto"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("policy   auto"))
     assert line.startswith(f"policy   auto: {CHOICE}, 0 GPU-resident (kept from checkpoint-2)")
+
+
+def test_auto_takes_the_choice_slidedp_plan_made_for_the_same_run(
+    run: tuple[Path, Path, FakeTrials], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plan for this machine's GPU (its size faked here) from cached measurements is kept in
+    the selection cache; ``auto`` of the same run then selects nothing."""
+    from slidedp.plan import command
+
+    path, cache, trials = run
+    probe = Machine.probe
+
+    def with_gpu(cfg: TrainConfig, *args: Any, **kwargs: Any) -> Machine:
+        return dataclasses.replace(probe(cfg, *args, **kwargs), gpu_total_bytes=80 * GIB)
+
+    monkeypatch.setattr(Machine, "probe", with_gpu)
+    monkeypatch.setattr(command, "profile_layer", _profile_here)
+    policy = tmp_path / "policy.yaml"
+    assert main(["plan", str(path), "--out", str(policy)]) == 0
+    assert len(trials.ran) == 2
+    (stored,) = cache.glob("selection-*.json")
+    summary = json.loads(policy.with_suffix(".json").read_text())
+    _no_selection(monkeypatch)
+    chosen, line = _resolve(path)
+    assert (chosen.runtime.layers, chosen.runtime.resident_layers) == (
+        summary["layout"],
+        summary["resident_layers"],
+    )
+    assert line.startswith(f"policy   auto: {summary['layout']}, ")
+    assert ", chosen by `slidedp plan`; validated (3 steps each): " in line
+    assert f"; from the cache {stored} (selected " in line
+    # another GPU's plan (--gpu-memory) is not this machine's selection: nothing cached
+    stored.unlink()
+    assert main(["plan", str(path), "--out", str(policy), "--gpu-memory", "40"]) == 0
+    assert not list(cache.glob("selection-*.json"))

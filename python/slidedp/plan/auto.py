@@ -17,12 +17,12 @@ default layout and say that ``train`` will choose, and a cached host rate or els
 ``estimate.ADAMW_GBPS``'s; they show the solver's choice, unvalidated. A resumed run keeps the
 layout and routes its checkpoint ran with.
 
-``train`` (and the bench) keeps each selection it makes in the selection cache
-(``plan.selection_cache``), keyed by the cached measurements and the run's terms: a later run
-whose key matches takes the choice from there (its banner line says so, with the file and the
-original selection time) and runs no profile, probe, solve nor trial; ``runtime.policy_force:
-true`` selects again. ``validate`` and ``estimate`` do not read it (they show the solver's
-choice).
+``train`` (the bench, and ``slidedp plan`` for this GPU) keeps each selection it makes in the
+selection cache (``plan.selection_cache``), keyed by the cached measurements and the run's
+terms: a later run whose key matches takes the choice from there (its banner line says so,
+with the file and the original selection time) and runs no profile, probe, solve nor trial;
+``runtime.policy_force: true`` selects again. ``validate`` and ``estimate`` do not read it
+(they show the solver's choice).
 
 Several GPUs of one host (``runtime.gpus: N``): ``slidedp train``'s launcher chooses once,
 before it starts the ranks, and passes the choice to them as overrides (``chosen_overrides``);
@@ -246,10 +246,11 @@ def resolve_auto(
     # GPU-resident layers where there is one GPU (on CPU they would move nothing; several ranks
     # refuse them: their gradients are not reduced across ranks)
     resident = machine.gpu_total_bytes is not None and not several
-    facts = _cached_facts(default, adapter, machine, resident=resident, routes=candidates)
-    if measure and facts is not None and not rt.policy_force:  # validate, estimate: never
-        hit = read_selection(facts, layers=adapter.num_layers, routes=candidates, say=_say)
-        if hit is not None:
+    if measure and not rt.policy_force:  # validate and estimate show the solver's choice
+        facts = selection_key(default, adapter, machine, resident=resident, routes=candidates)
+        hit = facts and read_selection(facts, layers=adapter.num_layers, routes=candidates,
+                                       say=_say)  # fmt: skip
+        if hit:
             return _from_cache(default, *hit)
     measuring, clock = measure, Clock(say=_say_stage if measure else None)
     measured_s = None
@@ -307,22 +308,29 @@ def resolve_auto(
     line += f"; {_validated(validation, choice, steps, several=several, measuring=measuring)}"
     if measuring:  # from a cache alone (validate, estimate) the seconds say nothing
         line += f"; {_selection(clock, validation)}"
-        _store(default, chosen, adapter, machine, line, clock, validation,
-               resident=resident, routes=candidates)  # fmt: skip
+        store_selection(default, chosen, adapter, machine, line, clock, validation,
+                        resident=resident, routes=candidates)  # fmt: skip
     return chosen, line
 
 
-def _cached_facts(
-    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, *, resident: bool, routes: list[Route]
+def selection_key(
+    cfg: TrainConfig,
+    adapter: HFAdapter,
+    machine: Machine,
+    *,
+    resident: bool,
+    routes: list[Route],
+    profile: argparse.Namespace | None = None,
 ) -> dict[str, Any] | None:
     """The selection cache's key for ``cfg`` from the cached measurements (None: the layer
-    profile or the host probe is not cached, so a selection measures)."""
+    profile of ``profile``, default ``profile_args(cfg)``, or the host probe is not cached, so
+    a selection measures)."""
     from slidedp.estimate import update_threads
     from slidedp.plan.measure import layer_numel
     from slidedp.profile.host import cached_host
     from slidedp.profile.links import cached_links
 
-    report = cached_profile(profile_args(cfg))
+    report = cached_profile(profile or profile_args(cfg))
     gpu = machine.gpu_name if machine.device == "cuda" else None
     host = cached_host(update_threads(cfg, machine), gpu)
     if report is None or host is None:
@@ -341,7 +349,7 @@ def _from_cache(cfg: TrainConfig, found: Selection, path: Path) -> tuple[TrainCo
     return chosen, found.hit_line(path)
 
 
-def _store(
+def store_selection(
     cfg: TrainConfig,
     chosen: TrainConfig,
     adapter: HFAdapter,
@@ -352,10 +360,13 @@ def _store(
     *,
     resident: bool,
     routes: list[Route],
+    profile: argparse.Namespace | None = None,
 ) -> None:
-    """``chosen`` cached under ``cfg``'s key, of the measurements it rests on (as cached now);
-    a cache that cannot be written is said in one line, and the run goes on."""
-    facts = _cached_facts(cfg, adapter, machine, resident=resident, routes=routes)
+    """``chosen`` cached under ``cfg``'s key, of the measurements it rests on (as cached now;
+    ``profile``: as ``selection_key``); a cache that cannot be written is said in one line, and
+    the run goes on."""
+    facts = selection_key(cfg, adapter, machine, resident=resident, routes=routes,
+                          profile=profile)  # fmt: skip
     if facts is None:  # a measurement not in the cache (a profile given by hand): no key
         return
     rt = chosen.runtime
