@@ -233,3 +233,32 @@ def test_auto_takes_the_choice_slidedp_plan_made_for_the_same_run(
     stored.unlink()
     assert main(["plan", str(path), "--out", str(policy), "--gpu-memory", "40"]) == 0
     assert not list(cache.glob("selection-*.json"))
+
+
+def test_the_launchers_choice_on_several_ranks_is_cached_with_its_routes(
+    run: tuple[Path, Path, FakeTrials], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``runtime.ranks=2``: the launcher's choice (not validated there) and the routes it keeps
+    are cached; the next launch measures nothing (no child process)."""
+    from slidedp.plan import measure
+
+    path, cache, trials = run
+    ranks = ["runtime.ranks=2", "runtime.device=cpu"]
+
+    def measured_here(cfg: TrainConfig) -> float:  # the child's measurements, cached
+        _profile_here(auto.profile_args(cfg))
+        cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 1000.0)
+        return 0.1
+
+    monkeypatch.setattr(measure, "measure_in_child", measured_here)
+    chosen, first = _resolve(path, *ranks)
+    assert "; routes replicated/gpu, the config's" in first
+    (stored,) = cache.glob("selection-*.json")
+    assert json.loads(stored.read_text())["route"] == ["replicated", "gpu"]
+    _no_selection(monkeypatch)
+    monkeypatch.setattr(measure, "measure_in_child", None)  # calling it fails the test
+    again, line = _resolve(path, *ranks)
+    assert line.startswith(f"{first}; from the cache {stored} ")
+    rt, was = again.runtime, chosen.runtime
+    assert (rt.layers, rt.param_route, rt.grad_route) == (was.layers, "replicated", "gpu")
+    assert trials.ran == []  # several ranks: not validated
