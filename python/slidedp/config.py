@@ -114,6 +114,8 @@ class RuntimeSection:
     # runtime.policy=auto: training steps each of the choice and the fixed default run before
     # training, the faster one wins (plan.validate; the first step is a warm-up); 0: off
     policy_validate_steps: int = 3
+    # runtime.policy=auto: select again though a cached selection matches (plan.selection_cache)
+    policy_force: bool = False
     loss_chunk_tokens: int = 1024  # tokens per chunk of the linear + cross-entropy
     device: Literal["auto", "cpu", "cuda"] = "auto"
     update_threads: int = 0  # host AdamW threads; 0: all available

@@ -17,6 +17,13 @@ default layout and say that ``train`` will choose, and a cached host rate or els
 ``estimate.ADAMW_GBPS``'s; they show the solver's choice, unvalidated. A resumed run keeps the
 layout and routes its checkpoint ran with.
 
+``train`` (the bench, and ``slidedp plan`` for this GPU) keeps each selection it makes in the
+selection cache (``plan.selection_cache``), keyed by the cached measurements and the run's
+terms: a later run whose key matches takes the choice from there (its banner line says so,
+with the file and the original selection time) and runs no profile, probe, solve nor trial;
+``runtime.policy_force: true`` selects again. ``validate`` and ``estimate`` do not read it
+(they show the solver's choice).
+
 Several GPUs of one host (``runtime.gpus: N``): ``slidedp train``'s launcher chooses once,
 before it starts the ranks, and passes the choice to them as overrides (``chosen_overrides``);
 the bench's launcher (``bench.ranks``) does the same. Its measurements (layer profile, host
@@ -55,6 +62,7 @@ from slidedp.plan.route_choice import (
     route_name,
     route_steps,
 )
+from slidedp.plan.selection_cache import Selection, read_selection, selection_facts, write_selection
 from slidedp.plan.validate import limit_bytes, needs_validation, runner_for, validate_choice
 from slidedp.profile.layer import FAMILIES, RATIOS, cached_profile, profile_layer
 
@@ -235,6 +243,15 @@ def resolve_auto(
     kept = _kept_policy(resume, adapter.num_layers)
     if kept is not None and resume is not None:
         return _kept_line(default, kept, candidates, resume)
+    # GPU-resident layers where there is one GPU (on CPU they would move nothing; several ranks
+    # refuse them: their gradients are not reduced across ranks)
+    resident = machine.gpu_total_bytes is not None and not several
+    if measure and not rt.policy_force:  # validate and estimate show the solver's choice
+        facts = selection_key(default, adapter, machine, resident=resident, routes=candidates)
+        hit = facts and read_selection(facts, layers=adapter.num_layers, routes=candidates,
+                                       say=_say)  # fmt: skip
+        if hit:
+            return _from_cache(default, *hit)
     measuring, clock = measure, Clock(say=_say_stage if measure else None)
     measured_s = None
     if measure and several:  # the launcher stays free of the measurements' device state
@@ -254,9 +271,6 @@ def resolve_auto(
         host = host_rate(update_threads(cfg, machine), machine, measure=measure)
         notes.append(f"AdamW {host.gbps:.0f} GB/s {host.source}")
     total = device_total_bytes(machine, default, adapter)
-    # GPU-resident layers where there is one GPU (on CPU they would move nothing; several ranks
-    # refuse them: their gradients are not reduced across ranks)
-    resident = machine.gpu_total_bytes is not None and not several
 
     def solve_at(cut_bytes: int = 0) -> Choice:
         return select_layout(default, adapter, machine, report, total_bytes=total,
@@ -294,7 +308,86 @@ def resolve_auto(
     line += f"; {_validated(validation, choice, steps, several=several, measuring=measuring)}"
     if measuring:  # from a cache alone (validate, estimate) the seconds say nothing
         line += f"; {_selection(clock, validation)}"
+        store_selection(default, chosen, adapter, machine, line, clock, validation,
+                        resident=resident, routes=candidates)  # fmt: skip
     return chosen, line
+
+
+def selection_key(
+    cfg: TrainConfig,
+    adapter: HFAdapter,
+    machine: Machine,
+    *,
+    resident: bool,
+    routes: list[Route],
+    profile: argparse.Namespace | None = None,
+) -> dict[str, Any] | None:
+    """The selection cache's key for ``cfg`` from the cached measurements (None: the layer
+    profile of ``profile``, default ``profile_args(cfg)``, or the host probe is not cached, so
+    a selection measures)."""
+    from slidedp.estimate import update_threads
+    from slidedp.plan.measure import layer_numel
+    from slidedp.profile.host import cached_host
+    from slidedp.profile.links import cached_links
+
+    report = cached_profile(profile or profile_args(cfg))
+    gpu = machine.gpu_name if machine.device == "cuda" else None
+    host = cached_host(update_threads(cfg, machine), gpu)
+    if report is None or host is None:
+        return None
+    links = None
+    if routes and gpu is not None:
+        links = cached_links(cfg.runtime.world, gpu, layer_numel(adapter))
+    return selection_facts(cfg, profile=report, host=host, links=links, resident=resident,
+                           gpu_total_bytes=machine.gpu_total_bytes, routes=routes)  # fmt: skip
+
+
+def _from_cache(cfg: TrainConfig, found: Selection, path: Path) -> tuple[TrainConfig, str]:
+    chosen = _with(cfg, layers=found.layers, resident_layers=found.resident_layers)
+    if found.route is not None:
+        chosen = _with(chosen, param_route=found.route[0], grad_route=found.route[1])
+    return chosen, found.hit_line(path)
+
+
+def store_selection(
+    cfg: TrainConfig,
+    chosen: TrainConfig,
+    adapter: HFAdapter,
+    machine: Machine,
+    line: str,
+    clock: Clock,
+    validation: Validation | None,
+    *,
+    resident: bool,
+    routes: list[Route],
+    profile: argparse.Namespace | None = None,
+) -> None:
+    """``chosen`` cached under ``cfg``'s key, of the measurements it rests on (as cached now;
+    ``profile``: as ``selection_key``); a cache that cannot be written is said in one line, and
+    the run goes on."""
+    facts = selection_key(cfg, adapter, machine, resident=resident, routes=routes,
+                          profile=profile)  # fmt: skip
+    if facts is None:  # a measurement not in the cache (a profile given by hand): no key
+        return
+    rt = chosen.runtime
+    found = Selection(
+        rt.layers,
+        rt.resident_layers,
+        (rt.param_route, rt.grad_route) if routes else None,
+        line,
+        clock.total_s,
+        dict(clock.seconds),
+        None if validation is None else validation.summary(),
+        None if validation is None else validation.break_even_steps(clock.total_s),
+    )
+    try:
+        write_selection(facts, found)
+    except OSError as e:
+        _say(f"policy   auto: the selection is not cached ({e})")
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
 
 
 def _head(choice: Choice, shown: Choice, source: str, host: HostRate, solve_s: float) -> str:

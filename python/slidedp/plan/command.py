@@ -13,6 +13,12 @@ is a candidate of the program, and its accounting is printed beside the choice. 
 said in one line as it ends; the report adds the selection time (their sum) and the break-even
 steps (``plan.clock``).
 
+The plan is kept in ``runtime.policy: auto``'s selection cache (``plan.selection_cache``) where
+it is for this machine's GPU from cached measurements (no ``--gpu-memory``, ``--profile`` nor
+``--cache-dir``): a ``train`` of the same run with ``auto`` then takes it without selecting. The
+plan does not read that cache: it is the command that chooses afresh, and its report shows the
+program's accounting, which the cache does not keep.
+
 Example::
 
     slidedp plan examples/qwen3-4b-1gpu.yaml --out runs/qwen3-4b/policy.yaml
@@ -33,7 +39,7 @@ from typing import Any
 import yaml
 
 from slidedp.errors import ConfigError
-from slidedp.plan.auto import check_one_process, profile_args
+from slidedp.plan.auto import check_one_process, profile_args, store_selection
 from slidedp.plan.clock import Clock
 from slidedp.plan.select import MIN_GAIN, Choice, select_layout
 from slidedp.plan.validate import (
@@ -105,9 +111,13 @@ def _profile(args: argparse.Namespace, cfg: Any, batch: int) -> dict[str, Any]:
                 f", the run is B={batch} S={cfg.data.seq_len}: profile the run's own shape"
             )
         return report
+    return profile_layer(_profile_args(args, cfg))
+
+
+def _profile_args(args: argparse.Namespace, cfg: Any) -> argparse.Namespace:
     given = {"families": args.families, "ratios": args.ratios, "warmup": args.warmup,
              "steps": args.steps, "cache_dir": args.cache_dir, "force": args.force}  # fmt: skip
-    return profile_layer(profile_args(cfg, **given))
+    return profile_args(cfg, **given)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -193,7 +203,20 @@ def main(args: argparse.Namespace) -> int:
     }
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     print(format_summary(summary, out))
+    if not (args.profile or args.gpu_memory or args.cache_dir):  # this GPU, cached measurements
+        chosen = dataclasses.replace(cfg, runtime=runtime)
+        store_selection(cfg, chosen, adapter, machine, _auto_line(summary), clock, validation,
+                        resident=True, routes=[], profile=_profile_args(args, cfg))  # fmt: skip
     return 0
+
+
+def _auto_line(s: dict[str, Any]) -> str:
+    """The banner line of a ``train`` with ``runtime.policy: auto`` that takes this plan's
+    choice from the selection cache."""
+    return (
+        f"policy   auto: {s['layout']}, {s['resident_layers']} GPU-resident{_kept(s)}, chosen by "
+        f"`slidedp plan`; {_validation_line(s).strip()}; {_selection_line(s).strip()}"
+    )
 
 
 def _why_not_validated(args: argparse.Namespace, cfg: Any, choice: Choice) -> str | None:
@@ -210,16 +233,7 @@ def _why_not_validated(args: argparse.Namespace, cfg: Any, choice: Choice) -> st
 def _validation_summary(validation: Validation | None, why: str | None) -> dict[str, Any]:
     if validation is None:
         return {"skipped": why}
-    return {
-        "steps": validation.steps,
-        "default": dataclasses.asdict(validation.default),
-        "trials": [dataclasses.asdict(t) for t in validation.trials],
-        "budget_cuts_bytes": list(validation.cuts_bytes),
-        "limit_bytes": validation.limit_bytes,
-        "winner": "default" if validation.choice is None else "chosen",
-        "speedup": validation.speedup(),
-        "said": validation.describe(),
-    }
+    return validation.summary()
 
 
 def _kept(s: dict[str, Any]) -> str:

@@ -34,7 +34,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -187,6 +187,19 @@ class Validation:
         if self.choice is None or won is None or default is None:
             return None
         return break_even_steps(selection_s, default, won)
+
+    def summary(self) -> dict[str, Any]:
+        """What ran and what won, as the plan's report and the selection cache keep it."""
+        return {
+            "steps": self.steps,
+            "default": dataclasses.asdict(self.default),
+            "trials": [dataclasses.asdict(t) for t in self.trials],
+            "budget_cuts_bytes": list(self.cuts_bytes),
+            "limit_bytes": self.limit_bytes,
+            "winner": "default" if self.choice is None else "chosen",
+            "speedup": self.speedup(),
+            "said": self.describe(),
+        }
 
     def _said(self, t: Trial) -> str:
         if t.step_s is None:

@@ -1,0 +1,166 @@
+"""``runtime.policy: auto``'s selection cache: what a selection chose (the layout, the GPU-resident
+layers and on several GPUs the routes) and what it said (validated step times, stage times,
+selection time, break-even), kept beside the measurement caches (``profile.cache``:
+``selection-KEY.json``) under a key of everything that can change the choice: the cached
+layer profile's, host probe's and link probe's reports (their facts and results: a measurement
+taken again is another key), the model's ``config.json``, batch per rank, sequence, dtype,
+clipping, world size, the GPU and its memory, and the runtime keys but those that cannot change
+the choice (``KEY_EXEMPT``). A hit runs no profile, probe, solve nor trial; a stale key is
+another file, selected afresh; a file that does not read is said in one line and rewritten by
+the new selection. ``runtime.policy_force: true`` selects again (and caches the new choice).
+
+The free memory of a CPU run (its activations' budget) is not in the key: it changes from run to
+run; the estimate that checks every run (``preflight.check_memory``) checks a cached choice too.
+
+Example::
+
+    facts = selection_facts(cfg, profile=layer_report, host=host_report, links=None,
+                            gpu_total_bytes=None, resident=False, routes=[])
+    hit = read_selection(facts, layers=28, routes=[], say=print)   # None: select
+    write_selection(facts, Selection("28xF-r0", 0, None, line, 12.3, {"solve": 12.3}))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from slidedp.errors import ConfigError
+from slidedp.plan.layout import parse_layout
+from slidedp.plan.route_choice import Route
+from slidedp.profile.cache import cache_file, cache_key, read_report, write_report
+
+if TYPE_CHECKING:
+    from slidedp.config import TrainConfig
+
+KIND = "selection"
+# runtime keys that cannot change the choice: what auto writes, the cache's own switch, where
+# the nodes meet, tracing, and the version wait
+KEY_EXEMPT = frozenset({"layers", "offload_ratio", "resident_layers", "policy", "policy_force",
+                        "node_rank", "master_addr", "master_port", "trace_path", "trace_step",
+                        "version_timeout_s"})  # fmt: skip
+
+
+def _digest(report: dict[str, Any]) -> str:
+    """A measurement's identity: its facts and results (not where it was read from)."""
+    return cache_key({k: v for k, v in report.items() if k != "cached"})
+
+
+def _model_config_digest(cfg: TrainConfig) -> str:
+    text = (Path(cfg.model.path) / "config.json").read_bytes()
+    return hashlib.sha256(text).hexdigest()[:16]
+
+
+def selection_facts(
+    cfg: TrainConfig,
+    *,
+    profile: dict[str, Any],
+    host: dict[str, Any],
+    links: dict[str, Any] | None,
+    gpu_total_bytes: int | None,
+    resident: bool,
+    routes: list[Route],
+) -> dict[str, Any]:
+    """The key's facts: the measurements the choice rests on and the run's terms that enter
+    the solve, the validation and the routes (``routes``: the candidates auto chooses among)."""
+    rt = dataclasses.asdict(cfg.runtime)
+    return {
+        "profile": _digest(profile),
+        "host": _digest(host),
+        "links": None if links is None else _digest(links),
+        "model_config": _model_config_digest(cfg),
+        "model_overrides": cfg.model.config_overrides(),
+        "batch_per_rank": cfg.train.global_batch_size // cfg.runtime.world,
+        "seq_len": cfg.data.seq_len,
+        "dtype": cfg.train.dtype,
+        "clipping": cfg.train.max_grad_norm > 0,
+        "world": cfg.runtime.world,
+        "gpu": profile.get("gpu"),
+        "gpu_total_bytes": gpu_total_bytes,
+        "resident": resident,
+        "routes": [list(r) for r in routes],
+        "runtime": {k: v for k, v in sorted(rt.items()) if k not in KEY_EXEMPT},
+    }
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What a selection chose and said."""
+
+    layers: str
+    resident_layers: int
+    route: Route | None  # (param_route, grad_route) on several ranks, else None
+    line: str  # the banner line the selection printed
+    selection_s: float
+    timing_s: dict[str, float] = dataclasses.field(default_factory=dict)  # by stage
+    validation: dict[str, Any] | None = None  # plan.validate's trials (None: not validated)
+    break_even_steps: int | None = None
+    selected_at: str = ""  # UTC, as written
+
+    def hit_line(self, path: Path) -> str:
+        """The banner line of a run that takes this selection from ``path``."""
+        return (
+            f"{self.line}; from the cache {path} (selected {self.selected_at} in "
+            f"{self.selection_s:.1f} s; runtime.policy_force=true selects again)"
+        )
+
+
+def selection_file(facts: dict[str, Any]) -> Path:
+    return cache_file(None, KIND, facts)
+
+
+def _parse(
+    report: dict[str, Any] | None, facts: dict[str, Any], layers: int, routes: list[Route]
+) -> Selection:
+    """The cached selection of ``facts``; raises ``ValueError`` or ``KeyError`` or
+    ``TypeError`` or ``ConfigError`` on anything that does not fit the run."""
+    if report is None:
+        raise ValueError("not a JSON object")
+    if report["facts"] != facts:
+        raise ValueError("written for another key")
+    layout, resident = report["layers"], report["resident_layers"]
+    if not isinstance(layout, str) or len(parse_layout(layout, layers, 0.0)) != layers:
+        raise ValueError(f"layers {layout!r} do not fit the model's {layers}")
+    if not isinstance(resident, int) or not 0 <= resident <= layers:
+        raise ValueError(f"resident_layers {resident!r}")
+    route = report["route"]
+    if route is not None:
+        route = (str(route[0]), str(route[1]))
+    if (route is None) != (not routes) or (route is not None and route not in routes):
+        raise ValueError(f"route {route!r} is not one auto may take here")
+    line, seconds = report["line"], float(report["selection_s"])
+    if not isinstance(line, str) or not math.isfinite(seconds):
+        raise ValueError("no banner line or selection time")
+    return Selection(layout, resident, route, line, seconds, dict(report["timing_s"]),
+                     report["validation"], report["break_even_steps"],
+                     str(report["selected_at"]))  # fmt: skip
+
+
+def read_selection(
+    facts: dict[str, Any], *, layers: int, routes: list[Route], say: Callable[[str], None]
+) -> tuple[Selection, Path] | None:
+    """The cached selection of ``facts`` and its file, or None: none cached, or a file that
+    does not read (said in one line; the new selection rewrites it)."""
+    path = selection_file(facts)
+    if not path.exists():
+        return None
+    try:
+        return _parse(read_report(path), facts, layers, routes), path
+    except (ValueError, KeyError, TypeError, IndexError, ConfigError) as e:
+        say(f"policy   auto: the cached selection {path} does not read ({e}): selecting again")
+        return None
+
+
+def write_selection(facts: dict[str, Any], selection: Selection) -> Path:
+    """Written atomically (``profile.cache.write_report``); returns the file."""
+    path = selection_file(facts)
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    fields = dataclasses.asdict(dataclasses.replace(selection, selected_at=stamp))
+    write_report(path, {"facts": facts} | fields)
+    return path
