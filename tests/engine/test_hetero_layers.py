@@ -264,3 +264,11 @@ def test_packed_rows_through_linear_attention_are_refused(capsys: Capsys, tmp_pa
     model = make_model(tmp_path, "qwen3_5_moe_text", tied=False, layers=3)
     _refused(capsys, tmp_path, model, "data.packing=true", "linear-attention layers",
              "data.packing=false", data={"packing": True})  # fmt: skip
+
+
+def test_sac_noact_on_a_gemma4_layer_is_refused(capsys: Capsys, tmp_path: Path) -> None:
+    """Its output is scaled in place (``layer_scalar``) after the residual add SAC.noact keeps:
+    torch refuses the mutated cache entry at the replay."""
+    model = make_model(tmp_path, "gemma4_text", tied=False, layers=3)
+    _refused(capsys, tmp_path, model, "layer 2 is SAC.noact", "scales in place",
+             runtime={"layers": "2xF, 1xSAC.noact"})  # fmt: skip
