@@ -218,3 +218,13 @@ def test_train_with_policy_auto_on_layers_of_two_kinds(
     assert parse_entry(str(layers[2]), 0.0)[1] == layers[2]
     assert len(list((tmp_path / "slidedp" / "profile").glob("layer-*.json"))) == 2
     assert [m["step"] for m in read_metrics(tmp_path / "auto")] == [1, 2]
+
+
+def test_the_step_models_layer_times_weigh_each_kind_by_its_layers() -> None:
+    from slidedp.plan.timing import layer_times
+
+    rows = [{"policy": "F-r0", "kind": 0, "forward_s": 1.0, "backward_s": 2.0},
+            {"policy": "F-r0", "kind": 2, "forward_s": 5.0, "backward_s": 6.0},
+            {"policy": "N-r1", "kind": 2, "forward_s": 7.0, "backward_s": 8.0}]  # fmt: skip
+    times = layer_times({"kinds": {"0": 3, "2": 1}, "candidates": rows})
+    assert times == {"F-r0": (2.0, 3.0), "N-r1": (7.0, 8.0)}
