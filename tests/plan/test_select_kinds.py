@@ -20,6 +20,7 @@ import yaml
 from engine.tiny import make_model, read_metrics, write_config, write_data
 from slidedp.cli import main
 from slidedp.config import load_config
+from slidedp.errors import ConfigError
 from slidedp.estimate import Machine
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.layout import parse_entry, parse_layout
@@ -158,7 +159,7 @@ def test_each_kind_takes_its_own_candidates_at_the_brute_force_optimum(
 def test_a_profile_of_another_models_kinds_is_refused(run: tuple[Any, HFAdapter, Machine]) -> None:
     cfg, adapter, machine = run
     one_kind = _report() | {"kinds": {"0": LAYERS}}
-    with pytest.raises(Exception, match=r"kinds of layers \[0\], the model's are of layers"):
+    with pytest.raises(ConfigError, match=r"kinds of layers \[0\], the model's are of layers"):
         select_layout(cfg, adapter, machine, one_kind, total_bytes=10 * GIB, update_gbps=10.0)
 
 
@@ -228,3 +229,12 @@ def test_the_step_models_layer_times_weigh_each_kind_by_its_layers() -> None:
             {"policy": "N-r1", "kind": 2, "forward_s": 7.0, "backward_s": 8.0}]  # fmt: skip
     times = layer_times({"kinds": {"0": 3, "2": 1}, "candidates": rows})
     assert times == {"F-r0": (2.0, 3.0), "N-r1": (7.0, 8.0)}
+
+
+def test_the_frontier_of_each_kind_is_drawn(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from slidedp.profile.pareto import plot_pareto
+
+    report = _report() | {"shape": "gemma4", "gpu": "cpu"}
+    plot_pareto(report, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 10_000
