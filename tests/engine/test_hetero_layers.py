@@ -266,9 +266,9 @@ def test_packed_rows_through_linear_attention_are_refused(capsys: Capsys, tmp_pa
              "data.packing=false", data={"packing": True})  # fmt: skip
 
 
-def test_the_layer_profile_refuses_layers_of_several_kinds(capsys: Capsys, tmp_path: Path) -> None:
-    model = make_model(tmp_path, "qwen3_5_moe_text", tied=False, layers=3)
-    code, _, err = run(capsys, "profile", "layer", "--shape", str(model / "config.json"),
-                       "--device", "cpu", "--batch", "1", "--seq-len", "8")  # fmt: skip
-    assert code == 2
-    one_error_line(err, "profile", "layers are of 2 kinds", "set runtime.layers by hand")
+def test_sac_noact_on_a_gemma4_layer_is_refused(capsys: Capsys, tmp_path: Path) -> None:
+    """Its output is scaled in place (``layer_scalar``) after the residual add SAC.noact keeps:
+    torch refuses the mutated cache entry at the replay."""
+    model = make_model(tmp_path, "gemma4_text", tied=False, layers=3)
+    _refused(capsys, tmp_path, model, "layer 2 is SAC.noact", "scales in place",
+             runtime={"layers": "2xF, 1xSAC.noact"})  # fmt: skip

@@ -143,3 +143,23 @@ def place(
     offloading.sort(key=lambda pn: -pn[0].ratio)
     retained.sort(key=lambda pn: retained_bytes[pn[0]])
     return tuple(p for p, n in offloading + retained for _ in range(n))
+
+
+def place_by_kind(
+    counts: Sequence[tuple[int, LayerPolicy, int]],
+    retained_bytes: dict[tuple[int, LayerPolicy], int],
+    layer_kinds: Sequence[int],
+) -> tuple[LayerPolicy, ...]:
+    """``place`` for layers of several kinds (``HFAdapter.layer_kinds``: each layer's kind):
+    each kind's counts ``(kind, policy, count)`` placed, as ``place`` orders them, on that
+    kind's layers in layer order."""
+    layers: list[LayerPolicy | None] = [None] * len(layer_kinds)
+    for kind in sorted(set(layer_kinds)):
+        own = [i for i, k in enumerate(layer_kinds) if k == kind]
+        placed = place([(p, n) for k, p, n in counts if k == kind and n > 0],
+                       {p: b for (k, p), b in retained_bytes.items() if k == kind})  # fmt: skip
+        if len(placed) != len(own):
+            raise ValueError(f"layer {kind}'s kind has {len(own)} layers, {len(placed)} counted")
+        for i, p in zip(own, placed, strict=True):
+            layers[i] = p
+    return tuple(p for p in layers if p is not None)

@@ -179,10 +179,16 @@ def resident_ranks_message(resident_layers: int, world: int) -> str:
     )
 
 
+# decoder layers whose last operation scales their output in place (``hidden_states *=
+# self.layer_scalar``): an output SAC.noact caches, which torch refuses at the replay
+SCALED_IN_PLACE = ("gemma4_text",)
+
+
 def check_layout_fits(layers: tuple[LayerPolicy, ...], adapter: HFAdapter) -> None:
     """Segment checkpointing (``S<mask>``) cuts the dense Llama-style layer only; ``SAC.noact``
     would cache the buffers a mixture-of-experts layer fills in place (its router's top-k,
-    its experts' output), which torch's selective checkpointing refuses."""
+    its experts' output), or the output a Gemma 4 layer scales in place, which torch's
+    selective checkpointing refuses."""
     model_type = adapter.config.model_type
     for i, policy in enumerate(layers):
         if policy.family == "S" and not adapter.segmentable:
@@ -195,6 +201,12 @@ def check_layout_fits(layers: tuple[LayerPolicy, ...], adapter: HFAdapter) -> No
             raise ConfigError(
                 f"runtime.layers: layer {i} is SAC.noact, which would cache the buffers a "
                 f"{model_type} layer updates in place: use SAC.mm, SAC.attn, F or N there"
+            )
+        if policy.family == "SAC" and policy.arg == "noact" and model_type in SCALED_IN_PLACE:
+            raise ConfigError(
+                f"runtime.layers: layer {i} is SAC.noact, which would cache the output a "
+                f"{model_type} layer scales in place (its layer_scalar): use SAC.mm, SAC.attn, "
+                "F or N there"
             )
 
 

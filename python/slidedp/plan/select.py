@@ -1,8 +1,9 @@
 """The policy selector's layout stage (paper §3.6, Algorithm 1): from the layer profile's
 Pareto candidates and the GPU budget, the integer program (``slidedp_core::solve``, through
 ``_native.solve_layout``) picks how many layers get each candidate, ``plan.layout.place``
-orders them, and the step-time model and the memory estimate check the result against the
-fixed default (all ``F``), which is always a candidate.
+orders them (layers of several kinds, ``HFAdapter.layer_kinds``: each kind's own candidates on
+its own layers, ``place_by_kind``), and the step-time model and the memory estimate check the
+result against the fixed default (all ``F``), which is always a candidate of every kind.
 
 Example::
 
@@ -13,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import json
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -23,7 +25,7 @@ from slidedp import _native
 from slidedp.errors import ConfigError
 from slidedp.plan.cost import resident_bytes_per_layer
 from slidedp.plan.device import pick_dtype
-from slidedp.plan.layout import LayerPolicy, format_layout, parse_entry, place
+from slidedp.plan.layout import LayerPolicy, format_layout, parse_entry, place_by_kind
 from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM
 from slidedp.profile.pareto import layer_time, memory
 
@@ -61,28 +63,38 @@ class Choice:
         return float(self.default["step_s"] / self.solution["step_s"])
 
 
-def profile_candidates(report: dict[str, Any]) -> list[tuple[LayerPolicy, dict[str, Any]]]:
+Candidates = list[tuple[int, LayerPolicy, dict[str, Any]]]
+
+
+def profile_candidates(report: dict[str, Any]) -> Candidates:
     """The Pareto-efficient candidates of a ``slidedp profile layer`` report, plus ``F-r0``
-    (the fixed default), as the program's ``Candidate`` records."""
-    out: dict[LayerPolicy, dict[str, Any]] = {}
+    (the fixed default), of each kind of layer (its first layer's index, first), as the
+    program's ``Candidate`` records (their ``kind`` set by ``select_layout``)."""
+    kinds = sorted(int(k) for k in report.get("kinds") or {"0": 1})
+    out: dict[tuple[int, LayerPolicy], dict[str, Any]] = {}
     for c in report["candidates"]:
         _, policy = parse_entry(c["policy"], 0.0)
+        kind = int(c.get("kind", 0))
         if not (c["pareto"] or policy == DEFAULT):
             continue
         # the larger of the measured and the cost model's bytes: the estimate that checks
         # the run counts the cost model's, the device holds the measured ones
         transient = max(c["transient_bytes"] or 0, c["estimated_transient_bytes"])
-        out[policy] = {
-            "name": str(policy),
+        out[kind, policy] = {
+            "name": str(policy) if len(kinds) == 1 else f"layer {kind}: {policy}",
             "time_s": layer_time(c),
             "forward_s": max(float(c["forward_s"]), float(c["reload_s"])),
             "retained_bytes": float(max(memory(c), c["estimated_retained_bytes"])),
             "offloaded_bytes": float(max(c["offloaded_bytes"], c["estimated_offloaded_bytes"])),
             "transient_bytes": float(transient),
         }
-    if DEFAULT not in out:
-        raise ConfigError("the layer profile has no F-r0 row (the fixed default): re-profile")
-    return list(out.items())
+    missing = [k for k in kinds if (k, DEFAULT) not in out]
+    if missing:
+        raise ConfigError(
+            f"the layer profile has no F-r0 row (the fixed default) for layer {missing[0]}'s "
+            "kind: re-profile"
+        )
+    return [(k, p, c) for (k, p), c in sorted(out.items(), key=lambda kv: kv[0][0])]
 
 
 @dataclass(frozen=True)
@@ -121,6 +133,29 @@ def host_update_s_per_layer(adapter: HFAdapter, gbps: float) -> float:
     return ADAMW_BYTES_PER_PARAM * params / adapter.num_layers / (gbps * 1e9)
 
 
+def host_update_s_of_layer(adapter: HFAdapter, layer: int, gbps: float) -> float:
+    """Decoder layer ``layer``'s host AdamW pass at ``gbps``."""
+    params = sum(p.numel() for p in adapter.layer_module(layer).parameters())
+    return ADAMW_BYTES_PER_PARAM * params / (gbps * 1e9)
+
+
+def program_kinds(adapter: HFAdapter, report: dict[str, Any], gbps: float) -> list[dict[str, Any]]:
+    """The program's ``Kind`` records (none for one kind of layer), in the order of
+    ``profile_candidates``; the profile must be of the model's own kinds."""
+    layers = collections.Counter(adapter.layer_kinds)
+    profiled = sorted(int(k) for k in report.get("kinds") or {"0": 1})
+    if profiled != sorted(layers):
+        raise ConfigError(
+            f"the layer profile measured the kinds of layers {profiled}, the model's are of "
+            f"layers {sorted(layers)}: profile this model (slidedp profile layer)"
+        )
+    if len(layers) == 1:
+        return []
+    return [{"name": f"layer {k}", "layers": layers[k],
+             "update_s_per_layer": host_update_s_of_layer(adapter, k, gbps)}
+            for k in profiled]  # fmt: skip
+
+
 def host_update_s_tail(adapter: HFAdapter, gbps: float) -> float:
     """The host AdamW pass of the embedding and head groups (never resident): their gradients
     come last in the backward, so this part of the update ends every step."""
@@ -151,6 +186,8 @@ def select_layout(
     their update off the host lane). ``budget_cut_bytes``: taken off the activations' budget
     (``plan.validate``'s feedback: what a validated choice reserved beyond the device)."""
     cands = profile_candidates(report)
+    kinds = program_kinds(adapter, report, update_gbps)
+    index = {k: i for i, k in enumerate(sorted({k for k, _, _ in cands}))}
     budget = activation_budget(cfg, adapter, machine, total_bytes)
     if budget_cut_bytes:
         budget = replace(budget, bytes=max(0, budget.bytes - budget_cut_bytes))
@@ -159,12 +196,13 @@ def select_layout(
         "layers": adapter.num_layers,
         "budget_bytes": float(budget.bytes),
         "parked_bytes": float(budget.parked_bytes),
-        "candidates": [c for _, c in cands],
+        "candidates": [c | {"kind": index[k]} for k, _, c in cands],
         "host": {
             "update_s_per_layer": host_update_s_per_layer(adapter, update_gbps),
             "serial": clipping,
             "tail_s": host_update_s_tail(adapter, update_gbps),
         },
+        "kinds": kinds,
     }
     if resident:
         dtype = pick_dtype(cfg.train.dtype, torch.device("cuda"))
@@ -173,16 +211,18 @@ def select_layout(
             "max_layers": adapter.num_layers,
         }
     solution = solve(problem)
-    counts = [(p, int(n)) for (p, _), n in zip(cands, solution["counts"], strict=True) if n > 0]
-    retained = {p: int(c["retained_bytes"]) for p, c in cands}
-    layers = place(counts, retained)
-    default_counts = [adapter.num_layers if p == DEFAULT else 0 for p, _ in cands]
+    counts = [(k, p, int(n)) for (k, p, _), n in zip(cands, solution["counts"], strict=True)]
+    retained = {(k, p): int(c["retained_bytes"]) for k, p, c in cands}
+    layers = place_by_kind(counts, retained, adapter.layer_kinds)
+    per_kind = collections.Counter(adapter.layer_kinds)
+    default_counts = [per_kind[k] if p == DEFAULT else 0 for k, p, _ in cands]
     # the default's accounting in the same program, within its own bytes (it may not fit the
     # budget); a finite bound keeps the program well scaled
-    f = dict(cands)[DEFAULT]
-    own = adapter.num_layers * f["retained_bytes"] + 2 * f["offloaded_bytes"] + f["transient_bytes"]
+    fs = [c | {"kind": index[k]} for k, p, c in cands if p == DEFAULT]
+    own = (sum(per_kind[k] * f["retained_bytes"] for k, f in zip(index, fs, strict=True))
+           + max(2 * f["offloaded_bytes"] + f["transient_bytes"] for f in fs))  # fmt: skip
     unbounded = {"budget_bytes": own + 2**30, "parked_bytes": 0.0}
-    default = solve(problem | {"candidates": [f], "resident": None} | unbounded)
+    default = solve(problem | {"candidates": fs, "resident": None} | unbounded)
     default["counts"] = default_counts
     default["fits"] = default["memory_bytes"] <= budget.bytes
     layout = format_layout(layers)

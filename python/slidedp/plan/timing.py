@@ -112,9 +112,15 @@ REPLAY_SHARE = {"F": 1.0, "S": 1.0, "SAC": 1.0, "N": 0.0}
 
 
 def layer_times(report: dict[str, Any]) -> dict[str, tuple[float, float]]:
-    """Forward and backward seconds per candidate of a ``slidedp profile layer`` report."""
-    return {c["policy"]: (float(c["forward_s"]), float(c["backward_s"]))
-            for c in report["candidates"]}  # fmt: skip
+    """Forward and backward seconds per candidate of a ``slidedp profile layer`` report; with
+    layers of several kinds, the mean over the kinds that have it, by their layers."""
+    weight = {int(k): n for k, n in (report.get("kinds") or {"0": 1}).items()}
+    sums: dict[str, tuple[float, float, float]] = {}
+    for c in report["candidates"]:
+        w = weight.get(int(c.get("kind", 0)), 1)
+        n, f, b = sums.get(c["policy"], (0.0, 0.0, 0.0))
+        sums[c["policy"]] = (n + w, f + w * float(c["forward_s"]), b + w * float(c["backward_s"]))
+    return {p: (f / n, b / n) for p, (n, f, b) in sums.items()}
 
 
 # Several nodes (issue #19), assumptions of the prediction, not measurements: NCCL's reduce of

@@ -1,9 +1,11 @@
 """``slidedp profile layer --shape qwen3-4b --batch 16 --seq-len 1024 --json F --png F``.
 
-Runs one decoder layer of the shape (random weights, the compute dtype) through every candidate
-layout — each checkpoint family (``--families``) at each offload ratio (``--ratios``; ratios that
-select the same tensors are one candidate) — with the engine's own executors and offload
-(``runtime.activations``), on one device, and measures per candidate:
+Runs one decoder layer of each kind of the shape (``HFAdapter.layer_kinds``: one for most models,
+two for Gemma 4's sliding and full attention or Qwen3.5's linear and full attention; a kind's
+candidates carry its first layer's index as ``kind``), with random weights in the compute dtype,
+through every candidate layout — each checkpoint family (``--families``) at each offload ratio
+(``--ratios``; ratios that select the same tensors are one candidate) — with the engine's own
+executors and offload (``runtime.activations``), on one device, and measures per candidate:
 
 - ``forward_s``, ``backward_s`` (median of ``--steps`` after ``--warmup``; the backward includes
   the replay), ``replay_s``: ``backward_s`` minus ``N``'s (no replay), ``reload_s``: the copy
@@ -18,13 +20,13 @@ select the same tensors are one candidate) — with the engine's own executors a
   the solver use), so every profile states the cost model's error.
 
 Pareto-efficient candidates (no other both faster and smaller, by ``retained_bytes`` and
-``forward_s + backward_s``) are marked: the paper's Figure 6, drawn with ``--png``. The JSON is
-the policy solver's input and is cached (``--cache-dir``, default
-``$XDG_CACHE_HOME/slidedp/profile``) under a key of GPU name, CPU model and logical cores,
-shape, batch, sequence, dtype, world size (a run's processes: ``plan.auto.profile_args``; 1
-from the command line), candidates, layer compute and the torch, transformers, Liger Kernel
-(where its kernels run) and slidedp versions; a cached profile is reused unless ``--force``,
-and any changed fact is another key: measured again, never reused.
+``forward_s + backward_s``) are marked: the paper's Figure 6, drawn with ``--png``. The JSON is the
+policy solver's input and is cached (``--cache-dir``, default ``$XDG_CACHE_HOME/slidedp/profile``),
+one file per kind, under a key of the kind, GPU name, CPU model and logical cores, shape, batch,
+sequence, dtype, world size (a run's processes: ``plan.auto.profile_args``; 1 from the command
+line), candidates, layer compute and the torch, transformers, Liger Kernel (where its kernels run)
+and slidedp versions; a cached profile is reused unless ``--force``, and any changed fact is
+another key: measured again, never reused.
 
 ``--kernels eager,liger,compiled,liger+compiled`` shows another view instead: the layer's
 forward + backward under each layer-compute variant, its model TFLOP/s and its kernels with
@@ -34,6 +36,7 @@ their share of the time (``profile.kernels``; not cached).
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import functools
 import importlib.metadata
@@ -88,13 +91,19 @@ class Candidate:
     estimated_offloaded_bytes: int
     estimated_transient_bytes: int
     pareto: bool = False
+    kind: int = 0  # the first layer of its kind (``HFAdapter.layer_kinds``)
 
 
 def layer_inputs(
-    adapter: HFAdapter, batch: int, seq_len: int, device: torch.device, dtype: torch.dtype
+    adapter: HFAdapter,
+    batch: int,
+    seq_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    layer: int = 0,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, Any]]:
     gen = torch.Generator(device).manual_seed(0)
-    group = adapter.groups[adapter.layer_group(0)]
+    group = adapter.groups[adapter.layer_group(layer)]
     shapes = adapter.shapes()
     params = {}
     for full, local in group.params:
@@ -132,8 +141,10 @@ def measure(
     dtype: torch.dtype,
     warmup: int,
     steps: int,
+    layer: int = 0,
 ) -> Candidate:
-    params, x, ctx = layer_inputs(adapter, batch, seq_len, device, dtype)
+    """``policy`` on decoder layer ``layer`` (a kind's first layer)."""
+    params, x, ctx = layer_inputs(adapter, batch, seq_len, device, dtype, layer)
     executor = executor_for(policy)
     offload = ActivationOffload(device, LaneClock(device))
     fwd, bwd, reload_s, retained, transient, offloaded, count = [], [], [], 0, 0, 0, 0
@@ -144,7 +155,7 @@ def measure(
             before = _allocated(device) - x_bytes
 
             def forward(x_in: torch.Tensor = x_in) -> tuple[torch.Tensor, LayerState]:
-                return executor.forward(LayerRun(adapter, 0, params, ctx), x_in)
+                return executor.forward(LayerRun(adapter, layer, params, ctx), x_in)
 
             (y, state), f_s = _timed(forward, device)
             del x_in
@@ -162,7 +173,7 @@ def measure(
                 torch.cuda.reset_peak_memory_stats(device)
 
             def backward(state: LayerState = state, g: torch.Tensor = g) -> Any:
-                return executor.backward(LayerRun(adapter, 0, params, ctx), state, g)
+                return executor.backward(LayerRun(adapter, layer, params, ctx), state, g)
 
             _, b_s = _timed(backward, device)
             if device.type == "cuda":
@@ -174,7 +185,7 @@ def measure(
                 reload_s.append(r_s)
     finally:
         offload.close()
-    fp = layer_footprint(adapter, policy, batch, seq_len, dtype)
+    fp = layer_footprint(adapter, policy, batch, seq_len, dtype, layer)
     return Candidate(
         policy=str(policy),
         family=policy.name,
@@ -190,15 +201,16 @@ def measure(
         estimated_retained_bytes=fp.retained_bytes,
         estimated_offloaded_bytes=fp.offloaded_bytes,
         estimated_transient_bytes=fp.transient_bytes,
+        kind=layer,
     )
 
 
 def candidates(families: str, ratios: str, adapter: HFAdapter, batch: int, seq_len: int,
-               dtype: torch.dtype) -> list[LayerPolicy]:  # fmt: skip
+               dtype: torch.dtype, layer: int = 0) -> list[LayerPolicy]:  # fmt: skip
     """Every family the model's layer takes (``check_layout_fits``: no ``S`` on a Gemma or MoE
     layer, no ``SAC.noact`` on a MoE) at every ratio, one per distinct offloaded set (ratios
     merged). A candidate's ratio is the share it really offloads, rounded down to 1e-6 so that
-    its text form (``runtime.layers``) selects the same tensors."""
+    its text form (``runtime.layers``) selects the same tensors; of layer ``layer``'s kind."""
     out: list[LayerPolicy] = []
     seen: set[tuple[str, int]] = set()
     for fam in (f.strip() for f in families.split(",") if f.strip()):
@@ -208,7 +220,7 @@ def candidates(families: str, ratios: str, adapter: HFAdapter, batch: int, seq_l
                 check_layout_fits((policy,), adapter)
             except ConfigError:
                 continue
-            saved = list(layer_footprint(adapter, policy, batch, seq_len, dtype).saved)
+            saved = list(layer_footprint(adapter, policy, batch, seq_len, dtype, layer).saved)
             count = offload_count(saved, r)
             if (policy.name, count) in seen:
                 continue
@@ -228,7 +240,12 @@ class _Profiled:
     dtype: torch.dtype
     compute: Compute
     facts: dict[str, Any]  # the cache key's facts, the report's first fields
-    cache: Path
+    kinds: dict[int, int]  # layers per kind, by the kind's first layer
+    cache_dir: str | None
+
+    def cache(self, kind: int) -> Path:
+        """Where kind ``kind``'s report is cached: the kind is part of the key."""
+        return cache_file(self.cache_dir, "layer", self.facts | {"layer": kind})
 
 
 def _profiled(args: argparse.Namespace) -> _Profiled:
@@ -260,8 +277,8 @@ def _profiled(args: argparse.Namespace) -> _Profiled:
         "liger_kernel": _liger_version() if compute.kernels == "liger" else None,
         "slidedp": __version__,
     }
-    return _Profiled(adapter, device, dtype, compute, facts,
-                     cache_file(args.cache_dir, "layer", facts))  # fmt: skip
+    kinds = dict(sorted(collections.Counter(adapter.layer_kinds).items()))
+    return _Profiled(adapter, device, dtype, compute, facts, kinds, args.cache_dir)
 
 
 def _liger_version() -> str:
@@ -277,29 +294,33 @@ def _read_cache(cache: Path) -> dict[str, Any] | None:
     return report
 
 
+def _combined(prof: _Profiled, reports: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """One report of every kind's: their candidates, each with its ``kind``, and the layers
+    per kind (``kinds``); ``cached``: where, when every kind's was cached (None otherwise)."""
+    cached = [r["cached"] for r in reports.values()]
+    return prof.facts | {
+        "kinds": {str(k): n for k, n in prof.kinds.items()},
+        "candidates": [c | {"kind": k} for k, r in reports.items() for c in r["candidates"]],
+        "cached": ", ".join(cached) if all(cached) else None,
+    }
+
+
 def cached_profile(args: argparse.Namespace) -> dict[str, Any] | None:
-    """The cached report of ``args`` (None when there is none: nothing is measured)."""
-    return _read_cache(_profiled(args).cache)
-
-
-def profile_layer(args: argparse.Namespace) -> dict[str, Any]:
+    """The cached report of ``args`` (None when a kind's is not cached: nothing is measured)."""
     prof = _profiled(args)
+    reports = {k: _read_cache(prof.cache(k)) for k in prof.kinds}
+    if any(r is None for r in reports.values()):
+        return None
+    return _combined(prof, {k: r for k, r in reports.items() if r is not None})
+
+
+def _measure_kind(
+    prof: _Profiled, args: argparse.Namespace, kind: int, policies: list[LayerPolicy]
+) -> dict[str, Any]:
+    """Kind ``kind``'s report: ``policies`` on its first layer, measured and cached."""
     adapter, device, dtype = prof.adapter, prof.device, prof.dtype
-    kinds = sorted(set(adapter.layer_kinds))
-    if len(kinds) > 1:
-        raise ConfigError(
-            f"the layer profile measures one decoder layer for all, and this "
-            f"{adapter.config.model_type}'s layers are of {len(kinds)} kinds (like layers "
-            f"{', '.join(map(str, kinds))}: other parameters); set runtime.layers by hand "
-            "(slidedp plan and runtime.policy: auto need one kind of layer)"
-        )
-    batch, seq_len = args.batch, args.seq_len
-    if not args.force and (report := _read_cache(prof.cache)) is not None:
-        return report
-    policies = candidates(args.families, args.ratios, adapter, batch, seq_len, dtype)
-    apply_compute(adapter, prof.compute)  # after the candidates: the cost model runs on meta
     results = [
-        measure(adapter, p, batch, seq_len, device, dtype, args.warmup, args.steps)
+        measure(adapter, p, args.batch, args.seq_len, device, dtype, args.warmup, args.steps, kind)
         for p in policies
     ]
     no_replay = [c.backward_s for c in results if c.family == "N" and c.ratio == 0]
@@ -307,11 +328,25 @@ def profile_layer(args: argparse.Namespace) -> dict[str, Any]:
         c.replay_s = c.backward_s - no_replay[0] if no_replay else None
     mark_pareto(results)
     measured: dict[str, Any] = prof.facts | {
+        "layer": kind,
         "candidates": [asdict(c) for c in results],
         "cached": None,
     }
-    write_report(prof.cache, measured)
+    write_report(prof.cache(kind), measured)
     return measured
+
+
+def profile_layer(args: argparse.Namespace) -> dict[str, Any]:
+    """Every kind's candidates (``_combined``): each kind's cached report, or measured once."""
+    prof = _profiled(args)
+    reports = {k: None if args.force else _read_cache(prof.cache(k)) for k in prof.kinds}
+    todo = {k: candidates(args.families, args.ratios, prof.adapter, args.batch, args.seq_len,
+                          prof.dtype, k)
+            for k, r in reports.items() if r is None}  # fmt: skip
+    if todo:
+        apply_compute(prof.adapter, prof.compute)  # after the candidates: the cost model on meta
+    done = {k: _measure_kind(prof, args, k, policies) for k, policies in todo.items()}
+    return _combined(prof, {k: r or done[k] for k, r in reports.items()})
 
 
 def _gib(n: int | None) -> str:
@@ -328,7 +363,10 @@ def format_report(report: dict[str, Any]) -> str:
         f"{'retained':>9} {'(est.)':>8} {'offload':>8} {'(est.)':>8} {'backward':>9} "
         f"{'(est.)':>8}  pareto",
     ]
+    kinds = len(report.get("kinds") or {"0": 1})
     for c in report["candidates"]:
+        # several kinds: each candidate named with its kind's first layer
+        name = c["policy"] if kinds == 1 else f"layer {c.get('kind', 0)}: {c['policy']}"
         replay = "" if c["replay_s"] is None else f"{c['replay_s'] * 1e3:.2f}"
         memory = (
             f"{_gib(c['retained_bytes']):>9} {_gib(c['estimated_retained_bytes']):>8} "
@@ -336,7 +374,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"{_gib(c['transient_bytes']):>9} {_gib(c['estimated_transient_bytes']):>8}"
         )
         lines.append(
-            f"  {c['policy']:<20} {c['forward_s'] * 1e3:8.2f} {c['backward_s'] * 1e3:8.2f} "
+            f"  {name:<20} {c['forward_s'] * 1e3:8.2f} {c['backward_s'] * 1e3:8.2f} "
             f"{replay:>8} {c['reload_s'] * 1e3:8.2f} {memory}  {'*' if c['pareto'] else ''}"
         )
     return "\n".join(lines)

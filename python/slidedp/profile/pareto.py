@@ -58,16 +58,20 @@ def plot_pareto(report: dict[str, Any], path: Path) -> None:
     from slidedp.bench.plot import require_matplotlib
 
     plt = require_matplotlib()
-    cands = report["candidates"]
     fig, ax = plt.subplots(figsize=(7, 5), constrained_layout=True)
-    for c in cands:
-        x = memory(c) / 2**30
-        y = layer_time(c) * 1e3
-        ax.scatter(x, y, marker="o" if c["pareto"] else "x", color="C0" if c["pareto"] else "C7")
-        ax.annotate(c["policy"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    front = sorted((c for c in cands if c["pareto"]), key=memory)
-    ax.plot([memory(c) / 2**30 for c in front],
-            [layer_time(c) * 1e3 for c in front], "C0-")  # fmt: skip
+    kinds = sorted({int(c.get("kind", 0)) for c in report["candidates"]})
+    for color, kind in enumerate(kinds):  # one frontier per kind of layer
+        cands = [c for c in report["candidates"] if int(c.get("kind", 0)) == kind]
+        for c in cands:
+            x, y = memory(c) / 2**30, layer_time(c) * 1e3
+            ax.scatter(x, y, marker="o" if c["pareto"] else "x",
+                       color=f"C{color}" if c["pareto"] else "C7")  # fmt: skip
+            ax.annotate(c["policy"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        front = sorted((c for c in cands if c["pareto"]), key=memory)
+        ax.plot([memory(c) / 2**30 for c in front], [layer_time(c) * 1e3 for c in front],
+                f"C{color}-", label=f"layer {kind}'s kind")  # fmt: skip
+    if len(kinds) > 1:
+        ax.legend()
     ax.set_xlabel("device memory kept from forward to backward (GiB per layer)")
     ax.set_ylabel("layer time in the engine (ms): forward + backward, copies overlapped")
     shape = report["shape"] if isinstance(report["shape"], str) else "custom shape"

@@ -18,6 +18,12 @@
 //! `E` is the update of what is not a decoder layer (embedding, final norm, head): its
 //! gradient is the backward's last, so its update ends every step.
 //!
+//! Layers of several kinds (`kinds`: Gemma 4's sliding and full attention, Qwen3.5's linear and
+//! full attention) each take their own candidates: `Σ n_j = L_k` over kind `k`'s candidates,
+//! `n_j ≤ L_k·y_j`. Memory, pool and transient rows are the same sums and maxima over every used
+//! candidate; the host lane is `U = Σ_k u_k·L_k − u_min·r` (see `HostLane`). Without `kinds`,
+//! one kind holds every layer and every candidate: the program above.
+//!
 //! The prefetch pool holds two consecutive offloaded shares during a backward (the one in use
 //! and the next one, prefetched), bounded here by twice the largest used share. Solved with
 //! `good_lp`'s pure-Rust `microlp` backend (no C library), memory rows in units of `B` (raw bytes
@@ -51,9 +57,25 @@ pub struct Candidate {
     /// The largest transient of its backward.
     #[serde(default)]
     pub transient_bytes: f64,
+    /// Its kind of layer: an index into `Problem::kinds` (0 without kinds).
+    #[serde(default)]
+    pub kind: usize,
 }
 
-/// The host update lane: AdamW and its copies, per streamed (non-resident) layer.
+/// A kind of decoder layer (same class and parameter shapes): how many layers are of it and
+/// their host update each.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Kind {
+    pub name: String,
+    pub layers: u32,
+    /// Seconds per streamed layer of this kind; the host lane's `update_s_per_layer` if absent.
+    #[serde(default)]
+    pub update_s_per_layer: Option<f64>,
+}
+
+/// The host update lane: AdamW and its copies, per streamed (non-resident) layer. With kinds, a
+/// resident layer takes the cheapest kind's update off the lane: resident layers are the first
+/// ones in layer order, whatever their kind, and that saving holds for any of them.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct HostLane {
     pub update_s_per_layer: f64,
@@ -65,7 +87,8 @@ pub struct HostLane {
 }
 
 /// GPU-resident layers: bytes each one keeps on the device (BF16 weights, FP32 master and Adam
-/// moments when updated there) and how many may be resident.
+/// moments when updated there) and how many may be resident. With kinds, the largest kind's
+/// bytes: the first `r` layers in layer order, of whatever kinds, fit in `r` times it.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Resident {
     pub bytes_per_layer: f64,
@@ -90,6 +113,9 @@ pub struct Problem {
     pub host: Option<HostLane>,
     #[serde(default)]
     pub resident: Option<Resident>,
+    /// The layers' kinds (their `layers` sum to `layers`); empty: one kind, every layer.
+    #[serde(default)]
+    pub kinds: Vec<Kind>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -130,7 +156,74 @@ impl Problem {
                 ));
             }
         }
+        self.check_kinds()
+    }
+
+    fn check_kinds(&self) -> Result<()> {
+        let bad = |what: String| Err(Error::InvalidArgument(what));
+        let kinds = self.kind_layers();
+        if kinds.iter().sum::<u32>() != self.layers {
+            return bad(format!(
+                "the kinds' layers sum to {}, the problem has {}",
+                kinds.iter().sum::<u32>(),
+                self.layers
+            ));
+        }
+        for c in &self.candidates {
+            if c.kind >= kinds.len() {
+                return bad(format!("candidate '{}': no kind {}", c.name, c.kind));
+            }
+        }
+        for (k, kind) in self.kinds.iter().enumerate() {
+            if !self.candidates.iter().any(|c| c.kind == k) {
+                return bad(format!("kind '{}' has no candidate", kind.name));
+            }
+            if kind
+                .update_s_per_layer
+                .is_some_and(|u| !(u.is_finite() && u >= 0.0))
+            {
+                return bad(format!(
+                    "kind '{}': update_s_per_layer must be >= 0",
+                    kind.name
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// Layers per kind (one kind of every layer without `kinds`).
+    fn kind_layers(&self) -> Vec<u32> {
+        if self.kinds.is_empty() {
+            vec![self.layers]
+        } else {
+            self.kinds.iter().map(|k| k.layers).collect()
+        }
+    }
+
+    /// The host lane of every layer streamed (`Σ_k u_k·L_k`, less `u_min·L`) and the update a
+    /// resident layer saves (`u_min`): `U = fixed + u_min·(L − r)`.
+    fn host_terms(&self, h: &HostLane) -> (f64, f64) {
+        let per_kind: Vec<(f64, u32)> = if self.kinds.is_empty() {
+            vec![(h.update_s_per_layer, self.layers)]
+        } else {
+            (self.kinds.iter())
+                .map(|k| {
+                    (
+                        k.update_s_per_layer.unwrap_or(h.update_s_per_layer),
+                        k.layers,
+                    )
+                })
+                .collect()
+        };
+        let least = per_kind
+            .iter()
+            .map(|(u, _)| *u)
+            .fold(f64::INFINITY, f64::min);
+        let fixed = per_kind
+            .iter()
+            .map(|(u, n)| (u - least) * f64::from(*n))
+            .sum();
+        (fixed, least)
     }
 
     /// Bytes of `counts` with `resident` layers, as the program counts them.
@@ -169,6 +262,7 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
     let step = vars.add(variable().min(0.0));
 
     let cands = &problem.candidates;
+    let kinds = problem.kind_layers();
     // memory rows in budgets: bytes (~1e10) beside seconds (~1e-2) make the simplex's basis
     // ill-conditioned ("Singular matrix" from microlp on real profiles)
     let unit = if problem.budget_bytes > 0.0 {
@@ -177,7 +271,6 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
         1.0
     };
     let share = |bytes: f64| bytes / unit;
-    let total: Expression = n.iter().sum();
     let compute: Expression = n
         .iter()
         .zip(cands)
@@ -197,9 +290,13 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
     // difference of whole layers' times
     let objective = step + 1e-6 * compute.clone();
     let mut model = vars.minimise(objective).using(microlp);
-    model.add_constraint(constraint!(total == layers));
+    for (k, &kind_layers) in kinds.iter().enumerate() {
+        let of_kind = n.iter().zip(cands).filter(|(_, c)| c.kind == k);
+        let total: Expression = of_kind.map(|(v, _)| *v).sum();
+        model.add_constraint(constraint!(total == f64::from(kind_layers)));
+    }
     for ((nj, yj), c) in n.iter().zip(&y).zip(cands) {
-        model.add_constraint(constraint!(*nj <= layers * *yj));
+        model.add_constraint(constraint!(*nj <= f64::from(kinds[c.kind]) * *yj));
         model.add_constraint(constraint!(pool >= 2.0 * share(c.offloaded_bytes) * *yj));
         model.add_constraint(constraint!(transient >= share(c.transient_bytes) * *yj));
     }
@@ -211,7 +308,8 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
     ));
     match &problem.host {
         Some(h) => {
-            let host = h.update_s_per_layer * (layers - resident);
+            let (fixed, least) = problem.host_terms(h);
+            let host = least * (layers - resident) + fixed;
             if h.serial {
                 model.add_constraint(constraint!(step >= compute + host + h.tail_s));
             } else {
@@ -240,11 +338,14 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
     let resident_layers = solution.value(resident).round() as u32;
     let layout = layout_of(problem, counts, resident_layers);
     // the solver's tolerances must not have bent a constraint (a bug, never bad input)
-    assert_eq!(
-        layout.counts.iter().sum::<u32>(),
-        problem.layers,
-        "{layout:?}"
-    );
+    for (k, &kind_layers) in kinds.iter().enumerate() {
+        let counts = layout.counts.iter().zip(cands).filter(|(_, c)| c.kind == k);
+        assert_eq!(
+            counts.map(|(n, _)| n).sum::<u32>(),
+            kind_layers,
+            "{layout:?}"
+        );
+    }
     assert!(
         layout.memory_bytes <= problem.budget_bytes * (1.0 + 1e-9),
         "{layout:?}"
@@ -265,14 +366,15 @@ pub fn layout_of(problem: &Problem, counts: Vec<u32>, resident_layers: u32) -> L
         .map(|(c, n)| c.forward_s * f64::from(*n))
         .sum();
     let streamed = f64::from(problem.layers - resident_layers.min(problem.layers));
+    let lane = |h: &HostLane| {
+        let (fixed, least) = problem.host_terms(h);
+        least * streamed + fixed
+    };
     let (host_s, step_s) = match &problem.host {
-        Some(h) if h.serial => (
-            h.update_s_per_layer * streamed + h.tail_s,
-            compute_s + h.update_s_per_layer * streamed + h.tail_s,
-        ),
+        Some(h) if h.serial => (lane(h) + h.tail_s, compute_s + lane(h) + h.tail_s),
         Some(h) => (
-            h.update_s_per_layer * streamed + h.tail_s,
-            compute_s.max(forward_s + h.update_s_per_layer * streamed) + h.tail_s,
+            lane(h) + h.tail_s,
+            compute_s.max(forward_s + lane(h)) + h.tail_s,
         ),
         None => (0.0, compute_s),
     };

@@ -8,6 +8,7 @@ fn cand(name: &str, time_s: f64, retained: f64, offloaded: f64) -> Candidate {
         retained_bytes: retained,
         offloaded_bytes: offloaded,
         transient_bytes: 1.0,
+        kind: 0,
     }
 }
 
@@ -28,6 +29,7 @@ fn three() -> Problem {
         parked_bytes: 0.0,
         host: None,
         resident: None,
+        kinds: vec![],
     }
 }
 
@@ -216,4 +218,88 @@ fn resident_layers_share_a_clipped_steps_end_with_the_parked_gradients() {
     // without the parked row's resident term, 5 (20 B, every layer F) would fit the budget
     let layout = solve(&p).unwrap();
     assert_eq!(layout.resident_layers, 2, "{layout:?}");
+}
+
+fn kind(name: &str, layers: u32, update_s_per_layer: Option<f64>) -> Kind {
+    Kind {
+        name: name.into(),
+        layers,
+        update_s_per_layer,
+    }
+}
+
+/// Kind A (6 layers): F 10 s, 0 B; N 6 s, 2 B (2 s per byte). Kind B (4 layers): F 20 s, 0 B;
+/// N 12 s, 8 B (1 s per byte). Transient 1 B each.
+fn two_kinds(budget_bytes: f64) -> Problem {
+    let of = |k: usize, c: Candidate| Candidate { kind: k, ..c };
+    Problem {
+        layers: 10,
+        budget_bytes,
+        candidates: vec![
+            of(0, cand("A/F", 10.0, 0.0, 0.0)),
+            of(0, cand("A/N", 6.0, 2.0, 0.0)),
+            of(1, cand("B/F", 20.0, 0.0, 0.0)),
+            of(1, cand("B/N", 12.0, 8.0, 0.0)),
+        ],
+        fixed_s: 0.0,
+        parked_bytes: 0.0,
+        host: None,
+        resident: None,
+        kinds: vec![kind("A", 6, None), kind("B", 4, None)],
+    }
+}
+
+#[test]
+fn the_hand_checked_optimum_of_two_kinds() {
+    // 14 B after the transient: A's N first (2 s/B) on all six layers (12 B); B's N (8 B) no
+    // longer fits: 6 x 6 + 4 x 20 = 116 s. Runner-up 3 A/N + 1 B/N (14 B): 18 + 30 + 12 + 60
+    // = 120 s.
+    let layout = solve(&two_kinds(15.0)).unwrap();
+    assert_eq!(layout.counts, vec![0, 6, 4, 0]);
+    assert_eq!((layout.step_s, layout.memory_bytes), (116.0, 13.0));
+    // 20 B: six A/N (12 B) and one B/N (8 B), 36 + 12 + 60 = 108 s; two B/N and two A/N take
+    // the same bytes for 16 + 8 = 24 s saved instead of 32
+    let layout = solve(&two_kinds(21.0)).unwrap();
+    assert_eq!(layout.counts, vec![0, 6, 3, 1]);
+    assert_eq!(layout.step_s, 108.0);
+    // any budget: each kind's layers on its own fastest candidate (A's N, at 6 s, is not B's)
+    let layout = solve(&two_kinds(1e6)).unwrap();
+    assert_eq!(layout.counts, vec![0, 6, 0, 4]);
+    assert_eq!(layout.step_s, 84.0);
+}
+
+#[test]
+fn resident_layers_of_several_kinds_save_the_cheapest_update() {
+    let mut p = two_kinds(1e6);
+    p.kinds = vec![kind("A", 6, Some(2.0)), kind("B", 4, Some(5.0))];
+    p.host = Some(HostLane {
+        update_s_per_layer: 0.0,
+        serial: true,
+        tail_s: 0.0,
+    });
+    p.resident = Some(Resident {
+        bytes_per_layer: 10.0,
+        max_layers: 10,
+    });
+    // all N (84 s); host 6 x 2 + 4 x 5 = 32 s streamed, each resident layer 2 s less
+    assert_eq!(layout_of(&p, vec![0, 6, 0, 4], 0).host_s, 32.0);
+    assert_eq!(layout_of(&p, vec![0, 6, 0, 4], 3).host_s, 26.0);
+    let layout = solve(&p).unwrap();
+    assert_eq!((layout.resident_layers, layout.step_s), (10, 84.0 + 12.0));
+}
+
+#[test]
+fn kinds_must_cover_the_layers_and_have_candidates() {
+    let mut p = two_kinds(15.0);
+    p.kinds[1].layers = 5;
+    let err = solve(&p).unwrap_err().to_string();
+    assert!(err.contains("kinds' layers sum to 11"), "{err}");
+    let mut p = two_kinds(15.0);
+    p.candidates.retain(|c| c.kind == 0);
+    let err = solve(&p).unwrap_err().to_string();
+    assert!(err.contains("kind 'B' has no candidate"), "{err}");
+    let mut p = two_kinds(15.0);
+    p.candidates[0].kind = 2;
+    let err = solve(&p).unwrap_err().to_string();
+    assert!(err.contains("'A/F': no kind 2"), "{err}");
 }
