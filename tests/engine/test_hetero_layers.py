@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, Gemma4Config
 from transformers.models.qwen3_5_moe import Qwen3_5MoeConfig
 
-from cli.util import one_error_line, run, snapshot
+from engine.test_more_models import _refused
 from engine.tiny import (
     make_model,
     read_metrics,
@@ -176,18 +176,6 @@ def test_a_resumed_gemma4_run_continues_with_the_checkpoints_layer_buffers(
     again = read_metrics(tmp_path / "resumed")
     assert [m["step"] for m in again] == [3, 4]
     assert [m["loss"] for m in again] == [m["loss"] for m in full[2:]]
-
-
-def _refused(
-    capsys: Capsys, tmp_path: Path, model: Path, /, *needles: str, **sections: Any
-) -> None:
-    data = write_data(tmp_path / "data.jsonl", 8)
-    out = tmp_path / "out"
-    config = write_config(tmp_path / "c.yaml", model, data, out, **sections)
-    code, _, err = run(capsys, "train", str(config))
-    assert code == 2
-    one_error_line(err, "train", *needles)
-    assert snapshot(out) == {}
 
 
 def _with_config(model: Path, **fields: Any) -> Path:
