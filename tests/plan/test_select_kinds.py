@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from engine.tiny import make_model, read_metrics, write_config, write_data
+from plan.test_select import _row
 from slidedp.cli import main
 from slidedp.config import load_config
 from slidedp.errors import ConfigError
@@ -31,23 +32,6 @@ MIB = 2**20
 GIB = 2**30
 BATCH, SEQ = 4, 32
 LAYERS = 4  # gemma4_text: sliding, sliding, full, full (its last layer is full)
-
-
-def _row(policy: str, time_ms: float, retained_mib: float, *, pareto: bool = True,
-         offloaded_mib: float = 0.0) -> dict[str, Any]:  # fmt: skip
-    return {
-        "policy": policy,
-        "pareto": pareto,
-        "forward_s": time_ms / 3e3,
-        "backward_s": 2 * time_ms / 3e3,
-        "reload_s": 0.0,
-        "retained_bytes": None,  # as on CPU: the cost model's bytes are used
-        "estimated_retained_bytes": int(retained_mib * MIB),
-        "offloaded_bytes": int(offloaded_mib * MIB),
-        "estimated_offloaded_bytes": int(offloaded_mib * MIB),
-        "transient_bytes": None,
-        "estimated_transient_bytes": 4 * MIB,
-    }
 
 
 # each kind its own candidates: SAC.mm only on the sliding layers, SAC.attn only on the full one

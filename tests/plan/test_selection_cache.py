@@ -23,15 +23,18 @@ from slidedp.estimate import Machine, update_threads
 from slidedp.models.hf import HFAdapter
 from slidedp.plan import auto, select, validate
 from slidedp.profile.cache import write_report
-from slidedp.profile.layer import _profiled
+from slidedp.profile.layer import _profiled, cached_profile
 
 
 def _profile_here(args: Any) -> dict[str, Any]:
     """``_report``'s rows cached as ``slidedp profile layer`` caches a measurement of ``args``."""
     prof = _profiled(args)
-    report = prof.facts | {"candidates": _report()["candidates"], "cached": None}
-    write_report(prof.cache, report)
-    return report
+    for kind in prof.kinds:
+        report = prof.facts | {"layer": kind, "candidates": _report()["candidates"], "cached": None}
+        write_report(prof.cache(kind), report)
+    found = cached_profile(args)
+    assert found is not None
+    return found
 
 
 @pytest.fixture
