@@ -228,7 +228,9 @@ def test_ours_with_runtime_policy_auto_and_the_reference_run_the_chosen_layout(
     assert _cli(config, out, *extra) == 0
     assert "policy   auto: " in capsys.readouterr().out
     ours, ref = json.loads(out.read_text())["runs"]
-    assert ours["policy"].startswith(f"policy   auto: {ours['layout']}, 0 GPU-resident, predicted ")
+    # the layout the banner names (chosen, or the default kept: that rests on the host rate
+    # measured here)
+    assert ours["policy"].startswith(f"policy   auto: {ours['layout']}, 0 GPU-resident")
     assert ref["layout"] == ours["layout"]
     assert list((tmp_path / "cache" / "slidedp" / "profile").glob("layer-*.json"))
 
