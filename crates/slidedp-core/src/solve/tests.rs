@@ -12,6 +12,22 @@ fn cand(name: &str, time_s: f64, retained: f64, offloaded: f64) -> Candidate {
     }
 }
 
+/// The host lane of `u` seconds per streamed layer, after the backward when `serial`.
+fn lane(u: f64, serial: bool) -> Option<HostLane> {
+    Some(HostLane {
+        update_s_per_layer: u,
+        serial,
+        tail_s: 0.0,
+    })
+}
+
+fn resident(bytes_per_layer: f64, max_layers: u32) -> Option<Resident> {
+    Some(Resident {
+        bytes_per_layer,
+        max_layers,
+    })
+}
+
 /// F: 10 s, 0 B; SAC: 8 s, 1 B; N: 6 s, 3 B; 10 layers, budget 15 B with 1 B of transient.
 /// By hand: SAC saves 2 s per byte and N over SAC 1 s per byte, so fill with SAC (10 B) and
 /// upgrade two layers to N with the 4 B left: 8 x 8 + 2 x 6 = 76 s. The runner-up, 3 N + 5 SAC
@@ -70,26 +86,15 @@ fn the_prefetch_pool_counts_two_offloaded_shares_once() {
 fn resident_layers_shorten_the_host_lane_where_it_binds() {
     let mut p = three();
     p.budget_bytes = 1e6;
-    p.host = Some(HostLane {
-        update_s_per_layer: 9.0,
-        serial: false,
-        tail_s: 0.0,
-    });
-    p.resident = Some(Resident {
-        bytes_per_layer: 10.0,
-        max_layers: 10,
-    });
+    p.host = lane(9.0, false);
+    p.resident = resident(10.0, 10);
     // compute 60 s (all N); host 90 s until 4 layers are resident (9 x 6 = 54 <= 60)
     let layout = solve(&p).unwrap();
     assert_eq!(layout.counts, vec![0, 0, 10]);
     assert!(layout.resident_layers >= 4, "{layout:?}");
     assert_eq!(layout.step_s, 60.0);
     // serial (clipping): every resident layer takes 9 s off the step, so all of them
-    p.host = Some(HostLane {
-        update_s_per_layer: 9.0,
-        serial: true,
-        tail_s: 0.0,
-    });
+    p.host = lane(9.0, true);
     let layout = solve(&p).unwrap();
     assert_eq!((layout.resident_layers, layout.step_s), (10, 60.0));
 }
@@ -101,15 +106,8 @@ fn the_overlapped_host_lane_starts_after_the_forward() {
     for c in &mut p.candidates {
         c.forward_s = c.time_s / 3.0; // N: 2 s of its 6
     }
-    p.host = Some(HostLane {
-        update_s_per_layer: 9.0,
-        serial: false,
-        tail_s: 0.0,
-    });
-    p.resident = Some(Resident {
-        bytes_per_layer: 10.0,
-        max_layers: 10,
-    });
+    p.host = lane(9.0, false);
+    p.resident = resident(10.0, 10);
     // compute 60 s (all N), forward 20 s: the lane ends by 60 s with 6 resident layers
     // (20 + 9 x 4 = 56), where 4 would do if it could overlap the forward (20 + 54 = 74 s)
     let layout = solve(&p).unwrap();
@@ -132,15 +130,8 @@ fn the_overlapped_host_lane_starts_after_the_forward() {
 fn resident_layers_compete_with_activations_for_the_budget() {
     let mut p = three();
     p.budget_bytes = 21.0; // transient 1 + 20 B
-    p.host = Some(HostLane {
-        update_s_per_layer: 4.0,
-        serial: true,
-        tail_s: 0.0,
-    });
-    p.resident = Some(Resident {
-        bytes_per_layer: 4.0,
-        max_layers: 10,
-    });
+    p.host = lane(4.0, true);
+    p.resident = resident(4.0, 10);
     // a resident layer: 4 s for 4 B (1 s/B), an SAC layer 2 s for 1 B, an N upgrade 2 s for 2 B:
     // 10 SAC (10 B) then 10 B shared between N upgrades and resident layers at 1 s/B each
     let layout = solve(&p).unwrap();
@@ -176,11 +167,7 @@ fn among_equal_steps_the_least_compute() {
     // the host lane (100 s) binds every layout: all N (60 s of compute) is chosen
     let mut p = three();
     p.budget_bytes = 1e6;
-    p.host = Some(HostLane {
-        update_s_per_layer: 10.0,
-        serial: false,
-        tail_s: 0.0,
-    });
+    p.host = lane(10.0, false);
     let layout = solve(&p).unwrap();
     assert_eq!(
         (layout.counts.clone(), layout.step_s),
@@ -206,15 +193,8 @@ fn resident_layers_share_a_clipped_steps_end_with_the_parked_gradients() {
     let mut p = three();
     p.budget_bytes = 21.0;
     p.parked_bytes = 12.0; // transient 1 + parked 12: 8 B left for resident layers at the end
-    p.host = Some(HostLane {
-        update_s_per_layer: 10.0, // a resident layer saves 10 s for 4 B
-        serial: true,
-        tail_s: 0.0,
-    });
-    p.resident = Some(Resident {
-        bytes_per_layer: 4.0,
-        max_layers: 10,
-    });
+    p.host = lane(10.0, true); // a resident layer saves 10 s for 4 B
+    p.resident = resident(4.0, 10);
     // without the parked row's resident term, 5 (20 B, every layer F) would fit the budget
     let layout = solve(&p).unwrap();
     assert_eq!(layout.resident_layers, 2, "{layout:?}");
@@ -272,15 +252,8 @@ fn the_hand_checked_optimum_of_two_kinds() {
 fn resident_layers_of_several_kinds_save_the_cheapest_update() {
     let mut p = two_kinds(1e6);
     p.kinds = vec![kind("A", 6, Some(2.0)), kind("B", 4, Some(5.0))];
-    p.host = Some(HostLane {
-        update_s_per_layer: 0.0,
-        serial: true,
-        tail_s: 0.0,
-    });
-    p.resident = Some(Resident {
-        bytes_per_layer: 10.0,
-        max_layers: 10,
-    });
+    p.host = lane(0.0, true);
+    p.resident = resident(10.0, 10);
     // all N (84 s); host 6 x 2 + 4 x 5 = 32 s streamed, each resident layer 2 s less
     assert_eq!(layout_of(&p, vec![0, 6, 0, 4], 0).host_s, 32.0);
     assert_eq!(layout_of(&p, vec![0, 6, 0, 4], 3).host_s, 26.0);
