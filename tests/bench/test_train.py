@@ -17,7 +17,7 @@ from slidedp.bench import worker
 from slidedp.bench.measure import RunSpec, process_tree, tree_pss_bytes
 from slidedp.bench.plot import plot_sweep, require_matplotlib
 from slidedp.bench.report import Model, print_report, ratios, summarise
-from slidedp.bench.train import ours_config
+from slidedp.bench.train import ours_config, shape_config
 from slidedp.cli import main
 from slidedp.errors import ConfigError
 from slidedp.plan.validate import is_out_of_memory
@@ -160,6 +160,8 @@ def test_bench_owned_keys_and_bad_systems_are_refused(
     assert validated["runtime"]["policy_validate_steps"] == 3
     with pytest.raises(ConfigError, match=r"'train\.global_batch_size' is set by the bench"):
         ours_config(["train.global_batch_size=8"])
+    with pytest.raises(ConfigError, match=r"'model\.path' is set by the bench"):
+        ours_config(["model.path=/x"])
     config = write_tiny_config(tmp_path / "m")
     assert _cli(config, tmp_path / "r.json", "--systems", "ours,deepspeed") == 2
     err = capsys.readouterr().err.strip()
@@ -290,3 +292,26 @@ def test_bench_predict_reads_probes_run_apart(
     report.write_text(report.read_text().replace('"batch": 2', '"batch": 4'))
     assert main([*cli, "--host-gbps", "40"]) == 2
     assert "no layer profile of this model's layer at batch 4" in capsys.readouterr().err
+
+
+def test_model_overrides_reach_every_system_through_the_shape_config() -> None:
+    """``--set model.*`` (here the 128K setting of Qwen3's YaRN) changes the config.json every
+    system builds, and only once: ours reads it from there, its own overrides cleared."""
+    ours = ours_config(
+        [
+            "model.max_position_embeddings=131072",
+            "model.rope_scaling={rope_type: yarn, factor: 4.0, "
+            "original_max_position_embeddings: 32768}",
+        ]
+    )
+    config, applied = shape_config("qwen3-4b", 2, ours)
+    assert config.max_position_embeddings == 131072
+    assert config.num_hidden_layers == 2
+    assert config.rope_parameters["rope_type"] == "yarn"
+    assert config.rope_parameters["factor"] == 4.0
+    assert applied["max_position_embeddings"] == 131072
+    assert ours["model"]["rope_scaling"] is None
+    assert ours["model"]["max_position_embeddings"] is None
+    plain, none = shape_config("qwen3-4b", 0, ours_config([]))
+    assert plain.max_position_embeddings == 40960
+    assert none == {}

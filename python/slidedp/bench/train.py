@@ -61,7 +61,7 @@ from slidedp.bench.report import Model, print_report, ratios, summarise
 from slidedp.bench.scaling import collectives_report, print_scale, scale_report
 from slidedp.bench.shapes import SHAPES, cut_layers, resolve_shape
 from slidedp.bench.sweep import print_summary, sweep_summary
-from slidedp.config import load_config
+from slidedp.config import ModelSection, load_config
 from slidedp.errors import ConfigError, SlidedpError
 
 DEFAULT_SYSTEMS = ("ours", "reference", "fsdp2")
@@ -74,7 +74,7 @@ OURS_DEFAULTS: dict[str, Any] = {
     "runtime": {"policy_validate_steps": 0},
 }
 BENCH_OWNED = frozenset(
-    ("model", "data", "output", "train.max_steps", "train.global_batch_size", "runtime.device",
+    ("model.path", "data", "output", "train.max_steps", "train.global_batch_size", "runtime.device",
      "runtime.ranks", "runtime.gpus")
 )  # fmt: skip
 
@@ -212,6 +212,23 @@ def system_timeouts(text: str | None, systems: list[str]) -> dict[str, float]:
     return {s: per_system.get(s, default) for s in systems}
 
 
+def shape_config(shape: str, layers: int, ours: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The model config every system builds: ``shape`` cut to ``layers`` (0: all), with the
+    ``model.*`` overrides of ``--set`` (RoPE scaling, the position limit, the router loss)
+    applied here, so the reference and the peers train the same model as ours. They are
+    cleared from ``ours`` in place: ours reads them from the config like every system. Also
+    the overrides applied (the report's record)."""
+    from slidedp.models.hf import apply_overrides
+
+    config = resolve_shape(shape)
+    if layers:
+        config = cut_layers(config, layers)
+    overrides = ModelSection(**ours["model"]).config_overrides()
+    apply_overrides(config, overrides)
+    ours["model"].update(dict.fromkeys(overrides))
+    return config, overrides
+
+
 def _params(config: Any) -> int:
     """Stored parameters (a tied head counted once), from a meta-device model."""
     from transformers import AutoModelForCausalLM
@@ -233,9 +250,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     peer_sets = parse_peer_sets(args.peer_sets)
     timeouts = system_timeouts(args.system_timeout, systems)
     scale = multi.parse_scale(args, systems, device, ours)  # None: one GPU only
-    config = resolve_shape(args.shape)
-    if args.layers:
-        config = cut_layers(config, args.layers)
+    config, model_overrides = shape_config(args.shape, args.layers, ours)
     model = Model(model_flops_per_token(config, args.seq), None, _params(config))
     report: dict[str, Any] = {
         "shape": args.shape,
@@ -245,6 +260,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             "hidden": int(config.hidden_size),
             "params": model.params,
             "matmul_params": matmul_params(config),
+            "overrides": model_overrides,
         },
         "seq_len": args.seq,
         "device": device,
