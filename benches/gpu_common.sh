@@ -1,8 +1,9 @@
 # Sourced by the benches/gpu_*.sh device scripts (set OUT first): installs our wheel from the
 # carried `dist` and, unless LIGER=0, Liger's from the carried `wheels`; keeps NVLink multicast
 # off (multi-GPU machines); defines `part NAME SECONDS COMMAND...`, which runs one timed part
-# into $OUT/log.txt and says how it ended, and `layer SHAPE BATCH [FAMILIES [RATIOS]]`, the
-# step-time model's layer probe (bench.predict) into $OUT.
+# into $OUT/log.txt and says how it ended, `within SECONDS NAME`, whether such a part still
+# ends within the device call's 10 minutes (else it says it is skipped), and `layer SHAPE
+# BATCH [FAMILIES [RATIOS]]`, the step-time model's layer probe (bench.predict) into $OUT.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT"
@@ -21,6 +22,10 @@ part() {  # part NAME SECONDS COMMAND...
     echo "== $name ($(date -u +%T), timeout ${seconds}s): $*" | tee -a "$LOG"
     timeout "$seconds" "$@" >>"$LOG" 2>&1
     echo "== $name: exit $? ($(date -u +%T))" | tee -a "$LOG"
+}
+
+within() {  # within SECONDS NAME: whether a part of that limit still ends before 560 s
+    ((SECONDS + $1 <= 560)) || { echo "== skipped: $2 (the call's time)" | tee -a "$LOG"; false; }
 }
 
 layer() {  # layer SHAPE BATCH [FAMILIES [RATIOS]]: F-r0 by default, the run's layer compute

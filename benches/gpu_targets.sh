@@ -21,10 +21,6 @@ JSON=$(mktemp -d)
 BENCH=(python3 -m slidedp bench train --shape "$SHAPE" --warmup 2 --steps 3
        --set train.max_grad_norm="$CLIP")
 
-within() {  # within SECONDS: whether a part of that limit still ends before 560 s
-    ((SECONDS + $1 <= 560)) || { echo "== skipped: $2 (the call's time)" | tee -a "$LOG"; false; }
-}
-
 for B in ${BATCHES:-4 16}; do
     name="$SHAPE-b$B-clip$CLIP"
     within "$LIMIT" "$name-fixed" && part "$name-fixed" "$LIMIT" "${BENCH[@]}" --systems ours \

@@ -8,30 +8,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from transformers import AutoModelForCausalLM, Qwen3Config
 
-from engine.tiny import read_metrics, reference_batches, write_config, write_data
-from slidedp.config import load_config
-from slidedp.runtime.trainer import Trainer
+from engine.mixed_precision import fsdp2_losses, our_losses, parity_data, train_config
 
 STEPS = 200
-TRAIN: dict[str, Any] = {
-    "max_steps": STEPS,
-    "global_batch_size": 8,
-    "learning_rate": 1e-4,
-    "weight_decay": 0.01,
-    "max_grad_norm": 1.0,
-    "lr_scheduler": "cosine",
-    "warmup_steps": 10,
-    "dtype": "bfloat16",
-}
+TRAIN = train_config(STEPS)
 
 
 MIXED_LAYOUT = "1xF-r1, 1xS1010100-r0.5, 1xSAC.mm-r1, 1xN-r0.5"
@@ -56,56 +43,15 @@ def _small_qwen3(root: Path) -> Path:
 
 
 def _fsdp2_losses(model_dir: Path, data: Path) -> list[float]:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        model = model.cuda().train()  # type: ignore[call-arg]
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in model.model.layers:
-            fully_shard(layer, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
-        named = list(model.named_parameters())
-        groups = [
-            {"params": [p for _, p in named if p.ndim >= 2], "weight_decay": TRAIN["weight_decay"]},
-            {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0},
-        ]
-        opt = torch.optim.AdamW(groups, lr=TRAIN["learning_rate"])
-        from transformers import get_scheduler
-
-        sched = get_scheduler("cosine", opt, num_warmup_steps=10, num_training_steps=STEPS)
-        losses = []
-        for batch in reference_batches(data, TRAIN["global_batch_size"], STEPS):
-            loss = model(**{k: v.cuda() for k, v in batch.items()}).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), TRAIN["max_grad_norm"])
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            losses.append(float(loss.detach()))
-        return losses
-    finally:
-        dist.destroy_process_group()
+    return fsdp2_losses(model_dir, data, TRAIN, device="cuda")
 
 
 def _ours(tmp_path: Path, model_dir: Path, data: Path, name: str, **runtime: Any) -> list[float]:
-    out = tmp_path / f"out-{name}"
-    config = write_config(tmp_path / f"c-{name}.yaml", model_dir, data, out, train=TRAIN,
-                          runtime={"device": "cuda", **runtime})  # fmt: skip
-    Trainer(load_config(str(config), ["data.seq_len=128"]), log=False).run()
-    return [r["loss"] for r in read_metrics(out)]
+    return our_losses(tmp_path, model_dir, data, TRAIN, name, device="cuda", **runtime)
 
 
 def _data(tmp_path: Path) -> Path:
-    # A fine-tuning regime: every step sees new sequences (no memorisation), full-FT learning
-    # rate. At lr 1e-3 on 64 cycled sequences (loss 5.6 -> 0.03 in 200 steps) both runs agree to
-    # 1e-5 for 20 steps, then rounding differences are amplified by the fast memorisation (max
-    # 2.4e-2 around step 100), as between any two bf16 runs; see BENCHMARKS.md.
-    return write_data(tmp_path / "data.jsonl", STEPS * 8, min_len=64, max_len=128)
+    return parity_data(tmp_path, STEPS)
 
 
 @pytest.fixture(scope="module")

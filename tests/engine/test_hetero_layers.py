@@ -260,3 +260,49 @@ def test_sac_noact_on_a_gemma4_layer_is_refused(capsys: Capsys, tmp_path: Path) 
     model = make_model(tmp_path, "gemma4_text", tied=False, layers=3)
     _refused(capsys, tmp_path, model, "layer 2 is SAC.noact", "scales in place",
              runtime={"layers": "2xF, 1xSAC.noact"})  # fmt: skip
+
+
+def _as_in_transformers_5_17(monkeypatch: pytest.MonkeyPatch, arch: str) -> None:
+    """What the GPU machine's transformers 5.17 does that 5.23 does not (found by the GPU
+    parity test): Gemma 4's last layer of each attention type stores its keys and values in
+    the forward's ``shared_kv_states`` dict even when no layer reuses them, and Qwen3.5's
+    rotary reads position ids with a row per grid axis ([3, B, S]), as its model's forward
+    passes them."""
+    if arch.startswith("gemma4"):
+        from transformers.models.gemma4 import modeling_gemma4 as gemma4
+
+        init = gemma4.Gemma4TextAttention.__init__
+
+        def storing(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            self.store_full_length_kv = True
+
+        monkeypatch.setattr(gemma4.Gemma4TextAttention, "__init__", storing)
+    else:
+        from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as qwen
+
+        forward = qwen.Qwen3_5MoeTextRotaryEmbedding.forward
+
+        def by_axis(self: Any, x: torch.Tensor, position_ids: torch.Tensor) -> Any:
+            assert position_ids.ndim == 3, "a row of position ids per grid axis"
+            return forward(self, x, position_ids)
+
+        monkeypatch.setattr(qwen.Qwen3_5MoeTextRotaryEmbedding, "forward", by_axis)
+
+
+@pytest.mark.parametrize("arch", ["gemma4_text", "qwen3_5_moe_text"])
+def test_layers_run_alone_as_the_models_forward_calls_them(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, arch: str
+) -> None:
+    """Each layer gets what its model's forward gives it (a key/value dict to write, position
+    ids per grid axis), so the losses stay the reference's under the older transformers."""
+    model = make_model(tmp_path, arch, tied=False, layers=3)
+    data = write_data(tmp_path / "data.jsonl", 30)
+    train = {**_train(arch, 0.0), "max_steps": 2}
+    ref = reference_train(model, data, train)
+    _as_in_transformers_5_17(monkeypatch, arch)
+    out = tmp_path / "out"
+    config = write_config(tmp_path / "c.yaml", model, data, out, train=train)
+    assert main(["train", str(config)]) == 0
+    losses = [m["loss"] for m in read_metrics(out)]
+    torch.testing.assert_close(losses, ref.losses, rtol=FIRST_STEPS_RTOL, atol=0)

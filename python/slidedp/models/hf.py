@@ -325,6 +325,9 @@ class HFAdapter:
             "position_embeddings": ctx["position_embeddings"][layer],
             "past_key_values": None,
             "use_cache": False,
+            # Gemma 4 (transformers 5.17) has the last layer of each attention type store its
+            # keys and values here even when no layer reuses them: the forward's own dict
+            "shared_kv_states": {},
         }
         recorded: list[torch.Tensor] = []
         hooks = []
@@ -419,6 +422,8 @@ class HFAdapter:
         """Each decoder layer's rotary (cos, sin), as the model's forward computes them: one
         pair for every layer, or one per layer type where the rotary module takes one (Gemma's
         sliding and full attention layers rotate with different bases)."""
+        if hasattr(rotary, "mrope_section"):  # Qwen3.5: one row per grid axis, as its forward
+            position_ids = position_ids[None].expand(3, *position_ids.shape)
         if "layer_type" not in inspect.signature(rotary.forward).parameters:
             return [rotary(x, position_ids)] * self.num_layers
         kinds = self.config.layer_types[: self.num_layers]
