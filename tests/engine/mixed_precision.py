@@ -66,7 +66,7 @@ def fsdp2_losses(
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        model = model.to(device).train()
+        model = model.to(device).train()  # type: ignore[arg-type]
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=mp)
