@@ -7,6 +7,8 @@
 #   long    Qwen3-4B at 128K (YaRN factor 4), ours and reference, B=1, one measured step
 #   long64k Qwen3-4B at 64K, the same, two measured steps
 #   long8b  Qwen3-8B at 64K, the same, one measured step
+#   long8b128k  Qwen3-8B at 128K without clipping (its parked gradients free 16 GiB), ours
+#   longest slidedp estimate --longest-seq for Qwen3-4B and 8B (YaRN factor 8: up to 256K)
 # OLMoE is cut to MOE_LAYERS (default 8) of its 16 layers, so that FSDP2-offload's host state
 # fits the machine's 128 GiB beside ours (the bench's --layers; MFU counts active parameters).
 # The reports come back as one archive ($OUT/models.tgz): a device call returns few files.
@@ -44,7 +46,28 @@ for PART in ${PARTS:-parity moe}; do case $PART in
         within 440 qwen3-8b-64k && part qwen3-8b-64k 440 "${LONG[@]}" --shape qwen3-8b \
             --seq 65536 --steps 1 --system-timeout 330,reference=100 \
             --json "$JSON/qwen3-8b-s65536.json" ;;
-    *) echo "PARTS: parity, moe, moe4k, long, long64k, long8b (not $PART)"; exit 2 ;;
+    long8b128k)
+        within 420 qwen3-8b-128k && part qwen3-8b-128k 420 "${LONG[@]}" --shape qwen3-8b \
+            --seq 131072 --steps 1 --systems ours --set train.max_grad_norm=0 \
+            --json "$JSON/qwen3-8b-s131072-noclip.json" ;;
+    longest)
+        for shape in qwen3-4b qwen3-8b; do
+            dir=$(mktemp -d)
+            python3 -c "from slidedp.bench.shapes import resolve_shape as r
+r('$shape').to_json_file('$dir/config.json')"
+            echo '{"input_ids": [1, 2, 3]}' > "$dir/data.jsonl"
+            printf '%s\n' "model: {path: $dir, max_position_embeddings: 262144, rope_scaling:" \
+                "  {rope_type: yarn, factor: 8.0, original_max_position_embeddings: 32768}}" \
+                "data: {path: $dir/data.jsonl, seq_len: 65536}" "output: {dir: $dir/out}" \
+                "train: {max_steps: 1, global_batch_size: 1}" "runtime: {device: cuda}" \
+                > "$dir/run.yaml"
+            part "longest-$shape" 120 python3 -m slidedp estimate "$dir/run.yaml" --longest-seq \
+                --json
+            part "longest-$shape-noclip" 120 python3 -m slidedp estimate "$dir/run.yaml" \
+                train.max_grad_norm=0 --longest-seq --json
+            cp "$dir/run.yaml" "$JSON/longest-$shape.yaml"
+        done ;;
+    *) echo "PARTS: parity moe moe4k long long64k long8b long8b128k longest, not $PART"; exit 2 ;;
 esac; done
 tar czf "$OUT/models.tgz" -C "$JSON" .
 grep -E "^ +[0-9]+ (ours|reference|fsdp2)|passed|failed|max_abs|exit|Error|error" "$LOG" | tail -30
