@@ -135,3 +135,13 @@ def test_a_peer_report_needs_only_the_same_train_section(tmp_path: Path) -> None
     unclipped = _configured(peers, max_grad_norm=0.0)
     with pytest.raises(ConfigError, match=r"ours_config\.train\.max_grad_norm \(1\.0 vs 0\.0\)"):
         merge_reports([ours, unclipped])
+
+
+def test_a_key_an_older_report_lacks_is_no_difference() -> None:
+    """A report written before ``runtime.resident_layers`` existed ran without resident
+    layers, as the default does: it merges with a newer one; a key both have still counts."""
+    old = _configured(_report("x", (16,)))
+    new = _configured(_report("x", (4,)), resident_layers=0)
+    assert len(merge_reports([new, old])["runs"]) == 4
+    with pytest.raises(ConfigError, match=r"ours_config\.runtime\.kernels"):
+        merge_reports([new, _configured(_report("x", (8,)), kernels="eager")])

@@ -130,9 +130,11 @@ def _check_ours_configs(reports: list[dict[str, Any]]) -> None:
 
 
 def _first_difference(a: Any, b: Any, path: str) -> tuple[str, Any, Any] | None:
-    """(dotted key, value in ``a``, value in ``b``) of the first difference, or None."""
+    """(dotted key, value in ``a``, value in ``b``) of the first difference, or None. A key
+    only one of them has is none: a report written before the key existed ran without the
+    feature it configures, as its default does."""
     if isinstance(a, dict) and isinstance(b, dict):
-        for key in sorted(a.keys() | b.keys()):
+        for key in sorted(a.keys() & b.keys()):
             differ = _first_difference(a.get(key), b.get(key), f"{path}.{key}")
             if differ is not None:
                 return differ
