@@ -51,6 +51,12 @@ GPU peak, as ``torch.cuda.max_memory_reserved`` reports it::
 - allocator: 0.4 GiB (block rounding, cuBLAS workspaces). With ``plan.cost``'s
   ``REPLAY_PEAK_FACTOR`` (1.64) the two constants fitted to the measurements below.
 
+The layer terms count what the run's layer kernels save (``Policy.compute.kernels``): with
+Liger's, what its Functions save (``models.liger_twins``) at ``LIGER_REPLAY_PEAK_FACTOR``
+(1.90), fitted to the H100 with Liger at 64K and 128K tokens: Qwen3-4B 128K 53.12 vs 53.07 GiB,
+64K 28.18 vs 27.80, Qwen3-8B 64K 40.07 vs 39.82, 128K without clipping 74.97 vs 67.38 (+11%),
+Qwen3-4B B=32 S=1024 17.58 vs 15.04 (+17%); eager modules' counts were 12-28% high there.
+
 Against BENCHMARKS.md (Qwen3-4B, S=1024, 2 slots, H100), GPU reserved: B=16 clip r=1 14.99 vs
 15.0 GiB (-0.1%), B=16 clip r=0 14.99 vs 15.1 (-0.7%), B=16 no clip r=1 7.66 vs 7.6 (+0.8%), B=8
 clip r=1 12.86 vs 12.9 (-0.3%); the batch slope of the layer term (2.13 GiB per 8 rows) matches
@@ -414,7 +420,8 @@ def estimate_run(
     window = (slots * largest_layer + own) * elem
     loss = min(rt.loss_chunk_tokens, tokens) * adapter.vocab_size * 4 * LOSS_F32_COPIES
     dtype = torch.bfloat16 if elem == 2 else torch.float32
-    acts = layout_memory(adapter, policy.layers, rows, s, dtype)
+    kernels = policy.compute.kernels  # Liger's kernels save less for the backward
+    acts = layout_memory(adapter, policy.layers, rows, s, dtype, kernels)
     layer = acts.transient_bytes
     checkpoints = acts.retained_bytes + acts.prefetch_bytes
     parked = params * elem if cfg.train.max_grad_norm > 0 else 0
@@ -453,7 +460,7 @@ def estimate_run(
         batch=b,
         seq_len=s,
         layout=policy.layout,
-        layout_rows=_layout_rows(adapter, policy.layers, rows, s, dtype),
+        layout_rows=_layout_rows(adapter, policy.layers, rows, s, dtype, kernels),
         resident_layers=policy.resident_layers,
         resident_bytes=resident,
         clipping=clipping,
@@ -549,7 +556,7 @@ def _step_model(
     rt = cfg.runtime
     b, s = cfg.train.global_batch_size // rt.world, cfg.data.seq_len  # per rank
     offloaded = [
-        layer_footprint(adapter, p, b, s, dtype, i).offloaded_bytes
+        layer_footprint(adapter, p, b, s, dtype, i, policy.compute.kernels).offloaded_bytes
         for i, p in enumerate(policy.layers)
     ]
     links, links_measured = _links(rt.world, adapter, machine)
@@ -596,7 +603,12 @@ def _links(world: int, adapter: HFAdapter, machine: Machine) -> tuple[Links, lis
 
 
 def _layout_rows(
-    adapter: HFAdapter, layers: tuple[LayerPolicy, ...], b: int, s: int, dtype: torch.dtype
+    adapter: HFAdapter,
+    layers: tuple[LayerPolicy, ...],
+    b: int,
+    s: int,
+    dtype: torch.dtype,
+    kernels: str,
 ) -> list[dict[str, Any]]:
     counts: dict[tuple[LayerPolicy, int], int] = {}  # (policy, kind of layer): layers
     for i, p in enumerate(layers):
@@ -605,7 +617,7 @@ def _layout_rows(
     several_kinds = len(set(adapter.layer_kinds)) > 1
     rows = []
     for (p, kind), n in counts.items():
-        fp = layer_footprint(adapter, p, b, s, dtype, kind)
+        fp = layer_footprint(adapter, p, b, s, dtype, kind, kernels)
         rows.append(
             {
                 "policy": f"{p} (like layer {kind})" if several_kinds else str(p),

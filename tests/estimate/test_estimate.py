@@ -204,6 +204,7 @@ def test_qwen3_4b_matches_the_measurements_without_allocating(
         f"runtime.offload_ratio={r}",
         "runtime.grad_slots=2",
         "runtime.bf16_mirror=false",
+        "runtime.kernels=eager",  # those runs had transformers' modules (Liger: test_liger_memory)
     )
     est = estimate_run(cfg, HFAdapter.from_dir(qwen3_4b), H100)
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
@@ -234,6 +235,7 @@ def test_refusal_names_every_shortage_with_its_numbers(tmp_path: Path, qwen3_4b:
         "train.global_batch_size=16",
         "runtime.grad_slots=2",  # the measured store: 45.73 GiB
         "runtime.bf16_mirror=false",
+        "runtime.kernels=eager",
     )
     est = estimate_run(cfg, HFAdapter.from_dir(qwen3_4b), H100)
     check_fits(est)  # H100 with 100 GiB of /dev/shm: fits

@@ -54,6 +54,8 @@ import logging
 import sys
 import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import MethodType
 from typing import TYPE_CHECKING, Any, Literal
@@ -62,6 +64,7 @@ import torch
 from torch import nn
 
 from slidedp.errors import ConfigError
+from slidedp.models.liger_twins import rms_norm_twin, rope_twin, swiglu_mlp_twin
 
 if TYPE_CHECKING:
     from slidedp.models.hf import HFAdapter
@@ -146,13 +149,14 @@ def resolve_compute(
     return Compute(chosen, COMPILE_BACKEND if compile else "", reason)
 
 
-def _off_meta(fast: Any, eager: Any) -> Any:
-    """``fast`` (a Liger function) for real tensors, ``eager`` (transformers') for meta ones:
-    the cost model runs these same modules on the meta device, where a Triton kernel would
-    dereference a null pointer (an illegal memory access that poisons the CUDA context)."""
+def _off_meta(fast: Any, twin: Any) -> Any:
+    """``fast`` (a Liger function) for real tensors, its ``twin`` for meta ones: the cost model
+    runs these same modules on the meta device, where a Triton kernel would dereference a null
+    pointer (an illegal memory access that poisons the CUDA context); the twin saves what the
+    kernel saves (``models.liger_twins``)."""
 
     def dispatch(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        return (eager if x.is_meta else fast)(x, *args, **kwargs)
+        return (twin if x.is_meta else fast)(x, *args, **kwargs)
 
     return dispatch
 
@@ -162,7 +166,7 @@ def _patch_rms_norm(module: nn.Module, rms_forward: Any) -> None:
     attrs = {"offset": 0.0, "casting_mode": "llama", "in_place": True, "row_mode": None}
     for name, value in attrs.items():
         setattr(module, name, value)
-    module.forward = _off_meta(MethodType(rms_forward, module), module.forward)
+    module.forward = _off_meta(MethodType(rms_forward, module), rms_norm_twin(module))
 
 
 class _ActiveRope(threading.local):
@@ -203,7 +207,8 @@ def _scoped_rope(attention: nn.Module, modeling: Any, rope: Any) -> None:
     an eager model of the same type in this process, the cost model's meta-device runs, another
     thread — with transformers' own."""
     forward = attention.forward
-    rope = _off_meta(rope, _rope_dispatcher(modeling))
+    _rope_dispatcher(modeling)
+    rope = _off_meta(rope, rope_twin)
 
     def with_rope(*args: Any, **kwargs: Any) -> Any:
         outer = _active_rope.fn
@@ -227,14 +232,43 @@ def _apply_liger(adapter: HFAdapter) -> None:
     _patch_rms_norm(adapter.norm_module(), LigerRMSNorm.forward)
     for layer in range(adapter.num_layers):
         module: Any = adapter.layer_module(layer)
-        norms = [module.input_layernorm, module.post_attention_layernorm]
-        norms += [getattr(module.self_attn, n) for n in ("q_norm", "k_norm")
-                  if hasattr(module.self_attn, n)]  # fmt: skip
-        for norm in norms:
+        for norm in _layer_norms(module):
             _patch_rms_norm(norm, LigerRMSNorm.forward)
         module.mlp.forward = _off_meta(MethodType(LigerSwiGLUMLP.forward, module.mlp),
-                                       module.mlp.forward)  # fmt: skip
+                                       swiglu_mlp_twin(module.mlp))  # fmt: skip
         _scoped_rope(module.self_attn, modeling, liger_rotary_pos_emb)
+
+
+def _layer_norms(module: Any) -> list[nn.Module]:
+    """The RMSNorms of a Llama-family decoder layer that Liger replaces."""
+    norms = [module.input_layernorm, module.post_attention_layernorm]
+    return norms + [getattr(module.self_attn, n) for n in ("q_norm", "k_norm")
+                    if hasattr(module.self_attn, n)]  # fmt: skip
+
+
+@contextmanager
+def liger_saved_tensors(adapter: HFAdapter, layer: int) -> Iterator[None]:
+    """While this lasts, decoder layer ``layer`` of ``adapter`` saves on the meta device what
+    it saves with Liger's kernels (``models.liger_twins``), whether or not the adapter is
+    patched: the cost model's footprint of a run that will patch it (``plan.cost``)."""
+    module: Any = adapter.layer_module(layer)
+    modeling: Any = importlib.import_module(type(adapter.base).__module__)
+    _rope_dispatcher(modeling)  # so that the thread's rotary function is looked up
+    twins = [(n, rms_norm_twin(n)) for n in _layer_norms(module)]
+    twins.append((module.mlp, swiglu_mlp_twin(module.mlp)))
+    before = [(m, m.__dict__.get("forward")) for m, _ in twins]
+    outer, _active_rope.fn = _active_rope.fn, rope_twin
+    try:
+        for m, twin in twins:
+            m.forward = twin
+        yield
+    finally:
+        _active_rope.fn = outer
+        for m, forward in before:
+            if forward is None:
+                del m.forward  # the class's forward again
+            else:
+                m.forward = forward
 
 
 def call_layer(module: nn.Module, x: torch.Tensor, kwargs: dict[str, Any]) -> Any:

@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 from collections.abc import Sequence
@@ -41,6 +42,10 @@ from slidedp.plan.layout import LayerPolicy
 # for Qwen3-4B (BENCHMARKS.md, within 0.5% with ``estimate.ALLOCATOR_BYTES``); the other families
 # use the same share (validated against measured peaks: BENCHMARKS.md "Elastic Checkpointing").
 REPLAY_PEAK_FACTOR = 1.64
+# The same share with Liger's kernels (``models.liger_twins`` count what they save): fitted to
+# the H100's peaks with Liger, Qwen3-4B at 64K and 128K and Qwen3-8B at 64K tokens (1.85-1.90;
+# BENCHMARKS.md, issue #17); its backward kernels allocate more beside fewer saved tensors.
+LIGER_REPLAY_PEAK_FACTOR = 1.90
 META = torch.device("meta")
 
 
@@ -50,6 +55,7 @@ class LayerFootprint:
     saved: tuple[int, ...]  # bytes of each offloadable saved tensor, in save order
     cache_bytes: int  # kept on the device outside ``saved`` (SAC's operator outputs)
     replay_bytes: int  # saved by the backward's replay (0: no replay)
+    peak_factor: float = REPLAY_PEAK_FACTOR  # the backward's peak over those saved bytes
 
     @property
     def offloaded_bytes(self) -> int:
@@ -67,8 +73,8 @@ class LayerFootprint:
         """Added during the layer's backward: the replay's saved tensors and gradients (``N``:
         the gradients of what it kept)."""
         if self.policy.family == "N":
-            return round((REPLAY_PEAK_FACTOR - 1) * sum(self.saved))
-        return round(REPLAY_PEAK_FACTOR * self.replay_bytes)
+            return round((self.peak_factor - 1) * sum(self.saved))
+        return round(self.peak_factor * self.replay_bytes)
 
 
 class _FlashOnMeta(TorchFunctionMode):
@@ -154,10 +160,13 @@ def layer_footprint(
     seq_len: int,
     dtype: torch.dtype,
     layer: int = 0,
+    kernels: str = "eager",
 ) -> LayerFootprint:
     """Decoder layer ``layer``'s memory under ``policy`` for ``batch`` rows of ``seq_len``
-    tokens (measured once per kind of layer: ``HFAdapter.layer_kinds``)."""
-    return _kind_footprint(adapter, policy, batch, seq_len, dtype, adapter.layer_kinds[layer])
+    tokens (measured once per kind of layer: ``HFAdapter.layer_kinds``) with the layer
+    ``kernels`` the run uses (``Compute.kernels``: Liger's save less for the backward)."""
+    kind = adapter.layer_kinds[layer]
+    return _kind_footprint(adapter, policy, batch, seq_len, dtype, kind, kernels)
 
 
 @functools.cache
@@ -168,14 +177,18 @@ def _kind_footprint(
     seq_len: int,
     dtype: torch.dtype,
     layer: int,
+    kernels: str,
 ) -> LayerFootprint:
+    from slidedp.models.fast import liger_saved_tensors
     from slidedp.runtime.activations import executor_for
 
-    with _FlashOnMeta():
+    liger = liger_saved_tensors(adapter, layer) if kernels == "liger" else contextlib.nullcontext()
+    with _FlashOnMeta(), liger:
         run, x = _meta_run(adapter, layer, batch, seq_len, dtype)
         _, state = executor_for(policy, measure=True).forward(run, x)
         replay = _replay_bytes(policy, run, x)
-    return LayerFootprint(policy, tuple(state.saved_bytes()), state.retained_bytes, replay)
+    factor = LIGER_REPLAY_PEAK_FACTOR if kernels == "liger" else REPLAY_PEAK_FACTOR
+    return LayerFootprint(policy, tuple(state.saved_bytes()), state.retained_bytes, replay, factor)
 
 
 @dataclass(frozen=True)
@@ -196,8 +209,10 @@ def layout_memory(
     batch: int,
     seq_len: int,
     dtype: torch.dtype,
+    kernels: str = "eager",
 ) -> LayoutMemory:
-    fps = [layer_footprint(adapter, p, batch, seq_len, dtype, i) for i, p in enumerate(layers)]
+    fps = [layer_footprint(adapter, p, batch, seq_len, dtype, i, kernels)
+           for i, p in enumerate(layers)]  # fmt: skip
     return LayoutMemory(
         retained_bytes=sum(f.retained_bytes for f in fps),
         offloaded_bytes=sum(f.offloaded_bytes for f in fps),
