@@ -161,24 +161,31 @@ def test_liger_replaces_every_norm_and_the_swiglu(monkeypatch: pytest.MonkeyPatc
     assert calls == ["norm"] * len(norms) + ["mlp"] * len(mlps)
 
 
-def test_the_cost_model_runs_liger_layers_with_transformers_math(
+def test_the_cost_model_runs_liger_layers_as_their_meta_twins(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The cost model's meta-device runs of a Liger-patched layer (a profile's candidate, a
-    layout priced after the engine started) never reach a Triton kernel: on a GPU that was an
-    illegal memory access. They price the layer as transformers' modules."""
+    layout priced after the engine started) never reach a Triton kernel (on a GPU that was an
+    illegal memory access): they run the twins of Liger's Functions (``models.liger_twins``),
+    so they count what the estimate counts for a run that will patch Liger in."""
     calls = _liger_recorders(monkeypatch)
     layouts = ["F", "N-r0.5", "SAC.mm-r1", "S1010100-r0.6", "S0000100-r0.3"]
-    plain = [layer_footprint(_adapter(), parse_entry(e, 0.0)[1], 2, 16, torch.float32)
+    unpatched = _adapter()
+    planned = [layer_footprint(unpatched, parse_entry(e, 0.0)[1], 2, 16, torch.float32,
+                               kernels="liger") for e in layouts]  # fmt: skip
+    eager = [layer_footprint(_adapter(), parse_entry(e, 0.0)[1], 2, 16, torch.float32)
              for e in layouts]  # fmt: skip
     adapter = _adapter()
     fast.apply_compute(adapter, fast.Compute("liger", ""))
     patched = [layer_footprint(adapter, parse_entry(e, 0.0)[1], 2, 16, torch.float32)
                for e in layouts]  # fmt: skip
     assert calls == []
-    assert [(f.saved, f.retained_bytes, f.transient_bytes) for f in patched] == [
-        (f.saved, f.retained_bytes, f.transient_bytes) for f in plain
+    assert [(f.saved, f.retained_bytes, f.replay_bytes) for f in patched] == [
+        (f.saved, f.retained_bytes, f.replay_bytes) for f in planned
     ]
+    assert planned[0].replay_bytes < eager[0].replay_bytes  # F: Liger keeps fewer copies
+    for module in unpatched.layer_module(0).modules():
+        assert "forward" not in module.__dict__, "the twins are taken out after the count"
 
 
 def _bound_attention(adapter: HFAdapter) -> Any:

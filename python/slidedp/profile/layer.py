@@ -185,7 +185,8 @@ def measure(
                 reload_s.append(r_s)
     finally:
         offload.close()
-    fp = layer_footprint(adapter, policy, batch, seq_len, dtype, layer)
+    kernels = adapter.compute.kernels if adapter.compute else "eager"  # the patched-in ones
+    fp = layer_footprint(adapter, policy, batch, seq_len, dtype, layer, kernels)
     return Candidate(
         policy=str(policy),
         family=policy.name,
@@ -206,11 +207,13 @@ def measure(
 
 
 def candidates(families: str, ratios: str, adapter: HFAdapter, batch: int, seq_len: int,
-               dtype: torch.dtype, layer: int = 0) -> list[LayerPolicy]:  # fmt: skip
+               dtype: torch.dtype, layer: int = 0,
+               kernels: str = "eager") -> list[LayerPolicy]:  # fmt: skip
     """Every family the model's layer takes (``check_layout_fits``: no ``S`` on a Gemma or MoE
     layer, no ``SAC.noact`` on a MoE) at every ratio, one per distinct offloaded set (ratios
-    merged). A candidate's ratio is the share it really offloads, rounded down to 1e-6 so that
-    its text form (``runtime.layers``) selects the same tensors; of layer ``layer``'s kind."""
+    merged). A candidate's ratio is the share it really offloads (of what the layer saves with
+    ``kernels``), rounded down to 1e-6 so that its text form (``runtime.layers``) selects the
+    same tensors; of layer ``layer``'s kind."""
     out: list[LayerPolicy] = []
     seen: set[tuple[str, int]] = set()
     for fam in (f.strip() for f in families.split(",") if f.strip()):
@@ -220,7 +223,8 @@ def candidates(families: str, ratios: str, adapter: HFAdapter, batch: int, seq_l
                 check_layout_fits((policy,), adapter)
             except ConfigError:
                 continue
-            saved = list(layer_footprint(adapter, policy, batch, seq_len, dtype, layer).saved)
+            fp = layer_footprint(adapter, policy, batch, seq_len, dtype, layer, kernels)
+            saved = list(fp.saved)
             count = offload_count(saved, r)
             if (policy.name, count) in seen:
                 continue
@@ -341,7 +345,7 @@ def profile_layer(args: argparse.Namespace) -> dict[str, Any]:
     prof = _profiled(args)
     reports = {k: None if args.force else _read_cache(prof.cache(k)) for k in prof.kinds}
     todo = {k: candidates(args.families, args.ratios, prof.adapter, args.batch, args.seq_len,
-                          prof.dtype, k)
+                          prof.dtype, k, prof.compute.kernels)
             for k, r in reports.items() if r is None}  # fmt: skip
     if todo:
         apply_compute(prof.adapter, prof.compute)  # after the candidates: the cost model on meta
