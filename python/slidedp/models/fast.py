@@ -203,9 +203,9 @@ def _rope_dispatcher(modeling: Any) -> Any:
 
 def _scoped_rope(attention: nn.Module, modeling: Any, rope: Any) -> None:
     """``attention`` runs with ``rope`` as its modeling module's ``apply_rotary_pos_emb`` (the
-    name transformers' attention forward looks up at call time), and every other caller —
-    an eager model of the same type in this process, the cost model's meta-device runs, another
-    thread — with transformers' own."""
+    name transformers' attention forward looks up at call time; on meta tensors its twin, for
+    the cost model), and every other caller — an eager model of the same type in this
+    process, another thread — with transformers' own."""
     forward = attention.forward
     _rope_dispatcher(modeling)
     rope = _off_meta(rope, rope_twin)
