@@ -4,6 +4,10 @@
 #                 routes (predicted afterwards: slidedp bench predict REPORT --probes DIR)
 #   PARTS=p2      the host and layer probes, the routes m17 did not reach, Qwen3-4B B=16
 #   PARTS=probes  the layer probes alone (any H200: the same GPU as the x2 machine's)
+#   PARTS=nodes   two one-GPU "nodes" over NCCL's socket transport against one node of two
+#                 GPUs (100 steps, bf16 parity and the cross-node step cost), the GPU tests of
+#                 several nodes and of AutoPolicy on 2 GPUs, then auto vs the fixed default
+#                 (Qwen3-1.7B B=16 per GPU, same call, with the step-time model's prediction)
 # Here first:  rm -f dist/*.whl; .venv/bin/maturin build --release -o dist/ -q
 # Device call: carry ["dist"], command `PARTS=m17 bash benches/gpu_two.sh`
 # Layer compute: eager (Liger not installed here, so no Triton compile on a fresh machine);
@@ -25,5 +29,13 @@ case ${PARTS:-m17} in
         for sb in qwen3-1.7b:4 qwen3-1.7b:32 qwen3-4b:16; do layer "${sb%:*}" "${sb#*:}"; done
         routes qwen3-1.7b 4 replicated/cpu,sharded/gpu,sharded/cpu 240
         routes qwen3-4b 16 replicated/gpu 200 ;;
+    nodes)
+        part nodes 150 python3 -m slidedp bench nodes --device cuda --nodes 2 --ranks 1 \
+            --steps 100 --nccl-net --json "$OUT/nodes-2x1.json"
+        part gpu-tests 200 python3 -m pytest -q -s -p no:cacheprovider -m multi_gpu \
+            tests/multirank/test_gpu_nodes.py tests/plan/test_auto_gpus.py
+        within 200 auto-2gpu && part auto-2gpu 200 python3 -m slidedp bench train \
+            --shape qwen3-1.7b --batch 16 --gpus 2 --routes replicated/gpu,auto --systems ours \
+            --warmup 2 --steps 3 --predict --json "$OUT/qwen3-1.7b-b16-auto.json" ;;
 esac
 grep -E "^ +[0-9]+ +[12] |step-time model|== " "$LOG" | tail -30
