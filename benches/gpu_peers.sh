@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Issue 18's matched-batch sweep on one GPU, a batch set per device call (< 10 minutes): ours
+# (the default config) and the peers, each in its own process, every finished run kept in the
+# batch's JSON (the bench rewrites it after each run). Merge the calls' reports afterwards:
+#   slidedp bench plot --png sweep.png OUT/peers-*.json   (and the geometric means it prints)
+#   BATCHES="8" SYSTEMS=ours,zero3-offload bash benches/gpu_peers.sh
+#   BATCHES="32" SYSTEMS=ours,zero-offload LIMITS=120,zero-offload=380 bash benches/gpu_peers.sh
+# LIMITS: --system-timeout, naming only systems of SYSTEMS (default 300 s each).
+#   SHAPE=qwen3-8b ... CLIP=0 ...   (clipping 1.0 by default)
+# A system past its limit is TIMEOUT in the report; the outer limit (OUTER, 520 s) stops the
+# bench as Ctrl-C does, keeping the finished runs.
+#
+# Here first:  rm -f dist/*.whl; .venv/bin/maturin build --release -o dist/ -q;
+#              make liger-wheels peers-wheels
+# Device call: carry ["dist", "wheels", "peers-wheels"]
+OUT=${OUT:-out/gpu-peers}
+source "$(dirname "$0")/gpu_common.sh"
+scripts/peers.sh install peers-wheels /tmp/peers > "$OUT/install.log" 2>&1
+export PYTHONPATH=/tmp/peers PATH=/tmp/peers/bin:$PATH
+SHAPE=${SHAPE:-qwen3-4b}
+for B in ${BATCHES:-4}; do
+    name="peers-$SHAPE-b$B-clip${CLIP:-1.0}"
+    within "${OUTER:-520}" "$name" && part "$name" "${OUTER:-520}" timeout -s INT \
+        "$((${OUTER:-520} - 10))" python3 -m slidedp bench train --shape "$SHAPE" --batch "$B" \
+        --warmup 2 --steps 3 --set train.max_grad_norm="${CLIP:-1.0}" \
+        --systems "${SYSTEMS:-ours,zero3-offload}" \
+        --system-timeout "${LIMITS:-300}" \
+        --json "$OUT/$name.json"
+done
+grep -E "^ +[0-9]+ [a-z0-9-]+ +[0-9]|ratios|summary|== " "$LOG" | tail -20
