@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import yaml
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import (
     AutoModelForCausalLM,
@@ -168,6 +168,14 @@ def write_config(path: Path, model: Path, data_path: Path, out: Path, /, **secti
 
 def read_metrics(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_param_delta(one: Path, two: Path) -> float:
+    """The largest |difference| between two runs' final parameters (the same names in both)."""
+    p1 = load_file(one / "final" / "model.safetensors")
+    p2 = load_file(two / "final" / "model.safetensors")
+    assert set(p1) == set(p2)
+    return max((p1[n] - p2[n]).abs().max().item() for n in p1)
 
 
 def reference_batches(data: Path, batch_size: int, steps: int) -> list[dict[str, torch.Tensor]]:

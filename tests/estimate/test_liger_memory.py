@@ -30,8 +30,9 @@ YARN = (
     "model.rope_scaling={rope_type: yarn, factor: 8.0, original_max_position_embeddings: 32768}",
 )
 # (shape, batch, tokens per row, max_grad_norm): GiB reserved at the peak, measured. The long
-# rows fitted the factor; the S=1024 rows are held out (window, loss and parked gradients
-# dominate there: -9% at B=4, as the eager estimate's -8%)
+# rows fitted the factor; the S=1024 rows are held out. B=4 (12.79 GiB) is left out: the
+# window, loss and parked gradients dominate there and the estimate is 9% short, as the eager
+# estimate was (8%) before Liger.
 MEASURED = {
     ("qwen3-4b", 16, 1024, 1.0): 14.20,
     ("qwen3-4b", 32, 1024, 1.0): 15.04,
@@ -68,7 +69,9 @@ def test_the_liger_peak_is_the_h100s_or_above_by_little(
     tmp_path: Path, liger: None, case: tuple[str, int, int, float]
 ) -> None:
     estimated, measured = _estimate(tmp_path, *case), MEASURED[case]
-    assert measured * 0.99 <= estimated <= measured * 1.18  # never short by more than 1%
+    # at most 1% short (B=16: -0.3%), at most 18% over (B=32: +17%, 8B at 128K: +11%): over is
+    # the safe side of a preflight that refuses what does not fit
+    assert measured * 0.99 <= estimated <= measured * 1.18
 
 
 def test_liger_saves_less_than_transformers_eager_modules(tmp_path: Path) -> None:

@@ -216,8 +216,8 @@ def shape_config(shape: str, layers: int, ours: dict[str, Any]) -> tuple[Any, di
     """The model config every system builds: ``shape`` cut to ``layers`` (0: all), with the
     ``model.*`` overrides of ``--set`` (RoPE scaling, the position limit, the router loss)
     applied here, so the reference and the peers train the same model as ours. They are
-    cleared from ``ours`` in place: ours reads them from the config like every system. Also
-    the overrides applied (the report's record)."""
+    cleared from ``ours`` in place: ours reads them from the config like every system.
+    Returns the config and the overrides applied (the report records them)."""
     from slidedp.models.hf import apply_overrides
 
     config = resolve_shape(shape)
