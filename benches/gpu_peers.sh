@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Issue 18's matched-batch sweep on one GPU, a batch set per device call (< 10 minutes): ours
 # (the default config) and the peers, each in its own process, every finished run kept in the
-# batch's JSON (the bench rewrites it after each run). Merge the calls' reports afterwards:
+# batch's JSON (the bench rewrites it after each run). An item of BATCHES is one bench run:
+# "8,32" sweeps both batches in one process tree (DeepSpeed's CPU Adam is built once). Merge
+# the calls' reports afterwards:
 #   slidedp bench plot --png sweep.png OUT/peers-*.json   (and the geometric means it prints)
-#   BATCHES="8" SYSTEMS=ours,zero3-offload bash benches/gpu_peers.sh
+#   BATCHES="8,32" SYSTEMS=ours,zero3-offload bash benches/gpu_peers.sh
 #   BATCHES="32" SYSTEMS=ours,zero-offload LIMITS=120,zero-offload=380 bash benches/gpu_peers.sh
 # LIMITS: --system-timeout, naming only systems of SYSTEMS (default 300 s each).
 #   SHAPE=qwen3-8b ... CLIP=0 ...   (clipping 1.0 by default)
@@ -19,9 +21,9 @@ scripts/peers.sh install peers-wheels /tmp/peers > "$OUT/install.log" 2>&1
 export PYTHONPATH=/tmp/peers PATH=/tmp/peers/bin:$PATH
 SHAPE=${SHAPE:-qwen3-4b}
 for B in ${BATCHES:-4}; do
-    name="peers-$SHAPE-b$B-clip${CLIP:-1.0}"
+    name="peers-$SHAPE-b${B//,/-}-clip${CLIP:-1.0}"
     within "${OUTER:-520}" "$name" && part "$name" "${OUTER:-520}" timeout -s INT \
-        "$((${OUTER:-520} - 10))" python3 -m slidedp bench train --shape "$SHAPE" --batch "$B" \
+        "$((${OUTER:-520} - 10))" python3 -m slidedp bench train --shape "$SHAPE" --sweep "$B" \
         --warmup 2 --steps 3 --set train.max_grad_norm="${CLIP:-1.0}" \
         --systems "${SYSTEMS:-ours,zero3-offload}" \
         --system-timeout "${LIMITS:-300}" \
