@@ -9,6 +9,7 @@
 #   BATCHES="32" SYSTEMS=ours,zero-offload LIMITS=120,zero-offload=380 bash benches/gpu_peers.sh
 # LIMITS: --system-timeout, naming only systems of SYSTEMS (default 300 s each).
 #   SHAPE=qwen3-8b ... CLIP=0 ...   (clipping 1.0 by default)
+#   SETS="runtime.policy=auto" ...   (our config's overrides, space-separated)
 # A system past its limit is TIMEOUT in the report; the outer limit (OUTER, 520 s) stops the
 # bench as Ctrl-C does, keeping the finished runs.
 #
@@ -20,11 +21,13 @@ source "$(dirname "$0")/gpu_common.sh"
 scripts/peers.sh install peers-wheels /tmp/peers > "$OUT/install.log" 2>&1
 export PYTHONPATH=/tmp/peers PATH=/tmp/peers/bin:$PATH
 SHAPE=${SHAPE:-qwen3-4b}
+SET_ARGS=()
+for item in ${SETS:-}; do SET_ARGS+=(--set "$item"); done
 for B in ${BATCHES:-4}; do
-    name="peers-$SHAPE-b${B//,/-}-clip${CLIP:-1.0}"
+    name="peers-$SHAPE-b${B//,/-}-clip${CLIP:-1.0}${SETS:+-$(echo $SETS | tr -c "A-Za-z0-9.\n-" _)}"
     within "${OUTER:-520}" "$name" && part "$name" "${OUTER:-520}" timeout -s INT \
         "$((${OUTER:-520} - 10))" python3 -m slidedp bench train --shape "$SHAPE" --sweep "$B" \
-        --warmup 2 --steps 3 --set train.max_grad_norm="${CLIP:-1.0}" \
+        --warmup 2 --steps 3 --set train.max_grad_norm="${CLIP:-1.0}" "${SET_ARGS[@]}" \
         --systems "${SYSTEMS:-ours,zero3-offload}" \
         --system-timeout "${LIMITS:-300}" \
         --json "$OUT/$name.json"

@@ -234,3 +234,36 @@ def test_deepspeed_builds_its_ops_where_no_stale_lock_can_block_it(
         deepspeed_zero.run_zero(spec)
     assert acquired == [True]
     assert Path(os.environ["TORCH_EXTENSIONS_DIR"]) == killed_here.parent.parent
+
+
+def test_roundpipes_transformers_4_mask_keywords_build_the_same_mask() -> None:
+    """RoundPipe 0.1.1's Qwen3 preset calls the mask builders with transformers 4's keywords
+    (``input_embeds``, ``cache_position``); adapted, the call builds the mask transformers 5
+    builds from its own keywords, and adapting twice wraps once."""
+    import types
+
+    import torch
+    from transformers import masking_utils
+
+    from bench.tiny import tiny_config
+    from slidedp.bench.roundpipe_sync import MASK_BUILDERS, _adapt_mask_builders
+
+    preset = types.ModuleType("preset")
+    for name in MASK_BUILDERS:
+        setattr(preset, name, getattr(masking_utils, name))
+    _adapt_mask_builders(preset)
+    _adapt_mask_builders(preset)
+    config = tiny_config(use_sliding_window=True, sliding_window=8)
+    config._attn_implementation = "eager"
+    embeds = torch.zeros(2, 12, config.hidden_size)
+    positions = torch.arange(12).unsqueeze(0)
+    for name in MASK_BUILDERS:
+        builder = getattr(preset, name)
+        assert builder.__wrapped__ is getattr(masking_utils, name)
+        old = builder(config=config, input_embeds=embeds, attention_mask=None,
+                      cache_position=torch.arange(12), past_key_values=None,
+                      position_ids=positions)  # fmt: skip
+        new = getattr(masking_utils, name)(config=config, inputs_embeds=embeds,
+                                            attention_mask=None, past_key_values=None,
+                                            position_ids=positions)  # fmt: skip
+        assert torch.equal(old, new)

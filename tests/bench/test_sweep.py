@@ -14,7 +14,7 @@ from bench.tiny import write_tiny_config
 from slidedp.bench import train as bench_train
 from slidedp.bench.measure import RunSpec
 from slidedp.bench.report import ratios
-from slidedp.bench.sweep import summary_lines, sweep_summary
+from slidedp.bench.sweep import fits, summary_lines, sweep_summary
 from slidedp.cli import main
 
 
@@ -114,3 +114,16 @@ def test_one_figure_and_one_summary_from_a_report_per_system(
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out.splitlines()
     assert printed == [f"summary: {line}" for line in summary_lines(sweep_summary(RUNS))]
+
+
+def test_a_batch_that_ran_in_another_sitting_is_not_the_systems_failure() -> None:
+    """Merged reports: zero-offload timed out at B=16 under a short limit, then ran under a
+    longer one; it trained 16, and its first failure is the OOM at 32."""
+    runs = [
+        {"system": "zero-offload", "batch": 16, "status": "timeout"},
+        {"system": "zero-offload", "batch": 16, "status": "ok", "tokens_per_s": 1.0},
+        {"system": "zero-offload", "batch": 32, "status": "oom"},
+    ]
+    assert fits(runs, "zero-offload") == {
+        "largest_batch": 16, "failed_batch": 32, "failed_status": "oom",
+    }  # fmt: skip

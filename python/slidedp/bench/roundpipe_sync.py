@@ -11,6 +11,14 @@ systems) then ``step(..., is_async=False)``: the next step runs on the updated w
 ``--peer-set roundpipe.KEY=VALUE`` sets ``RoundPipeRunConfig`` fields (e.g. ``num_microbatch``,
 ``recompute_grain``).
 
+RoundPipe 0.1.1's Qwen3 preset was written for transformers 4: it calls the mask builders
+with ``input_embeds=`` and ``cache_position=``, which transformers 5 renamed and dropped
+(``TypeError: create_causal_mask() got an unexpected keyword argument 'input_embeds'`` on the
+GPU machine's 5.17), and it reads each decoder layer's ``attention_type``, which transformers 5
+keeps only in ``config.layer_types``. ``_adapt_mask_builders`` maps the preset's keywords onto
+the installed signature and ``_adapt_layers`` sets the attribute from the config; neither
+changes a mask or a weight.
+
 Example::
 
     result = run_roundpipe(spec)  # a RunSpec with system="roundpipe"
@@ -18,6 +26,11 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import importlib
+import inspect
+from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -27,16 +40,48 @@ from slidedp.bench.measure import RunSpec, synthetic_tokens, timed_steps
 from slidedp.bench.peers import require
 from slidedp.config import TrainSection
 
+MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask")
+
+
+def _keywords_for(builder: Callable[..., Any]) -> Callable[..., Any]:
+    """``builder`` (a transformers mask function) taking transformers 4's keywords too."""
+    accepted = set(inspect.signature(builder).parameters)
+
+    @functools.wraps(builder)
+    def call(**kwargs: Any) -> Any:
+        if "input_embeds" in kwargs and "input_embeds" not in accepted:
+            kwargs["inputs_embeds"] = kwargs.pop("input_embeds")
+        return builder(**{k: v for k, v in kwargs.items() if k in accepted})
+
+    return call
+
+
+def _adapt_mask_builders(preset: ModuleType) -> None:
+    """The mask builders ``preset`` (a RoundPipe model module) imported, adapted in place."""
+    for name in MASK_BUILDERS:
+        builder = getattr(preset, name, None)
+        if builder is not None and not hasattr(builder, "__wrapped__"):
+            setattr(preset, name, _keywords_for(builder))
+
+
+def _adapt_layers(model: Any, config: Any) -> None:
+    """Each decoder layer's ``attention_type`` from ``config.layer_types``, where it lacks one."""
+    for layer, kind in zip(model.model.layers, config.layer_types, strict=True):
+        if not hasattr(layer, "attention_type"):
+            layer.attention_type = kind
+
 
 def run_roundpipe(spec: RunSpec) -> dict[str, Any]:
     """Timed synchronous RoundPipe steps: ``forward_backward``, then clip and AdamW on the host."""
     roundpipe: Any = require(spec.system, spec.device)
+    _adapt_mask_builders(importlib.import_module("roundpipe.models.qwen3"))
     device = torch.device(spec.device, 0)
     train = TrainSection(**spec.ours["train"])
     config = AutoConfig.from_pretrained(spec.config_dir)
     torch.manual_seed(spec.seed)
     model: Any = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     model = model.to(torch.bfloat16).train()
+    _adapt_layers(model, config)
     run_config = roundpipe.RoundPipeRunConfig(**spec.peer)
     wrapped = roundpipe.wrap_model_to_roundpipe(
         model,

@@ -23,10 +23,12 @@ def _single(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def fits(runs: list[dict[str, Any]], system: str) -> dict[str, Any]:
-    """``largest_batch`` that ran, ``failed_batch`` the smallest that did not and its status."""
+    """``largest_batch`` that ran, ``failed_batch`` the smallest that did not and its status. A
+    batch that failed in one report and ran in another (merged sittings: a longer limit, say)
+    ran."""
     mine = [r for r in _single(runs) if r["system"] == system]
-    ok = [r["batch"] for r in mine if r["status"] == "ok"]
-    failed = sorted((r["batch"], r["status"]) for r in mine if r["status"] != "ok")
+    ok = {r["batch"] for r in mine if r["status"] == "ok"}
+    failed = sorted((r["batch"], r["status"]) for r in mine if r["batch"] not in ok)
     return {
         "largest_batch": max(ok, default=None),
         "failed_batch": failed[0][0] if failed else None,
