@@ -96,6 +96,8 @@ def test_the_json_report_is_rewritten_after_every_run(
     ]  # fmt: skip
     assert report["summary"]["peers"][0]["geomean_ours_over_peer"] == pytest.approx(2.0)
     assert report["summary"]["fits"]["zero-offload"]["largest_batch"] == 4
+    # each run's whole process time, for planning a device call's limits
+    assert all(isinstance(r["wall_s"], float) and r["wall_s"] >= 0 for r in report["runs"])
 
 
 def test_one_figure_and_one_summary_from_a_report_per_system(

@@ -46,6 +46,7 @@ import dataclasses
 import json
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -318,8 +319,16 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"slidedp bench train: {_describe(run)} ...", file=sys.stderr)
                 if args.trace and run.system == "ours":
                     run = dataclasses.replace(run, ours=_traced(run, args, len(batches)))
+                started = time.monotonic()
                 result, peak_pss_bytes = run_child(run, Path(tmp))
                 runs.append(summarise(result, peak_pss_bytes, model, world=run.world))
+                # the whole process: model build, warm-up and steps (what a device call plans for)
+                runs[-1]["wall_s"] = round(time.monotonic() - started, 1)
+                print(
+                    f"slidedp bench train: {_describe(run)}: {runs[-1]['status']} in "
+                    f"{runs[-1]['wall_s']:.0f} s",
+                    file=sys.stderr,
+                )
                 if scale is not None:
                     runs[-1] |= multi.run_keys(run)
                 _conclude(report)
