@@ -267,3 +267,25 @@ def test_roundpipes_transformers_4_mask_keywords_build_the_same_mask() -> None:
                                             attention_mask=None, past_key_values=None,
                                             position_ids=positions)  # fmt: skip
         assert torch.equal(old, new)
+
+
+def test_roundpipes_layers_get_their_attention_type_from_the_config() -> None:
+    """transformers 5's decoder layers keep their kind in ``config.layer_types`` only;
+    RoundPipe 0.1.1's preset reads it from each layer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bench.tiny import tiny_config
+    from slidedp.bench.roundpipe_sync import _adapt_layers
+
+    config = tiny_config(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    for layer in model.model.layers:
+        if hasattr(layer, "attention_type"):
+            del layer.attention_type
+    _adapt_layers(model, config)
+    kinds = config.layer_types
+    assert kinds is not None
+    assert len(set(kinds)) == 2  # both kinds, each on its own layer
+    assert [layer.attention_type for layer in model.model.layers] == kinds

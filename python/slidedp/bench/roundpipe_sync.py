@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import inspect
 from collections.abc import Callable
 from types import ModuleType
@@ -66,7 +67,10 @@ def _adapt_mask_builders(preset: ModuleType) -> None:
 
 def _adapt_layers(model: Any, config: Any) -> None:
     """Each decoder layer's ``attention_type`` from ``config.layer_types``, where it lacks one."""
-    for layer, kind in zip(model.model.layers, config.layer_types, strict=True):
+    kinds = getattr(config, "layer_types", None)
+    if kinds is None:  # no kinds in the config: nothing the preset could read
+        return
+    for layer, kind in zip(model.model.layers, kinds, strict=True):
         if not hasattr(layer, "attention_type"):
             layer.attention_type = kind
 
@@ -74,10 +78,11 @@ def _adapt_layers(model: Any, config: Any) -> None:
 def run_roundpipe(spec: RunSpec) -> dict[str, Any]:
     """Timed synchronous RoundPipe steps: ``forward_backward``, then clip and AdamW on the host."""
     roundpipe: Any = require(spec.system, spec.device)
-    _adapt_mask_builders(importlib.import_module("roundpipe.models.qwen3"))
     device = torch.device(spec.device, 0)
     train = TrainSection(**spec.ours["train"])
     config = AutoConfig.from_pretrained(spec.config_dir)
+    if importlib.util.find_spec(f"roundpipe.models.{config.model_type}") is not None:
+        _adapt_mask_builders(importlib.import_module(f"roundpipe.models.{config.model_type}"))
     torch.manual_seed(spec.seed)
     model: Any = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     model = model.to(torch.bfloat16).train()

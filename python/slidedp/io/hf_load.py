@@ -16,6 +16,7 @@ import copy
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -230,38 +231,49 @@ def _init_module(adapter: HFAdapter, module: nn.Module) -> None:
         adapter.skeleton._init_weights(sub)  # type: ignore[no-untyped-call]
 
 
+def _initialised(adapter: HFAdapter, module: nn.Module) -> nn.Module:
+    """``module`` (its storage on CPU, any contents) as the model's ``_init_weights`` sets it;
+    a tensor it leaves unset is one clear error, never uninitialised memory trained on."""
+    for param in module.parameters():
+        param.detach().fill_(float("nan"))  # any tensor _init_weights missed shows
+    _init_module(adapter, module)
+    # a NaN left anywhere makes the sum NaN: one reduction, no tensor-sized mask allocated
+    missed = [n for n, p in module.named_parameters() if torch.isnan(p.sum())]
+    if missed:
+        raise ModelLoadError(
+            f"{adapter.config.model_type}'s _init_weights does not initialise {missed}; "
+            "start from a model directory with weights"
+        )
+    return module
+
+
+def _fresh(adapter: HFAdapter, cls: type[nn.Module], *args: Any, **kwargs: Any) -> nn.Module:
+    """``cls(*args, **kwargs)`` initialised by the model's ``_init_weights`` alone: built on
+    the meta device, so torch's default init (for the embedding a serial ``normal_`` over
+    vocab x hidden values) is not a wasted pass before it."""
+    with torch.device("meta"):
+        module = cls(*args, **kwargs)
+    return _initialised(adapter, module.to_empty(device="cpu"))
+
+
 def init_weights(adapter: HFAdapter, store: HostStore, seed: int) -> None:
     """Seeded init from the config, one module at a time (embed, layers in order, norm, head)."""
     torch.manual_seed(seed)
     base = adapter.base
-    with torch.device("cpu"):
-        embed = nn.Embedding(adapter.vocab_size, adapter.hidden_size, adapter.padding_idx)
-        _init_module(adapter, embed)
-        store.param(EMBED).copy_(embed.weight.detach())
-        del embed
-        for i in range(adapter.num_layers):
-            with torch.device("meta"):  # skip torch's default init: _init_weights sets it all
-                layer = type(base.layers[i])(adapter.config, i)
-            layer = layer.to_empty(device="cpu")
-            for param in layer.parameters():
-                param.detach().fill_(float("nan"))  # any tensor _init_weights missed shows
-            _init_module(adapter, layer)
-            missed = [n for n, p in layer.named_parameters() if not torch.isfinite(p).all()]
-            if missed:
-                raise ModelLoadError(
-                    f"{adapter.config.model_type}'s _init_weights does not initialise {missed}; "
-                    "start from a model directory with weights"
-                )
-            for full, local in adapter.groups[adapter.layer_group(i)].params:
-                store.param(full).copy_(layer.get_parameter(local).detach())
-            del layer
-        norm = copy.deepcopy(base.norm).to_empty(device="cpu")  # Gemma's takes other args
-        _init_module(adapter, norm)
-        store.param(NORM).copy_(norm.weight.detach())
-        if not adapter.tied:
-            head = nn.Linear(adapter.hidden_size, adapter.vocab_size, bias=False)
-            _init_module(adapter, head)
-            store.param(LM_HEAD).copy_(head.weight.detach())
+    embed = _fresh(adapter, nn.Embedding, adapter.vocab_size, adapter.hidden_size,
+                   adapter.padding_idx)  # fmt: skip
+    store.param(EMBED).copy_(embed.get_parameter("weight").detach())
+    del embed
+    for i in range(adapter.num_layers):
+        layer = _fresh(adapter, type(base.layers[i]), adapter.config, i)
+        for full, local in adapter.groups[adapter.layer_group(i)].params:
+            store.param(full).copy_(layer.get_parameter(local).detach())
+        del layer
+    norm = _initialised(adapter, copy.deepcopy(base.norm).to_empty(device="cpu"))  # Gemma's
+    store.param(NORM).copy_(norm.get_parameter("weight").detach())  # norm takes other args
+    if not adapter.tied:
+        head = _fresh(adapter, nn.Linear, adapter.hidden_size, adapter.vocab_size, bias=False)
+        store.param(LM_HEAD).copy_(head.get_parameter("weight").detach())
 
 
 def fill_master(adapter: HFAdapter, store: HostStore, seed: int) -> str:

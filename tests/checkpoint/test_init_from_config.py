@@ -1,0 +1,78 @@
+"""A model directory without weights: the host state initialised from the config by the
+model's own ``_init_weights`` (``io.hf_load.init_weights``), seeded, every tensor set, and no
+wasted pass of torch's default init (the embedding's is a serial ``normal_`` over vocab x
+hidden values: seconds per billion of them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from engine.tiny import CONFIGS, MORE_CONFIGS, tiny_config
+from slidedp.errors import ModelLoadError
+from slidedp.io.hf_load import init_weights
+from slidedp.models.hf import HFAdapter
+from slidedp.store import HostStore
+
+ARCHS = sorted(set(CONFIGS) | set(MORE_CONFIGS))
+
+
+def _config_dir(root: Path, arch: str, *, tied: bool) -> Path:
+    path = root / arch
+    tiny_config(arch, tied=tied, layers=2).save_pretrained(path)
+    return path
+
+
+def _init(adapter: HFAdapter, seed: int) -> dict[str, torch.Tensor]:
+    store = HostStore.create(adapter.group_specs(), staging_slots=2)
+    init_weights(adapter, store, seed)
+    return {n: store.param(n).clone() for _, n in adapter.iter_params()}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_tensor_is_set_by_the_models_own_init_and_seeded(
+    arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    adapter = HFAdapter.from_dir(_config_dir(tmp_path, arch, tied=False))  # its skeleton: meta
+
+    def no_pass_on_real_memory(cls: type[nn.Linear] | type[nn.Embedding]) -> None:
+        reset: Any = cls.reset_parameters
+
+        def checked(self: nn.Linear | nn.Embedding) -> None:
+            if self.weight.device.type != "meta":  # a pass over memory _init_weights redoes
+                raise AssertionError(f"torch's default init of {type(self).__name__} ran")
+            reset(self)
+
+        monkeypatch.setattr(cls, "reset_parameters", checked)
+
+    no_pass_on_real_memory(nn.Embedding)
+    no_pass_on_real_memory(nn.Linear)
+    first, again, other = _init(adapter, 0), _init(adapter, 0), _init(adapter, 1)
+    assert all(torch.isfinite(t).all() for t in first.values())
+    assert all(torch.equal(first[n], again[n]) for n in first)
+    embed = next(n for n in first if "embed_tokens" in n)
+    assert not torch.equal(first[embed], other[embed])
+    assert first[embed].std() > 0
+
+
+def test_a_tensor_the_models_init_leaves_unset_is_one_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Built on the meta device, a module holds whatever memory it was given: one that
+    ``_init_weights`` does not set is refused, never trained on."""
+    path = _config_dir(tmp_path, "qwen3", tied=False)
+    adapter = HFAdapter.from_dir(path)
+    init: Any = type(adapter.skeleton)._init_weights
+
+    def skips_the_head(self: nn.Module, module: nn.Module) -> None:
+        if not (isinstance(module, nn.Linear) and module.out_features == adapter.vocab_size):
+            init(self, module)
+
+    monkeypatch.setattr(type(adapter.skeleton), "_init_weights", skips_the_head)
+    store = HostStore.create(adapter.group_specs(), staging_slots=2)
+    with pytest.raises(ModelLoadError, match=r"does not initialise \['weight'\]"):
+        init_weights(adapter, store, 0)
