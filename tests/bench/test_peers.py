@@ -257,6 +257,7 @@ def test_roundpipes_transformers_4_mask_keywords_build_the_same_mask() -> None:
     config._attn_implementation = "eager"
     embeds = torch.zeros(2, 12, config.hidden_size)
     positions = torch.arange(12).unsqueeze(0)
+    masks = []
     for name in MASK_BUILDERS:
         builder = getattr(preset, name)
         assert builder.__wrapped__ is getattr(masking_utils, name)
@@ -267,6 +268,11 @@ def test_roundpipes_transformers_4_mask_keywords_build_the_same_mask() -> None:
                                             attention_mask=None, past_key_values=None,
                                             position_ids=positions)  # fmt: skip
         assert torch.equal(old, new)
+        masks.append(old)
+    assert not torch.equal(*masks)  # the sliding window's mask is not the causal one
+    with pytest.raises(TypeError):  # any other mismatch is still an error, never dropped
+        preset.create_causal_mask(config=config, input_embeds=embeds, attention_mask=None,
+                                  past_key_values=None, no_such_keyword=1)  # fmt: skip
 
 
 def test_roundpipes_layers_get_their_attention_type_from_the_config() -> None:

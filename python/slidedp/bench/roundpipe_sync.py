@@ -45,15 +45,19 @@ MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask")
 
 
 def _keywords_for(builder: Callable[..., Any]) -> Callable[..., Any]:
-    """``builder`` (a transformers mask function) taking transformers 4's keywords too."""
+    """``builder`` (a transformers mask function) taking transformers 4's keywords too: the
+    renamed one mapped, the dropped one left out; any other mismatch still raises."""
     accepted = set(inspect.signature(builder).parameters)
 
     @functools.wraps(builder)
     def call(**kwargs: Any) -> Any:
         if "input_embeds" in kwargs and "input_embeds" not in accepted:
             kwargs["inputs_embeds"] = kwargs.pop("input_embeds")
-        return builder(**{k: v for k, v in kwargs.items() if k in accepted})
+        if "cache_position" not in accepted:
+            kwargs.pop("cache_position", None)
+        return builder(**kwargs)
 
+    call._slidedp_adapted = True  # type: ignore[attr-defined]
     return call
 
 
@@ -61,7 +65,7 @@ def _adapt_mask_builders(preset: ModuleType) -> None:
     """The mask builders ``preset`` (a RoundPipe model module) imported, adapted in place."""
     for name in MASK_BUILDERS:
         builder = getattr(preset, name, None)
-        if builder is not None and not hasattr(builder, "__wrapped__"):
+        if builder is not None and not getattr(builder, "_slidedp_adapted", False):
             setattr(preset, name, _keywords_for(builder))
 
 

@@ -23,9 +23,10 @@ def _single(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def fits(runs: list[dict[str, Any]], system: str) -> dict[str, Any]:
-    """``largest_batch`` that ran, ``failed_batch`` the smallest that did not and its status. A
-    batch that failed in one report and ran in another (merged sittings: a longer limit, say)
-    ran."""
+    """``largest_batch`` that ran, ``failed_batch`` the smallest that never ran and its status.
+    A batch that failed in one report and ran in another (merged sittings: a longer limit, say)
+    ran. ``failed_batch`` may lie below ``largest_batch``: a failure other than the batch's size
+    (a timeout, an error) is reported where it happened."""
     mine = [r for r in _single(runs) if r["system"] == system]
     ok = {r["batch"] for r in mine if r["status"] == "ok"}
     failed = sorted((r["batch"], r["status"]) for r in mine if r["batch"] not in ok)

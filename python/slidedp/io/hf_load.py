@@ -231,14 +231,14 @@ def _init_module(adapter: HFAdapter, module: nn.Module) -> None:
         adapter.skeleton._init_weights(sub)  # type: ignore[no-untyped-call]
 
 
-def _initialised(adapter: HFAdapter, module: nn.Module) -> nn.Module:
+def _initialised(adapter: HFAdapter, module: nn.Module, name: str) -> nn.Module:
     """``module`` (its storage on CPU, any contents) as the model's ``_init_weights`` sets it;
     a tensor it leaves unset is one clear error, never uninitialised memory trained on."""
     for param in module.parameters():
         param.detach().fill_(float("nan"))  # any tensor _init_weights missed shows
     _init_module(adapter, module)
     # a NaN left anywhere makes the sum NaN: one reduction, no tensor-sized mask allocated
-    missed = [n for n, p in module.named_parameters() if torch.isnan(p.sum())]
+    missed = [f"{name}.{n}" for n, p in module.named_parameters() if torch.isnan(p.sum())]
     if missed:
         raise ModelLoadError(
             f"{adapter.config.model_type}'s _init_weights does not initialise {missed}; "
@@ -247,32 +247,41 @@ def _initialised(adapter: HFAdapter, module: nn.Module) -> nn.Module:
     return module
 
 
-def _fresh(adapter: HFAdapter, cls: type[nn.Module], *args: Any, **kwargs: Any) -> nn.Module:
+def _module(param: str) -> str:
+    """The module's name of a parameter's full name (``lm_head.weight``: ``lm_head``)."""
+    return param.rsplit(".", 1)[0]
+
+
+def _fresh(
+    adapter: HFAdapter, name: str, cls: type[nn.Module], *args: Any, **kwargs: Any
+) -> nn.Module:
     """``cls(*args, **kwargs)`` initialised by the model's ``_init_weights`` alone: built on
     the meta device, so torch's default init (for the embedding a serial ``normal_`` over
     vocab x hidden values) is not a wasted pass before it."""
     with torch.device("meta"):
         module = cls(*args, **kwargs)
-    return _initialised(adapter, module.to_empty(device="cpu"))
+    return _initialised(adapter, module.to_empty(device="cpu"), name)
 
 
 def init_weights(adapter: HFAdapter, store: HostStore, seed: int) -> None:
     """Seeded init from the config, one module at a time (embed, layers in order, norm, head)."""
     torch.manual_seed(seed)
     base = adapter.base
-    embed = _fresh(adapter, nn.Embedding, adapter.vocab_size, adapter.hidden_size,
+    embed = _fresh(adapter, _module(EMBED), nn.Embedding, adapter.vocab_size, adapter.hidden_size,
                    adapter.padding_idx)  # fmt: skip
     store.param(EMBED).copy_(embed.get_parameter("weight").detach())
     del embed
     for i in range(adapter.num_layers):
-        layer = _fresh(adapter, type(base.layers[i]), adapter.config, i)
+        layer = _fresh(adapter, f"model.layers.{i}", type(base.layers[i]), adapter.config, i)
         for full, local in adapter.groups[adapter.layer_group(i)].params:
             store.param(full).copy_(layer.get_parameter(local).detach())
         del layer
-    norm = _initialised(adapter, copy.deepcopy(base.norm).to_empty(device="cpu"))  # Gemma's
-    store.param(NORM).copy_(norm.get_parameter("weight").detach())  # norm takes other args
+    norm = copy.deepcopy(base.norm).to_empty(device="cpu")  # Gemma's takes other args
+    norm = _initialised(adapter, norm, _module(NORM))
+    store.param(NORM).copy_(norm.get_parameter("weight").detach())
     if not adapter.tied:
-        head = _fresh(adapter, nn.Linear, adapter.hidden_size, adapter.vocab_size, bias=False)
+        head = _fresh(adapter, _module(LM_HEAD), nn.Linear, adapter.hidden_size, adapter.vocab_size,
+                      bias=False)  # fmt: skip
         store.param(LM_HEAD).copy_(head.get_parameter("weight").detach())
 
 
