@@ -13,7 +13,7 @@ import pytest
 
 from bench.tiny import tiny_spec
 from slidedp.bench.child import run_child
-from slidedp.bench.measure import process_tree
+from slidedp.bench.measure import gpu_memory, process_tree
 from slidedp.bench.plot import merge_reports
 from slidedp.cli import main
 from slidedp.errors import ConfigError
@@ -58,6 +58,27 @@ def test_a_run_past_the_gpu_limit_is_oom(tmp_path: Path) -> None:
     result, _ = run_child(spec, tmp_path)  # a child, as the bench: the cap is per process
     assert result["status"] == "oom"
     assert result["error"].startswith("OutOfMemoryError")
+
+
+def test_the_allocators_retries_are_reported_with_the_peaks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A run at the edge of the device's memory shows as retries (each a synchronising pass
+    that freed the cache), beside the peaks; on CPU every key is there, None."""
+    import torch
+
+    stats = {"num_alloc_retries": 7}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: stats)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 2 * 2**30)
+    assert gpu_memory(torch.device("cuda", 0)) == {
+        "gpu_peak_reserved_bytes": 3 * 2**30, "gpu_peak_allocated_bytes": 2 * 2**30,
+        "gpu_alloc_retries": 7,
+    }  # fmt: skip
+    assert gpu_memory(torch.device("cpu")) == {
+        "gpu_peak_reserved_bytes": None, "gpu_peak_allocated_bytes": None,
+        "gpu_alloc_retries": None,
+    }  # fmt: skip
 
 
 def _report(shape: str, batches: tuple[int, ...]) -> dict[str, object]:

@@ -134,11 +134,18 @@ def tree_pss_bytes(pid: int) -> int:
     return sum(process_pss_bytes(p) for p in process_tree(pid))
 
 
+GPU_MEMORY_KEYS = ("gpu_peak_reserved_bytes", "gpu_peak_allocated_bytes", "gpu_alloc_retries")
+
+
 def gpu_memory(device: torch.device) -> dict[str, int | None]:
-    """Peak reserved/allocated bytes of this process on ``device`` (None on CPU)."""
+    """Peak reserved/allocated bytes of this process on ``device`` and the caching allocator's
+    retries (a failed ``cudaMalloc`` that freed every cached block and tried again: a run at
+    the edge of the device's memory, each retry a synchronising pass); None on CPU."""
     if device.type != "cuda":
-        return {"gpu_peak_reserved_bytes": None, "gpu_peak_allocated_bytes": None}
+        return dict.fromkeys(GPU_MEMORY_KEYS)
+    stats = torch.cuda.memory_stats(device)
     return {
         "gpu_peak_reserved_bytes": int(torch.cuda.max_memory_reserved(device)),
         "gpu_peak_allocated_bytes": int(torch.cuda.max_memory_allocated(device)),
+        "gpu_alloc_retries": int(stats.get("num_alloc_retries", 0)),
     }

@@ -129,6 +129,8 @@ def print_report(report: dict[str, Any]) -> None:
             print(f"{'':{width + 6}} layer compute: {r['kernels']}")
         if "policy" in r:  # runtime.policy=auto: what it chose
             print(f"{'':{width + 6}} {r['policy']}")
+        if r.get("gpu_alloc_retries"):  # at the edge of the device's memory
+            print(f"{'':{width + 6}} allocator retries: {r['gpu_alloc_retries']} (cache freed)")
     one = ""  # with --gpus/--ranks: these are the ratios on one
     if "world" in report:
         one = " on 1 GPU" if report["device"] == "cuda" else " on 1 rank"
