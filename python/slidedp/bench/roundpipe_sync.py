@@ -85,8 +85,9 @@ def run_roundpipe(spec: RunSpec) -> dict[str, Any]:
     device = torch.device(spec.device, 0)
     train = TrainSection(**spec.ours["train"])
     config = AutoConfig.from_pretrained(spec.config_dir)
-    if importlib.util.find_spec(f"roundpipe.models.{config.model_type}") is not None:
-        _adapt_mask_builders(importlib.import_module(f"roundpipe.models.{config.model_type}"))
+    preset = f"roundpipe.models.{config.model_type}"  # its preset for this model, if any
+    if importlib.util.find_spec(preset) is not None:
+        _adapt_mask_builders(importlib.import_module(preset))
     torch.manual_seed(spec.seed)
     model: Any = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     model = model.to(torch.bfloat16).train()
