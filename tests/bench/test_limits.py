@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from bench.tiny import tiny_spec
-from slidedp.bench.child import run_child
+from slidedp.bench.child import crash_status, run_child
 from slidedp.bench.measure import gpu_memory, process_tree
 from slidedp.bench.plot import merge_reports
 from slidedp.cli import main
@@ -166,3 +166,29 @@ def test_a_key_an_older_report_lacks_is_no_difference() -> None:
     assert len(merge_reports([new, old])["runs"]) == 4
     with pytest.raises(ConfigError, match=r"ours_config\.runtime\.kernels"):
         merge_reports([new, _configured(_report("x", (8,)), kernels="eager")])
+
+
+GIB = 2**30
+
+
+def test_a_sigkill_near_the_hosts_memory_is_the_kernels_oom_killer() -> None:
+    # ZeRO-3 on Qwen3-8B (H200 host, 125 GiB): its stderr's last line was a warning's.
+    status, error = crash_status(-9, "warn\n  return func(*args, **kwargs)\n", 123 * GIB, 125 * GIB)
+    assert status == "oom"
+    assert error.startswith("host memory: killed by SIGKILL at a PSS peak of 123.0 GiB of the")
+    assert "func(" not in error
+
+
+@pytest.mark.parametrize(
+    ("code", "peak", "status", "error"),
+    [
+        (-9, 40 * GIB, "killed", "killed by SIGKILL; last stderr line: boom"),  # far from full
+        (-11, 124 * GIB, "killed", "killed by SIGSEGV; last stderr line: boom"),  # not the OOM
+        (1, 124 * GIB, "error", "boom"),
+    ],
+)
+def test_other_crashes_keep_their_signal_and_last_line(
+    code: int, peak: int, status: str, error: str
+) -> None:
+    assert crash_status(code, "x\nboom\n\n", peak, 125 * GIB) == (status, error)
+    assert crash_status(code, "", peak, 0)[0] == status  # no meminfo: never called an OOM

@@ -3,8 +3,9 @@
 While the child runs, a thread samples the PSS of its process tree every ``PSS_SAMPLE_S``
 (``measure.tree_pss_bytes``) and keeps the peak; for a run of several ranks the child is only
 their launcher (``bench.ranks``), which waits, so the sum is over the ranks. A child that exits
-non-zero becomes a result with ``status`` ``error`` (or ``killed`` when a signal ended it, e.g.
-the host's OOM killer), its stderr echoed, its last line kept as ``error``.
+non-zero becomes a result with ``status`` ``error`` (or ``killed`` when a signal ended it), its
+stderr echoed, its last line kept as ``error``; a SIGKILL near the host's memory is the
+kernel's OOM killer, reported as host ``oom`` (``crash_status``).
 
 With ``spec.host_limit_gib`` the sampler also enforces a host budget (a smaller machine than
 this one, e.g. an 80 GB H100 with a 125 GiB host): when the tree's PSS passes it, the child's
@@ -38,8 +39,13 @@ from typing import Any
 from slidedp.bench.lifetime import GROUP_EXIT_S, stop_group, worker_env
 from slidedp.bench.measure import RunSpec, process_pss_bytes, tree_pss_bytes
 from slidedp.bench.report import GIB
+from slidedp.envinfo import meminfo_bytes
 
 PSS_SAMPLE_S = 0.25
+# A SIGKILL at this share of the host's memory is the kernel's OOM killer: the last samples
+# before the kill see the tree just under MemTotal (page cache, the kernel and other processes
+# hold the rest; measured 122.9 GiB of 125 GiB for ZeRO-3 on Qwen3-8B).
+KERNEL_OOM_FRACTION = 0.9
 WORKER = "slidedp.bench.worker"  # the module each run executes
 
 
@@ -121,10 +127,31 @@ def run_child(spec: RunSpec, workdir: Path) -> tuple[dict[str, Any], int]:
         error = f"ran past --system-timeout {spec.timeout_s:g} s; killed"
         result = {"system": spec.system, "batch": spec.batch, "status": "timeout", "error": error}
     elif result is None:
-        lines = [line for line in stderr.splitlines() if line.strip()]
-        status = "killed" if code < 0 else "error"
         where = f"batch {spec.batch}" + (f" on {spec.world} ranks" if spec.world > 1 else "")
         print(f"--- {spec.system} {where} exited {code}:\n{stderr}", file=sys.stderr)
-        error = lines[-1] if lines else f"exit {code}, no stderr"
+        host_bytes = meminfo_bytes().get("mem_total_bytes", 0)
+        status, error = crash_status(code, stderr, child.peak_pss_bytes, host_bytes)
         result = {"system": spec.system, "batch": spec.batch, "status": status, "error": error}
     return result, child.peak_pss_bytes
+
+
+def crash_status(code: int, stderr: str, peak_pss_bytes: int, host_bytes: int) -> tuple[str, str]:
+    """(status, error) of a worker that exited ``code`` without a result.
+
+    A SIGKILL with the tree's PSS peak within ``KERNEL_OOM_FRACTION`` of the host's memory is
+    the kernel's OOM killer: the run did not fit the host, status ``oom`` like ``--host-limit``
+    (the last stderr line is then whatever the process was printing, not the cause). Another
+    signal is ``killed`` and a non-zero exit ``error``, each with the last stderr line.
+    """
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    last = lines[-1].strip() if lines else "no stderr"
+    if code >= 0:
+        return "error", last if lines else f"exit {code}, no stderr"
+    name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+    if code == -signal.SIGKILL and peak_pss_bytes >= KERNEL_OOM_FRACTION * host_bytes > 0:
+        return "oom", (
+            f"host memory: killed by {name} at a PSS peak of {peak_pss_bytes / GIB:.1f} GiB of "
+            f"the host's {host_bytes / GIB:.1f} GiB (the kernel's OOM killer); --host-limit "
+            f"stops a run before it"
+        )
+    return "killed", f"killed by {name}; last stderr line: {last}"
