@@ -29,6 +29,7 @@ from slidedp.bench import predict as bench_predict
 from slidedp.bench import train as bench_train
 from slidedp.errors import ConfigError, SlidedpError, TrainingInterruptedError
 from slidedp.plan import command as plan_command
+from slidedp.plan.device import prefer_expandable_segments
 from slidedp.profile import host as profile_host
 from slidedp.profile import layer as profile_layer
 
@@ -311,6 +312,8 @@ def _report(e: BaseException, args: argparse.Namespace, prefix: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     prefix = f"slidedp {args.verb}: "
+    if args.verb != "bench":  # the bench's workers choose per system (bench.worker)
+        prefer_expandable_segments()
     if "RANK" in os.environ and args.verb == "train":  # one rank of several: see runtime.dist
         return _rank(args, prefix)
     try:

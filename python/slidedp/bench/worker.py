@@ -30,6 +30,7 @@ import torch
 from slidedp.bench.lifetime import die_with_parent
 from slidedp.bench.measure import RunSpec, gpu_memory, process_pss_bytes
 from slidedp.bench.peers import PeerUnavailable
+from slidedp.plan.device import allocator_settings, prefer_expandable_segments
 from slidedp.plan.validate import is_out_of_memory
 from slidedp.runtime.flops import device_peak_flops
 
@@ -113,6 +114,8 @@ def run(spec: RunSpec) -> dict[str, Any]:
             raise
         result.update(status="oom", error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
     result.update(gpu_memory(torch.device(spec.device)))
+    if spec.device == "cuda":
+        result["allocator_settings"] = allocator_settings() or "torch's defaults"
     result["host_pss_end_bytes"] = process_pss_bytes(os.getpid())
     return result
 
@@ -121,6 +124,8 @@ def main(argv: list[str]) -> int:
     die_with_parent()  # a bench killed by SIGKILL leaves no worker on the GPU
     spec_path, result_path = argv
     spec = RunSpec.from_json(json.loads(Path(spec_path).read_text()))
+    if spec.system == "ours":  # the peers and the reference run on the user's settings
+        prefer_expandable_segments()
     if spec.world > 1:
         from slidedp.bench.ranks import launch_ranks, run_rank
         from slidedp.runtime.dist import Dist
