@@ -47,5 +47,6 @@ def prefer_expandable_segments() -> None:
     """``ALLOCATOR_DEFAULT`` for this process and the ones it starts (ranks, validation
     trials), unless the user set the allocator's settings. The allocator reads them when CUDA
     initializes: call this first; after that it changes nothing here."""
-    if not allocator_settings() and not torch.cuda.is_initialized():
+    initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    if not allocator_settings() and not initialized:
         os.environ[ALLOCATOR_VARIABLES[0]] = ALLOCATOR_DEFAULT
