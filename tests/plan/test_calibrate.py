@@ -5,6 +5,7 @@ profile's before the program is solved again; a trial out of memory keeps the pr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -212,3 +213,39 @@ def test_a_negative_calibration_step_count_is_one_line(
     assert "runtime.policy_calibrate_steps must be 0 (no calibration) or >= 2" in err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_plan_reports_the_calibrated_times_it_solved_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``slidedp plan`` for this machine's GPU (its size faked) calibrates, and its report
+    keeps the calibrated time in the program it solved; for another GPU it cannot."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = _config(tmp_path, 4, policy_validate_steps=0)
+    cfg = load_config(path, [])
+    cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 1000.0)
+    probe = Machine.probe
+
+    def with_gpu(cfg: TrainConfig, *args: Any, **kwargs: Any) -> Machine:
+        return dataclasses.replace(probe(cfg, *args, **kwargs), gpu_total_bytes=80 * GIB)
+
+    monkeypatch.setattr(Machine, "probe", with_gpu)
+    monkeypatch.setattr(validate, "run_trial", FakeSteps({"F": 1.0, "*": 1.2}))
+    report, policy = tmp_path / "profile.json", tmp_path / "policy.yaml"
+    report.write_text(json.dumps(_report()))
+    argv = ["plan", str(path), "--profile", str(report), "--out", str(policy)]
+    assert main(argv) == 0
+    summary = json.loads(policy.with_suffix(".json").read_text())
+    (one,) = summary["calibration"]["candidates"]
+    assert (one["policy"], one["time_s"]) == ("N-r0", pytest.approx(0.130))
+    times = {c["name"]: c["time_s"] for c in summary["problem"]["candidates"]}
+    assert times == {"F-r0": pytest.approx(0.030), "N-r0": pytest.approx(0.130)}
+    assert summary["layout"] == "4xF-r0"
+    assert "calibrate_s" in summary["timing_s"]
+    out = capsys.readouterr().out
+    assert "  calibrated (3 steps each): 1 candidate on a 4-layer model: " in out
+
+    assert main([*argv, "--gpu-memory", "40"]) == 0
+    summary = json.loads(policy.with_suffix(".json").read_text())
+    assert summary["calibration"] == {"skipped": "planned for another GPU (--gpu-memory)"}
+    assert summary["layout"] == "4xN-r0"
