@@ -232,7 +232,7 @@ def _auto_line(s: dict[str, Any]) -> str:
     choice from the selection cache."""
     return (
         f"policy   auto: {s['layout']}, {s['resident_layers']} GPU-resident{_kept(s)}, chosen by "
-        f"`slidedp plan`; {_calibration_line(s).strip()}; {_validation_line(s).strip()}; "
+        f"`slidedp plan`; {_calibrated(s)}; {_validation_line(s).strip()}; "
         f"{_selection_line(s).strip()}"
     )
 
@@ -262,11 +262,16 @@ def _summary(stage: Calibration | Validation | None, why: str | None) -> dict[st
     return stage.summary()
 
 
-def _calibration_line(s: dict[str, Any]) -> str:
+def _calibrated(s: dict[str, Any]) -> str:
+    """The calibration's clause, as ``runtime.policy: auto``'s banner says it."""
     c = s["calibration"]
     if "skipped" in c:
-        return f"  calibrated: no ({c['skipped']})"
-    return f"  calibrated ({c['steps']} steps each): {c['said']}"
+        return f"not calibrated ({c['skipped']})"
+    return f"calibrated ({c['steps']} steps each): {c['said']}"
+
+
+def _calibration_line(s: dict[str, Any]) -> str:
+    return f"  {_calibrated(s)}"
 
 
 def _kept(s: dict[str, Any]) -> str:
