@@ -6,7 +6,8 @@
 #   BATCHES="4 16 8 32" CLIP=0 REF="16 32" bash benches/gpu_targets.sh (and the reference)
 #   SHAPE=qwen3-8b BATCHES=16 bash benches/gpu_targets.sh
 # VALIDATE=N lets auto validate its choice against the default in N-step trials before it
-# trains (runtime.policy_validate_steps; the bench's default is 0).
+# trains (runtime.policy_validate_steps; the bench's default is 0); CALIBRATE=N lets it
+# calibrate its candidates on a reduced model first (runtime.policy_calibrate_steps; also 0).
 # A part that would pass the call's 560 s is skipped and says so. The reports come back as one
 # archive ($OUT/targets.tgz), since a device call returns few files.
 #
@@ -27,7 +28,7 @@ for B in ${BATCHES:-4 16}; do
         --batch "$B" --json "$JSON/$name-fixed.json"
     within "$LIMIT" "$name-auto" && part "$name-auto" "$LIMIT" "${BENCH[@]}" --systems ours \
         --batch "$B" --set runtime.policy=auto --set runtime.policy_validate_steps="${VALIDATE:-0}" \
-        --json "$JSON/$name-auto.json"
+        --set runtime.policy_calibrate_steps="${CALIBRATE:-0}" --json "$JSON/$name-auto.json"
 done
 for B in ${REF:-}; do
     within 120 "$SHAPE-b$B-reference" && part "$SHAPE-b$B-reference" 120 "${BENCH[@]}" \

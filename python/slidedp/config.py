@@ -114,6 +114,9 @@ class RuntimeSection:
     # runtime.policy=auto: training steps each of the choice and the fixed default run before
     # training, the faster one wins (plan.validate; the first step is a warm-up); 0: off
     policy_validate_steps: int = 3
+    # runtime.policy=auto: training steps of each calibration trial (plan.calibrate: the
+    # shortlisted candidates' layer times measured on a reduced model, then solved again); 0: off
+    policy_calibrate_steps: int = 3
     # runtime.policy=auto: select again though a cached selection matches (plan.selection_cache)
     policy_force: bool = False
     loss_chunk_tokens: int = 1024  # tokens per chunk of the linear + cross-entropy
@@ -167,6 +170,11 @@ class RuntimeSection:
             self.policy_validate_steps == 0 or self.policy_validate_steps >= 2,
             "runtime.policy_validate_steps must be 0 (no validation) or >= 2 (a warm-up step, "
             f"then timed ones), got {self.policy_validate_steps}",
+        )
+        _require(
+            self.policy_calibrate_steps == 0 or self.policy_calibrate_steps >= 2,
+            "runtime.policy_calibrate_steps must be 0 (no calibration) or >= 2 (a warm-up step, "
+            f"then timed ones), got {self.policy_calibrate_steps}",
         )
         _require(
             self.resident_layers >= 0,

@@ -154,8 +154,10 @@ def test_bench_owned_keys_and_bad_systems_are_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert ours_config(["runtime.slots=3"])["runtime"]["slots"] == 3
-    # auto unvalidated in the bench (it runs the default beside), unless --set asks for it
+    # auto uncalibrated and unvalidated in the bench (it runs the default beside), unless
+    # --set asks for it
     assert ours_config([])["runtime"]["policy_validate_steps"] == 0
+    assert ours_config([])["runtime"]["policy_calibrate_steps"] == 0
     validated = ours_config(["runtime.policy_validate_steps=3"])
     assert validated["runtime"]["policy_validate_steps"] == 3
     with pytest.raises(ConfigError, match=r"'train\.global_batch_size' is set by the bench"):

@@ -34,7 +34,9 @@ def test_auto_profiles_once_chooses_and_trains_as_the_chosen_layout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    path = _config(tmp_path, "auto", policy="auto")
+    # the calibration stage has its own test (test_calibrate): here the solver's first choice
+    # is the one validated
+    path = _config(tmp_path, "auto", policy="auto", policy_calibrate_steps=0)
     assert main(["validate", str(path)]) == 0
     assert "the layer is not profiled yet" in capsys.readouterr().out
     assert not (tmp_path / "slidedp" / "profile").exists()  # validate measures nothing
@@ -107,7 +109,10 @@ def test_auto_on_two_cpu_ranks_chooses_once_in_the_launcher(
     assert "measured in a child process in " in line
     assert "host AdamW 3 GB/s measured (cached)" in line
     routes = "; routes replicated/gpu, the config's (the route model is for GPUs)"
-    several = "not validated on several ranks (the solver's choice runs)"
+    several = (
+        "not calibrated (several ranks: the profiled times); not validated on several ranks "
+        "(the solver's choice runs)"
+    )
     assert f"{routes}; {several}; selection " in line
     resolved = yaml.safe_load((tmp_path / "ranks" / "resolved_config.yaml").read_text())
     rt = resolved["runtime"]

@@ -230,7 +230,8 @@ def test_auto_takes_the_choice_slidedp_plan_made_for_the_same_run(
         summary["resident_layers"],
     )
     assert line.startswith(f"policy   auto: {summary['layout']}, ")
-    assert ", chosen by `slidedp plan`; validated (3 steps each): " in line
+    said = "not calibrated (runtime.policy_calibrate_steps=0); validated (3 steps each): "
+    assert f", chosen by `slidedp plan`; {said}" in line
     assert f"; from the cache {stored} (selected " in line
     # another GPU's plan (--gpu-memory) is not this machine's selection: nothing cached
     stored.unlink()

@@ -45,6 +45,9 @@ def _report() -> dict[str, Any]:
 
 
 def _config(tmp_path: Path, **runtime: object) -> Path:
+    """The run; the calibration stage off unless asked (test_calibrate has it): the solver's
+    choice from the profile is the one validated."""
+    runtime = {"policy_calibrate_steps": 0} | runtime
     model = make_model(tmp_path, "qwen3", tied=True, layers=LAYERS)
     data = write_data(tmp_path / "data.jsonl", 16, min_len=SEQ, max_len=SEQ)
     return write_config(tmp_path / "run.yaml", model, data, tmp_path / "out",

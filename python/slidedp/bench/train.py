@@ -70,9 +70,10 @@ SYSTEMS = (*DEFAULT_SYSTEMS, *PEERS)
 RESULTS = ("ok", "oom", "timeout", "unavailable")  # a run's statuses that are not a failure
 OURS_DEFAULTS: dict[str, Any] = {
     "train": {"max_steps": 1, "learning_rate": 1e-5, "lr_scheduler": "constant"},
-    # auto's choice unvalidated unless --set asks: the bench runs the default beside it, and
-    # the reference runs the layout auto chooses for ours (``bench.ours.auto_layout``)
-    "runtime": {"policy_validate_steps": 0},
+    # auto's choice uncalibrated and unvalidated unless --set asks: the bench runs the default
+    # beside it, and the reference runs the layout auto chooses for ours
+    # (``bench.ours.auto_layout``)
+    "runtime": {"policy_validate_steps": 0, "policy_calibrate_steps": 0},
 }
 BENCH_OWNED = frozenset(
     ("model.path", "data", "output", "train.max_steps", "train.global_batch_size", "runtime.device",

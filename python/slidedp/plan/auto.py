@@ -7,15 +7,18 @@ keeps it.
 
 ``train`` profiles the layer when the profile is not cached (on the run's device, with the
 batch of one rank and the run's sequence), and probes the host AdamW rate the same way
-(``slidedp profile host``: the selector's host lane); on one process it then validates the
+(``slidedp profile host``: the selector's host lane), and solves (``plan.select``). On one
+process it then calibrates the candidates that solution uses on a reduced model of the run
+(``plan.calibrate``: ``runtime.policy_calibrate_steps`` training steps each trial; their layer
+times measured in the pipeline replace the profile's) and solves again, and validates the
 solver's choice against the fixed default in ``runtime.policy_validate_steps`` training steps
 each (``plan.validate``: the faster one runs, the default on a tie; a choice out of memory is
 re-solved with a smaller budget). Each stage is said in one line as it ends, and the banner
 line ends with the selection time by stage and the break-even steps (``plan.clock``).
 ``validate`` and ``estimate`` never run GPU work: they use a cached profile, or check the
 default layout and say that ``train`` will choose, and a cached host rate or else
-``estimate.ADAMW_GBPS``'s; they show the solver's choice, unvalidated. A resumed run keeps the
-layout and routes its checkpoint ran with.
+``estimate.ADAMW_GBPS``'s; they show the solver's choice, uncalibrated and unvalidated. A
+resumed run keeps the layout and routes its checkpoint ran with.
 
 ``train`` (the bench, and ``slidedp plan`` for this GPU) keeps each selection it makes in the
 selection cache (``plan.selection_cache``), keyed by the cached measurements and the run's
@@ -32,7 +35,7 @@ run in a child process (``plan.measure``), so the launcher allocates nothing on 
 is GPU-resident there (refused with several ranks). CPU ranks choose the layout and keep the
 config's routes (the route model is for GPUs); several nodes, and ranks started by another
 launcher (torchrun), are refused with one line. The launcher's choice is not validated (a trial
-there would start every rank, twice).
+there would start every rank, twice), nor calibrated.
 
 Example::
 
@@ -52,8 +55,9 @@ from typing import TYPE_CHECKING, Any
 
 from slidedp.errors import ConfigError
 from slidedp.io.checkpoint import STATE_FILE
+from slidedp.plan.calibrate import Calibration, calibrate_choice, why_not_calibrated
 from slidedp.plan.clock import Clock
-from slidedp.plan.layout import parse_layout
+from slidedp.plan.layout import LayerPolicy, parse_layout
 from slidedp.plan.route_choice import (
     ROUTES,
     Route,
@@ -271,11 +275,12 @@ def resolve_auto(
         host = host_rate(update_threads(cfg, machine), machine, measure=measure)
         notes.append(f"AdamW {host.gbps:.0f} GB/s {host.source}")
     total = device_total_bytes(machine, default, adapter)
+    calibrated: dict[LayerPolicy, float] = {}  # the calibration stage's layer times
 
     def solve_at(cut_bytes: int = 0) -> Choice:
         return select_layout(default, adapter, machine, report, total_bytes=total,
                              update_gbps=host.gbps, resident=resident,
-                             budget_cut_bytes=cut_bytes)  # fmt: skip
+                             budget_cut_bytes=cut_bytes, times_s=calibrated)  # fmt: skip
 
     with clock.stage("solve") as notes:
         choice = solve_at()
@@ -287,6 +292,15 @@ def resolve_auto(
             f"{choice.layout}, {choice.resident_layers} GPU-resident (the program's "
             f"{choice.program_layout}, predicted {choice.gain:.2f}x the default)"
         )
+    calibration, not_calibrated = None, _why_not_calibrated(choice, rt, several=several,
+                                                             measuring=measuring)  # fmt: skip
+    if not_calibrated is None:
+        with clock.stage("calibrate") as notes:
+            calibration = calibrate_choice(default, choice, steps=rt.policy_calibrate_steps,
+                                           runner=runner_for(machine))  # fmt: skip
+            calibrated.update(calibration.times_s())
+            choice = solve_at()
+            notes.append(f"{calibration.describe()}; solved again: {choice.program_layout}")
     steps, validation = rt.policy_validate_steps, None
     if measuring and not several and steps and needs_validation(choice):
         with clock.stage("validation") as notes:
@@ -305,6 +319,7 @@ def resolve_auto(
     if routes is not None:  # several ranks: not validated, the solver's choice runs
         chosen, said = routes
         line += f"; routes {said}"
+    line += f"; {_calibrated(calibration, rt.policy_calibrate_steps, not_calibrated)}"
     line += f"; {_validated(validation, choice, steps, several=several, measuring=measuring)}"
     if measuring:  # from a cache alone (validate, estimate) the seconds say nothing
         line += f"; {_selection(clock, validation)}"
@@ -419,6 +434,24 @@ def _head(choice: Choice, shown: Choice, source: str, host: HostRate, solve_s: f
 
 def _say_stage(line: str) -> None:
     print(f"policy   auto {line}", flush=True)
+
+
+def _why_not_calibrated(
+    choice: Choice, rt: RuntimeSection, *, several: bool, measuring: bool
+) -> str | None:
+    """Why ``choice`` is not calibrated (None: it is): as validation, only where this process
+    can run the trials (``train`` on one process)."""
+    if rt.policy_calibrate_steps and several:
+        return "several ranks: the profiled times"
+    if rt.policy_calibrate_steps and not measuring:
+        return "`slidedp train` calibrates"
+    return why_not_calibrated(rt.policy_calibrate_steps, choice)
+
+
+def _calibrated(calibration: Calibration | None, steps: int, why: str | None) -> str:
+    if calibration is None:
+        return f"not calibrated ({why})"
+    return f"calibrated ({steps} steps each): {calibration.describe()}"
 
 
 def _validated(

@@ -5,10 +5,13 @@ Stages, each timed in the report: the layer profile of the run's own model, batc
 (``slidedp profile layer``, cached by device, shape, batch, sequence, dtype and versions), the
 host AdamW rate (``slidedp profile host``, cached by CPU, threads, GPU and versions), the
 integer program over its Pareto candidates under the GPU budget with the host update lane
-counted (``plan.select``), the placement, the validation (``plan.validate``: a few training steps
-of the choice and of the default on this GPU, the choice kept only when faster, re-solved with
-a smaller budget when it does not fit; not for ``--gpu-memory``, another GPU), and ``slidedp
-estimate`` of the chosen layout (the same check ``train`` runs). The fixed default (all ``F``)
+counted (``plan.select``), the placement, the calibration (``plan.calibrate``: the candidates
+of that solution timed in a reduced model of the run on this GPU, their layer times in the
+profile's place, then solved again; not for ``--gpu-memory``), the validation
+(``plan.validate``: a few training steps of the choice and of the default on this GPU, the
+choice kept only when faster, re-solved with a smaller budget when it does not fit; not for
+``--gpu-memory``, another GPU), and ``slidedp estimate`` of the chosen layout (the same check
+``train`` runs). The fixed default (all ``F``)
 is a candidate of the program, and its accounting is printed beside the choice. Each stage is
 said in one line as it ends; the report adds the selection time (their sum) and the break-even
 steps (``plan.clock``).
@@ -40,7 +43,9 @@ import yaml
 
 from slidedp.errors import ConfigError
 from slidedp.plan.auto import check_one_process, profile_args, store_selection
+from slidedp.plan.calibrate import Calibration, calibrate_choice, why_not_calibrated
 from slidedp.plan.clock import Clock
+from slidedp.plan.layout import LayerPolicy
 from slidedp.plan.select import MIN_GAIN, Choice, select_layout
 from slidedp.plan.validate import (
     Validation,
@@ -145,13 +150,24 @@ def main(args: argparse.Namespace) -> int:
         host = host_rate(update_threads(cfg, machine), machine, measure=True)
         notes.append(f"AdamW {host.gbps:.0f} GB/s {host.source}")
 
+    calibrated: dict[LayerPolicy, float] = {}  # the calibration stage's layer times
+
     def solve_at(cut_bytes: int = 0) -> Choice:
         return select_layout(cfg, adapter, machine, report, total_bytes=total,
-                             update_gbps=host.gbps, budget_cut_bytes=cut_bytes)  # fmt: skip
+                             update_gbps=host.gbps, budget_cut_bytes=cut_bytes,
+                             times_s=calibrated)  # fmt: skip
 
     with clock.stage("solve") as notes:
         choice = solved = solve_at()
         notes.append(f"{choice.layout}, {choice.resident_layers} GPU-resident")
+    calibration, not_calibrated = None, _why_not_calibrated(args, cfg, choice)
+    if not_calibrated is None:  # the plan is for this machine's GPU: its trials run here
+        with clock.stage("calibrate") as notes:
+            calibration = calibrate_choice(cfg, choice, steps=cfg.runtime.policy_calibrate_steps,
+                                           runner=runner_for(machine))  # fmt: skip
+            calibrated.update(calibration.times_s())
+            choice = solved = solve_at()
+            notes.append(f"{calibration.describe()}; solved again: {choice.program_layout}")
     validation, why = None, _why_not_validated(args, cfg, choice)
     if why is None:  # the plan is for this machine's GPU: its steps can be run here
         with clock.stage("validation") as notes:
@@ -196,7 +212,8 @@ def main(args: argparse.Namespace) -> int:
             k: m and {"step_s": m["step_s"], "regime": m["regime"], "calibration": m["calibration"]}
             for k, m in model.items()
         },
-        "validation": _validation_summary(validation, why),
+        "calibration": _summary(calibration, not_calibrated),
+        "validation": _summary(validation, why),
         "timing_s": {f"{k}_s": v for k, v in clock.seconds.items()},
         "selection_s": clock.total_s,
         "break_even_steps": validation and validation.break_even_steps(clock.total_s),
@@ -215,7 +232,8 @@ def _auto_line(s: dict[str, Any]) -> str:
     choice from the selection cache."""
     return (
         f"policy   auto: {s['layout']}, {s['resident_layers']} GPU-resident{_kept(s)}, chosen by "
-        f"`slidedp plan`; {_validation_line(s).strip()}; {_selection_line(s).strip()}"
+        f"`slidedp plan`; {_calibrated(s)}; {_validation_line(s).strip()}; "
+        f"{_selection_line(s).strip()}"
     )
 
 
@@ -230,10 +248,30 @@ def _why_not_validated(args: argparse.Namespace, cfg: Any, choice: Choice) -> st
     return None
 
 
-def _validation_summary(validation: Validation | None, why: str | None) -> dict[str, Any]:
-    if validation is None:
+def _why_not_calibrated(args: argparse.Namespace, cfg: Any, choice: Choice) -> str | None:
+    """Why the plan's candidates are not calibrated (None: they are)."""
+    steps = cfg.runtime.policy_calibrate_steps
+    if steps and args.gpu_memory:
+        return "planned for another GPU (--gpu-memory)"
+    return why_not_calibrated(steps, choice)
+
+
+def _summary(stage: Calibration | Validation | None, why: str | None) -> dict[str, Any]:
+    if stage is None:
         return {"skipped": why}
-    return validation.summary()
+    return stage.summary()
+
+
+def _calibrated(s: dict[str, Any]) -> str:
+    """The calibration's clause, as ``runtime.policy: auto``'s banner says it."""
+    c = s["calibration"]
+    if "skipped" in c:
+        return f"not calibrated ({c['skipped']})"
+    return f"calibrated ({c['steps']} steps each): {c['said']}"
+
+
+def _calibration_line(s: dict[str, Any]) -> str:
+    return f"  {_calibrated(s)}"
 
 
 def _kept(s: dict[str, Any]) -> str:
@@ -294,6 +332,7 @@ def format_summary(s: dict[str, Any], out: Path) -> str:
         f"  chosen:  {s['layout']}, {s['resident_layers']} GPU-resident{_kept(s)}",
         f"  estimate of the run with it: GPU {s['estimate_gpu_needed_bytes'] / GIB:.2f} GiB needed",
         _model_line(s["step_model"]),
+        _calibration_line(s),
         _validation_line(s),
         _selection_line(s),
         f"wrote {out} (train with runtime.policy={out}) and {out.with_suffix('.json')}",

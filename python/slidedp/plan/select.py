@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -66,10 +67,13 @@ class Choice:
 Candidates = list[tuple[int, LayerPolicy, dict[str, Any]]]
 
 
-def profile_candidates(report: dict[str, Any]) -> Candidates:
+def profile_candidates(
+    report: dict[str, Any], times_s: Mapping[LayerPolicy, float] | None = None
+) -> Candidates:
     """The Pareto-efficient candidates of a ``slidedp profile layer`` report, plus ``F-r0``
     (the fixed default), of each kind of layer (its first layer's index, first), as the
-    program's ``Candidate`` records (their ``kind`` set by ``select_layout``)."""
+    program's ``Candidate`` records (their ``kind`` set by ``select_layout``). ``times_s``:
+    layer times that replace the profile's (``plan.calibrate``'s, of one kind of layer)."""
     kinds = sorted(int(k) for k in report.get("kinds") or {"0": 1})
     out: dict[tuple[int, LayerPolicy], dict[str, Any]] = {}
     for c in report["candidates"]:
@@ -82,7 +86,7 @@ def profile_candidates(report: dict[str, Any]) -> Candidates:
         transient = max(c["transient_bytes"] or 0, c["estimated_transient_bytes"])
         out[kind, policy] = {
             "name": str(policy) if len(kinds) == 1 else f"layer {kind}: {policy}",
-            "time_s": layer_time(c),
+            "time_s": (times_s or {}).get(policy, layer_time(c)),
             "forward_s": max(float(c["forward_s"]), float(c["reload_s"])),
             "retained_bytes": float(max(memory(c), c["estimated_retained_bytes"])),
             "offloaded_bytes": float(max(c["offloaded_bytes"], c["estimated_offloaded_bytes"])),
@@ -179,13 +183,15 @@ def select_layout(
     update_gbps: float,
     resident: bool = True,
     budget_cut_bytes: int = 0,
+    times_s: Mapping[LayerPolicy, float] | None = None,
 ) -> Choice:
     """The fastest placed layout of the profile's candidates within ``total_bytes`` of device
     memory, the host update at ``update_gbps`` counted (after the backward with clipping), and
     with ``resident`` how many layers stay GPU-resident (their memory against the same budget,
     their update off the host lane). ``budget_cut_bytes``: taken off the activations' budget
-    (``plan.validate``'s feedback: what a validated choice reserved beyond the device)."""
-    cands = profile_candidates(report)
+    (``plan.validate``'s feedback: what a validated choice reserved beyond the device).
+    ``times_s``: calibrated layer times (``plan.calibrate``) in the profile's place."""
+    cands = profile_candidates(report, times_s)
     kinds = program_kinds(adapter, report, update_gbps)
     index = {k: i for i, k in enumerate(sorted({k for k, _, _ in cands}))}
     budget = activation_budget(cfg, adapter, machine, total_bytes)

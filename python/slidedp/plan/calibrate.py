@@ -1,0 +1,187 @@
+"""AutoPolicy's calibration stage (issue #16), between the first solve and the final one: the
+single-layer profile times a candidate alone, but in the pipeline its copies share the links
+with the parameter stream and the update, so its per-layer time there can differ. The
+candidates the solver's first solution uses (other than the fixed default ``F-r0``, at most
+``SHORTLIST``, most used first) are calibrated in a reduced real pipeline: the run's model cut
+to ``K = REDUCED_LAYERS`` decoder layers (at most its own), its weights initialised from the
+config (``io.hf_load.fill_master``: the directory has no safetensors; timing does not depend
+on the values), nothing GPU-resident. ``T_0`` is the reduced model's step time with every layer
+``F-r0``; ``T_j`` its step time with ``k_j = K // 2`` layers on candidate ``j`` and the rest
+``F-r0``; then ``τ_j = τ_0 + (T_j - T_0) / k_j``, with ``τ_0`` the profile's ``F-r0`` time. The
+program is solved again with these times (``select_layout(times_s=...)``). A candidate whose
+trial runs out of memory keeps its profiled time. Trials go through ``plan.validate``'s
+runners (in this process on CPU, a child process on CUDA); only models of one kind of layer
+are calibrated.
+
+Example::
+
+    found = calibrate_choice(default_cfg, choice, steps=3, runner=runner_for(machine))
+    print(found.describe())   # '1 candidate on a 4-layer model: N-r0 τ 0.018 → 0.025 s; ...'
+    choice = select_layout(..., times_s=found.times_s())
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from slidedp.plan.layout import LayerPolicy, format_layout, parse_entry, place
+from slidedp.plan.validate import Runner, default_config
+
+if TYPE_CHECKING:
+    from slidedp.config import TrainConfig
+    from slidedp.plan.select import Choice
+
+SHORTLIST = 3  # candidates calibrated at most (each costs a trial)
+REDUCED_LAYERS = 4  # the reduced model's decoder layers (K), at most the model's own
+_WEIGHTS = ("model.safetensors.index.json",)  # with every *.safetensors: left out
+
+
+def calibrated_time_s(
+    default_time_s: float, default_step_s: float, step_s: float, replaced: int
+) -> float:
+    """``τ_j = τ_0 + (T_j - T_0) / k_j``: the profile's default layer time plus what each of
+    the ``replaced`` layers added to the reduced model's step. Never below zero (a short
+    trial's noise could take a candidate there; the program's times are not negative)."""
+    return max(0.0, default_time_s + (step_s - default_step_s) / replaced)
+
+
+def _policy(candidate: dict[str, Any]) -> LayerPolicy:
+    return parse_entry(candidate["name"], 0.0)[1]
+
+
+def shortlist(choice: Choice) -> list[LayerPolicy]:
+    """The candidates the solver's solution uses, the default left out, most layers first,
+    ``SHORTLIST`` at most."""
+    from slidedp.plan.select import DEFAULT
+
+    counts = zip(choice.problem["candidates"], choice.solution["counts"], strict=True)
+    used = sorted(((int(n), _policy(c)) for c, n in counts if int(n) > 0),
+                  key=lambda np: -np[0])  # fmt: skip
+    return [p for _, p in used if p != DEFAULT][:SHORTLIST]
+
+
+def why_not_calibrated(steps: int, choice: Choice) -> str | None:
+    """Why the choice is not calibrated (None: it is), for a run that can run trials."""
+    if not steps:
+        return "runtime.policy_calibrate_steps=0"
+    if choice.problem["kinds"]:
+        return "layers of several kinds"
+    if not shortlist(choice):
+        return "the solver chose only the default: nothing to calibrate"
+    return None
+
+
+def reduced_model(model_dir: Path, layers: int, out: Path) -> Path:
+    """``out``: the model of ``model_dir`` cut to its first ``layers`` decoder layers (the
+    bench's ``cut_layers``; of a multimodal model, its text model), without weights (the
+    trainer initialises them from the config), its other files (the tokenizer) linked."""
+    from slidedp.bench.shapes import cut_layers, resolve_shape
+
+    config = resolve_shape(str(model_dir))
+    cut_layers(config.get_text_config(), layers)  # the text config is config's own object
+    out.mkdir(parents=True, exist_ok=True)
+    config.to_json_file(str(out / "config.json"))
+    for f in model_dir.iterdir():
+        if f.name != "config.json" and f.suffix != ".safetensors" and f.name not in _WEIGHTS:
+            (out / f.name).symlink_to(f.resolve())
+    return out
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """One shortlisted candidate's calibration."""
+
+    policy: LayerPolicy
+    profiled_s: float  # τ_j, the profile's
+    step_s: float | None  # T_j; None: out of memory
+    time_s: float | None  # τ_j calibrated; None: the profiled one is kept
+
+    def describe(self) -> str:
+        if self.time_s is None:
+            return f"{self.policy} ran out of memory (τ {self.profiled_s:.3f} s kept)"
+        return f"{self.policy} τ {self.profiled_s:.3f} → {self.time_s:.3f} s"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the calibration ran (``K`` layers, ``k_j`` replaced) and the times it found."""
+
+    steps: int  # per trial, the warm-up included
+    layers: int  # K
+    replaced: int  # k_j
+    default_time_s: float  # τ_0, the profile's
+    default_step_s: float | None  # T_0; None: out of memory (every τ kept)
+    candidates: tuple[Calibrated, ...]
+
+    def times_s(self) -> dict[LayerPolicy, float]:
+        """The calibrated layer times, for ``select_layout`` (the others keep the profile's)."""
+        return {c.policy: c.time_s for c in self.candidates if c.time_s is not None}
+
+    def describe(self) -> str:
+        if self.default_step_s is None:
+            return (
+                f"on a {self.layers}-layer model the default ran out of memory: the profiled "
+                "times kept"
+            )
+        n = len(self.candidates)
+        head = f"{n} candidate{'s' if n > 1 else ''} on a {self.layers}-layer model"
+        said = ", ".join(c.describe() for c in self.candidates)
+        return (
+            f"{head}: {said} ({self.replaced} of {self.layers} layers replaced; the default's "
+            f"step {self.default_step_s:.3f} s, τ {self.default_time_s:.3f} s)"
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """What ran and what it found, as the plan's report keeps it."""
+        candidates = [dataclasses.asdict(c) | {"policy": str(c.policy)} for c in self.candidates]
+        return dataclasses.asdict(self) | {"candidates": candidates, "said": self.describe()}
+
+
+def _trial_layout(policy: LayerPolicy, replaced: int, layers: int, choice: Choice) -> str:
+    """``replaced`` layers on ``policy``, the rest on the default, placed as the run places
+    them (``plan.layout.place``)."""
+    from slidedp.plan.select import DEFAULT
+
+    retained = {_policy(c): int(c["retained_bytes"]) for c in choice.problem["candidates"]}
+    counts = [(policy, replaced), (DEFAULT, layers - replaced)]
+    return format_layout(place([(p, n) for p, n in counts if n > 0], retained))
+
+
+def _profiled_times_s(choice: Choice) -> dict[LayerPolicy, float]:
+    return {_policy(c): float(c["time_s"]) for c in choice.problem["candidates"]}
+
+
+def _with_layers(cfg: TrainConfig, layout: str) -> TrainConfig:
+    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, layers=layout))
+
+
+def calibrate_choice(
+    cfg: TrainConfig, choice: Choice, *, steps: int, runner: Runner
+) -> Calibration:
+    """The shortlisted candidates of ``choice`` (solved with the profiled times of ``cfg``'s
+    run) calibrated by ``runner`` on the reduced model, ``steps`` steps each trial."""
+    from slidedp.plan.select import DEFAULT
+
+    layers = min(REDUCED_LAYERS, int(choice.problem["layers"]))
+    replaced = max(1, layers // 2)
+    profiled = _profiled_times_s(choice)
+    tau_0 = profiled[DEFAULT]
+    found: list[Calibrated] = []
+    with tempfile.TemporaryDirectory(prefix="slidedp-calibrate-") as tmp:
+        model = reduced_model(Path(cfg.model.path), layers, Path(tmp) / "model")
+        reduced = default_config(
+            dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model)))
+        )
+        t_0 = runner(reduced, steps).step_s
+        for policy in shortlist(choice) if t_0 is not None else []:
+            layout = _trial_layout(policy, replaced, layers, choice)
+            t_j = runner(_with_layers(reduced, layout), steps).step_s
+            tau_j = None
+            if t_0 is not None and t_j is not None:
+                tau_j = calibrated_time_s(tau_0, t_0, t_j, replaced)
+            found.append(Calibrated(policy, profiled[policy], t_j, tau_j))
+    return Calibration(steps, layers, replaced, tau_0, t_0, tuple(found))

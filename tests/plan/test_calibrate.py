@@ -1,0 +1,251 @@
+"""AutoPolicy's calibration stage (``plan.calibrate``): the shortlisted candidates' layer times
+measured on a reduced model of the run, ``τ_j = τ_0 + (T_j - T_0) / k_j``, replace the
+profile's before the program is solved again; a trial out of memory keeps the profiled time;
+``train`` says the stage in its own line and in the banner."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.tiny import make_model, read_metrics, write_config, write_data
+from host_profile.fake import cache_rate
+from slidedp.cli import main
+from slidedp.config import TrainConfig, load_config
+from slidedp.estimate import Machine, update_threads
+from slidedp.models.hf import HFAdapter
+from slidedp.plan import auto, validate
+from slidedp.plan.calibrate import SHORTLIST, calibrate_choice, shortlist
+from slidedp.plan.layout import LayerPolicy, parse_layout
+from slidedp.plan.select import DEFAULT, Choice, select_layout
+from slidedp.plan.validate import Trial
+
+MIB, GIB = 2**20, 2**30
+BATCH, SEQ = 4, 32
+N_R0 = LayerPolicy("N")
+
+
+def _row(policy: str, time_ms: float, retained_mib: float) -> dict[str, Any]:
+    return {"policy": policy, "pareto": True, "forward_s": time_ms / 3e3,
+            "backward_s": 2 * time_ms / 3e3, "reload_s": 0.0, "retained_bytes": None,
+            "estimated_retained_bytes": int(retained_mib * MIB), "offloaded_bytes": 0,
+            "estimated_offloaded_bytes": 0, "transient_bytes": None,
+            "estimated_transient_bytes": 4 * MIB}  # fmt: skip
+
+
+def _report() -> dict[str, Any]:
+    """Profiled: F-r0 30 ms a layer, N-r0 18 ms (the program picks every layer N-r0)."""
+    rows = [_row("F-r0", 30.0, 1.0), _row("N-r0", 18.0, 300.0)]
+    return {"batch": BATCH, "seq_len": SEQ, "candidates": rows, "cached": None}
+
+
+def _config(tmp_path: Path, layers: int, **runtime: object) -> Path:
+    model = make_model(tmp_path, "qwen3", tied=True, layers=layers)
+    data = write_data(tmp_path / "data.jsonl", 16, min_len=SEQ, max_len=SEQ)
+    return write_config(tmp_path / "run.yaml", model, data, tmp_path / "out",
+                        train={"max_steps": 2, "global_batch_size": BATCH, "max_grad_norm": 1.0},
+                        runtime=runtime, output={"tensorboard": False})  # fmt: skip
+
+
+class FakeSteps:
+    """A runner whose step time is given per layout text (``"F"``: the reduced model's
+    default; ``None``: out of memory); it records each config it ran and the layer count
+    of the model it was given (the directory is gone after the stage)."""
+
+    def __init__(self, step_s: dict[str, float | None]) -> None:
+        self.step_s, self.ran, self.model_layers = step_s, list[TrainConfig](), list[int]()
+
+    def __call__(self, cfg: TrainConfig, steps: int) -> Trial:
+        self.ran.append(cfg)
+        config = json.loads((Path(cfg.model.path) / "config.json").read_text())
+        self.model_layers.append(int(config["num_hidden_layers"]))
+        rt = cfg.runtime
+        step_s = self.step_s["F"] if rt.layers == "F" else self.step_s["*"]
+        return Trial(rt.layers, rt.resident_layers, step_s, None)
+
+
+def _solved(path: Path, *overrides: str) -> tuple[TrainConfig, Choice]:
+    cfg = load_config(path, list(overrides))
+    adapter = HFAdapter.from_dir(cfg.model.path)
+    choice = select_layout(cfg, adapter, Machine.probe(cfg, measure=False), _report(),
+                           total_bytes=80 * GIB, update_gbps=1000.0,
+                           resident=False)  # fmt: skip
+    return cfg, choice
+
+
+def test_the_calibrated_time_is_the_default_time_plus_the_step_added_per_replaced_layer(
+    tmp_path: Path,
+) -> None:
+    cfg, choice = _solved(_config(tmp_path, layers=6))
+    assert shortlist(choice) == [N_R0]
+    runner = FakeSteps({"F": 1.0, "*": 1.1})
+    found = calibrate_choice(cfg, choice, steps=3, runner=runner)
+    # K = 4 of the model's 6 layers, k = 2 of them N-r0: τ = 0.030 + (1.1 - 1.0) / 2
+    assert (found.layers, found.replaced) == (4, 2)
+    assert (found.default_time_s, found.default_step_s) == pytest.approx((0.030, 1.0))
+    (one,) = found.candidates
+    assert (one.profiled_s, one.step_s, one.time_s) == pytest.approx((0.018, 1.1, 0.080))
+    assert found.times_s() == {N_R0: pytest.approx(0.080)}
+    assert "N-r0 τ 0.018 → 0.080 s (2 of 4 layers replaced" in found.describe()
+
+
+def test_the_reduced_model_has_k_layers_and_none_resident(tmp_path: Path) -> None:
+    # the run's own layout and resident layers (as the launcher's choice would set them) are
+    # not the trials'
+    given = ("runtime.layers=6xN", "runtime.resident_layers=2")
+    cfg, choice = _solved(_config(tmp_path, layers=6), *given)
+    runner = FakeSteps({"F": 1.0, "*": 1.1})
+    calibrate_choice(cfg, choice, steps=3, runner=runner)
+    assert runner.model_layers == [4, 4]  # the default, then the candidate
+    assert [c.runtime.resident_layers for c in runner.ran] == [0, 0]
+    assert [c.runtime.policy for c in runner.ran] == ["", ""]
+    trial = parse_layout(runner.ran[1].runtime.layers, 4, 0.0)
+    assert (trial.count(N_R0), trial.count(DEFAULT)) == (2, 2)
+    # the weights are left out: the trainer initialises them from the config
+    assert runner.ran[0].model.path != cfg.model.path
+    assert not Path(runner.ran[0].model.path).exists()  # a temporary directory, gone
+
+
+def test_the_shortlist_is_the_used_candidates_but_the_default_most_used_first() -> None:
+    names = ["F-r0", "N-r0", "SAC.mm-r0", "F-r1", "S0000100-r0.5", "N-r1"]
+    problem = {"candidates": [{"name": n} for n in names], "kinds": [], "layers": 20}
+    choice = Choice("", (), 0, problem, {"counts": [5, 1, 4, 0, 7, 3]}, {})
+    assert len(shortlist(choice)) == SHORTLIST == 3
+    assert [str(p) for p in shortlist(choice)] == ["S0000100-r0.5", "SAC.mm-r0", "N-r1"]
+
+
+def test_a_trial_out_of_memory_keeps_the_profiled_time(tmp_path: Path) -> None:
+    cfg, choice = _solved(_config(tmp_path, layers=4))
+    found = calibrate_choice(cfg, choice, steps=3, runner=FakeSteps({"F": 1.0, "*": None}))
+    assert found.times_s() == {}
+    assert "N-r0 ran out of memory (τ 0.018 s kept)" in found.describe()
+    adapter = HFAdapter.from_dir(cfg.model.path)
+    again = select_layout(cfg, adapter, Machine.probe(cfg, measure=False), _report(),
+                          total_bytes=80 * GIB, update_gbps=1000.0, resident=False,
+                          times_s=found.times_s())  # fmt: skip
+    assert again.layout == choice.layout == "4xN-r0"
+
+
+@pytest.fixture
+def auto_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """``runtime.policy: auto`` on a 4-layer model profiled as ``_report`` with a fast host:
+    the program picks every layer N-r0 from the profile; validation off, so only the
+    calibration can change that."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = _config(tmp_path, 4, policy="auto", policy_validate_steps=0)
+    cfg = load_config(path, [])
+    cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 1000.0)
+    monkeypatch.setattr(auto, "profile_layer", lambda args: _report())
+    return path
+
+
+def _resolve(path: Path, *overrides: str) -> tuple[TrainConfig, str]:
+    cfg = load_config(path, list(overrides))
+    adapter = HFAdapter.from_dir(cfg.model.path)
+    chosen, line = auto.resolve_auto(cfg, adapter, Machine.probe(cfg, measure=False),
+                                     measure=True)  # fmt: skip
+    assert line is not None
+    return chosen, line
+
+
+def test_the_calibrated_times_are_what_the_program_solves_with(
+    auto_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # N-r0 adds 0.2 s to the reduced model's step over its 2 layers: 0.130 s a layer, slower
+    # than F-r0's 0.030; the profile's 0.018 would have kept N-r0
+    runner = FakeSteps({"F": 1.0, "*": 1.2})
+    monkeypatch.setattr(validate, "run_trial", runner)
+    chosen, line = _resolve(auto_run)
+    assert chosen.runtime.layers == "4xF-r0"
+    assert "; calibrated (3 steps each): 1 candidate on a 4-layer model: N-r0 τ 0.018 → " in line
+    assert "0.130 s (2 of 4 layers replaced; the default's step 1.000 s, τ 0.030 s)" in line
+    stages = line.split("; selection ")[1].split(" s (")[1].split(")")[0]
+    assert [s.split(" ")[0] for s in stages.split(", ")] == [
+        "profile",
+        "host",
+        "solve",
+        "calibrate",
+    ]
+
+
+def test_calibration_off_keeps_the_profiled_times(
+    auto_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_trials(cfg: TrainConfig, steps: int) -> Trial:
+        raise AssertionError("a trial ran with calibration off")
+
+    monkeypatch.setattr(validate, "run_trial", no_trials)
+    chosen, line = _resolve(auto_run, "runtime.policy_calibrate_steps=0")
+    assert chosen.runtime.layers == "4xN-r0"
+    assert "; not calibrated (runtime.policy_calibrate_steps=0); " in line
+
+
+def test_train_with_auto_calibrates_on_the_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A real run: the profile says N-r0 is faster (so there is a candidate to calibrate), the
+    calibration's trials train the reduced model on this CPU, and the run trains."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = _config(tmp_path, 3, policy="auto", policy_calibrate_steps=2, policy_validate_steps=0)
+    cfg = load_config(path, [])
+    cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 1000.0)
+    monkeypatch.setattr(auto, "profile_layer", lambda args: _report())
+    assert main(["train", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    said = next(x for x in out if x.startswith("policy   auto calibrate: "))
+    assert "(1 candidate on a 3-layer model: N-r0 τ 0.018 → " in said
+    assert "(1 of 3 layers replaced; " in said
+    banner = next(x for x in out if x.startswith("policy   auto: "))
+    assert "; calibrated (2 steps each): 1 candidate on a 3-layer model: N-r0 " in banner
+    assert len(read_metrics(tmp_path / "out")) == 2
+
+
+def test_a_negative_calibration_step_count_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _config(tmp_path, 2, policy="auto")
+    assert main(["train", str(path), "runtime.policy_calibrate_steps=-1"]) == 2
+    err = capsys.readouterr().err
+    assert "runtime.policy_calibrate_steps must be 0 (no calibration) or >= 2" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_plan_reports_the_calibrated_times_it_solved_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``slidedp plan`` for this machine's GPU (its size faked) calibrates, and its report
+    keeps the calibrated time in the program it solved; for another GPU it cannot."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = _config(tmp_path, 4, policy_validate_steps=0)
+    cfg = load_config(path, [])
+    cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 1000.0)
+    probe = Machine.probe
+
+    def with_gpu(cfg: TrainConfig, *args: Any, **kwargs: Any) -> Machine:
+        return dataclasses.replace(probe(cfg, *args, **kwargs), gpu_total_bytes=80 * GIB)
+
+    monkeypatch.setattr(Machine, "probe", with_gpu)
+    monkeypatch.setattr(validate, "run_trial", FakeSteps({"F": 1.0, "*": 1.2}))
+    report, policy = tmp_path / "profile.json", tmp_path / "policy.yaml"
+    report.write_text(json.dumps(_report()))
+    argv = ["plan", str(path), "--profile", str(report), "--out", str(policy)]
+    assert main(argv) == 0
+    summary = json.loads(policy.with_suffix(".json").read_text())
+    (one,) = summary["calibration"]["candidates"]
+    assert (one["policy"], one["time_s"]) == ("N-r0", pytest.approx(0.130))
+    times = {c["name"]: c["time_s"] for c in summary["problem"]["candidates"]}
+    assert times == {"F-r0": pytest.approx(0.030), "N-r0": pytest.approx(0.130)}
+    assert summary["layout"] == "4xF-r0"
+    assert "calibrate_s" in summary["timing_s"]
+    out = capsys.readouterr().out
+    assert "  calibrated (3 steps each): 1 candidate on a 4-layer model: " in out
+
+    assert main([*argv, "--gpu-memory", "40"]) == 0
+    summary = json.loads(policy.with_suffix(".json").read_text())
+    assert summary["calibration"] == {"skipped": "planned for another GPU (--gpu-memory)"}
+    assert summary["layout"] == "4xN-r0"
