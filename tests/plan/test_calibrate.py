@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from engine.tiny import make_model, read_metrics, write_config, write_data
+from engine.tiny import read_metrics
 from host_profile.fake import cache_rate
+from plan.runs import BATCH, SEQ, profile_row, resolve, run_config
 from slidedp.cli import main
 from slidedp.config import TrainConfig, load_config
 from slidedp.estimate import Machine, update_threads
@@ -25,30 +26,17 @@ from slidedp.plan.select import DEFAULT, Choice, select_layout
 from slidedp.plan.validate import Trial
 
 MIB, GIB = 2**20, 2**30
-BATCH, SEQ = 4, 32
 N_R0 = LayerPolicy("N")
-
-
-def _row(policy: str, time_ms: float, retained_mib: float) -> dict[str, Any]:
-    return {"policy": policy, "pareto": True, "forward_s": time_ms / 3e3,
-            "backward_s": 2 * time_ms / 3e3, "reload_s": 0.0, "retained_bytes": None,
-            "estimated_retained_bytes": int(retained_mib * MIB), "offloaded_bytes": 0,
-            "estimated_offloaded_bytes": 0, "transient_bytes": None,
-            "estimated_transient_bytes": 4 * MIB}  # fmt: skip
 
 
 def _report() -> dict[str, Any]:
     """Profiled: F-r0 30 ms a layer, N-r0 18 ms (the program picks every layer N-r0)."""
-    rows = [_row("F-r0", 30.0, 1.0), _row("N-r0", 18.0, 300.0)]
+    rows = [profile_row("F-r0", 30.0, 1.0), profile_row("N-r0", 18.0, 300.0)]
     return {"batch": BATCH, "seq_len": SEQ, "candidates": rows, "cached": None}
 
 
 def _config(tmp_path: Path, layers: int, **runtime: object) -> Path:
-    model = make_model(tmp_path, "qwen3", tied=True, layers=layers)
-    data = write_data(tmp_path / "data.jsonl", 16, min_len=SEQ, max_len=SEQ)
-    return write_config(tmp_path / "run.yaml", model, data, tmp_path / "out",
-                        train={"max_steps": 2, "global_batch_size": BATCH, "max_grad_norm": 1.0},
-                        runtime=runtime, output={"tensorboard": False})  # fmt: skip
+    return run_config(tmp_path, layers, runtime)
 
 
 class FakeSteps:
@@ -143,15 +131,6 @@ def auto_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
-def _resolve(path: Path, *overrides: str) -> tuple[TrainConfig, str]:
-    cfg = load_config(path, list(overrides))
-    adapter = HFAdapter.from_dir(cfg.model.path)
-    chosen, line = auto.resolve_auto(cfg, adapter, Machine.probe(cfg, measure=False),
-                                     measure=True)  # fmt: skip
-    assert line is not None
-    return chosen, line
-
-
 def test_the_calibrated_times_are_what_the_program_solves_with(
     auto_run: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -159,7 +138,7 @@ def test_the_calibrated_times_are_what_the_program_solves_with(
     # than F-r0's 0.030; the profile's 0.018 would have kept N-r0
     runner = FakeSteps({"F": 1.0, "*": 1.2})
     monkeypatch.setattr(validate, "run_trial", runner)
-    chosen, line = _resolve(auto_run)
+    chosen, line = resolve(auto_run)
     assert chosen.runtime.layers == "4xF-r0"
     assert "; calibrated (3 steps each): 1 candidate on a 4-layer model: N-r0 τ 0.018 → " in line
     assert "0.130 s (2 of 4 layers replaced; the default's step 1.000 s, τ 0.030 s)" in line
@@ -179,7 +158,7 @@ def test_calibration_off_keeps_the_profiled_times(
         raise AssertionError("a trial ran with calibration off")
 
     monkeypatch.setattr(validate, "run_trial", no_trials)
-    chosen, line = _resolve(auto_run, "runtime.policy_calibrate_steps=0")
+    chosen, line = resolve(auto_run, "runtime.policy_calibrate_steps=0")
     assert chosen.runtime.layers == "4xN-r0"
     assert "; not calibrated (runtime.policy_calibrate_steps=0); " in line
 

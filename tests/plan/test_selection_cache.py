@@ -15,12 +15,12 @@ import yaml
 
 from engine.tiny import read_metrics
 from host_profile.fake import cache_rate
+from plan.runs import resolve
 from plan.test_validate import ALL_F, CHOICE, GIB, FakeTrials, _config, _report
 from slidedp import estimate
 from slidedp.cli import main
 from slidedp.config import TrainConfig, load_config
 from slidedp.estimate import Machine, update_threads
-from slidedp.models.hf import HFAdapter
 from slidedp.plan import auto, select, validate
 from slidedp.profile.cache import write_report
 from slidedp.profile.layer import _profiled, cached_profile
@@ -50,15 +50,6 @@ def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, Fa
     trials = FakeTrials({"F": 1.0, "*": 0.5})
     monkeypatch.setattr(validate, "run_trial", trials)
     return path, cache / "slidedp" / "profile", trials
-
-
-def _resolve(path: Path, *overrides: str) -> tuple[TrainConfig, str]:
-    cfg = load_config(path, list(overrides))
-    adapter = HFAdapter.from_dir(cfg.model.path)
-    chosen, line = auto.resolve_auto(cfg, adapter, Machine.probe(cfg, measure=False),
-                                     measure=True)  # fmt: skip
-    assert line is not None
-    return chosen, line
 
 
 def _no_selection(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -118,19 +109,19 @@ def test_a_changed_term_selects_again(
     run: tuple[Path, Path, FakeTrials], change: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path, cache, trials = run
-    assert _resolve(path)[0].runtime.layers == CHOICE
-    assert "from the cache" in _resolve(path)[1]  # the same key: a hit, no trial
+    assert resolve(path)[0].runtime.layers == CHOICE
+    assert "from the cache" in resolve(path)[1]  # the same key: a hit, no trial
     assert len(trials.ran) == 2
     overrides = []
     if change == "config.json":
         _edit_model_config(load_config(path, []))
     else:
         overrides.append(change)
-    line = _resolve(path, *overrides)[1]
+    line = resolve(path, *overrides)[1]
     assert "from the cache" not in line
     assert len(trials.ran) == 4  # selected again: the choice and the default ran
     assert len(list(cache.glob("selection-*.json"))) == 2  # the first one kept
-    assert "from the cache" in _resolve(path, *overrides)[1]
+    assert "from the cache" in resolve(path, *overrides)[1]
     assert "does not read" not in capsys.readouterr().out
 
 
@@ -138,13 +129,13 @@ def test_a_cache_file_that_does_not_read_is_one_line_and_rewritten(
     run: tuple[Path, Path, FakeTrials], capsys: pytest.CaptureFixture[str]
 ) -> None:
     path, cache, trials = run
-    _resolve(path)
+    resolve(path)
     (stored,) = cache.glob("selection-*.json")
     for broken in ("{not json", json.dumps({"facts": {}, "layers": CHOICE}),
                    stored.read_text().replace(CHOICE, "9xN-r0")):  # fmt: skip
         stored.write_text(broken)
         capsys.readouterr()
-        chosen, line = _resolve(path)
+        chosen, line = resolve(path)
         said = [x for x in capsys.readouterr().out.splitlines() if "does not read" in x]
         assert len(said) == 1
         assert said[0].startswith(f"policy   auto: the cached selection {stored} does not read (")
@@ -158,15 +149,15 @@ def test_policy_force_selects_again_and_caches_the_new_choice(
     run: tuple[Path, Path, FakeTrials], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path, cache, trials = run
-    _resolve(path)
+    resolve(path)
     (stored,) = cache.glob("selection-*.json")
     # the default now runs faster: a forced selection keeps it, and the cache says so after
     monkeypatch.setattr(validate, "run_trial", FakeTrials({"F": 1.0, "*": 2.0}))
-    chosen, line = _resolve(path, "runtime.policy_force=true")
+    chosen, line = resolve(path, "runtime.policy_force=true")
     assert "from the cache" not in line
     assert chosen.runtime.layers == ALL_F
     assert json.loads(stored.read_text())["layers"] == ALL_F
-    chosen, line = _resolve(path)
+    chosen, line = resolve(path)
     assert (chosen.runtime.layers, "from the cache" in line) == (ALL_F, True)
     assert len(trials.ran) == 2  # the first selection's
 
@@ -224,7 +215,7 @@ def test_auto_takes_the_choice_slidedp_plan_made_for_the_same_run(
     (stored,) = cache.glob("selection-*.json")
     summary = json.loads(policy.with_suffix(".json").read_text())
     _no_selection(monkeypatch)
-    chosen, line = _resolve(path)
+    chosen, line = resolve(path)
     assert (chosen.runtime.layers, chosen.runtime.resident_layers) == (
         summary["layout"],
         summary["resident_layers"],
@@ -255,13 +246,13 @@ def test_the_launchers_choice_on_several_ranks_is_cached_with_its_routes(
         return 0.1
 
     monkeypatch.setattr(measure, "measure_in_child", measured_here)
-    chosen, first = _resolve(path, *ranks)
+    chosen, first = resolve(path, *ranks)
     assert "; routes replicated/gpu, the config's" in first
     (stored,) = cache.glob("selection-*.json")
     assert json.loads(stored.read_text())["route"] == ["replicated", "gpu"]
     _no_selection(monkeypatch)
     monkeypatch.setattr(measure, "measure_in_child", None)  # calling it fails the test
-    again, line = _resolve(path, *ranks)
+    again, line = resolve(path, *ranks)
     assert line.startswith(f"{first}; from the cache {stored} ")
     rt, was = again.runtime, chosen.runtime
     assert (rt.layers, rt.param_route, rt.grad_route) == (was.layers, "replicated", "gpu")

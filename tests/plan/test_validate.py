@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import yaml
 
-from engine.tiny import make_model, read_metrics, write_config, write_data
+from engine.tiny import read_metrics
 from host_profile.fake import cache_rate
+from plan.runs import BATCH, SEQ, profile_row, run_config
 from slidedp.cli import main
 from slidedp.config import TrainConfig, load_config
 from slidedp.estimate import Machine, update_threads
@@ -26,21 +27,17 @@ from slidedp.plan.select import Choice, select_layout
 from slidedp.plan.validate import RESOLVES, Trial, default_config, validate_choice
 
 MIB, GIB = 2**20, 2**30
-LAYERS, BATCH, SEQ = 4, 4, 32
+LAYERS = 4
 CHOICE = f"{LAYERS}xN-r0"  # what the program picks from the report below at a fast host
 ALL_F = f"{LAYERS}xF-r0"
 
 
-def _row(policy: str, time_ms: float, retained_mib: float) -> dict[str, Any]:
-    return {"policy": policy, "pareto": True, "forward_s": time_ms / 3e3,
-            "backward_s": 2 * time_ms / 3e3, "reload_s": 0.0, "retained_bytes": None,
-            "estimated_retained_bytes": int(retained_mib * MIB), "offloaded_bytes": 0,
-            "estimated_offloaded_bytes": 0, "transient_bytes": None,
-            "estimated_transient_bytes": 4 * MIB}  # fmt: skip
-
-
 def _report() -> dict[str, Any]:
-    rows = [_row("F-r0", 30.0, 1.0), _row("SAC.mm-r0", 27.0, 100.0), _row("N-r0", 18.0, 300.0)]
+    rows = [
+        profile_row("F-r0", 30.0, 1.0),
+        profile_row("SAC.mm-r0", 27.0, 100.0),
+        profile_row("N-r0", 18.0, 300.0),
+    ]
     return {"batch": BATCH, "seq_len": SEQ, "candidates": rows, "cached": None}
 
 
@@ -48,11 +45,7 @@ def _config(tmp_path: Path, **runtime: object) -> Path:
     """The run; the calibration stage off unless asked (test_calibrate has it): the solver's
     choice from the profile is the one validated."""
     runtime = {"policy_calibrate_steps": 0} | runtime
-    model = make_model(tmp_path, "qwen3", tied=True, layers=LAYERS)
-    data = write_data(tmp_path / "data.jsonl", 16, min_len=SEQ, max_len=SEQ)
-    return write_config(tmp_path / "run.yaml", model, data, tmp_path / "out",
-                        train={"max_steps": 2, "global_batch_size": BATCH, "max_grad_norm": 1.0},
-                        runtime=runtime, output={"tensorboard": False})  # fmt: skip
+    return run_config(tmp_path, LAYERS, runtime)
 
 
 class FakeTrials:

@@ -1,0 +1,44 @@
+"""What the AutoPolicy stage tests share: a layer profile's row, a run on the tiny Qwen3, and
+``runtime.policy: auto``'s resolution of it (its config and banner line)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from engine.tiny import make_model, write_config, write_data
+from slidedp.config import TrainConfig, load_config
+from slidedp.estimate import Machine
+from slidedp.models.hf import HFAdapter
+from slidedp.plan import auto
+
+MIB = 2**20
+BATCH, SEQ = 4, 32
+
+
+def profile_row(policy: str, time_ms: float, retained_mib: float) -> dict[str, Any]:
+    """A Pareto candidate of ``slidedp profile layer``'s report: a third of the time forward."""
+    return {"policy": policy, "pareto": True, "forward_s": time_ms / 3e3,
+            "backward_s": 2 * time_ms / 3e3, "reload_s": 0.0, "retained_bytes": None,
+            "estimated_retained_bytes": int(retained_mib * MIB), "offloaded_bytes": 0,
+            "estimated_offloaded_bytes": 0, "transient_bytes": None,
+            "estimated_transient_bytes": 4 * MIB}  # fmt: skip
+
+
+def run_config(tmp_path: Path, layers: int, runtime: dict[str, object]) -> Path:
+    """A clipped 2-step run of the tiny Qwen3 with ``layers`` decoder layers."""
+    model = make_model(tmp_path, "qwen3", tied=True, layers=layers)
+    data = write_data(tmp_path / "data.jsonl", 16, min_len=SEQ, max_len=SEQ)
+    return write_config(tmp_path / "run.yaml", model, data, tmp_path / "out",
+                        train={"max_steps": 2, "global_batch_size": BATCH, "max_grad_norm": 1.0},
+                        runtime=runtime, output={"tensorboard": False})  # fmt: skip
+
+
+def resolve(path: Path, *overrides: str) -> tuple[TrainConfig, str]:
+    """``train``'s selection for the run at ``path``: the config it trains and its line."""
+    cfg = load_config(path, list(overrides))
+    adapter = HFAdapter.from_dir(cfg.model.path)
+    chosen, line = auto.resolve_auto(cfg, adapter, Machine.probe(cfg, measure=False),
+                                     measure=True)  # fmt: skip
+    assert line is not None
+    return chosen, line
