@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from engine.tiny import make_model, write_config, write_data
+from host_profile.fake import cache_rate
 from slidedp.config import TrainConfig, load_config
-from slidedp.estimate import Machine
+from slidedp.estimate import Machine, update_threads
 from slidedp.models.hf import HFAdapter
 from slidedp.plan import auto
 
@@ -42,3 +46,17 @@ def resolve(path: Path, *overrides: str) -> tuple[TrainConfig, str]:
                                      measure=True)  # fmt: skip
     assert line is not None
     return chosen, line
+
+
+def on_a_gpu(path: Path, monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
+    """The run at ``path`` planned as on an 80 GiB GPU (``Machine.probe``'s size faked), its
+    caches under ``cache``, the host AdamW rate cached (1000 GB/s): no probe runs."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    cfg = load_config(path, [])
+    cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 1000.0)
+    probe = Machine.probe
+
+    def with_gpu(cfg: TrainConfig, *args: Any, **kwargs: Any) -> Machine:
+        return dataclasses.replace(probe(cfg, *args, **kwargs), gpu_total_bytes=80 * 2**30)
+
+    monkeypatch.setattr(Machine, "probe", with_gpu)

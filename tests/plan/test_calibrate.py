@@ -5,7 +5,6 @@ profile's before the program is solved again; a trial out of memory keeps the pr
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ import pytest
 
 from engine.tiny import read_metrics
 from host_profile.fake import cache_rate
-from plan.runs import BATCH, SEQ, profile_row, resolve, run_config
+from plan.runs import BATCH, SEQ, on_a_gpu, profile_row, resolve, run_config
 from slidedp.cli import main
 from slidedp.config import TrainConfig, load_config
 from slidedp.estimate import Machine, update_threads
@@ -199,16 +198,8 @@ def test_plan_reports_the_calibrated_times_it_solved_with(
 ) -> None:
     """``slidedp plan`` for this machine's GPU (its size faked) calibrates, and its report
     keeps the calibrated time in the program it solved; for another GPU it cannot."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     path = _config(tmp_path, 4, policy_validate_steps=0)
-    cfg = load_config(path, [])
-    cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 1000.0)
-    probe = Machine.probe
-
-    def with_gpu(cfg: TrainConfig, *args: Any, **kwargs: Any) -> Machine:
-        return dataclasses.replace(probe(cfg, *args, **kwargs), gpu_total_bytes=80 * GIB)
-
-    monkeypatch.setattr(Machine, "probe", with_gpu)
+    on_a_gpu(path, monkeypatch, tmp_path / "cache")
     monkeypatch.setattr(validate, "run_trial", FakeSteps({"F": 1.0, "*": 1.2}))
     report, policy = tmp_path / "profile.json", tmp_path / "policy.yaml"
     report.write_text(json.dumps(_report()))

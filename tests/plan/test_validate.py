@@ -17,7 +17,7 @@ import yaml
 
 from engine.tiny import read_metrics
 from host_profile.fake import cache_rate
-from plan.runs import BATCH, SEQ, profile_row, run_config
+from plan.runs import BATCH, SEQ, on_a_gpu, profile_row, run_config
 from slidedp.cli import main
 from slidedp.config import TrainConfig, load_config
 from slidedp.estimate import Machine, update_threads
@@ -250,16 +250,8 @@ def test_plan_reports_the_validated_step_times_selection_time_and_break_even(
 ) -> None:
     """Planned for this machine's GPU (no --gpu-memory; the GPU's size faked here), the plan
     validates its choice and says what it took; for another GPU it cannot."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     path = _config(tmp_path)
-    cfg = load_config(path, [])
-    cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 1000.0)
-    probe = Machine.probe
-
-    def with_gpu(cfg: TrainConfig, *args: Any, **kwargs: Any) -> Machine:
-        return dataclasses.replace(probe(cfg, *args, **kwargs), gpu_total_bytes=80 * GIB)
-
-    monkeypatch.setattr(Machine, "probe", with_gpu)
+    on_a_gpu(path, monkeypatch, tmp_path / "cache")
     monkeypatch.setattr(validate, "run_trial", FakeTrials({"F": 1.0, "*": 0.5}))
     report = tmp_path / "profile.json"
     report.write_text(json.dumps(_report()))
