@@ -17,6 +17,8 @@
 #              make liger-wheels peers-wheels
 # Device call: carry ["dist", "wheels", "peers-wheels"]
 OUT=${OUT:-out/gpu-peers}
+# the install takes ~25 s of the call's 560 s: a longer OUTER would only be skipped after it
+((${OUTER:-520} <= 530)) || { echo "gpu_peers.sh: OUTER=$OUTER is over 530 s; lower it"; exit 2; }
 source "$(dirname "$0")/gpu_common.sh"
 scripts/peers.sh install peers-wheels /tmp/peers > "$OUT/install.log" 2>&1
 export PYTHONPATH=/tmp/peers PATH=/tmp/peers/bin:$PATH
