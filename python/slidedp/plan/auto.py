@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 from slidedp.errors import ConfigError
 from slidedp.io.checkpoint import STATE_FILE
-from slidedp.plan.calibrate import Calibration, calibrate_choice, why_not_calibrated
+from slidedp.plan.calibrate import calibrate_choice, clause, why_not_calibrated
 from slidedp.plan.clock import Clock
 from slidedp.plan.layout import LayerPolicy, parse_layout
 from slidedp.plan.route_choice import (
@@ -319,7 +319,7 @@ def resolve_auto(
     if routes is not None:  # several ranks: not validated, the solver's choice runs
         chosen, said = routes
         line += f"; routes {said}"
-    line += f"; {_calibrated(calibration, rt.policy_calibrate_steps, not_calibrated)}"
+    line += f"; {clause(calibration.summary() if calibration else {'skipped': not_calibrated})}"
     line += f"; {_validated(validation, choice, steps, several=several, measuring=measuring)}"
     if measuring:  # from a cache alone (validate, estimate) the seconds say nothing
         line += f"; {_selection(clock, validation)}"
@@ -446,12 +446,6 @@ def _why_not_calibrated(
     if rt.policy_calibrate_steps and not measuring:
         return "`slidedp train` calibrates"
     return why_not_calibrated(rt.policy_calibrate_steps, choice)
-
-
-def _calibrated(calibration: Calibration | None, steps: int, why: str | None) -> str:
-    if calibration is None:
-        return f"not calibrated ({why})"
-    return f"calibrated ({steps} steps each): {calibration.describe()}"
 
 
 def _validated(

@@ -141,6 +141,14 @@ class Calibration:
         return dataclasses.asdict(self) | {"candidates": candidates, "said": self.describe()}
 
 
+def clause(found: dict[str, Any]) -> str:
+    """The calibration's clause of the banner and of ``slidedp plan``'s report, from its
+    summary (``Calibration.summary``, or ``{"skipped": why}``; a cached plan keeps only that)."""
+    if "skipped" in found:
+        return f"not calibrated ({found['skipped']})"
+    return f"calibrated ({found['steps']} steps each): {found['said']}"
+
+
 def _trial_layout(policy: LayerPolicy, replaced: int, layers: int, choice: Choice) -> str:
     """``replaced`` layers on ``policy``, the rest on the default, placed as the run places
     them (``plan.layout.place``)."""

@@ -11,10 +11,9 @@ profile's place, then solved again; not for ``--gpu-memory``), the validation
 (``plan.validate``: a few training steps of the choice and of the default on this GPU, the
 choice kept only when faster, re-solved with a smaller budget when it does not fit; not for
 ``--gpu-memory``, another GPU), and ``slidedp estimate`` of the chosen layout (the same check
-``train`` runs). The fixed default (all ``F``)
-is a candidate of the program, and its accounting is printed beside the choice. Each stage is
-said in one line as it ends; the report adds the selection time (their sum) and the break-even
-steps (``plan.clock``).
+``train`` runs). The fixed default (all ``F``) is a candidate of the program, and its
+accounting is printed beside the choice. Each stage is said in one line as it ends; the report
+adds the selection time (their sum) and the break-even steps (``plan.clock``).
 
 The plan is kept in ``runtime.policy: auto``'s selection cache (``plan.selection_cache``) where
 it is for this machine's GPU from cached measurements (no ``--gpu-memory``, ``--profile`` nor
@@ -43,7 +42,7 @@ import yaml
 
 from slidedp.errors import ConfigError
 from slidedp.plan.auto import check_one_process, profile_args, store_selection
-from slidedp.plan.calibrate import Calibration, calibrate_choice, why_not_calibrated
+from slidedp.plan.calibrate import Calibration, calibrate_choice, clause, why_not_calibrated
 from slidedp.plan.clock import Clock
 from slidedp.plan.layout import LayerPolicy
 from slidedp.plan.select import MIN_GAIN, Choice, select_layout
@@ -232,7 +231,7 @@ def _auto_line(s: dict[str, Any]) -> str:
     choice from the selection cache."""
     return (
         f"policy   auto: {s['layout']}, {s['resident_layers']} GPU-resident{_kept(s)}, chosen by "
-        f"`slidedp plan`; {_calibrated(s)}; {_validation_line(s).strip()}; "
+        f"`slidedp plan`; {clause(s['calibration'])}; {_validation_line(s).strip()}; "
         f"{_selection_line(s).strip()}"
     )
 
@@ -260,18 +259,6 @@ def _summary(stage: Calibration | Validation | None, why: str | None) -> dict[st
     if stage is None:
         return {"skipped": why}
     return stage.summary()
-
-
-def _calibrated(s: dict[str, Any]) -> str:
-    """The calibration's clause, as ``runtime.policy: auto``'s banner says it."""
-    c = s["calibration"]
-    if "skipped" in c:
-        return f"not calibrated ({c['skipped']})"
-    return f"calibrated ({c['steps']} steps each): {c['said']}"
-
-
-def _calibration_line(s: dict[str, Any]) -> str:
-    return f"  {_calibrated(s)}"
 
 
 def _kept(s: dict[str, Any]) -> str:
@@ -332,7 +319,7 @@ def format_summary(s: dict[str, Any], out: Path) -> str:
         f"  chosen:  {s['layout']}, {s['resident_layers']} GPU-resident{_kept(s)}",
         f"  estimate of the run with it: GPU {s['estimate_gpu_needed_bytes'] / GIB:.2f} GiB needed",
         _model_line(s["step_model"]),
-        _calibration_line(s),
+        f"  {clause(s['calibration'])}",
         _validation_line(s),
         _selection_line(s),
         f"wrote {out} (train with runtime.policy={out}) and {out.with_suffix('.json')}",
