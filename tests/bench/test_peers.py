@@ -238,8 +238,9 @@ def test_deepspeed_builds_its_ops_where_no_stale_lock_can_block_it(
 
 def test_roundpipes_transformers_4_mask_keywords_build_the_same_mask() -> None:
     """RoundPipe 0.1.1's Qwen3 preset calls the mask builders with transformers 4's keywords
-    (``input_embeds``, ``cache_position``); adapted, the call builds the mask transformers 5
-    builds from its own keywords, and adapting twice wraps once."""
+    (``input_embeds``, ``cache_position``, ``past_key_values``); adapted, the call builds the
+    mask the installed transformers builds from its own keywords, and adapting twice wraps
+    once."""
     import types
 
     import torch
@@ -247,6 +248,7 @@ def test_roundpipes_transformers_4_mask_keywords_build_the_same_mask() -> None:
 
     from bench.tiny import tiny_config
     from slidedp.bench.roundpipe_sync import MASK_BUILDERS, _adapt_mask_builders
+    from slidedp.models.hf import no_cache
 
     preset = types.ModuleType("preset")
     for name in MASK_BUILDERS:
@@ -264,9 +266,9 @@ def test_roundpipes_transformers_4_mask_keywords_build_the_same_mask() -> None:
         old = builder(config=config, input_embeds=embeds, attention_mask=None,
                       cache_position=torch.arange(12), past_key_values=None,
                       position_ids=positions)  # fmt: skip
-        new = getattr(masking_utils, name)(config=config, inputs_embeds=embeds,
-                                            attention_mask=None, past_key_values=None,
-                                            position_ids=positions)  # fmt: skip
+        builder_now = getattr(masking_utils, name)
+        new = builder_now(config=config, inputs_embeds=embeds, attention_mask=None,
+                          position_ids=positions, **no_cache(builder_now))  # fmt: skip
         assert torch.equal(old, new)
         masks.append(old)
     assert not torch.equal(*masks)  # the sliding window's mask is not the causal one

@@ -46,7 +46,7 @@ MASK_BUILDERS = ("create_causal_mask", "create_sliding_window_causal_mask")
 
 def _keywords_for(builder: Callable[..., Any]) -> Callable[..., Any]:
     """``builder`` (a transformers mask function) taking transformers 4's keywords too: the
-    renamed one mapped, the dropped one left out; any other mismatch still raises."""
+    renamed ones mapped, the dropped one left out; any other mismatch still raises."""
     accepted = set(inspect.signature(builder).parameters)
 
     @functools.wraps(builder)
@@ -55,6 +55,8 @@ def _keywords_for(builder: Callable[..., Any]) -> Callable[..., Any]:
             kwargs["inputs_embeds"] = kwargs.pop("input_embeds")
         if "cache_position" not in accepted:
             kwargs.pop("cache_position", None)
+        if "past_key_values" in kwargs and "cache" in accepted:  # renamed in transformers 5.24
+            kwargs["cache"] = kwargs.pop("past_key_values")
         return builder(**kwargs)
 
     call._slidedp_adapted = True  # type: ignore[attr-defined]

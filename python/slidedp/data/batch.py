@@ -15,7 +15,7 @@ Two row layouts (``data.packing``):
 
 What the engine must do with a packed batch (``model_inputs`` returns exactly this): pass
 ``position_ids`` [B, S] to the rotary embeddings and to transformers' mask builders, and pass
-``attention_mask=None`` and ``past_key_values=None`` to the mask builders: transformers then
+``attention_mask=None`` and no cache to the mask builders: transformers then
 detects the packed samples from the position ids (``masking_utils.find_packed_sequence_indices``,
 skipped when there is a mask or a cache) and keeps attention inside each sample.
 ``attention_mask`` stays set only to count tokens (``Batch.tokens``).

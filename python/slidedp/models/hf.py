@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -54,6 +55,15 @@ _SIZE_FIELDS = (
 EMBED = "model.embed_tokens.weight"
 NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
+
+
+@functools.cache
+def no_cache(function: Callable[..., Any]) -> dict[str, None]:
+    """The keyword telling ``function`` (a transformers mask builder or module ``forward``)
+    "no cache": ``cache`` from transformers 5.24, which deprecates ``past_key_values`` (a
+    warning, an error here), ``past_key_values`` before it."""
+    accepted = inspect.signature(function).parameters
+    return {"cache": None} if "cache" in accepted else {"past_key_values": None}
 
 
 def config_values(config: PretrainedConfig, field: str) -> list[Any]:
@@ -323,7 +333,7 @@ class HFAdapter:
             "attention_mask": ctx["masks"][layer],
             "position_ids": ctx["position_ids"],
             "position_embeddings": ctx["position_embeddings"][layer],
-            "past_key_values": None,
+            **no_cache(type(module).forward),
             "use_cache": False,
             # Gemma 4 (transformers 5.17) has the last layer of each attention type store its
             # keys and values here even when no layer reuses them: the forward's own dict
@@ -444,7 +454,6 @@ class HFAdapter:
             "config": self.config,
             "inputs_embeds": inputs_embeds,
             "attention_mask": attention_mask,
-            "past_key_values": None,
             "position_ids": position_ids,
         }
         layer_types = getattr(self.config, "layer_types", None)
@@ -461,5 +470,5 @@ class HFAdapter:
         for kind in set(layer_types):
             if kind not in makers:
                 raise ModelLoadError(f"unsupported attention layer type '{kind}'")
-            masks[kind] = makers[kind](**kwargs)
+            masks[kind] = makers[kind](**kwargs, **no_cache(makers[kind]))
         return [masks[kind] for kind in layer_types[: self.num_layers]]

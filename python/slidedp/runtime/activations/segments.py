@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from slidedp.models.hf import bind_params
+from slidedp.models.hf import bind_params, no_cache
 
 BOUNDARIES = (
     "input norm",
@@ -50,7 +50,7 @@ def _attention(m: Any, s: State, ctx: dict[str, Any], layer: int) -> State:
         hidden_states=s[1],
         attention_mask=ctx["masks"][layer],
         position_ids=ctx["position_ids"],
-        past_key_values=None,
+        **no_cache(type(m.self_attn).forward),
         use_cache=False,
         position_embeddings=ctx["position_embeddings"][layer],
     )
