@@ -4,6 +4,7 @@ issued; a fractional ratio offloads a prefix of the saved tensors, whole."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -69,3 +70,36 @@ def test_a_ratio_offloads_the_shortest_prefix_holding_that_share(
     saved: list[int], ratio: float, count: int
 ) -> None:
     assert offload_count(saved, ratio) == count
+
+
+@pytest.mark.gpu
+def test_reloaded_activations_are_the_compute_streams_blocks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reload's device copies come from the compute stream's pool: the offload stream owns
+    no segment, so the blocks a layer's backward frees serve the next allocation (on the H100
+    a pool of the offload stream's own held several layers' worth beside the compute stream's)."""
+    import torch
+
+    from slidedp.config import load_config
+    from slidedp.runtime.trainer import Trainer
+
+    owners: list[set[int]] = []
+    reload = ActivationOffload.reload
+
+    def watched_reload(self: ActivationOffload, layer: int, state: LayerState) -> None:
+        reload(self, layer, state)
+        assert self.stream is not None
+        segments = torch.cuda.memory._snapshot()["segments"]
+        owners.append({s["stream"] for s in segments} & {self.stream.cuda_stream})
+
+    monkeypatch.setattr(ActivationOffload, "reload", watched_reload)
+    model = make_model(tmp_path, "qwen3", tied=True, layers=3)
+    data = write_data(tmp_path / "data.jsonl", 8)
+    config = write_config(tmp_path / "c.yaml", model, data, tmp_path / "out",
+                          train={"max_steps": 3, "dtype": "bfloat16"},
+                          runtime={"device": "cuda", "offload_ratio": 1},
+                          output={"tensorboard": False})  # fmt: skip
+    records = Trainer(load_config(config), log=False).run()
+    assert all(math.isfinite(r["loss"]) for r in records)
+    assert owners == [set()] * 9  # 3 steps x 3 layers, none on the offload stream

@@ -6,10 +6,19 @@ ratios that select the same prefix are the same layout). On CUDA the copies run 
 stream after the layer's compute (an event orders them); ``record_stream`` keeps each device
 tensor alive until its copy is done. The backward prefetches across layers: ``prefetch(l - 1)``
 issues the next layer's H2D while layer ``l`` computes, ``reload(l - 1)`` then makes the compute
-stream wait for it. Host memory is one exactly sized byte arena per layer (64-byte aligned
-tensors), pinned with ``cudaHostRegister`` (torch's pinned caching allocator would round it up to
-a power of two) and reallocated only when the layer's offloaded bytes change. On CPU the
-"offload" is a copy.
+stream wait for it.
+
+The reloaded copies are the compute stream's blocks (allocated on it, filled on the offload
+stream once the compute stream's earlier work is done): freed after their layer's backward, they
+serve the compute stream's next allocation at once. Allocated on the offload stream instead,
+they made a pool of their own beside the compute stream's: on the H100 the two layouts that
+offload large tensors in many layers reserved 5.2 and 10.7 GiB over their allocated peak
+(Qwen3-4B B=32: 78.2 GiB for 67.5), where the others keep about what the all-F default keeps,
+1.2-3.5 GiB (BENCHMARKS.md, issue 16).
+
+Host memory is one exactly sized byte arena per layer (64-byte aligned tensors), pinned with
+``cudaHostRegister`` (torch's pinned caching allocator would round it up to a power of two) and
+reallocated only when the layer's offloaded bytes change. On CPU the "offload" is a copy.
 """
 
 from __future__ import annotations
@@ -105,12 +114,13 @@ class ActivationOffload:
                           for _, h, shape, stride in host]  # fmt: skip
             self._ahead[layer] = (copies, None)
             return
+        copies = [torch.empty_strided(shape, stride, dtype=h.dtype, device=self.device)
+                  for _, h, shape, stride in host]  # fmt: skip
+        # the blocks' earlier users on the compute stream are done before the copies write them
+        self.stream.wait_stream(torch.cuda.current_stream())
         with on_stream(self.stream), self.clock.stream("offload", self.stream):
-            copies = []
-            for _, h, shape, stride in host:
-                x = torch.empty_strided(shape, stride, dtype=h.dtype, device=self.device)
+            for x, (_, h, _, _) in zip(copies, host, strict=True):
                 x.copy_(h, non_blocking=True)
-                copies.append(x)
         done = new_event()
         done.record(self.stream)
         self._ahead[layer] = (copies, done)
@@ -124,17 +134,18 @@ class ActivationOffload:
             self._issue(layer)
         copies, done = self._ahead.pop(layer)
         host = self._host.pop(layer)
-        if done is not None:
+        if done is not None:  # the compute stream's work from here on, its frees too, follows
             compute = torch.cuda.current_stream()
             with self.clock.stream("wait_offload", compute):
                 compute.wait_event(done)
-            for x in copies:
-                x.record_stream(compute)
         for (k, _, _, _), x in zip(host, copies, strict=True):
             state.tensors[k] = x
 
     def discard(self) -> None:
         """Forget what a step that ended early (a non-finite loss) offloaded or prefetched."""
+        for _, done in self._ahead.values():
+            if done is not None:  # no block is reused before the copy into it is done
+                torch.cuda.current_stream().wait_event(done)
         self._ahead.clear()
         self._host.clear()
 
