@@ -154,6 +154,9 @@ class RuntimeSection:
     # decoder layers kept on the GPU whole (weights, FP32 master, Adam moments; updated there by
     # torch's fused AdamW): no H2D, D2H nor host update for them (runtime.resident); one process
     resident_layers: int = 0
+    # the embedding and the LM head (with the final norm) kept on the GPU the same way: no
+    # host update after the backward for them, the tail every step waits for; one process
+    resident_embeddings: bool = False
 
     @property
     def world(self) -> int:

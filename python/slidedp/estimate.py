@@ -47,7 +47,9 @@ GPU peak, as ``torch.cuda.max_memory_reserved`` reports it::
   (``e`` B/param), FP32 master and Adam moments (12 B/param) and, without clipping, their
   gradients (``e`` B/param; with clipping they are among the parked ones) — exactly the
   buffers ``runtime/resident.py`` allocates (``plan.cost.resident_layer_bytes``); on CPU they
-  are host RAM, like the rest of the working set;
+  are host RAM, like the rest of the working set; resident embeddings
+  (``runtime.resident_embeddings``) add the embedding and head groups' master and moments and
+  their update's f32 gradient (``plan.cost.resident_embedding_bytes``);
 - allocator: 0.4 GiB (block rounding, cuBLAS workspaces). With ``plan.cost``'s
   ``REPLAY_PEAK_FACTOR`` (1.64) the two constants fitted to the measurements below.
 
@@ -111,7 +113,12 @@ from slidedp.config import TrainConfig
 from slidedp.envinfo import meminfo_bytes
 from slidedp.errors import OutOfDeviceMemoryError, OutOfSharedMemoryError
 from slidedp.models.hf import HFAdapter
-from slidedp.plan.cost import layer_footprint, layout_memory, resident_layer_bytes
+from slidedp.plan.cost import (
+    layer_footprint,
+    layout_memory,
+    resident_embedding_bytes,
+    resident_layer_bytes,
+)
 from slidedp.plan.device import pick_device, pick_dtype
 from slidedp.plan.layout import LayerPolicy
 from slidedp.plan.policy import Policy, resolve_policy, store_args
@@ -255,6 +262,7 @@ class Estimate:
     layout: str  # the per-layer activation layout (Policy.layout)
     layout_rows: list[dict[str, Any]]  # per distinct layer policy and kind: count, bytes/layer
     resident_layers: int  # the first K decoder layers stay on the device (Policy)
+    resident_embeddings: bool  # so do the embedding and head groups (Policy)
     resident_bytes: int  # their device bytes (in host RAM on CPU runs)
     clipping: bool
     store_bytes: int
@@ -428,6 +436,8 @@ def estimate_run(
     clipping = cfg.train.max_grad_norm > 0
     per_layer = resident_layer_bytes(adapter, dtype, clipping=clipping)
     resident = sum(per_layer[: policy.resident_layers])
+    if policy.resident_embeddings:
+        resident += resident_embedding_bytes(adapter, dtype, clipping=clipping)
     working = window + loss + layer + max(checkpoints, parked) + resident
     arena = acts.offloaded_bytes * rt.world  # each rank of this node pins its own
     store = int(layout["regions"]["total_bytes"])
@@ -462,6 +472,7 @@ def estimate_run(
         layout=policy.layout,
         layout_rows=_layout_rows(adapter, policy.layers, rows, s, dtype, kernels),
         resident_layers=policy.resident_layers,
+        resident_embeddings=policy.resident_embeddings,
         resident_bytes=resident,
         clipping=clipping,
         store_bytes=store,
@@ -630,6 +641,11 @@ def _layout_rows(
     return rows
 
 
+def _resident_what(est: Estimate) -> str:
+    what = f"{est.resident_layers} resident layers"
+    return what + " and the embeddings" if est.resident_embeddings else what
+
+
 def _gib(n: int | None) -> str:
     return "?" if n is None else f"{n / GIB:.2f} GiB"
 
@@ -704,7 +720,7 @@ def format_estimate(est: Estimate) -> str:
     if est.cpu_working_bytes:
         row("  compute working set (CPU)", _gib(est.cpu_working_bytes))
         if est.resident_bytes:
-            row(f"    of which {est.resident_layers} resident layers", _gib(est.resident_bytes))
+            row(f"    of which {_resident_what(est)}", _gib(est.resident_bytes))
     if est.gpu is not None:
         g = est.gpu
         row("pinned host memory", _gib(est.pinned_bytes))
@@ -719,7 +735,7 @@ def format_estimate(est: Estimate) -> str:
             ("one layer's backward (largest)", g.layer_bytes),
             ("retained activations + prefetch", g.checkpoint_bytes),
             ("parked gradients (clipping)", g.parked_grad_bytes),
-            (f"{est.resident_layers} GPU-resident layers", g.resident_bytes),
+            (f"GPU-resident: {_resident_what(est)}", g.resident_bytes),
             ("allocator", g.allocator_bytes),
             ("CUDA context", g.needed_bytes - g.peak_reserved_bytes),
         ):

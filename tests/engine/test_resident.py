@@ -25,7 +25,11 @@ from slidedp.errors import NonFiniteError, OutOfDeviceMemoryError
 from slidedp.estimate import Machine, check_fits, estimate_run, plan_store
 from slidedp.kernels import Kernels
 from slidedp.models.hf import HFAdapter
-from slidedp.plan.cost import resident_bytes_per_layer, resident_layer_bytes
+from slidedp.plan.cost import (
+    resident_bytes_per_layer,
+    resident_embedding_bytes,
+    resident_layer_bytes,
+)
 from slidedp.plan.policy import Policy, resolve_policy
 from slidedp.runtime.grad_lane import AdamArgs, GradLane, GradTicket
 from slidedp.runtime.resident import REGIONS, _Group, _Param, fused_adamw
@@ -115,25 +119,32 @@ def test_resident_layers_train_bit_for_bit_like_the_all_host_run(
     host = _train(tmp_path, model, data, "host", layers, max_grad_norm=CLIP[clip])
     expected = read_metrics(host)
     assert any(r["clip_coef"] < 1 for r in expected) == (clip == "on")
-    for k in (1, LAYERS):
+    embeddings = {adapter.embed_group, adapter.head_group}
+    for k, with_embeddings in ((1, False), (LAYERS, False), (0, True), (LAYERS, True)):
         spy = _Spy(monkeypatch)
-        out = _train(tmp_path, model, data, f"resident-{k}", layers,
-                     f"runtime.resident_layers={k}", max_grad_norm=CLIP[clip])  # fmt: skip
+        name = f"resident-{k}{'-embeddings' if with_embeddings else ''}"
+        out = _train(tmp_path, model, data, name, layers, f"runtime.resident_layers={k}",
+                     f"runtime.resident_embeddings={with_embeddings}",
+                     max_grad_norm=CLIP[clip])  # fmt: skip
         resident = {adapter.layer_group(i) for i in range(k)}
-        # the resident layers never went through the window nor the host AdamW; the others did
+        resident |= embeddings if with_embeddings else set()
+        # the resident groups never went through the window nor the host AdamW; the others did
         assert not spy.loaded & resident
         assert not spy.updated & resident
-        streamed = {adapter.layer_group(i) for i in range(k, LAYERS)}
+        streamed = set(range(LAYERS + 2)) - resident
         assert streamed <= spy.loaded
         assert streamed <= spy.updated
         got = read_metrics(out)
         for key in ("loss", "grad_norm", "clip_coef", "lr"):
-            assert [r[key] for r in got] == [r[key] for r in expected], (k, key)
+            assert [r[key] for r in got] == [r[key] for r in expected], (name, key)
         _assert_bitwise_equal(_tensors(out / "final"), _tensors(host / "final"))
         _assert_bitwise_equal(_tensors(out / "checkpoint-8"), _tensors(host / "checkpoint-8"))
         state = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
         assert state["policy"]["resident_layers"] == k
-        assert f"resident_layers: {k}" in (out / "resolved_config.yaml").read_text()
+        assert state["policy"]["resident_embeddings"] == with_embeddings
+        resolved = (out / "resolved_config.yaml").read_text()
+        assert f"resident_layers: {k}" in resolved
+        assert f"resident_embeddings: {str(with_embeddings).lower()}" in resolved
 
 
 def test_a_checkpoint_with_resident_layers_is_the_all_host_one_and_resumes_exactly(
@@ -143,17 +154,16 @@ def test_a_checkpoint_with_resident_layers_is_the_all_host_one_and_resumes_exact
     data = write_data(tmp_path / "data.jsonl", 40)
     saves = ("output.save_steps=4",)
     host = _train(tmp_path, model, data, "host", *saves, max_grad_norm=1.0)
-    full = _train(tmp_path, model, data, "full", *saves, "runtime.resident_layers=2",
-                  max_grad_norm=1.0)  # fmt: skip
+    resident = ("runtime.resident_layers=2", "runtime.resident_embeddings=true")
+    full = _train(tmp_path, model, data, "full", *saves, *resident, max_grad_norm=1.0)
     # mid-run: the resident layers were written back into the store before the save
     _assert_bitwise_equal(_tensors(full / "checkpoint-4"), _tensors(host / "checkpoint-4"))
     config = write_config(tmp_path / "resumed.yaml", model, data, tmp_path / "resumed",
                           train=TRAIN | {"max_grad_norm": 1.0})  # fmt: skip
-    cfg = load_config(
-        config, [f"train.resume={full / 'checkpoint-4'}", "runtime.resident_layers=2"]
-    )
+    cfg = load_config(config, [f"train.resume={full / 'checkpoint-4'}", *resident])
     trainer = Trainer(cfg, log=False)
     assert trainer.engine.resident is not None
+    assert trainer.engine.resident.holds(trainer.adapter.embed_group)
     records = trainer.run()
     assert [r["step"] for r in records] == [5, 6, 7, 8]
     uninterrupted = read_metrics(full)[4:]
@@ -191,6 +201,10 @@ def test_more_resident_layers_than_the_model_has_or_several_ranks_are_refused(
                        "runtime.ranks=2")  # fmt: skip
     assert code == 2
     one_error_line(err, "train", "runtime.resident_layers=2 runs on one process only")
+    code, _, err = run(capsys, "validate", str(tiny_run), "runtime.resident_embeddings=true",
+                       "runtime.ranks=2")  # fmt: skip
+    assert code == 2
+    one_error_line(err, "validate", "runtime.resident_embeddings=true runs on one process only")
     assert not (tiny_run.parent / "out").exists()
 
 
@@ -250,19 +264,38 @@ def test_the_estimate_counts_resident_layers_and_refuses_what_does_not_fit(
     assert code == 0
     assert "of which 2 resident layers" in out
     assert "2 resident, clipping" in out
+    # resident embeddings add their own bytes (plan.cost.resident_embedding_bytes)
+    with_embeddings = load_config(tiny_run, [f"train.max_grad_norm={CLIP[clip]}",
+                                             "runtime.resident_layers=2",
+                                             "runtime.resident_embeddings=true"])  # fmt: skip
+    est = estimate_run(with_embeddings, adapter, H100, step_model=False)
+    alone = estimate_run(two, adapter, H100, step_model=False)
+    assert est.gpu is not None
+    assert alone.gpu is not None
+    extra = resident_embedding_bytes(adapter, torch.bfloat16, clipping=clip == "on")
+    assert est.gpu.resident_bytes - alone.gpu.resident_bytes == extra
+    code, out, _ = run(capsys, "estimate", str(tiny_run), "runtime.resident_layers=2",
+                       "runtime.resident_embeddings=true")  # fmt: skip
+    assert code == 0
+    assert "of which 2 resident layers and the embeddings" in out
 
 
 def test_the_engine_allocates_what_the_accounting_counts(tiny_run: Path) -> None:
     """CPU f32, clipping (no gradient term): the resident weights and FP32 state the engine
-    holds are ``resident_layer_bytes``."""
-    cfg = load_config(tiny_run, ["runtime.resident_layers=2", "train.max_grad_norm=1.0"])
+    holds are ``resident_layer_bytes``; resident embeddings add their FP32 state, and the
+    accounting adds their update's f32 gradient (4 B/param) to it."""
+    cfg = load_config(tiny_run, ["runtime.resident_layers=2", "train.max_grad_norm=1.0",
+                                 "runtime.resident_embeddings=true"])  # fmt: skip
     trainer = Trainer(cfg, log=False)
     try:
-        resident = trainer.engine.resident
+        resident, adapter = trainer.engine.resident, trainer.adapter
         assert resident is not None
         weights = sum(resident.buffer(g).flat.numel() * 4 for g in (1, 2))
-        per_layer = resident_layer_bytes(trainer.adapter, torch.float32, clipping=True)
-        assert resident.state_bytes + weights == sum(per_layer[:2])
+        per_layer = resident_layer_bytes(adapter, torch.float32, clipping=True)
+        specs = adapter.group_specs()
+        embeddings = specs[adapter.embed_group].numel + specs[adapter.head_group].numel
+        extra = resident_embedding_bytes(adapter, torch.float32, clipping=True)
+        assert resident.state_bytes + weights == sum(per_layer[:2]) + extra - 4 * embeddings
     finally:
         trainer.engine.close()
 

@@ -246,6 +246,21 @@ def resident_layer_bytes(adapter: HFAdapter, dtype: torch.dtype, *, clipping: bo
     ]  # fmt: skip
 
 
+def resident_embedding_bytes(adapter: HFAdapter, dtype: torch.dtype, *, clipping: bool) -> int:
+    """Device bytes the embedding and head groups add when GPU-resident: the FP32 master and
+    both Adam moments (12 B per element of their state layout), the GPU update's f32 copy of
+    their gradient (4 B/param: the embedding's is far larger than a layer's backward transient,
+    so it is counted) and, without clipping, the gradient kept to the step's end (``e`` B/param).
+    Their weights are the window's own buffers either way (``estimate``'s window term)."""
+    from slidedp.store import HostStore
+
+    specs = adapter.group_specs()
+    layout = HostStore.plan([specs[adapter.embed_group], specs[adapter.head_group]], 0)
+    params = sum(int(p["numel"]) for p in layout["params"])
+    state = sum(int(g["state_len"]) for g in layout["groups"])
+    return 12 * state + 4 * params + (0 if clipping else dtype.itemsize * params)
+
+
 def resident_bytes_per_layer(adapter: HFAdapter, dtype: torch.dtype, *, clipping: bool) -> int:
     """The solver's ``Resident.bytes_per_layer`` (``crates/slidedp-core/src/solve``): the
     largest decoder layer's resident bytes, so any K layers fit in K times it."""

@@ -10,12 +10,13 @@ and D2H, since the staging and gradient rings share the store's slot size), the 
 ``slots``, the host ``staging_slots`` and ``grad_slots`` per rank, the BF16 ``mirror``, and
 ``layers``: one ``LayerPolicy`` per decoder layer (``plan.layout``), and ``compute``: the layer
 kernels and whether the layer is compiled (``models.fast``: ``runtime.kernels``,
-``runtime.compile``), and ``resident_layers``: how many decoder layers stay on the device with
-their optimizer state (``runtime.resident``; the first ones, see ``Policy.resident``).
+``runtime.compile``), ``resident_layers``: how many decoder layers stay on the device with
+their optimizer state (``runtime.resident``; the first ones, see ``Policy.resident``), and
+``resident_embeddings``: whether the embedding and head groups do too.
 
 A policy file (``runtime.policy: path.yaml``) holds any of ``layers, param_route, grad_route,
 chunk_elems, slots, staging_slots, grad_slots, bf16_mirror, offload_ratio, kernels, compile,
-resident_layers``;
+resident_layers, resident_embeddings``;
 its values replace the ``runtime`` ones (setting a key in both places, to different values, is
 an error).
 
@@ -58,6 +59,7 @@ POLICY_FILE_KEYS = (
     "kernels",
     "compile",
     "resident_layers",
+    "resident_embeddings",
 )
 
 
@@ -75,6 +77,9 @@ class Policy:
     # decoder layers 0..resident_layers-1 keep BF16 weights, FP32 master and Adam moments on the
     # device, updated there (runtime.resident); 0 in checkpoints of older runs
     resident_layers: int = 0
+    # the embedding and head groups likewise (their update is the host tail of every step);
+    # False in checkpoints of older runs
+    resident_embeddings: bool = False
 
     def resident(self, layer: int) -> bool:
         """Whether decoder layer ``layer`` is GPU-resident. The FIRST layers are: their
@@ -99,6 +104,7 @@ class Policy:
             f"{self.slots} slots, {self.staging_slots} staging / {self.grad_slots} gradient "
             f"slots per rank, mirror {'on' if self.mirror else 'off'}, layers {self.layout}, "
             f"{self.resident_layers} GPU-resident"
+            + (", embeddings GPU-resident" if self.resident_embeddings else "")
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -169,13 +175,18 @@ def effective_runtime(rt: RuntimeSection) -> RuntimeSection:
         raise ConfigError(f"runtime.policy {rt.policy}: {e}") from None
 
 
-def resident_ranks_message(resident_layers: int, world: int) -> str:
-    """Why GPU-resident layers refuse several processes: their gradients would need an
-    all-reduce on the devices and every rank an identical device update, not built yet."""
+def resident_ranks_message(rt: RuntimeSection, world: int) -> str | None:
+    """Why GPU-resident layers or embeddings refuse several processes (None: ``rt`` keeps
+    none): their gradients would need an all-reduce on the devices and every rank an identical
+    device update, not built yet."""
+    if world <= 1 or not (rt.resident_layers or rt.resident_embeddings):
+        return None
+    key = (f"runtime.resident_layers={rt.resident_layers}" if rt.resident_layers
+           else "runtime.resident_embeddings=true")  # fmt: skip
     return (
-        f"runtime.resident_layers={resident_layers} runs on one process only (this run has "
-        f"{world} ranks): the resident layers' gradients are not yet reduced across ranks; "
-        "set runtime.resident_layers=0 or train on one GPU"
+        f"{key} runs on one process only (this run has {world} ranks): GPU-resident "
+        "gradients are not yet reduced across ranks; set runtime.resident_layers=0 and "
+        "runtime.resident_embeddings=false, or train on one GPU"
     )
 
 
@@ -234,6 +245,7 @@ def resolve_policy(
         layers=layers,
         compute=resolve_compute(rt.kernels, rt.compile, device, adapter),
         resident_layers=rt.resident_layers,
+        resident_embeddings=rt.resident_embeddings,
     )
 
 

@@ -278,9 +278,11 @@ def check_config(
     world = local_world * nodes
     from slidedp.plan.policy import effective_runtime, resident_ranks_message  # (as in start)
 
-    resident = (runtime if runtime.policy == "auto" else effective_runtime(runtime)).resident_layers
-    if resident and world > 1:
-        raise ConfigError(resident_ranks_message(resident, world))
+    message = resident_ranks_message(
+        runtime if runtime.policy == "auto" else effective_runtime(runtime), world
+    )
+    if message is not None:
+        raise ConfigError(message)
     if train.global_batch_size % world:
         raise ConfigError(
             f"train.global_batch_size={train.global_batch_size} is not divisible by the "

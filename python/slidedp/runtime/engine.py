@@ -21,6 +21,8 @@ global barrier). Order:
 GPU-resident layers (``plan.policy.resident_layers``, ``runtime.resident``) are never fetched:
 their weights stay in their own device buffer, their gradients stay on the device, and their
 AdamW runs on the device at the end of the step (``GradSync.finish``); the prefetch skips them.
+Resident embeddings (``Policy.resident_embeddings``) are the embedding and head groups kept so:
+never loaded, their update (the host lane's last, after the embedding's backward) on the device.
 
 Where each group's gradient goes and when its update starts is ``grad_sync.GradSync``'s
 protocol. Without clipping (``max_grad_norm == 0``) each group's gradient goes to the host as
@@ -178,14 +180,16 @@ class Engine:
             group=None if ctx is None else ctx.node_group,
         )
         self.resident = None
-        if policy.resident_layers:
+        groups = [g for i, g in enumerate(layers) if policy.resident(i)]
+        if policy.resident_embeddings:
+            groups += [adapter.embed_group, adapter.head_group]
+        if groups:
             assert ctx is None or ctx.world == 1, "refused by dist.check_config"
-            groups = [g for i, g in enumerate(layers) if policy.resident(i)]
             self.resident = ResidentLayers(store, self.window, self.kernels, self.worker,
                                            groups, device)  # fmt: skip
         self.sync = GradSync(self.grads, self.reduce, self.optim, ctx, device, self.resident)
-        self.embed_buf = self.window.own_buffer(adapter.embed_group)
-        self.head_buf = self.window.own_buffer(adapter.head_group)
+        self.embed_buf = self._own_buffer(adapter.embed_group)
+        self.head_buf = self._own_buffer(adapter.head_group)
         self.activations = ActivationOffload(device, self.clock)
         self.rotary = adapter.make_rotary(device)
         self.embed = adapter.make_embed(device)
@@ -213,6 +217,17 @@ class Engine:
         group = self.adapter.layer_group(layer)
         views = self.window.views(buf, group)
         return {local: views[full] for full, local in self.adapter.groups[group].params}
+
+    def _own_buffer(self, group: int) -> DeviceBuffer:
+        """The embedding's or the head's weights: resident, else loaded each step."""
+        if self.resident is not None and self.resident.holds(group):
+            return self.resident.buffer(group)
+        return self.window.own_buffer(group)
+
+    def _load_own(self, buf: DeviceBuffer, group: int, version: int) -> None:
+        """Issue the load of the embedding or head at ``version`` (resident: always current)."""
+        if self.resident is None or not self.resident.holds(group):
+            self.window.load(buf, group, version)
 
     def _layer_buffer(self, layer: int, version: int) -> DeviceBuffer:
         """Layer ``layer``'s weights on the device: its resident buffer, or a window slot."""
@@ -253,7 +268,7 @@ class Engine:
         attn = None
         if batch.position_ids is None:
             attn = batch.attention_mask.to(self.device, non_blocking=True)
-        win.load(self.embed_buf, a.embed_group, v)
+        self._load_own(self.embed_buf, a.embed_group, v)
         win.acquire(self.embed_buf)
         embed_w = win.views(self.embed_buf, a.embed_group)[EMBED]  # [V, H]
         compute = torch.cuda.current_stream() if self.device.type == "cuda" else None
@@ -275,7 +290,7 @@ class Engine:
             if layer + 1 < a.num_layers:
                 self._prefetch(max(layer + 1, streamed), v)  # a no-op once it is loaded
             else:
-                win.load(self.head_buf, a.head_group, v)
+                self._load_own(self.head_buf, a.head_group, v)
             run = LayerRun(a, layer, self._local(layer, buf), ctx)
             with self.clock.stream("compute", compute):
                 x, state = self.executors[layer].forward(run, x)
