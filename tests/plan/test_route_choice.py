@@ -169,7 +169,8 @@ def test_auto_on_two_gpus_chooses_layout_and_routes_from_the_probes(
                          "solver's choice runs)")  # fmt: skip
     assert auto.chosen_overrides(chosen) == [
         "runtime.policy=", f"runtime.layers={rt.layers}", "runtime.resident_layers=0",
-        f"runtime.param_route={route[0]}", f"runtime.grad_route={route[1]}",
+        "runtime.resident_embeddings=False", f"runtime.param_route={route[0]}",
+        f"runtime.grad_route={route[1]}",
     ]  # fmt: skip
 
     # the config's own route stays, and validate/estimate without a link probe say why

@@ -21,7 +21,7 @@ from slidedp.config import load_config
 from slidedp.estimate import Machine, update_threads
 from slidedp.models.hf import HFAdapter
 from slidedp.plan import auto, select
-from slidedp.plan.cost import resident_bytes_per_layer
+from slidedp.plan.cost import resident_bytes_per_layer, resident_embedding_bytes
 from slidedp.plan.layout import parse_layout
 from slidedp.plan.select import (
     MIN_GAIN,
@@ -158,7 +158,44 @@ def test_gpu_resident_layers_are_the_brute_force_optimum_within_the_budget(
     assert choice.resident_layers >= min(LAYERS, resident_layers)  # the room was used
     assert sol["step_s"] == pytest.approx(_brute_force(problem), rel=1e-9)
     host = host_update_s_per_layer(adapter, 0.01) * (LAYERS - choice.resident_layers)
-    assert sol["host_s"] == pytest.approx(host + host_update_s_tail(adapter, 0.01))
+    tail = 0.0 if choice.resident_embeddings else host_update_s_tail(adapter, 0.01)
+    assert sol["host_s"] == pytest.approx(host + tail)
+
+
+@pytest.mark.parametrize("room", [True, False])
+def test_resident_embeddings_are_chosen_where_they_fit_and_shorten_the_step(
+    run: tuple[Path, Any, HFAdapter, Machine], room: bool
+) -> None:
+    """Room for every layer resident and (``room``) the embeddings too: the program keeps the
+    embedding and head on the GPU, which takes their bytes off the budget and their host update
+    (the step's tail after the backward) off the host lane; its step is the faster of the two
+    brute forces. Without the room the embeddings stay on the host, every layer resident."""
+    _, cfg, adapter, machine = run
+    w = resident_bytes_per_layer(adapter, torch.bfloat16, clipping=True)
+    e = resident_embedding_bytes(adapter, torch.bfloat16, clipping=True)
+    base = 10 * GIB
+    budget = activation_budget(cfg, adapter, machine, base)
+    free = budget.bytes
+    # the clipped backward's peak (its 4 MiB transient beside the parked gradients) with every
+    # layer resident, and a quarter of the embeddings' bytes to spare
+    extra = 4 * MIB + budget.parked_bytes + LAYERS * w + (e if room else 0) + e // 4
+    choice = select_layout(cfg, adapter, machine, _report(), update_gbps=0.01,
+                           total_bytes=int(base + (extra - free) / 0.94))  # fmt: skip
+    assert (choice.resident_layers, choice.resident_embeddings) == (LAYERS, room)
+    assert choice.program_layout.endswith("4 GPU-resident" + (" + embeddings" if room else ""))
+    solved = choice.problem
+    if room:
+        assert solved["host"]["tail_s"] == 0.0
+        host = solved | {
+            "budget_bytes": solved["budget_bytes"] + e,
+            "host": solved["host"] | {"tail_s": host_update_s_tail(adapter, 0.01)},
+        }
+    else:
+        host = solved
+    on_gpu = select.with_resident_embeddings(host, e)
+    steps = [_brute_force(host), _brute_force(on_gpu)]
+    assert choice.solution["step_s"] == pytest.approx(min(steps), rel=1e-9)
+    assert (steps[1] < steps[0]) == room
 
 
 def test_a_layout_predicted_less_than_min_gain_faster_keeps_the_default(
@@ -190,9 +227,10 @@ def test_plan_writes_a_policy_file_that_trains(
     argv = ["plan", str(path), "--profile", str(report), "--gpu-memory", "80", "--out", str(policy)]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "chosen:  4xN-r0, 4 GPU-resident" in out
+    assert "chosen:  4xN-r0, 4 GPU-resident + embeddings" in out  # 80 GB: room for all
     assert "default: 4xF-r0" in out
-    assert yaml.safe_load(policy.read_text()) == {"layers": "4xN-r0", "resident_layers": 4}
+    assert yaml.safe_load(policy.read_text()) == {"layers": "4xN-r0", "resident_layers": 4,
+                                                  "resident_embeddings": True}  # fmt: skip
     summary = json.loads(policy.with_suffix(".json").read_text())
     assert set(summary["timing_s"]) == {"setup_s", "profile_s", "host_s", "solve_s", "check_s"}
     assert summary["host_adamw"]["source"].startswith("measured")  # probed here when missing

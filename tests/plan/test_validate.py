@@ -278,7 +278,8 @@ def test_plan_reports_the_validated_step_times_selection_time_and_break_even(
     assert main(["plan", str(path), "--profile", str(report), "--out", str(policy)]) == 0
     summary = json.loads(policy.with_suffix(".json").read_text())
     assert (summary["validation"]["winner"], summary["break_even_steps"]) == ("default", None)
-    assert yaml.safe_load(policy.read_text()) == {"layers": ALL_F, "resident_layers": 0}
+    assert yaml.safe_load(policy.read_text()) == {"layers": ALL_F, "resident_layers": 0,
+                                                  "resident_embeddings": False}  # fmt: skip
     out = capsys.readouterr().out
     assert "break-even never (the default runs)" in out
     assert "(the default: the program's layout did not run faster in validation)" in out

@@ -83,7 +83,8 @@ def choose_for_ranks(spec: RunSpec, spec_path: Path) -> tuple[Path, dict[str, An
         cfg, line = resolved_config(spec, Path(tmp) / "tokens.jsonl", Path(tmp) / "out")
     rt = cfg.runtime
     chosen = {"policy": "", "layers": rt.layers, "resident_layers": rt.resident_layers,
-              "param_route": rt.param_route, "grad_route": rt.grad_route}  # fmt: skip
+              "resident_embeddings": rt.resident_embeddings, "param_route": rt.param_route,
+              "grad_route": rt.grad_route}  # fmt: skip
     ours = {**spec.ours, "runtime": {**spec.ours["runtime"], **chosen}}
     path = spec_path.with_name(f"{spec_path.stem}.chosen.json")
     path.write_text(json.dumps(dataclasses.replace(spec, ours=ours).to_json()))
@@ -126,6 +127,7 @@ def run_ours(spec: RunSpec) -> dict[str, Any]:
         "kernels": trainer.policy.compute.describe(),
         "layout": trainer.policy.layout,
         "resident_layers": trainer.policy.resident_layers,
+        "resident_embeddings": trainer.policy.resident_embeddings,
         "mirror": trainer.policy.mirror,
         **({"policy": chosen} if chosen else {}),
     }

@@ -90,7 +90,8 @@ def _ours_runtime(report: dict[str, Any], run: dict[str, Any]) -> RuntimeSection
         given["param_route"], given["grad_route"] = route.split("/")
     if "policy" in run and "layout" in run:  # runtime.policy=auto ran: the layout it chose
         given |= {"policy": "", "layers": run["layout"],
-                  "resident_layers": run.get("resident_layers", 0)}  # fmt: skip
+                  "resident_layers": run.get("resident_layers", 0),
+                  "resident_embeddings": run.get("resident_embeddings", False)}  # fmt: skip
     if run.get("world", 1) > 1:
         given["gpus"] = run["world"]
     return RuntimeSection(**given)

@@ -58,6 +58,7 @@ from slidedp.io.checkpoint import STATE_FILE
 from slidedp.plan.calibrate import calibrate_choice, clause, why_not_calibrated
 from slidedp.plan.clock import Clock
 from slidedp.plan.layout import LayerPolicy, parse_layout
+from slidedp.plan.policy import resident_text
 from slidedp.plan.route_choice import (
     ROUTES,
     Route,
@@ -78,7 +79,12 @@ if TYPE_CHECKING:
     from slidedp.plan.validate import Validation
 
 AUTO = "auto"
-CHOSEN = ("layers", "offload_ratio", "resident_layers")  # the keys auto writes (and routes)
+CHOSEN = (
+    "layers",
+    "offload_ratio",
+    "resident_layers",
+    "resident_embeddings",
+)  # the keys auto writes (and routes)
 
 
 def profile_args(cfg: TrainConfig, **given: Any) -> argparse.Namespace:
@@ -125,7 +131,8 @@ def chosen_overrides(cfg: TrainConfig) -> list[str]:
     launcher's choice), ``runtime.policy`` cleared."""
     rt = cfg.runtime
     keys = {"policy": "", "layers": rt.layers, "resident_layers": rt.resident_layers,
-            "param_route": rt.param_route, "grad_route": rt.grad_route}  # fmt: skip
+            "resident_embeddings": rt.resident_embeddings, "param_route": rt.param_route,
+            "grad_route": rt.grad_route}  # fmt: skip
     return [f"runtime.{k}={v}" for k, v in keys.items()]
 
 
@@ -163,7 +170,7 @@ def check_auto_free(rt: RuntimeSection) -> None:
     if fixed:
         raise ConfigError(
             f"runtime.policy=auto chooses runtime.layers, their offload and the GPU-resident "
-            f"layers, which the config "
+            f"layers and embeddings, which the config "
             f"sets ({', '.join(f'{k}={getattr(rt, k)}' for k in fixed)}): keep one of them"
         )
 
@@ -175,6 +182,7 @@ class Kept:
     layers: str
     resident_layers: int
     route: Route  # (param_route, grad_route)
+    resident_embeddings: bool = False
 
 
 def _kept_policy(resume: Path | None, layers: int) -> Kept | None:
@@ -187,7 +195,10 @@ def _kept_policy(resume: Path | None, layers: int) -> Kept | None:
         layout, resident = str(policy["layers"]), int(policy.get("resident_layers", 0))
         route = (str(policy["param_route"]), str(policy["grad_route"]))
         fits = len(parse_layout(layout, layers, 0.0)) == layers and 0 <= resident <= layers
-        return Kept(layout, resident, route) if fits and route in ROUTES else None
+        embeddings = policy.get("resident_embeddings", False)
+        if not fits or route not in ROUTES or not isinstance(embeddings, bool):
+            return None
+        return Kept(layout, resident, route, embeddings)
     except (OSError, ValueError, KeyError, TypeError, ConfigError):
         return None
 
@@ -203,14 +214,16 @@ def _kept_line(
     several ranks no layer is GPU-resident (refused there)."""
     rt = cfg.runtime
     resident = kept.resident_layers if rt.world == 1 else 0
-    cfg = _with(cfg, layers=kept.layers, resident_layers=resident)
+    embeddings = kept.resident_embeddings and rt.world == 1
+    cfg = _with(cfg, layers=kept.layers, resident_layers=resident, resident_embeddings=embeddings)
     routes = ""
     if rt.world > 1:
         route = kept.route if kept.route in candidates else (rt.param_route, rt.grad_route)
         cfg = _with(cfg, param_route=route[0], grad_route=route[1])
         routes = f", routes {route_name(route)}"
     line = (
-        f"policy   auto: {kept.layers}, {resident} GPU-resident{routes} (kept from {resume.name})"
+        f"policy   auto: {kept.layers}, {resident_text(resident, embeddings)}{routes} "
+        f"(kept from {resume.name})"
     )
     return cfg, line
 
@@ -289,7 +302,7 @@ def resolve_auto(
             solved = _with(default, layers=choice.layout, resident_layers=choice.resident_layers)
             routes = _routes(solved, adapter, machine, candidates, report, host)
         notes.append(
-            f"{choice.layout}, {choice.resident_layers} GPU-resident (the program's "
+            f"{choice.layout}, {choice.resident_text} (the program's "
             f"{choice.program_layout}, predicted {choice.gain:.2f}x the default)"
         )
     calibration, not_calibrated = None, _why_not_calibrated(choice, rt, several=several,
@@ -315,7 +328,12 @@ def resolve_auto(
         source = "cached profile" if report.get("cached") else f"profiled in {profiled:.1f} s"
     shown = choice if validation is None else validation.result(choice)
     line = _head(choice, shown, source, host, clock.seconds["solve"])
-    chosen = _with(default, layers=shown.layout, resident_layers=shown.resident_layers)
+    chosen = _with(
+        default,
+        layers=shown.layout,
+        resident_layers=shown.resident_layers,
+        resident_embeddings=shown.resident_embeddings,
+    )
     if routes is not None:  # several ranks: not validated, the solver's choice runs
         chosen, said = routes
         line += f"; routes {said}"
@@ -358,7 +376,12 @@ def selection_key(
 
 
 def _from_cache(cfg: TrainConfig, found: Selection, path: Path) -> tuple[TrainConfig, str]:
-    chosen = _with(cfg, layers=found.layers, resident_layers=found.resident_layers)
+    chosen = _with(
+        cfg,
+        layers=found.layers,
+        resident_layers=found.resident_layers,
+        resident_embeddings=found.resident_embeddings,
+    )
     if found.route is not None:
         chosen = _with(chosen, param_route=found.route[0], grad_route=found.route[1])
     return chosen, found.hit_line(path)
@@ -394,6 +417,7 @@ def store_selection(
         dict(clock.seconds),
         None if validation is None else validation.summary(),
         None if validation is None else validation.break_even_steps(clock.total_s),
+        resident_embeddings=rt.resident_embeddings,
     )
     try:
         write_selection(facts, found)
@@ -423,7 +447,7 @@ def _head(choice: Choice, shown: Choice, source: str, host: HostRate, solve_s: f
     else:
         verdict = f", predicted {shown.gain:.2f}x the default all-F layout"
     return (
-        f"policy   auto: {shown.layout}, {shown.resident_layers} GPU-resident{verdict} "
+        f"policy   auto: {shown.layout}, {shown.resident_text}{verdict} "
         f"(layers and host update {shown.solution['step_s']:.3f} vs "
         f"{shown.default['step_s']:.3f} s, "
         f"activations {shown.solution['memory_bytes'] / 2**30:.2f} of "

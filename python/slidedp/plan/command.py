@@ -45,6 +45,7 @@ from slidedp.plan.auto import check_one_process, profile_args, store_selection
 from slidedp.plan.calibrate import Calibration, calibrate_choice, clause, why_not_calibrated
 from slidedp.plan.clock import Clock
 from slidedp.plan.layout import LayerPolicy
+from slidedp.plan.policy import resident_text
 from slidedp.plan.select import MIN_GAIN, Choice, select_layout
 from slidedp.plan.validate import (
     Validation,
@@ -158,7 +159,7 @@ def main(args: argparse.Namespace) -> int:
 
     with clock.stage("solve") as notes:
         choice = solved = solve_at()
-        notes.append(f"{choice.layout}, {choice.resident_layers} GPU-resident")
+        notes.append(f"{choice.layout}, {choice.resident_text}")
     calibration, not_calibrated = None, _why_not_calibrated(args, cfg, choice)
     if not_calibrated is None:  # the plan is for this machine's GPU: its trials run here
         with clock.stage("calibrate") as notes:
@@ -180,7 +181,8 @@ def main(args: argparse.Namespace) -> int:
     with clock.stage("check"):
         target = dataclasses.replace(machine, device="cuda", gpu_total_bytes=total)
         runtime = dataclasses.replace(cfg.runtime, layers=choice.layout, policy="",
-                                      resident_layers=choice.resident_layers)  # fmt: skip
+                                      resident_layers=choice.resident_layers,
+                                      resident_embeddings=choice.resident_embeddings)  # fmt: skip
         est = estimate_run(dataclasses.replace(cfg, runtime=runtime), adapter, target)
         # the step-time model ranks the choice against the default (on a GPU: it needs its peak)
         est_f = estimate_run(default_config(cfg), adapter, target)
@@ -192,12 +194,14 @@ def main(args: argparse.Namespace) -> int:
         raise ConfigError(f"the chosen layout {choice.layout} does not fit: {'; '.join(short)}")
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    policy = {"layers": choice.layout, "resident_layers": choice.resident_layers}
+    policy = {"layers": choice.layout, "resident_layers": choice.resident_layers,
+              "resident_embeddings": choice.resident_embeddings}  # fmt: skip
     out.write_text(yaml.safe_dump(policy, sort_keys=False))
     summary = {
         "layout": choice.layout,
         "program_layout": choice.program_layout,
         "resident_layers": choice.resident_layers,
+        "resident_embeddings": choice.resident_embeddings,
         "kept_default": choice.kept_default,
         "budget_bytes": choice.budget_bytes,
         "gpu_total_bytes": total,
@@ -226,11 +230,15 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resident(s: dict[str, Any]) -> str:
+    return resident_text(s["resident_layers"], s["resident_embeddings"])
+
+
 def _auto_line(s: dict[str, Any]) -> str:
     """The banner line of a ``train`` with ``runtime.policy: auto`` that takes this plan's
     choice from the selection cache."""
     return (
-        f"policy   auto: {s['layout']}, {s['resident_layers']} GPU-resident{_kept(s)}, chosen by "
+        f"policy   auto: {s['layout']}, {_resident(s)}{_kept(s)}, chosen by "
         f"`slidedp plan`; {clause(s['calibration'])}; {_validation_line(s).strip()}; "
         f"{_selection_line(s).strip()}"
     )
@@ -303,12 +311,16 @@ def format_summary(s: dict[str, Any], out: Path) -> str:
     host = s["problem"]["host"]
     total = s["gpu_total_bytes"] / GIB
     when = "after the backward: clipping" if host["serial"] else "overlapping the backward"
+    tail = (
+        "none for the embedding and head (GPU-resident)"
+        if s["resident_embeddings"]
+        else f"{host['tail_s'] * 1e3:.0f} ms for the embedding and head (after it)"
+    )
     lines = [
         f"slidedp plan: {len(names)} candidates from the profile ({s['profile']}): "
         + ", ".join(names),
         f"  budget for activations {s['budget_bytes'] / GIB:.2f} GiB of {total:.1f}; host "
-        f"update {host['update_s_per_layer'] * 1e3:.1f} ms/layer ({when}) and "
-        f"{host['tail_s'] * 1e3:.0f} ms for the embedding and head (after it) at "
+        f"update {host['update_s_per_layer'] * 1e3:.1f} ms/layer ({when}) and {tail} at "
         f"{s['host_adamw']['gbps']:.0f} GB/s AdamW, {s['host_adamw']['source']}",
         f"  program: {s['program_layout']}",
         f"           step {sol['step_s']:.3f} s (layers {sol['compute_s']:.3f} s, host "
@@ -316,7 +328,7 @@ def format_summary(s: dict[str, Any], out: Path) -> str:
         f"  default: {len(default['counts']) and sum(default['counts'])}xF-r0, step "
         f"{default['step_s']:.3f} s (layers {default['compute_s']:.3f} s) -> "
         f"{default['step_s'] / sol['step_s']:.3f}x predicted",
-        f"  chosen:  {s['layout']}, {s['resident_layers']} GPU-resident{_kept(s)}",
+        f"  chosen:  {s['layout']}, {_resident(s)}{_kept(s)}",
         f"  estimate of the run with it: GPU {s['estimate_gpu_needed_bytes'] / GIB:.2f} GiB needed",
         _model_line(s["step_model"]),
         f"  {clause(s['calibration'])}",

@@ -103,8 +103,7 @@ class Policy:
             f"{self.param_route}/{self.grad_route}, chunk {self.chunk_elems:,} elements, "
             f"{self.slots} slots, {self.staging_slots} staging / {self.grad_slots} gradient "
             f"slots per rank, mirror {'on' if self.mirror else 'off'}, layers {self.layout}, "
-            f"{self.resident_layers} GPU-resident"
-            + (", embeddings GPU-resident" if self.resident_embeddings else "")
+            f"{resident_text(self.resident_layers, self.resident_embeddings)}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -117,6 +116,11 @@ class Policy:
         layers = parse_layout(d["layers"], num_layers=_count(d["layers"]), default_ratio=0.0)
         compute = Compute(**d.get("compute", {"kernels": "eager", "compile": ""}))  # older runs
         return cls(**(d | {"layers": layers, "compute": compute}))
+
+
+def resident_text(layers: int, embeddings: bool) -> str:
+    """What stays on the GPU, as the banner and the reports say it."""
+    return f"{layers} GPU-resident" + (" + embeddings" if embeddings else "")
 
 
 def _count(text: str) -> int:

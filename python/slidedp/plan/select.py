@@ -24,9 +24,10 @@ import torch
 
 from slidedp import _native
 from slidedp.errors import ConfigError
-from slidedp.plan.cost import resident_bytes_per_layer
+from slidedp.plan.cost import resident_bytes_per_layer, resident_embedding_bytes
 from slidedp.plan.device import pick_dtype
 from slidedp.plan.layout import LayerPolicy, format_layout, parse_entry, place_by_kind
+from slidedp.plan.policy import resident_text
 from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM
 from slidedp.profile.pareto import layer_time, memory
 
@@ -56,7 +57,12 @@ class Choice:
     default: dict[str, Any]  # the fixed default's accounting in the same program, and "fits"
     program_layout: str = ""  # the program's own layout, placed, and its resident layers
     resident_layers: int = 0  # runtime.resident_layers: the first ones stay on the GPU
+    resident_embeddings: bool = False  # runtime.resident_embeddings: so do embedding and head
     kept_default: bool = False  # the program's layout was not MIN_GAIN faster: all F instead
+
+    @property
+    def resident_text(self) -> str:
+        return resident_text(self.resident_layers, self.resident_embeddings)
 
     @property
     def gain(self) -> float:
@@ -117,7 +123,14 @@ def activation_budget(
     from slidedp.estimate import estimate_run
 
     probe = replace(machine, device="cuda", gpu_total_bytes=total_bytes)
-    runtime = replace(cfg.runtime, layers="F", offload_ratio=0.0, policy="", resident_layers=0)
+    runtime = replace(
+        cfg.runtime,
+        layers="F",
+        offload_ratio=0.0,
+        policy="",
+        resident_layers=0,
+        resident_embeddings=False,
+    )
     gpu = estimate_run(replace(cfg, runtime=runtime), adapter, probe, step_model=False).gpu
     assert gpu is not None
     fixed = gpu.needed_bytes - gpu.layer_bytes - max(gpu.checkpoint_bytes, gpu.parked_grad_bytes)
@@ -173,6 +186,30 @@ def solve(problem: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def with_resident_embeddings(problem: dict[str, Any], embedding_bytes: int) -> dict[str, Any]:
+    """``problem`` with the embedding and head GPU-resident: their bytes off the budget, their
+    host update (the lane's tail after the backward) off the host lane."""
+    budget = max(0.0, problem["budget_bytes"] - embedding_bytes)
+    return problem | {"budget_bytes": budget, "host": problem["host"] | {"tail_s": 0.0}}
+
+
+def solve_residency(
+    problem: dict[str, Any], embedding_bytes: int
+) -> tuple[dict[str, Any], dict[str, Any], bool]:
+    """The faster of ``problem`` solved as it is and with resident embeddings (``problem``
+    must have its ``resident`` term): (the problem solved, its solution, whether the embeddings
+    are resident). Where they leave no layout room, the embeddings stay on the host."""
+    solution = solve(problem)
+    alternative = with_resident_embeddings(problem, embedding_bytes)
+    try:
+        resident = solve(alternative)
+    except ValueError:  # no layout fits beside them
+        return problem, solution, False
+    if resident["step_s"] < solution["step_s"]:
+        return alternative, resident, True
+    return problem, solution, False
+
+
 def select_layout(
     cfg: TrainConfig,
     adapter: HFAdapter,
@@ -210,13 +247,18 @@ def select_layout(
         },
         "kinds": kinds,
     }
+    embeddings = False
+    solved = problem
     if resident:
         dtype = pick_dtype(cfg.train.dtype, torch.device("cuda"))
         problem["resident"] = {
             "bytes_per_layer": float(resident_bytes_per_layer(adapter, dtype, clipping=clipping)),
             "max_layers": adapter.num_layers,
         }
-    solution = solve(problem)
+        extra = resident_embedding_bytes(adapter, dtype, clipping=clipping)
+        solved, solution, embeddings = solve_residency(problem, extra)
+    else:
+        solution = solve(problem)
     counts = [(k, p, int(n)) for (k, p, _), n in zip(cands, solution["counts"], strict=True)]
     retained = {(k, p): int(c["retained_bytes"]) for k, p, c in cands}
     layers = place_by_kind(counts, retained, adapter.layer_kinds)
@@ -232,15 +274,16 @@ def select_layout(
     default["counts"] = default_counts
     default["fits"] = default["memory_bytes"] <= budget.bytes
     layout = format_layout(layers)
-    program = f"{layout}, {solution['resident_layers']} GPU-resident"
-    choice = Choice(layout, layers, budget.bytes, problem, solution, default, program,
-                    resident_layers=int(solution["resident_layers"]))  # fmt: skip
+    program = f"{layout}, {resident_text(int(solution['resident_layers']), embeddings)}"
+    choice = Choice(layout, layers, int(solved["budget_bytes"]), solved, solution, default,
+                    program, resident_layers=int(solution["resident_layers"]),
+                    resident_embeddings=embeddings)  # fmt: skip
     all_f = (DEFAULT,) * adapter.num_layers
     if (
-        (layers, choice.resident_layers) != (all_f, 0)
+        (layers, choice.resident_layers, embeddings) != (all_f, 0, False)
         and default["fits"]
         and (choice.gain < 1 + MIN_GAIN)
     ):
         return replace(choice, layout=format_layout(all_f), layers=all_f, resident_layers=0,
-                       kept_default=True)  # fmt: skip
+                       resident_embeddings=False, kept_default=True)  # fmt: skip
     return choice

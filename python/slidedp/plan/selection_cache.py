@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 KIND = "selection"
 # runtime keys that cannot change the choice: what auto writes, the cache's own switch, where
 # the nodes meet, tracing, and the version wait
-KEY_EXEMPT = frozenset({"layers", "offload_ratio", "resident_layers", "policy", "policy_force",
+KEY_EXEMPT = frozenset({"layers", "offload_ratio", "resident_layers", "resident_embeddings",
+                        "policy", "policy_force",
                         "node_rank", "master_addr", "master_port", "trace_path", "trace_step",
                         "version_timeout_s"})  # fmt: skip
 
@@ -102,6 +103,7 @@ class Selection:
     validation: dict[str, Any] | None = None  # plan.validate's trials (None: not validated)
     break_even_steps: int | None = None
     selected_at: str = ""  # UTC, as written
+    resident_embeddings: bool = False
 
     def hit_line(self, path: Path) -> str:
         """The banner line of a run that takes this selection from ``path``."""
@@ -129,6 +131,9 @@ def _parse(
         raise ValueError(f"layers {layout!r} do not fit the model's {layers}")
     if not isinstance(resident, int) or not 0 <= resident <= layers:
         raise ValueError(f"resident_layers {resident!r}")
+    embeddings = report["resident_embeddings"]
+    if not isinstance(embeddings, bool):
+        raise ValueError(f"resident_embeddings {embeddings!r}")
     route = report["route"]
     if route is not None:
         route = (str(route[0]), str(route[1]))
@@ -139,7 +144,7 @@ def _parse(
         raise ValueError("no banner line or selection time")
     return Selection(layout, resident, route, line, seconds, dict(report["timing_s"]),
                      report["validation"], report["break_even_steps"],
-                     str(report["selected_at"]))  # fmt: skip
+                     str(report["selected_at"]), embeddings)  # fmt: skip
 
 
 def read_selection(

@@ -45,6 +45,7 @@ from slidedp.errors import (
     SlidedpError,
 )
 from slidedp.plan.clock import break_even_steps
+from slidedp.plan.policy import resident_text
 
 if TYPE_CHECKING:
     from slidedp.config import TrainConfig
@@ -77,13 +78,14 @@ class Trial:
     resident_layers: int
     step_s: float | None  # median of the timed steps; None: it ran out of memory
     reserved_bytes: int | None  # CUDA's peak reserved bytes (at the failure too); None on CPU
+    resident_embeddings: bool = False
 
     def fits(self, limit_bytes: int | None) -> bool:
         over = limit_bytes is not None and (self.reserved_bytes or 0) > limit_bytes
         return self.step_s is not None and not over
 
     def name(self) -> str:
-        return f"{self.layout}, {self.resident_layers} GPU-resident"
+        return f"{self.layout}, {resident_text(self.resident_layers, self.resident_embeddings)}"
 
 
 Runner = Callable[["TrainConfig", int], Trial]
@@ -118,7 +120,7 @@ def run_trial(cfg: TrainConfig, steps: int) -> Trial:
                 raise
     gc.collect()  # the trainer's store and window, before the next trial's
     reserved = int(torch.cuda.max_memory_reserved()) if cuda else None
-    return Trial(rt.layers, rt.resident_layers, step_s, reserved)
+    return Trial(rt.layers, rt.resident_layers, step_s, reserved, rt.resident_embeddings)
 
 
 def trial_in_child(cfg: TrainConfig, steps: int) -> Trial:
@@ -179,7 +181,8 @@ class Validation:
 
         all_f = (DEFAULT,) * len(solved.layers)
         return dataclasses.replace(solved, layout=format_layout(all_f), layers=all_f,
-                                   resident_layers=0, kept_default=True)  # fmt: skip
+                                   resident_layers=0, resident_embeddings=False,
+                                   kept_default=True)  # fmt: skip
 
     def break_even_steps(self, selection_s: float) -> int | None:
         """Steps of the winner that pay for ``selection_s`` (None: the default runs)."""
@@ -235,7 +238,7 @@ def _overshoot(trial: Trial, limit_bytes: int | None, budget_bytes: int) -> int:
 def default_config(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` on the fixed default: every layer ``F`` without offload, none GPU-resident."""
     runtime = dataclasses.replace(cfg.runtime, layers="F", offload_ratio=0.0, policy="",
-                                  resident_layers=0)  # fmt: skip
+                                  resident_layers=0, resident_embeddings=False)  # fmt: skip
     return dataclasses.replace(cfg, runtime=runtime)
 
 
@@ -255,12 +258,14 @@ def runner_for(machine: Machine) -> Runner:
 
 
 def _is_default(choice: Choice) -> bool:
-    return choice.resident_layers == 0 and all(str(p) == "F-r0" for p in choice.layers)
+    resident = choice.resident_layers or choice.resident_embeddings
+    return not resident and all(str(p) == "F-r0" for p in choice.layers)
 
 
 def with_choice(cfg: TrainConfig, choice: Choice) -> TrainConfig:
     runtime = dataclasses.replace(cfg.runtime, layers=choice.layout,
-                                  resident_layers=choice.resident_layers)  # fmt: skip
+                                  resident_layers=choice.resident_layers,
+                                  resident_embeddings=choice.resident_embeddings)  # fmt: skip
     return dataclasses.replace(cfg, runtime=runtime)
 
 
