@@ -1,6 +1,7 @@
-"""GPU-resident layers on one GPU (BF16) against the all-host run: the resident layers' AdamW
-is torch's fused kernel on the device instead of the host kernel, so the runs differ by its
-rounding only and must track each other within the bf16 bound of the GPU parity tests.
+"""GPU-resident layers and embeddings on one GPU (BF16) against the all-host run: the resident
+groups' AdamW is torch's fused kernel on the device instead of the host kernel, so the runs
+differ by its rounding only and must track each other within the bf16 bound of the GPU parity
+tests.
 
 Run on the GPU machine: ``pytest -m "gpu and slow" tests/engine/test_gpu_resident.py``; set
 ``SLIDEDP_PARITY_JSON=FILE`` to keep the loss deltas.
@@ -33,10 +34,11 @@ def _run(
                           runtime={"device": "cuda", **runtime})  # fmt: skip
     trainer = Trainer(load_config(str(config), ["data.seq_len=128"]), log=False)
     k = runtime.get("resident_layers", 0)
-    if k:  # the resident state lives in HBM
+    if k or runtime.get("resident_embeddings"):  # the resident state lives in HBM
         resident = trainer.engine.resident
         assert resident is not None
-        assert resident.buffer(trainer.adapter.layer_group(0)).flat.is_cuda
+        group = trainer.adapter.layer_group(0) if k else trainer.adapter.embed_group
+        assert resident.buffer(group).flat.is_cuda
         assert resident.state_bytes > 0
     trainer.run()
     return [r["loss"] for r in read_metrics(out)]
@@ -60,6 +62,10 @@ def test_resident_layers_track_the_all_host_run(
         "2 resident": _run(tmp_path, model_dir, data, "r2", clip, resident_layers=2, **EAGER),
         "all resident": _run(tmp_path, model_dir, data, "r4", clip, resident_layers=LAYERS,
                              **EAGER),
+        "embeddings resident": _run(tmp_path, model_dir, data, "emb", clip,
+                                    resident_embeddings=True, **EAGER),
+        "everything resident": _run(tmp_path, model_dir, data, "r4-emb", clip,
+                                    resident_layers=LAYERS, resident_embeddings=True, **EAGER),
         # the default layer compute (compiled, or Liger where installed) on resident buffers
         "2 resident, default compute": _run(tmp_path, model_dir, data, "r2-default", clip,
                                             resident_layers=2),
