@@ -10,6 +10,11 @@
 # LIMITS: --system-timeout, naming only systems of SYSTEMS (default 300 s each).
 #   SHAPE=qwen3-8b ... CLIP=0 ...   (clipping 1.0 by default)
 #   SETS="runtime.policy=auto" ...   (our config's overrides, space-separated)
+#   SYSTEMS=ours,zero3-offload,zero3-offload:pf5e8 BATCHES=8 \
+#     PEER_SETS="zero3-offload:pf5e8.zero_optimization.stage3_prefetch_bucket_size=5e8" \
+#     bash benches/gpu_peers.sh   (PEER_SETS: --peer-set items, space-separated; SYSTEM:LABEL
+#     is a variant of a peer in the same run, DeepSpeed's CPU Adam built once; LIMITS names a
+#     variant by its full name)
 # A system past its limit is TIMEOUT in the report; the outer limit (OUTER, 520 s) stops the
 # bench as Ctrl-C does, keeping the finished runs.
 #
@@ -25,8 +30,10 @@ export PYTHONPATH=/tmp/peers PATH=/tmp/peers/bin:$PATH
 SHAPE=${SHAPE:-qwen3-4b}
 SET_ARGS=()
 for item in ${SETS:-}; do SET_ARGS+=(--set "$item"); done
+for item in ${PEER_SETS:-}; do SET_ARGS+=(--peer-set "$item"); done
 for B in ${BATCHES:-4}; do
     name="peers-$SHAPE-b${B//,/-}-clip${CLIP:-1.0}${SETS:+-$(echo $SETS | tr -c "A-Za-z0-9.\n-" _)}"
+    name+="${PEER_SETS:+-$(echo $PEER_SETS | tr -c "A-Za-z0-9.\n-" _)}"
     within "${OUTER:-520}" "$name" && part "$name" "${OUTER:-520}" timeout -s INT \
         "$((${OUTER:-520} - 10))" python3 -m slidedp bench train --shape "$SHAPE" --sweep "$B" \
         --warmup 2 --steps 3 --set train.max_grad_norm="${CLIP:-1.0}" "${SET_ARGS[@]}" \
@@ -34,4 +41,4 @@ for B in ${BATCHES:-4}; do
         --system-timeout "${LIMITS:-300}" \
         --json "$OUT/$name.json"
 done
-grep -E "^ +[0-9]+ [a-z0-9-]+ +[0-9]|ratios|summary|== " "$LOG" | tail -20
+grep -E "^ +[0-9]+ [A-Za-z0-9:._-]+ +[0-9]|ratios|summary|== " "$LOG" | tail -20

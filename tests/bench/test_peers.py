@@ -1,6 +1,7 @@
 """The peers of ``slidedp bench train`` on CPU: the registry, a peer that cannot run as one line,
-``--peer-set``, the DeepSpeed config, GPU-resident FSDP2, ``--system-timeout``, and the DeepSpeed
-runs themselves where DeepSpeed is installed (it is not a test dependency)."""
+``--peer-set``, a peer's variants (``SYSTEM:LABEL``), the DeepSpeed config, GPU-resident FSDP2,
+``--system-timeout``, and the DeepSpeed runs themselves where DeepSpeed is installed (it is not a
+test dependency)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,9 +22,18 @@ from slidedp.bench import train as bench_train
 from slidedp.bench import worker
 from slidedp.bench.child import run_child
 from slidedp.bench.deepspeed_zero import zero_config
-from slidedp.bench.peers import PEERS, Peer, PeerUnavailable, merged, parse_peer_sets, require
+from slidedp.bench.measure import RunSpec
+from slidedp.bench.peers import (
+    PEERS,
+    Peer,
+    PeerUnavailable,
+    merged,
+    parse_peer_sets,
+    peer_overrides,
+    require,
+)
 from slidedp.bench.train import system_timeouts
-from slidedp.cli import main
+from slidedp.cli import build_parser, main
 from slidedp.config import TrainSection
 from slidedp.errors import ConfigError
 
@@ -120,6 +131,189 @@ def test_peer_sets_nest_read_yaml_and_refuse_unknown_peers() -> None:
     base = {"a": {"b": 1, "c": 2}, "d": 3}
     assert merged(base, {"a": {"b": 5}}) == {"a": {"b": 5, "c": 2}, "d": 3}
     assert base == {"a": {"b": 1, "c": 2}, "d": 3}
+
+
+def _bench_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    """The one line ``slidedp bench train ARGS`` (exit 2) prints, refused before any run."""
+    assert main(["bench", "train", "--device", "cpu", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err.removeprefix("slidedp bench train: error: ").strip()
+
+
+def test_a_variant_is_a_peer_and_a_label_each_mistake_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    systems = ["ours", "zero3-offload", "zero3-offload:big", "zero3-offload:pf-5e8_v1.5"]
+    args = build_parser().parse_args(["bench", "train", "--systems", ",".join(systems)])
+    assert bench_train._parse(args)[1] == systems
+    subset = "use a comma-separated subset of ours,reference,fsdp2,zero3-offload,zero-offload,"
+    assert _bench_error(capsys, "--systems", "ours,deepspeed:big") == (
+        f"--systems 'ours,deepspeed:big': {subset}fsdp2-resident,roundpipe"
+    )
+    label = "a LABEL is letters, digits, '-', '_' and '.'"
+    for bad in ("zero3-offload:a/b", "zero3-offload:", "zero3-offload:a:b"):
+        assert _bench_error(capsys, "--systems", f"ours,{bad}") == (
+            f"--systems 'ours,{bad}': {bad!r}: {label}"
+        )
+    for system in ("ours", "reference", "fsdp2"):
+        assert _bench_error(capsys, "--systems", f"ours,{system}:x") == (
+            f"--systems 'ours,{system}:x': '{system}:x': only a peer (zero3-offload, "
+            "zero-offload, fsdp2-resident, roundpipe) has variants, told apart by their "
+            "--peer-set (ours is configured with --set; reference and fsdp2 have no config to set)"
+        )
+    assert _bench_error(capsys, "--systems", "zero3-offload:a,zero3-offload:a") == (
+        "--systems 'zero3-offload:a,zero3-offload:a': 'zero3-offload:a': named twice"
+    )
+    item = "zero3-offload:big.zero_optimization.reduce_bucket_size=5e8"
+    assert _bench_error(capsys, "--systems", "ours,zero3-offload", "--peer-set", item) == (
+        f"--peer-set '{item}': the variant zero3-offload:big is not in --systems "
+        "'ours,zero3-offload'; name it there too"
+    )
+    with pytest.raises(ConfigError, match=r"--peer-set 'ours:x\.a=1': use SYSTEM\.KEY=VALUE"):
+        parse_peer_sets(["ours:x.a=1"], ["ours", "ours:x"])  # refused by --systems first
+
+
+def test_a_variant_runs_with_its_peers_overrides_then_its_own() -> None:
+    systems = ["ours", "zero3-offload", "zero3-offload:big", "zero3-offload:v1.5", "zero-offload:x"]
+    sets = parse_peer_sets(
+        [
+            "zero3-offload:big.zero_optimization.reduce_bucket_size=5e8",  # before the base's
+            "zero3-offload.zero_optimization.reduce_bucket_size=1e8",
+            "zero3-offload.zero_optimization.overlap_comm=false",
+            "zero3-offload:big.gradient_clipping=0.5",
+            "zero3-offload:v1.5.zero_optimization.stage3_max_live_parameters=3e8",  # a dotted label
+        ],
+        systems,
+    )
+    assert peer_overrides(sets, systems) == {
+        "zero3-offload": {
+            "zero_optimization": {"reduce_bucket_size": 10**8, "overlap_comm": False}
+        },
+        "zero3-offload:big": {
+            "zero_optimization": {"reduce_bucket_size": 5 * 10**8, "overlap_comm": False},
+            "gradient_clipping": 0.5,
+        },
+        "zero3-offload:v1.5": {
+            "zero_optimization": {
+                "reduce_bucket_size": 10**8, "overlap_comm": False,
+                "stage3_max_live_parameters": 3 * 10**8,
+            }
+        },
+    }  # fmt: skip
+    assert sets["zero3-offload"] == {  # the base never gets a variant's keys
+        "zero_optimization": {"reduce_bucket_size": 10**8, "overlap_comm": False}
+    }
+    train = TrainSection(max_steps=1, max_grad_norm=1.0)
+    big = zero_config(3, train, 8, 64, peer_overrides(sets, systems)["zero3-offload:big"])
+    assert big["zero_optimization"]["reduce_bucket_size"] == 5 * 10**8
+    assert big["zero_optimization"]["stage3_prefetch_bucket_size"] == int(0.9 * 64**2)
+    assert big["gradient_clipping"] == 0.5
+
+
+def test_variants_are_rows_ratios_timeouts_and_summaries_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DeepSpeed is not installed here: the workers are replaced by results a worker would
+    write, and the test checks what each run was given and what the report makes of it."""
+    pytest.importorskip("matplotlib")
+    from matplotlib import pyplot
+
+    specs: list[RunSpec] = []
+    step_s = {"ours": 0.5, "zero3-offload": 1.0, "zero3-offload:big": 2.0, "zero3-offload:s": 1.5}
+
+    def fake_child(spec: RunSpec, workdir: Path) -> tuple[dict[str, Any], int]:
+        specs.append(spec)
+        raw = {"system": spec.full_system, "batch": spec.batch, "status": "ok",
+               "step_times_s": [step_s[spec.full_system]],
+               "tokens_per_step": spec.batch * spec.seq_len,
+               "gpu_peak_reserved_bytes": 2**31}  # fmt: skip
+        return raw, 2**30
+
+    figures: list[Any] = []
+    monkeypatch.setattr(bench_train, "run_child", fake_child)
+    monkeypatch.setattr(pyplot, "close", figures.append)
+    config = write_tiny_config(tmp_path / "m")
+    out = tmp_path / "r.json"
+    args = ["bench", "train", "--shape", str(config), "--seq", "16", "--device", "cpu"]
+    args += ["--sweep", "2,4", "--json", str(out), "--png", str(tmp_path / "r.png")]
+    args += ["--systems", "ours,zero3-offload,zero3-offload:big,zero3-offload:s"]
+    args += ["--system-timeout", "100,zero3-offload=200,zero3-offload:big=300"]
+    args += ["--peer-set", "zero3-offload.zero_optimization.overlap_comm=false"]
+    args += ["--peer-set", "zero3-offload:big.zero_optimization.reduce_bucket_size=5e8"]
+    assert main(args) == 0
+    by_name = {(s.full_system, s.batch): s for s in specs}
+    base, big, small = (by_name[name, 2] for name in ("zero3-offload", "zero3-offload:big",
+                                                       "zero3-offload:s"))  # fmt: skip
+    # each runs as zero3-offload (the same worker), with its own name, overrides and limit
+    assert (base.system, big.system, small.system) == ("zero3-offload",) * 3
+    assert (base.variant, big.variant, small.variant) == ("", "big", "s")
+    assert len({base.name, big.name, small.name}) == 3  # their spec and result files apart
+    assert base.peer == small.peer == {"zero_optimization": {"overlap_comm": False}}
+    assert big.peer == {"zero_optimization": {"overlap_comm": False, "reduce_bucket_size": 5e8}}
+    assert (base.timeout_s, big.timeout_s, small.timeout_s) == (200, 300, 100)
+    # one bench directory: DeepSpeed's ops (deepspeed_zero.extensions_dir) built there once
+    assert len({s.config_dir for s in specs}) == 1
+    report = json.loads(out.read_text())
+    assert [(r["system"], r["batch"]) for r in report["runs"]] == [
+        (s, b) for b in (2, 4) for s in ("ours", "zero3-offload", "zero3-offload:big",
+                                         "zero3-offload:s")
+    ]  # fmt: skip
+    assert report["peer_sets"] == {
+        "zero3-offload": base.peer, "zero3-offload:big": big.peer, "zero3-offload:s": small.peer,
+    }  # fmt: skip
+    assert report["system_timeout_s"] == {
+        "ours": 100, "zero3-offload": 200, "zero3-offload:big": 300, "zero3-offload:s": 100,
+    }  # fmt: skip
+    for row in report["ratios"]:
+        assert row["ours_over_zero3-offload"] == pytest.approx(2.0)
+        assert row["ours_over_zero3-offload:big"] == pytest.approx(4.0)
+        assert row["ours_over_zero3-offload:s"] == pytest.approx(3.0)
+    geomeans = {p["system"]: p["geomean_ours_over_peer"] for p in report["summary"]["peers"]}
+    assert geomeans == {
+        "zero3-offload": pytest.approx(2.0), "zero3-offload:big": pytest.approx(4.0),
+        "zero3-offload:s": pytest.approx(3.0),
+    }  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "ratios at batch 2 (tokens/s): ours/fsdp2 -x, ours/reference -x, " \
+        "ours/zero3-offload 2.00x, ours/zero3-offload:big 4.00x, ours/zero3-offload:s 3.00x" \
+        in printed  # fmt: skip
+    assert "summary: ours/zero3-offload:big: geometric mean 4.00x over batches 2, 4" in printed
+    (figure,) = figures
+    legend = [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
+    assert legend == ["ours", "zero3-offload (ours 2.00x)", "zero3-offload:big (ours 4.00x)",
+                      "zero3-offload:s (ours 3.00x)"]  # fmt: skip
+
+
+def test_two_variants_of_a_peer_end_to_end_on_cpu(tmp_path: Path) -> None:
+    """GPU-resident FSDP2 runs on CPU: a peer and two variants of it, each in its own worker,
+    each told its own overrides (FSDP2 takes none: the worker's record of what it was given),
+    each the same training as the peer."""
+    config = write_tiny_config(tmp_path / "m")
+    out = tmp_path / "r.json"
+    args = ["bench", "train", "--shape", str(config), "--seq", "16", "--device", "cpu"]
+    args += ["--batch", "2", "--warmup", "0", "--steps", "1", "--json", str(out)]
+    args += ["--systems", "ours,fsdp2-resident,fsdp2-resident:a,fsdp2-resident:b"]
+    for item in ("fsdp2-resident.x=1", "fsdp2-resident.y=1", "fsdp2-resident:a.x=2",
+                 "fsdp2-resident:b.z=3"):  # fmt: skip
+        args += ["--peer-set", item]
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    ours, peer, a, b = report["runs"]
+    assert [r["system"] for r in (peer, a, b)] == [
+        "fsdp2-resident", "fsdp2-resident:a", "fsdp2-resident:b"
+    ]  # fmt: skip
+    assert all(r["status"] == "ok" for r in report["runs"])
+    assert "peer_set" not in ours
+    assert peer["peer_set"] == {"x": 1, "y": 1}
+    assert a["peer_set"] == {"x": 2, "y": 1}
+    assert b["peer_set"] == {"x": 1, "y": 1, "z": 3}
+    assert a["losses"] == pytest.approx(peer["losses"], rel=1e-5)
+    assert b["losses"] == pytest.approx(peer["losses"], rel=1e-5)
+    (row,) = report["ratios"]
+    for name in ("fsdp2-resident", "fsdp2-resident:a", "fsdp2-resident:b"):
+        theirs = next(r for r in report["runs"] if r["system"] == name)["tokens_per_s"]
+        assert row[f"ours_over_{name}"] == pytest.approx(ours["tokens_per_s"] / theirs)
 
 
 def test_the_deepspeed_configs_follow_the_fine_tuning_guides() -> None:

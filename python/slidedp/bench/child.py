@@ -85,8 +85,9 @@ class ChildRun:
                 survivors = stop_group(proc.pid)
         if survivors:
             print(
-                f"slidedp bench train: warning: {self.spec.system}: processes {survivors} still "
-                f"alive {GROUP_EXIT_S:g} s after SIGKILL; the next run may share the GPU with them",
+                f"slidedp bench train: warning: {self.spec.full_system}: processes {survivors} "
+                f"still alive {GROUP_EXIT_S:g} s after SIGKILL; the next run may share the GPU "
+                "with them",
                 file=sys.stderr,
             )
         result = json.loads(self.result_path.read_text()) if code == 0 else None
@@ -118,20 +119,21 @@ def run_child(spec: RunSpec, workdir: Path) -> tuple[dict[str, Any], int]:
     child = ChildRun(spec, workdir)
     code, result, stderr = child.run()
     if child.killed_at_bytes:
+        status = "oom"
         error = (
             f"host memory: PSS {child.killed_at_bytes / GIB:.1f} GiB passed --host-limit "
             f"{spec.host_limit_gib:g} GiB; killed"
         )
-        result = {"system": spec.system, "batch": spec.batch, "status": "oom", "error": error}
     elif child.timed_out:
-        error = f"ran past --system-timeout {spec.timeout_s:g} s; killed"
-        result = {"system": spec.system, "batch": spec.batch, "status": "timeout", "error": error}
+        status, error = "timeout", f"ran past --system-timeout {spec.timeout_s:g} s; killed"
     elif result is None:
         where = f"batch {spec.batch}" + (f" on {spec.world} ranks" if spec.world > 1 else "")
-        print(f"--- {spec.system} {where} exited {code}:\n{stderr}", file=sys.stderr)
+        print(f"--- {spec.full_system} {where} exited {code}:\n{stderr}", file=sys.stderr)
         host_bytes = meminfo_bytes().get("mem_total_bytes", 0)
         status, error = crash_status(code, stderr, child.peak_pss_bytes, host_bytes)
-        result = {"system": spec.system, "batch": spec.batch, "status": status, "error": error}
+    else:
+        return result, child.peak_pss_bytes
+    result = {"system": spec.full_system, "batch": spec.batch, "status": status, "error": error}
     return result, child.peak_pss_bytes
 
 

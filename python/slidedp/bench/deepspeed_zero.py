@@ -8,7 +8,8 @@ transformers' ``auto`` values are (``hidden²`` reduce bucket, ``0.9·hidden²``
 optimizer section is AdamW with our hyperparameters: with the optimizer offloaded DeepSpeed
 builds ``DeepSpeedCPUAdam`` (the result records the class it built). Clipping is DeepSpeed's
 ``gradient_clipping`` at our ``train.max_grad_norm`` (0: off). Every key can be overridden with
-``--peer-set zero3-offload.zero_optimization.KEY=VALUE`` (any path of the config).
+``--peer-set zero3-offload.zero_optimization.KEY=VALUE`` (any path of the config), and several
+settings compared in one bench as variants (``zero3-offload:LABEL``, ``bench.peers``).
 
 The model is built as the FSDP2 baseline builds it (HF from the config, FP32, the same seed, HF
 activation checkpointing per layer) on the host, then handed to ``deepspeed.initialize``, which
@@ -21,7 +22,8 @@ DeepSpeed compiles its CPU Adam on first use (``scripts/peers.sh`` installs it w
 ``DS_BUILD_OPS=0``), under a build lock file that a run killed mid-build leaves behind; the next
 run would wait on it forever. The ops are built in the bench's own temporary directory
 (``extensions_dir``): once per ``slidedp bench train``, its first DeepSpeed run paying for the
-build (the GPU machines start bare, so a user-wide cache would not have kept it either).
+build, every later one (either stage, any variant) loading it (the GPU machines start bare, so a
+user-wide cache would not have kept it either).
 
 Example::
 

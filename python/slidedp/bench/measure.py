@@ -41,6 +41,7 @@ class RunSpec:
     host_limit_gib: float = 0.0  # > 0: the run is killed, as OOM, when its PSS passes it (child)
     timeout_s: float = 0.0  # > 0: the run is killed past it and reported as a timeout (child)
     peer: dict[str, Any] = field(default_factory=dict)  # a peer's config overrides (--peer-set)
+    variant: str = ""  # LABEL of --systems SYSTEM:LABEL: runs as ``system``, with its own ``peer``
     # ours on several ranks with runtime.policy=auto choosing the routes too (--routes auto)
     auto_routes: bool = False
 
@@ -49,9 +50,14 @@ class RunSpec:
         return self.batch * self.world
 
     @property
+    def full_system(self) -> str:
+        """The system as ``--systems`` names it, and the report: SYSTEM or SYSTEM:LABEL."""
+        return f"{self.system}:{self.variant}" if self.variant else self.system
+
+    @property
     def name(self) -> str:
         """Unique within one bench run: system, batch, and for several ranks world and routes."""
-        name = f"{self.system}-b{self.batch}"
+        name = f"{self.full_system}-b{self.batch}"
         if self.world > 1:
             name += f"-x{self.world}"
             if self.system == "ours" and self.auto_routes:

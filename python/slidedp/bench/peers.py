@@ -15,15 +15,24 @@ the peer's worker, never by the engine. A peer whose package is missing or fails
 that cannot run on the bench's device, is a result with ``status`` ``unavailable`` and one line
 saying why (``require``).
 
+A peer may run several times in one bench, as named variants: ``--systems
+ours,zero3-offload,zero3-offload:big`` runs ``zero3-offload:big`` as ``zero3-offload`` runs
+(same worker, same checks), with the peer's own ``--peer-set zero3-offload...`` overrides, then
+the variant's ``--peer-set zero3-offload:big...`` on top (``peer_overrides``). Its report rows,
+ratios, timeout and summary go by the full name.
+
 Example::
 
     deepspeed = require("zero3-offload")  # the module, or PeerUnavailable with one line
+    base, label = split_variant("zero3-offload:big")  # ("zero3-offload", "big")
 """
 
 from __future__ import annotations
 
 import copy
 import importlib
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -45,6 +54,7 @@ PEERS: dict[str, Peer] = {
     "fsdp2-resident": Peer(None, needs_cuda=False),
     "roundpipe": Peer("roundpipe", needs_cuda=True),
 }
+VARIANT = re.compile(r"[A-Za-z0-9_.-]+")  # the LABEL of SYSTEM:LABEL
 INSTALL_HINT = "pip install 'slidedp[peers]'; on a machine without an index: README, Benchmarks"
 
 
@@ -73,16 +83,52 @@ def require(system: str, device: str = "cuda") -> ModuleType | None:
         ) from None
 
 
-def parse_peer_sets(items: list[str]) -> dict[str, dict[str, Any]]:
+def split_variant(name: str) -> tuple[str, str]:
+    """(system, label) of ``SYSTEM:LABEL`` in ``--systems``; label "" for a plain system."""
+    system, _, label = name.partition(":")
+    return system, label
+
+
+def check_variant(name: str) -> str | None:
+    """Why ``name`` (``SYSTEM:LABEL``) cannot be a variant, in a few words; None if it can."""
+    system, label = split_variant(name)
+    if not VARIANT.fullmatch(label):
+        return "a LABEL is letters, digits, '-', '_' and '.'"
+    if system not in PEERS:
+        return (
+            f"only a peer ({', '.join(PEERS)}) has variants, told apart by their --peer-set "
+            "(ours is configured with --set; reference and fsdp2 have no config to set)"
+        )
+    return None
+
+
+def _system_and_key(path: str, systems: Sequence[str]) -> tuple[str, str]:
+    """``SYSTEM.KEY.PATH`` split after the system: a variant of ``systems`` matched whole (its
+    label may hold dots), else at the first dot."""
+    for name in sorted((s for s in systems if ":" in s), key=len, reverse=True):
+        if path.startswith(f"{name}."):
+            return name, path[len(name) + 1 :]
+    system, _, key = path.partition(".")
+    return system, key
+
+
+def parse_peer_sets(items: list[str], systems: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
     """``--peer-set SYSTEM.KEY.PATH=VALUE`` (value read as YAML) → per peer a nested dict of
-    overrides, e.g. ``zero3-offload.zero_optimization.stage3_prefetch_bucket_size=1e8``."""
+    overrides, e.g. ``zero3-offload.zero_optimization.stage3_prefetch_bucket_size=1e8``;
+    SYSTEM may be a variant ``SYSTEM:LABEL`` of ``systems`` (``--systems``)."""
     out: dict[str, dict[str, Any]] = {}
     for item in items:
         path, sep, text = item.partition("=")
-        system, _, key = path.strip().partition(".")
-        if not sep or not key or system not in PEERS:
+        system, key = _system_and_key(path.strip(), systems)
+        if ":" in system and system not in systems:
+            raise ConfigError(
+                f"--peer-set {item!r}: the variant {system} is not in --systems "
+                f"{','.join(systems)!r}; name it there too"
+            )
+        if not sep or not key or split_variant(system)[0] not in PEERS:
             raise ConfigError(
                 f"--peer-set {item!r}: use SYSTEM.KEY=VALUE with SYSTEM one of {', '.join(PEERS)}"
+                " or a variant SYSTEM:LABEL of --systems"
             )
         try:
             value = yaml.safe_load(text)
@@ -99,6 +145,22 @@ def parse_peer_sets(items: list[str]) -> dict[str, dict[str, Any]]:
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = value
+    return out
+
+
+def peer_overrides(
+    peer_sets: dict[str, dict[str, Any]], systems: list[str]
+) -> dict[str, dict[str, Any]]:
+    """The overrides each system of ``systems`` runs with (``RunSpec.peer``): a peer's own, a
+    variant's base system's then its own merged on top (a key set in both: the variant's)."""
+    out = {}
+    for name in systems:
+        system, label = split_variant(name)
+        overrides = peer_sets.get(system, {})
+        if label:
+            overrides = merged(overrides, peer_sets.get(name, {}))
+        if overrides:
+            out[name] = overrides
     return out
 
 

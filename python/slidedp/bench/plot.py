@@ -1,8 +1,9 @@
 """The batch-sweep figure of ``slidedp bench train --sweep ... --png FILE``.
 
-Three panels against batch size, one line per system (ours, reference, fsdp2, the peers; with
-``--gpus N`` also each run of N ranks, ``bench.report.run_label``): tokens/s, GPU peak reserved
-(GiB) and host PSS peak (GiB), as the SlideDP paper's Figures 2 and 3. A system's legend entry
+Three panels against batch size, one line per system (ours, reference, fsdp2, the peers and
+their variants, ``zero3-offload:big`` in its peer's marker; with ``--gpus N`` also each run of N
+ranks, ``bench.report.run_label``): tokens/s, GPU peak reserved (GiB) and host PSS peak (GiB),
+as the SlideDP paper's Figures 2 and 3. A system's legend entry
 carries the geometric mean of ours / it over the batches where both ran (``bench.sweep``). A
 run that ran out of memory has no point; its batch is marked "OOM" at the bottom of each panel.
 Needs matplotlib (``pip install 'slidedp[bench]'``).
@@ -31,6 +32,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from slidedp.bench.peers import split_variant
 from slidedp.bench.report import run_label
 from slidedp.bench.sweep import print_summary, sweep_summary
 from slidedp.errors import ConfigError
@@ -77,7 +79,8 @@ def plot_sweep(report: dict[str, Any], path: Path) -> None:
                 xs, ys = zip(*points, strict=True)
                 ratio = geomeans.get(label)
                 legend = label if ratio is None else f"{label} (ours {ratio:.2f}x)"
-                ax.plot(xs, ys, STYLE.get(mine[0]["system"], "x-"), label=legend)
+                style = STYLE.get(split_variant(mine[0]["system"])[0], "x-")
+                ax.plot(xs, ys, style, label=legend)
             for r in mine:
                 if r["status"] == "oom":
                     ax.annotate(f"{label} OOM", (r["batch"], 0), rotation=90, fontsize=7)

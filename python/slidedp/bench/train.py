@@ -10,6 +10,9 @@ Run (on the GPU machine)::
     slidedp bench train --shape qwen3-30b-a3b --layers 12 --seq 4096 --json moe.json
     slidedp bench train --shape qwen3-4b --sweep 4,8,16,32 --system-timeout 300 --json peers.json \
         --systems ours,zero3-offload,zero-offload,fsdp2-resident,roundpipe
+    slidedp bench train --shape qwen3-4b --batch 8 --json tuned.json \
+        --systems ours,zero3-offload,zero3-offload:pf5e8 \
+        --peer-set zero3-offload:pf5e8.zero_optimization.stage3_prefetch_bucket_size=5e8
 
 For each batch size, each system runs in its own subprocess (``bench.child``, ``bench.worker``)
 on the same synthetic tokens, ``--warmup`` steps discarded then ``--steps`` measured:
@@ -21,7 +24,11 @@ on the same synthetic tokens, ``--warmup`` steps discarded then ``--steps`` meas
 - ``fsdp2``: HF model, activation checkpointing, FSDP2 with bf16 mixed precision and
   ``CPUOffloadPolicy(pin_memory=True)``, fused host AdamW (``bench.fsdp2``);
 - the peers of ``bench.peers`` (optional packages; one line in the report when one cannot run),
-  their config overridden with ``--peer-set SYSTEM.KEY=VALUE``.
+  their config overridden with ``--peer-set SYSTEM.KEY=VALUE``. ``SYSTEM:LABEL`` in ``--systems``
+  is a variant of a peer: it runs as the peer runs, with the peer's ``--peer-set`` and then its
+  own (``--peer-set SYSTEM:LABEL.KEY=VALUE``) on top, and is reported, divided by, timed out
+  (``--system-timeout SYSTEM:LABEL=S``; a plain ``SYSTEM=S`` is not its) and summarised under
+  that name: several settings of one peer beside ours in one run, DeepSpeed's ops built once.
 
 Per run: mean step time, tokens/s, model TFLOP/s (``runtime.flops.FLOPS_FORMULA``), MFU against
 the measured bf16 GEMM peak, GPU peak reserved (``torch.cuda.max_memory_reserved`` of the
@@ -56,7 +63,7 @@ import yaml
 from slidedp.bench import multi
 from slidedp.bench.child import run_child
 from slidedp.bench.measure import RunSpec
-from slidedp.bench.peers import PEERS, parse_peer_sets
+from slidedp.bench.peers import PEERS, check_variant, parse_peer_sets, peer_overrides, split_variant
 from slidedp.bench.predict import predict_report, print_predictions
 from slidedp.bench.report import Model, print_report, ratios, summarise
 from slidedp.bench.scaling import collectives_report, print_scale, scale_report
@@ -107,7 +114,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg("--layers", type=int, default=0, help="cut the shape to its first N layers (0: all)")
     arg("--warmup", type=int, default=3, help="steps run first and discarded")
     arg("--steps", type=int, default=5, help="steps measured")
-    arg("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"a subset of {','.join(SYSTEMS)}")
+    arg(
+        "--systems",
+        default=",".join(DEFAULT_SYSTEMS),
+        help=f"a subset of {','.join(SYSTEMS)}; a peer's variant as SYSTEM:LABEL, its own "
+        "--peer-set SYSTEM:LABEL.KEY=VALUE over the peer's (e.g. zero3-offload:big)",
+    )
     arg(
         "--peer-set",
         dest="peer_sets",
@@ -121,8 +133,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--system-timeout",
         default=None,
         metavar="S[,SYSTEM=S...]",
-        help="kill a run after S seconds and report it as TIMEOUT; SYSTEM=S for one system "
-        "(e.g. 120,zero3-offload=200; default: no limit)",
+        help="kill a run after S seconds and report it as TIMEOUT; SYSTEM=S for one system, a "
+        "variant by its full name (e.g. 120,zero3-offload=200,zero3-offload:big=300; default: no "
+        "limit)",
     )
     arg("--device", default="auto", choices=("auto", "cuda", "cpu"))
     arg(
@@ -173,11 +186,15 @@ def _parse(args: argparse.Namespace) -> tuple[list[int], list[str], str]:
     except ValueError:
         raise ConfigError(f"--sweep must be comma-separated integers, got {args.sweep!r}") from None
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = sorted(set(systems) - set(SYSTEMS))
+    unknown = sorted({split_variant(s)[0] for s in systems} - set(SYSTEMS))
     if unknown or not systems:
         raise ConfigError(
             f"--systems {args.systems!r}: use a comma-separated subset of {','.join(SYSTEMS)}"
         )
+    for name in systems:
+        why = check_variant(name) if ":" in name else None
+        if why or systems.count(name) > 1:
+            raise ConfigError(f"--systems {args.systems!r}: {name!r}: {why or 'named twice'}")
     if min(batches) < 1 or args.seq < 2 or args.steps < 1 or args.warmup < 0:
         raise ConfigError("need --batch/--sweep >= 1, --seq >= 2, --steps >= 1, --warmup >= 0")
     if args.gpu_limit < 0 or args.host_limit < 0:
@@ -249,7 +266,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.png:
         require_matplotlib()
     ours = ours_config(args.overrides)
-    peer_sets = parse_peer_sets(args.peer_sets)
+    peer_sets = peer_overrides(parse_peer_sets(args.peer_sets, systems), systems)
     timeouts = system_timeouts(args.system_timeout, systems)
     scale = multi.parse_scale(args, systems, device, ours)  # None: one GPU only
     config, model_overrides = shape_config(args.shape, args.layers, ours)
@@ -306,12 +323,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         runs: list[dict[str, Any]] = []
         report["runs"] = runs  # filled in as the runs finish
         for batch in batches:
-            at_batch = [
-                dataclasses.replace(
-                    spec, system=s, batch=batch, peer=peer_sets.get(s, {}), timeout_s=timeouts[s]
-                )
-                for s in systems
-            ]
+            at_batch = []
+            for name in systems:  # a variant runs as its system, with its own name and overrides
+                system, variant = split_variant(name)
+                at_batch.append(
+                    dataclasses.replace(spec, system=system, variant=variant, batch=batch,
+                                        peer=peer_sets.get(name, {}), timeout_s=timeouts[name])
+                )  # fmt: skip
             if scale is not None:
                 at_batch += multi.scaled_specs(
                     dataclasses.replace(spec, batch=batch), systems, scale
@@ -351,7 +369,7 @@ def _conclude(report: dict[str, Any]) -> None:
 def _describe(run: RunSpec) -> str:
     where = "" if run.world == 1 else f" on {run.world} ranks"
     route = multi.run_keys(run)["route"]
-    return f"{run.system}, batch {run.batch}{where}" + (f", route {route}" if route else "")
+    return f"{run.full_system}, batch {run.batch}{where}" + (f", route {route}" if route else "")
 
 
 def _traced(run: RunSpec, args: argparse.Namespace, batches: int) -> dict[str, Any]:

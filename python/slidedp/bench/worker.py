@@ -8,7 +8,8 @@ A spec of several ranks (``world > 1``) makes this process their launcher and ea
 of it (``bench.ranks``); each dies with the process that started it (``bench.lifetime``). The
 result holds ``status`` (``ok``, or ``oom`` when the device or the host ran out of memory: a
 result, not a crash), the system's measured step times, the process's GPU peak reserved and
-allocated bytes and its PSS at the end; a peer that cannot run here
+allocated bytes and its PSS at the end, a peer's ``--peer-set`` overrides as given
+(``peer_set``; a variant's merged on its peer's); a peer that cannot run here
 (``bench.peers.PeerUnavailable``: its package missing or broken, no CUDA) is ``unavailable``
 with one line.
 Any other exception propagates (non-zero exit, traceback on stderr). ``system="peak"`` measures
@@ -104,7 +105,9 @@ def run(spec: RunSpec) -> dict[str, Any]:
     if spec.system == "peak":
         return _peak(spec)
     limit_gpu(spec)
-    result: dict[str, Any] = {"system": spec.system, "batch": spec.batch}
+    result: dict[str, Any] = {"system": spec.full_system, "batch": spec.batch}
+    if spec.peer:  # what this run was told (--peer-set; a variant's merged on its peer's)
+        result["peer_set"] = spec.peer
     try:
         result.update(SYSTEMS[spec.system](spec), status="ok")
     except PeerUnavailable as e:
