@@ -165,8 +165,8 @@ def test_auto_on_two_gpus_chooses_layout_and_routes_from_the_probes(
     assert f"; routes {route[0]}/{route[1]} (predicted " in line
     assert f"; reduce {links['reduce_gbps']:.0f}, all_gather " in line
     assert line.endswith(" GB/s measured, copies at the PCIe ceilings; not calibrated (several "
-                         "ranks: the profiled times); not validated on several ranks (the "
-                         "solver's choice runs)")  # fmt: skip
+                         "ranks: the profiled times); not validated here (`slidedp train` "
+                         "validates)")  # fmt: skip
     assert auto.chosen_overrides(chosen) == [
         "runtime.policy=", f"runtime.layers={rt.layers}", "runtime.resident_layers=0",
         "runtime.resident_embeddings=False", f"runtime.param_route={route[0]}",

@@ -233,8 +233,8 @@ def test_auto_takes_the_choice_slidedp_plan_made_for_the_same_run(
 def test_the_launchers_choice_on_several_ranks_is_cached_with_its_routes(
     run: tuple[Path, Path, FakeTrials], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``runtime.ranks=2``: the launcher's choice (not validated there) and the routes it keeps
-    are cached; the next launch measures nothing (no child process)."""
+    """``runtime.ranks=2``: the launcher's choice, validated on the ranks, and the routes it
+    keeps are cached; the next launch measures nothing (no child process) and runs no trial."""
     from slidedp.plan import measure
 
     path, cache, trials = run
@@ -246,7 +246,11 @@ def test_the_launchers_choice_on_several_ranks_is_cached_with_its_routes(
         return 0.1
 
     monkeypatch.setattr(measure, "measure_in_child", measured_here)
+    monkeypatch.setattr(validate, "trial_on_ranks", trials)
     chosen, first = resolve(path, *ranks)
+    assert [c.runtime.layers for c in trials.ran] == [CHOICE, "F"]  # both on the two ranks
+    assert all(c.runtime.ranks == 2 for c in trials.ran)
+    assert "; validated (3 steps each): " in first
     assert "; routes replicated/gpu, the config's" in first
     (stored,) = cache.glob("selection-*.json")
     assert json.loads(stored.read_text())["route"] == ["replicated", "gpu"]
@@ -256,4 +260,28 @@ def test_the_launchers_choice_on_several_ranks_is_cached_with_its_routes(
     assert line.startswith(f"{first}; from the cache {stored} ")
     rt, was = again.runtime, chosen.runtime
     assert (rt.layers, rt.param_route, rt.grad_route) == (was.layers, "replicated", "gpu")
-    assert trials.ran == []  # several ranks: not validated
+    assert len(trials.ran) == 2  # the cached choice: no trial again
+
+
+def test_the_launchers_choice_slower_on_the_ranks_leaves_the_default(
+    run: tuple[Path, Path, FakeTrials], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``runtime.ranks=2``: validated slower than the default on the ranks, the launcher's
+    choice gives way to the default, on the config's routes."""
+    from slidedp.plan import measure
+
+    path, _, _ = run
+
+    def measured_here(cfg: TrainConfig) -> float:
+        _profile_here(auto.profile_args(cfg))
+        return 0.1
+
+    monkeypatch.setattr(measure, "measure_in_child", measured_here)
+    trials = FakeTrials({"F": 1.0, "*": 2.0})
+    monkeypatch.setattr(validate, "trial_on_ranks", trials)
+    chosen, line = resolve(path, "runtime.ranks=2", "runtime.device=cpu")
+    assert [c.runtime.layers for c in trials.ran] == [CHOICE, "F"]
+    rt = chosen.runtime
+    assert (rt.layers, rt.param_route, rt.grad_route) == (ALL_F, "replicated", "gpu")
+    assert "; routes replicated/gpu, the config's (validated); " in line
+    assert "did not run faster in validation" in line

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from host_profile.fake import cache_rate
 from plan.runs import BATCH, SEQ, on_a_gpu, profile_row, run_config
 from slidedp.cli import main
 from slidedp.config import TrainConfig, load_config
+from slidedp.errors import ConfigError
 from slidedp.estimate import Machine, update_threads
 from slidedp.models.hf import HFAdapter
 from slidedp.plan import auto, validate
@@ -243,6 +245,39 @@ def test_a_trial_is_the_engine_and_writes_nothing_in_the_output_dir(tmp_path: Pa
     assert child.step_s is not None
     assert child.step_s > 0
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_a_trial_on_two_ranks_starts_them_and_takes_rank_0s_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two CPU ranks, started as ``slidedp train`` starts them: rank 0's step time, the run's
+    output directory untouched. A rank out of device memory (its exit code) is a trial that
+    did not fit; any other failure is one line with the ranks' last words."""
+    cfg = load_config(_config(tmp_path), ["runtime.layers=N", "runtime.ranks=2"])
+    out = tmp_path / "out"
+    out.mkdir()
+    trial = validate.trial_on_ranks(cfg, 2)
+    assert (trial.layout, trial.reserved_bytes) == ("N", None)
+    assert trial.step_s is not None
+    assert trial.step_s > 0
+    assert list(out.iterdir()) == []
+    assert validate.runner_for(Machine.probe(cfg, measure=False), 2) is validate.trial_on_ranks
+
+    def ended(code: int, said: bytes) -> Callable[..., int]:
+        def launch(world: int, argv: list[str], **kwargs: Any) -> int:
+            assert (world, kwargs["module"]) == (2, "slidedp.plan.validate")
+            kwargs["stderr"].write(said)
+            return code
+
+        return launch
+
+    from slidedp.runtime import launch
+
+    monkeypatch.setattr(launch, "launch", ended(validate.EXIT_OUT_OF_MEMORY, b"CUDA out of memory"))
+    assert validate.trial_on_ranks(cfg, 2).step_s is None
+    monkeypatch.setattr(launch, "launch", ended(1, b"Traceback\nRuntimeError: boom\n"))
+    with pytest.raises(ConfigError, match=r"validating N failed: RuntimeError: boom$"):
+        validate.trial_on_ranks(cfg, 2)
 
 
 def test_plan_reports_the_validated_step_times_selection_time_and_break_even(

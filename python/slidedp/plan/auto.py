@@ -34,8 +34,9 @@ probe, and ``profile.links``: the layer-sized ``reduce`` and ``all_gather`` betw
 run in a child process (``plan.measure``), so the launcher allocates nothing on the GPUs. No layer
 is GPU-resident there (refused with several ranks). CPU ranks choose the layout and keep the
 config's routes (the route model is for GPUs); several nodes, and ranks started by another
-launcher (torchrun), are refused with one line. The launcher's choice is not validated (a trial
-there would start every rank, twice), nor calibrated.
+launcher (torchrun), are refused with one line. The launcher validates its choice (layout and
+routes) against the default (all ``F``, the config's routes) on every rank, each trial a launch
+of the ranks (``plan.validate.trial_on_ranks``); it does not calibrate.
 
 Example::
 
@@ -68,7 +69,13 @@ from slidedp.plan.route_choice import (
     route_steps,
 )
 from slidedp.plan.selection_cache import Selection, read_selection, selection_facts, write_selection
-from slidedp.plan.validate import limit_bytes, needs_validation, runner_for, validate_choice
+from slidedp.plan.validate import (
+    limit_bytes,
+    needs_validation,
+    runner_for,
+    validate_choice,
+    with_choice,
+)
 from slidedp.profile.layer import FAMILIES, RATIOS, cached_profile, profile_layer
 
 if TYPE_CHECKING:
@@ -203,6 +210,10 @@ def _kept_policy(resume: Path | None, layers: int) -> Kept | None:
         return None
 
 
+def _route(cfg: TrainConfig) -> Route:
+    return cfg.runtime.param_route, cfg.runtime.grad_route
+
+
 def _with(cfg: TrainConfig, **runtime: Any) -> TrainConfig:
     return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, **runtime))
 
@@ -295,12 +306,16 @@ def resolve_auto(
                              update_gbps=host.gbps, resident=resident,
                              budget_cut_bytes=cut_bytes, times_s=calibrated)  # fmt: skip
 
+    def configured(base: TrainConfig, choice: Choice) -> tuple[TrainConfig, str]:
+        """``base`` running ``choice``, on several ranks on the routes chosen for it (and
+        what the route stage said of them)."""
+        run = _with(base, layers=choice.layout, resident_layers=choice.resident_layers,
+                    resident_embeddings=choice.resident_embeddings)  # fmt: skip
+        return _routes(run, adapter, machine, candidates, report, host) if several else (run, "")
+
     with clock.stage("solve") as notes:
         choice = solve_at()
-        routes = None
-        if several:
-            solved = _with(default, layers=choice.layout, resident_layers=choice.resident_layers)
-            routes = _routes(solved, adapter, machine, candidates, report, host)
+        chosen, said = configured(default, choice)
         notes.append(
             f"{choice.layout}, {choice.resident_text} (the program's "
             f"{choice.program_layout}, predicted {choice.gain:.2f}x the default)"
@@ -315,11 +330,18 @@ def resolve_auto(
             choice = solve_at()
             notes.append(f"{calibration.describe()}; solved again: {choice.program_layout}")
     steps, validation = rt.policy_validate_steps, None
-    if measuring and not several and steps and needs_validation(choice):
+    other_route = several and _route(configured(default, choice)[0]) != _route(default)
+    if measuring and steps and (needs_validation(choice) or other_route):
         with clock.stage("validation") as notes:
-            validation = validate_choice(default, choice, solve_at, steps=steps,
-                                         limit_bytes=limit_bytes(machine),
-                                         runner=runner_for(machine))  # fmt: skip
+            validation = validate_choice(
+                default,
+                choice,
+                solve_at,
+                steps=steps,
+                limit_bytes=limit_bytes(machine),
+                runner=runner_for(machine, rt.world),
+                configure=lambda cfg, c: configured(cfg, c)[0],
+            )
             notes.append(validation.describe())
     if measured_s is not None:
         source = f"measured in a child process in {measured_s:.1f} s"
@@ -328,17 +350,15 @@ def resolve_auto(
         source = "cached profile" if report.get("cached") else f"profiled in {profiled:.1f} s"
     shown = choice if validation is None else validation.result(choice)
     line = _head(choice, shown, source, host, clock.seconds["solve"])
-    chosen = _with(
-        default,
-        layers=shown.layout,
-        resident_layers=shown.resident_layers,
-        resident_embeddings=shown.resident_embeddings,
-    )
-    if routes is not None:  # several ranks: not validated, the solver's choice runs
-        chosen, said = routes
+    if validation is not None and validation.choice is None:  # the default, on its routes
+        chosen = with_choice(default, shown)
+        said = f"{route_name(_route(default))}, the config's (validated)"
+    else:
+        chosen, said = configured(default, shown)
+    if several:
         line += f"; routes {said}"
     line += f"; {clause(calibration.summary() if calibration else {'skipped': not_calibrated})}"
-    line += f"; {_validated(validation, choice, steps, several=several, measuring=measuring)}"
+    line += f"; {_validated(validation, steps, measuring=measuring)}"
     if measuring:  # from a cache alone (validate, estimate) the seconds say nothing
         line += f"; {_selection(clock, validation)}"
         store_selection(default, chosen, adapter, machine, line, clock, validation,
@@ -472,15 +492,11 @@ def _why_not_calibrated(
     return why_not_calibrated(rt.policy_calibrate_steps, choice)
 
 
-def _validated(
-    validation: Validation | None, choice: Choice, steps: int, *, several: bool, measuring: bool
-) -> str:
+def _validated(validation: Validation | None, steps: int, *, measuring: bool) -> str:
     if validation is not None:
         return f"validated ({steps} steps each): {validation.describe()}"
     if not steps:
         return "not validated (runtime.policy_validate_steps=0)"
-    if several:
-        return "not validated on several ranks (the solver's choice runs)"
     if not measuring:
         return "not validated here (`slidedp train` validates)"
     return "not validated (the default chosen: nothing to compare)"

@@ -15,6 +15,10 @@ leave the training process's allocator fragmented or its peak statistics spent. 
 runs in this process (there is no device memory to hand back; the store goes with the trainer);
 the default runs after the choice, so the process's one-time costs that a warm-up step does not
 absorb (the first host update lands in the second step) count against the choice, never for it.
+On several ranks (``runtime.gpus``/``runtime.ranks``) each trial starts the run's ranks
+(``trial_on_ranks``, as ``slidedp train`` starts them) and takes rank 0's step time; a rank out
+of device memory ends the trial, which then did not fit; the ranks' reserved memory is not
+gathered, so only that failure, not ``HEADROOM``, says a choice does not fit there.
 
 Example::
 
@@ -53,6 +57,7 @@ if TYPE_CHECKING:
     from slidedp.plan.select import Choice
 
 RESOLVES = 2  # re-solves after a trial that did not fit, at most
+EXIT_OUT_OF_MEMORY = 3  # a rank of a trial on several ranks ran out of device memory
 OOM_CUT = 0.1  # share of the budget cut after an out-of-memory failure below the limit
 TIMEOUT_S = 1800.0  # a trial loads the whole model (and may compile its layer) first
 EXIT_BAD_INPUT = 2
@@ -101,8 +106,11 @@ def trial_config(cfg: TrainConfig, steps: int, out_dir: Path) -> TrainConfig:
     return dataclasses.replace(cfg, train=train, output=output, runtime=runtime)
 
 
-def run_trial(cfg: TrainConfig, steps: int) -> Trial:
-    """``steps`` training steps of ``cfg`` in this process (``Trainer.timed_steps``)."""
+def run_trial(cfg: TrainConfig, steps: int, *, on_ranks: bool = False) -> Trial:
+    """``steps`` training steps of ``cfg`` in this process (``Trainer.timed_steps``).
+    ``on_ranks``: one of several ranks (``trial_on_ranks``): ``cfg`` is already the trial's,
+    with the scratch directory every rank shares, and running out of device memory is raised
+    (it ends this rank, and the launcher stops the others) instead of being the result."""
     from slidedp.plan.device import pick_device
     from slidedp.runtime.trainer import Trainer
 
@@ -112,15 +120,44 @@ def run_trial(cfg: TrainConfig, steps: int) -> Trial:
     rt = cfg.runtime
     step_s = None
     with tempfile.TemporaryDirectory(prefix="slidedp-validate-") as tmp:
+        trial = cfg if on_ranks else trial_config(cfg, steps, Path(tmp))
         try:
-            times = Trainer(trial_config(cfg, steps, Path(tmp)), log=False).timed_steps(steps)
+            times = Trainer(trial, log=False).timed_steps(steps)
             step_s = statistics.median(times[1:])
         except Exception as e:  # only running out of device memory is a result
-            if not is_out_of_memory(e) or isinstance(e, OutOfSharedMemoryError):
+            oom = is_out_of_memory(e) and not isinstance(e, OutOfSharedMemoryError)
+            if on_ranks or not oom:
                 raise
     gc.collect()  # the trainer's store and window, before the next trial's
     reserved = int(torch.cuda.max_memory_reserved()) if cuda else None
     return Trial(rt.layers, rt.resident_layers, step_s, reserved, rt.resident_embeddings)
+
+
+def trial_on_ranks(cfg: TrainConfig, steps: int) -> Trial:
+    """``run_trial`` on the run's ``runtime.world`` ranks, started as ``slidedp train`` starts
+    them (``runtime.launch``), writing into one scratch directory: rank 0's step time. A rank
+    that runs out of device memory exits with ``EXIT_OUT_OF_MEMORY`` and the launcher stops
+    the others: the trial did not fit. The ranks' reserved memory is not gathered (None)."""
+    from slidedp.config import resolved_yaml
+    from slidedp.runtime.launch import launch
+
+    rt = cfg.runtime
+    with tempfile.TemporaryDirectory(prefix="slidedp-validate-") as tmp:
+        path, out, err = Path(tmp) / "config.yaml", Path(tmp) / "stdout", Path(tmp) / "stderr"
+        path.write_text(resolved_yaml(trial_config(cfg, steps, Path(tmp) / "out")))
+        with out.open("wb") as stdout, err.open("wb") as stderr:
+            code = launch(rt.world, [str(path), str(steps)], module="slidedp.plan.validate",
+                          name="policy validation", own_session=False, stdout=stdout,
+                          stderr=stderr)  # fmt: skip
+        printed, said = out.read_text(), err.read_text()
+    if code == EXIT_OUT_OF_MEMORY:
+        return Trial(rt.layers, rt.resident_layers, None, None, rt.resident_embeddings)
+    sys.stderr.write(said)
+    trials = [line for line in printed.splitlines() if line.startswith("{")]
+    if code != 0 or not trials:
+        last = (said.strip().splitlines() or [f"exit code {code}"])[-1]
+        raise ConfigError(f"runtime.policy=auto: validating {rt.layers} failed: {last}")
+    return Trial(**json.loads(trials[-1]))
 
 
 def trial_in_child(cfg: TrainConfig, steps: int) -> Trial:
@@ -252,8 +289,11 @@ def limit_bytes(machine: Machine) -> int | None:
     return int(machine.gpu_total_bytes * (1.0 - HEADROOM))
 
 
-def runner_for(machine: Machine) -> Runner:
-    """Each trial in a child process on CUDA, in this one on CPU (see the module's text)."""
+def runner_for(machine: Machine, world: int = 1) -> Runner:
+    """Each trial in a child process on CUDA, in this one on CPU (see the module's text); on
+    several ranks, on as many processes (``trial_on_ranks``)."""
+    if world > 1:
+        return trial_on_ranks
     return trial_in_child if machine.device == "cuda" else run_trial
 
 
@@ -263,6 +303,7 @@ def _is_default(choice: Choice) -> bool:
 
 
 def with_choice(cfg: TrainConfig, choice: Choice) -> TrainConfig:
+    """``cfg`` running ``choice``: its layout and what stays GPU-resident."""
     runtime = dataclasses.replace(cfg.runtime, layers=choice.layout,
                                   resident_layers=choice.resident_layers,
                                   resident_embeddings=choice.resident_embeddings)  # fmt: skip
@@ -282,11 +323,13 @@ def validate_choice(
     steps: int,
     limit_bytes: int | None,
     runner: Runner,
+    configure: Callable[[TrainConfig, Choice], TrainConfig] = with_choice,
 ) -> Validation:
     """The default and ``choice`` validated by ``runner`` (``steps`` steps each); a choice that
     does not fit ``limit_bytes`` re-solved by ``resolve(budget cut in bytes)``, ``RESOLVES``
-    times at most. Raises ``ConfigError`` when nothing fits, the default included."""
-    trials, cuts = [runner(with_choice(default_cfg, choice), steps)], list[int]()
+    times at most. ``configure``: the config a choice runs with (on several ranks, its routes
+    too). Raises ``ConfigError`` when nothing fits, the default included."""
+    trials, cuts = [runner(configure(default_cfg, choice), steps)], list[int]()
     first_budget = choice.budget_bytes
     while not trials[-1].fits(limit_bytes) and len(cuts) < RESOLVES:
         cut = (cuts[-1] if cuts else 0) + _overshoot(trials[-1], limit_bytes, first_budget)
@@ -297,9 +340,9 @@ def validate_choice(
         except InvalidArgumentError:  # no layout fits the cut budget
             break
         cuts.append(cut)
-        if _is_default(choice):
+        if _is_default(choice):  # (on several ranks its routes may differ: not worth a trial)
             break
-        trials.append(runner(with_choice(default_cfg, choice), steps))
+        trials.append(runner(configure(default_cfg, choice), steps))
     # last: where trials share a process (CPU), its one-time costs count against the choice
     default = runner(default_cfg, steps)
     last = trials[-1]
@@ -319,15 +362,23 @@ def validate_choice(
 def main(argv: list[str]) -> int:
     from slidedp.bench.lifetime import die_with_parent
     from slidedp.config import load_config
+    from slidedp.runtime.dist import Dist
 
     die_with_parent()  # a run killed while validating leaves no trial on the GPU
     config, steps = argv
+    rank = Dist.from_env()
     try:
-        trial = run_trial(load_config(config), int(steps))
+        trial = run_trial(load_config(config), int(steps), on_ranks=rank is not None)
     except SlidedpError as e:
         print(" ".join(str(e).split()), file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(json.dumps(dataclasses.asdict(trial)), flush=True)
+    except Exception as e:
+        if rank is None or not is_out_of_memory(e) or isinstance(e, OutOfSharedMemoryError):
+            raise
+        print(" ".join(str(e).split()), file=sys.stderr)
+        return EXIT_OUT_OF_MEMORY
+    if rank is None or rank.main:
+        print(json.dumps(dataclasses.asdict(trial)), flush=True)
     return 0
 
 

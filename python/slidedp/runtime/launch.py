@@ -39,6 +39,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import IO
 
 from slidedp.runtime.dist import EXIT_PEER_FAILED, EXIT_STOPPED_WITH_PEERS
 
@@ -83,9 +84,12 @@ def launch(
     name: str = "slidedp train",
     own_session: bool = True,
     node: Node | None = None,
+    stdout: IO[bytes] | None = None,
+    stderr: IO[bytes] | None = None,
 ) -> int:
     """Run ``python -m MODULE ARGV`` as ``world`` ranks of this node (``name`` heads the
-    failure line); 0 when every rank succeeded."""
+    failure line); 0 when every rank succeeded. ``stdout``, ``stderr``: where the ranks write
+    (None: this process's)."""
     node = node or Node(1, 0, "127.0.0.1", free_port())
     procs = []
     for local in range(world):
@@ -101,7 +105,8 @@ def launch(
         if own_session:
             env[LAUNCHER_PID] = str(os.getpid())
         command = [sys.executable, "-m", module, *argv]
-        procs.append(subprocess.Popen(command, env=env, start_new_session=own_session))
+        procs.append(subprocess.Popen(command, env=env, start_new_session=own_session,
+                                      stdout=stdout, stderr=stderr))  # fmt: skip
     try:
         with _forwarding(procs):
             first = _watch(procs)  # (rank, exit code) of the first failure
