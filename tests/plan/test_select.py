@@ -198,6 +198,20 @@ def test_resident_embeddings_are_chosen_where_they_fit_and_shorten_the_step(
     assert (steps[1] < steps[0]) == room
 
 
+def test_embeddings_that_leave_no_layout_room_stay_on_the_host(
+    run: tuple[Path, Any, HFAdapter, Machine],
+) -> None:
+    """Resident embeddings as large as the whole budget: no layout fits beside them, so the
+    program's own solution stands (the alternative's infeasibility is not an error)."""
+    _, cfg, adapter, machine = run
+    choice = select_layout(cfg, adapter, machine, _report(), update_gbps=0.01,
+                           total_bytes=10 * GIB)  # fmt: skip
+    problem = choice.problem
+    solved, solution, embeddings = select.solve_residency(problem, int(problem["budget_bytes"]))
+    assert (solved, embeddings) == (problem, False)
+    assert solution == select.solve(problem)
+
+
 def test_a_layout_predicted_less_than_min_gain_faster_keeps_the_default(
     run: tuple[Path, Any, HFAdapter, Machine],
 ) -> None:

@@ -86,12 +86,8 @@ if TYPE_CHECKING:
     from slidedp.plan.validate import Validation
 
 AUTO = "auto"
-CHOSEN = (
-    "layers",
-    "offload_ratio",
-    "resident_layers",
-    "resident_embeddings",
-)  # the keys auto writes (and routes)
+# the keys auto writes (and routes)
+CHOSEN = ("layers", "offload_ratio", "resident_layers", "resident_embeddings")
 
 
 def profile_args(cfg: TrainConfig, **given: Any) -> argparse.Namespace:
@@ -315,7 +311,6 @@ def resolve_auto(
 
     with clock.stage("solve") as notes:
         choice = solve_at()
-        chosen, said = configured(default, choice)
         notes.append(
             f"{choice.layout}, {choice.resident_text} (the program's "
             f"{choice.program_layout}, predicted {choice.gain:.2f}x the default)"

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from slidedp import _native
-from slidedp.errors import ConfigError
+from slidedp.errors import ConfigError, InvalidArgumentError
 from slidedp.plan.cost import resident_bytes_per_layer, resident_embedding_bytes
 from slidedp.plan.device import pick_dtype
 from slidedp.plan.layout import LayerPolicy, format_layout, parse_entry, place_by_kind
@@ -203,7 +203,7 @@ def solve_residency(
     alternative = with_resident_embeddings(problem, embedding_bytes)
     try:
         resident = solve(alternative)
-    except ValueError:  # no layout fits beside them
+    except InvalidArgumentError:  # no layout fits beside them
         return problem, solution, False
     if resident["step_s"] < solution["step_s"]:
         return alternative, resident, True
