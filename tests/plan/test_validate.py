@@ -250,9 +250,10 @@ def test_a_trial_is_the_engine_and_writes_nothing_in_the_output_dir(tmp_path: Pa
 def test_a_trial_on_two_ranks_starts_them_and_takes_rank_0s_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Two CPU ranks, started as ``slidedp train`` starts them: rank 0's step time, the run's
-    output directory untouched. A rank out of device memory (its exit code) is a trial that
-    did not fit; any other failure is one line with the ranks' last words."""
+    """Two CPU ranks, started as ``slidedp train`` starts them: a step time, the run's output
+    directory untouched. Of the ranks' trials the slowest step and the largest reservation
+    count; a rank out of device memory (its exit code) is a trial that did not fit; any other
+    failure is one line with the ranks' last words."""
     cfg = load_config(_config(tmp_path), ["runtime.layers=N", "runtime.ranks=2"])
     out = tmp_path / "out"
     out.mkdir()
@@ -263,9 +264,10 @@ def test_a_trial_on_two_ranks_starts_them_and_takes_rank_0s_step(
     assert list(out.iterdir()) == []
     assert validate.runner_for(Machine.probe(cfg, measure=False), 2) is validate.trial_on_ranks
 
-    def ended(code: int, said: bytes) -> Callable[..., int]:
+    def ended(code: int, said: bytes, printed: bytes = b"") -> Callable[..., int]:
         def launch(world: int, argv: list[str], **kwargs: Any) -> int:
             assert (world, kwargs["module"]) == (2, "slidedp.plan.validate")
+            kwargs["stdout"].write(printed)
             kwargs["stderr"].write(said)
             return code
 
@@ -273,6 +275,10 @@ def test_a_trial_on_two_ranks_starts_them_and_takes_rank_0s_step(
 
     from slidedp.runtime import launch
 
+    ranks = [Trial("N", 0, 0.25, 7 * GIB), Trial("N", 0, 0.5, 5 * GIB)]
+    printed = "".join(json.dumps(dataclasses.asdict(t)) + "\n" for t in ranks).encode()
+    monkeypatch.setattr(launch, "launch", ended(0, b"", b"a warning\n" + printed))
+    assert validate.trial_on_ranks(cfg, 2) == Trial("N", 0, 0.5, 7 * GIB)
     monkeypatch.setattr(launch, "launch", ended(validate.EXIT_OUT_OF_MEMORY, b"CUDA out of memory"))
     assert validate.trial_on_ranks(cfg, 2).step_s is None
     monkeypatch.setattr(launch, "launch", ended(1, b"Traceback\nRuntimeError: boom\n"))

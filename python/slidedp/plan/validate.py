@@ -16,9 +16,9 @@ runs in this process (there is no device memory to hand back; the store goes wit
 the default runs after the choice, so the process's one-time costs that a warm-up step does not
 absorb (the first host update lands in the second step) count against the choice, never for it.
 On several ranks (``runtime.gpus``/``runtime.ranks``) each trial starts the run's ranks
-(``trial_on_ranks``, as ``slidedp train`` starts them) and takes rank 0's step time; a rank out
-of device memory ends the trial, which then did not fit; the ranks' reserved memory is not
-gathered, so only that failure, not ``HEADROOM``, says a choice does not fit there.
+(``trial_on_ranks``, as ``slidedp train`` starts them): the slowest rank's step time and the
+largest rank's reservation count, and a rank out of device memory ends the trial, which then
+did not fit.
 
 Example::
 
@@ -135,9 +135,10 @@ def run_trial(cfg: TrainConfig, steps: int, *, on_ranks: bool = False) -> Trial:
 
 def trial_on_ranks(cfg: TrainConfig, steps: int) -> Trial:
     """``run_trial`` on the run's ``runtime.world`` ranks, started as ``slidedp train`` starts
-    them (``runtime.launch``), writing into one scratch directory: rank 0's step time. A rank
-    that runs out of device memory exits with ``EXIT_OUT_OF_MEMORY`` and the launcher stops
-    the others: the trial did not fit. The ranks' reserved memory is not gathered (None)."""
+    them (``runtime.launch``), writing into one scratch directory: each rank says its trial,
+    and the slowest rank's step and the largest reservation count (a synchronous step waits
+    for the slowest; the limit holds on every GPU). A rank that runs out of device memory exits
+    with ``EXIT_OUT_OF_MEMORY`` and the launcher stops the others: the trial did not fit."""
     from slidedp.config import resolved_yaml
     from slidedp.runtime.launch import launch
 
@@ -153,11 +154,14 @@ def trial_on_ranks(cfg: TrainConfig, steps: int) -> Trial:
     if code == EXIT_OUT_OF_MEMORY:
         return Trial(rt.layers, rt.resident_layers, None, None, rt.resident_embeddings)
     sys.stderr.write(said)
-    trials = [line for line in printed.splitlines() if line.startswith("{")]
-    if code != 0 or not trials:
+    ranks = [Trial(**json.loads(line)) for line in printed.splitlines() if line.startswith("{")]
+    if code != 0 or len(ranks) != rt.world:
         last = (said.strip().splitlines() or [f"exit code {code}"])[-1]
         raise ConfigError(f"runtime.policy=auto: validating {rt.layers} failed: {last}")
-    return Trial(**json.loads(trials[-1]))
+    steps_s = [t.step_s for t in ranks if t.step_s is not None]
+    reserved = [t.reserved_bytes for t in ranks if t.reserved_bytes is not None]
+    return dataclasses.replace(ranks[0], step_s=max(steps_s) if steps_s else None,
+                               reserved_bytes=max(reserved) if reserved else None)  # fmt: skip
 
 
 def trial_in_child(cfg: TrainConfig, steps: int) -> Trial:
@@ -377,8 +381,7 @@ def main(argv: list[str]) -> int:
             raise
         print(" ".join(str(e).split()), file=sys.stderr)
         return EXIT_OUT_OF_MEMORY
-    if rank is None or rank.main:
-        print(json.dumps(dataclasses.asdict(trial)), flush=True)
+    print(json.dumps(dataclasses.asdict(trial)), flush=True)  # each rank's (trial_on_ranks)
     return 0
 
 
