@@ -26,8 +26,8 @@ from slidedp.plan.layout import parse_layout
 from slidedp.plan.select import (
     MIN_GAIN,
     activation_budget,
+    host_tail_s,
     host_update_s_per_layer,
-    host_update_s_tail,
     select_layout,
 )
 
@@ -124,7 +124,7 @@ def test_the_choice_is_the_brute_force_optimum_within_the_budget(
     assert len(layers) == LAYERS
     assert choice.default["step_s"] >= choice.solution["step_s"]
     host = (host_update_s_per_layer(adapter, 10.0) * LAYERS
-            + host_update_s_tail(adapter, 10.0))  # fmt: skip
+            + host_tail_s(adapter, 10.0, torch.bfloat16))  # fmt: skip
     assert choice.solution["host_s"] == pytest.approx(host)
     if extra_mib >= 4 * 300 + 4:
         assert choice.layout == "4xN-r0"
@@ -158,7 +158,7 @@ def test_gpu_resident_layers_are_the_brute_force_optimum_within_the_budget(
     assert choice.resident_layers >= min(LAYERS, resident_layers)  # the room was used
     assert sol["step_s"] == pytest.approx(_brute_force(problem), rel=1e-9)
     host = host_update_s_per_layer(adapter, 0.01) * (LAYERS - choice.resident_layers)
-    tail = 0.0 if choice.resident_embeddings else host_update_s_tail(adapter, 0.01)
+    tail = 0.0 if choice.resident_embeddings else host_tail_s(adapter, 0.01, torch.bfloat16)
     assert sol["host_s"] == pytest.approx(host + tail)
 
 
@@ -188,7 +188,7 @@ def test_resident_embeddings_are_chosen_where_they_fit_and_shorten_the_step(
         assert solved["host"]["tail_s"] == 0.0
         host = solved | {
             "budget_bytes": solved["budget_bytes"] + e,
-            "host": solved["host"] | {"tail_s": host_update_s_tail(adapter, 0.01)},
+            "host": solved["host"] | {"tail_s": host_tail_s(adapter, 0.01, torch.bfloat16)},
         }
     else:
         host = solved
@@ -196,6 +196,22 @@ def test_resident_embeddings_are_chosen_where_they_fit_and_shorten_the_step(
     steps = [_brute_force(host), _brute_force(on_gpu)]
     assert choice.solution["step_s"] == pytest.approx(min(steps), rel=1e-9)
     assert (steps[1] < steps[0]) == room
+
+
+def test_the_host_tail_is_the_embeddings_update_and_their_copies(
+    run: tuple[Path, Any, HFAdapter, Machine],
+) -> None:
+    """What ends a step with streamed embeddings: the embedding's gradient out (D2H), both
+    groups' AdamW, the embedding's weights in (H2D), in the compute dtype's bytes."""
+    from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM, D2H_GBPS, H2D_GBPS
+
+    _, _, adapter, _ = run
+    specs = adapter.group_specs()
+    embed = specs[adapter.embed_group].numel
+    update = ADAMW_BYTES_PER_PARAM * (embed + specs[adapter.head_group].numel) / 10e9
+    for dtype in (torch.bfloat16, torch.float32):
+        copies = dtype.itemsize * embed * (1 / (D2H_GBPS * 1e9) + 1 / (H2D_GBPS * 1e9))
+        assert host_tail_s(adapter, 10.0, dtype) == pytest.approx(update + copies, rel=1e-12)
 
 
 def test_embeddings_that_leave_no_layout_room_stay_on_the_host(

@@ -28,7 +28,7 @@ from slidedp.plan.cost import resident_bytes_per_layer, resident_embedding_bytes
 from slidedp.plan.device import pick_dtype
 from slidedp.plan.layout import LayerPolicy, format_layout, parse_entry, place_by_kind
 from slidedp.plan.policy import resident_text
-from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM
+from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM, D2H_GBPS, H2D_GBPS
 from slidedp.profile.pareto import layer_time, memory
 
 if TYPE_CHECKING:
@@ -173,12 +173,18 @@ def program_kinds(adapter: HFAdapter, report: dict[str, Any], gbps: float) -> li
             for k in profiled]  # fmt: skip
 
 
-def host_update_s_tail(adapter: HFAdapter, gbps: float) -> float:
-    """The host AdamW pass of the embedding and head groups (never resident): their gradients
-    come last in the backward, so this part of the update ends every step."""
+def host_tail_s(adapter: HFAdapter, gbps: float, dtype: torch.dtype) -> float:
+    """What ends every step on the host's side while the embedding and head are streamed: the
+    embedding's gradient copied out after the last backward (the head's leaves during it), the
+    two groups' host AdamW pass at ``gbps``, and the embedding's weights copied in before the
+    next forward, which starts with them; the copies in ``dtype`` at the PCIe ceilings
+    (``plan.timing``). On the H100, Qwen3-4B B=16 with every layer resident: 15 ms D2H, 77 ms
+    AdamW, 14 ms H2D (BENCHMARKS.md, issue #16)."""
     specs = adapter.group_specs()
     params = specs[adapter.embed_group].numel + specs[adapter.head_group].numel
-    return ADAMW_BYTES_PER_PARAM * params / (gbps * 1e9)
+    copied = specs[adapter.embed_group].numel * dtype.itemsize
+    update_s = ADAMW_BYTES_PER_PARAM * params / (gbps * 1e9)
+    return update_s + copied / (D2H_GBPS * 1e9) + copied / (H2D_GBPS * 1e9)
 
 
 def solve(problem: dict[str, Any]) -> dict[str, Any]:
@@ -235,6 +241,7 @@ def select_layout(
     if budget_cut_bytes:
         budget = replace(budget, bytes=max(0, budget.bytes - budget_cut_bytes))
     clipping = cfg.train.max_grad_norm > 0
+    dtype = pick_dtype(cfg.train.dtype, torch.device("cuda"))
     problem: dict[str, Any] = {
         "layers": adapter.num_layers,
         "budget_bytes": float(budget.bytes),
@@ -243,14 +250,13 @@ def select_layout(
         "host": {
             "update_s_per_layer": host_update_s_per_layer(adapter, update_gbps),
             "serial": clipping,
-            "tail_s": host_update_s_tail(adapter, update_gbps),
+            "tail_s": host_tail_s(adapter, update_gbps, dtype),
         },
         "kinds": kinds,
     }
     embeddings = False
     solved = problem
     if resident:
-        dtype = pick_dtype(cfg.train.dtype, torch.device("cuda"))
         problem["resident"] = {
             "bytes_per_layer": float(resident_bytes_per_layer(adapter, dtype, clipping=clipping)),
             "max_layers": adapter.num_layers,
