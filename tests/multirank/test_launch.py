@@ -48,6 +48,7 @@ def _launch_fakes(
     procs: list[_Proc],
     node: launch_module.Node | None = None,
     envs: list[dict[str, str]] | None = None,
+    timeout_s: float | None = None,
 ) -> int:
     fakes = iter(procs)
 
@@ -58,7 +59,7 @@ def _launch_fakes(
 
     monkeypatch.setattr("slidedp.runtime.launch.subprocess.Popen", popen)
     monkeypatch.setattr("slidedp.runtime.launch.time.sleep", lambda s: None)
-    return launch_module.launch(len(procs), ["train", "x.yaml"], node=node)
+    return launch_module.launch(len(procs), ["train", "x.yaml"], node=node, timeout_s=timeout_s)
 
 
 NODE_1 = launch_module.Node(nodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29511)
@@ -163,3 +164,15 @@ def test_the_launcher_runs_the_preflight_before_starting_any_rank(
     assert code == 2
     one_error_line(err, "train", "already holds checkpoint-2", "train.resume=auto")
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-2"]
+
+
+def test_ranks_still_running_at_the_timeout_are_killed_and_the_launch_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``timeout_s`` (a policy trial's bound): every rank still running then is killed, one
+    line says so, and the code is ``EXIT_TIMED_OUT``; a launch that ends in time is not cut."""
+    hung = [_Proc(0, 10**9), _Proc(0, 10**9)]
+    assert _launch_fakes(monkeypatch, hung, timeout_s=0.0) == launch_module.EXIT_TIMED_OUT
+    assert [p.got for p in hung] == [["SIGKILL"], ["SIGKILL"]]
+    assert capsys.readouterr().err == "slidedp train: the ranks ran past 0 s and were stopped\n"
+    assert _launch_fakes(monkeypatch, [_Proc(0, 3), _Proc(0, 5)], timeout_s=60.0) == 0

@@ -252,8 +252,8 @@ def test_a_trial_on_two_ranks_starts_them_and_takes_rank_0s_step(
 ) -> None:
     """Two CPU ranks, started as ``slidedp train`` starts them: a step time, the run's output
     directory untouched. Of the ranks' trials the slowest step and the largest reservation
-    count; a rank out of device memory (its exit code) is a trial that did not fit; any other
-    failure is one line with the ranks' last words."""
+    count; a rank out of device memory (its exit code) is a trial that did not fit; ranks past
+    ``TIMEOUT_S`` and any other failure are one line."""
     cfg = load_config(_config(tmp_path), ["runtime.layers=N", "runtime.ranks=2"])
     out = tmp_path / "out"
     out.mkdir()
@@ -281,6 +281,9 @@ def test_a_trial_on_two_ranks_starts_them_and_takes_rank_0s_step(
     assert validate.trial_on_ranks(cfg, 2) == Trial("N", 0, 0.5, 7 * GIB)
     monkeypatch.setattr(launch, "launch", ended(validate.EXIT_OUT_OF_MEMORY, b"CUDA out of memory"))
     assert validate.trial_on_ranks(cfg, 2).step_s is None
+    monkeypatch.setattr(launch, "launch", ended(launch.EXIT_TIMED_OUT, b""))
+    with pytest.raises(ConfigError, match=r"validating N ran past 1800 s; set runtime\.policy_"):
+        validate.trial_on_ranks(cfg, 2)
     monkeypatch.setattr(launch, "launch", ended(1, b"Traceback\nRuntimeError: boom\n"))
     with pytest.raises(ConfigError, match=r"validating N failed: RuntimeError: boom$"):
         validate.trial_on_ranks(cfg, 2)

@@ -140,7 +140,7 @@ def trial_on_ranks(cfg: TrainConfig, steps: int) -> Trial:
     for the slowest; the limit holds on every GPU). A rank that runs out of device memory exits
     with ``EXIT_OUT_OF_MEMORY`` and the launcher stops the others: the trial did not fit."""
     from slidedp.config import resolved_yaml
-    from slidedp.runtime.launch import launch
+    from slidedp.runtime.launch import EXIT_TIMED_OUT, launch
 
     rt = cfg.runtime
     with tempfile.TemporaryDirectory(prefix="slidedp-validate-") as tmp:
@@ -149,8 +149,10 @@ def trial_on_ranks(cfg: TrainConfig, steps: int) -> Trial:
         with out.open("wb") as stdout, err.open("wb") as stderr:
             code = launch(rt.world, [str(path), str(steps)], module="slidedp.plan.validate",
                           name="policy validation", own_session=False, stdout=stdout,
-                          stderr=stderr)  # fmt: skip
+                          stderr=stderr, timeout_s=TIMEOUT_S)  # fmt: skip
         printed, said = out.read_text(), err.read_text()
+    if code == EXIT_TIMED_OUT:
+        raise _ran_past(cfg)
     if code == EXIT_OUT_OF_MEMORY:
         return Trial(rt.layers, rt.resident_layers, None, None, rt.resident_embeddings)
     sys.stderr.write(said)
@@ -162,6 +164,13 @@ def trial_on_ranks(cfg: TrainConfig, steps: int) -> Trial:
     reserved = [t.reserved_bytes for t in ranks if t.reserved_bytes is not None]
     return dataclasses.replace(ranks[0], step_s=max(steps_s) if steps_s else None,
                                reserved_bytes=max(reserved) if reserved else None)  # fmt: skip
+
+
+def _ran_past(cfg: TrainConfig) -> ConfigError:
+    return ConfigError(
+        f"runtime.policy=auto: validating {cfg.runtime.layers} ran past {TIMEOUT_S:.0f} s; set "
+        "runtime.policy_validate_steps=0 or write the policy by hand"
+    )
 
 
 def trial_in_child(cfg: TrainConfig, steps: int) -> Trial:
@@ -178,10 +187,7 @@ def trial_in_child(cfg: TrainConfig, steps: int) -> Trial:
             done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S,
                                   env=worker_env())  # fmt: skip
         except subprocess.TimeoutExpired:
-            raise ConfigError(
-                f"runtime.policy=auto: validating {cfg.runtime.layers} ran past {TIMEOUT_S:.0f} "
-                "s; set runtime.policy_validate_steps=0 or write the policy by hand"
-            ) from None
+            raise _ran_past(cfg) from None
     sys.stderr.write(done.stderr)
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:

@@ -50,6 +50,7 @@ FORWARDED = {
     signal.SIGHUP: signal.SIGTERM,
 }  # signal to the launcher -> signal to the ranks
 EXIT_SAVED_AND_STOPPED = 2  # rank 0's code after an agreed stop (as one process's)
+EXIT_TIMED_OUT = 124  # the ranks ran past the launch's timeout (as timeout(1) says it)
 LAUNCHER_PID = "SLIDEDP_LAUNCHER_PID"  # set for the ranks this launcher starts
 WATCH_S = 0.5  # how often a rank looks whether its launcher is still there
 
@@ -86,10 +87,12 @@ def launch(
     node: Node | None = None,
     stdout: IO[bytes] | None = None,
     stderr: IO[bytes] | None = None,
+    timeout_s: float | None = None,
 ) -> int:
     """Run ``python -m MODULE ARGV`` as ``world`` ranks of this node (``name`` heads the
     failure line); 0 when every rank succeeded. ``stdout``, ``stderr``: where the ranks write
-    (None: this process's)."""
+    (None: this process's). ``timeout_s``: ranks still running then are killed, and the exit
+    code is ``EXIT_TIMED_OUT``."""
     node = node or Node(1, 0, "127.0.0.1", free_port())
     procs = []
     for local in range(world):
@@ -107,9 +110,10 @@ def launch(
         command = [sys.executable, "-m", module, *argv]
         procs.append(subprocess.Popen(command, env=env, start_new_session=own_session,
                                       stdout=stdout, stderr=stderr))  # fmt: skip
+    end = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         with _forwarding(procs):
-            first = _watch(procs)  # (rank, exit code) of the first failure
+            first = _watch(procs, end)  # (rank, exit code) of the first failure
     finally:
         for p in procs:  # Ctrl-C, or an error here: no rank outlives the launcher
             if p.poll() is None:
@@ -124,6 +128,10 @@ def launch(
     if first is None:
         return 0
     local, code = first
+    if code == EXIT_TIMED_OUT:
+        print(f"{name}: the ranks ran past {timeout_s:.0f} s and were stopped", file=sys.stderr,
+              flush=True)  # fmt: skip
+        return EXIT_TIMED_OUT
     base = node.node_rank * world
     rank, others = base + local, [base + r for r in range(world) if r != local]
     if node.nodes > 1 and all(c in (EXIT_PEER_FAILED, EXIT_STOPPED_WITH_PEERS) for c in codes):
@@ -139,12 +147,15 @@ def launch(
     return 1 if code < 0 else code
 
 
-def _watch(procs: list[subprocess.Popen[bytes]]) -> tuple[int, int] | None:
+def _watch(procs: list[subprocess.Popen[bytes]], end: float | None) -> tuple[int, int] | None:
     """Wait for every rank; (rank, exit code) of the first failure, None when all succeeded.
-    Ranks still running ``GRACE_S`` after a failure are killed."""
+    Ranks still running ``GRACE_S`` after a failure are killed, and at ``end`` (a monotonic
+    time; None: never) every rank still running, the first failure then ``EXIT_TIMED_OUT``."""
     first: tuple[int, int] | None = None
     deadline = None
     while True:
+        if end is not None and first is None and time.monotonic() > end:
+            first, deadline = (0, EXIT_TIMED_OUT), time.monotonic()  # kill them all below
         codes = [p.poll() for p in procs]  # one snapshot: a rank that exits between the
         for rank, code in enumerate(codes):  # loop test and a poll is never missed
             if code in (None, 0, EXIT_STOPPED_WITH_PEERS):  # running, done, or left with rank 0
