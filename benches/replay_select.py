@@ -14,7 +14,6 @@ import json
 import tempfile
 from pathlib import Path
 
-import torch
 import yaml
 
 from slidedp.bench.shapes import resolve_shape
@@ -22,8 +21,6 @@ from slidedp.config import load_config
 from slidedp.estimate import GIB, Machine
 from slidedp.models.hf import HFAdapter
 from slidedp.plan import select
-from slidedp.plan.cost import resident_embedding_bytes
-from slidedp.plan.device import pick_dtype
 
 H100 = Machine(device="cuda", dtype="bfloat16", cores=16, shm_free_bytes=100 * GIB,
                mem_available_bytes=120 * GIB, gpu_name="NVIDIA H100 80GB HBM3",
@@ -46,16 +43,11 @@ def replay(shape: str, profile: Path, gbps: float, clip: float) -> str:
         (Path(tmp) / "run.yaml").write_text(yaml.safe_dump(config))
         cfg = load_config(str(Path(tmp) / "run.yaml"), [])
         adapter = HFAdapter.from_dir(model)
+        total = int(H100.gpu_total_bytes or 0)
         choice = select.select_layout(cfg, adapter, H100, report, update_gbps=gbps,
-                                      total_bytes=int(H100.gpu_total_bytes or 0))  # fmt: skip
-    dtype = pick_dtype(cfg.train.dtype, torch.device("cuda"))
-    on_host = choice.problem
-    if choice.resident_embeddings:  # the program as it was before the embeddings' alternative
-        extra = resident_embedding_bytes(adapter, dtype, clipping=clip > 0)
-        tail = select.host_tail_s(adapter, gbps, dtype)
-        on_host = on_host | {"budget_bytes": on_host["budget_bytes"] + extra,
-                             "host": on_host["host"] | {"tail_s": tail}}  # fmt: skip
-    other = select.solve(on_host)
+                                      total_bytes=total)  # fmt: skip
+        other = select.select_layout(cfg, adapter, H100, report, update_gbps=gbps,
+                                     total_bytes=total, embeddings=False).solution  # fmt: skip
     sol = choice.solution
     return (
         f"clipping {clip}: {choice.program_layout}, step {sol['step_s']:.3f} s (layers "

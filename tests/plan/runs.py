@@ -60,3 +60,10 @@ def on_a_gpu(path: Path, monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
         return dataclasses.replace(probe(cfg, *args, **kwargs), gpu_total_bytes=80 * 2**30)
 
     monkeypatch.setattr(Machine, "probe", with_gpu)
+
+
+def selection_stages(line: str) -> list[str]:
+    """The stages an auto banner line's selection clause times, in order
+    (``...; selection 1.2 s (profile 0.4, host 0.1, solve 0.0, ...), break-even ...``)."""
+    stages = line.split("; selection ")[1].split(" s (")[1].split(")")[0]
+    return [s.split(" ")[0] for s in stages.split(", ")]

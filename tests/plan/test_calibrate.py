@@ -13,7 +13,7 @@ import pytest
 
 from engine.tiny import read_metrics
 from host_profile.fake import cache_rate
-from plan.runs import BATCH, SEQ, on_a_gpu, profile_row, resolve, run_config
+from plan.runs import BATCH, SEQ, on_a_gpu, profile_row, resolve, run_config, selection_stages
 from slidedp.cli import main
 from slidedp.config import TrainConfig, load_config
 from slidedp.estimate import Machine, update_threads
@@ -141,13 +141,7 @@ def test_the_calibrated_times_are_what_the_program_solves_with(
     assert chosen.runtime.layers == "4xF-r0"
     assert "; calibrated (3 steps each): 1 candidate on a 4-layer model: N-r0 τ 0.018 → " in line
     assert "0.130 s (2 of 4 layers replaced; the default's step 1.000 s, τ 0.030 s)" in line
-    stages = line.split("; selection ")[1].split(" s (")[1].split(")")[0]
-    assert [s.split(" ")[0] for s in stages.split(", ")] == [
-        "profile",
-        "host",
-        "solve",
-        "calibrate",
-    ]
+    assert selection_stages(line) == ["profile", "host", "solve", "calibrate"]
 
 
 def test_calibration_off_keeps_the_profiled_times(

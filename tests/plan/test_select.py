@@ -183,15 +183,11 @@ def test_resident_embeddings_are_chosen_where_they_fit_and_shorten_the_step(
                            total_bytes=int(base + (extra - free) / 0.94))  # fmt: skip
     assert (choice.resident_layers, choice.resident_embeddings) == (LAYERS, room)
     assert choice.program_layout.endswith("4 GPU-resident" + (" + embeddings" if room else ""))
-    solved = choice.problem
-    if room:
-        assert solved["host"]["tail_s"] == 0.0
-        host = solved | {
-            "budget_bytes": solved["budget_bytes"] + e,
-            "host": solved["host"] | {"tail_s": host_tail_s(adapter, 0.01, torch.bfloat16)},
-        }
-    else:
-        host = solved
+    assert choice.problem["host"]["tail_s"] == (
+        0.0 if room else host_tail_s(adapter, 0.01, torch.bfloat16)
+    )
+    host = select_layout(cfg, adapter, machine, _report(), update_gbps=0.01, embeddings=False,
+                         total_bytes=int(base + (extra - free) / 0.94)).problem  # fmt: skip
     on_gpu = select.with_resident_embeddings(host, e)
     steps = [_brute_force(host), _brute_force(on_gpu)]
     assert choice.solution["step_s"] == pytest.approx(min(steps), rel=1e-9)

@@ -18,7 +18,7 @@ import yaml
 
 from engine.tiny import read_metrics
 from host_profile.fake import cache_rate
-from plan.runs import BATCH, SEQ, on_a_gpu, profile_row, run_config
+from plan.runs import BATCH, SEQ, on_a_gpu, profile_row, run_config, selection_stages
 from slidedp.cli import main
 from slidedp.config import TrainConfig, load_config
 from slidedp.errors import ConfigError
@@ -100,13 +100,7 @@ def test_the_choice_trains_only_when_validated_faster_than_the_default(
     said = f"{CHOICE}, 0 GPU-resident {choice_s:.3f} s/step vs the default's 1.000 s"
     assert f"; validated (3 steps each): {said}" in line
     selection_s = float(line.split("; selection ")[1].split(" s (")[0])
-    stages = line.split("; selection ")[1].split(" s (")[1].split(")")[0]
-    assert [s.split(" ")[0] for s in stages.split(", ")] == [
-        "profile",
-        "host",
-        "solve",
-        "validation",
-    ]
+    assert selection_stages(line) == ["profile", "host", "solve", "validation"]
     if runs == ALL_F:
         assert f"kept: the solver's {CHOICE}, 0 GPU-resident, predicted" in line
         assert line.endswith("break-even never (the default runs)")

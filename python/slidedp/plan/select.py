@@ -225,13 +225,15 @@ def select_layout(
     total_bytes: int,
     update_gbps: float,
     resident: bool = True,
+    embeddings: bool = True,
     budget_cut_bytes: int = 0,
     times_s: Mapping[LayerPolicy, float] | None = None,
 ) -> Choice:
     """The fastest placed layout of the profile's candidates within ``total_bytes`` of device
     memory, the host update at ``update_gbps`` counted (after the backward with clipping), and
     with ``resident`` how many layers stay GPU-resident (their memory against the same budget,
-    their update off the host lane). ``budget_cut_bytes``: taken off the activations' budget
+    their update off the host lane), and with ``embeddings`` too whether the embedding and head
+    do (``solve_residency``). ``budget_cut_bytes``: taken off the activations' budget
     (``plan.validate``'s feedback: what a validated choice reserved beyond the device).
     ``times_s``: calibrated layer times (``plan.calibrate``) in the profile's place."""
     cands = profile_candidates(report, times_s)
@@ -254,17 +256,17 @@ def select_layout(
         },
         "kinds": kinds,
     }
-    embeddings = False
     solved = problem
     if resident:
         problem["resident"] = {
             "bytes_per_layer": float(resident_bytes_per_layer(adapter, dtype, clipping=clipping)),
             "max_layers": adapter.num_layers,
         }
+    if resident and embeddings:
         extra = resident_embedding_bytes(adapter, dtype, clipping=clipping)
-        solved, solution, embeddings = solve_residency(problem, extra)
+        solved, solution, on_gpu = solve_residency(problem, extra)
     else:
-        solution = solve(problem)
+        solution, on_gpu = solve(problem), False
     counts = [(k, p, int(n)) for (k, p, _), n in zip(cands, solution["counts"], strict=True)]
     retained = {(k, p): int(c["retained_bytes"]) for k, p, c in cands}
     layers = place_by_kind(counts, retained, adapter.layer_kinds)
@@ -280,13 +282,13 @@ def select_layout(
     default["counts"] = default_counts
     default["fits"] = default["memory_bytes"] <= budget.bytes
     layout = format_layout(layers)
-    program = f"{layout}, {resident_text(int(solution['resident_layers']), embeddings)}"
+    program = f"{layout}, {resident_text(int(solution['resident_layers']), on_gpu)}"
     choice = Choice(layout, layers, int(solved["budget_bytes"]), solved, solution, default,
                     program, resident_layers=int(solution["resident_layers"]),
-                    resident_embeddings=embeddings)  # fmt: skip
+                    resident_embeddings=on_gpu)  # fmt: skip
     all_f = (DEFAULT,) * adapter.num_layers
     if (
-        (layers, choice.resident_layers, embeddings) != (all_f, 0, False)
+        (layers, choice.resident_layers, on_gpu) != (all_f, 0, False)
         and default["fits"]
         and (choice.gain < 1 + MIN_GAIN)
     ):
