@@ -151,8 +151,8 @@ class RuntimeSection:
     # torch.compile of the decoder layer (one graph shared by every layer); null (default):
     # on on CUDA where the kernels are eager, off on CPU and with liger (models.fast)
     compile: bool | None = None
-    # decoder layers kept on the GPU whole (weights, FP32 master, Adam moments; updated there by
-    # torch's fused AdamW): no H2D, D2H nor host update for them (runtime.resident); one process
+    # decoder layers kept on the GPU whole (weights, FP32 master, Adam moments; updated there in
+    # one compiled AdamW pass): no H2D, D2H nor host update for them (runtime.resident); one process
     resident_layers: int = 0
     # the embedding and the LM head (with the final norm) kept on the GPU the same way: no
     # host update after the backward for them, the tail every step waits for; one process

@@ -48,8 +48,8 @@ GPU peak, as ``torch.cuda.max_memory_reserved`` reports it::
   gradients (``e`` B/param; with clipping they are among the parked ones) — exactly the
   buffers ``runtime/resident.py`` allocates (``plan.cost.resident_layer_bytes``); on CPU they
   are host RAM, like the rest of the working set; resident embeddings
-  (``runtime.resident_embeddings``) add the embedding and head groups' master and moments and
-  their update's f32 gradient (``plan.cost.resident_embedding_bytes``);
+  (``runtime.resident_embeddings``) add the embedding and head groups' master and moments
+  (``plan.cost.resident_embedding_bytes``);
 - allocator: 0.4 GiB (block rounding, cuBLAS workspaces). With ``plan.cost``'s
   ``REPLAY_PEAK_FACTOR`` (1.64) the two constants fitted to the measurements below.
 

@@ -3,8 +3,8 @@ the "device" is host memory and the resident update runs the host AdamW kernel: 
 resident layers is the all-host run bit for bit (losses, norms, checkpoints, the export), the
 resident layers never go through the window nor the host update lane, a checkpoint of a run
 with resident layers is the all-host run's, and resuming one continues exactly. Also the
-refusals, the memory accounting, and the GPU update's math (``fused_adamw``, torch's fused
-AdamW, which runs on CPU tensors too) against the host kernel."""
+refusals, the memory accounting, and the GPU update's math (``adamw_single_pass``, compiled as
+on the GPU, which runs on CPU tensors too) against the host kernel."""
 
 from __future__ import annotations
 
@@ -32,7 +32,15 @@ from slidedp.plan.cost import (
 )
 from slidedp.plan.policy import Policy, resolve_policy
 from slidedp.runtime.grad_lane import AdamArgs, GradLane, GradTicket
-from slidedp.runtime.resident import REGIONS, _Group, _Param, fused_adamw
+from slidedp.runtime.resident import (
+    REGIONS,
+    _compiled_pass,
+    _Group,
+    _Param,
+    adamw_single_pass,
+    adamw_tensor,
+    hyperparameters,
+)
 from slidedp.runtime.trainer import Trainer
 from slidedp.runtime.window import DeviceBuffer, Window
 from slidedp.update import UpdateWorker
@@ -282,8 +290,8 @@ def test_the_estimate_counts_resident_layers_and_refuses_what_does_not_fit(
 
 def test_the_engine_allocates_what_the_accounting_counts(tiny_run: Path) -> None:
     """CPU f32, clipping (no gradient term): the resident weights and FP32 state the engine
-    holds are ``resident_layer_bytes``; resident embeddings add their FP32 state, and the
-    accounting adds their update's f32 gradient (4 B/param) to it."""
+    holds are ``resident_layer_bytes``; resident embeddings add their FP32 state, which is what
+    the accounting adds (the update reads their gradient with no f32 copy)."""
     cfg = load_config(tiny_run, ["runtime.resident_layers=2", "train.max_grad_norm=1.0",
                                  "runtime.resident_embeddings=true"])  # fmt: skip
     trainer = Trainer(cfg, log=False)
@@ -292,39 +300,42 @@ def test_the_engine_allocates_what_the_accounting_counts(tiny_run: Path) -> None
         assert resident is not None
         weights = sum(resident.buffer(g).flat.numel() * 4 for g in (1, 2))
         per_layer = resident_layer_bytes(adapter, torch.float32, clipping=True)
-        specs = adapter.group_specs()
-        embeddings = specs[adapter.embed_group].numel + specs[adapter.head_group].numel
         extra = resident_embedding_bytes(adapter, torch.float32, clipping=True)
-        assert resident.state_bytes + weights == sum(per_layer[:2]) + extra - 4 * embeddings
+        assert resident.state_bytes + weights == sum(per_layer[:2]) + extra
     finally:
         trainer.engine.close()
 
 
-def test_the_gpu_update_is_the_host_kernel_to_rounding() -> None:
-    """``fused_adamw`` (the CUDA path: torch's fused AdamW, run here on CPU tensors) against
-    the host kernel over 5 steps with clipping and decay: the same step, bias correction,
-    decay on ≥2-D tensors only, ``grad_scale`` and lr. Tolerance: on this CPU the two agree
-    bit for bit (measured); torch's CUDA kernel may round its step size in another order, an
-    ulp (~1e-7 relative) per step, which the bound allows; a wrong semantic (decay on a 1-D
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_the_gpu_update_is_the_host_kernel_to_rounding(compiled: bool) -> None:
+    """``adamw_single_pass`` (the CUDA path, run here on CPU tensors; compiled as on the GPU,
+    or eager) against the host kernel over 5 steps with clipping and decay: the same step,
+    bias correction, decay on >=2-D tensors only, gradient scale and lr, and the BF16 weights
+    cast from the new master in the same pass. Tolerance: the pass rounds like torch's fused
+    AdamW (its step size and decay as f32 products), the host kernel in its own order: an ulp
+    or two (~1e-7 relative) per step, which the bound allows; a wrong semantic (decay on a 1-D
     tensor, the scale missed, a step off by one) moves the weights by >= 1e-4."""
     gen = torch.Generator().manual_seed(0)
     params = [_Param("w", 0, 0, 64, True), _Param("b", 64, 64, 8, False)]
     state = {r: torch.rand(72, generator=gen) * (1 if r == "master" else 1e-3) for r in REGIONS}
     host = {r: t.clone() for r, t in state.items()}
-    group = _Group(0, params, state, DeviceBuffer(72, torch.float32, torch.device("cpu")))
+    group = _Group(0, params, state, DeviceBuffer(72, torch.bfloat16, torch.device("cpu")))
     kernels = Kernels(1)
+    kernel = _compiled_pass() if compiled else adamw_tensor
     for step in range(1, 6):
-        grad = torch.randn(72, generator=gen)
+        grad = torch.randn(72, generator=gen).bfloat16()
         adam = AdamArgs(step, 1e-2, (0.9, 0.95), 1e-8, 0.1, 0.5, step)
-        fused_adamw(group, {"w": grad[:64].clone(), "b": grad[64:].clone()}, adam)
+        hyper = {d: hyperparameters(adam, d, torch.device("cpu")) for d in (True, False)}
+        adamw_single_pass(group, {"w": grad[:64].clone(), "b": grad[64:].clone()}, hyper, kernel)
         for p in params:
             at = slice(p.state_at, p.state_at + p.numel)
             master, exp_avg, exp_avg_sq = (host[r][at] for r in REGIONS)
-            kernels.adamw(master, exp_avg, exp_avg_sq, grad[at].clone(), lr=adam.lr,
+            kernels.adamw(master, exp_avg, exp_avg_sq, grad[at].float(), lr=adam.lr,
                           betas=adam.betas, eps=adam.eps, step=step, grad_scale=adam.grad_scale,
                           weight_decay=adam.weight_decay if p.decays else 0.0)  # fmt: skip
     for r in REGIONS:
         torch.testing.assert_close(state[r], host[r], rtol=1e-6, atol=1e-7)
+    assert torch.equal(group.weights.flat, state["master"].bfloat16())
 
 
 def _poison_gradient(monkeypatch: pytest.MonkeyPatch, group: int, call: int) -> None:

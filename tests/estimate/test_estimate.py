@@ -91,7 +91,11 @@ def test_store_estimate_is_a_created_store_exactly(
     assert plan_store(cfg, adapter, CPU) == store.layout
 
 
-def test_tiny_cpu_terms_follow_the_formulas(tmp_path: Path, tiny: Path) -> None:
+def test_tiny_cpu_terms_follow_the_formulas(
+    tmp_path: Path, tiny: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # no host probe cached (an earlier test's would replace the table's rate in host_floor_s)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     cfg = _cfg(tmp_path, tiny, "runtime.offload_ratio=1", "train.global_batch_size=4")
     adapter = HFAdapter.from_dir(tiny)
     est = estimate_run(cfg, adapter, CPU)

@@ -230,8 +230,8 @@ def resident_layer_bytes(adapter: HFAdapter, dtype: torch.dtype, *, clipping: bo
     window's buffers), the FP32 master and both Adam moments (12 B per element of its state
     layout) and, without clipping, its gradient (``e`` B/param), kept from its backward to the
     update at the step's end (with clipping every gradient is parked anyway: the estimate's
-    parked term). The GPU update's f32 copy of one layer's gradient (4 B/param, at the step's
-    end) takes the place of the backward transient freed by then: not counted."""
+    parked term). The GPU update reads the gradient as it is, in one pass with no f32 copy
+    (``resident.adamw_single_pass``)."""
     from slidedp.store import HostStore
 
     specs = adapter.group_specs()
@@ -248,17 +248,17 @@ def resident_layer_bytes(adapter: HFAdapter, dtype: torch.dtype, *, clipping: bo
 
 def resident_embedding_bytes(adapter: HFAdapter, dtype: torch.dtype, *, clipping: bool) -> int:
     """Device bytes the embedding and head groups add when GPU-resident: the FP32 master and
-    both Adam moments (12 B per element of their state layout), the GPU update's f32 copy of
-    their gradient (4 B/param: the embedding's is far larger than a layer's backward transient,
-    so it is counted) and, without clipping, the gradient kept to the step's end (``e`` B/param).
-    Their weights are the window's own buffers either way (``estimate``'s window term)."""
+    both Adam moments (12 B per element of their state layout) and, without clipping, the
+    gradient kept to the step's end (``e`` B/param; the update reads it in one pass, with no
+    f32 copy). Their weights are the window's own buffers either way (``estimate``'s window
+    term)."""
     from slidedp.store import HostStore
 
     specs = adapter.group_specs()
     layout = HostStore.plan([specs[adapter.embed_group], specs[adapter.head_group]], 0)
     params = sum(int(p["numel"]) for p in layout["params"])
     state = sum(int(g["state_len"]) for g in layout["groups"])
-    return 12 * state + 4 * params + (0 if clipping else dtype.itemsize * params)
+    return 12 * state + (0 if clipping else dtype.itemsize * params)
 
 
 def resident_bytes_per_layer(adapter: HFAdapter, dtype: torch.dtype, *, clipping: bool) -> int:
