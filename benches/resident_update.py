@@ -3,7 +3,8 @@ the embeddings resident spends after its backward (issue #16: the ~80 ms that ke
 the compute-only reference at B >= 16 on the H100).
 
 Both variants update every parameter of the shape as ``runtime.resident`` holds them (one
-group per layer plus the embedding; FP32 master and moments, BF16 gradient and weights):
+group per layer, the embedding and the head, in the store's layout; FP32 master and moments,
+BF16 gradient and weights):
 - ``engine``: ``resident.adamw_single_pass`` with its compiled pass, what the engine runs:
   BF16 gradient in, master, moments and BF16 weights out in one pass (28 B/param);
 - ``torch-fused`` (the baseline, the engine's update before): torch's fused AdamW on an f32
@@ -17,22 +18,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from slidedp.bench.shapes import resolve_shape
+from slidedp.models.hf import HFAdapter
 from slidedp.runtime.grad_lane import AdamArgs
 from slidedp.runtime.resident import (
     REGIONS,
     _compiled_pass,
     _Group,
-    _Param,
     adamw_single_pass,
+    group_params,
     hyperparameters,
 )
 from slidedp.runtime.window import DeviceBuffer
+from slidedp.store import HostStore
 
 ADAM = AdamArgs(step=7, lr=1e-5, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_scale=0.5,
                 version=0)  # fmt: skip
@@ -40,24 +44,20 @@ Grads = dict[str, torch.Tensor]
 
 
 def model_groups(shape: str, device: torch.device) -> list[tuple[_Group, Grads]]:
-    """One resident group per decoder layer plus the embedding, each parameter 64-byte aligned
-    as in the store, with a random BF16 gradient."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(resolve_shape(shape))
-    shapes: dict[str, list[tuple[str, torch.Size]]] = {}
-    for name, p in model.named_parameters():
-        key = ".".join(name.split(".")[:3]) if ".layers." in name else "embed"
-        shapes.setdefault(key, []).append((name, p.shape))
+    """Every group of the shape (embedding, decoder layers, head) as ``ResidentLayers`` holds
+    it, in the store's layout (``HostStore.plan``), with a random BF16 gradient."""
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(resolve_shape(shape).to_dict()))
+        specs = HFAdapter.from_dir(tmp).group_specs()
+    layout = HostStore.plan(specs, 0)
     groups = []
-    for i, named in enumerate(shapes.values()):
-        params, at = [], 0
-        for name, size in named:
-            params.append(_Param(name, at, at, size.numel(), len(size) >= 2))
-            at += -(-size.numel() // 32) * 32
-        state = {r: torch.zeros(at, device=device) for r in REGIONS}
+    for i, spec in enumerate(layout["groups"]):
+        params = group_params(layout, i)
+        state = {r: torch.zeros(spec["state_len"], device=device) for r in REGIONS}
         state["master"].normal_(0.0, 0.02)
+        weights = DeviceBuffer(spec["slot_len"], torch.bfloat16, device)
         grads = {p.name: torch.randn(p.numel, device=device).bfloat16() for p in params}
-        groups.append((_Group(i, params, state, DeviceBuffer(at, torch.bfloat16, device)), grads))
+        groups.append((_Group(i, params, state, weights), grads))
     return groups
 
 
@@ -73,6 +73,8 @@ def torch_fused(groups: list[tuple[_Group, Grads]]) -> None:
     for g, grads in groups:
         for decays in (True, False):
             params = [p for p in g.params if p.decays == decays]
+            if not params:  # a group of norms alone (the tied head's)
+                continue
             g32 = [grads[p.name].float() for p in params]
             torch._foreach_mul_(g32, ADAM.grad_scale)
             torch._fused_adamw_(

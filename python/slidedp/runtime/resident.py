@@ -45,6 +45,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -78,6 +79,17 @@ class _Group:
         return self.state[region][p.state_at : p.state_at + p.numel]
 
 
+def group_params(layout: dict[str, Any], group: int) -> list[_Param]:
+    """``group``'s parameters in a store layout (``HostStore.plan`` or ``store.layout``): their
+    offsets in the group's state and slot layouts."""
+    spec = layout["groups"][group]
+    return [
+        _Param(p["name"], p["state_offset"] - spec["state_offset"], p["slot_offset"], p["numel"],
+               len(p["shape"]) >= 2)
+        for p in layout["params"][spec["params"]["start"] : spec["params"]["end"]]
+    ]  # fmt: skip
+
+
 class ResidentLayers:
     """The resident groups' device state, their pending gradients and their update."""
 
@@ -94,13 +106,9 @@ class ResidentLayers:
         layout = store.layout
         self._groups: dict[int, _Group] = {}
         for g in groups:
-            spec = layout["groups"][g]
-            params = [
-                _Param(p["name"], p["state_offset"] - spec["state_offset"], p["slot_offset"],
-                       p["numel"], len(p["shape"]) >= 2)
-                for p in layout["params"][spec["params"]["start"] : spec["params"]["end"]]
-            ]  # fmt: skip
-            state = {r: torch.zeros(spec["state_len"], device=device) for r in REGIONS}
+            params = group_params(layout, g)
+            state = {r: torch.zeros(layout["groups"][g]["state_len"], device=device)
+                     for r in REGIONS}  # fmt: skip
             weights = window.own_buffer(g)
             weights.group = g
             self._groups[g] = _Group(g, params, state, weights)
@@ -179,6 +187,7 @@ class ResidentLayers:
         hyper: dict[AdamArgs, dict[bool, torch.Tensor]] = {}  # one copy per distinct args
         for ticket, adam in self._pending:
             g = self._groups[ticket.group]
+            # the version only names what is published: the step's groups share one key
             args = replace(adam, grad_scale=grad_scale, version=0)
             grads = {p.name: ticket.grads[p.name].reshape(-1) for p in g.params}
             if self.device.type == "cuda":
@@ -249,7 +258,7 @@ def adamw_single_pass(
     g: _Group,
     grads: dict[str, torch.Tensor],
     hyper: dict[bool, torch.Tensor],
-    kernel: Callable[..., None] = adamw_tensor,
+    kernel: Callable[..., None],
 ) -> None:
     """One group's update, tensor by tensor, with ``kernel`` (``adamw_tensor`` or its compiled
     pass); ``hyper``: ``hyperparameters`` for the decayed (True) and undecayed tensors."""
