@@ -64,8 +64,9 @@ def model_groups(shape: str, device: torch.device) -> list[tuple[_Group, Grads]]
 def engine(groups: list[tuple[_Group, Grads]]) -> None:
     device = groups[0][0].state["master"].device
     hyper = {d: hyperparameters(ADAM, d, device) for d in (True, False)}
+    scale = torch.tensor([ADAM.grad_scale, 1.0], device=device)
     for g, grads in groups:
-        adamw_single_pass(g, grads, hyper, _compiled_pass())
+        adamw_single_pass(g, grads, hyper, scale, _compiled_pass())
 
 
 def torch_fused(groups: list[tuple[_Group, Grads]]) -> None:

@@ -15,10 +15,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+import slidedp.runtime.resident as resident_module
 from engine.test_gpu_parity import TRAIN, _data, _small_qwen3
 from engine.tiny import read_metrics, write_config
 from slidedp.config import load_config
+from slidedp.runtime.grad_lane import AdamArgs, GradLane
+from slidedp.runtime.resident import adamw_tensor
 from slidedp.runtime.trainer import Trainer
 
 LAYERS = 4  # _small_qwen3
@@ -82,3 +86,46 @@ def test_resident_layers_track_the_all_host_run(
     # the bound of the engine's GPU parity tests (tests/engine/test_gpu_parity.py): 1e-3
     for name, delta in deltas.items():
         assert delta <= 1e-3, (name, delta)
+
+
+@pytest.mark.gpu
+def test_the_resident_update_overlaps_the_next_forward(
+    tmp_path: Path, model_and_data: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The update runs on its own stream: the compute stream is free as soon as it is issued,
+    and waits for a group's update only where the group's weights are first used. The kernel
+    is made slow (a GPU sleep before the pass) so the order is observable; on the compute
+    stream the first check fails, without the wait in ``buffer`` the second, and a gate that
+    kept the update from being applied the last."""
+    model_dir, data = model_and_data
+    config = write_config(tmp_path / "c.yaml", model_dir, data, tmp_path / "out", train=TRAIN,
+                          runtime={"device": "cuda", "resident_layers": 2, **EAGER})  # fmt: skip
+    trainer = Trainer(load_config(str(config), ["data.seq_len=128"]), log=False)
+
+    def slow_pass(*args: torch.Tensor) -> None:
+        torch.cuda._sleep(50_000_000)  # type: ignore[no-untyped-call]  # ~25 ms at 2 GHz
+        adamw_tensor(*args)
+
+    monkeypatch.setattr(resident_module, "_compiled_pass", lambda: slow_pass)
+    try:
+        resident = trainer.engine.resident
+        assert resident is not None
+        group = trainer.adapter.layer_group(0)
+        before = resident.buffer(group).flat.clone()
+        views = trainer.engine.window.views(resident.buffer(group), group)
+        ticket = GradLane.ticket(group, {name: torch.ones_like(w) for name, w in views.items()})
+        resident.keep(ticket, AdamArgs(1, 1e-2, (0.9, 0.95), 1e-8, 0.0, 1.0, 1))
+        torch.cuda.synchronize()
+        resident.update(torch.ones((), device="cuda"))  # issued: no host wait
+        resident.publish()
+        compute = torch.cuda.current_stream()
+        compute.synchronize()  # the norms and the gate only: the update is elsewhere
+        assert resident._stream is not None
+        assert not resident._stream.query(), "the update ran on the compute stream"
+        weights = resident.buffer(group).flat
+        after = weights.clone()  # on the compute stream: after the update
+        assert not compute.query(), "the compute stream did not wait for the update"
+        torch.cuda.synchronize()
+        assert not torch.equal(after, before)
+    finally:
+        trainer.engine.close()

@@ -326,7 +326,9 @@ def test_the_gpu_update_is_the_host_kernel_to_rounding(compiled: bool) -> None:
         grad = torch.randn(72, generator=gen).bfloat16()
         adam = AdamArgs(step, 1e-2, (0.9, 0.95), 1e-8, 0.1, 0.5, step)
         hyper = {d: hyperparameters(adam, d, torch.device("cpu")) for d in (True, False)}
-        adamw_single_pass(group, {"w": grad[:64].clone(), "b": grad[64:].clone()}, hyper, kernel)
+        scale = torch.tensor([adam.grad_scale, 1.0])
+        grads = {"w": grad[:64].clone(), "b": grad[64:].clone()}
+        adamw_single_pass(group, grads, hyper, scale, kernel)
         for p in params:
             at = slice(p.state_at, p.state_at + p.numel)
             master, exp_avg, exp_avg_sq = (host[r][at] for r in REGIONS)
@@ -336,6 +338,13 @@ def test_the_gpu_update_is_the_host_kernel_to_rounding(compiled: bool) -> None:
     for r in REGIONS:
         torch.testing.assert_close(state[r], host[r], rtol=1e-6, atol=1e-7)
     assert torch.equal(group.weights.flat, state["master"].bfloat16())
+    # gated off (a non-finite global norm: the coefficient is NaN too): nothing changes
+    kept = {r: t.clone() for r, t in state.items()} | {"weights": group.weights.flat.clone()}
+    grads = {"w": torch.full((64,), float("inf")).bfloat16(), "b": grad[64:].clone()}
+    adamw_single_pass(group, grads, hyper, torch.tensor([float("nan"), 0.0]), kernel)
+    for r in REGIONS:
+        assert torch.equal(state[r], kept[r]), r
+    assert torch.equal(group.weights.flat, kept["weights"])
 
 
 def _poison_gradient(monkeypatch: pytest.MonkeyPatch, group: int, call: int) -> None:

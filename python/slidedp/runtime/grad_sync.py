@@ -120,15 +120,23 @@ class GradSync:
 
     def finish(self, t: int) -> tuple[float, float]:
         """``(global norm, clip coefficient)``; with clipping, the parked gradients get the
-        coefficient and start leaving."""
+        coefficient and start leaving. The resident groups' update is issued before the host
+        waits for the norm (it is gated on the norm being finite), so that its launches
+        overlap the end of the backward."""
         total = self._global_norm()
-        grad_norm = float(total)
         if not self.clipping:
             if self.resident is not None:
+                self.resident.update(torch.ones((), device=total.device))
+            grad_norm = float(total)
+            if self.resident is not None:
                 self.resident.check_finite(t)
-                self.resident.update(1.0)
+                self.resident.publish()
             return grad_norm, 1.0
-        if not torch.isfinite(total):
+        clip = torch.clamp(self.optim.max_grad_norm / (total + 1e-6), max=1.0)
+        if self.resident is not None:
+            self.resident.update(clip, torch.isfinite(total))
+        grad_norm = float(total)
+        if not math.isfinite(grad_norm):
             self.discard()
             raise NonFiniteError(
                 f"step {t}: the gradient norm is not finite ({grad_norm}); "
@@ -136,7 +144,7 @@ class GradSync:
                 step=t,
                 what="grad_norm",
             )
-        coef = float(torch.clamp(self.optim.max_grad_norm / (total + 1e-6), max=1.0))
+        coef = float(clip)
         assert not self._ready, "the previous step's gradients are all sent by now"
         self._parked.sort(key=lambda parked: parked[0].group)  # forward order
         self._ready = [(tk, replace(adam, grad_scale=coef)) for tk, adam in self._parked]
@@ -144,7 +152,7 @@ class GradSync:
         if self._ready:  # the updates start now, not when the next step first loads
             self.send_ready(self._ready[0][0].group)
         if self.resident is not None:
-            self.resident.update(coef)
+            self.resident.publish()
         return grad_norm, coef
 
     def send_ready(self, group: int) -> None:

@@ -6,10 +6,21 @@ Per resident group: ``master``, ``exp_avg``, ``exp_avg_sq`` are flat FP32 device
 group's state layout (a copy of ``store.group_state``), and the weights one ``DeviceBuffer`` in
 its slot layout (the window's own-buffer kind: never a load target, never evicted). The
 backward hands each resident group's gradient here instead of to the gradient lane
-(``GradSync.hand_over``: its norms join the global norm exactly once); ``update`` runs after
-the backward, once the clip coefficient is known (1 without clipping), with the step's
-``AdamArgs``: the same learning rate, betas, eps, Adam step, decay on ≥2-D tensors only and
-``grad_scale`` as the host update, and the weights cast again from the new master.
+(``GradSync.hand_over``: its norms join the global norm exactly once); ``update`` is issued
+at the end of the backward with the clip coefficient as a device tensor (1 without clipping)
+and the step's ``AdamArgs``: the same learning rate, betas, eps, Adam step, decay on ≥2-D
+tensors only and gradient scale as the host update, and the weights cast again from the new
+master.
+
+On CUDA nothing of it waits on the host: the coefficient stays on the device and the update
+is gated there on the norm being finite (applied or not at all), so it is issued before the
+host waits for the norm, and its ~400 launches overlap the backward's last layers instead of
+following them (``GradSync.finish``; the caller then checks the norm and ``publish``es or
+``discard``s). It runs on a stream of its own, group by group in forward order, so it
+overlaps the next step's forward: ``buffer`` makes the compute stream wait for the group's
+update at its first use, and ``load``/``write_back`` for all of them. The kept gradients are
+marked used by that stream (``record_stream``), so the allocator reuses their memory only
+after their update ran.
 
 The math of the update:
 - CUDA: one compiled elementwise pass per tensor (``adamw_single_pass``): the BF16 gradient
@@ -35,7 +46,8 @@ Example::
 
     resident = ResidentLayers(store, window, kernels, worker, groups=[1, 2], device=device)
     resident.keep(ticket, adam)        # from the backward, per resident group
-    resident.update(coef)              # after the global norm
+    resident.update(coef, finite)      # 0-d device tensors: the clip coefficient, its gate
+    resident.publish()                 # once the host has seen the norm finite
     resident.write_back()              # before a checkpoint
 """
 
@@ -52,6 +64,7 @@ import torch
 from slidedp.errors import NonFiniteError
 from slidedp.kernels import Kernels
 from slidedp.runtime.grad_lane import AdamArgs, GradTicket
+from slidedp.runtime.lanes import new_event, new_stream
 from slidedp.runtime.window import DeviceBuffer, Window
 from slidedp.store import HostStore, StateRegion
 from slidedp.update import UpdateWorker
@@ -113,14 +126,28 @@ class ResidentLayers:
             weights.group = g
             self._groups[g] = _Group(g, params, state, weights)
         self._pending: list[tuple[GradTicket, AdamArgs]] = []
+        self._issued: list[tuple[int, int]] = []  # (group, version) updated, not yet published
+        self._norms = torch.zeros(0)  # the issued gradients' norms, in forward order
+        self._stream = new_stream(device) if device.type == "cuda" else None
+        self._updated: dict[int, torch.cuda.Event] = {}  # group -> its update's end, not waited
         self.load()
 
     def holds(self, group: int) -> bool:
         return group in self._groups
 
     def buffer(self, group: int) -> DeviceBuffer:
-        """The group's weights, always current (never loaded through the window)."""
+        """The group's weights, always current (never loaded through the window): the current
+        stream waits for the group's pending update."""
+        event = self._updated.pop(group, None)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
         return self._groups[group].weights
+
+    def _settle(self) -> None:
+        """The current stream waits for every update issued (before the state is copied)."""
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        self._updated.clear()
 
     @property
     def state_bytes(self) -> int:
@@ -130,6 +157,7 @@ class ResidentLayers:
 
     def load(self) -> None:
         """Copy the resident groups' state out of the store (start, resume)."""
+        self._settle()
         for g in self._groups.values():
             for region in REGIONS:
                 g.state[region].copy_(self.store.group_state(g.group, region))
@@ -138,6 +166,7 @@ class ResidentLayers:
     def write_back(self) -> None:
         """Copy the resident state into the store (and its BF16 mirror, which then equals an
         all-host run's): a checkpoint or an export of the store is then the all-host one."""
+        self._settle()
         for g in self._groups.values():
             for region in REGIONS:
                 self.store.group_state(g.group, region).copy_(g.state[region])
@@ -157,23 +186,70 @@ class ResidentLayers:
         self._pending.append((ticket, adam))
 
     def discard(self) -> None:
-        """The step failed before any update: forget its gradients."""
+        """The step failed before any update was applied: forget its gradients (an update
+        issued for them was gated off: see ``update``)."""
+        self._pending.clear()
+        self._issued.clear()
+
+    def update(self, coef: torch.Tensor, finite: torch.Tensor | None = None) -> None:
+        """Issue AdamW on every kept gradient, scaled by ``coef`` (the clip coefficient, a
+        0-d device tensor: no host sync), and the weights' cast. It is applied only where
+        ``finite`` (a 0-d device bool: the global norm's) holds, by default where every kept
+        gradient's norm is finite: the caller checks afterwards (the host waits for the
+        backward then) and on failure nothing was applied, so the issue can run before that
+        wait and its launches overlap the backward. On CUDA it runs on the update stream,
+        after everything issued on the current one. ``publish`` (success) or ``discard``
+        (failure) follows."""
+        if not self._pending:
+            return
+        # forward order: the next forward's first layers wait the least
+        self._pending.sort(key=lambda kept: kept[0].group)
+        self._norms = torch.stack([torch.linalg.vector_norm(torch.stack(tk.norms))
+                                   for tk, _ in self._pending])  # fmt: skip
+        if finite is None:
+            finite = torch.isfinite(self._norms).all()
+        scale = torch.stack([coef.float(), finite.float()])  # what adamw_tensor gates on
+        if self._stream is None:
+            self._update(scale)
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        scale.record_stream(self._stream)
+        with torch.cuda.stream(self._stream):
+            self._update(scale)
+
+    def _update(self, scale: torch.Tensor) -> None:
+        hyper: dict[AdamArgs, dict[bool, torch.Tensor]] = {}  # one copy per distinct args
+        apply = self._stream is not None or bool(scale[1])  # the host path gates here
+        for ticket, adam in self._pending:
+            g = self._groups[ticket.group]
+            # the version only names what is published: the step's groups share one key
+            args = replace(adam, version=0)
+            grads = {p.name: ticket.grads[p.name].reshape(-1) for p in g.params}
+            if self._stream is not None:
+                if args not in hyper:
+                    hyper[args] = {d: hyperparameters(args, d, self.device) for d in (True, False)}
+                adamw_single_pass(g, grads, hyper[args], scale, _compiled_pass())
+                for grad in grads.values():  # allocated on the compute stream, read on this one
+                    grad.record_stream(self._stream)
+                self._updated[g.group] = new_event()
+                self._updated[g.group].record(self._stream)
+            elif apply:
+                self._host_adamw(g, grads, replace(args, grad_scale=float(scale[0])))
+                self._cast_weights(g)
+            self._issued.append((ticket.group, adam.version))
+            ticket.grads.clear()
         self._pending.clear()
 
     def check_finite(self, step: int) -> None:
-        """Without clipping each group's update needs a finite gradient (the host lane checks
-        the streamed ones); raises before any resident group is updated. One host sync for
-        all of them; the first non-finite one in backward order is named."""
-        if not self._pending:
+        """After ``update`` without clipping (each group's update needs a finite gradient;
+        the host lane checks the streamed ones): raises, naming the first non-finite group in
+        forward order, if the gate kept the update from being applied. One host sync."""
+        if not self._issued or bool(torch.isfinite(self._norms).all()):
             return
-        norms = torch.stack([torch.linalg.vector_norm(torch.stack(tk.norms))
-                             for tk, _ in self._pending])  # fmt: skip
-        if bool(torch.isfinite(norms).all()):
-            return
-        for (ticket, _), norm in zip(self._pending, norms.tolist(), strict=True):
+        for (group, _), norm in zip(self._issued, self._norms.tolist(), strict=True):
             if not math.isfinite(norm):
-                self._pending.clear()
-                name = self.store.layout["groups"][ticket.group]["name"]
+                self.discard()
+                name = self.store.layout["groups"][group]["name"]
                 raise NonFiniteError(  # the streamed groups' updates overlapped the backward
                     f"step {step}: the gradient of '{name}' is not finite ({norm}); no resident "
                     "layer's update of this step was applied",
@@ -181,26 +257,13 @@ class ResidentLayers:
                     what="grad_norm",
                 )
 
-    def update(self, grad_scale: float) -> None:
-        """AdamW on every kept gradient (scaled by ``grad_scale``, the clip coefficient), the
-        weights cast again, each group's version published."""
-        hyper: dict[AdamArgs, dict[bool, torch.Tensor]] = {}  # one copy per distinct args
-        for ticket, adam in self._pending:
-            g = self._groups[ticket.group]
-            # the version only names what is published: the step's groups share one key
-            args = replace(adam, grad_scale=grad_scale, version=0)
-            grads = {p.name: ticket.grads[p.name].reshape(-1) for p in g.params}
-            if self.device.type == "cuda":
-                if args not in hyper:
-                    hyper[args] = {d: hyperparameters(args, d, self.device) for d in (True, False)}
-                adamw_single_pass(g, grads, hyper[args], _compiled_pass())
-            else:
-                self._host_adamw(g, grads, args)
-                self._cast_weights(g)
-            ticket.grads.clear()
-            self.worker.submit(ticket.group, 0, 0, 0, step=1, lr=0.0, betas=(0.0, 0.0), eps=1.0,
-                               weight_decay=0.0, publish=adam.version)  # fmt: skip
-        self._pending.clear()
+    def publish(self) -> None:
+        """The issued updates were applied: each group's version published through the update
+        worker's queue, as the streamed groups' are."""
+        for group, version in self._issued:
+            self.worker.submit(group, 0, 0, 0, step=1, lr=0.0, betas=(0.0, 0.0), eps=1.0,
+                               weight_decay=0.0, publish=version)  # fmt: skip
+        self._issued.clear()
 
     def _host_adamw(self, g: _Group, grads: dict[str, torch.Tensor], a: AdamArgs) -> None:
         for p in g.params:
@@ -219,14 +282,17 @@ class ResidentLayers:
 
 
 def hyperparameters(a: AdamArgs, decays: bool, device: torch.device) -> torch.Tensor:
-    """What ``adamw_tensor`` reads, as one f32 device tensor (a tensor, not Python floats, so
-    that a changing learning rate never recompiles the pass): lr * weight decay (0 for the
-    tensors that do not decay), beta1, 1 - beta1, beta2, 1 - beta2, eps, lr / bias correction 1,
-    sqrt(bias correction 2), the gradient's scale."""
+    """What ``adamw_tensor`` reads besides the gradient's scale, as one f32 device tensor (a
+    tensor, not Python floats, so that a changing learning rate never recompiles the pass; on
+    CUDA copied from page-locked memory, so that issuing it never waits for the stream): lr *
+    weight decay (0 for the tensors that do not decay), beta1, 1 - beta1, beta2, 1 - beta2,
+    eps, lr / bias correction 1, sqrt(bias correction 2)."""
     (b1, b2), decay = a.betas, a.lr * a.weight_decay if decays else 0.0
     bc1, bc2 = 1.0 - b1**a.step, 1.0 - b2**a.step
-    values = [decay, b1, 1.0 - b1, b2, 1.0 - b2, a.eps, a.lr / bc1, math.sqrt(bc2), a.grad_scale]
-    return torch.tensor(values, dtype=torch.float32, device=device)
+    values = [decay, b1, 1.0 - b1, b2, 1.0 - b2, a.eps, a.lr / bc1, math.sqrt(bc2)]
+    cuda = device.type == "cuda"
+    host = torch.tensor(values, dtype=torch.float32, pin_memory=cuda)
+    return host.to(device, non_blocking=cuda)
 
 
 def adamw_tensor(
@@ -236,16 +302,23 @@ def adamw_tensor(
     grad: torch.Tensor,
     weight: torch.Tensor,
     hp: torch.Tensor,
+    scale: torch.Tensor,
 ) -> None:
     """AdamW on one flat tensor in place, as torch's fused AdamW computes it (decoupled decay
     first, then the moments, then the step over √v / √bc2 + eps), the compute-dtype ``weight``
-    cast from the new master; ``hp`` from ``hyperparameters``. Compiled, it is one pass."""
-    g = grad.float() * hp[8]
-    master.sub_(hp[0] * master)
-    exp_avg.mul_(hp[1]).add_(hp[2] * g)
-    exp_avg_sq.mul_(hp[3]).add_(hp[4] * g * g)
-    master.sub_(hp[6] * exp_avg / (exp_avg_sq.sqrt() / hp[7] + hp[5]))
-    weight.copy_(master)
+    cast from the new master; ``hp`` from ``hyperparameters``, ``scale``: the gradient's scale
+    and whether to apply the update at all (0: master, moments and weights are left as they
+    are, whatever the scale). Compiled, it is one pass."""
+    g = grad.float() * scale[0]
+    apply = scale[1] > 0
+    new_master = master - hp[0] * master
+    new_avg = exp_avg * hp[1] + hp[2] * g
+    new_avg_sq = exp_avg_sq * hp[3] + hp[4] * g * g
+    new_master = new_master - hp[6] * new_avg / (new_avg_sq.sqrt() / hp[7] + hp[5])
+    master.copy_(torch.where(apply, new_master, master))
+    exp_avg.copy_(torch.where(apply, new_avg, exp_avg))
+    exp_avg_sq.copy_(torch.where(apply, new_avg_sq, exp_avg_sq))
+    weight.copy_(master)  # the weights are the master's cast: unchanged with it
 
 
 @functools.cache
@@ -258,11 +331,13 @@ def adamw_single_pass(
     g: _Group,
     grads: dict[str, torch.Tensor],
     hyper: dict[bool, torch.Tensor],
+    scale: torch.Tensor,
     kernel: Callable[..., None],
 ) -> None:
     """One group's update, tensor by tensor, with ``kernel`` (``adamw_tensor`` or its compiled
-    pass); ``hyper``: ``hyperparameters`` for the decayed (True) and undecayed tensors."""
+    pass); ``hyper``: ``hyperparameters`` for the decayed (True) and undecayed tensors;
+    ``scale``: ``adamw_tensor``'s."""
     for p in g.params:
         kernel(g.view("master", p), g.view("exp_avg", p), g.view("exp_avg_sq", p),
                grads[p.name], g.weights.flat[p.slot_at : p.slot_at + p.numel],
-               hyper[p.decays])  # fmt: skip
+               hyper[p.decays], scale)  # fmt: skip
