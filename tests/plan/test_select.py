@@ -83,6 +83,7 @@ def _brute_force(problem: dict[str, Any]) -> float:
     per_layer = problem["host"]["update_s_per_layer"]
     resident = problem.get("resident") or {"bytes_per_layer": 0.0, "max_layers": 0}
     w = resident["bytes_per_layer"]
+    least_backward = min(max(c["time_s"] - c["forward_s"], 0.0) for c in cands)
     for counts in itertools.product(range(LAYERS + 1), repeat=len(cands)):
         if sum(counts) != LAYERS:
             continue
@@ -97,8 +98,11 @@ def _brute_force(problem: dict[str, Any]) -> float:
                 host, tail = per_layer * (LAYERS - r), problem["host"]["tail_s"]
                 if problem["host"]["serial"]:  # clipping: the update follows the backward
                     best = min(best, compute + host + tail)
-                else:  # it overlaps the backward, never the forward; the embedding's is last
-                    best = min(best, max(compute, forward + host) + tail)
+                else:  # it overlaps the backward, never the forward, and paces it: the
+                    # resident layers' backward (at least the least of any) follows it; the
+                    # embedding's update is last
+                    paced = forward + host + least_backward * r
+                    best = min(best, max(compute, paced) + tail)
     return best
 
 
@@ -132,15 +136,18 @@ def test_the_choice_is_the_brute_force_optimum_within_the_budget(
         assert choice.layout == "4xF-r1"
 
 
+@pytest.mark.parametrize("clipping", [1.0, 0.0])
 @pytest.mark.parametrize("resident_layers", [0, 1, 3, LAYERS])
 def test_gpu_resident_layers_are_the_brute_force_optimum_within_the_budget(
-    run: tuple[Path, Any, HFAdapter, Machine], resident_layers: int
+    run: tuple[Path, Any, HFAdapter, Machine], resident_layers: int, clipping: float
 ) -> None:
     """A budget with room for the all-F transient and ``resident_layers`` resident layers (and
     a little more): the program keeps exactly that many resident (a slow host makes each worth
-    more than any activation layout), and its step is the brute force's over counts and K."""
+    more than any activation layout), and its step is the brute force's over counts and K
+    (without clipping: the resident layers' backward after the host lane that paced the rest)."""
     _, cfg, adapter, machine = run
-    w = resident_bytes_per_layer(adapter, torch.bfloat16, clipping=True)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_grad_norm=clipping))
+    w = resident_bytes_per_layer(adapter, torch.bfloat16, clipping=clipping > 0)
     base = 10 * GIB
     free = activation_budget(cfg, adapter, machine, base).bytes
     # 5 MiB fit the all-F-r1 layout alone (above); room for K resident layers and a quarter

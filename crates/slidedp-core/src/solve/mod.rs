@@ -11,9 +11,15 @@
 //!   Σ n_j = L,  n_j ≤ L·y_j,  P ≥ 2·o_j·y_j,  H ≥ h_j·y_j,  r ≤ R
 //!   Σ n_j·m_j + P + H + r·w ≤ B,  H + G + r·w ≤ B (G: a clipped step's parked gradients)
 //!   compute C = c0 + Σ n_j·τ_j;  forward F = Σ n_j·φ_j;  host U = u·(L − r)
-//!   T ≥ C + E and T ≥ F + U + E (the update overlaps the backward, never the forward),
+//!   T ≥ C + E and T ≥ F + U + b·r + E (the update overlaps the backward, never the forward),
 //!   or T ≥ C + U + E (clipping: after the backward)
 //! ```
+//!
+//! Without clipping the streamed layers are the last `L − r`, so their gradients come first in
+//! the backward; the gradient ring (a few chunks) lets the backward run only that far ahead
+//! of the host update, so where the lane is slower than those layers' backward the resident
+//! layers' backward starts when the lane ends: `b·r`, with `b` the least backward (replay
+//! included, `time_s − forward_s`) of any candidate, a lower bound of theirs.
 //!
 //! `E` is the update of what is not a decoder layer (embedding, final norm, head): its
 //! gradient is the backward's last, so its update ends every step.
@@ -226,6 +232,15 @@ impl Problem {
         (fixed, least)
     }
 
+    /// The least backward of a layer, replay included, over every candidate (≥ 0): what the
+    /// resident layers' backward takes at least, after an overlapped host lane that paced the
+    /// streamed layers' backward.
+    fn least_backward_s(&self) -> f64 {
+        (self.candidates.iter())
+            .map(|c| (c.time_s - c.forward_s).max(0.0))
+            .fold(f64::INFINITY, f64::min)
+    }
+
     /// Bytes of `counts` with `resident` layers, as the program counts them.
     pub fn memory_bytes(&self, counts: &[u32], resident: u32) -> f64 {
         let used = || self.candidates.iter().zip(counts).filter(|(_, n)| **n > 0);
@@ -313,8 +328,9 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
             if h.serial {
                 model.add_constraint(constraint!(step >= compute + host + h.tail_s));
             } else {
+                let paced = problem.least_backward_s() * resident;
                 model.add_constraint(constraint!(step >= compute.clone() + h.tail_s));
-                model.add_constraint(constraint!(step >= forward + host + h.tail_s));
+                model.add_constraint(constraint!(step >= forward + host + paced + h.tail_s));
             }
         }
         None => {
@@ -372,10 +388,13 @@ pub fn layout_of(problem: &Problem, counts: Vec<u32>, resident_layers: u32) -> L
     };
     let (host_s, step_s) = match &problem.host {
         Some(h) if h.serial => (lane(h) + h.tail_s, compute_s + lane(h) + h.tail_s),
-        Some(h) => (
-            lane(h) + h.tail_s,
-            compute_s.max(forward_s + lane(h)) + h.tail_s,
-        ),
+        Some(h) => {
+            let paced = problem.least_backward_s() * f64::from(resident_layers.min(problem.layers));
+            (
+                lane(h) + h.tail_s,
+                compute_s.max(forward_s + lane(h) + paced) + h.tail_s,
+            )
+        }
         None => (0.0, compute_s),
     };
     let memory_bytes = problem.memory_bytes(&counts, resident_layers);

@@ -109,12 +109,15 @@ fn the_overlapped_host_lane_starts_after_the_forward() {
     p.host = lane(9.0, false);
     p.resident = resident(10.0, 10);
     // compute 60 s (all N), forward 20 s: the lane ends by 60 s with 6 resident layers
-    // (20 + 9 x 4 = 56), where 4 would do if it could overlap the forward (20 + 54 = 74 s)
+    // (20 + 9 x 4 = 56), where 4 would do if it could overlap the forward (20 + 54 = 74 s);
+    // and the resident layers' backward (N's 4 s, the least) follows the lane: 20 + 9 x 4 +
+    // 4 x 6 = 80 s with 6, so all 10 (20 + 40 = 60 s)
     let layout = solve(&p).unwrap();
     assert_eq!(layout.counts, vec![0, 0, 10]);
-    assert!(layout.resident_layers >= 6, "{layout:?}");
+    assert_eq!(layout.resident_layers, 10, "{layout:?}");
     assert_eq!(layout.step_s, 60.0);
-    assert_eq!(layout_of(&p, vec![0, 0, 10], 4).step_s, 74.0);
+    assert_eq!(layout_of(&p, vec![0, 0, 10], 4).step_s, 20.0 + 54.0 + 16.0);
+    assert_eq!(layout_of(&p, vec![0, 0, 10], 6).step_s, 80.0);
     // the embedding's update ends every step, after the backward, resident layers or not
     if let Some(h) = p.host.as_mut() {
         h.tail_s = 5.0;
