@@ -34,6 +34,7 @@ from slidedp.plan.policy import Policy, resolve_policy
 from slidedp.runtime.grad_lane import AdamArgs, GradLane, GradTicket
 from slidedp.runtime.resident import (
     REGIONS,
+    ResidentLayers,
     _compiled_pass,
     _Group,
     _Param,
@@ -286,6 +287,33 @@ def test_the_estimate_counts_resident_layers_and_refuses_what_does_not_fit(
                        "runtime.resident_embeddings=true")  # fmt: skip
     assert code == 0
     assert "of which 2 resident layers and the embeddings" in out
+
+
+def test_every_resident_group_waits_for_its_update_each_step(
+    tiny_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA a group's update runs on the update stream, so the compute stream must wait for
+    it before the group's weights are used, every step: each layer through ``buffer``, and the
+    embedding and head, whose buffers the engine keeps, through ``ready`` where a streamed one
+    would be loaded. Counted here on CPU (where the wait is a no-op): without the embedding's
+    and head's per-step call they would be asked once, at the engine's start."""
+    asked: dict[int, int] = {}
+    ready = ResidentLayers.ready
+
+    def spy(resident: ResidentLayers, group: int) -> None:
+        asked[group] = asked.get(group, 0) + 1
+        ready(resident, group)
+
+    monkeypatch.setattr(ResidentLayers, "ready", spy)
+    assert main(["train", str(tiny_run), f"runtime.resident_layers={LAYERS}",
+                 "runtime.resident_embeddings=true"]) == 0  # fmt: skip
+    steps = len(read_metrics(tiny_run.parent / "out"))
+    adapter = HFAdapter.from_dir(load_config(tiny_run, []).model.path)
+    groups = [adapter.embed_group, adapter.head_group]
+    groups += [adapter.layer_group(i) for i in range(LAYERS)]
+    assert steps > 1
+    for group in groups:
+        assert asked.get(group, 0) > steps, (group, asked)
 
 
 def test_the_engine_allocates_what_the_accounting_counts(tiny_run: Path) -> None:

@@ -225,8 +225,11 @@ class Engine:
         return self.window.own_buffer(group)
 
     def _load_own(self, buf: DeviceBuffer, group: int, version: int) -> None:
-        """Issue the load of the embedding or head at ``version`` (resident: always current)."""
-        if self.resident is None or not self.resident.holds(group):
+        """Issue the load of the embedding or head at ``version`` (resident: the compute stream
+        waits for its update instead)."""
+        if self.resident is not None and self.resident.holds(group):
+            self.resident.ready(group)
+        else:
             self.window.load(buf, group, version)
 
     def _layer_buffer(self, layer: int, version: int) -> DeviceBuffer:

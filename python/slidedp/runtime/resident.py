@@ -136,12 +136,17 @@ class ResidentLayers:
         return group in self._groups
 
     def buffer(self, group: int) -> DeviceBuffer:
-        """The group's weights, always current (never loaded through the window): the current
-        stream waits for the group's pending update."""
+        """The group's weights, always current (never loaded through the window): ``ready``
+        first."""
+        self.ready(group)
+        return self._groups[group].weights
+
+    def ready(self, group: int) -> None:
+        """The current stream waits for the group's pending update, if any: before its weights
+        are used (the engine's embedding and head keep their buffer and call this each step)."""
         event = self._updated.pop(group, None)
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
-        return self._groups[group].weights
 
     def _settle(self) -> None:
         """The current stream waits for every update issued (before the state is copied)."""
