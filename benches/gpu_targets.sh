@@ -5,6 +5,8 @@
 #   BATCHES="4 16 8 32" CLIP=1.0 bash benches/gpu_targets.sh          (the config default)
 #   BATCHES="4 16 8 32" CLIP=0 REF="16 32" bash benches/gpu_targets.sh (and the reference)
 #   SHAPE=qwen3-8b BATCHES=16 bash benches/gpu_targets.sh
+# STEPS=N measured steps (3 by default); FIXED=0 leaves out the fixed default (auto against the
+# reference alone: BATCHES=16 FIXED=0 REF=16 STEPS=5 ...).
 # VALIDATE=N lets auto validate its choice against the default in N-step trials before it
 # trains (runtime.policy_validate_steps; the bench's default is 0); CALIBRATE=N lets it
 # calibrate its candidates on a reduced model first (runtime.policy_calibrate_steps; also 0).
@@ -19,13 +21,13 @@ SHAPE=${SHAPE:-qwen3-4b}
 CLIP=${CLIP:-1.0}
 LIMIT=${LIMIT:-200}
 JSON=$(mktemp -d)
-BENCH=(python3 -m slidedp bench train --shape "$SHAPE" --warmup 2 --steps 3
+BENCH=(python3 -m slidedp bench train --shape "$SHAPE" --warmup 2 --steps "${STEPS:-3}"
        --set train.max_grad_norm="$CLIP")
 
 for B in ${BATCHES:-4 16}; do
     name="$SHAPE-b$B-clip$CLIP"
-    within "$LIMIT" "$name-fixed" && part "$name-fixed" "$LIMIT" "${BENCH[@]}" --systems ours \
-        --batch "$B" --json "$JSON/$name-fixed.json"
+    [[ ${FIXED:-1} == 0 ]] || { within "$LIMIT" "$name-fixed" && part "$name-fixed" "$LIMIT" \
+        "${BENCH[@]}" --systems ours --batch "$B" --json "$JSON/$name-fixed.json"; }
     within "$LIMIT" "$name-auto" && part "$name-auto" "$LIMIT" "${BENCH[@]}" --systems ours \
         --batch "$B" --set runtime.policy=auto --set runtime.policy_validate_steps="${VALIDATE:-0}" \
         --set runtime.policy_calibrate_steps="${CALIBRATE:-0}" --json "$JSON/$name-auto.json"
