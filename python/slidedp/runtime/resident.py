@@ -17,8 +17,9 @@ is gated there on the norm being finite (applied or not at all), so it is issued
 host waits for the norm, and its ~400 launches overlap the backward's last layers instead of
 following them (``GradSync.finish``; the caller then checks the norm and ``publish``es or
 ``discard``s). It runs on a stream of its own, group by group in forward order, so it
-overlaps the next step's forward: ``buffer`` makes the compute stream wait for the group's
-update at its first use, and ``load``/``write_back`` for all of them. The kept gradients are
+overlaps the next step's forward: ``buffer`` (and ``ready``, for the embedding and head,
+whose buffers the engine keeps) makes the compute stream wait for the group's update at its
+first use, and ``load``/``write_back`` for all of them. The kept gradients are
 marked used by that stream (``record_stream``), so the allocator reuses their memory only
 after their update ran.
 
