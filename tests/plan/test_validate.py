@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -239,6 +241,26 @@ def test_a_trial_is_the_engine_and_writes_nothing_in_the_output_dir(tmp_path: Pa
     assert child.step_s is not None
     assert child.step_s > 0
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_a_rank_says_its_trial_in_one_write(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Every rank writes its trial to the same stdout file: the line and its newline in one
+    write, or two ranks' lines can run together (seen on CI: ``{...}{...}``)."""
+    writes: list[bytes] = []
+    write = os.write
+
+    def spy(fd: int, data: bytes) -> int:
+        if fd == sys.stdout.fileno():
+            writes.append(data)
+        return write(fd, data)
+
+    monkeypatch.setattr(os, "write", spy)
+    trial = Trial("N", 0, 0.25, None)
+    validate.say_trial(trial)
+    assert writes == [(json.dumps(dataclasses.asdict(trial)) + "\n").encode()]
+    assert Trial(**json.loads(capfd.readouterr().out)) == trial
 
 
 def test_a_trial_on_two_ranks_starts_them_and_takes_rank_0s_step(

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -387,8 +388,16 @@ def main(argv: list[str]) -> int:
             raise
         print(" ".join(str(e).split()), file=sys.stderr)
         return EXIT_OUT_OF_MEMORY
-    print(json.dumps(dataclasses.asdict(trial)), flush=True)  # each rank's (trial_on_ranks)
+    say_trial(trial)
     return 0
+
+
+def say_trial(trial: Trial) -> None:
+    """A rank's trial as one JSON line on stdout (``trial_on_ranks`` reads them): one write of
+    the whole line, since every rank writes to the same file and ``print`` may write the text
+    and its newline apart (two ranks' lines were seen run together)."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (json.dumps(dataclasses.asdict(trial)) + "\n").encode())
 
 
 if __name__ == "__main__":
