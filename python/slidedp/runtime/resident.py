@@ -128,7 +128,7 @@ class ResidentLayers:
             self._groups[g] = _Group(g, params, state, weights)
         self._pending: list[tuple[GradTicket, AdamArgs]] = []
         self._issued: list[tuple[int, int]] = []  # (group, version) updated, not yet published
-        self._norms = torch.zeros(0)  # the issued gradients' norms, in forward order
+        self._norms = torch.zeros(0)  # the issued gradients' norms without clipping, forward order
         self._stream = new_stream(device) if device.type == "cuda" else None
         self._updated: dict[int, torch.cuda.Event] = {}  # group -> its update's end, not waited
         self.load()
@@ -210,9 +210,9 @@ class ResidentLayers:
             return
         # forward order: the next forward's first layers wait the least
         self._pending.sort(key=lambda kept: kept[0].group)
-        self._norms = torch.stack([torch.linalg.vector_norm(torch.stack(tk.norms))
-                                   for tk, _ in self._pending])  # fmt: skip
-        if finite is None:
+        if finite is None:  # check_finite names the group from these
+            self._norms = torch.stack([torch.linalg.vector_norm(torch.stack(tk.norms))
+                                       for tk, _ in self._pending])  # fmt: skip
             finite = torch.isfinite(self._norms).all()
         scale = torch.stack([coef.float(), finite.float()])  # what adamw_tensor gates on
         if self._stream is None:
@@ -247,9 +247,10 @@ class ResidentLayers:
         self._pending.clear()
 
     def check_finite(self, step: int) -> None:
-        """After ``update`` without clipping (each group's update needs a finite gradient;
-        the host lane checks the streamed ones): raises, naming the first non-finite group in
-        forward order, if the gate kept the update from being applied. One host sync."""
+        """After ``update`` without ``finite`` (no clipping: each group's update needs a finite
+        gradient; the host lane checks the streamed ones): raises, naming the first non-finite
+        group in forward order, if the gate kept the update from being applied. One host
+        sync."""
         if not self._issued or bool(torch.isfinite(self._norms).all()):
             return
         for (group, _), norm in zip(self._issued, self._norms.tolist(), strict=True):
