@@ -9,6 +9,9 @@ on the GPU, which runs on CPU tensors too) against the host kernel."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -373,6 +376,29 @@ def test_the_gpu_update_is_the_host_kernel_to_rounding(compiled: bool) -> None:
     for r in REGIONS:
         assert torch.equal(state[r], kept[r]), r
     assert torch.equal(group.weights.flat, kept["weights"])
+
+
+def test_the_compiled_update_starts_no_compile_workers() -> None:
+    """The compiled pass compiles in its own process: inductor's pool of worker processes (one
+    per core on a GPU machine, ~0.35 GiB of host memory each, kept for the run's life) is never
+    started, so the host memory estimate holds (on Qwen3-8B with the BF16 mirror 17 of them
+    took the host past its memory, BENCHMARKS.md issue #16). In a fresh interpreter (nothing
+    compiled before), the threads inductor compiles with are recorded as it starts."""
+    code = """
+import torch, torch._inductor.compile_fx as fx, torch._inductor.config as cfg
+seen, compile_fx = [], fx.compile_fx
+fx.compile_fx = lambda *a, **k: (seen.append(cfg.compile_threads), compile_fx(*a, **k))[1]
+from slidedp.runtime.resident import _compiled_pass
+t = [torch.rand(8), torch.rand(8), torch.rand(8), torch.randn(8).bfloat16(),
+     torch.empty(8).bfloat16(), torch.rand(8), torch.tensor([1.0, 1.0])]
+_compiled_pass()(*t)
+print(cfg.compile_threads, *seen)
+"""
+    env = os.environ | {"TORCHINDUCTOR_COMPILE_THREADS": "4"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["4", "1"]  # the setting kept, the compile in one thread
 
 
 def _poison_gradient(monkeypatch: pytest.MonkeyPatch, group: int, call: int) -> None:

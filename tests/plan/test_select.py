@@ -84,8 +84,12 @@ def _brute_force(problem: dict[str, Any]) -> float:
     resident = problem.get("resident") or {"bytes_per_layer": 0.0, "max_layers": 0}
     w = resident["bytes_per_layer"]
     least_backward = min(max(c["time_s"] - c["forward_s"], 0.0) for c in cands)
+    pinned = problem.get("host_budget_bytes")
     for counts in itertools.product(range(LAYERS + 1), repeat=len(cands)):
         if sum(counts) != LAYERS:
+            continue
+        offloaded = sum(c["offloaded_bytes"] * n for c, n in zip(cands, counts, strict=True))
+        if pinned is not None and offloaded > pinned:
             continue
         used = [c for c, n in zip(cands, counts, strict=True) if n]
         mem = sum(c["retained_bytes"] * n for c, n in zip(cands, counts, strict=True))
@@ -199,6 +203,50 @@ def test_resident_embeddings_are_chosen_where_they_fit_and_shorten_the_step(
     steps = [_brute_force(host), _brute_force(on_gpu)]
     assert choice.solution["step_s"] == pytest.approx(min(steps), rel=1e-9)
     assert (steps[1] < steps[0]) == room
+
+
+@pytest.mark.parametrize("shares", [0.5, 2.5, None])
+def test_the_offloaded_activations_leave_the_mirror_its_host_memory(
+    run: tuple[Path, Any, HFAdapter, Machine], shares: float | None
+) -> None:
+    """On a GPU the offloaded activations (pinned in host memory from forward to backward) get
+    only what MemAvailable leaves beside the all-F run with its BF16 mirror and the mirror's
+    headroom: room for ``shares`` of an offloading layer's share. The program stays within it
+    (the brute force counts the same row), and unbounded (``None``: RAM to spare) it offloads
+    on every layer. Without the row the arena took the mirror's room on Qwen3-8B and every
+    streamed layer was cast on the host (BENCHMARKS.md, issue #16)."""
+    from slidedp.estimate import MIRROR_HEADROOM_BYTES, estimate_run
+
+    _, cfg, adapter, machine = run
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_grad_norm=0.0))
+    share = 300 * MIB
+    report = _report()  # N-r1: faster than N-r0 here, nothing retained, all in host memory
+    report["candidates"].append(_row("N-r1", 17.0, 0.0, offloaded_mib=share / MIB))
+    gpu = dataclasses.replace(machine, device="cuda", dtype="bfloat16",
+                              mem_available_bytes=10**15)  # fmt: skip
+    default = estimate_run(dataclasses.replace(cfg, runtime=select.all_f(cfg.runtime)), adapter,
+                           gpu, step_model=False)  # fmt: skip
+    assert default.mirror_bytes > 0
+    if shares is not None:
+        gpu = dataclasses.replace(gpu, mem_available_bytes=int(
+            default.ram_bytes + MIRROR_HEADROOM_BYTES + select.HOST_SLACK_BYTES + shares * share
+        ))  # fmt: skip
+    total = 10 * GIB  # room for N-r1's pool, not for N-r0's retained activations
+    free = activation_budget(cfg, adapter, gpu, total).bytes
+    total = int(total + (2 * share + 8 * MIB - free) / 0.94)
+    choice = select_layout(cfg, adapter, gpu, report, total_bytes=total, update_gbps=1e3,
+                           resident=False)  # fmt: skip
+    budget = choice.problem["host_budget_bytes"]
+    offloading = choice.solution["counts"][-1]
+    assert choice.solution["offloaded_bytes"] == offloading * share
+    assert choice.solution["step_s"] == pytest.approx(_brute_force(choice.problem), rel=1e-9)
+    if shares is None:
+        assert offloading == LAYERS
+    else:
+        assert budget == pytest.approx(shares * share, abs=1)
+        assert offloading == int(shares)
+    cpu = select_layout(cfg, adapter, machine, report, total_bytes=total, update_gbps=1e3)
+    assert cpu.problem["host_budget_bytes"] is None  # on CPU the activations are host memory
 
 
 def test_the_host_tail_is_the_embeddings_update_and_their_copies(

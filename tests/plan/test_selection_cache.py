@@ -21,7 +21,7 @@ from slidedp import estimate
 from slidedp.cli import main
 from slidedp.config import TrainConfig, load_config
 from slidedp.estimate import Machine, update_threads
-from slidedp.plan import auto, select, validate
+from slidedp.plan import auto, select, selection_cache, validate
 from slidedp.profile.cache import write_report
 from slidedp.profile.layer import _profiled, cached_profile
 
@@ -103,10 +103,19 @@ def _edit_model_config(cfg: TrainConfig) -> None:
 
 @pytest.mark.parametrize(
     "change",
-    ["train.global_batch_size=8", "data.seq_len=16", "train.max_grad_norm=0", "config.json"],
+    [
+        "train.global_batch_size=8",
+        "data.seq_len=16",
+        "train.max_grad_norm=0",
+        "config.json",
+        "program",
+    ],
 )
 def test_a_changed_term_selects_again(
-    run: tuple[Path, Path, FakeTrials], change: str, capsys: pytest.CaptureFixture[str]
+    run: tuple[Path, Path, FakeTrials],
+    change: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     path, cache, trials = run
     assert resolve(path)[0].runtime.layers == CHOICE
@@ -115,6 +124,10 @@ def test_a_changed_term_selects_again(
     overrides = []
     if change == "config.json":
         _edit_model_config(load_config(path, []))
+    elif change == "program":  # the program counts something new
+        monkeypatch.setattr(
+            selection_cache, "PROGRAM_REVISION", selection_cache.PROGRAM_REVISION + 1
+        )
     else:
         overrides.append(change)
     line = resolve(path, *overrides)[1]

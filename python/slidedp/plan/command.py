@@ -305,6 +305,13 @@ def _model_line(model: dict[str, Any]) -> str:
     )
 
 
+def _offloaded(solution: dict[str, Any], problem: dict[str, Any]) -> str:
+    """The host memory the program's offloaded activations pin, and its budget."""
+    pinned = f"{solution['offloaded_bytes'] / GIB:.2f} GiB offloaded to host memory"
+    budget = problem.get("host_budget_bytes")
+    return pinned if budget is None else f"{pinned} (of {budget / GIB:.2f} GiB to spare)"
+
+
 def format_summary(s: dict[str, Any], out: Path) -> str:
     sol, default = s["solution"], s["default"]
     names = [c["name"] for c in s["problem"]["candidates"]]
@@ -324,7 +331,8 @@ def format_summary(s: dict[str, Any], out: Path) -> str:
         f"{s['host_adamw']['gbps']:.0f} GB/s AdamW, {s['host_adamw']['source']}",
         f"  program: {s['program_layout']}",
         f"           step {sol['step_s']:.3f} s (layers {sol['compute_s']:.3f} s, host "
-        f"{sol['host_s']:.3f} s), activations {sol['memory_bytes'] / GIB:.2f} GiB",
+        f"{sol['host_s']:.3f} s), activations {sol['memory_bytes'] / GIB:.2f} GiB, "
+        f"{_offloaded(sol, s['problem'])}",
         f"  default: {len(default['counts']) and sum(default['counts'])}xF-r0, step "
         f"{default['step_s']:.3f} s (layers {default['compute_s']:.3f} s) -> "
         f"{default['step_s'] / sol['step_s']:.3f}x predicted",

@@ -32,7 +32,7 @@ from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM, D2H_GBPS, H2D_GBPS
 from slidedp.profile.pareto import layer_time, memory
 
 if TYPE_CHECKING:
-    from slidedp.config import TrainConfig
+    from slidedp.config import RuntimeSection, TrainConfig
     from slidedp.estimate import Machine
     from slidedp.models.hf import HFAdapter
 
@@ -41,6 +41,10 @@ if TYPE_CHECKING:
 # freed by the parked gradients); the budget keeps that share free
 HEADROOM = 0.06
 DEFAULT = LayerPolicy("F")
+# MemAvailable may shrink between the plan and the store's allocation (the profile's and the
+# solver's own process memory): the offload arena keeps this much of it unplanned, so the run
+# still gets the BF16 mirror the plan counted on
+HOST_SLACK_BYTES = 2**30
 # a layout leaves the default only when predicted this much faster: on the H100 (BENCHMARKS.md,
 # issue #16) predicted gains of 9% and 20% measured 0.99x and 0.97x where the host update bound
 # the step, and a layout spends GPU memory the default leaves free
@@ -107,6 +111,13 @@ def profile_candidates(
     return [(k, p, c) for (k, p), c in sorted(out.items(), key=lambda kv: kv[0][0])]
 
 
+def all_f(rt: RuntimeSection) -> RuntimeSection:
+    """``rt`` with the fixed default's policy: every layer ``F``, nothing offloaded, nothing
+    GPU-resident."""
+    return replace(rt, layers="F", offload_ratio=0.0, policy="", resident_layers=0,
+                   resident_embeddings=False)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Budget:
     bytes: int  # device bytes for the activations (retained, prefetch pool, transient)
@@ -123,15 +134,8 @@ def activation_budget(
     from slidedp.estimate import estimate_run
 
     probe = replace(machine, device="cuda", gpu_total_bytes=total_bytes)
-    runtime = replace(
-        cfg.runtime,
-        layers="F",
-        offload_ratio=0.0,
-        policy="",
-        resident_layers=0,
-        resident_embeddings=False,
-    )
-    gpu = estimate_run(replace(cfg, runtime=runtime), adapter, probe, step_model=False).gpu
+    gpu = estimate_run(replace(cfg, runtime=all_f(cfg.runtime)), adapter, probe,
+                       step_model=False).gpu  # fmt: skip
     assert gpu is not None
     fixed = gpu.needed_bytes - gpu.layer_bytes - max(gpu.checkpoint_bytes, gpu.parked_grad_bytes)
     if fixed >= total_bytes:
@@ -140,6 +144,26 @@ def activation_budget(
             f"the GPU's {total_bytes / 2**30:.2f} GiB: no activation layout fits"
         )
     return Budget(int((total_bytes - fixed) * (1.0 - HEADROOM)), gpu.parked_grad_bytes)
+
+
+def offload_host_budget(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> float | None:
+    """Host bytes one process's offloaded activations may pin (the offload arena): what
+    MemAvailable leaves after the run with the all-F layout (``estimate``: the store, the BF16
+    mirror where that run gets one, the process) and, where the mirror is decided by what fits,
+    its headroom (``MIRROR_HEADROOM_BYTES``), less ``HOST_SLACK_BYTES``; shared by the node's
+    ranks. An arena that took the mirror's room would cost more than it saves: without the
+    mirror every streamed layer is cast on the host before its H2D (BENCHMARKS.md, issue #16:
+    1.39 s a step on Qwen3-8B, B=16). None on CPU (activations are in host memory, in the
+    device budget) or where MemAvailable is unknown."""
+    from slidedp.estimate import MIRROR_HEADROOM_BYTES, estimate_run
+
+    if machine.device != "cuda" or machine.mem_available_bytes is None:
+        return None
+    est = estimate_run(replace(cfg, runtime=all_f(cfg.runtime)), adapter, machine,
+                       step_model=False)  # fmt: skip
+    headroom = MIRROR_HEADROOM_BYTES if est.mirror_bytes and cfg.runtime.bf16_mirror is None else 0
+    spare = machine.mem_available_bytes - est.ram_bytes - headroom - HOST_SLACK_BYTES
+    return max(0.0, spare / cfg.runtime.world)
 
 
 def host_update_s_per_layer(adapter: HFAdapter, gbps: float) -> float:
@@ -233,8 +257,9 @@ def select_layout(
     memory, the host update at ``update_gbps`` counted (after the backward with clipping), and
     with ``resident`` how many layers stay GPU-resident (their memory against the same budget,
     their update off the host lane), and with ``embeddings`` too whether the embedding and head
-    do (``solve_residency``). ``budget_cut_bytes``: taken off the activations' budget
-    (``plan.validate``'s feedback: what a validated choice reserved beyond the device).
+    do (``solve_residency``); the offloaded activations within ``offload_host_budget``.
+    ``budget_cut_bytes``: taken off the activations' budget (``plan.validate``'s feedback: what
+    a validated choice reserved beyond the device).
     ``times_s``: calibrated layer times (``plan.calibrate``) in the profile's place."""
     cands = profile_candidates(report, times_s)
     kinds = program_kinds(adapter, report, update_gbps)
@@ -255,6 +280,7 @@ def select_layout(
             "tail_s": host_tail_s(adapter, update_gbps, dtype),
         },
         "kinds": kinds,
+        "host_budget_bytes": offload_host_budget(cfg, adapter, machine),
     }
     solved = problem
     if resident:

@@ -4,10 +4,15 @@ selection time, break-even), kept beside the measurement caches (``profile.cache
 ``selection-KEY.json``) under a key of everything that can change the choice: the cached
 layer profile's, host probe's and link probe's reports (their facts and results: a measurement
 taken again is another key), the model's ``config.json``, batch per rank, sequence, dtype,
-clipping, world size, the GPU and its memory, and the runtime keys but those that cannot change
-the choice (``KEY_EXEMPT``). A hit runs no profile, probe, solve nor trial; a stale key is
-another file, selected afresh; a file that does not read is said in one line and rewritten by
-the new selection. ``runtime.policy_force: true`` selects again (and caches the new choice).
+clipping, world size, the GPU and its memory, the program's revision (``PROGRAM_REVISION``), and
+the runtime keys but those that cannot change the choice (``KEY_EXEMPT``). A hit runs no
+profile, probe, solve nor trial; a stale key is another file, selected afresh; a file that does
+not read is said in one line and rewritten by the new selection. ``runtime.policy_force: true``
+selects again (and caches the new choice).
+
+The host's free memory (the offloaded activations' budget, ``plan.select.offload_host_budget``)
+is not in the key either, for the same reason: a cached choice that no longer fits the host is
+refused by the same estimate, with its line.
 
 The free memory of a CPU run (its activations' budget) is not in the key: it changes from run to
 run; the estimate that checks every run (``preflight.check_memory``) checks a cached choice too.
@@ -40,6 +45,9 @@ if TYPE_CHECKING:
     from slidedp.config import TrainConfig
 
 KIND = "selection"
+# what the program counts, by revision: a selection cached before a change to it (2: the host
+# memory the offloaded activations may pin) is made afresh, not reused
+PROGRAM_REVISION = 2
 # runtime keys that cannot change the choice: what auto writes, the cache's own switch, where
 # the nodes meet, tracing, and the version wait
 KEY_EXEMPT = frozenset({"layers", "offload_ratio", "resident_layers", "resident_embeddings",
@@ -72,6 +80,7 @@ def selection_facts(
     the solve, the validation and the routes (``routes``: the candidates auto chooses among)."""
     rt = dataclasses.asdict(cfg.runtime)
     return {
+        "program": PROGRAM_REVISION,
         "profile": _digest(profile),
         "host": _digest(host),
         "links": None if links is None else _digest(links),

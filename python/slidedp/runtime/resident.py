@@ -330,8 +330,19 @@ def adamw_tensor(
 
 @functools.cache
 def _compiled_pass() -> Callable[..., None]:
-    """``adamw_tensor`` compiled once per process (dynamic shapes: one kernel for every size)."""
-    return torch.compile(adamw_tensor, dynamic=True)
+    """``adamw_tensor`` compiled once per process (dynamic shapes: one kernel for every size),
+    in this process: inductor's pool of one worker process per core would keep ~0.35 GiB of
+    host memory each for the run's life, which no estimate counts (on Qwen3-8B it took the
+    host past its memory, BENCHMARKS.md issue #16); one small kernel gains nothing from it."""
+    import torch._inductor.config as inductor
+
+    compiled = torch.compile(adamw_tensor, dynamic=True)
+
+    def run(*args: torch.Tensor) -> None:
+        with inductor.patch(compile_threads=1):
+            compiled(*args)
+
+    return run
 
 
 def adamw_single_pass(

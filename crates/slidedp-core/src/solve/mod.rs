@@ -10,6 +10,7 @@
 //! min T
 //!   Σ n_j = L,  n_j ≤ L·y_j,  P ≥ 2·o_j·y_j,  H ≥ h_j·y_j,  r ≤ R
 //!   Σ n_j·m_j + P + H + r·w ≤ B,  H + G + r·w ≤ B (G: a clipped step's parked gradients)
+//!   Σ n_j·o_j ≤ A (host memory: the offloaded shares, pinned from forward to backward)
 //!   compute C = c0 + Σ n_j·τ_j;  forward F = Σ n_j·φ_j;  host U = u·(L − r)
 //!   T ≥ C + E and T ≥ F + U + b·r + E (the update overlaps the backward, never the forward),
 //!   or T ≥ C + U + E (clipping: after the backward)
@@ -122,6 +123,10 @@ pub struct Problem {
     /// The layers' kinds (their `layers` sum to `layers`); empty: one kind, every layer.
     #[serde(default)]
     pub kinds: Vec<Kind>,
+    /// Host bytes the offloaded activations may pin (`A`: each layer's offloaded share stays in
+    /// host memory from its forward to its backward); unbounded when absent.
+    #[serde(default)]
+    pub host_budget_bytes: Option<f64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -133,6 +138,8 @@ pub struct Layout {
     pub compute_s: f64,
     pub host_s: f64,
     pub memory_bytes: f64,
+    /// Host bytes of the offloaded activations (`Σ n_j·o_j`).
+    pub offloaded_bytes: f64,
 }
 
 impl Problem {
@@ -142,11 +149,20 @@ impl Problem {
             return bad("a layout needs at least one layer and one candidate".into());
         }
         let finite = |x: f64| x.is_finite() && x >= 0.0;
-        if ![self.budget_bytes, self.fixed_s, self.parked_bytes]
-            .into_iter()
-            .all(finite)
+        let host_budget = self.host_budget_bytes.unwrap_or(0.0);
+        if ![
+            self.budget_bytes,
+            self.fixed_s,
+            self.parked_bytes,
+            host_budget,
+        ]
+        .into_iter()
+        .all(finite)
         {
-            return bad("budget_bytes, fixed_s and parked_bytes must be finite and >= 0".into());
+            return bad(
+                "budget_bytes, fixed_s, parked_bytes and host_budget_bytes must be finite and >= 0"
+                    .into(),
+            );
         }
         for c in &self.candidates {
             let costs = [
@@ -252,6 +268,13 @@ impl Problem {
         let per_resident = self.resident.as_ref().map_or(0.0, |r| r.bytes_per_layer);
         kept + pool + transient + f64::from(resident) * per_resident
     }
+
+    /// Host bytes of the activations `counts` offload.
+    pub fn offloaded_bytes(&self, counts: &[u32]) -> f64 {
+        (self.candidates.iter().zip(counts))
+            .map(|(c, n)| c.offloaded_bytes * f64::from(*n))
+            .sum()
+    }
 }
 
 /// The fastest layout of `problem` that fits its budget.
@@ -317,6 +340,15 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
     }
     let budget = share(problem.budget_bytes);
     model.add_constraint(constraint!(memory <= budget));
+    if let Some(limit) = problem.host_budget_bytes {
+        // in units of its own budget, as the device rows (none: only layouts that offload
+        // nothing)
+        let unit = if limit > 0.0 { limit } else { 1.0 };
+        let pinned: Expression = (n.iter().zip(cands))
+            .map(|(v, c)| (c.offloaded_bytes / unit) * *v)
+            .sum();
+        model.add_constraint(constraint!(pinned <= limit / unit));
+    }
     // resident layers stay beside the parked gradients of a clipped step's end
     model.add_constraint(constraint!(
         transient + share(problem.parked_bytes) + share(per_resident) * resident <= budget
@@ -339,9 +371,13 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
     }
     let solution = model.solve().map_err(|e| match e {
         ResolutionError::Infeasible => Error::InvalidArgument(format!(
-            "no layout of {} layers fits {:.2} GiB of device memory",
+            "no layout of {} layers fits {:.2} GiB of device memory{}",
             problem.layers,
-            problem.budget_bytes / GIB
+            problem.budget_bytes / GIB,
+            problem.host_budget_bytes.map_or(String::new(), |a| format!(
+                " and {:.2} GiB of host memory for offloaded activations",
+                a / GIB
+            ))
         )),
         // never the input's fault: name the solver, so it is not read as "does not fit"
         other => Error::InvalidArgument(format!("the layout solver failed: {other}")),
@@ -364,6 +400,11 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
     }
     assert!(
         layout.memory_bytes <= problem.budget_bytes * (1.0 + 1e-9),
+        "{layout:?}"
+    );
+    let host_budget = problem.host_budget_bytes.unwrap_or(f64::INFINITY);
+    assert!(
+        layout.offloaded_bytes <= host_budget * (1.0 + 1e-9),
         "{layout:?}"
     );
     Ok(layout)
@@ -398,6 +439,7 @@ pub fn layout_of(problem: &Problem, counts: Vec<u32>, resident_layers: u32) -> L
         None => (0.0, compute_s),
     };
     let memory_bytes = problem.memory_bytes(&counts, resident_layers);
+    let offloaded_bytes = problem.offloaded_bytes(&counts);
     Layout {
         counts,
         resident_layers,
@@ -405,6 +447,7 @@ pub fn layout_of(problem: &Problem, counts: Vec<u32>, resident_layers: u32) -> L
         compute_s,
         host_s,
         memory_bytes,
+        offloaded_bytes,
     }
 }
 

@@ -46,6 +46,7 @@ fn three() -> Problem {
         host: None,
         resident: None,
         kinds: vec![],
+        host_budget_bytes: None,
     }
 }
 
@@ -80,6 +81,29 @@ fn the_prefetch_pool_counts_two_offloaded_shares_once() {
     assert_eq!(layout.memory_bytes, 5.0);
     p.budget_bytes = 4.5; // the pool does not fit: SAC (1 B each) on three layers, F elsewhere
     assert_eq!(solve(&p).unwrap().counts, vec![7, 3, 0, 0]);
+}
+
+#[test]
+fn the_offloaded_shares_fit_the_host_budget() {
+    // N-r1 (7 s, retained 0, 2 B offloaded) on every layer with a device budget of 5 B (as
+    // above); host memory for 6 B of offloaded shares: three N-r1 layers (6 B pinned). By
+    // hand, the other seven in the device's 5 - 1 - 4 = 0 B left: F. 3 x 7 + 7 x 10 = 91 s.
+    // With the pool's 4 B the device has no room for SAC; the runner-up, 4 SAC + 6 F without
+    // offloading, takes 92 s.
+    let mut p = three();
+    p.candidates.push(cand("N-r1", 7.0, 0.0, 2.0));
+    p.budget_bytes = 5.0;
+    p.host_budget_bytes = Some(6.0);
+    let layout = solve(&p).unwrap();
+    assert_eq!(layout.counts, vec![7, 0, 0, 3]);
+    assert_eq!((layout.step_s, layout.offloaded_bytes), (91.0, 6.0));
+    // no host memory to spare: nothing offloads
+    p.host_budget_bytes = Some(0.0);
+    let layout = solve(&p).unwrap();
+    assert_eq!((layout.counts[3], layout.offloaded_bytes), (0, 0.0));
+    // unbounded: every layer N-r1, 20 B pinned
+    p.host_budget_bytes = None;
+    assert_eq!(solve(&p).unwrap().offloaded_bytes, 20.0);
 }
 
 #[test]
@@ -229,6 +253,7 @@ fn two_kinds(budget_bytes: f64) -> Problem {
         host: None,
         resident: None,
         kinds: vec![kind("A", 6, None), kind("B", 4, None)],
+        host_budget_bytes: None,
     }
 }
 
