@@ -23,6 +23,9 @@ Host (``/dev/shm`` and RAM):
 - process: 1.6 GiB with CUDA (BENCHMARKS.md "Qwen3-4B shape, host memory": PSS minus store and
   arena), 0.7 GiB on CPU (PSS after importing torch, transformers and the trainer, measured on the
   2-core dev machine).
+- inductor's compile workers (CUDA, compiled decoder layers: ``runtime.compile``): a sidecar
+  and one process per compile thread (torch's own count: ``TORCHINDUCTOR_COMPILE_THREADS``, else
+  the cores, 32 at most), ``COMPILE_WORKER_BYTES`` each for the process's life, per rank.
 - on CPU the "device" working set below is host RAM too.
 
 Pinned (CUDA only): the store's staging and gradient slots plus the offload arena.
@@ -138,6 +141,9 @@ from slidedp.store import HostStore
 GIB = 2**30
 SHM_DIR = Path("/dev/shm")
 CUDA_PROCESS_BYTES = int(1.6 * GIB)
+# one of inductor's compile worker processes, resident: measured on the H100 host (torch 2.11,
+# 16 cores: 17 processes of ~363 MB beside a run, BENCHMARKS.md issue #16)
+COMPILE_WORKER_BYTES = int(0.35 * GIB)
 # RAM an automatic BF16 mirror leaves free beyond the run (page cache, the data, other processes)
 MIRROR_HEADROOM_BYTES = 8 * GIB
 CPU_PROCESS_BYTES = int(0.7 * GIB)
@@ -270,6 +276,7 @@ class Estimate:
     shm_bytes: int
     offload_arena_bytes: int
     process_bytes: int
+    compile_workers_bytes: int  # inductor's compile workers, every rank's
     cpu_working_bytes: int  # the device working set, in host RAM on CPU runs
     ram_bytes: int
     pinned_bytes: int
@@ -290,12 +297,18 @@ class Estimate:
         return asdict(self) | {"fits": not short, "shortages": short}
 
 
-def resolve_mirror(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> bool:
-    """Whether the store gets the BF16 mirror: ``runtime.bf16_mirror`` when set; unset, always
-    for several ranks on the replicated route (no rank casts a layer) and otherwise where the run
-    with the mirror fits ``machine`` with ``MIRROR_HEADROOM_BYTES`` of RAM to spare (the mirror
-    is the faster path, casting on delivery the smaller footprint; both train bit-identically).
-    Never when computing in f32."""
+def compile_worker_bytes(backend: str, machine: Machine) -> int:
+    """Host memory of one process's inductor compile workers: they compile Triton kernels, so
+    only on CUDA with the ``inductor`` backend, and none where torch compiles in one thread."""
+    if machine.device != "cuda" or backend != "inductor":
+        return 0
+    threads = int(os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", min(32, machine.cores)))
+    return (threads + 1) * COMPILE_WORKER_BYTES if threads > 1 else 0
+
+
+def mirror_given(cfg: TrainConfig, machine: Machine) -> bool | None:
+    """Whether the store gets the BF16 mirror whatever fits (``resolve_mirror``'s first
+    rules), or None where what fits decides."""
     rt = cfg.runtime
     if machine.dtype != "bfloat16":
         return False
@@ -303,6 +316,19 @@ def resolve_mirror(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> bo
         return rt.bf16_mirror
     if rt.world > 1 and rt.param_route == "replicated":
         return True
+    return None
+
+
+def resolve_mirror(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> bool:
+    """Whether the store gets the BF16 mirror: ``runtime.bf16_mirror`` when set; unset, always
+    for several ranks on the replicated route (no rank casts a layer) and otherwise where the run
+    with the mirror fits ``machine`` with ``MIRROR_HEADROOM_BYTES`` of RAM to spare (the mirror
+    is the faster path, casting on delivery the smaller footprint; both train bit-identically).
+    Never when computing in f32."""
+    rt = cfg.runtime
+    given = mirror_given(cfg, machine)
+    if given is not None:
+        return given
     available = machine.mem_available_bytes
     if available is None:  # cannot tell: the smaller footprint
         return False
@@ -459,6 +485,7 @@ def estimate_run(
             peak + CUDA_CONTEXT_BYTES,
         )
     process = CUDA_PROCESS_BYTES if cuda else CPU_PROCESS_BYTES
+    workers = compile_worker_bytes(policy.compute.compile, machine) * rt.world
     cpu_working = 0 if cuda else working * rt.world  # CPU ranks: each its own, in host RAM
     rate = host_rate(update_threads(cfg, machine), machine)
     return Estimate(
@@ -480,8 +507,9 @@ def estimate_run(
         shm_bytes=store,
         offload_arena_bytes=arena,
         process_bytes=process,
+        compile_workers_bytes=workers,
         cpu_working_bytes=cpu_working,
-        ram_bytes=store + arena + process + cpu_working,
+        ram_bytes=store + arena + process + workers + cpu_working,
         pinned_bytes=slots_bytes + arena if cuda else 0,
         gpu=gpu,
         step=_step_time(cfg, adapter, machine, params, rate),
@@ -717,6 +745,8 @@ def format_estimate(est: Estimate) -> str:
     if est.offload_arena_bytes:
         row("  activation offload arenas", _gib(est.offload_arena_bytes), "pinned")
     row(f"  process ({'torch + CUDA' if est.gpu else 'torch'})", _gib(est.process_bytes))
+    if est.compile_workers_bytes:
+        row("  compile workers (inductor)", _gib(est.compile_workers_bytes), "runtime.compile")
     if est.cpu_working_bytes:
         row("  compute working set (CPU)", _gib(est.cpu_working_bytes))
         if est.resident_bytes:

@@ -22,6 +22,7 @@ from slidedp.cli import main
 from slidedp.config import TrainConfig, load_config
 from slidedp.errors import OutOfDeviceMemoryError
 from slidedp.estimate import (
+    COMPILE_WORKER_BYTES,
     GIB,
     Estimate,
     Machine,
@@ -209,6 +210,7 @@ def test_qwen3_4b_matches_the_measurements_without_allocating(
         "runtime.grad_slots=2",
         "runtime.bf16_mirror=false",
         "runtime.kernels=eager",  # those runs had transformers' modules (Liger: test_liger_memory)
+        "runtime.compile=false",  # and were not compiled (no compile workers beside them)
     )
     est = estimate_run(cfg, HFAdapter.from_dir(qwen3_4b), H100)
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
@@ -227,6 +229,27 @@ def test_qwen3_4b_matches_the_measurements_without_allocating(
     assert est.step.range_s[0] <= step_s <= est.step.range_s[1]
 
 
+@pytest.mark.parametrize("threads", [None, "1"])
+def test_compiled_layers_count_inductors_compile_workers(
+    tmp_path: Path, qwen3_4b: Path, monkeypatch: pytest.MonkeyPatch, threads: str | None
+) -> None:
+    """Compiled layers on CUDA: a sidecar and one worker per compile thread (the H100 host's 16
+    cores) in host RAM, per rank, as measured beside a run (17 processes of ~363 MB); none when
+    torch compiles in one thread or the layers are not compiled."""
+    if threads is None:
+        monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", threads)
+    base = ("data.seq_len=1024", "runtime.kernels=eager", "runtime.bf16_mirror=false")
+    adapter = HFAdapter.from_dir(qwen3_4b)
+    compiled = estimate_run(_cfg(tmp_path, qwen3_4b, *base, "runtime.compile=true"), adapter, H100)
+    plain = estimate_run(_cfg(tmp_path, qwen3_4b, *base, "runtime.compile=false"), adapter, H100)
+    workers = 0 if threads else 17 * COMPILE_WORKER_BYTES
+    assert compiled.compile_workers_bytes == workers
+    assert compiled.ram_bytes - plain.ram_bytes == workers
+    assert plain.compile_workers_bytes == 0
+
+
 def _on(est: Estimate, machine: Machine) -> Estimate:
     return replace(est, machine=machine)
 
@@ -240,6 +263,7 @@ def test_refusal_names_every_shortage_with_its_numbers(tmp_path: Path, qwen3_4b:
         "runtime.grad_slots=2",  # the measured store: 45.73 GiB
         "runtime.bf16_mirror=false",
         "runtime.kernels=eager",
+        "runtime.compile=false",
     )
     est = estimate_run(cfg, HFAdapter.from_dir(qwen3_4b), H100)
     check_fits(est)  # H100 with 100 GiB of /dev/shm: fits

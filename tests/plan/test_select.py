@@ -245,6 +245,10 @@ def test_the_offloaded_activations_leave_the_mirror_its_host_memory(
     else:
         assert budget == pytest.approx(shares * share, abs=1)
         assert offloading == int(shares)
+        # a mirror the config asks for is not decided by what fits: no headroom kept for it
+        given = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, bf16_mirror=True))
+        headroom = select.offload_host_budget(given, adapter, gpu) - budget
+        assert headroom == pytest.approx(MIRROR_HEADROOM_BYTES, abs=1)
     cpu = select_layout(cfg, adapter, machine, report, total_bytes=total, update_gbps=1e3)
     assert cpu.problem["host_budget_bytes"] is None  # on CPU the activations are host memory
 

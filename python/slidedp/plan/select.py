@@ -155,13 +155,14 @@ def offload_host_budget(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) 
     mirror every streamed layer is cast on the host before its H2D (BENCHMARKS.md, issue #16:
     1.39 s a step on Qwen3-8B, B=16). None on CPU (activations are in host memory, in the
     device budget) or where MemAvailable is unknown."""
-    from slidedp.estimate import MIRROR_HEADROOM_BYTES, estimate_run
+    from slidedp.estimate import MIRROR_HEADROOM_BYTES, estimate_run, mirror_given
 
     if machine.device != "cuda" or machine.mem_available_bytes is None:
         return None
-    est = estimate_run(replace(cfg, runtime=all_f(cfg.runtime)), adapter, machine,
-                       step_model=False)  # fmt: skip
-    headroom = MIRROR_HEADROOM_BYTES if est.mirror_bytes and cfg.runtime.bf16_mirror is None else 0
+    default = replace(cfg, runtime=all_f(cfg.runtime))
+    est = estimate_run(default, adapter, machine, step_model=False)
+    by_fit = est.mirror_bytes and mirror_given(default, machine) is None
+    headroom = MIRROR_HEADROOM_BYTES if by_fit else 0
     spare = machine.mem_available_bytes - est.ram_bytes - headroom - HOST_SLACK_BYTES
     return max(0.0, spare / cfg.runtime.world)
 
