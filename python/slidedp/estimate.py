@@ -25,7 +25,9 @@ Host (``/dev/shm`` and RAM):
   2-core dev machine).
 - inductor's compile workers (CUDA, compiled decoder layers: ``runtime.compile``): a sidecar
   and one process per compile thread (torch's own count: ``TORCHINDUCTOR_COMPILE_THREADS``, else
-  the cores, 32 at most), ``COMPILE_WORKER_BYTES`` each for the process's life, per rank.
+  the cores, 32 at most), ``COMPILE_WORKER_BYTES`` each while they live (from the first
+  compiled step, when the store and the arena are in place; newer torch retires idle workers
+  after a minute), per rank.
 - on CPU the "device" working set below is host RAM too.
 
 Pinned (CUDA only): the store's staging and gradient slots plus the offload arena.

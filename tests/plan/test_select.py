@@ -253,6 +253,36 @@ def test_the_offloaded_activations_leave_the_mirror_its_host_memory(
     assert cpu.problem["host_budget_bytes"] is None  # on CPU the activations are host memory
 
 
+def test_where_only_offloading_fits_the_device_the_arena_takes_the_mirrors_room(
+    run: tuple[Path, Any, HFAdapter, Machine],
+) -> None:
+    """A device budget that only offloaded layers fit, and host memory beside the mirror for
+    half a share: no layout fits with the mirror's room kept, so the budget is the one without
+    the mirror (the run then goes without it), and every layer offloads."""
+    from slidedp.estimate import MIRROR_HEADROOM_BYTES, estimate_run
+
+    _, cfg, adapter, machine = run
+    share = 300 * MIB
+    report = _report()
+    report["candidates"] = [_row("F-r0", 30.0, 200.0), _row("N-r1", 17.0, 0.0, offloaded_mib=300)]
+    gpu = dataclasses.replace(machine, device="cuda", dtype="bfloat16", mem_available_bytes=10**15)
+    all_f = dataclasses.replace(cfg, runtime=select.all_f(cfg.runtime))
+    ram = estimate_run(all_f, adapter, gpu, step_model=False).ram_bytes
+    available = int(ram + MIRROR_HEADROOM_BYTES + select.HOST_SLACK_BYTES + share // 2)
+    gpu = dataclasses.replace(gpu, mem_available_bytes=available)
+    assert select.offload_host_budget(cfg, adapter, gpu) == pytest.approx(share / 2, abs=1)
+    total = 10 * GIB  # room for N-r1's pool and transient, not for one F-r0 layer beside it
+    free = activation_budget(cfg, adapter, gpu, total).bytes
+    total = int(total + (2 * share + 8 * MIB - free) / 0.94)
+    choice = select_layout(cfg, adapter, gpu, report, total_bytes=total, update_gbps=1e3,
+                           resident=False)  # fmt: skip
+    assert choice.layout == "4xN-r1"
+    without = select.offload_host_budget(cfg, adapter, gpu, mirror=False)
+    assert choice.problem["host_budget_bytes"] == without
+    assert without is not None
+    assert without > 4 * share  # the mirror's headroom and its own bytes
+
+
 def test_the_host_tail_is_the_embeddings_update_and_their_copies(
     run: tuple[Path, Any, HFAdapter, Machine],
 ) -> None:
@@ -314,6 +344,7 @@ def test_plan_writes_a_policy_file_that_trains(
     out = capsys.readouterr().out
     assert "chosen:  4xN-r0, 4 GPU-resident + embeddings" in out  # 80 GB: room for all
     assert "default: 4xF-r0" in out
+    assert "0.00 GiB offloaded to host memory" in out  # planned on CPU: no host budget
     assert yaml.safe_load(policy.read_text()) == {"layers": "4xN-r0", "resident_layers": 4,
                                                   "resident_embeddings": True}  # fmt: skip
     summary = json.loads(policy.with_suffix(".json").read_text())

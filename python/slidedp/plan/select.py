@@ -146,25 +146,37 @@ def activation_budget(
     return Budget(int((total_bytes - fixed) * (1.0 - HEADROOM)), gpu.parked_grad_bytes)
 
 
-def offload_host_budget(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> float | None:
+def offload_host_budget(
+    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, *, mirror: bool = True
+) -> float | None:
     """Host bytes one process's offloaded activations may pin (the offload arena): what
-    MemAvailable leaves after the run with the all-F layout (``estimate``: the store, the BF16
-    mirror where that run gets one, the process) and, where the mirror is decided by what fits,
-    its headroom (``MIRROR_HEADROOM_BYTES``), less ``HOST_SLACK_BYTES``; shared by the node's
-    ranks. An arena that took the mirror's room would cost more than it saves: without the
-    mirror every streamed layer is cast on the host before its H2D (BENCHMARKS.md, issue #16:
-    1.39 s a step on Qwen3-8B, B=16). None on CPU (activations are in host memory, in the
-    device budget) or where MemAvailable is unknown."""
+    MemAvailable leaves after the run with the all-F layout (``estimate``: the store, the
+    process) with its BF16 mirror and the mirror's headroom (``MIRROR_HEADROOM_BYTES``) where
+    the mirror is decided by what fits the host and it fits there, less ``HOST_SLACK_BYTES``;
+    shared by the node's ranks (on several, for the config's routes). An arena that took the
+    mirror's room would cost more than it saves: without the mirror every streamed layer is
+    cast on the host before its H2D (BENCHMARKS.md, issue #16: 1.39 s a step on Qwen3-8B,
+    B=16). ``mirror=False``: the budget without the mirror's room (where no layout fits beside
+    it). None on CPU (activations are in host memory, in the device budget) or where
+    MemAvailable is unknown."""
     from slidedp.estimate import MIRROR_HEADROOM_BYTES, estimate_run, mirror_given
 
-    if machine.device != "cuda" or machine.mem_available_bytes is None:
+    available = machine.mem_available_bytes
+    if machine.device != "cuda" or available is None:
         return None
-    default = replace(cfg, runtime=all_f(cfg.runtime))
-    est = estimate_run(default, adapter, machine, step_model=False)
-    by_fit = est.mirror_bytes and mirror_given(default, machine) is None
-    headroom = MIRROR_HEADROOM_BYTES if by_fit else 0
-    spare = machine.mem_available_bytes - est.ram_bytes - headroom - HOST_SLACK_BYTES
-    return max(0.0, spare / cfg.runtime.world)
+    rt = all_f(cfg.runtime)
+    given = mirror_given(replace(cfg, runtime=rt), machine)
+
+    def spare(with_mirror: bool, headroom: int) -> float:
+        run = replace(cfg, runtime=replace(rt, bf16_mirror=with_mirror))
+        ram = estimate_run(run, adapter, machine, step_model=False).ram_bytes
+        return (available - ram - headroom - HOST_SLACK_BYTES) / cfg.runtime.world
+
+    if given is not None:
+        return max(0.0, spare(given, 0))
+    if mirror and (kept := spare(True, MIRROR_HEADROOM_BYTES)) >= 0:
+        return kept
+    return max(0.0, spare(False, 0))
 
 
 def host_update_s_per_layer(adapter: HFAdapter, gbps: float) -> float:
@@ -241,6 +253,21 @@ def solve_residency(
     return problem, solution, False
 
 
+def _solved(
+    problem: dict[str, Any],
+    adapter: HFAdapter,
+    dtype: torch.dtype,
+    clipping: bool,
+    embeddings: bool,
+) -> tuple[dict[str, Any], dict[str, Any], bool]:
+    """``problem`` solved, with ``embeddings`` the faster of it and resident embeddings
+    (``solve_residency``): (the problem solved, its solution, whether the embeddings are
+    resident)."""
+    if not embeddings:
+        return problem, solve(problem), False
+    return solve_residency(problem, resident_embedding_bytes(adapter, dtype, clipping=clipping))
+
+
 def select_layout(
     cfg: TrainConfig,
     adapter: HFAdapter,
@@ -283,17 +310,24 @@ def select_layout(
         "kinds": kinds,
         "host_budget_bytes": offload_host_budget(cfg, adapter, machine),
     }
-    solved = problem
     if resident:
         problem["resident"] = {
             "bytes_per_layer": float(resident_bytes_per_layer(adapter, dtype, clipping=clipping)),
             "max_layers": adapter.num_layers,
         }
-    if resident and embeddings:
-        extra = resident_embedding_bytes(adapter, dtype, clipping=clipping)
-        solved, solution, on_gpu = solve_residency(problem, extra)
-    else:
-        solution, on_gpu = solve(problem), False
+    try:
+        solved, solution, on_gpu = _solved(
+            problem, adapter, dtype, clipping, resident and embeddings
+        )
+    except InvalidArgumentError:
+        if problem["host_budget_bytes"] is None:
+            raise
+        # no layout fits the device without offloading more than the mirror leaves room for:
+        # the arena takes that room, and the run goes without the mirror (resolve_mirror)
+        problem["host_budget_bytes"] = offload_host_budget(cfg, adapter, machine, mirror=False)
+        solved, solution, on_gpu = _solved(
+            problem, adapter, dtype, clipping, resident and embeddings
+        )
     counts = [(k, p, int(n)) for (k, p, _), n in zip(cands, solution["counts"], strict=True)]
     retained = {(k, p): int(c["retained_bytes"]) for k, p, c in cands}
     layers = place_by_kind(counts, retained, adapter.layer_kinds)

@@ -11,8 +11,9 @@ not read is said in one line and rewritten by the new selection. ``runtime.polic
 selects again (and caches the new choice).
 
 The host's free memory (the offloaded activations' budget, ``plan.select.offload_host_budget``)
-is not in the key either, for the same reason: a cached choice that no longer fits the host is
-refused by the same estimate, with its line.
+is not in the key either: it too changes from run to run. A cached choice is not solved again
+for it: where the host has less to spare than when it was chosen, the run may go without the
+BF16 mirror (``estimate.resolve_mirror``), or is refused by the estimate where it does not fit.
 
 The free memory of a CPU run (its activations' budget) is not in the key: it changes from run to
 run; the estimate that checks every run (``preflight.check_memory``) checks a cached choice too.

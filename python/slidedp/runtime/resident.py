@@ -331,9 +331,10 @@ def adamw_tensor(
 @functools.cache
 def _compiled_pass() -> Callable[..., None]:
     """``adamw_tensor`` compiled once per process (dynamic shapes: one kernel for every size),
-    in this process: inductor's pool of one worker process per core would keep ~0.35 GiB of
-    host memory each for the run's life, which no estimate counts (on Qwen3-8B it took the
-    host past its memory, BENCHMARKS.md issue #16); one small kernel gains nothing from it."""
+    in this process: inductor's pool of one worker process per core takes ~0.35 GiB of host
+    memory each while it lives, at the run's first step, when the store and the offload arena
+    are already in place (on Qwen3-8B it took the host past its memory, BENCHMARKS.md issue
+    #16); one small kernel gains nothing from it."""
     import torch._inductor.config as inductor
 
     compiled = torch.compile(adamw_tensor, dynamic=True)

@@ -341,13 +341,18 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
     let budget = share(problem.budget_bytes);
     model.add_constraint(constraint!(memory <= budget));
     if let Some(limit) = problem.host_budget_bytes {
-        // in units of its own budget, as the device rows (none: only layouts that offload
-        // nothing)
-        let unit = if limit > 0.0 { limit } else { 1.0 };
-        let pinned: Expression = (n.iter().zip(cands))
-            .map(|(v, c)| (c.offloaded_bytes / unit) * *v)
-            .sum();
-        model.add_constraint(constraint!(pinned <= limit / unit));
+        // in units of the larger of the budget and the largest share, as the device rows in
+        // theirs: every coefficient at most 1, also for a budget of 0 (nothing offloads)
+        let unit = cands
+            .iter()
+            .map(|c| c.offloaded_bytes)
+            .fold(limit, f64::max);
+        if unit > 0.0 {
+            let pinned: Expression = (n.iter().zip(cands))
+                .map(|(v, c)| (c.offloaded_bytes / unit) * *v)
+                .sum();
+            model.add_constraint(constraint!(pinned <= limit / unit));
+        }
     }
     // resident layers stay beside the parked gradients of a clipped step's end
     model.add_constraint(constraint!(

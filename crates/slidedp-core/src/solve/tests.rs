@@ -107,6 +107,19 @@ fn the_offloaded_shares_fit_the_host_budget() {
 }
 
 #[test]
+fn a_real_profile_solves_with_no_host_memory_to_spare() {
+    // the H100 profile's program in raw bytes, its offloading candidates barred by a budget of
+    // 0 (the clamp of a host without room): solved, nothing offloaded
+    let mut p: Problem = serde_json::from_str(include_str!("h100_profile_problem.json")).unwrap();
+    assert!(p.candidates.iter().any(|c| c.offloaded_bytes > 1e8));
+    p.host_budget_bytes = Some(0.0);
+    let layout = solve(&p).unwrap();
+    assert_eq!(layout.offloaded_bytes, 0.0);
+    p.host_budget_bytes = Some(1.0); // one byte: no share fits either
+    assert_eq!(solve(&p).unwrap().offloaded_bytes, 0.0);
+}
+
+#[test]
 fn resident_layers_shorten_the_host_lane_where_it_binds() {
     let mut p = three();
     p.budget_bytes = 1e6;
