@@ -334,16 +334,9 @@ def _compiled_pass() -> Callable[..., None]:
     in this process: inductor's pool of one worker process per core takes ~0.35 GiB of host
     memory each while it lives, at the run's first step, when the store and the offload arena
     are already in place (on Qwen3-8B it took the host past its memory, BENCHMARKS.md issue
-    #16); one small kernel gains nothing from it."""
-    import torch._inductor.config as inductor
-
-    compiled = torch.compile(adamw_tensor, dynamic=True)
-
-    def run(*args: torch.Tensor) -> None:
-        with inductor.patch(compile_threads=1):
-            compiled(*args)
-
-    return run
+    #16); one small kernel gains nothing from it. The setting is the compile's own option, so
+    the ~400 calls a step pay nothing for it (a ``config.patch`` around each took ~20 us)."""
+    return torch.compile(adamw_tensor, dynamic=True, options={"compile_threads": 1})
 
 
 def adamw_single_pass(
