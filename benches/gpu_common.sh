@@ -4,6 +4,13 @@
 # into $OUT/log.txt and says how it ended, `within SECONDS NAME`, whether such a part still
 # ends within the device call's 10 minutes (else it says it is skipped), and `layer SHAPE
 # BATCH [FAMILIES [RATIOS]]`, the step-time model's layer probe (bench.predict) into $OUT.
+# MEMWATCH=1 samples the host's memory every second into $OUT/mem.tsv (MemAvailable, page
+# cache, unevictable, anonymous and shared GiB, and the largest process's anonymous, file and
+# shared RSS); for a run the OOM killer ends, the kernel's own account goes to $OUT/dmesg.txt.
+# MEMWATCH=2 adds, each time they change, that process's mappings of over 1 GiB resident
+# ($OUT/maps.txt): reading smaps of a 100 GiB mapping took ~0.5 s a sample and competes with
+# the run's page faults, so not for timings. Which code pinned host memory:
+# SLIDEDP_PIN_WATCH=$OUT PYTHONPATH=$PWD/benches/diag (benches/diag/sitecustomize.py).
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$OUT"
@@ -15,6 +22,24 @@ fi
 python3 -c "import torch, triton, slidedp; print('torch', torch.__version__, 'triton',
 triton.__version__, 'slidedp', slidedp.__file__, 'GPUs', torch.cuda.device_count())" 2>&1 | tee -a "$LOG"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$LOG"
+
+if [[ ${MEMWATCH:-0} != 0 ]]; then
+    (echo -e "time\tavail\tcached\tunevictable\tanon\tshmem\tpid\trss_anon\trss_file\trss_shmem"
+     while sleep 1; do
+         pid=$(ps -eo pid=,rss= --sort=-rss | awk 'NR==1 {print $1}')
+         mem=$(awk '/^(MemAvailable|Shmem|AnonPages|Unevictable|Cached):/ {
+             printf "\t%.1f", $2 / 2^20 }' /proc/meminfo)
+         rss=$(awk '/^Rss(Anon|File|Shmem):/ { printf "\t%.1f", $2 / 2^20 }' \
+             "/proc/$pid/status" 2>/dev/null)
+         echo -e "$(date -u +%T)$mem\t$pid$rss"
+         [[ $MEMWATCH == 2 ]] || continue
+         maps=$(awk '/^[0-9a-f]+-[0-9a-f]+ / {m = $0} /^Rss:/ && $2 > 2^20 {
+             printf "%.1f GiB %s\n", $2 / 2^20, m }' "/proc/$pid/smaps" 2>/dev/null)
+         [[ $maps == "${last:-}" ]] || echo -e "$(date -u +%T) pid $pid\n$maps" >> "$OUT/maps.txt"
+         last=$maps
+     done) > "$OUT/mem.tsv" 2>/dev/null &
+    trap 'kill %1 2>/dev/null; dmesg > "$OUT/dmesg.txt" 2>&1' EXIT
+fi
 
 part() {  # part NAME SECONDS COMMAND...
     local name=$1 seconds=$2

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -129,3 +131,29 @@ def test_the_resident_update_overlaps_the_next_forward(
         assert not torch.equal(after, before)
     finally:
         trainer.engine.close()
+
+
+@pytest.mark.gpu
+def test_the_compiled_update_pins_no_host_memory() -> None:
+    """The first update of large tensors pins no host memory: the pass is not autotuned, so
+    inductor never saves the inputs it writes to pinned host memory to time its configs (3 x 4
+    GiB for Qwen3-8B's embedding, the OOM kill of BENCHMARKS.md issue #16). In a fresh
+    interpreter with no GPU memory to spare (the autotuner copies to the host what does not
+    fit the spare): with autotuning the three f32 tensors (3 x 256 MiB) are pinned."""
+    code = """
+import torch
+from slidedp.runtime.resident import _compiled_pass
+cuda = torch.device("cuda")
+kernel = _compiled_pass()
+n = 4 * 2**24
+f32 = [torch.zeros(n, device=cuda) for _ in range(3)]
+grad, weight = (torch.zeros(n, device=cuda, dtype=torch.bfloat16) for _ in range(2))
+torch.cuda.reset_peak_host_memory_stats()
+kernel(*f32, grad, weight, torch.ones(8, device=cuda), torch.tensor([1.0, 1.0], device=cuda))
+torch.cuda.synchronize()
+print(torch.cuda.host_memory_stats().get("allocated_bytes.all.peak", 0))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) < 2**20  # the pass's own small copies at most

@@ -378,30 +378,36 @@ def test_the_gpu_update_is_the_host_kernel_to_rounding(compiled: bool) -> None:
     assert torch.equal(group.weights.flat, kept["weights"])
 
 
-def test_the_compiled_update_compiles_in_one_thread() -> None:
-    """The compiled pass compiles with one thread, in its own process: on a GPU machine that is
-    what keeps inductor's pool of worker processes (one per core, ~0.35 GiB of host memory
-    each) from starting (on Qwen3-8B with the BF16 mirror 17 of them took the host past its
-    memory, BENCHMARKS.md issue #16; on CPU inductor uses no pool, so the setting is what is
-    checked). In a fresh interpreter (nothing compiled before), the threads inductor compiles
+def test_the_compiled_update_compiles_in_one_thread_without_autotuning() -> None:
+    """The compiled pass compiles with one thread, in its own process, and without autotuning.
+    On a GPU machine the one thread keeps inductor's pool of worker processes (one per core,
+    ~0.35 GiB of host memory each) from starting, and no autotuning keeps inductor from saving
+    the pass's written inputs to pinned host memory while it times its configs (3 x 4 GiB for
+    Qwen3-8B's embedding): on Qwen3-8B with the BF16 mirror each took the host past its memory
+    (BENCHMARKS.md issue #16). On CPU inductor uses neither, so the settings are what is
+    checked. In a fresh interpreter (nothing compiled before), the settings inductor compiles
     with are recorded at each entry of ``compile_fx``: the last, innermost one compiles, inside
     the pass's own options."""
     code = """
 import torch, torch._inductor.compile_fx as fx, torch._inductor.config as cfg
 seen, compile_fx = [], fx.compile_fx
-fx.compile_fx = lambda *a, **k: (seen.append(cfg.compile_threads), compile_fx(*a, **k))[1]
+def spy(*a, **k):
+    seen.append(f"{cfg.compile_threads},{cfg.triton.autotune_pointwise}")
+    return compile_fx(*a, **k)
+fx.compile_fx = spy
 from slidedp.runtime.resident import _compiled_pass
 t = [torch.rand(8), torch.rand(8), torch.rand(8), torch.randn(8).bfloat16(),
      torch.empty(8).bfloat16(), torch.rand(8), torch.tensor([1.0, 1.0])]
 _compiled_pass()(*t)
-print(cfg.compile_threads, *seen)
+print(f"{cfg.compile_threads},{cfg.triton.autotune_pointwise}", *seen)
 """
     env = os.environ | {"TORCHINDUCTOR_COMPILE_THREADS": "4"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=300, check=False)  # fmt: skip
     assert out.returncode == 0, out.stderr
     setting, *seen = out.stdout.split()
-    assert (setting, seen[-1]) == ("4", "1")  # the setting kept, the compile in one thread
+    # the process's settings kept; the compile in one thread, without autotuning
+    assert (setting, seen[-1]) == ("4,True", "1,False")
 
 
 def _poison_gradient(monkeypatch: pytest.MonkeyPatch, group: int, call: int) -> None:

@@ -28,8 +28,9 @@ The math of the update:
   read, scaled by the coefficient in f32 (``g * coef``, as the host kernel and
   ``clip_grad_norm_`` do), AdamW on the f32 master and moments as torch's fused AdamW computes
   it, and the BF16 weights written in the same pass: 28 B per parameter against 48 for torch's
-  fused AdamW on an f32 copy of the gradient plus a separate cast (42 against 78 ms for
-  Qwen3-4B's 4.02 B parameters on an H100, ``benches/resident_update.py``). It rounds like
+  fused AdamW on an f32 copy of the gradient plus a separate cast (54 against 79 ms for
+  Qwen3-4B's 4.02 B parameters on an H100, ``benches/resident_update.py``; 42 autotuned, see
+  ``_compiled_pass``). It rounds like
   torch's fused AdamW, not bit for bit like the host kernel: results track the all-host run
   within the bf16 bound (``tests/engine/test_gpu_resident.py``).
 - CPU (tests): the "device" is host memory, so the update runs the engine's own host AdamW
@@ -335,8 +336,20 @@ def _compiled_pass() -> Callable[..., None]:
     memory each while it lives, at the run's first step, when the store and the offload arena
     are already in place (on Qwen3-8B it took the host past its memory, BENCHMARKS.md issue
     #16); one small kernel gains nothing from it. The setting is the compile's own option, so
-    the ~400 calls a step pay nothing for it (a ``config.patch`` around each took ~20 us)."""
-    return torch.compile(adamw_tensor, dynamic=True, options={"compile_threads": 1})
+    the ~400 calls a step pay nothing for it (a ``config.patch`` around each took ~20 us).
+
+    Without autotuning: the pass writes its inputs in place, so inductor's autotuner, timing
+    its configs at the first call, saves each written input that does not fit the GPU's spare
+    memory to *pinned host memory* (``copy_args_to_cpu_if_needed``), in blocks of torch's
+    pinned cache (powers of two, never given back). For Qwen3-8B's embedding (2.3 GiB of f32
+    per state) that pinned 3 x 4 GiB beside the store and the mirror and the OOM killer ended
+    the run (BENCHMARKS.md, issue #16). A pointwise pass has one heuristic config that is
+    bandwidth-bound anyway."""
+    return torch.compile(
+        adamw_tensor,
+        dynamic=True,
+        options={"compile_threads": 1, "triton.autotune_pointwise": False},
+    )
 
 
 def adamw_single_pass(
