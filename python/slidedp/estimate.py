@@ -22,7 +22,7 @@ Host (``/dev/shm`` and RAM):
 - activation offload arenas: every layer's offloaded bytes (``plan.cost``), pinned.
 - process: 1.6 GiB with CUDA (BENCHMARKS.md "Qwen3-4B shape, host memory": PSS minus store and
   arena), 0.7 GiB on CPU (PSS after importing torch, transformers and the trainer, measured on the
-  2-core dev machine).
+  2-core dev machine); per rank, each its own process.
 - inductor's compile workers (CUDA, compiled decoder layers: ``runtime.compile``): a sidecar
   and one process per compile thread (torch's own count: ``TORCHINDUCTOR_COMPILE_THREADS``, else
   the cores, 32 at most), ``COMPILE_WORKER_BYTES`` each while they live (from the first
@@ -277,7 +277,7 @@ class Estimate:
     mirror_bytes: int  # of the store: the BF16 mirror (0: cast on delivery, resolve_mirror)
     shm_bytes: int
     offload_arena_bytes: int
-    process_bytes: int
+    process_bytes: int  # every rank's
     compile_workers_bytes: int  # inductor's compile workers, every rank's
     cpu_working_bytes: int  # the device working set, in host RAM on CPU runs
     ram_bytes: int
@@ -486,7 +486,9 @@ def estimate_run(
             peak,
             peak + CUDA_CONTEXT_BYTES,
         )
-    process = CUDA_PROCESS_BYTES if cuda else CPU_PROCESS_BYTES
+    # every rank is a process of its own (torch, CUDA): +1.6 GiB for a second rank measured
+    # beside the shared store (BENCHMARKS.md, "Host memory, 1 rank vs 2 ranks")
+    process = (CUDA_PROCESS_BYTES if cuda else CPU_PROCESS_BYTES) * rt.world
     workers = compile_worker_bytes(policy.compute.compile, machine) * rt.world
     cpu_working = 0 if cuda else working * rt.world  # CPU ranks: each its own, in host RAM
     rate = host_rate(update_threads(cfg, machine), machine)

@@ -23,6 +23,7 @@ from slidedp.config import TrainConfig, load_config
 from slidedp.errors import OutOfDeviceMemoryError
 from slidedp.estimate import (
     COMPILE_WORKER_BYTES,
+    CUDA_PROCESS_BYTES,
     GIB,
     Estimate,
     Machine,
@@ -424,6 +425,18 @@ def test_the_longest_sequence_fits_and_the_next_one_does_not(
     assert main(["estimate", str(config), "train.global_batch_size=1", "--longest-seq",
                  "--json"]) == 0  # fmt: skip
     assert "longest_seq" in json.loads(capsys.readouterr().out)
+
+
+def test_every_rank_counts_its_own_process(tmp_path: Path, qwen3_4b: Path) -> None:
+    """Each rank is a process with its own torch and CUDA runtime beside the one shared store:
+    two ranks count two processes' bytes in host RAM, the store once."""
+    adapter = HFAdapter.from_dir(qwen3_4b)
+    base = ("data.seq_len=1024", "train.global_batch_size=16", "runtime.device=auto")
+    one = estimate_run(_cfg(tmp_path, qwen3_4b, *base), adapter, H100)
+    two = estimate_run(_cfg(tmp_path, qwen3_4b, *base, "runtime.gpus=2",
+                            "runtime.param_route=replicated"), adapter, H100)  # fmt: skip
+    assert (one.process_bytes, two.process_bytes) == (CUDA_PROCESS_BYTES, 2 * CUDA_PROCESS_BYTES)
+    assert two.ram_bytes - one.ram_bytes >= CUDA_PROCESS_BYTES
 
 
 def test_for_several_gpus_the_model_predicts_each_route(tmp_path: Path, qwen3_4b: Path) -> None:

@@ -21,7 +21,13 @@ from slidedp.config import load_config
 from slidedp.estimate import Machine, update_threads
 from slidedp.models.hf import HFAdapter
 from slidedp.plan import auto, select
-from slidedp.plan.cost import resident_bytes_per_layer, resident_embedding_bytes
+from slidedp.plan.cost import (
+    RESIDENT_UPDATE_BYTES_PER_PARAM,
+    RESIDENT_UPDATE_GBPS,
+    resident_bytes_per_layer,
+    resident_embedding_bytes,
+    resident_embedding_update_s,
+)
 from slidedp.plan.layout import parse_layout
 from slidedp.plan.select import (
     MIN_GAIN,
@@ -98,6 +104,7 @@ def _brute_force(problem: dict[str, Any]) -> float:
         for r in range(resident["max_layers"] + 1):
             if mem + r * w <= problem["budget_bytes"] and parked + r * w <= problem["budget_bytes"]:
                 compute = sum(c["time_s"] * n for c, n in zip(cands, counts, strict=True))
+                compute += problem.get("fixed_s", 0.0) + resident.get("update_s_per_layer", 0) * r
                 forward = sum(c["forward_s"] * n for c, n in zip(cands, counts, strict=True))
                 host, tail = per_layer * (LAYERS - r), problem["host"]["tail_s"]
                 if problem["host"]["serial"]:  # clipping: the update follows the backward
@@ -197,9 +204,21 @@ def test_resident_embeddings_are_chosen_where_they_fit_and_shorten_the_step(
     assert choice.problem["host"]["tail_s"] == (
         0.0 if room else host_tail_s(adapter, 0.01, torch.bfloat16)
     )
+    # their update, and each resident layer's, is device time: 28 B/param at the H100's rate
+    rate = RESIDENT_UPDATE_GBPS * 1e9 / RESIDENT_UPDATE_BYTES_PER_PARAM
+    layer = sum(p.numel() for p in adapter.layer_module(0).parameters())
+    assert choice.problem["resident"]["update_s_per_layer"] == pytest.approx(layer / rate)
+    specs = adapter.group_specs()
+    embeddings = specs[adapter.embed_group].numel + specs[adapter.head_group].numel
+    assert choice.problem.get("fixed_s", 0.0) == pytest.approx(embeddings / rate if room else 0)
+    assert choice.solution["compute_s"] == pytest.approx(
+        choice.problem.get("fixed_s", 0.0) + LAYERS * layer / rate
+        + sum(c["time_s"] * n for c, n in zip(choice.problem["candidates"],
+                                             choice.solution["counts"], strict=True))
+    )  # fmt: skip
     host = select_layout(cfg, adapter, machine, _report(), update_gbps=0.01, embeddings=False,
                          total_bytes=int(base + (extra - free) / 0.94)).problem  # fmt: skip
-    on_gpu = select.with_resident_embeddings(host, e)
+    on_gpu = select.with_resident_embeddings(host, e, resident_embedding_update_s(adapter))
     steps = [_brute_force(host), _brute_force(on_gpu)]
     assert choice.solution["step_s"] == pytest.approx(min(steps), rel=1e-9)
     assert (steps[1] < steps[0]) == room
@@ -308,7 +327,8 @@ def test_embeddings_that_leave_no_layout_room_stay_on_the_host(
     choice = select_layout(cfg, adapter, machine, _report(), update_gbps=0.01,
                            total_bytes=10 * GIB)  # fmt: skip
     problem = choice.problem
-    solved, solution, embeddings = select.solve_residency(problem, int(problem["budget_bytes"]))
+    solved, solution, embeddings = select.solve_residency(problem, int(problem["budget_bytes"]),
+                                                          0.0)  # fmt: skip
     assert (solved, embeddings) == (problem, False)
     assert solution == select.solve(problem)
 

@@ -261,6 +261,34 @@ def resident_embedding_bytes(adapter: HFAdapter, dtype: torch.dtype, *, clipping
     return 12 * state + (0 if clipping else dtype.itemsize * params)
 
 
+# the resident update's pass (``runtime.resident.adamw_tensor``, compiled): bytes it moves per
+# parameter (BF16 gradient read; FP32 master and moments read and written; BF16 weight written)
+# and the rate it moved them at on the H100 (benches/resident_update.py: 4.02 B parameters of
+# Qwen3-4B in 53.9 ms, BENCHMARKS.md issue #16, tenth lease)
+RESIDENT_UPDATE_BYTES_PER_PARAM = 28
+RESIDENT_UPDATE_GBPS = 2090.0
+
+
+def resident_update_s(params: int) -> float:
+    """The device update of ``params`` resident parameters, seconds."""
+    return RESIDENT_UPDATE_BYTES_PER_PARAM * params / (RESIDENT_UPDATE_GBPS * 1e9)
+
+
+def resident_update_s_per_layer(adapter: HFAdapter) -> float:
+    """The solver's ``Resident.update_s_per_layer``: the largest decoder layer's device update
+    (as ``resident_bytes_per_layer``, any K layers take at most K times it)."""
+    layers = range(adapter.num_layers)
+    return resident_update_s(
+        max(sum(p.numel() for p in adapter.layer_module(i).parameters()) for i in layers)
+    )
+
+
+def resident_embedding_update_s(adapter: HFAdapter) -> float:
+    """The device update of the embedding and head when they are resident."""
+    specs = adapter.group_specs()
+    return resident_update_s(specs[adapter.embed_group].numel + specs[adapter.head_group].numel)
+
+
 def resident_bytes_per_layer(adapter: HFAdapter, dtype: torch.dtype, *, clipping: bool) -> int:
     """The solver's ``Resident.bytes_per_layer`` (``crates/slidedp-core/src/solve``): the
     largest decoder layer's resident bytes, so any K layers fit in K times it."""

@@ -24,7 +24,12 @@ import torch
 
 from slidedp import _native
 from slidedp.errors import ConfigError, InvalidArgumentError
-from slidedp.plan.cost import resident_bytes_per_layer, resident_embedding_bytes
+from slidedp.plan.cost import (
+    resident_bytes_per_layer,
+    resident_embedding_bytes,
+    resident_embedding_update_s,
+    resident_update_s_per_layer,
+)
 from slidedp.plan.device import pick_dtype
 from slidedp.plan.layout import LayerPolicy, format_layout, parse_entry, place_by_kind
 from slidedp.plan.policy import resident_text
@@ -229,21 +234,26 @@ def solve(problem: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def with_resident_embeddings(problem: dict[str, Any], embedding_bytes: int) -> dict[str, Any]:
+def with_resident_embeddings(
+    problem: dict[str, Any], embedding_bytes: int, embedding_update_s: float
+) -> dict[str, Any]:
     """``problem`` with the embedding and head GPU-resident: their bytes off the budget, their
-    host update (the lane's tail after the backward) off the host lane."""
+    host update (the lane's tail after the backward) off the host lane, and their device
+    update (``embedding_update_s``) on the compute lane."""
     budget = max(0.0, problem["budget_bytes"] - embedding_bytes)
-    return problem | {"budget_bytes": budget, "host": problem["host"] | {"tail_s": 0.0}}
+    fixed = problem.get("fixed_s", 0.0) + embedding_update_s
+    return problem | {"budget_bytes": budget, "host": problem["host"] | {"tail_s": 0.0},
+                      "fixed_s": fixed}  # fmt: skip
 
 
 def solve_residency(
-    problem: dict[str, Any], embedding_bytes: int
+    problem: dict[str, Any], embedding_bytes: int, embedding_update_s: float
 ) -> tuple[dict[str, Any], dict[str, Any], bool]:
     """The faster of ``problem`` solved as it is and with resident embeddings (``problem``
     must have its ``resident`` term): (the problem solved, its solution, whether the embeddings
     are resident). Where they leave no layout room, the embeddings stay on the host."""
     solution = solve(problem)
-    alternative = with_resident_embeddings(problem, embedding_bytes)
+    alternative = with_resident_embeddings(problem, embedding_bytes, embedding_update_s)
     try:
         resident = solve(alternative)
     except InvalidArgumentError:  # no layout fits beside them
@@ -265,7 +275,8 @@ def _solved(
     resident)."""
     if not embeddings:
         return problem, solve(problem), False
-    return solve_residency(problem, resident_embedding_bytes(adapter, dtype, clipping=clipping))
+    return solve_residency(problem, resident_embedding_bytes(adapter, dtype, clipping=clipping),
+                           resident_embedding_update_s(adapter))  # fmt: skip
 
 
 def select_layout(
@@ -314,6 +325,7 @@ def select_layout(
         problem["resident"] = {
             "bytes_per_layer": float(resident_bytes_per_layer(adapter, dtype, clipping=clipping)),
             "max_layers": adapter.num_layers,
+            "update_s_per_layer": resident_update_s_per_layer(adapter),
         }
     try:
         solved, solution, on_gpu = _solved(

@@ -11,7 +11,7 @@
 //!   Σ n_j = L,  n_j ≤ L·y_j,  P ≥ 2·o_j·y_j,  H ≥ h_j·y_j,  r ≤ R
 //!   Σ n_j·m_j + P + H + r·w ≤ B,  H + G + r·w ≤ B (G: a clipped step's parked gradients)
 //!   Σ n_j·o_j ≤ A (host memory: the offloaded shares, pinned from forward to backward)
-//!   compute C = c0 + Σ n_j·τ_j;  forward F = Σ n_j·φ_j;  host U = u·(L − r)
+//!   compute C = c0 + Σ n_j·τ_j + g·r;  forward F = Σ n_j·φ_j;  host U = u·(L − r)
 //!   T ≥ C + E and T ≥ F + U + b·r + E (the update overlaps the backward, never the forward),
 //!   or T ≥ C + U + E (clipping: after the backward)
 //! ```
@@ -21,6 +21,9 @@
 //! of the host update, so where the lane is slower than those layers' backward the resident
 //! layers' backward starts when the lane ends: `b·r`, with `b` the least backward (replay
 //! included, `time_s − forward_s`) of any candidate, a lower bound of theirs.
+//!
+//! `g` is a resident layer's update on the device (`Resident::update_s_per_layer`): it shares
+//! the GPU's memory bandwidth with the next forward, so it is compute time.
 //!
 //! `E` is the update of what is not a decoder layer (embedding, final norm, head): its
 //! gradient is the backward's last, so its update ends every step.
@@ -100,6 +103,11 @@ pub struct HostLane {
 pub struct Resident {
     pub bytes_per_layer: f64,
     pub max_layers: u32,
+    /// The device update of one resident layer (its AdamW pass), seconds. It runs on a stream
+    /// of its own beside the next forward but is bound by the same memory bandwidth, so it
+    /// counts in the compute lane (`C + w_u·r`). With kinds, the largest kind's.
+    #[serde(default)]
+    pub update_s_per_layer: f64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -290,12 +298,14 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
     let y: Vec<Variable> = n.iter().map(|_| vars.add(variable().binary())).collect();
     let pool = vars.add(variable().min(0.0));
     let transient = vars.add(variable().min(0.0));
-    let (per_resident, max_resident) = problem.resident.as_ref().map_or((0.0, 0.0), |r| {
-        (
-            r.bytes_per_layer,
-            f64::from(r.max_layers.min(problem.layers)),
-        )
-    });
+    let (per_resident, max_resident, resident_update_s) =
+        problem.resident.as_ref().map_or((0.0, 0.0, 0.0), |r| {
+            (
+                r.bytes_per_layer,
+                f64::from(r.max_layers.min(problem.layers)),
+                r.update_s_per_layer,
+            )
+        });
     let resident = vars.add(variable().integer().min(0.0).max(max_resident));
     let step = vars.add(variable().min(0.0));
 
@@ -314,7 +324,8 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
         .zip(cands)
         .map(|(v, c)| c.time_s * *v)
         .sum::<Expression>()
-        + problem.fixed_s;
+        + problem.fixed_s
+        + resident_update_s * resident;
     let forward: Expression = n.iter().zip(cands).map(|(v, c)| c.forward_s * *v).sum();
     let memory: Expression = n
         .iter()
@@ -417,7 +428,11 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
 
 /// The program's own accounting of a layout (used for the solution and for comparisons).
 pub fn layout_of(problem: &Problem, counts: Vec<u32>, resident_layers: u32) -> Layout {
+    let resident_update_s = problem.resident.as_ref().map_or(0.0, |r| {
+        r.update_s_per_layer * f64::from(resident_layers.min(problem.layers))
+    });
     let compute_s = problem.fixed_s
+        + resident_update_s
         + problem
             .candidates
             .iter()

@@ -25,6 +25,7 @@ fn resident(bytes_per_layer: f64, max_layers: u32) -> Option<Resident> {
     Some(Resident {
         bytes_per_layer,
         max_layers,
+        update_s_per_layer: 0.0,
     })
 }
 
@@ -134,6 +135,35 @@ fn resident_layers_shorten_the_host_lane_where_it_binds() {
     p.host = lane(9.0, true);
     let layout = solve(&p).unwrap();
     assert_eq!((layout.resident_layers, layout.step_s), (10, 60.0));
+}
+
+#[test]
+fn the_resident_update_is_device_time() {
+    let mut p = three();
+    p.budget_bytes = 1e6;
+    p.resident = Some(Resident {
+        update_s_per_layer: 2.0,
+        ..resident(10.0, 10).unwrap()
+    });
+    // serial (clipping): a resident layer takes 9 s off the lane and adds 2 s of device time,
+    // so all 10, and all N: 60 + 10 x 2 = 80 s (150 s with none)
+    p.host = lane(9.0, true);
+    let layout = solve(&p).unwrap();
+    assert_eq!(
+        (layout.counts.clone(), layout.resident_layers),
+        (vec![0, 0, 10], 10)
+    );
+    assert_eq!((layout.step_s, layout.compute_s), (80.0, 80.0));
+    // overlapped: compute 60 + r (1 s each) against the lane and the resident backward after
+    // it, 9 (10 - r) + 6 r = 90 - 3 r: r = 8 gives max(68, 66) = 68 s, r = 7 max(67, 69) and
+    // r = 10 (free updates' choice) 70 s
+    if let Some(r) = p.resident.as_mut() {
+        r.update_s_per_layer = 1.0;
+    }
+    p.host = lane(9.0, false);
+    let layout = solve(&p).unwrap();
+    assert_eq!((layout.resident_layers, layout.step_s), (8, 68.0));
+    assert_eq!(layout_of(&p, vec![0, 0, 10], 10).step_s, 70.0);
 }
 
 #[test]
