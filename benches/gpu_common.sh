@@ -6,7 +6,7 @@
 # BATCH [FAMILIES [RATIOS]]`, the step-time model's layer probe (bench.predict) into $OUT.
 # MEMWATCH=1 samples the host's memory every second into $OUT/mem.tsv (MemAvailable, page
 # cache, unevictable, anonymous and shared GiB, and the largest process's anonymous, file and
-# shared RSS); for a run the OOM killer ends, the kernel's own account goes to $OUT/dmesg.txt.
+# shared RSS), and the kernel's log at the end to $OUT/dmesg.txt (an OOM kill's own account).
 # MEMWATCH=2 adds, each time they change, that process's mappings of over 1 GiB resident
 # ($OUT/maps.txt): reading smaps of a 100 GiB mapping took ~0.5 s a sample and competes with
 # the run's page faults, so not for timings. Which code pinned host memory:
@@ -25,7 +25,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$LOG"
 
 if [[ ${MEMWATCH:-0} != 0 ]]; then
     (echo -e "time\tavail\tcached\tunevictable\tanon\tshmem\tpid\trss_anon\trss_file\trss_shmem"
-     while sleep 1; do
+     while kill -0 $$ 2>/dev/null && sleep 1; do  # not beyond the script, however it ends
          pid=$(ps -eo pid=,rss= --sort=-rss | awk 'NR==1 {print $1}')
          mem=$(awk '/^(MemAvailable|Shmem|AnonPages|Unevictable|Cached):/ {
              printf "\t%.1f", $2 / 2^20 }' /proc/meminfo)
@@ -38,7 +38,8 @@ if [[ ${MEMWATCH:-0} != 0 ]]; then
          [[ $maps == "${last:-}" ]] || echo -e "$(date -u +%T) pid $pid\n$maps" >> "$OUT/maps.txt"
          last=$maps
      done) > "$OUT/mem.tsv" 2>/dev/null &
-    trap 'kill %1 2>/dev/null; dmesg > "$OUT/dmesg.txt" 2>&1' EXIT
+    memwatch=$!
+    trap 'kill $memwatch 2>/dev/null; dmesg > "$OUT/dmesg.txt" 2>&1' EXIT
 fi
 
 part() {  # part NAME SECONDS COMMAND...

@@ -486,8 +486,9 @@ def estimate_run(
             peak,
             peak + CUDA_CONTEXT_BYTES,
         )
-    # every rank is a process of its own (torch, CUDA): +1.6 GiB for a second rank measured
-    # beside the shared store (BENCHMARKS.md, "Host memory, 1 rank vs 2 ranks")
+    # every rank is a process of its own, with its own torch (and CUDA) runtime beside the one
+    # shared store (BENCHMARKS.md, "Host memory, 1 rank vs 2 ranks": a second CPU rank added
+    # 1.6 GiB outside the store)
     process = (CUDA_PROCESS_BYTES if cuda else CPU_PROCESS_BYTES) * rt.world
     workers = compile_worker_bytes(policy.compute.compile, machine) * rt.world
     cpu_working = 0 if cuda else working * rt.world  # CPU ranks: each its own, in host RAM
@@ -748,7 +749,9 @@ def format_estimate(est: Estimate) -> str:
         row("    of which the BF16 mirror", _gib(est.mirror_bytes), "runtime.bf16_mirror")
     if est.offload_arena_bytes:
         row("  activation offload arenas", _gib(est.offload_arena_bytes), "pinned")
-    row(f"  process ({'torch + CUDA' if est.gpu else 'torch'})", _gib(est.process_bytes))
+    ranks = f", {est.world} processes" if est.world > 1 else ""
+    runtime = "torch + CUDA" if est.gpu else "torch"
+    row(f"  process ({runtime}{ranks})", _gib(est.process_bytes))
     if est.compile_workers_bytes:
         row("  compile workers (inductor)", _gib(est.compile_workers_bytes), "runtime.compile")
     if est.cpu_working_bytes:

@@ -138,8 +138,9 @@ def test_the_compiled_update_pins_no_host_memory() -> None:
     """The first update of large tensors pins no host memory: the pass is not autotuned, so
     inductor never saves the inputs it writes to pinned host memory to time its configs (3 x 4
     GiB for Qwen3-8B's embedding, the OOM kill of BENCHMARKS.md issue #16). In a fresh
-    interpreter with no GPU memory to spare (the autotuner copies to the host what does not
-    fit the spare): with autotuning the three f32 tensors (3 x 256 MiB) are pinned."""
+    interpreter with no headroom under the GPU memory peak (the autotuner copies to the host
+    what does not fit it): with autotuning the four written tensors (3 x 256 MiB of
+    f32, 128 MiB of BF16 weights) are pinned."""
     code = """
 import torch
 from slidedp.runtime.resident import _compiled_pass

@@ -104,16 +104,17 @@ def _brute_force(problem: dict[str, Any]) -> float:
         for r in range(resident["max_layers"] + 1):
             if mem + r * w <= problem["budget_bytes"] and parked + r * w <= problem["budget_bytes"]:
                 compute = sum(c["time_s"] * n for c, n in zip(cands, counts, strict=True))
-                compute += problem.get("fixed_s", 0.0) + resident.get("update_s_per_layer", 0) * r
+                compute += problem.get("fixed_s", 0.0)
+                device = resident.get("update_s_per_layer", 0.0) * r  # the resident update
                 forward = sum(c["forward_s"] * n for c, n in zip(cands, counts, strict=True))
                 host, tail = per_layer * (LAYERS - r), problem["host"]["tail_s"]
-                if problem["host"]["serial"]:  # clipping: the update follows the backward
-                    best = min(best, compute + host + tail)
+                if problem["host"]["serial"]:  # clipping: both updates follow the backward
+                    best = min(best, compute + max(host + tail, device))
                 else:  # it overlaps the backward, never the forward, and paces it: the
                     # resident layers' backward (at least the least of any) follows it; the
                     # embedding's update is last
                     paced = forward + host + least_backward * r
-                    best = min(best, max(compute, paced) + tail)
+                    best = min(best, max(compute + device, paced) + tail)
     return best
 
 

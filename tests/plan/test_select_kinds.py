@@ -87,15 +87,19 @@ def _brute_force(problem: dict[str, Any]) -> float:
         mem += max(2 * c["offloaded_bytes"] for c in used) + max(c["transient_bytes"] for c in used)
         parked = max(c["transient_bytes"] for c in used) + problem["parked_bytes"]
         compute = sum(cands[j]["time_s"] * n for j, n in counts.items())
+        compute += problem.get("fixed_s", 0.0)
         forward = sum(cands[j]["forward_s"] * n for j, n in counts.items())
+        least_backward = min(max(c["time_s"] - c["forward_s"], 0.0) for c in cands)
         for r in range(resident["max_layers"] + 1):
             if mem + r * w > budget or parked + r * w > budget:
                 continue
             lane = streamed - min(updates) * r
-            if host["serial"]:
-                best = min(best, compute + lane + host["tail_s"])
-            else:
-                best = min(best, max(compute, forward + lane) + host["tail_s"])
+            device = resident.get("update_s_per_layer", 0.0) * r  # the resident update
+            if host["serial"]:  # both updates after the backward, side by side
+                best = min(best, compute + max(lane + host["tail_s"], device))
+            else:  # the resident layers' backward after the lane that paced the rest
+                paced = forward + lane + least_backward * r
+                best = min(best, max(compute + device, paced) + host["tail_s"])
     return best
 
 

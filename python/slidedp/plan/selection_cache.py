@@ -47,8 +47,8 @@ if TYPE_CHECKING:
 
 KIND = "selection"
 # what the program counts, by revision: a selection cached before a change to it (2: the host
-# memory the offloaded activations may pin; 3: the resident update's device time) is made
-# afresh, not reused
+# memory the offloaded activations may pin; 3: the resident update's device time, and every
+# rank's process in the host budget of several ranks) is made afresh, not reused
 PROGRAM_REVISION = 3
 # runtime keys that cannot change the choice: what auto writes, the cache's own switch, where
 # the nodes meet, tracing, and the version wait

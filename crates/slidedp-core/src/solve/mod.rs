@@ -13,7 +13,7 @@
 //!   Σ n_j·o_j ≤ A (host memory: the offloaded shares, pinned from forward to backward)
 //!   compute C = c0 + Σ n_j·τ_j + g·r;  forward F = Σ n_j·φ_j;  host U = u·(L − r)
 //!   T ≥ C + E and T ≥ F + U + b·r + E (the update overlaps the backward, never the forward),
-//!   or T ≥ C + U + E (clipping: after the backward)
+//!   or T ≥ C − g·r + max(U + E, g·r) (clipping: both updates after the backward, together)
 //! ```
 //!
 //! Without clipping the streamed layers are the last `L − r`, so their gradients come first in
@@ -22,8 +22,10 @@
 //! layers' backward starts when the lane ends: `b·r`, with `b` the least backward (replay
 //! included, `time_s − forward_s`) of any candidate, a lower bound of theirs.
 //!
-//! `g` is a resident layer's update on the device (`Resident::update_s_per_layer`): it shares
-//! the GPU's memory bandwidth with the next forward, so it is compute time.
+//! `g` is a resident layer's update on the device (`Resident::update_s_per_layer`), on a stream
+//! of its own: without clipping it shares the GPU's memory bandwidth with the backward's end
+//! and the next forward, so it is compute time; with clipping it runs beside the host lane,
+//! after the backward, and the longer of the two ends the step.
 //!
 //! `E` is the update of what is not a decoder layer (embedding, final norm, head): its
 //! gradient is the backward's last, so its update ends every step.
@@ -103,9 +105,8 @@ pub struct HostLane {
 pub struct Resident {
     pub bytes_per_layer: f64,
     pub max_layers: u32,
-    /// The device update of one resident layer (its AdamW pass), seconds. It runs on a stream
-    /// of its own beside the next forward but is bound by the same memory bandwidth, so it
-    /// counts in the compute lane (`C + w_u·r`). With kinds, the largest kind's.
+    /// The device update of one resident layer (its AdamW pass), seconds: `g` of the program
+    /// (module docs). With kinds, the largest kind's.
     #[serde(default)]
     pub update_s_per_layer: f64,
 }
@@ -158,17 +159,24 @@ impl Problem {
         }
         let finite = |x: f64| x.is_finite() && x >= 0.0;
         let host_budget = self.host_budget_bytes.unwrap_or(0.0);
+        let (resident_bytes, resident_update_s) = self
+            .resident
+            .as_ref()
+            .map_or((0.0, 0.0), |r| (r.bytes_per_layer, r.update_s_per_layer));
         if ![
             self.budget_bytes,
             self.fixed_s,
             self.parked_bytes,
             host_budget,
+            resident_bytes,
+            resident_update_s,
         ]
         .into_iter()
         .all(finite)
         {
             return bad(
-                "budget_bytes, fixed_s, parked_bytes and host_budget_bytes must be finite and >= 0"
+                "budget_bytes, fixed_s, parked_bytes, host_budget_bytes and the resident \
+                 bytes_per_layer and update_s_per_layer must be finite and >= 0"
                     .into(),
             );
         }
@@ -319,13 +327,15 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
         1.0
     };
     let share = |bytes: f64| bytes / unit;
-    let compute: Expression = n
+    // the layers' compute and the resident layers' device update
+    let layers_compute: Expression = n
         .iter()
         .zip(cands)
         .map(|(v, c)| c.time_s * *v)
         .sum::<Expression>()
-        + problem.fixed_s
-        + resident_update_s * resident;
+        + problem.fixed_s;
+    let resident_update = resident_update_s * resident;
+    let compute = layers_compute.clone() + resident_update.clone();
     let forward: Expression = n.iter().zip(cands).map(|(v, c)| c.forward_s * *v).sum();
     let memory: Expression = n
         .iter()
@@ -374,7 +384,10 @@ pub fn solve(problem: &Problem) -> Result<Layout> {
             let (fixed, least) = problem.host_terms(h);
             let host = least * (layers - resident) + fixed;
             if h.serial {
-                model.add_constraint(constraint!(step >= compute + host + h.tail_s));
+                model.add_constraint(constraint!(
+                    step >= layers_compute.clone() + host + h.tail_s
+                ));
+                model.add_constraint(constraint!(step >= layers_compute + resident_update));
             } else {
                 let paced = problem.least_backward_s() * resident;
                 model.add_constraint(constraint!(step >= compute.clone() + h.tail_s));
@@ -431,14 +444,14 @@ pub fn layout_of(problem: &Problem, counts: Vec<u32>, resident_layers: u32) -> L
     let resident_update_s = problem.resident.as_ref().map_or(0.0, |r| {
         r.update_s_per_layer * f64::from(resident_layers.min(problem.layers))
     });
-    let compute_s = problem.fixed_s
-        + resident_update_s
+    let layers_compute_s = problem.fixed_s
         + problem
             .candidates
             .iter()
             .zip(&counts)
             .map(|(c, n)| c.time_s * f64::from(*n))
             .sum::<f64>();
+    let compute_s = layers_compute_s + resident_update_s;
     let forward_s: f64 = (problem.candidates.iter().zip(&counts))
         .map(|(c, n)| c.forward_s * f64::from(*n))
         .sum();
@@ -448,7 +461,10 @@ pub fn layout_of(problem: &Problem, counts: Vec<u32>, resident_layers: u32) -> L
         least * streamed + fixed
     };
     let (host_s, step_s) = match &problem.host {
-        Some(h) if h.serial => (lane(h) + h.tail_s, compute_s + lane(h) + h.tail_s),
+        Some(h) if h.serial => (
+            lane(h) + h.tail_s,
+            layers_compute_s + (lane(h) + h.tail_s).max(resident_update_s),
+        ),
         Some(h) => {
             let paced = problem.least_backward_s() * f64::from(resident_layers.min(problem.layers));
             (

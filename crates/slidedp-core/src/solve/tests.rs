@@ -145,15 +145,18 @@ fn the_resident_update_is_device_time() {
         update_s_per_layer: 2.0,
         ..resident(10.0, 10).unwrap()
     });
-    // serial (clipping): a resident layer takes 9 s off the lane and adds 2 s of device time,
-    // so all 10, and all N: 60 + 10 x 2 = 80 s (150 s with none)
+    // serial (clipping): after the backward (all N, 60 s) the host lane, 9 s per streamed
+    // layer, and the resident layers' device update, 2 s each, run side by side: 60 + max(9
+    // (10 - r), 2 r) is 78 s at r = 8 and 9 (80 at 10, 150 with none), and among equal steps
+    // the least compute, 60 + 2 r: r = 8
     p.host = lane(9.0, true);
     let layout = solve(&p).unwrap();
     assert_eq!(
         (layout.counts.clone(), layout.resident_layers),
-        (vec![0, 0, 10], 10)
+        (vec![0, 0, 10], 8)
     );
-    assert_eq!((layout.step_s, layout.compute_s), (80.0, 80.0));
+    assert_eq!((layout.step_s, layout.compute_s), (78.0, 76.0));
+    assert_eq!(layout_of(&p, vec![0, 0, 10], 10).step_s, 80.0);
     // overlapped: compute 60 + r (1 s each) against the lane and the resident backward after
     // it, 9 (10 - r) + 6 r = 90 - 3 r: r = 8 gives max(68, 66) = 68 s, r = 7 max(67, 69) and
     // r = 10 (free updates' choice) 70 s
@@ -220,6 +223,13 @@ fn bad_costs_are_refused() {
             .to_string()
             .contains("candidate 'SAC'")
     );
+    let mut p = three();
+    p.resident = Some(Resident {
+        update_s_per_layer: -1.0,
+        ..resident(10.0, 10).unwrap()
+    });
+    let err = solve(&p).unwrap_err().to_string();
+    assert!(err.contains("update_s_per_layer must be finite"), "{err}");
 }
 
 #[test]
