@@ -278,9 +278,9 @@ def resident_update_s(params: int) -> float:
 def resident_update_s_per_layer(adapter: HFAdapter) -> float:
     """The solver's ``Resident.update_s_per_layer``: the largest decoder layer's device update
     (as ``resident_bytes_per_layer``, any K layers take at most K times it)."""
-    layers = range(adapter.num_layers)
+    specs = adapter.group_specs()
     return resident_update_s(
-        max(sum(p.numel() for p in adapter.layer_module(i).parameters()) for i in layers)
+        max(specs[adapter.layer_group(i)].numel for i in range(adapter.num_layers))
     )
 
 

@@ -30,9 +30,9 @@ The math of the update:
   it, and the BF16 weights written in the same pass: 28 B per parameter against 48 for torch's
   fused AdamW on an f32 copy of the gradient plus a separate cast (54 against 79 ms for
   Qwen3-4B's 4.02 B parameters on an H100, ``benches/resident_update.py``; 42 autotuned, see
-  ``_compiled_pass``). It rounds like
-  torch's fused AdamW, not bit for bit like the host kernel: results track the all-host run
-  within the bf16 bound (``tests/engine/test_gpu_resident.py``).
+  ``_compiled_pass``). It rounds like torch's fused AdamW, not bit for bit like the host
+  kernel: results track the all-host run within the bf16 bound
+  (``tests/engine/test_gpu_resident.py``).
 - CPU (tests): the "device" is host memory, so the update runs the engine's own host AdamW
   kernel (``Kernels.adamw``, the update worker's kernel) on the resident tensors: training is
   bit for bit the all-host run's, which is what the CPU tests check.
