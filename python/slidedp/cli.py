@@ -30,6 +30,7 @@ from slidedp.bench import train as bench_train
 from slidedp.errors import ConfigError, SlidedpError, TrainingInterruptedError
 from slidedp.plan import command as plan_command
 from slidedp.plan.device import prefer_expandable_segments
+from slidedp.profile import chunks as profile_chunks
 from slidedp.profile import host as profile_host
 from slidedp.profile import layer as profile_layer
 
@@ -209,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
     profile_host.add_arguments(
         what.add_parser("host", parents=[debug], help="host AdamW GB/s, alone and under DMA")
     )
+    profile_chunks.add_arguments(
+        what.add_parser("chunks", parents=[debug], help="a layer's transfers by H2D/D2H chunk")
+    )
     return parser
 
 
@@ -226,7 +230,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.verb == "export":
         return _export(args.checkpoint, args.out_dir)
     if args.verb == "profile":
-        return profile_host.main(args) if args.profile == "host" else profile_layer.main(args)
+        profilers = {
+            "host": profile_host.main,
+            "chunks": profile_chunks.main,
+            "layer": profile_layer.main,
+        }
+        return profilers[args.profile](args)
     if args.verb == "plan":
         return plan_command.main(args)
     bench_main = {

@@ -68,6 +68,10 @@ class FakeTrials:
 
 @pytest.fixture
 def auto_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, TrainConfig]:
+    return start_auto(tmp_path, monkeypatch)
+
+
+def start_auto(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, TrainConfig]:
     """A run with ``runtime.policy: auto`` whose profile is ``_report`` and whose host is
     fast (its update does not bound the step): the program picks ``CHOICE``."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

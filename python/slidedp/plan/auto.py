@@ -7,8 +7,11 @@ keeps it.
 
 ``train`` profiles the layer when the profile is not cached (on the run's device, with the
 batch of one rank and the run's sequence), and probes the host AdamW rate the same way
-(``slidedp profile host``: the selector's host lane), and solves (``plan.select``). On one
-process it then calibrates the candidates that solution uses on a reduced model of the run
+(``slidedp profile host``: the selector's host lane), on one GPU probes the H2D/D2H chunk
+(``profile.chunks``: the whole layer unless a chunk is measured faster, ``plan.chunk_choice``;
+the choice sets ``runtime.chunk_elems`` and ``runtime.grad_slots`` where the config leaves the
+chunk at 0, and is validated with the layout), and solves (``plan.select``). On one process it
+then calibrates the candidates that solution uses on a reduced model of the run
 (``plan.calibrate``: ``runtime.policy_calibrate_steps`` training steps each trial; their layer
 times measured in the pipeline replace the profile's) and solves again, and validates the
 solver's choice against the fixed default in ``runtime.policy_validate_steps`` training steps
@@ -57,9 +60,10 @@ from typing import TYPE_CHECKING, Any
 from slidedp.errors import ConfigError
 from slidedp.io.checkpoint import STATE_FILE
 from slidedp.plan.calibrate import calibrate_choice, clause, why_not_calibrated
+from slidedp.plan.chunk_choice import ChunkChoice, choose_chunk, with_chunk
 from slidedp.plan.clock import Clock
 from slidedp.plan.layout import LayerPolicy, parse_layout
-from slidedp.plan.policy import resident_text
+from slidedp.plan.policy import layer_chunk_elems, resident_text
 from slidedp.plan.route_choice import (
     ROUTES,
     Route,
@@ -186,11 +190,14 @@ class Kept:
     resident_layers: int
     route: Route  # (param_route, grad_route)
     resident_embeddings: bool = False
+    chunk_elems: int = 0  # and the gradient ring cut to it (0: the whole layer)
+    grad_slots: int = 0
 
 
-def _kept_policy(resume: Path | None, layers: int) -> Kept | None:
-    """The layout, GPU-resident layer count and routes a resumed run's checkpoint ran with
-    (``trainer_state.json``), if it has them for this model."""
+def _kept_policy(resume: Path | None, layers: int, whole_layer: int) -> Kept | None:
+    """The layout, GPU-resident layer count, chunk and routes a resumed run's checkpoint ran
+    with (``trainer_state.json``), if it has them for this model (``whole_layer``: the chunk of
+    one layer, which the checkpoint records for a config's 0)."""
     if resume is None:
         return None
     try:
@@ -199,9 +206,11 @@ def _kept_policy(resume: Path | None, layers: int) -> Kept | None:
         route = (str(policy["param_route"]), str(policy["grad_route"]))
         fits = len(parse_layout(layout, layers, 0.0)) == layers and 0 <= resident <= layers
         embeddings = policy.get("resident_embeddings", False)
-        if not fits or route not in ROUTES or not isinstance(embeddings, bool):
+        chunk, slots = int(policy.get("chunk_elems", 0)), int(policy.get("grad_slots", 0))
+        chunk = 0 if chunk == whole_layer else chunk
+        if not fits or route not in ROUTES or not isinstance(embeddings, bool) or chunk < 0:
             return None
-        return Kept(layout, resident, route, embeddings)
+        return Kept(layout, resident, route, embeddings, chunk, slots)
     except (OSError, ValueError, KeyError, TypeError, ConfigError):
         return None
 
@@ -223,13 +232,17 @@ def _kept_line(
     resident = kept.resident_layers if rt.world == 1 else 0
     embeddings = kept.resident_embeddings and rt.world == 1
     cfg = _with(cfg, layers=kept.layers, resident_layers=resident, resident_embeddings=embeddings)
+    chunk = ""
+    if kept.chunk_elems and not rt.chunk_elems and kept.grad_slots > 0:
+        cfg = _with(cfg, chunk_elems=kept.chunk_elems, grad_slots=kept.grad_slots)
+        chunk = f", chunk {kept.chunk_elems:,} elements"
     routes = ""
     if rt.world > 1:
         route = kept.route if kept.route in candidates else (rt.param_route, rt.grad_route)
         cfg = _with(cfg, param_route=route[0], grad_route=route[1])
         routes = f", routes {route_name(route)}"
     line = (
-        f"policy   auto: {kept.layers}, {resident_text(resident, embeddings)}{routes} "
+        f"policy   auto: {kept.layers}, {resident_text(resident, embeddings)}{chunk}{routes} "
         f"(kept from {resume.name})"
     )
     return cfg, line
@@ -264,7 +277,7 @@ def resolve_auto(
     default = _with(cfg, policy="")
     several = rt.world > 1
     candidates = candidate_routes(cfg, routes_fixed) if several else []
-    kept = _kept_policy(resume, adapter.num_layers)
+    kept = _kept_policy(resume, adapter.num_layers, layer_chunk_elems(adapter))
     if kept is not None and resume is not None:
         return _kept_line(default, kept, candidates, resume)
     # GPU-resident layers where there is one GPU (on CPU they would move nothing; several ranks
@@ -294,6 +307,9 @@ def resolve_auto(
     with clock.stage("host") as notes:
         host = host_rate(update_threads(cfg, machine), machine, measure=measure)
         notes.append(f"AdamW {host.gbps:.0f} GB/s {host.source}")
+    chunk, chunk_said = None, ""
+    if not several:  # (several ranks share the host: not probed yet, the config's chunk)
+        chunk, chunk_said = chunk_stage(default, adapter, machine, measure=measure, clock=clock)
     total = device_total_bytes(machine, default, adapter)
     calibrated: dict[LayerPolicy, float] = {}  # the calibration stage's layer times
 
@@ -307,6 +323,7 @@ def resolve_auto(
         what the route stage said of them)."""
         run = _with(base, layers=choice.layout, resident_layers=choice.resident_layers,
                     resident_embeddings=choice.resident_embeddings)  # fmt: skip
+        run = with_chunk(run, chunk)
         return _routes(run, adapter, machine, candidates, report, host) if several else (run, "")
 
     with clock.stage("solve") as notes:
@@ -326,7 +343,8 @@ def resolve_auto(
             notes.append(f"{calibration.describe()}; solved again: {choice.program_layout}")
     steps, validation = rt.policy_validate_steps, None
     other_route = several and _route(configured(default, choice)[0]) != _route(default)
-    if measuring and steps and (needs_validation(choice) or other_route):
+    other_chunk = chunk is not None and not chunk.is_default
+    if measuring and steps and (needs_validation(choice) or other_route or other_chunk):
         with clock.stage("validation") as notes:
             validation = validate_choice(
                 default,
@@ -348,10 +366,14 @@ def resolve_auto(
     if validation is not None and validation.choice is None:  # the default, on its routes
         chosen = with_choice(default, shown)
         said = f"{route_name(_route(default))}, the config's (validated)"
+        if other_chunk:
+            chunk_said += ", not run: the default won validation"
     else:
         chosen, said = configured(default, shown)
     if several:
         line += f"; routes {said}"
+    else:
+        line += f"; chunk {chunk_said}"
     line += f"; {clause(calibration.summary() if calibration else {'skipped': not_calibrated})}"
     line += f"; {_validated(validation, steps, measuring=measuring)}"
     if measuring:  # from a cache alone (validate, estimate) the seconds say nothing
@@ -359,6 +381,41 @@ def resolve_auto(
         store_selection(default, chosen, adapter, machine, line, clock, validation,
                         resident=resident, routes=candidates)  # fmt: skip
     return chosen, line
+
+
+def chunk_stage(
+    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, *, measure: bool, clock: Clock
+) -> tuple[ChunkChoice | None, str]:
+    """The chunk for a run of one process on a GPU (``plan.chunk_choice``, timed as the stage
+    ``chunks`` of ``clock``) and what to say of it; None on CPU, where the config sets
+    ``runtime.chunk_elems``, or where, not measuring, the probe is not cached."""
+    import torch
+
+    from slidedp.estimate import resolve_mirror, update_threads
+    from slidedp.plan.measure import layer_numel
+    from slidedp.profile.chunks import cached_chunks, probe_chunks
+
+    rt = cfg.runtime
+    if machine.device != "cuda":
+        return None, "the config's (on CPU no copy to cut)"
+    if rt.chunk_elems:
+        return None, f"{rt.chunk_elems:,} elements, the config's"
+    threads, numel = update_threads(cfg, machine), layer_numel(adapter)
+    with clock.stage("chunks") as notes:
+        mirror = resolve_mirror(cfg, adapter, machine)
+        device = torch.device("cuda", torch.cuda.current_device()) if measure else None
+        report: dict[str, Any] | None = (
+            probe_chunks(numel, threads, device, mirror=mirror)
+            if device is not None
+            else cached_chunks(threads, machine.gpu_name, numel, mirror)
+        )
+        if report is None:
+            said = "the whole layer (not probed yet: `slidedp train` probes and chooses)"
+            notes.append(said)
+            return None, said
+        choice = choose_chunk(report, grad_slots=rt.grad_slots)
+        notes.append(choice.describe())
+    return choice, choice.describe()
 
 
 def selection_key(
@@ -373,21 +430,29 @@ def selection_key(
     """The selection cache's key for ``cfg`` from the cached measurements (None: the layer
     profile of ``profile``, default ``profile_args(cfg)``, or the host probe is not cached, so
     a selection measures)."""
-    from slidedp.estimate import update_threads
+    from slidedp.estimate import resolve_mirror, update_threads
     from slidedp.plan.measure import layer_numel
+    from slidedp.profile.chunks import cached_chunks
     from slidedp.profile.host import cached_host
     from slidedp.profile.links import cached_links
 
     report = cached_profile(profile or profile_args(cfg))
     gpu = machine.gpu_name if machine.device == "cuda" else None
-    host = cached_host(update_threads(cfg, machine), gpu)
+    threads = update_threads(cfg, machine)
+    host = cached_host(threads, gpu)
     if report is None or host is None:
         return None
-    links = None
+    links = chunks = None
     if routes and gpu is not None:
         links = cached_links(cfg.runtime.world, gpu, layer_numel(adapter))
-    return selection_facts(cfg, profile=report, host=host, links=links, resident=resident,
-                           gpu_total_bytes=machine.gpu_total_bytes, routes=routes)  # fmt: skip
+    if gpu is not None and not routes and not cfg.runtime.chunk_elems:  # the chunk stage runs
+        mirror = resolve_mirror(cfg, adapter, machine)
+        chunks = cached_chunks(threads, gpu, layer_numel(adapter), mirror)
+        if chunks is None:
+            return None
+    return selection_facts(cfg, profile=report, host=host, links=links, chunks=chunks,
+                           resident=resident, gpu_total_bytes=machine.gpu_total_bytes,
+                           routes=routes)  # fmt: skip
 
 
 def _from_cache(cfg: TrainConfig, found: Selection, path: Path) -> tuple[TrainConfig, str]:
@@ -399,6 +464,8 @@ def _from_cache(cfg: TrainConfig, found: Selection, path: Path) -> tuple[TrainCo
     )
     if found.route is not None:
         chosen = _with(chosen, param_route=found.route[0], grad_route=found.route[1])
+    if found.chunk_elems:
+        chosen = _with(chosen, chunk_elems=found.chunk_elems, grad_slots=found.grad_slots)
     return chosen, found.hit_line(path)
 
 
@@ -433,6 +500,8 @@ def store_selection(
         None if validation is None else validation.summary(),
         None if validation is None else validation.break_even_steps(clock.total_s),
         resident_embeddings=rt.resident_embeddings,
+        chunk_elems=rt.chunk_elems,
+        grad_slots=rt.grad_slots,
     )
     try:
         write_selection(facts, found)

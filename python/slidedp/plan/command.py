@@ -3,11 +3,13 @@ selector, paper §3.6) and write it as a policy file (``runtime.policy: FILE``).
 
 Stages, each timed in the report: the layer profile of the run's own model, batch and sequence
 (``slidedp profile layer``, cached by device, shape, batch, sequence, dtype and versions), the
-host AdamW rate (``slidedp profile host``, cached by CPU, threads, GPU and versions), the
-integer program over its Pareto candidates under the GPU budget with the host update lane
-counted (``plan.select``), the placement, the calibration (``plan.calibrate``: the candidates
-of that solution timed in a reduced model of the run on this GPU, their layer times in the
-profile's place, then solved again; not for ``--gpu-memory``), the validation
+host AdamW rate (``slidedp profile host``, cached by CPU, threads, GPU and versions), on a GPU
+the chunk (``slidedp profile chunks``, ``plan.chunk_choice``: the whole layer unless a smaller
+H2D/D2H chunk is measured faster), the integer program over its Pareto candidates under the
+GPU budget with the host update lane counted (``plan.select``), the placement, the
+calibration (``plan.calibrate``: the candidates of that solution timed in a reduced model of
+the run on this GPU, their layer times in the profile's place, then solved again; not for
+``--gpu-memory``), the validation
 (``plan.validate``: a few training steps of the choice and of the default on this GPU, the
 choice kept only when faster, re-solved with a smaller budget when it does not fit; not for
 ``--gpu-memory``, another GPU), and ``slidedp estimate`` of the chosen layout (the same check
@@ -41,8 +43,9 @@ from typing import Any
 import yaml
 
 from slidedp.errors import ConfigError
-from slidedp.plan.auto import check_one_process, profile_args, store_selection
+from slidedp.plan.auto import check_one_process, chunk_stage, profile_args, store_selection
 from slidedp.plan.calibrate import Calibration, calibrate_choice, clause, why_not_calibrated
+from slidedp.plan.chunk_choice import with_chunk
 from slidedp.plan.clock import Clock
 from slidedp.plan.layout import LayerPolicy
 from slidedp.plan.policy import resident_text
@@ -54,6 +57,7 @@ from slidedp.plan.validate import (
     needs_validation,
     runner_for,
     validate_choice,
+    with_choice,
 )
 from slidedp.profile.layer import FAMILIES, RATIOS, profile_layer
 
@@ -149,6 +153,7 @@ def main(args: argparse.Namespace) -> int:
     with clock.stage("host") as notes:
         host = host_rate(update_threads(cfg, machine), machine, measure=True)
         notes.append(f"AdamW {host.gbps:.0f} GB/s {host.source}")
+    chunk, chunk_said = chunk_stage(cfg, adapter, machine, measure=True, clock=clock)
 
     calibrated: dict[LayerPolicy, float] = {}  # the calibration stage's layer times
 
@@ -174,16 +179,21 @@ def main(args: argparse.Namespace) -> int:
             validation = validate_choice(default_config(cfg), choice, solve_at,
                                          steps=cfg.runtime.policy_validate_steps,
                                          limit_bytes=limit_bytes(machine),
-                                         runner=runner_for(machine))  # fmt: skip
+                                         runner=runner_for(machine),
+                                         configure=lambda c, ch: with_chunk(with_choice(c, ch),
+                                                                            chunk))  # fmt: skip
             notes.append(validation.describe())
         choice = validation.result(solved)
+        if validation.choice is None:  # the default won: whole layers too
+            chunk, chunk_said = None, f"{chunk_said}, not run: the default won validation"
 
     with clock.stage("check"):
         target = dataclasses.replace(machine, device="cuda", gpu_total_bytes=total)
         runtime = dataclasses.replace(cfg.runtime, layers=choice.layout, policy="",
                                       resident_layers=choice.resident_layers,
                                       resident_embeddings=choice.resident_embeddings)  # fmt: skip
-        est = estimate_run(dataclasses.replace(cfg, runtime=runtime), adapter, target)
+        chosen = with_chunk(dataclasses.replace(cfg, runtime=runtime), chunk)
+        est = estimate_run(chosen, adapter, target)
         # the step-time model ranks the choice against the default (on a GPU: it needs its peak)
         est_f = estimate_run(default_config(cfg), adapter, target)
         model = {"chosen": est.step_model, "default": est_f.step_model}
@@ -196,6 +206,8 @@ def main(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     policy = {"layers": choice.layout, "resident_layers": choice.resident_layers,
               "resident_embeddings": choice.resident_embeddings}  # fmt: skip
+    if chunk is not None and not chunk.is_default:
+        policy |= {"chunk_elems": chunk.chunk_elems, "grad_slots": chunk.grad_slots}
     out.write_text(yaml.safe_dump(policy, sort_keys=False))
     summary = {
         "layout": choice.layout,
@@ -207,6 +219,11 @@ def main(args: argparse.Namespace) -> int:
         "gpu_total_bytes": total,
         "profile": report.get("cached") or "measured",
         "host_adamw": {"gbps": host.gbps, "source": host.source},
+        "chunk": {
+            "chunk_elems": chosen.runtime.chunk_elems,
+            "grad_slots": chosen.runtime.grad_slots,
+            "said": chunk_said,
+        },
         "problem": choice.problem,
         "solution": choice.solution,
         "default": choice.default,
@@ -224,7 +241,6 @@ def main(args: argparse.Namespace) -> int:
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     print(format_summary(summary, out))
     if not (args.profile or args.gpu_memory or args.cache_dir):  # this GPU, cached measurements
-        chosen = dataclasses.replace(cfg, runtime=runtime)
         store_selection(cfg, chosen, adapter, machine, _auto_line(summary), clock, validation,
                         resident=True, routes=[], profile=_profile_args(args, cfg))  # fmt: skip
     return 0
@@ -337,6 +353,7 @@ def format_summary(s: dict[str, Any], out: Path) -> str:
         f"{default['step_s']:.3f} s (layers {default['compute_s']:.3f} s) -> "
         f"{default['step_s'] / sol['step_s']:.3f}x predicted",
         f"  chosen:  {s['layout']}, {_resident(s)}{_kept(s)}",
+        f"  chunk:   {s['chunk']['said']}",
         f"  estimate of the run with it: GPU {s['estimate_gpu_needed_bytes'] / GIB:.2f} GiB needed",
         _model_line(s["step_model"]),
         f"  {clause(s['calibration'])}",

@@ -12,9 +12,9 @@ copies' rates under it from the host probe (``profile.host``), the layer-sized `
 out. The config's route (``replicated/gpu`` unless the config sets one) is kept unless another
 is predicted ``plan.select.MIN_GAIN`` faster, as the layout stage keeps the all-F default.
 
-The chunk size (``runtime.chunk_elems``) is not chosen: the model has no term that depends on
-it (a layer moves as one chunk by default, and nothing measured so far shows another size
-faster), so a choice would rest on no measurement.
+The chunk size (``runtime.chunk_elems``) stays the config's here: the chunk probe
+(``profile.chunks``, ``plan.chunk_choice``) chooses it for one GPU, where it measures the
+engine's own lane; several ranks sharing the host are not probed yet.
 
 Example::
 

@@ -1,14 +1,14 @@
-"""``runtime.policy: auto``'s selection cache: what a selection chose (the layout, the GPU-resident
-layers and on several GPUs the routes) and what it said (validated step times, stage times,
-selection time, break-even), kept beside the measurement caches (``profile.cache``:
-``selection-KEY.json``) under a key of everything that can change the choice: the cached
-layer profile's, host probe's and link probe's reports (their facts and results: a measurement
-taken again is another key), the model's ``config.json``, batch per rank, sequence, dtype,
-clipping, world size, the GPU and its memory, the program's revision (``PROGRAM_REVISION``), and
-the runtime keys but those that cannot change the choice (``KEY_EXEMPT``). A hit runs no
-profile, probe, solve nor trial; a stale key is another file, selected afresh; a file that does
-not read is said in one line and rewritten by the new selection. ``runtime.policy_force: true``
-selects again (and caches the new choice).
+"""``runtime.policy: auto``'s selection cache: what a selection chose (the layout, the
+GPU-resident layers, on one GPU the chunk and on several GPUs the routes) and what it said
+(validated step times, stage times, selection time, break-even), kept beside the measurement
+caches (``profile.cache``: ``selection-KEY.json``) under a key of everything that can change the
+choice: the cached layer profile's, host probe's, chunk probe's and link probe's reports (their
+facts and results: a measurement taken again is another key), the model's ``config.json``, batch
+per rank, sequence, dtype, clipping, world size, the GPU and its memory, the program's revision
+(``PROGRAM_REVISION``), and the runtime keys but those that cannot change the choice
+(``KEY_EXEMPT``). A hit runs no profile, probe, solve nor trial; a stale key is another file,
+selected afresh; a file that does not read is said in one line and rewritten by the new
+selection. ``runtime.policy_force: true`` selects again (and caches the new choice).
 
 The host's free memory (the offloaded activations' budget, ``plan.select.offload_host_budget``)
 is not in the key either: it too changes from run to run. A cached choice is not solved again
@@ -48,8 +48,9 @@ if TYPE_CHECKING:
 KIND = "selection"
 # what the program counts, by revision: a selection cached before a change to it (2: the host
 # memory the offloaded activations may pin; 3: the resident update's device time, and every
-# rank's process in the host budget of several ranks) is made afresh, not reused
-PROGRAM_REVISION = 3
+# rank's process in the host budget of several ranks; 4: the chunk stage) is made afresh, not
+# reused
+PROGRAM_REVISION = 4
 # runtime keys that cannot change the choice: what auto writes, the cache's own switch, where
 # the nodes meet, tracing, and the version wait
 KEY_EXEMPT = frozenset({"layers", "offload_ratio", "resident_layers", "resident_embeddings",
@@ -74,6 +75,7 @@ def selection_facts(
     profile: dict[str, Any],
     host: dict[str, Any],
     links: dict[str, Any] | None,
+    chunks: dict[str, Any] | None = None,
     gpu_total_bytes: int | None,
     resident: bool,
     routes: list[Route],
@@ -86,6 +88,7 @@ def selection_facts(
         "profile": _digest(profile),
         "host": _digest(host),
         "links": None if links is None else _digest(links),
+        "chunks": None if chunks is None else _digest(chunks),
         "model_config": _model_config_digest(cfg),
         "model_overrides": cfg.model.config_overrides(),
         "batch_per_rank": cfg.train.global_batch_size // cfg.runtime.world,
@@ -115,6 +118,8 @@ class Selection:
     break_even_steps: int | None = None
     selected_at: str = ""  # UTC, as written
     resident_embeddings: bool = False
+    chunk_elems: int = 0  # the chunk stage's choice (0: the whole layer)
+    grad_slots: int = 0  # the gradient ring that goes with it
 
     def hit_line(self, path: Path) -> str:
         """The banner line of a run that takes this selection from ``path``."""
@@ -153,9 +158,14 @@ def _parse(
     line, seconds = report["line"], float(report["selection_s"])
     if not isinstance(line, str) or not math.isfinite(seconds):
         raise ValueError("no banner line or selection time")
+    chunk, slots = report["chunk_elems"], report["grad_slots"]
+    if not isinstance(chunk, int) or not isinstance(slots, int) or min(chunk, slots) < 0:
+        raise ValueError(f"chunk_elems {chunk!r}, grad_slots {slots!r}")
+    if chunk and not slots:
+        raise ValueError(f"chunk_elems {chunk!r}, grad_slots {slots!r}")
     return Selection(layout, resident, route, line, seconds, dict(report["timing_s"]),
                      report["validation"], report["break_even_steps"],
-                     str(report["selected_at"]), embeddings)  # fmt: skip
+                     str(report["selected_at"]), embeddings, chunk, slots)  # fmt: skip
 
 
 def read_selection(

@@ -1,0 +1,273 @@
+"""``slidedp profile chunks [--shape NAME|config.json] [--device auto|cpu|cuda] [--no-mirror]
+[--threads N] [--force] [--json]``: how the H2D/D2H chunk size (``runtime.chunk_elems``) changes
+a layer's transfers and update on this machine: the chunk probes of AutoPolicy (the paper's
+TuneChunks, §3.6), whose choice ``plan.chunk_choice`` makes.
+
+A chunk is one host slot: a layer's gradient goes back chunk by chunk (each chunk's AdamW
+starts once its copy lands, while later copies run) and, without the BF16 mirror, its
+parameters are cast to BF16 chunk by chunk into the staging ring while the previous chunk's H2D
+runs. Smaller chunks start the dependent work sooner and cost more copies, submissions, queue
+operations and update passes; which wins depends on the machine, so it is measured, on the
+engine's own classes: for the whole layer (the default, ``chunk_elems`` 0) and each of
+``CHUNK_MIB`` below it, a ``HostStore`` holding one layer-sized group (matrices of ``COLUMNS``
+columns, so weight decay applies) with that chunk and, as the run has it, the BF16 mirror, and
+``step_s``: ``LAYERS`` layers as a backward streams them, each a load of the layer through the
+engine's ``Window`` (the mirror's one copy, or without it the cast into the staging ring and
+the H2D) beside its gradient sent back through the engine's ``GradLane`` (D2H chunk by chunk
+into the gradient ring, AdamW by the ``UpdateWorker``, which also writes the mirror), flushed
+as the backward flushes (all but the newest layer after each send), until the last update is
+published and the last load landed. No compute runs: the figure is the host side's service
+time, which a smaller chunk must shorten to pay (on the H100 the update passes of 16 MiB
+chunks ran 11% longer in training steps, BENCHMARKS.md). On CPU there is no copy to the
+device: the returns alone.
+
+The gradient ring holds ``GRAD_SLOTS`` whole layers whatever the chunk (``ring_slots``), so a
+candidate changes only how the work is cut, not how far the backward may run ahead of the
+update. The median of ``REPEATS``: the candidates differ by a few milliseconds.
+
+Cached like the host probe (``profile.cache``, kind ``chunks``) under the host probe's facts,
+the layer's parameter count and the mirror: ``cached_chunks`` reads, ``probe_chunks`` measures
+where missing (``runtime.policy: auto``, this command).
+
+Example::
+
+    report = probe_chunks(layer_numel, threads=16, device=torch.device("cuda"), mirror=True)
+    report["candidates"]   # [{"chunk_elems": 0, "grad_slots": 4, "step_s": ..., ...}, ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from slidedp.kernels import Kernels, default_threads
+from slidedp.plan.device import pick_device
+from slidedp.profile.cache import cache_file, read_report, write_report
+from slidedp.profile.host import COLUMNS, GRAD, engine_update_threads, host_facts
+from slidedp.store import GroupSpec, HostStore, ParamSpec
+from slidedp.update import UpdateWorker
+
+KIND = "chunks"
+CHUNK_MIB = (8, 16, 32, 64, 128)  # of BF16: the paper found 8-128 MiB best, by machine
+LAYERS = 4  # layers per measurement: the pipeline across layers, not one layer alone
+GRAD_SLOTS = 4  # the engine's default gradient ring, in whole layers
+STAGING_SLOTS = 2  # the engine's default staging ring (runtime.staging_slots)
+REPEATS = 5
+TIMEOUT_S = 600.0
+BF16_BYTES = 2
+
+
+def candidate_chunks(layer_numel: int, mib: tuple[int, ...] = CHUNK_MIB) -> list[int]:
+    """``chunk_elems`` to measure: 0 (the whole layer) and each ``mib`` of BF16 that cuts the
+    layer in at least two."""
+    sizes = [(m << 20) // BF16_BYTES for m in mib]
+    return [0] + [c for c in sizes if c < layer_numel]
+
+
+def ring_slots(chunk_elems: int, layer_numel: int, whole_layers: int) -> int:
+    """Gradient slots of ``chunk_elems`` that hold ``whole_layers`` layers (0: whole layers)."""
+    if chunk_elems == 0:
+        return whole_layers
+    return whole_layers * math.ceil(layer_numel / chunk_elems)
+
+
+def chunk_facts(threads: int, gpu: str | None, layer_numel: int, mirror: bool) -> dict[str, Any]:
+    """The cache key's facts (the mirror only beside a GPU: on CPU nothing is loaded)."""
+    return host_facts(threads, gpu) | {"layer_numel": layer_numel, "mirror": mirror and bool(gpu)}
+
+
+def _valid(report: dict[str, Any] | None, facts: dict[str, Any]) -> bool:
+    if report is None or any(report.get(k) != v for k, v in facts.items()):
+        return False
+    rows = report.get("candidates")
+    if not isinstance(rows, list) or not rows or rows[0].get("chunk_elems") != 0:
+        return False
+    times = [row.get("step_s") for row in rows]
+    return all(isinstance(t, int | float) and math.isfinite(t) and t > 0 for t in times)
+
+
+def cached_chunks(
+    threads: int, gpu: str | None, layer_numel: int, mirror: bool, cache_dir: str | None = None
+) -> dict[str, Any] | None:
+    """The cached probe for this machine, layer and mirror, or None; nothing is measured."""
+    facts = chunk_facts(threads, gpu, layer_numel, mirror)
+    path = cache_file(cache_dir, KIND, facts)
+    report = read_report(path)
+    return report | {"cached": str(path)} if report and _valid(report, facts) else None
+
+
+def probe_chunks(
+    layer_numel: int,
+    threads: int,
+    device: torch.device,
+    *,
+    mirror: bool,
+    mib: tuple[int, ...] = CHUNK_MIB,
+    cache_dir: str | None = None,
+    force: bool = False,
+) -> dict[str, Any]:
+    """The probe's report for a layer of ``layer_numel`` parameters, with or without the BF16
+    mirror: cached, else (or with ``force``) measured and cached."""
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    facts = chunk_facts(threads, gpu, layer_numel, mirror)
+    if not force and (found := cached_chunks(threads, gpu, layer_numel, mirror, cache_dir)):
+        return found
+    start = time.perf_counter()
+    rows = [_measure(chunk, layer_numel, threads, device, facts["mirror"])
+            for chunk in candidate_chunks(layer_numel, mib)]  # fmt: skip
+    report = facts | {"candidates": rows, "measured_s": time.perf_counter() - start}
+    write_report(cache_file(cache_dir, KIND, facts), report)
+    return report | {"cached": None}
+
+
+class _Bench:
+    """One layer-sized group in a store of ``chunk_elems`` chunks, its update worker and
+    gradient lane, and on CUDA the window that loads it (the store's slots pinned)."""
+
+    def __init__(
+        self, chunk: int, layer_numel: int, threads: int, device: torch.device, mirror: bool
+    ) -> None:
+        from slidedp.runtime.grad_lane import GradLane
+        from slidedp.runtime.lanes import LaneClock, new_stream
+        from slidedp.runtime.transfer import pin
+        from slidedp.runtime.window import Window
+
+        self.cuda = device.type == "cuda"
+        rows = math.ceil(layer_numel / COLUMNS)
+        spec = GroupSpec("layers.0", [ParamSpec("layers.0.weight", (rows, COLUMNS))])
+        self.slots = ring_slots(chunk, rows * COLUMNS, GRAD_SLOTS)
+        self.store = HostStore.create([spec], staging_slots=STAGING_SLOTS if self.cuda else 0,
+                                      grad_dtype="bf16" if self.cuda else "f32",
+                                      grad_slots=self.slots, chunk_elems=chunk or None,
+                                      bf16_mirror=mirror and self.cuda)  # fmt: skip
+        self.pinned: list[torch.Tensor] = []
+        for region in ("staging", "grad", "mirror") if self.cuda else ():
+            if self.store.region(region).numel():
+                pin(self.store.region(region), f"the chunk probe's {region}")
+                self.pinned.append(self.store.region(region))
+        self.worker = UpdateWorker(self.store, threads)
+        clock = LaneClock(device)
+        stream = new_stream(device) if self.cuda else None
+        self.lane = GradLane(self.store, self.worker, clock, stream, TIMEOUT_S, lambda g: g)
+        dtype = torch.bfloat16 if self.cuda else torch.float32
+        self.grad = torch.full((rows, COLUMNS), GRAD, dtype=dtype, device=device)
+        self.window = None
+        if self.cuda:
+            self.window = Window(self.store, Kernels(threads), device, torch.bfloat16, [0],
+                                 slots=2, clock=clock, version_timeout_s=TIMEOUT_S)  # fmt: skip
+        self.device, self.version = device, 0
+
+    def close(self) -> None:
+        from slidedp.runtime.transfer import unpin
+
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self.worker.drain(TIMEOUT_S)
+        for t in self.pinned:
+            unpin(t)
+        self.window = None
+        del self.grad
+        if self.cuda:  # the run that follows in this process allocates afresh
+            torch.cuda.empty_cache()
+
+    def step(self) -> float:
+        """Seconds for ``LAYERS`` layers streamed as a backward streams them (module
+        docstring), the last version published and the last load landed."""
+        from slidedp.runtime.grad_lane import AdamArgs
+
+        self._sync()
+        start = time.perf_counter()
+        for i in range(LAYERS):
+            if self.window is not None:  # another layer's load: the version already published
+                buf = self.window.slots[i % len(self.window.slots)]
+                buf.group = None  # the same group again: a load, not a hit
+                self.window.load(buf, 0, self.store.version(0))
+            self.version += 1
+            adam = AdamArgs(step=self.version, lr=1e-5, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=0.01, grad_scale=1.0, version=self.version)  # fmt: skip
+            ticket = self.lane.ticket(0, {"layers.0.weight": self.grad})
+            self.lane.send(ticket, adam, check_finite=False)
+            self.lane.flush(keep_last_group=True)
+        self.lane.flush()
+        self.store.wait_version(0, self.version, TIMEOUT_S)
+        self._sync()
+        return time.perf_counter() - start
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+
+def _measure(
+    chunk: int, layer_numel: int, threads: int, device: torch.device, mirror: bool
+) -> dict[str, Any]:
+    """One candidate's row: the median of ``REPEATS`` after a warm-up pass (fresh shared
+    memory faults its pages in)."""
+    bench = _Bench(chunk, layer_numel, threads, device, mirror)
+    try:
+        bench.step()
+        return {
+            "chunk_elems": chunk,
+            "grad_slots": bench.slots,
+            "chunks": math.ceil(layer_numel / chunk) if chunk else 1,
+            "step_s": statistics.median(bench.step() for _ in range(REPEATS)),
+        }
+    finally:
+        bench.close()
+
+
+def format_report(report: dict[str, Any]) -> str:
+    where = (
+        f"cached: {report['cached']}"
+        if report["cached"]
+        else f"measured in {report['measured_s']:.1f} s"
+    )
+    loads = "none (CPU)" if report["gpu"] is None else "mirror" if report["mirror"] else "cast"
+    lines = [
+        f"slidedp profile chunks: a layer of {report['layer_numel']:,} parameters, "
+        f"{report['threads']} update thread{'s' * (report['threads'] != 1)}, beside "
+        f"{report['gpu'] or 'no GPU'}, loads: {loads} ({where}); {LAYERS} layers streamed, "
+        f"median of {REPEATS}",
+        "  chunk            chunks  grad slots  host side ms",
+    ]
+    for row in report["candidates"]:
+        size = (
+            "whole layer"
+            if row["chunk_elems"] == 0
+            else f"{row['chunk_elems'] * BF16_BYTES >> 20} MiB"
+        )
+        lines.append(
+            f"  {size:<16} {row['chunks']:>6}  {row['grad_slots']:>10}  "
+            f"{row['step_s'] * 1e3:>12.1f}"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    arg = parser.add_argument
+    arg("--shape", default="qwen3-4b", help="a bench shape or a config.json: its largest layer")
+    arg("--threads", type=int, default=0, help="update threads (0: the engine's default)")
+    arg("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    arg("--no-mirror", action="store_true", help="load by casting on the host (no BF16 mirror)")
+    arg("--cache-dir", default=None, help="default: $XDG_CACHE_HOME/slidedp/profile")
+    arg("--force", action="store_true", help="measure even if cached")
+    arg("--json", action="store_true", help="one JSON object instead of text")
+
+
+def main(args: argparse.Namespace) -> int:
+    from slidedp.bench.shapes import resolve_shape
+    from slidedp.models.shape import layer_shapes
+
+    device = pick_device(args.device)
+    threads = args.threads or engine_update_threads(default_threads(), device.type == "cuda")
+    numel = max(s.params for s in layer_shapes(resolve_shape(args.shape), 1024))
+    report = probe_chunks(numel, threads, device, mirror=not args.no_mirror, mib=CHUNK_MIB,
+                          cache_dir=args.cache_dir, force=args.force)  # fmt: skip
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0

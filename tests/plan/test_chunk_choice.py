@@ -1,0 +1,141 @@
+"""AutoPolicy's chunk stage (``plan.chunk_choice``): the whole layer unless the probe measured a
+chunk ``MIN_GAIN`` faster, the ring kept at its bytes; in ``runtime.policy: auto`` the chunk runs
+with the layout, is validated against the default's whole layers, is kept in the selection cache
+and by a resumed run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from plan.test_validate import ALL_F, CHOICE, FakeTrials, _resolve, start_auto
+from slidedp.config import TrainConfig
+from slidedp.io.checkpoint import STATE_FILE
+from slidedp.plan import auto, validate
+from slidedp.plan.chunk_choice import MIN_GAIN, ChunkChoice, choose_chunk, with_chunk
+from slidedp.plan.selection_cache import Selection, read_selection, write_selection
+
+NUMEL = 3 << 20
+MIB_1 = 1 << 19  # elements of 1 MiB of BF16
+
+
+def _report(step_s: list[float]) -> dict[str, Any]:
+    sizes = [0, MIB_1, 2 * MIB_1][: len(step_s)]
+    rows = [{"chunk_elems": c, "step_s": t} for c, t in zip(sizes, step_s, strict=True)]
+    return {"layer_numel": NUMEL, "candidates": rows, "cached": None}
+
+
+def test_the_whole_layer_stays_unless_a_chunk_is_measurably_faster() -> None:
+    near = 1.0 * (1 - MIN_GAIN) + 1e-6
+    kept = choose_chunk(_report([1.0, near, 1.2]), grad_slots=4)
+    assert (kept.chunk_elems, kept.grad_slots, kept.is_default) == (0, 4, True)
+    assert "the whole layer" in kept.describe()
+    chosen = choose_chunk(_report([1.0, 0.9, 0.8]), grad_slots=4)
+    assert (chosen.chunk_elems, chosen.cost_s, chosen.default_s) == (2 * MIB_1, 0.8, 1.0)
+    assert chosen.grad_slots == 4 * 3  # four layers of three 2-MiB chunks
+    assert chosen.describe().startswith("2 MiB, 12 gradient slots (host side 800.0 vs 1000.0 ms")
+    two = choose_chunk(_report([1.0, 0.5]), grad_slots=2)
+    assert (two.chunk_elems, two.grad_slots) == (MIB_1, 12)  # two layers of six 1-MiB chunks
+
+
+def _chunk(monkeypatch: pytest.MonkeyPatch) -> ChunkChoice:
+    """The chunk stage answers a 1 MiB chunk, as a probe on a GPU would."""
+    chunk = ChunkChoice(MIB_1, 24, 0.5, 1.0, source="measured now")
+
+    def stage(cfg: TrainConfig, *args: Any, **kwargs: Any) -> tuple[ChunkChoice, str]:
+        assert cfg.runtime.chunk_elems == 0  # the default's config: the chunk left to auto
+        return chunk, chunk.describe()
+
+    monkeypatch.setattr(auto, "chunk_stage", stage)
+    return chunk
+
+
+@pytest.mark.parametrize(("choice_s", "wins"), [(0.5, True), (1.5, False)])
+def test_auto_validates_the_chunk_with_the_layout_against_whole_layers(
+    auto_run: tuple[Path, TrainConfig],
+    monkeypatch: pytest.MonkeyPatch,
+    choice_s: float,
+    wins: bool,
+) -> None:
+    chunk = _chunk(monkeypatch)
+    trials = FakeTrials({ALL_F: 1.0, "F": 1.0, "*": choice_s})
+    monkeypatch.setattr(validate, "run_trial", trials)
+    chosen, line = _resolve(auto_run[1])
+    ran = [(c.runtime.layers, c.runtime.chunk_elems, c.runtime.grad_slots) for c in trials.ran]
+    assert ran == [(CHOICE, MIB_1, 24), ("F", 0, 4)]  # the default: whole layers
+    rt = chosen.runtime
+    if wins:
+        assert (rt.layers, rt.chunk_elems, rt.grad_slots) == (CHOICE, MIB_1, 24)
+        assert f"; chunk {chunk.describe()};" in line
+    else:
+        assert (rt.layers, rt.chunk_elems, rt.grad_slots) == (ALL_F, 0, 4)
+        assert "not run: the default won validation;" in line
+
+
+def test_a_cached_selection_brings_its_chunk(auto_run: tuple[Path, TrainConfig]) -> None:
+    cfg = auto_run[1]
+    facts = {"any": "key"}
+    line = "policy   auto: 4xN-r0, 0 GPU-resident; chunk 1 MiB"
+    write_selection(facts, Selection(CHOICE, 0, None, line, 1.0, chunk_elems=MIB_1, grad_slots=24))
+    hit = read_selection(facts, layers=4, routes=[], say=print)
+    assert hit is not None
+    chosen, said = auto._from_cache(cfg, *hit)
+    assert (chosen.runtime.chunk_elems, chosen.runtime.grad_slots) == (MIB_1, 24)
+    assert said.startswith(line)
+    whole = Selection(CHOICE, 0, None, line, 1.0, grad_slots=4)
+    write_selection(facts, whole)
+    hit = read_selection(facts, layers=4, routes=[], say=print)
+    assert hit is not None
+    assert auto._from_cache(cfg, *hit)[0].runtime.chunk_elems == 0
+
+
+def test_a_layout_kept_as_the_default_is_still_validated_for_its_chunk(
+    auto_run: tuple[Path, TrainConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the program keeps the all-F layout, the chunk alone still differs from the
+    default: it runs only after a faster validation."""
+    _chunk(monkeypatch)
+    monkeypatch.setattr(auto, "profile_layer", lambda args: _all_f_report())
+    trials = FakeTrials({"*": 0.9, "F": 1.0})
+    monkeypatch.setattr(validate, "run_trial", trials)
+    chosen, _ = _resolve(auto_run[1])
+    assert [(c.runtime.layers, c.runtime.chunk_elems) for c in trials.ran] == [
+        (ALL_F, MIB_1), ("F", 0)]  # fmt: skip
+    assert chosen.runtime.chunk_elems == MIB_1
+
+
+def _all_f_report() -> dict[str, Any]:
+    from plan.runs import BATCH, SEQ, profile_row
+
+    return {"batch": BATCH, "seq_len": SEQ, "candidates": [profile_row("F-r0", 30.0, 1.0)],
+            "cached": None}  # fmt: skip
+
+
+def test_with_chunk_leaves_whole_layers_alone(auto_run: tuple[Path, TrainConfig]) -> None:
+    cfg = auto_run[1]
+    assert with_chunk(cfg, None) is cfg
+    assert with_chunk(cfg, ChunkChoice(0, 4, 1.0, 1.0, "cached")) is cfg
+    chunked = with_chunk(cfg, ChunkChoice(MIB_1, 24, 0.5, 1.0, "cached")).runtime
+    assert (chunked.chunk_elems, chunked.grad_slots) == (MIB_1, 24)
+
+
+@pytest.mark.parametrize(("recorded", "kept"), [(MIB_1, MIB_1), (777, 0), (0, 0)])
+def test_a_resumed_run_keeps_the_chunk_its_checkpoint_ran_with(
+    tmp_path: Path, recorded: int, kept: int
+) -> None:
+    """The checkpoint records the resolved chunk: one layer's (777 here) for a config's 0, so
+    that one is the whole layer again."""
+    policy = {"layers": "4xF-r0", "resident_layers": 0, "param_route": "replicated",
+              "grad_route": "gpu", "chunk_elems": recorded, "grad_slots": 24}  # fmt: skip
+    (tmp_path / STATE_FILE).write_text(json.dumps({"policy": policy}))
+    found = auto._kept_policy(tmp_path, 4, 777)
+    assert found is not None
+    assert found.chunk_elems == kept
+
+
+@pytest.fixture
+def auto_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, TrainConfig]:
+    return start_auto(tmp_path, monkeypatch)
