@@ -73,6 +73,16 @@ def test_a_profile_is_cached_by_its_facts(
     assert "cached" in capsys.readouterr().out
     assert main(_args(tmp_path, "--force")) == 1
     assert "measured again" in capsys.readouterr().err
+    # the same config.json in another directory is the same model: the bench writes its model
+    # into a new directory each run, and its runs never met the cache while the key held the
+    # path (transformers' _name_or_path; BENCHMARKS.md, issue #16)
+    elsewhere = tmp_path / "copy"
+    elsewhere.mkdir()
+    (elsewhere / "config.json").write_text((tmp_path / "config.json").read_text())
+    argv = _args(tmp_path)
+    argv[argv.index("--shape") + 1] = str(elsewhere / "config.json")
+    assert main(argv) == 0
+    assert json.loads((tmp_path / "p.json").read_text())["cached"] is not None
 
 
 def test_pareto_marks_the_points_nothing_beats_in_both_memory_and_time() -> None:

@@ -268,7 +268,7 @@ def _profiled(args: argparse.Namespace) -> _Profiled:
         # the host runs the layer on CPU and launches its kernels beside a GPU
         "cpu": cpu_model(),
         "logical_cores": os.cpu_count(),
-        "shape": config.to_dict() if args.shape not in SHAPES else args.shape,
+        "shape": _shape_facts(config) if args.shape not in SHAPES else args.shape,
         "batch": args.batch,
         "seq_len": args.seq_len,
         "dtype": str(dtype).removeprefix("torch."),
@@ -283,6 +283,12 @@ def _profiled(args: argparse.Namespace) -> _Profiled:
     }
     kinds = dict(sorted(collections.Counter(adapter.layer_kinds).items()))
     return _Profiled(adapter, device, dtype, compute, facts, kinds, args.cache_dir)
+
+
+def _shape_facts(config: transformers.PretrainedConfig) -> dict[str, Any]:
+    """The model config in the key, without where it was read from (``_name_or_path``): the
+    same model in another directory (the bench writes one per run) is the same profile."""
+    return {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}
 
 
 def _liger_version() -> str:
