@@ -22,3 +22,17 @@ def cache_rate(threads: int, gpu: str | None, gbps: float, joint_gbps: float | N
     numbers = {"params": 1, "passes": 1, "isa": "avx2", "state_bytes": 12, "measured_s": 0.1}
     write_report(path, facts | {"adamw_gbps": gbps} | joint | numbers)
     return path
+
+
+def cache_chunks(threads: int, gpu: str, layer_numel: int, mirror: bool,
+                 step_s: dict[int, float]) -> Path:  # fmt: skip
+    """Cache a chunk probe of this machine with ``step_s`` by ``chunk_elems`` (0, the whole
+    layer, first), in the default cache directory; returns the file."""
+    from slidedp.profile.chunks import chunk_facts, ring_slots
+
+    facts = chunk_facts(threads, gpu, layer_numel, mirror)
+    rows = [{"chunk_elems": c, "grad_slots": ring_slots(c, layer_numel, 4), "chunks": 1,
+             "step_s": t} for c, t in step_s.items()]  # fmt: skip
+    path = cache_file(None, "chunks", facts)
+    write_report(path, facts | {"candidates": rows, "measured_s": 0.1})
+    return path

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from host_profile.fake import cache_rate
+from host_profile.fake import cache_chunks, cache_rate
 from slidedp.bench.shapes import resolve_shape
 from slidedp.config import TrainConfig, config_from_dict
 from slidedp.errors import ConfigError
@@ -138,9 +138,15 @@ def test_routes_the_config_sets_are_its_own(tmp_path: Path) -> None:
     assert candidate_routes(_cfg(tmp_path, grad_route="gpu"), None) == list(ROUTES)
 
 
+CHUNK = 1 << 19  # 1 MiB of BF16: the chunk the cached chunk probe below finds fastest
+
+
 def _cache_probes(cfg: TrainConfig, adapter: HFAdapter, links: dict[str, float]) -> None:
-    """The host and link probes of this (pretended) 2x H200 host, in the cache."""
-    cache_rate(update_threads(cfg, _machine()), H200, 300.0, joint_gbps=ADAMW)
+    """The host, chunk and link probes of this (pretended) 2x H200 host, in the cache."""
+    threads = update_threads(cfg, _machine())
+    cache_rate(threads, H200, 300.0, joint_gbps=ADAMW)
+    # several ranks on the replicated route keep the mirror
+    cache_chunks(threads, H200, layer_numel(adapter), True, {0: 1.0, CHUNK: 0.5})
     facts = links_facts(2, H200, layer_numel(adapter))
     write_report(cache_file(None, "links", facts), facts | links | {"measured_s": 1.0})
 
@@ -164,13 +170,17 @@ def test_auto_on_two_gpus_chooses_layout_and_routes_from_the_probes(
     assert line.startswith(f"policy   auto: {rt.layers}, 0 GPU-resident")
     assert f"; routes {route[0]}/{route[1]} (predicted " in line
     assert f"; reduce {links['reduce_gbps']:.0f}, all_gather " in line
-    assert line.endswith(" GB/s measured, copies at the PCIe ceilings; not calibrated (several "
-                         "ranks: the profiled times); not validated here (`slidedp train` "
-                         "validates)")  # fmt: skip
+    slots = 4 * -(-layer_numel(adapter) // CHUNK)
+    assert line.endswith(" GB/s measured, copies at the PCIe ceilings; chunk 1 MiB, "
+                         f"{slots} gradient slots (host side 500.0 vs 1000.0 ms for the whole "
+                         "layer; cached); not calibrated (several ranks: the profiled times); "
+                         "not validated here (`slidedp train` validates)")  # fmt: skip
+    assert (rt.chunk_elems, rt.grad_slots) == (CHUNK, slots)
     assert auto.chosen_overrides(chosen) == [
         "runtime.policy=", f"runtime.layers={rt.layers}", "runtime.resident_layers=0",
         "runtime.resident_embeddings=False", f"runtime.param_route={route[0]}",
-        f"runtime.grad_route={route[1]}",
+        f"runtime.grad_route={route[1]}", f"runtime.chunk_elems={CHUNK}",
+        f"runtime.grad_slots={slots}",
     ]  # fmt: skip
 
     # the config's own route stays, and validate/estimate without a link probe say why

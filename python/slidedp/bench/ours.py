@@ -27,7 +27,7 @@ from transformers import AutoConfig
 from slidedp.bench.measure import RunSpec, synthetic_tokens
 from slidedp.config import TrainConfig, config_from_dict
 from slidedp.estimate import Machine
-from slidedp.plan.auto import AUTO, resolve_auto
+from slidedp.plan.auto import AUTO, chosen_runtime, resolve_auto
 from slidedp.preflight import check_model
 from slidedp.runtime.dist import Dist
 from slidedp.runtime.lanes import LANES, WAITS
@@ -82,10 +82,7 @@ def choose_for_ranks(spec: RunSpec, spec_path: Path) -> tuple[Path, dict[str, An
     with tempfile.TemporaryDirectory(prefix="slidedp-bench-") as tmp:
         cfg, line = resolved_config(spec, Path(tmp) / "tokens.jsonl", Path(tmp) / "out")
     rt = cfg.runtime
-    chosen = {"policy": "", "layers": rt.layers, "resident_layers": rt.resident_layers,
-              "resident_embeddings": rt.resident_embeddings, "param_route": rt.param_route,
-              "grad_route": rt.grad_route}  # fmt: skip
-    ours = {**spec.ours, "runtime": {**spec.ours["runtime"], **chosen}}
+    ours = {**spec.ours, "runtime": {**spec.ours["runtime"], **chosen_runtime(cfg)}}
     path = spec_path.with_name(f"{spec_path.stem}.chosen.json")
     path.write_text(json.dumps(dataclasses.replace(spec, ours=ours).to_json()))
     return path, {"policy": line, "chosen_route": f"{rt.param_route}/{rt.grad_route}"}

@@ -7,7 +7,7 @@ keeps it.
 
 ``train`` profiles the layer when the profile is not cached (on the run's device, with the
 batch of one rank and the run's sequence), and probes the host AdamW rate the same way
-(``slidedp profile host``: the selector's host lane), on one GPU probes the H2D/D2H chunk
+(``slidedp profile host``: the selector's host lane), on GPUs probes the H2D/D2H chunk
 (``profile.chunks``: the whole layer unless a chunk is measured faster, ``plan.chunk_choice``;
 the choice sets ``runtime.chunk_elems`` and ``runtime.grad_slots`` where the config leaves the
 chunk at 0, and is validated with the layout), and solves (``plan.select``). On one process it
@@ -33,13 +33,14 @@ with the file and the original selection time) and runs no profile, probe, solve
 Several GPUs of one host (``runtime.gpus: N``): ``slidedp train``'s launcher chooses once,
 before it starts the ranks, and passes the choice to them as overrides (``chosen_overrides``);
 the bench's launcher (``bench.ranks``) does the same. Its measurements (layer profile, host
-probe, and ``profile.links``: the layer-sized ``reduce`` and ``all_gather`` between the GPUs)
-run in a child process (``plan.measure``), so the launcher allocates nothing on the GPUs. No layer
-is GPU-resident there (refused with several ranks). CPU ranks choose the layout and keep the
-config's routes (the route model is for GPUs); several nodes, and ranks started by another
-launcher (torchrun), are refused with one line. The launcher validates its choice (layout and
-routes) against the default (all ``F``, the config's routes) on every rank, each trial a launch
-of the ranks (``plan.validate.trial_on_ranks``); it does not calibrate.
+probe, chunk probe, and ``profile.links``: the layer-sized ``reduce`` and ``all_gather``
+between the GPUs) run in a child process (``plan.measure``), so the launcher allocates nothing
+on the GPUs. No layer is GPU-resident there (refused with several ranks). CPU ranks choose the
+layout and keep the config's routes and chunk (the route model and the chunk probe are for
+GPUs); several nodes, and ranks started by another launcher (torchrun), are refused with one
+line. The launcher validates its choice (layout, chunk and routes) against the default (all
+``F``, whole layers, the config's routes) on every rank, each trial a launch of the ranks
+(``plan.validate.trial_on_ranks``); it does not calibrate.
 
 Example::
 
@@ -133,14 +134,19 @@ def device_total_bytes(machine: Machine, cfg: TrainConfig, adapter: HFAdapter) -
     ) // cfg.runtime.world
 
 
-def chosen_overrides(cfg: TrainConfig) -> list[str]:
-    """``section.key=value`` overrides that make the ranks run ``cfg``'s resolved policy (the
-    launcher's choice), ``runtime.policy`` cleared."""
+def chosen_runtime(cfg: TrainConfig) -> dict[str, Any]:
+    """The runtime keys that make the ranks run ``cfg``'s resolved policy (the launcher's
+    choice), ``runtime.policy`` cleared."""
     rt = cfg.runtime
-    keys = {"policy": "", "layers": rt.layers, "resident_layers": rt.resident_layers,
+    return {"policy": "", "layers": rt.layers, "resident_layers": rt.resident_layers,
             "resident_embeddings": rt.resident_embeddings, "param_route": rt.param_route,
-            "grad_route": rt.grad_route}  # fmt: skip
-    return [f"runtime.{k}={v}" for k, v in keys.items()]
+            "grad_route": rt.grad_route, "chunk_elems": rt.chunk_elems,
+            "grad_slots": rt.grad_slots}  # fmt: skip
+
+
+def chosen_overrides(cfg: TrainConfig) -> list[str]:
+    """``chosen_runtime`` as ``section.key=value`` overrides (``slidedp train``'s launcher)."""
+    return [f"runtime.{k}={v}" for k, v in chosen_runtime(cfg).items()]
 
 
 def check_one_process(rt: RuntimeSection, what: str) -> None:
@@ -307,9 +313,7 @@ def resolve_auto(
     with clock.stage("host") as notes:
         host = host_rate(update_threads(cfg, machine), machine, measure=measure)
         notes.append(f"AdamW {host.gbps:.0f} GB/s {host.source}")
-    chunk, chunk_said = None, ""
-    if not several:  # (several ranks share the host: not probed yet, the config's chunk)
-        chunk, chunk_said = chunk_stage(default, adapter, machine, measure=measure, clock=clock)
+    chunk, chunk_said = chunk_stage(default, adapter, machine, measure=measure, clock=clock)
     total = device_total_bytes(machine, default, adapter)
     calibrated: dict[LayerPolicy, float] = {}  # the calibration stage's layer times
 
@@ -372,8 +376,7 @@ def resolve_auto(
         chosen, said = configured(default, shown)
     if several:
         line += f"; routes {said}"
-    else:
-        line += f"; chunk {chunk_said}"
+    line += f"; chunk {chunk_said}"
     line += f"; {clause(calibration.summary() if calibration else {'skipped': not_calibrated})}"
     line += f"; {_validated(validation, steps, measuring=measuring)}"
     if measuring:  # from a cache alone (validate, estimate) the seconds say nothing
@@ -386,9 +389,11 @@ def resolve_auto(
 def chunk_stage(
     cfg: TrainConfig, adapter: HFAdapter, machine: Machine, *, measure: bool, clock: Clock
 ) -> tuple[ChunkChoice | None, str]:
-    """The chunk for a run of one process on a GPU (``plan.chunk_choice``, timed as the stage
-    ``chunks`` of ``clock``) and what to say of it; None on CPU, where the config sets
-    ``runtime.chunk_elems``, or where, not measuring, the probe is not cached."""
+    """The chunk for a run on GPUs (``plan.chunk_choice``, timed as the stage ``chunks`` of
+    ``clock``) and what to say of it; None on CPU, where the config sets
+    ``runtime.chunk_elems``, or where, not measuring, the probe is not cached. On several GPUs
+    the launcher's child process probes (``plan.measure``) and this reads its report: one
+    rank's stream, measured alone; validation on the ranks has the last word."""
     import torch
 
     from slidedp.estimate import resolve_mirror, update_threads
@@ -445,7 +450,7 @@ def selection_key(
     links = chunks = None
     if routes and gpu is not None:
         links = cached_links(cfg.runtime.world, gpu, layer_numel(adapter))
-    if gpu is not None and not routes and not cfg.runtime.chunk_elems:  # the chunk stage runs
+    if gpu is not None and not cfg.runtime.chunk_elems:  # the chunk stage runs
         mirror = resolve_mirror(cfg, adapter, machine)
         chunks = cached_chunks(threads, gpu, layer_numel(adapter), mirror)
         if chunks is None:

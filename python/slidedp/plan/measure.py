@@ -1,7 +1,8 @@
 """The measurements ``runtime.policy: auto`` takes on several ranks, in a child process of the
 launcher: the layer profile (``profile.layer``, one rank's rows on the first device), the host
-AdamW rate with the copies under it (``profile.host``) and, on several GPUs, the layer-sized
-``reduce`` and ``all_gather`` between them (``profile.links``). Each lands in the measurement
+AdamW rate with the copies under it (``profile.host``) and, on several GPUs, the chunk probe
+(``profile.chunks``, one rank's stream on the first device) and the layer-sized ``reduce``
+and ``all_gather`` between them (``profile.links``). Each lands in the measurement
 cache; the launcher then chooses from the cache (``plan.auto``), once for every rank, and
 passes the choice to the ranks it starts. So the launcher itself never allocates on the GPUs
 its ranks train on (it only reads their properties), nor keeps the probe's pinned store.
@@ -48,19 +49,26 @@ def measure(cfg: TrainConfig) -> None:
     """Every measurement ``plan.auto`` takes for ``cfg``, cached (measured where missing)."""
     import torch
 
-    from slidedp.estimate import Machine, host_rate, update_threads
+    from slidedp.estimate import Machine, host_rate, resolve_mirror, update_threads
     from slidedp.models.hf import HFAdapter
     from slidedp.plan.auto import profile_args
+    from slidedp.profile.chunks import probe_chunks
     from slidedp.profile.layer import profile_layer
     from slidedp.profile.links import probe_links
 
     machine = Machine.probe(cfg, measure=False)
     profile_layer(profile_args(cfg))
-    host_rate(update_threads(cfg, machine), machine, measure=True)
+    threads = update_threads(cfg, machine)
+    host_rate(threads, machine, measure=True)
     world = cfg.runtime.world
-    if machine.device != "cuda" or world < 2:
+    if machine.device != "cuda":
         return
     adapter = HFAdapter.from_dir(cfg.model.path, cfg.model.config_overrides())
+    if not cfg.runtime.chunk_elems:  # the chunk stage's probe (plan.chunk_choice)
+        probe_chunks(layer_numel(adapter), threads, torch.device("cuda"),
+                     mirror=resolve_mirror(cfg, adapter, machine))  # fmt: skip
+    if world < 2:
+        return
     try:
         probe_links(world, layer_numel(adapter))
     except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # the routes stay the config's

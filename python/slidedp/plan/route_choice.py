@@ -12,9 +12,8 @@ copies' rates under it from the host probe (``profile.host``), the layer-sized `
 out. The config's route (``replicated/gpu`` unless the config sets one) is kept unless another
 is predicted ``plan.select.MIN_GAIN`` faster, as the layout stage keeps the all-F default.
 
-The chunk size (``runtime.chunk_elems``) stays the config's here: the chunk probe
-(``profile.chunks``, ``plan.chunk_choice``) chooses it for one GPU, where it measures the
-engine's own lane; several ranks sharing the host are not probed yet.
+The chunk size (``runtime.chunk_elems``) is the chunk stage's (``plan.chunk_choice``), chosen
+before the routes from one rank's stream measured alone.
 
 Example::
 
