@@ -5,15 +5,20 @@ and by a resumed run."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+from plan.runs import run_config
 from plan.test_validate import ALL_F, CHOICE, FakeTrials, _resolve, start_auto
-from slidedp.config import TrainConfig
+from slidedp.config import TrainConfig, load_config
+from slidedp.estimate import Machine
 from slidedp.io.checkpoint import STATE_FILE
+from slidedp.models.hf import HFAdapter
 from slidedp.plan import auto, validate
 from slidedp.plan.chunk_choice import MIN_GAIN, ChunkChoice, choose_chunk, with_chunk
 from slidedp.plan.selection_cache import Selection, read_selection, write_selection
@@ -25,7 +30,7 @@ MIB_1 = 1 << 19  # elements of 1 MiB of BF16
 def _report(step_s: list[float]) -> dict[str, Any]:
     sizes = [0, MIB_1, 2 * MIB_1][: len(step_s)]
     rows = [{"chunk_elems": c, "step_s": t} for c, t in zip(sizes, step_s, strict=True)]
-    return {"layer_numel": NUMEL, "candidates": rows, "cached": None}
+    return {"layer_numel": NUMEL, "mirror": True, "candidates": rows, "cached": None}
 
 
 def test_the_whole_layer_stays_unless_a_chunk_is_measurably_faster() -> None:
@@ -41,9 +46,10 @@ def test_the_whole_layer_stays_unless_a_chunk_is_measurably_faster() -> None:
     assert (two.chunk_elems, two.grad_slots) == (MIB_1, 12)  # two layers of six 1-MiB chunks
 
 
-def _chunk(monkeypatch: pytest.MonkeyPatch) -> ChunkChoice:
-    """The chunk stage answers a 1 MiB chunk, as a probe on a GPU would."""
-    chunk = ChunkChoice(MIB_1, 24, 0.5, 1.0, source="measured now")
+def _chunk(monkeypatch: pytest.MonkeyPatch, mirror: bool = False) -> ChunkChoice:
+    """The chunk stage answers a 1 MiB chunk, as a probe on a GPU would, with loads from the
+    mirror or not (a CPU run has none: f32)."""
+    chunk = ChunkChoice(MIB_1, 24, 0.5, 1.0, mirror=mirror, source="measured now")
 
     def stage(cfg: TrainConfig, *args: Any, **kwargs: Any) -> tuple[ChunkChoice, str]:
         assert cfg.runtime.chunk_elems == 0  # the default's config: the chunk left to auto
@@ -73,6 +79,34 @@ def test_auto_validates_the_chunk_with_the_layout_against_whole_layers(
     else:
         assert (rt.layers, rt.chunk_elems, rt.grad_slots) == (ALL_F, 0, 4)
         assert "not run: the default won validation;" in line
+
+
+def test_an_unvalidated_chunk_is_not_applied(
+    auto_run: tuple[Path, TrainConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Repeated probes differ by up to ~10%: without validation the whole layer runs."""
+    _chunk(monkeypatch)
+    cfg = auto_run[1]
+    runtime = dataclasses.replace(cfg.runtime, policy_validate_steps=0)
+    cfg = dataclasses.replace(cfg, runtime=runtime)
+    chosen, line = _resolve(cfg)
+    assert (chosen.runtime.chunk_elems, chosen.runtime.grad_slots) == (0, 4)
+    assert "; chunk the whole layer (1 MiB, 24 gradient slots" in line
+    assert "not applied unvalidated: runtime.policy_validate_steps=0);" in line
+
+
+def test_a_chunk_probed_with_other_loads_is_not_applied(
+    auto_run: tuple[Path, TrainConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk probed with the mirror's loads, for a run that casts (here: f32 on CPU, no
+    mirror), is not the run's measurement: the whole layer runs, in validation too."""
+    _chunk(monkeypatch, mirror=True)
+    trials = FakeTrials({ALL_F: 1.0, "F": 1.0, "*": 0.5})
+    monkeypatch.setattr(validate, "run_trial", trials)
+    chosen, line = _resolve(auto_run[1])
+    assert [c.runtime.chunk_elems for c in trials.ran] == [0, 0]
+    assert (chosen.runtime.layers, chosen.runtime.chunk_elems) == (CHOICE, 0)
+    assert "not run: the chosen layout loads without the mirror probed;" in line
 
 
 def test_a_cached_selection_brings_its_chunk(auto_run: tuple[Path, TrainConfig]) -> None:
@@ -116,10 +150,14 @@ def _all_f_report() -> dict[str, Any]:
 
 def test_with_chunk_leaves_whole_layers_alone(auto_run: tuple[Path, TrainConfig]) -> None:
     cfg = auto_run[1]
-    assert with_chunk(cfg, None) is cfg
-    assert with_chunk(cfg, ChunkChoice(0, 4, 1.0, 1.0, "cached")) is cfg
-    chunked = with_chunk(cfg, ChunkChoice(MIB_1, 24, 0.5, 1.0, "cached")).runtime
+    adapter, machine = HFAdapter.from_dir(cfg.model.path), Machine.probe(cfg, measure=False)
+    assert with_chunk(cfg, None, adapter, machine) is cfg
+    assert with_chunk(cfg, ChunkChoice(0, 4, 1.0, 1.0, False, "cached"), adapter, machine) is cfg
+    chunk = ChunkChoice(MIB_1, 24, 0.5, 1.0, False, "cached")
+    chunked = with_chunk(cfg, chunk, adapter, machine).runtime
     assert (chunked.chunk_elems, chunked.grad_slots) == (MIB_1, 24)
+    other_loads = dataclasses.replace(chunk, mirror=True)  # this CPU run has no mirror
+    assert with_chunk(cfg, other_loads, adapter, machine) is cfg
 
 
 @pytest.mark.parametrize(("recorded", "kept"), [(MIB_1, MIB_1), (777, 0), (0, 0)])
@@ -134,8 +172,52 @@ def test_a_resumed_run_keeps_the_chunk_its_checkpoint_ran_with(
     found = auto._kept_policy(tmp_path, 4, 777)
     assert found is not None
     assert found.chunk_elems == kept
+    cfg = load_config(run_config(tmp_path, 4, {"policy": "auto"}), [])
+    resumed, line = auto._kept_line(cfg, found, [], tmp_path)
+    assert (resumed.runtime.chunk_elems, resumed.runtime.grad_slots) == (kept, 24 if kept else 4)
+    assert (f", chunk {kept:,} elements (kept from" in line) == bool(kept)
 
 
 @pytest.fixture
 def auto_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, TrainConfig]:
     return start_auto(tmp_path, monkeypatch)
+
+
+def test_plan_writes_a_chunk_only_where_validation_ran_it_faster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``slidedp plan`` on this machine's GPU (faked): a chunk-only choice (the program keeps
+    all F) is validated, and its policy file carries the chunk and its ring only when it ran
+    faster; for another GPU (--gpu-memory) the chunk stage does not run."""
+    from plan.runs import on_a_gpu
+    from slidedp.cli import main
+    from slidedp.plan import command
+
+    path = run_config(tmp_path, 4, {"policy_calibrate_steps": 0})
+    on_a_gpu(path, monkeypatch, tmp_path / "cache")
+    chunk = ChunkChoice(MIB_1, 24, 0.5, 1.0, mirror=True, source="measured now")
+    monkeypatch.setattr(command, "chunk_stage", lambda *a, **k: (chunk, chunk.describe()))
+    monkeypatch.setattr(
+        command,
+        "with_chunk",
+        lambda cfg, c, *a: with_chunk(cfg, c and dataclasses.replace(c, mirror=False), *a),
+    )  # the faked GPU: f32, no mirror
+    report = tmp_path / "profile.json"
+    report.write_text(json.dumps(_all_f_report()))
+    policy = tmp_path / "policy.yaml"
+    argv = ["plan", str(path), "--profile", str(report), "--out", str(policy)]
+    for step_s, written in ((0.5, {"chunk_elems": MIB_1, "grad_slots": 24}), (1.5, {})):
+        trials = FakeTrials({"F": 1.0, "*": step_s})
+        monkeypatch.setattr(validate, "run_trial", trials)
+        assert main(argv) == 0
+        assert [c.runtime.chunk_elems for c in trials.ran] == [MIB_1, 0]
+        assert (
+            yaml.safe_load(policy.read_text())
+            == {"layers": ALL_F, "resident_layers": 0, "resident_embeddings": False} | written
+        )
+        said = json.loads(policy.with_suffix(".json").read_text())["chunk"]["said"]
+        assert said.startswith("1 MiB" if written else "the whole layer (1 MiB")
+    capsys.readouterr()
+    assert main([*argv, "--gpu-memory", "40"]) == 0
+    summary = json.loads(policy.with_suffix(".json").read_text())
+    assert summary["chunk"]["said"] == "the config's (planned for another GPU: --gpu-memory)"

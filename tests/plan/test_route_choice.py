@@ -20,6 +20,7 @@ from slidedp.estimate import Machine, update_threads
 from slidedp.io.checkpoint import STATE_FILE
 from slidedp.models.hf import HFAdapter
 from slidedp.plan import auto
+from slidedp.plan.chunk_choice import probe_terms
 from slidedp.plan.measure import layer_numel
 from slidedp.plan.route_choice import (
     ROUTES,
@@ -170,17 +171,18 @@ def test_auto_on_two_gpus_chooses_layout_and_routes_from_the_probes(
     assert line.startswith(f"policy   auto: {rt.layers}, 0 GPU-resident")
     assert f"; routes {route[0]}/{route[1]} (predicted " in line
     assert f"; reduce {links['reduce_gbps']:.0f}, all_gather " in line
+    # the cached chunk probe's choice, shown, and not applied until validated on the ranks
     slots = 4 * -(-layer_numel(adapter) // CHUNK)
-    assert line.endswith(" GB/s measured, copies at the PCIe ceilings; chunk 1 MiB, "
-                         f"{slots} gradient slots (host side 500.0 vs 1000.0 ms for the whole "
-                         "layer; cached); not calibrated (several ranks: the profiled times); "
+    assert line.endswith(" GB/s measured, copies at the PCIe ceilings; chunk the whole layer "
+                         f"(1 MiB, {slots} gradient slots (host side 500.0 vs 1000.0 ms for the "
+                         "whole layer; cached); not applied unvalidated: `slidedp train` "
+                         "validates it); not calibrated (several ranks: the profiled times); "
                          "not validated here (`slidedp train` validates)")  # fmt: skip
-    assert (rt.chunk_elems, rt.grad_slots) == (CHUNK, slots)
+    assert (rt.chunk_elems, rt.grad_slots) == (0, 4)
     assert auto.chosen_overrides(chosen) == [
         "runtime.policy=", f"runtime.layers={rt.layers}", "runtime.resident_layers=0",
         "runtime.resident_embeddings=False", f"runtime.param_route={route[0]}",
-        f"runtime.grad_route={route[1]}", f"runtime.chunk_elems={CHUNK}",
-        f"runtime.grad_slots={slots}",
+        f"runtime.grad_route={route[1]}", "runtime.chunk_elems=0", "runtime.grad_slots=4",
     ]  # fmt: skip
 
     # the config's own route stays, and validate/estimate without a link probe say why
@@ -290,3 +292,20 @@ def test_a_route_without_the_mirror_casts_at_the_probed_rate(tmp_path: Path) -> 
     sharded = slow[("sharded", "gpu")] - fast[("sharded", "gpu")]
     assert sharded > 0.1
     assert slow[DEFAULT] - fast[DEFAULT] > 1.5 * sharded
+
+
+def test_the_chunk_probe_takes_the_default_runs_mirror_whatever_the_policy(
+    tmp_path: Path,
+) -> None:
+    """The launcher's child gets the config with ``runtime.policy: auto``; on the sharded
+    route the mirror is decided by the estimate, which refuses an unresolved policy: the probe
+    takes the fixed default's (a child that raised there failed every such run)."""
+    cfg = _cfg(tmp_path, policy="auto", param_route="sharded")
+    adapter = HFAdapter.from_dir(cfg.model.path)
+    numel, threads, mirror = probe_terms(cfg, adapter, _machine())
+    assert (numel, threads) == (layer_numel(adapter), update_threads(cfg, _machine()))
+    assert mirror  # 1 TiB of RAM: it fits
+    assert auto.chunk_skipped(cfg.runtime, _machine()) is None
+    rings = dataclasses.replace(cfg.runtime, grad_slots=8)
+    assert auto.chunk_skipped(rings, _machine()) == (
+        "the whole layer (the config sets runtime.grad_slots=8)")  # fmt: skip

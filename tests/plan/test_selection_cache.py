@@ -234,7 +234,10 @@ def test_auto_takes_the_choice_slidedp_plan_made_for_the_same_run(
         summary["resident_layers"],
     )
     assert line.startswith(f"policy   auto: {summary['layout']}, ")
-    said = "not calibrated (runtime.policy_calibrate_steps=0); validated (3 steps each): "
+    said = (
+        "chunk the config's (on CPU no copy to cut); not calibrated "
+        "(runtime.policy_calibrate_steps=0); validated (3 steps each): "
+    )
     assert f", chosen by `slidedp plan`; {said}" in line
     assert f"; from the cache {stored} (selected " in line
     # another GPU's plan (--gpu-memory) is not this machine's selection: nothing cached

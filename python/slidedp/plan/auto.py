@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any
 from slidedp.errors import ConfigError
 from slidedp.io.checkpoint import STATE_FILE
 from slidedp.plan.calibrate import calibrate_choice, clause, why_not_calibrated
-from slidedp.plan.chunk_choice import ChunkChoice, choose_chunk, with_chunk
+from slidedp.plan.chunk_choice import ChunkChoice, choose_chunk, probe_terms, with_chunk
 from slidedp.plan.clock import Clock
 from slidedp.plan.layout import LayerPolicy, parse_layout
 from slidedp.plan.policy import layer_chunk_elems, resident_text
@@ -314,6 +314,10 @@ def resolve_auto(
         host = host_rate(update_threads(cfg, machine), machine, measure=measure)
         notes.append(f"AdamW {host.gbps:.0f} GB/s {host.source}")
     chunk, chunk_said = chunk_stage(default, adapter, machine, measure=measure, clock=clock)
+    if chunk is not None and not chunk.is_default and not (measuring and rt.policy_validate_steps):
+        why = "runtime.policy_validate_steps=0" if measuring else "`slidedp train` validates it"
+        chunk_said = f"the whole layer ({chunk_said}; not applied unvalidated: {why})"
+        chunk = None
     total = device_total_bytes(machine, default, adapter)
     calibrated: dict[LayerPolicy, float] = {}  # the calibration stage's layer times
 
@@ -327,8 +331,9 @@ def resolve_auto(
         what the route stage said of them)."""
         run = _with(base, layers=choice.layout, resident_layers=choice.resident_layers,
                     resident_embeddings=choice.resident_embeddings)  # fmt: skip
-        run = with_chunk(run, chunk)
-        return _routes(run, adapter, machine, candidates, report, host) if several else (run, "")
+        run, said = _routes(run, adapter, machine, candidates, report, host) if several else (
+            run, "")  # fmt: skip
+        return with_chunk(run, chunk, adapter, machine), said
 
     with clock.stage("solve") as notes:
         choice = solve_at()
@@ -374,6 +379,8 @@ def resolve_auto(
             chunk_said += ", not run: the default won validation"
     else:
         chosen, said = configured(default, shown)
+        if chunk is not None and other_chunk and chosen.runtime.chunk_elems != chunk.chunk_elems:
+            chunk_said += ", not run: the chosen layout loads without the mirror probed"
     if several:
         line += f"; routes {said}"
     line += f"; chunk {chunk_said}"
@@ -386,28 +393,34 @@ def resolve_auto(
     return chosen, line
 
 
+def chunk_skipped(rt: RuntimeSection, machine: Machine) -> str | None:
+    """Why the chunk stage keeps the config's chunk (None: it chooses one)."""
+    if machine.device != "cuda":
+        return "the config's (on CPU no copy to cut)"
+    if rt.chunk_elems:
+        return f"{rt.chunk_elems:,} elements, the config's"
+    if rt.grad_slots != type(rt)().grad_slots:  # the ring a chunk cuts is the default's
+        return f"the whole layer (the config sets runtime.grad_slots={rt.grad_slots})"
+    return None
+
+
 def chunk_stage(
     cfg: TrainConfig, adapter: HFAdapter, machine: Machine, *, measure: bool, clock: Clock
 ) -> tuple[ChunkChoice | None, str]:
     """The chunk for a run on GPUs (``plan.chunk_choice``, timed as the stage ``chunks`` of
-    ``clock``) and what to say of it; None on CPU, where the config sets
-    ``runtime.chunk_elems``, or where, not measuring, the probe is not cached. On several GPUs
-    the launcher's child process probes (``plan.measure``) and this reads its report: one
-    rank's stream, measured alone; validation on the ranks has the last word."""
+    ``clock``) and what to say of it; None where ``chunk_skipped`` says why, or where, not
+    measuring, the probe is not cached. On several GPUs the launcher's child process probes
+    (``plan.measure``) and this reads its report: one rank's stream, measured alone;
+    validation on the ranks has the last word."""
     import torch
 
-    from slidedp.estimate import resolve_mirror, update_threads
-    from slidedp.plan.measure import layer_numel
     from slidedp.profile.chunks import cached_chunks, probe_chunks
 
-    rt = cfg.runtime
-    if machine.device != "cuda":
-        return None, "the config's (on CPU no copy to cut)"
-    if rt.chunk_elems:
-        return None, f"{rt.chunk_elems:,} elements, the config's"
-    threads, numel = update_threads(cfg, machine), layer_numel(adapter)
+    skipped = chunk_skipped(cfg.runtime, machine)
+    if skipped is not None:
+        return None, skipped
     with clock.stage("chunks") as notes:
-        mirror = resolve_mirror(cfg, adapter, machine)
+        numel, threads, mirror = probe_terms(cfg, adapter, machine)
         device = torch.device("cuda", torch.cuda.current_device()) if measure else None
         report: dict[str, Any] | None = (
             probe_chunks(numel, threads, device, mirror=mirror)
@@ -418,7 +431,7 @@ def chunk_stage(
             said = "the whole layer (not probed yet: `slidedp train` probes and chooses)"
             notes.append(said)
             return None, said
-        choice = choose_chunk(report, grad_slots=rt.grad_slots)
+        choice = choose_chunk(report, grad_slots=cfg.runtime.grad_slots)
         notes.append(choice.describe())
     return choice, choice.describe()
 
@@ -435,7 +448,7 @@ def selection_key(
     """The selection cache's key for ``cfg`` from the cached measurements (None: the layer
     profile of ``profile``, default ``profile_args(cfg)``, or the host probe is not cached, so
     a selection measures)."""
-    from slidedp.estimate import resolve_mirror, update_threads
+    from slidedp.estimate import update_threads
     from slidedp.plan.measure import layer_numel
     from slidedp.profile.chunks import cached_chunks
     from slidedp.profile.host import cached_host
@@ -450,9 +463,9 @@ def selection_key(
     links = chunks = None
     if routes and gpu is not None:
         links = cached_links(cfg.runtime.world, gpu, layer_numel(adapter))
-    if gpu is not None and not cfg.runtime.chunk_elems:  # the chunk stage runs
-        mirror = resolve_mirror(cfg, adapter, machine)
-        chunks = cached_chunks(threads, gpu, layer_numel(adapter), mirror)
+    if gpu is not None and chunk_skipped(cfg.runtime, machine) is None:  # the stage chooses
+        numel, _, mirror = probe_terms(cfg, adapter, machine)
+        chunks = cached_chunks(threads, gpu, numel, mirror)
         if chunks is None:
             return None
     return selection_facts(cfg, profile=report, host=host, links=links, chunks=chunks,

@@ -1,18 +1,19 @@
-"""The chunk stage of ``runtime.policy: auto`` on one GPU: the H2D/D2H chunk size
+"""The chunk stage of ``runtime.policy: auto`` on GPUs: the H2D/D2H chunk size
 (``runtime.chunk_elems``) and the gradient ring that goes with it (``runtime.grad_slots``), from
-the chunk probe (``profile.chunks``, with the run's BF16 mirror or without it), taken before
-the layout is solved, as the paper takes routes and chunks first (§3.6).
+the chunk probe (``profile.chunks``, with the BF16 mirror where the fixed default has it, or
+without), taken before the layout is solved, as the paper takes routes and chunks first (§3.6).
 
 A candidate's cost is its measured ``step_s``: the host side of layers streamed as a backward
 streams them (loads, gradients back, their AdamW). The whole layer (``chunk_elems`` 0, the
 fixed default) is kept unless a chunk is ``MIN_GAIN`` faster: the probe's own noise must not
-move the run off the default. A chosen chunk keeps the ring's bytes: ``grad_slots`` whole
-layers of the config cut into chunks (``profile.chunks.ring_slots``).
+move the run off the default. A chosen chunk cuts the ring's layers: ``grad_slots`` whole
+layers of the config in chunks, rounded up (``profile.chunks.ring_slots``). It runs only where
+validation (``plan.validate``) ran it, with the layout, faster than the default's whole layers
+(repeated probes differed by up to ~10% on the H100), and only where the chosen run loads as
+the probe did (with or without the mirror: ``with_chunk``).
 
 The step-time model has no chunk term: the chunk changes when a layer's update may start and
 how many passes it takes, not the lanes' rates, and the probe measures that directly.
-Validation (``plan.validate``) runs the choice, chunk included, against the default, whole
-layers.
 
 Example::
 
@@ -30,6 +31,8 @@ from slidedp.profile.chunks import BF16_BYTES, ring_slots
 
 if TYPE_CHECKING:
     from slidedp.config import TrainConfig
+    from slidedp.estimate import Machine
+    from slidedp.models.hf import HFAdapter
 
 MIN_GAIN = 0.05  # the H100's probe read candidates up to ~10% apart by noise (BENCHMARKS.md)
 
@@ -40,6 +43,7 @@ class ChunkChoice:
     grad_slots: int
     cost_s: float  # the chosen candidate's measured host side (``step_s``)
     default_s: float  # the whole layer's
+    mirror: bool  # the probe's loads: from the BF16 mirror (else cast on the host)
     source: str  # "measured now" or "cached"
 
     @property
@@ -66,18 +70,36 @@ def choose_chunk(report: dict[str, Any], *, grad_slots: int) -> ChunkChoice:
     default = float(rows[0]["step_s"])
     best = min(rows, key=lambda row: float(row["step_s"]))
     source = "cached" if report.get("cached") else "measured now"
+    mirror = bool(report["mirror"])
     if float(best["step_s"]) > default * (1 - MIN_GAIN):
-        return ChunkChoice(0, grad_slots, default, default, source)
+        return ChunkChoice(0, grad_slots, default, default, mirror, source)
     chunk = int(best["chunk_elems"])
     slots = ring_slots(chunk, int(report["layer_numel"]), grad_slots)
-    return ChunkChoice(chunk, slots, float(best["step_s"]), default, source)
+    return ChunkChoice(chunk, slots, float(best["step_s"]), default, mirror, source)
 
 
-def with_chunk(cfg: TrainConfig, chunk: ChunkChoice | None) -> TrainConfig:
-    """``cfg`` with ``chunk``'s chunk and gradient ring (unchanged for None or the whole
-    layer)."""
-    if chunk is None or chunk.is_default:
+def with_chunk(
+    cfg: TrainConfig, chunk: ChunkChoice | None, adapter: HFAdapter, machine: Machine
+) -> TrainConfig:
+    """``cfg`` with ``chunk``'s chunk and gradient ring; unchanged for None, the whole layer,
+    or a run that loads otherwise than the probe did (an offloading layout can take the
+    mirror's host memory, a sharded route drop the mirror's rule)."""
+    from slidedp.estimate import resolve_mirror
+
+    if chunk is None or chunk.is_default or resolve_mirror(cfg, adapter, machine) != chunk.mirror:
         return cfg
     runtime = dataclasses.replace(cfg.runtime, chunk_elems=chunk.chunk_elems,
                                   grad_slots=chunk.grad_slots)  # fmt: skip
     return dataclasses.replace(cfg, runtime=runtime)
+
+
+def probe_terms(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> tuple[int, int, bool]:
+    """The chunk probe's layer size, update threads and mirror for ``cfg`` on ``machine``: the
+    mirror of the fixed default (``runtime.policy`` cleared: the probe runs before anything is
+    chosen), as the launcher's child, the stage and the selection cache's key all take it."""
+    from slidedp.estimate import resolve_mirror, update_threads
+    from slidedp.plan.measure import layer_numel
+    from slidedp.plan.validate import default_config
+
+    mirror = resolve_mirror(default_config(cfg), adapter, machine)
+    return layer_numel(adapter), update_threads(cfg, machine), mirror

@@ -153,7 +153,11 @@ def main(args: argparse.Namespace) -> int:
     with clock.stage("host") as notes:
         host = host_rate(update_threads(cfg, machine), machine, measure=True)
         notes.append(f"AdamW {host.gbps:.0f} GB/s {host.source}")
-    chunk, chunk_said = chunk_stage(cfg, adapter, machine, measure=True, clock=clock)
+    chunk, chunk_said = None, "the config's (planned for another GPU: --gpu-memory)"
+    if not args.gpu_memory:  # the probe measures this machine's GPU
+        chunk, chunk_said = chunk_stage(default_config(cfg), adapter, machine, measure=True,
+                                        clock=clock)  # fmt: skip
+    other_chunk = chunk is not None and not chunk.is_default
 
     calibrated: dict[LayerPolicy, float] = {}  # the calibration stage's layer times
 
@@ -173,26 +177,31 @@ def main(args: argparse.Namespace) -> int:
             calibrated.update(calibration.times_s())
             choice = solved = solve_at()
             notes.append(f"{calibration.describe()}; solved again: {choice.program_layout}")
-    validation, why = None, _why_not_validated(args, cfg, choice)
+    validation, why = None, _why_not_validated(args, cfg, choice, other_chunk=other_chunk)
     if why is None:  # the plan is for this machine's GPU: its steps can be run here
         with clock.stage("validation") as notes:
+
+            def configure(base: Any, c: Choice) -> Any:
+                return with_chunk(with_choice(base, c), chunk, adapter, machine)
+
             validation = validate_choice(default_config(cfg), choice, solve_at,
                                          steps=cfg.runtime.policy_validate_steps,
                                          limit_bytes=limit_bytes(machine),
                                          runner=runner_for(machine),
-                                         configure=lambda c, ch: with_chunk(with_choice(c, ch),
-                                                                            chunk))  # fmt: skip
+                                         configure=configure)  # fmt: skip
             notes.append(validation.describe())
         choice = validation.result(solved)
-        if validation.choice is None:  # the default won: whole layers too
-            chunk, chunk_said = None, f"{chunk_said}, not run: the default won validation"
+        if validation.choice is None and other_chunk:  # the default won: whole layers too
+            chunk, chunk_said = None, f"the whole layer ({chunk_said}; the default won validation)"
+    elif other_chunk:  # a chunk runs only where validation ran it faster (plan.chunk_choice)
+        chunk, chunk_said = None, f"the whole layer ({chunk_said}; not applied unvalidated: {why})"
 
     with clock.stage("check"):
         target = dataclasses.replace(machine, device="cuda", gpu_total_bytes=total)
         runtime = dataclasses.replace(cfg.runtime, layers=choice.layout, policy="",
                                       resident_layers=choice.resident_layers,
                                       resident_embeddings=choice.resident_embeddings)  # fmt: skip
-        chosen = with_chunk(dataclasses.replace(cfg, runtime=runtime), chunk)
+        chosen = with_chunk(dataclasses.replace(cfg, runtime=runtime), chunk, adapter, machine)
         est = estimate_run(chosen, adapter, target)
         # the step-time model ranks the choice against the default (on a GPU: it needs its peak)
         est_f = estimate_run(default_config(cfg), adapter, target)
@@ -255,18 +264,22 @@ def _auto_line(s: dict[str, Any]) -> str:
     choice from the selection cache."""
     return (
         f"policy   auto: {s['layout']}, {_resident(s)}{_kept(s)}, chosen by "
-        f"`slidedp plan`; {clause(s['calibration'])}; {_validation_line(s).strip()}; "
+        f"`slidedp plan`; chunk {s['chunk']['said']}; {clause(s['calibration'])}; "
+        f"{_validation_line(s).strip()}; "
         f"{_selection_line(s).strip()}"
     )
 
 
-def _why_not_validated(args: argparse.Namespace, cfg: Any, choice: Choice) -> str | None:
-    """Why the plan is not validated by running it (None: it is)."""
+def _why_not_validated(
+    args: argparse.Namespace, cfg: Any, choice: Choice, *, other_chunk: bool
+) -> str | None:
+    """Why the plan is not validated by running it (None: it is); ``other_chunk``: the chunk
+    stage chose another chunk than the whole layer."""
     if not cfg.runtime.policy_validate_steps:
         return "runtime.policy_validate_steps=0"
     if args.gpu_memory:
         return "planned for another GPU (--gpu-memory)"
-    if not needs_validation(choice):
+    if not needs_validation(choice) and not other_chunk:
         return "the default chosen: nothing to compare"
     return None
 

@@ -49,9 +49,10 @@ def measure(cfg: TrainConfig) -> None:
     """Every measurement ``plan.auto`` takes for ``cfg``, cached (measured where missing)."""
     import torch
 
-    from slidedp.estimate import Machine, host_rate, resolve_mirror, update_threads
+    from slidedp.estimate import Machine, host_rate, update_threads
     from slidedp.models.hf import HFAdapter
-    from slidedp.plan.auto import profile_args
+    from slidedp.plan.auto import chunk_skipped, profile_args
+    from slidedp.plan.chunk_choice import probe_terms
     from slidedp.profile.chunks import probe_chunks
     from slidedp.profile.layer import profile_layer
     from slidedp.profile.links import probe_links
@@ -64,9 +65,9 @@ def measure(cfg: TrainConfig) -> None:
     if machine.device != "cuda":
         return
     adapter = HFAdapter.from_dir(cfg.model.path, cfg.model.config_overrides())
-    if not cfg.runtime.chunk_elems:  # the chunk stage's probe (plan.chunk_choice)
-        probe_chunks(layer_numel(adapter), threads, torch.device("cuda"),
-                     mirror=resolve_mirror(cfg, adapter, machine))  # fmt: skip
+    if chunk_skipped(cfg.runtime, machine) is None:  # the chunk stage's probe
+        numel, threads, mirror = probe_terms(cfg, adapter, machine)
+        probe_chunks(numel, threads, torch.device("cuda"), mirror=mirror)
     if world < 2:
         return
     try:
@@ -83,7 +84,7 @@ def measure_in_child(cfg: TrainConfig) -> float:
     from slidedp.config import resolved_yaml
 
     start = time.perf_counter()
-    links = ", the links between the GPUs" if cfg.runtime.gpus > 1 else ""
+    links = ", the chunks, the links between the GPUs" if cfg.runtime.gpus > 1 else ""
     print(f"policy   auto: measuring the layer, the host{links} in a child process (cached for "
           "the next run) ...", file=sys.stderr, flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="slidedp-auto-") as tmp:

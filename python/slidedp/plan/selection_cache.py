@@ -1,5 +1,5 @@
 """``runtime.policy: auto``'s selection cache: what a selection chose (the layout, the
-GPU-resident layers, on one GPU the chunk and on several GPUs the routes) and what it said
+GPU-resident layers, on GPUs the chunk and on several GPUs the routes) and what it said
 (validated step times, stage times, selection time, break-even), kept beside the measurement
 caches (``profile.cache``: ``selection-KEY.json``) under a key of everything that can change the
 choice: the cached layer profile's, host probe's, chunk probe's and link probe's reports (their

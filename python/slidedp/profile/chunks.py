@@ -18,7 +18,7 @@ into the gradient ring, AdamW by the ``UpdateWorker``, which also writes the mir
 as the backward flushes (all but the newest layer after each send), until the last update is
 published and the last load landed. No compute runs: the figure is the host side's service
 time, which a smaller chunk must shorten to pay (on the H100 the update passes of 16 MiB
-chunks ran 11% longer in training steps, BENCHMARKS.md). On CPU there is no copy to the
+chunks ran 12-13% longer in training steps, BENCHMARKS.md). On CPU there is no copy to the
 device: the returns alone.
 
 The gradient ring holds ``GRAD_SLOTS`` whole layers whatever the chunk (``ring_slots``), so a
@@ -141,16 +141,22 @@ class _Bench:
         self.cuda = device.type == "cuda"
         rows = math.ceil(layer_numel / COLUMNS)
         spec = GroupSpec("layers.0", [ParamSpec("layers.0.weight", (rows, COLUMNS))])
-        self.slots = ring_slots(chunk, rows * COLUMNS, GRAD_SLOTS)
-        self.store = HostStore.create([spec], staging_slots=STAGING_SLOTS if self.cuda else 0,
+        self.slots = ring_slots(chunk, layer_numel, GRAD_SLOTS)
+        mirror = mirror and self.cuda
+        staging = STAGING_SLOTS if self.cuda and not mirror else 0  # as the engine's store
+        self.store = HostStore.create([spec], staging_slots=staging,
                                       grad_dtype="bf16" if self.cuda else "f32",
                                       grad_slots=self.slots, chunk_elems=chunk or None,
-                                      bf16_mirror=mirror and self.cuda)  # fmt: skip
+                                      bf16_mirror=mirror)  # fmt: skip
         self.pinned: list[torch.Tensor] = []
-        for region in ("staging", "grad", "mirror") if self.cuda else ():
-            if self.store.region(region).numel():
-                pin(self.store.region(region), f"the chunk probe's {region}")
-                self.pinned.append(self.store.region(region))
+        try:
+            for region in ("staging", "grad", "mirror") if self.cuda else ():
+                if self.store.region(region).numel():
+                    pin(self.store.region(region), f"the chunk probe's {region}")
+                    self.pinned.append(self.store.region(region))
+        except BaseException:
+            self._unpin()
+            raise
         self.worker = UpdateWorker(self.store, threads)
         clock = LaneClock(device)
         stream = new_stream(device) if self.cuda else None
@@ -164,17 +170,22 @@ class _Bench:
         self.device, self.version = device, 0
 
     def close(self) -> None:
-        from slidedp.runtime.transfer import unpin
-
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-        self.worker.drain(TIMEOUT_S)
-        for t in self.pinned:
-            unpin(t)
+        try:
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+            self.worker.drain(TIMEOUT_S)
+        finally:
+            self._unpin()
         self.window = None
         del self.grad
         if self.cuda:  # the run that follows in this process allocates afresh
             torch.cuda.empty_cache()
+
+    def _unpin(self) -> None:
+        from slidedp.runtime.transfer import unpin
+
+        while self.pinned:
+            unpin(self.pinned.pop())
 
     def step(self) -> float:
         """Seconds for ``LAYERS`` layers streamed as a backward streams them (module
