@@ -263,12 +263,14 @@ def resolve_auto(
     resume: Path | None = None,
     routes_fixed: bool | None = None,
 ) -> tuple[TrainConfig, str | None]:
-    """``cfg`` with ``runtime.policy: auto`` replaced by the chosen ``runtime.layers`` (and on
-    several GPUs the routes), and the line that says what was chosen and why (``cfg``
-    unchanged and None without ``auto``). ``measure``: profile the layer when it is not cached
-    (else check the default layout); on several ranks every measurement runs in a child
-    process (``plan.measure``) and the choice is made here from the cache, once for every rank.
-    ``resume``: the checkpoint a run continues from keeps the layout and routes it ran with.
+    """``cfg`` with ``runtime.policy: auto`` replaced by the chosen ``runtime.layers`` (on GPUs
+    a validated chunk, ``runtime.chunk_elems`` and ``runtime.grad_slots``, and on several GPUs
+    the routes), and the line that says what was chosen and why (``cfg`` unchanged and None
+    without ``auto``). ``measure``: profile the layer when it is not cached (else check the
+    default layout); on several ranks every measurement runs in a child process
+    (``plan.measure``) and the choice is made here from the cache, once for every rank.
+    ``resume``: the checkpoint a run continues from keeps the layout, chunk and routes it ran
+    with.
     ``routes_fixed``: True keeps the config's routes, False lets auto choose both, None
     (``train``) keeps each route key the config sets to another value than its default."""
     from slidedp.estimate import host_rate, update_threads

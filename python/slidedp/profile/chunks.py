@@ -46,10 +46,15 @@ from typing import Any
 
 import torch
 
-from slidedp.kernels import Kernels, default_threads
-from slidedp.plan.device import pick_device
+from slidedp.kernels import Kernels
 from slidedp.profile.cache import cache_file, read_report, write_report
-from slidedp.profile.host import COLUMNS, GRAD, engine_update_threads, host_facts
+from slidedp.profile.host import (
+    COLUMNS,
+    GRAD,
+    add_probe_arguments,
+    host_facts,
+    probe_device_threads,
+)
 from slidedp.store import GroupSpec, HostStore, ParamSpec
 from slidedp.update import UpdateWorker
 
@@ -261,23 +266,19 @@ def format_report(report: dict[str, Any]) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_probe_arguments(parser, "cuda: loads and returns through the GPU; cpu: returns alone")
     arg = parser.add_argument
     arg("--shape", default="qwen3-4b", help="a bench shape or a config.json: its largest layer")
-    arg("--threads", type=int, default=0, help="update threads (0: the engine's default)")
-    arg("--device", default="auto", choices=("auto", "cpu", "cuda"))
     arg("--no-mirror", action="store_true", help="load by casting on the host (no BF16 mirror)")
-    arg("--cache-dir", default=None, help="default: $XDG_CACHE_HOME/slidedp/profile")
-    arg("--force", action="store_true", help="measure even if cached")
-    arg("--json", action="store_true", help="one JSON object instead of text")
 
 
 def main(args: argparse.Namespace) -> int:
     from slidedp.bench.shapes import resolve_shape
-    from slidedp.models.shape import layer_shapes
+    from slidedp.models.hf import HFAdapter
+    from slidedp.plan.measure import layer_numel
 
-    device = pick_device(args.device)
-    threads = args.threads or engine_update_threads(default_threads(), device.type == "cuda")
-    numel = max(s.params for s in layer_shapes(resolve_shape(args.shape), 1024))
+    device, threads = probe_device_threads(args)
+    numel = layer_numel(HFAdapter(resolve_shape(args.shape)))  # as runtime.policy: auto takes it
     report = probe_chunks(numel, threads, device, mirror=not args.no_mirror, mib=CHUNK_MIB,
                           cache_dir=args.cache_dir, force=args.force)  # fmt: skip
     print(json.dumps(report, indent=2) if args.json else format_report(report))

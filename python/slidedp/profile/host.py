@@ -320,7 +320,9 @@ def _count(least: int) -> Callable[[str], int]:
     return parse
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_probe_arguments(parser: argparse.ArgumentParser, device_help: str) -> None:
+    """The options of every probe of the host's (``profile host``, ``profile chunks``):
+    ``--threads``, ``--device``, ``--cache-dir``, ``--force``, ``--json``."""
     arg = parser.add_argument
     arg(
         "--threads",
@@ -328,21 +330,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="update threads (0: the engine's default, all cores beside a GPU, half on CPU)",
     )
-    arg(
-        "--device",
-        default="auto",
-        choices=("auto", "cpu", "cuda"),
-        help="cuda: also AdamW under H2D/D2H copies (the model's rate); cpu: alone",
-    )
-    arg("--state-mib", type=_count(1), default=STATE_MIB, help="FP32 state updated per pass")
+    arg("--device", default="auto", choices=("auto", "cpu", "cuda"), help=device_help)
     arg("--cache-dir", default=None, help="default: $XDG_CACHE_HOME/slidedp/profile")
     arg("--force", action="store_true", help="measure even if cached")
     arg("--json", action="store_true", help="one JSON object instead of text")
 
 
-def main(args: argparse.Namespace) -> int:
+def probe_device_threads(args: argparse.Namespace) -> tuple[torch.device, int]:
+    """The device and update threads ``add_probe_arguments``' options ask for."""
     device = pick_device(args.device)
     threads = args.threads or engine_update_threads(default_threads(), device.type == "cuda")
+    return device, threads
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_probe_arguments(
+        parser, "cuda: also AdamW under H2D/D2H copies (the model's rate); cpu: alone"
+    )
+    parser.add_argument(
+        "--state-mib", type=_count(1), default=STATE_MIB, help="FP32 state updated per pass"
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    device, threads = probe_device_threads(args)
     report = probe_host(
         threads,
         device,
