@@ -115,8 +115,10 @@ class RuntimeSection:
     # training, the faster one wins (plan.validate; the first step is a warm-up); 0: off
     policy_validate_steps: int = 3
     # runtime.policy=auto: training steps of each calibration trial (plan.calibrate: the
-    # shortlisted candidates' layer times measured on a reduced model, then solved again); 0: off
-    policy_calibrate_steps: int = 3
+    # shortlisted candidates' layer times measured on a reduced model, then solved again; the
+    # median of all but the first: with 3, one slow step of two moved a candidate's time, and
+    # three calibrations on the H100 read F-r1 at 0.020-0.064 s, BENCHMARKS.md); 0: off
+    policy_calibrate_steps: int = 5
     # runtime.policy=auto: select again though a cached selection matches (plan.selection_cache)
     policy_force: bool = False
     loss_chunk_tokens: int = 1024  # tokens per chunk of the linear + cross-entropy

@@ -139,7 +139,7 @@ def test_the_calibrated_times_are_what_the_program_solves_with(
     monkeypatch.setattr(validate, "run_trial", runner)
     chosen, line = resolve(auto_run)
     assert chosen.runtime.layers == "4xF-r0"
-    assert "; calibrated (3 steps each): 1 candidate on a 4-layer model: N-r0 τ 0.018 → " in line
+    assert "; calibrated (5 steps each): 1 candidate on a 4-layer model: N-r0 τ 0.018 → " in line
     assert "0.130 s (2 of 4 layers replaced; the default's step 1.000 s, τ 0.030 s)" in line
     assert selection_stages(line) == ["profile", "host", "solve", "calibrate"]
 
@@ -207,7 +207,7 @@ def test_plan_reports_the_calibrated_times_it_solved_with(
     assert summary["layout"] == "4xF-r0"
     assert "calibrate_s" in summary["timing_s"]
     out = capsys.readouterr().out
-    assert "  calibrated (3 steps each): 1 candidate on a 4-layer model: " in out
+    assert "  calibrated (5 steps each): 1 candidate on a 4-layer model: " in out
 
     assert main([*argv, "--gpu-memory", "40"]) == 0
     summary = json.loads(policy.with_suffix(".json").read_text())
