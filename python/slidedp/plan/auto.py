@@ -333,8 +333,9 @@ def resolve_auto(
         what the route stage said of them)."""
         run = _with(base, layers=choice.layout, resident_layers=choice.resident_layers,
                     resident_embeddings=choice.resident_embeddings)  # fmt: skip
-        run, said = _routes(run, adapter, machine, candidates, report, host) if several else (
-            run, "")  # fmt: skip
+        said = ""
+        if several:
+            run, said = _routes(run, adapter, machine, candidates, report, host)
         return with_chunk(run, chunk, adapter, machine), said
 
     with clock.stage("solve") as notes:

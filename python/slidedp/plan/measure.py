@@ -66,7 +66,7 @@ def measure(cfg: TrainConfig) -> None:
         return
     adapter = HFAdapter.from_dir(cfg.model.path, cfg.model.config_overrides())
     if chunk_skipped(cfg.runtime, machine) is None:  # the chunk stage's probe
-        numel, threads, mirror = probe_terms(cfg, adapter, machine)
+        numel, _, mirror = probe_terms(cfg, adapter, machine)
         probe_chunks(numel, threads, torch.device("cuda"), mirror=mirror)
     if world < 2:
         return

@@ -159,9 +159,8 @@ def _parse(
     if not isinstance(line, str) or not math.isfinite(seconds):
         raise ValueError("no banner line or selection time")
     chunk, slots = report["chunk_elems"], report["grad_slots"]
-    if not isinstance(chunk, int) or not isinstance(slots, int) or min(chunk, slots) < 0:
-        raise ValueError(f"chunk_elems {chunk!r}, grad_slots {slots!r}")
-    if chunk and not slots:
+    counts = isinstance(chunk, int) and isinstance(slots, int) and min(chunk, slots) >= 0
+    if not counts or (chunk and not slots):  # a chunk needs its ring
         raise ValueError(f"chunk_elems {chunk!r}, grad_slots {slots!r}")
     return Selection(layout, resident, route, line, seconds, dict(report["timing_s"]),
                      report["validation"], report["break_even_steps"],

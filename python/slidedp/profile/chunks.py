@@ -231,7 +231,7 @@ def _measure(
         return {
             "chunk_elems": chunk,
             "grad_slots": bench.slots,
-            "chunks": math.ceil(layer_numel / chunk) if chunk else 1,
+            "chunks": ring_slots(chunk, layer_numel, 1),
             "step_s": statistics.median(bench.step() for _ in range(REPEATS)),
         }
     finally:
