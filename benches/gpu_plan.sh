@@ -8,7 +8,10 @@
 # Here first:  .venv/bin/maturin build --release -o dist/ -q && make liger-wheels
 # Device call: carry ["dist", "wheels"], command `bash benches/gpu_plan.sh`
 # SHAPE (qwen3-1.7b), BATCH (16) and CLIP (1.0) set the run. Each `train` writes its final
-# checkpoint (12 B/param of host state: 20 GB here), deleted before the next one.
+# checkpoint (12 B/param of host state: 20 GB here), deleted before the next one. The
+# calibration's spread, two plans without validation nor training:
+#   SHAPE=qwen3-4b PLANS=2 TRAIN=0 PLAN_LIMIT=220 \
+#     PLAN_SETS="runtime.policy_validate_steps=0" bash benches/gpu_plan.sh
 OUT=${OUT:-out/gpu-plan}
 source "$(dirname "$0")/gpu_common.sh"
 SHAPE=${SHAPE:-qwen3-1.7b}
@@ -33,7 +36,13 @@ train: {max_steps: 6, global_batch_size: ${BATCH:-16}, max_grad_norm: ${CLIP:-1.
 output: {dir: $WORK/out, save_steps: 0, export: false}
 runtime: {device: cuda}
 EOF
-part plan 330 python3 -m slidedp plan "$WORK/run.yaml" --out "$OUT/policy.yaml"
+# PLANS=N plans N times (the calibration's spread), PLAN_SETS its overrides, TRAIN=0 no train
+for n in $(seq "${PLANS:-1}"); do
+    part "plan-$n" "${PLAN_LIMIT:-330}" python3 -m slidedp plan "$WORK/run.yaml" \
+        --out "$OUT/policy-$n.yaml" ${PLAN_SETS:-}
+done
+cp "$OUT/policy-1.yaml" "$OUT/policy.yaml" 2>/dev/null
+[[ ${TRAIN:-1} == 0 ]] && { grep -E "^slidedp plan (calibrate|validation)|exit" "$LOG"; exit 0; }
 part train-policy 120 python3 -m slidedp train "$WORK/run.yaml" runtime.policy="$OUT/policy.yaml" \
     output.dir="$WORK/out-policy"
 rm -rf "$WORK/out-policy"/checkpoint-*

@@ -318,8 +318,22 @@ def _report(e: BaseException, args: argparse.Namespace, prefix: str) -> int:
     return EXIT_UNEXPECTED
 
 
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with ``section.key=value`` overrides also after the options
+    (``slidedp plan c.yaml --out p.yaml train.max_steps=5``: argparse takes positionals in one
+    run, so it leaves those over)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    late = [a for a in extra if "=" in a and not a.startswith("-")]
+    if extra != late or (late and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if late:
+        args.overrides = [*args.overrides, *late]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     prefix = f"slidedp {args.verb}: "
     if args.verb != "bench":  # the bench's workers choose per system (bench.worker)
         prefer_expandable_segments()

@@ -148,3 +148,18 @@ def test_env_json_has_the_same_facts_as_numbers(capsys: Capsys) -> None:
     stat = os.statvfs("/dev/shm")
     assert info["shm"]["size_bytes"] == stat.f_blocks * stat.f_frsize
     assert info["cpu"]["usable_cores"] == len(os.sched_getaffinity(0))
+
+
+def test_overrides_may_follow_the_options(capsys: Capsys) -> None:
+    """`slidedp plan c.yaml --out p.yaml train.max_steps=5` (argparse alone leaves the late
+    override over); a late option or a verb without overrides is still refused."""
+    from slidedp.cli import parse_args
+
+    args = parse_args(["plan", "c.yaml", "a.b=1", "--out", "p.yaml", "train.max_steps=5"])
+    assert (args.config, args.out) == ("c.yaml", "p.yaml")
+    assert args.overrides == ["a.b=1", "train.max_steps=5"]
+    for bad in (["plan", "c.yaml", "--out", "p.yaml", "--bogus"],
+                ["env", "train.max_steps=5"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+        assert "unrecognized arguments" in capsys.readouterr().err

@@ -90,6 +90,7 @@ def test_the_policy_is_in_the_banner_and_in_every_checkpoint(
     assert main(["train", str(config)]) == 0
     banner = capsys.readouterr().out
     assert "policy: replicated/gpu" in banner
+    assert "from the policy file" not in banner  # the config's own keys
     assert "layers 2xN-r0, 1xSAC.attn-r1" in banner
     state = (out / "checkpoint-1" / "trainer_state.json").read_text()
     assert '"layers": "2xN-r0, 1xSAC.attn-r1"' in state

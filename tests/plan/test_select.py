@@ -372,7 +372,8 @@ def test_plan_writes_a_policy_file_that_trains(
     assert set(summary["timing_s"]) == {"setup_s", "profile_s", "host_s", "solve_s", "check_s"}
     assert summary["host_adamw"]["source"].startswith("measured")  # probed here when missing
     assert main(["train", str(path), f"runtime.policy={policy}"]) == 0
-    assert "4xN-r0" in capsys.readouterr().out
+    banner = capsys.readouterr().out
+    assert f"layers 4xN-r0, 4 GPU-resident + embeddings (from the policy file {policy})" in banner
     assert len(read_metrics(tmp_path / "out")) == 2
 
 

@@ -235,7 +235,7 @@ def spec_from_shapes(
     head = 6 * adapter.vocab_size * adapter.hidden_size * tokens / rate
     grad_bytes = 2  # the compute dtype (bf16) on the device, then to the host
     cast_share = ranks.count if ranks.param_route == "sharded" else 1  # each casts its shard
-    return {
+    spec = {
         "forward_s": forward,
         "backward_s": backward,
         "embed_forward_s": 0.0,
@@ -253,6 +253,32 @@ def spec_from_shapes(
         "clipping": clipping,
         **_route_times(params, ranks, links, adamw_gbps),
     }
+    _make_resident(spec, policy, params)
+    return spec
+
+
+def _make_resident(spec: dict[str, Any], policy: Policy, params: list[int]) -> None:
+    """The policy's GPU-resident groups (its first layers; the embedding and head with
+    ``resident_embeddings``) in ``spec``: no load, cast, gradient copy nor host update; their
+    AdamW is device time (``plan.cost.resident_update_s``), counted in the layer's backward and
+    in the embedding's and head's compute (one rank: several refuse resident layers)."""
+    from slidedp.plan.cost import resident_update_s
+
+    layers = len(spec["forward_s"])
+    groups = {1 + i for i in range(layers) if policy.resident(i)}  # a layer's group: i + 1
+    if policy.resident_embeddings:
+        groups |= {0, layers + 1}
+    for g in groups:
+        for key in ("load_s", "cast_s", "grad_copy_s", "update_s"):
+            if spec[key]:
+                spec[key][g] = 0.0
+        device_update_s = resident_update_s(params[g])
+        if g == 0:
+            spec["embed_backward_s"] += device_update_s
+        elif g == layers + 1:
+            spec["head_s"] += device_update_s
+        else:
+            spec["backward_s"][g - 1] += device_update_s
 
 
 def reduce_s(

@@ -173,13 +173,19 @@ class Trainer:
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             window=f"{len(window.slots)} layer slots, {held}",
-            policy=self.policy.describe(),
+            policy=self.policy.describe() + self._policy_source(),
             compute=self.policy.compute.describe(),
             isa=self.engine.kernels.isa,
             threads=self.engine.kernels.threads,
             peak_flops=device_peak_flops(self.device),
             nodes=1 if self.ctx is None else self.ctx.nodes,
         )
+
+    def _policy_source(self) -> str:
+        """Where a policy file's keys came from (``runtime.policy: FILE``, as `slidedp plan`
+        writes it); `runtime.policy: auto` says its own line before the run."""
+        source = self.cfg.runtime.policy
+        return f" (from the policy file {source})" if source and source != "auto" else ""
 
     def _step(self, t: int) -> dict[str, Any]:
         """Step ``t`` (0-based), or its skip under ``on_nonfinite: skip``; its metrics record."""
