@@ -6,6 +6,7 @@ profile's before the program is solved again; a trial out of memory keeps the pr
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +41,11 @@ def _config(tmp_path: Path, layers: int, **runtime: object) -> Path:
 
 class FakeSteps:
     """A runner whose step time is given per layout text (``"F"``: the reduced model's
-    default; ``None``: out of memory); it records each config it ran and the layer count
-    of the model it was given (the directory is gone after the stage)."""
+    default, or a list of its runs' times in order; ``None``: out of memory); it records each
+    config it ran and the layer count of the model it was given (the directory is gone after
+    the stage)."""
 
-    def __init__(self, step_s: dict[str, float | None]) -> None:
+    def __init__(self, step_s: dict[str, Any]) -> None:
         self.step_s, self.ran, self.model_layers = step_s, list[TrainConfig](), list[int]()
 
     def __call__(self, cfg: TrainConfig, steps: int) -> Trial:
@@ -52,6 +54,8 @@ class FakeSteps:
         self.model_layers.append(int(config["num_hidden_layers"]))
         rt = cfg.runtime
         step_s = self.step_s["F"] if rt.layers == "F" else self.step_s["*"]
+        if isinstance(step_s, list):
+            step_s = step_s.pop(0)
         return Trial(rt.layers, rt.resident_layers, step_s, None)
 
 
@@ -87,14 +91,31 @@ def test_the_reduced_model_has_k_layers_and_none_resident(tmp_path: Path) -> Non
     cfg, choice = _solved(_config(tmp_path, layers=6), *given)
     runner = FakeSteps({"F": 1.0, "*": 1.1})
     calibrate_choice(cfg, choice, steps=3, runner=runner)
-    assert runner.model_layers == [4, 4]  # the default, then the candidate
-    assert [c.runtime.resident_layers for c in runner.ran] == [0, 0]
-    assert [c.runtime.policy for c in runner.ran] == ["", ""]
+    assert runner.model_layers == [4, 4, 4]  # the default, the candidate, the default again
+    assert [c.runtime.resident_layers for c in runner.ran] == [0, 0, 0]
+    assert [c.runtime.policy for c in runner.ran] == ["", "", ""]
+    assert [c.runtime.layers for c in runner.ran][::2] == ["F", "F"]
     trial = parse_layout(runner.ran[1].runtime.layers, 4, 0.0)
     assert (trial.count(N_R0), trial.count(DEFAULT)) == (2, 2)
     # the weights are left out: the trainer initialises them from the config
     assert runner.ran[0].model.path != cfg.model.path
     assert not Path(runner.ran[0].model.path).exists()  # a temporary directory, gone
+
+
+def test_a_candidate_within_the_defaults_spread_keeps_its_profiled_time(tmp_path: Path) -> None:
+    """The default runs before and after the candidates: T_0 is their mean, and a T_j no
+    farther from it than their spread is noise (as a first trial's warm-up read on the H100)."""
+    cfg, choice = _solved(_config(tmp_path, layers=6))
+    found = calibrate_choice(cfg, choice, steps=3, runner=FakeSteps({"F": [1.04, 0.96], "*": 0.93}))
+    assert (found.default_step_s, found.default_spread_s) == pytest.approx((1.0, 0.08))
+    (one,) = found.candidates
+    assert (one.step_s, one.time_s) == (0.93, None)  # 0.07 from T_0, within 0.08
+    assert found.times_s() == {}
+    assert "N-r0 step 0.930 s, within the default's spread (τ 0.018 s kept)" in found.describe()
+    assert "the default's step 1.000 ± 0.040 s" in found.describe()
+    # beyond the spread it is calibrated, against the mean: τ = 0.030 + (1.1 - 1.0) / 2
+    found = calibrate_choice(cfg, choice, steps=3, runner=FakeSteps({"F": [1.04, 0.96], "*": 1.1}))
+    assert found.times_s() == {N_R0: pytest.approx(0.080)}
 
 
 def test_the_shortlist_is_the_used_candidates_but_the_default_most_used_first() -> None:
@@ -140,7 +161,7 @@ def test_the_calibrated_times_are_what_the_program_solves_with(
     chosen, line = resolve(auto_run)
     assert chosen.runtime.layers == "4xF-r0"
     assert "; calibrated (5 steps each): 1 candidate on a 4-layer model: N-r0 τ 0.018 → " in line
-    assert "0.130 s (2 of 4 layers replaced; the default's step 1.000 s, τ 0.030 s)" in line
+    assert "0.130 s (2 of 4 layers replaced; the default's step 1.000 ± 0.000 s, τ 0.030 s)" in line
     assert selection_stages(line) == ["profile", "host", "solve", "calibrate"]
 
 
@@ -169,7 +190,8 @@ def test_train_with_auto_calibrates_on_the_cpu(
     assert main(["train", str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
     said = next(x for x in out if x.startswith("policy   auto calibrate: "))
-    assert "(1 candidate on a 3-layer model: N-r0 τ 0.018 → " in said
+    # calibrated, or kept where this CPU's trials differ by less than the default's spread
+    assert re.search(r"\(1 candidate on a 3-layer model: N-r0 (τ 0\.018 → |step .* kept\))", said)
     assert "(1 of 3 layers replaced; " in said
     banner = next(x for x in out if x.startswith("policy   auto: "))
     assert "; calibrated (2 steps each): 1 candidate on a 3-layer model: N-r0 " in banner
