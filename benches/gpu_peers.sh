@@ -8,7 +8,7 @@
 #   BATCHES="8,32" SYSTEMS=ours,zero3-offload bash benches/gpu_peers.sh
 #   BATCHES="32" SYSTEMS=ours,zero-offload LIMITS=120,zero-offload=380 bash benches/gpu_peers.sh
 # LIMITS: --system-timeout, naming only systems of SYSTEMS (default 300 s each).
-#   SHAPE=qwen3-8b ... CLIP=0 ...   (clipping 1.0 by default)
+#   SHAPE=qwen3-8b ... CLIP=0 ... STEPS=5 ...   (clipping 1.0, 3 measured steps by default)
 #   SETS="runtime.policy=auto" ...   (our config's overrides, space-separated)
 #   SYSTEMS=ours,zero3-offload,zero3-offload:pf5e8 BATCHES=8 \
 #     PEER_SETS="zero3-offload:pf5e8.zero_optimization.stage3_prefetch_bucket_size=5e8" \
@@ -36,7 +36,7 @@ for B in ${BATCHES:-4}; do
     name+="${PEER_SETS:+-$(echo $PEER_SETS | tr -c "A-Za-z0-9.\n-" _)}"
     within "${OUTER:-520}" "$name" && part "$name" "${OUTER:-520}" timeout -s INT \
         "$((${OUTER:-520} - 10))" python3 -m slidedp bench train --shape "$SHAPE" --sweep "$B" \
-        --warmup 2 --steps 3 --set train.max_grad_norm="${CLIP:-1.0}" "${SET_ARGS[@]}" \
+        --warmup 2 --steps "${STEPS:-3}" --set train.max_grad_norm="${CLIP:-1.0}" "${SET_ARGS[@]}" \
         --systems "${SYSTEMS:-ours,zero3-offload}" \
         --system-timeout "${LIMITS:-300}" \
         --json "$OUT/$name.json"
