@@ -10,7 +10,7 @@
 # SHAPE (qwen3-1.7b), BATCH (16) and CLIP (1.0) set the run. Each `train` writes its final
 # checkpoint (12 B/param of host state: 20 GB here), deleted before the next one. The
 # calibration's spread, two plans without validation nor training:
-#   SHAPE=qwen3-4b PLANS=2 TRAIN=0 PLAN_LIMIT=220 \
+#   SHAPE=qwen3-4b PLANS=2 TRAIN=0 PLAN_LIMIT=250 \
 #     PLAN_SETS="runtime.policy_validate_steps=0" bash benches/gpu_plan.sh
 OUT=${OUT:-out/gpu-plan}
 source "$(dirname "$0")/gpu_common.sh"

@@ -318,6 +318,9 @@ def _report(e: BaseException, args: argparse.Namespace, prefix: str) -> int:
     return EXIT_UNEXPECTED
 
 
+CONFIG_VERBS = ("train", "validate", "estimate", "plan")  # CONFIG.yaml [overrides]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The command line, with ``section.key=value`` overrides also after the options
     (``slidedp plan c.yaml --out p.yaml train.max_steps=5``: argparse takes positionals in one
@@ -325,7 +328,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     late = [a for a in extra if "=" in a and not a.startswith("-")]
-    if extra != late or (late and not hasattr(args, "overrides")):
+    if extra != late or (late and args.verb not in CONFIG_VERBS):  # bench's --set: its own
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if late:
         args.overrides = [*args.overrides, *late]

@@ -152,14 +152,16 @@ def test_env_json_has_the_same_facts_as_numbers(capsys: Capsys) -> None:
 
 def test_overrides_may_follow_the_options(capsys: Capsys) -> None:
     """`slidedp plan c.yaml --out p.yaml train.max_steps=5` (argparse alone leaves the late
-    override over); a late option or a verb without overrides is still refused."""
+    override over); a late option, or a bare override to a verb without a config (the bench's
+    go through `--set`), is still refused."""
     from slidedp.cli import parse_args
 
     args = parse_args(["plan", "c.yaml", "a.b=1", "--out", "p.yaml", "train.max_steps=5"])
     assert (args.config, args.out) == ("c.yaml", "p.yaml")
     assert args.overrides == ["a.b=1", "train.max_steps=5"]
     for bad in (["plan", "c.yaml", "--out", "p.yaml", "--bogus"],
-                ["env", "train.max_steps=5"]):  # fmt: skip
+                ["env", "train.max_steps=5"],
+                ["bench", "train", "--shape", "tiny", "runtime.policy=auto"]):  # fmt: skip
         with pytest.raises(SystemExit):
             parse_args(bad)
         assert "unrecognized arguments" in capsys.readouterr().err

@@ -116,6 +116,17 @@ def test_a_candidate_within_the_defaults_spread_keeps_its_profiled_time(tmp_path
     # beyond the spread it is calibrated, against the mean: τ = 0.030 + (1.1 - 1.0) / 2
     found = calibrate_choice(cfg, choice, steps=3, runner=FakeSteps({"F": [1.04, 0.96], "*": 1.1}))
     assert found.times_s() == {N_R0: pytest.approx(0.080)}
+    # the second default out of memory: no spread to tell noise by, every τ kept
+    found = calibrate_choice(cfg, choice, steps=3, runner=FakeSteps({"F": [1.0, None], "*": 1.1}))
+    assert (found.default_step_s, found.default_spread_s, found.times_s()) == (1.0, None, {})
+    assert "N-r0 step 1.100 s (τ 0.018 s kept)" in found.describe()
+    assert "the default's step 1.000 s, its second run out of memory: every τ kept" in (
+        found.describe()
+    )
+    # every candidate out of memory: the default is not run again
+    runner = FakeSteps({"F": [1.0], "*": None})
+    assert calibrate_choice(cfg, choice, steps=3, runner=runner).times_s() == {}
+    assert len(runner.ran) == 2
 
 
 def test_the_shortlist_is_the_used_candidates_but_the_default_most_used_first() -> None:

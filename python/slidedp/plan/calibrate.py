@@ -104,14 +104,12 @@ class Calibrated:
     step_s: float | None  # T_j; None: out of memory
     time_s: float | None  # τ_j calibrated; None: the profiled one is kept
 
-    def describe(self) -> str:
+    def describe(self, spread_known: bool = True) -> str:
         if self.step_s is None:
             return f"{self.policy} ran out of memory (τ {self.profiled_s:.3f} s kept)"
         if self.time_s is None:
-            return (
-                f"{self.policy} step {self.step_s:.3f} s, within the default's spread "
-                f"(τ {self.profiled_s:.3f} s kept)"
-            )
+            why = ", within the default's spread" if spread_known else ""
+            return f"{self.policy} step {self.step_s:.3f} s{why} (τ {self.profiled_s:.3f} s kept)"
         return f"{self.policy} τ {self.profiled_s:.3f} → {self.time_s:.3f} s"
 
 
@@ -124,7 +122,9 @@ class Calibration:
     replaced: int  # k_j
     default_time_s: float  # τ_0, the profile's
     default_step_s: float | None  # T_0, the mean of its two runs; None: out of memory
-    default_spread_s: float  # |T_0 before - T_0 after|: a smaller |T_j - T_0| keeps τ_j
+    # |T_0 before - T_0 after|: a smaller |T_j - T_0| keeps τ_j; None: the second run out of
+    # memory, no spread to tell noise by (every τ kept)
+    default_spread_s: float | None
     candidates: tuple[Calibrated, ...]
 
     def times_s(self) -> dict[LayerPolicy, float]:
@@ -139,11 +139,15 @@ class Calibration:
             )
         n = len(self.candidates)
         head = f"{n} candidate{'s' if n > 1 else ''} on a {self.layers}-layer model"
-        said = ", ".join(c.describe() for c in self.candidates)
+        said = ", ".join(c.describe(self.default_spread_s is not None) for c in self.candidates)
+        spread = (
+            " s, its second run out of memory: every τ kept"
+            if self.default_spread_s is None
+            else f" ± {self.default_spread_s / 2:.3f} s"
+        )
         return (
             f"{head}: {said} ({self.replaced} of {self.layers} layers replaced; the default's "
-            f"step {self.default_step_s:.3f} ± {self.default_spread_s / 2:.3f} s, "
-            f"τ {self.default_time_s:.3f} s)"
+            f"step {self.default_step_s:.3f}{spread}, τ {self.default_time_s:.3f} s)"
         )
 
     def summary(self) -> dict[str, Any]:
@@ -200,13 +204,19 @@ def calibrate_choice(
         for policy in shortlist(choice) if before is not None else []:
             layout = _trial_layout(policy, replaced, layers, choice)
             trials.append((policy, runner(_with_layers(reduced, layout), steps).step_s))
-        after = runner(reduced, steps).step_s if trials else None
-        runs = [t for t in (before, after) if t is not None]
-        t_0 = sum(runs) / len(runs) if runs else None
-        spread = max(runs) - min(runs) if runs else 0.0
+        ran = any(t_j is not None for _, t_j in trials)
+        after = runner(reduced, steps).step_s if ran else None
+        t_0, spread = before, None
+        if before is not None and after is not None:
+            t_0, spread = (before + after) / 2, abs(before - after)
         for policy, t_j in trials:
             tau_j = None
-            if t_0 is not None and t_j is not None and abs(t_j - t_0) > spread:
+            if (
+                t_0 is not None
+                and t_j is not None
+                and spread is not None
+                and abs(t_j - t_0) > spread
+            ):
                 tau_j = calibrated_time_s(tau_0, t_0, t_j, replaced)
             found.append(Calibrated(policy, profiled[policy], t_j, tau_j))
     return Calibration(steps, layers, replaced, tau_0, t_0, spread, tuple(found))

@@ -253,25 +253,29 @@ def spec_from_shapes(
         "clipping": clipping,
         **_route_times(params, ranks, links, adamw_gbps),
     }
-    _make_resident(spec, policy, params)
+    if ranks.count == 1:
+        _make_resident(spec, policy, params)
     return spec
 
 
 def _make_resident(spec: dict[str, Any], policy: Policy, params: list[int]) -> None:
     """The policy's GPU-resident groups (its first layers; the embedding and head with
-    ``resident_embeddings``) in ``spec``: no load, cast, gradient copy nor host update; their
-    AdamW is device time (``plan.cost.resident_update_s``), counted in the layer's backward and
-    in the embedding's and head's compute (one rank: several refuse resident layers)."""
+    ``resident_embeddings``) in ``spec``: flagged, so the model gives them no load, cast,
+    gradient copy, host update nor version wait; their AdamW is device time
+    (``plan.cost.resident_update_s``), counted in the layer's backward and in the embedding's
+    and head's compute (the engine runs it on a stream of its own, after the norm with
+    clipping: counted in the compute lane, the step is overstated by at most that time). One
+    rank only, as the engine (several refuse resident layers)."""
     from slidedp.plan.cost import resident_update_s
 
     layers = len(spec["forward_s"])
     groups = {1 + i for i in range(layers) if policy.resident(i)}  # a layer's group: i + 1
     if policy.resident_embeddings:
         groups |= {0, layers + 1}
+    if not groups:
+        return
+    spec["resident"] = [g in groups for g in range(layers + 2)]
     for g in groups:
-        for key in ("load_s", "cast_s", "grad_copy_s", "update_s"):
-            if spec[key]:
-                spec[key][g] = 0.0
         device_update_s = resident_update_s(params[g])
         if g == 0:
             spec["embed_backward_s"] += device_update_s

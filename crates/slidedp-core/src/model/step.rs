@@ -57,6 +57,11 @@ pub struct StepSpec {
     /// then again with the coefficient.
     #[serde(default)]
     pub host_sum_s: Vec<f64>,
+    /// Per group: GPU-resident (empty: none). A resident group is never loaded, cast, copied
+    /// to the host nor updated there (its AdamW runs on the device, in its compute times), and
+    /// its next forward waits for no host version; one rank only.
+    #[serde(default)]
+    pub resident: Vec<bool>,
     pub slots: usize,
     pub grad_slots: usize,
     pub clipping: bool,
@@ -132,12 +137,23 @@ impl StepSpec {
             .iter()
             .flat_map(|(_, l, _)| l.iter())
             .chain(scalars.iter());
+        if !self.resident.is_empty() && self.resident.len() != layers + 2 {
+            return Err(Error::InvalidArgument(format!(
+                "step spec: resident has {} entries, expected {}",
+                self.resident.len(),
+                layers + 2
+            )));
+        }
         if layers == 0 || self.grad_slots == 0 || all.clone().any(|x| !x.is_finite() || *x < 0.0) {
             return Err(Error::InvalidArgument(
                 "step spec: needs a layer, a gradient slot, and finite times >= 0".into(),
             ));
         }
         Ok(())
+    }
+
+    fn resident(&self, group: usize) -> bool {
+        self.resident.get(group).copied().unwrap_or(false)
     }
 
     fn host_sum(&self, group: usize) -> f64 {
@@ -234,13 +250,20 @@ impl Builder<'_> {
             let after: Vec<usize> = self.backward_end.into_iter().collect();
             self.send(p, &after);
         }
+        if self.spec.resident(group) {
+            return; // its version is the device's: no host wait
+        }
         let deps: Vec<usize> = self.updates[group].into_iter().collect();
         self.dag
             .add(format!("t{t} version g{group}"), Lane::Host, 0.0, &deps);
     }
 
-    /// A load of `group` into the window: the host casts it first (without the mirror).
-    fn load(&mut self, name: String, group: usize, deps: &[usize]) -> usize {
+    /// A load of `group` into the window: the host casts it first (without the mirror); none
+    /// for a resident group.
+    fn load(&mut self, name: String, group: usize, deps: &[usize]) -> Option<usize> {
+        if self.spec.resident(group) {
+            return None;
+        }
         if self.spec.cast(group) > 0.0 {
             self.dag.add(
                 format!("cast g{group}"),
@@ -249,7 +272,7 @@ impl Builder<'_> {
                 &[],
             );
         }
-        self.dag.add(name, Lane::H2d, self.spec.load_s[group], deps)
+        Some(self.dag.add(name, Lane::H2d, self.spec.load_s[group], deps))
     }
 
     /// A group's gradient exists (`grad`): reduced across ranks and nodes first (when the spec
@@ -263,6 +286,9 @@ impl Builder<'_> {
             if self.spec.reduce_blocks {
                 self.blocking = Some(ready);
             }
+        }
+        if self.spec.resident(group) {
+            return ready; // updated on the device
         }
         if self.spec.clipping {
             if !self.spec.host_sum_s.is_empty() {
@@ -286,9 +312,9 @@ impl Builder<'_> {
             format!("t{t} embed fwd"),
             Lane::Compute,
             spec.embed_forward_s,
-            &[load_embed],
+            load_embed.as_slice(),
         );
-        let mut loads = vec![0; layers + 2];
+        let mut loads = vec![None; layers + 2];
         let mut slot_users: Vec<usize> = Vec::new(); // the computes that read each slot, in order
         self.gate(t, 1);
         loads[1] = self.load(format!("t{t} load g1"), 1, &[]);
@@ -309,7 +335,7 @@ impl Builder<'_> {
                 format!("t{t} fwd L{l}"),
                 Lane::Compute,
                 spec.forward_s[l - 1],
-                &[loads[l]],
+                loads[l].as_slice(),
             );
             slot_users.push(fwd);
             if single {
@@ -328,7 +354,7 @@ impl Builder<'_> {
             format!("t{t} head"),
             Lane::Compute,
             spec.head_s,
-            &[loads[layers + 1]],
+            loads[layers + 1].as_slice(),
         );
         self.hand_over(layers + 1, head);
         for l in (1..=layers).rev() {
@@ -336,7 +362,7 @@ impl Builder<'_> {
             if layers - l >= spec.slots.max(1) {
                 // evicted since the forward: loaded again once its slot's last reader is done
                 let user = slot_users[slot_users.len() - spec.slots.max(1)];
-                deps.push(self.load(format!("t{t} reload L{l}"), l, &[user]));
+                deps.extend(self.load(format!("t{t} reload L{l}"), l, &[user]));
             }
             if spec.reload(l) > 0.0 {
                 deps.push(self.dag.add(

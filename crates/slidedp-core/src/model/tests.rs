@@ -43,6 +43,7 @@ fn spec(layers: usize, clipping: bool, update_s: f64) -> StepSpec {
         reduce_s: vec![],
         reduce_blocks: true,
         host_sum_s: vec![],
+        resident: vec![],
         slots: 2,
         grad_slots: 4,
         clipping,
@@ -166,4 +167,36 @@ fn a_host_sum_runs_on_the_training_thread_before_the_update() {
     let c = predict_ok(&clipped);
     assert!((c.busy_s[&Lane::Host] - 3.6).abs() < 1e-9, "{c:?}");
     assert!((c.busy_s[&Lane::D2h] - 6.0).abs() < 1e-9, "{c:?}");
+}
+
+#[test]
+fn resident_groups_skip_the_host_and_free_an_update_bound_step() {
+    // every group on the host at 4 s of AdamW: update-bound (24 s a step); the embedding, the
+    // head and the first three layers GPU-resident: one layer left on the host lane, no load,
+    // ring wait, version or update of the others, and the 13 s of compute set the step
+    for clipping in [false, true] {
+        let host = predict_ok(&spec(4, clipping, 4.0));
+        let mut resident = spec(4, clipping, 4.0);
+        resident.resident = vec![true, true, true, true, false, true];
+        let p = predict_ok(&resident);
+        assert!(host.regime.starts_with("Update-bound"), "{}", host.regime);
+        assert!(p.step_s < host.step_s - 8.0, "{p:?} {host:?}");
+        assert!((p.busy_s[&Lane::Compute] - 13.0).abs() < 1e-9, "{p:?}");
+        // one update (layer 4's) of 4 s a step
+        assert!((p.busy_s[&Lane::Update] - 4.0).abs() < 1e-9, "{p:?}");
+        let steps = super::step::build(&resident, 2);
+        let names: Vec<&str> = steps.dag.ops.iter().map(|o| o.name.as_str()).collect();
+        for resident_group in ["g0", "g1", "g2", "g3", "g5"] {
+            assert!(
+                !names
+                    .iter()
+                    .any(|n| n.ends_with(&format!(" {resident_group}"))),
+                "{resident_group}: {names:?}"
+            );
+        }
+        assert!(names.contains(&"update g4"), "{names:?}");
+    }
+    let mut short = spec(4, false, 4.0);
+    short.resident = vec![true; 3];
+    assert!(predict(&short).is_err());
 }
