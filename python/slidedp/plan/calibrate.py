@@ -13,9 +13,8 @@ before the candidates and again after them, and is their mean: a candidate moves
 profiled time only where ``|T_j - T_0|`` exceeds the two defaults' spread (on the H100 a
 Qwen3-4B reduced step read 0.436 s in one plan and 0.394 s in the next, 21 ms a replaced layer
 against candidates a few ms apart: such a τ_j is noise). A candidate whose trial runs out of
-memory keeps its profiled time. Trials go through ``plan.validate``'s
-runners (in this process on CPU, a child process on CUDA); only models of one kind of layer
-are calibrated.
+memory keeps its profiled time. Trials go through ``plan.validate``'s runners (in this process
+on CPU, a child process on CUDA); only models of one kind of layer are calibrated.
 
 Example::
 
@@ -211,7 +210,7 @@ def calibrate_choice(
             t_0, spread = (before + after) / 2, abs(before - after)
         for policy, t_j in trials:
             tau_j = None
-            if (
+            if (  # moved only beyond the default's own run-to-run spread
                 t_0 is not None
                 and t_j is not None
                 and spread is not None
