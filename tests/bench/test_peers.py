@@ -156,12 +156,16 @@ def test_a_variant_is_a_peer_and_a_label_each_mistake_one_line(
         assert _bench_error(capsys, "--systems", f"ours,{bad}") == (
             f"--systems 'ours,{bad}': {bad!r}: {label}"
         )
-    for system in ("ours", "reference", "fsdp2"):
+    for system in ("reference", "fsdp2"):
         assert _bench_error(capsys, "--systems", f"ours,{system}:x") == (
-            f"--systems 'ours,{system}:x': '{system}:x': only a peer (zero3-offload, "
-            "zero-offload, fsdp2-resident, roundpipe) has variants, told apart by their "
-            "--peer-set (ours is configured with --set; reference and fsdp2 have no config to set)"
+            f"--systems 'ours,{system}:x': '{system}:x': only ours and a peer (zero3-offload, "
+            "zero-offload, fsdp2-resident, roundpipe) have variants, told apart by --set "
+            "ours:LABEL.KEY=VALUE and --peer-set (reference and fsdp2 have no config to set)"
         )
+    assert bench_train._parse(build_parser().parse_args(["bench", "train", "--systems",
+                                                         "ours,ours:auto"]))[1] == [
+        "ours", "ours:auto"
+    ]  # fmt: skip
     assert _bench_error(capsys, "--systems", "zero3-offload:a,zero3-offload:a") == (
         "--systems 'zero3-offload:a,zero3-offload:a': 'zero3-offload:a': named twice"
     )
@@ -171,7 +175,7 @@ def test_a_variant_is_a_peer_and_a_label_each_mistake_one_line(
         "'ours,zero3-offload'; name it there too"
     )
     with pytest.raises(ConfigError, match=r"--peer-set 'ours:x\.a=1': use SYSTEM\.KEY=VALUE"):
-        parse_peer_sets(["ours:x.a=1"], ["ours", "ours:x"])  # refused by --systems first
+        parse_peer_sets(["ours:x.a=1"], ["ours", "ours:x"])  # ours' variants take --set
 
 
 def test_a_variant_runs_with_its_peers_overrides_then_its_own() -> None:

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from bench.tiny import tiny_spec, write_tiny_config
+from slidedp.bench import train as bench_train
 from slidedp.bench import worker
 from slidedp.bench.measure import RunSpec, process_tree, tree_pss_bytes
 from slidedp.bench.plot import plot_sweep, require_matplotlib
 from slidedp.bench.report import Model, print_report, ratios, summarise
-from slidedp.bench.train import ours_config, shape_config
+from slidedp.bench.train import ours_config, ours_configs, shape_config
 from slidedp.cli import main
 from slidedp.errors import ConfigError
 from slidedp.plan.validate import is_out_of_memory
@@ -317,3 +318,103 @@ def test_model_overrides_reach_every_system_through_the_shape_config() -> None:
     plain, none = shape_config("qwen3-4b", 0, ours_config([]))
     assert plain.max_position_embeddings == 40960
     assert none == {}
+
+
+def test_ours_variants_take_the_plain_sets_then_their_own() -> None:
+    systems = ["ours", "ours:auto", "ours:v1.5", "zero3-offload"]
+    items = ["ours:auto.runtime.policy=auto", "runtime.slots=3", "ours:v1.5.runtime.slots=4",
+             "train.max_grad_norm=0.5"]  # fmt: skip
+    configs = ours_configs(items, systems)
+    assert list(configs) == ["ours", "ours:auto", "ours:v1.5"]
+    assert [c["runtime"]["slots"] for c in configs.values()] == [3, 3, 4]  # the variant's wins
+    assert [c["runtime"]["policy"] for c in configs.values()] == ["", "auto", ""]
+    assert {c["train"]["max_grad_norm"] for c in configs.values()} == {0.5}
+    # variants alone: ours' config is still made, the reference and the report follow it
+    assert list(ours_configs([], ["ours:auto"])) == ["ours", "ours:auto"]
+    with pytest.raises(ConfigError, match=r"the variant ours:x is not in --systems 'ours'; name"):
+        ours_configs(["ours:x.runtime.slots=3"], ["ours"])
+    with pytest.raises(ConfigError, match=r"every system trains the bench's one model"):
+        ours_configs(["ours:x.model.max_position_embeddings=64"], ["ours", "ours:x"])
+    with pytest.raises(ConfigError, match=r"'train\.global_batch_size' is set by the bench"):
+        ours_configs(["ours:x.train.global_batch_size=8"], ["ours:x"])
+    with pytest.raises(ConfigError, match=r"runtime"):
+        ours_configs(["ours:x.runtime.no_such_key=1"], ["ours:x"])  # checked by load_config
+
+
+def test_ours_variants_are_rows_ratios_and_summaries_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The workers replaced by results a worker would write: what each run of ours' family was
+    given, and what the report, the summary and the figure make of their rows."""
+    pytest.importorskip("matplotlib")
+    from matplotlib import pyplot
+
+    specs: list[RunSpec] = []
+    step_s = {"ours": 1.0, "ours:auto": 0.5, "zero3-offload": 2.0}
+
+    def fake_child(spec: RunSpec, workdir: Path) -> tuple[dict[str, Any], int]:
+        specs.append(spec)
+        raw = {"system": spec.full_system, "batch": spec.batch, "status": "ok",
+               "step_times_s": [step_s[spec.full_system]],
+               "tokens_per_step": spec.batch * spec.seq_len,
+               "gpu_peak_reserved_bytes": 2**31}  # fmt: skip
+        return raw, 2**30
+
+    figures: list[Any] = []
+    monkeypatch.setattr(bench_train, "run_child", fake_child)
+    monkeypatch.setattr(pyplot, "close", figures.append)
+    config = write_tiny_config(tmp_path / "m")
+    out = tmp_path / "r.json"
+    args = ["bench", "train", "--shape", str(config), "--seq", "16", "--device", "cpu"]
+    args += ["--sweep", "2,4", "--json", str(out), "--png", str(tmp_path / "r.png")]
+    args += ["--systems", "ours:auto,ours,zero3-offload", "--set", "runtime.slots=3"]
+    args += ["--set", "ours:auto.runtime.policy=auto"]
+    assert main(args) == 0
+    by_name = {(s.full_system, s.batch): s for s in specs}
+    ours, auto = by_name["ours", 2], by_name["ours:auto", 2]
+    assert (ours.system, ours.variant, auto.system, auto.variant) == ("ours", "", "ours", "auto")
+    assert (ours.ours["runtime"]["policy"], auto.ours["runtime"]["policy"]) == ("", "auto")
+    assert ours.ours["runtime"]["slots"] == auto.ours["runtime"]["slots"] == 3
+    assert ours.name != auto.name  # their spec and result files apart
+    report = json.loads(out.read_text())
+    assert report["ours_config"] == {"train": ours.ours["train"], "runtime": ours.ours["runtime"]}
+    assert report["ours_variants"] == {
+        "ours:auto": {"train": auto.ours["train"], "runtime": auto.ours["runtime"]}
+    }
+    for row in report["ratios"]:  # each of ours' family over every other system, not each other
+        assert row["ours_over_zero3-offload"] == pytest.approx(2.0)
+        assert row["ours:auto_over_zero3-offload"] == pytest.approx(4.0)
+        assert not [k for k in row if k.endswith(("_over_ours", "_over_ours:auto"))]
+    geomeans = {(p["ours"], p["system"]): p["geomean_ours_over_peer"]
+                for p in report["summary"]["peers"]}  # fmt: skip
+    assert geomeans == {
+        ("ours", "zero3-offload"): pytest.approx(2.0),
+        ("ours:auto", "zero3-offload"): pytest.approx(4.0),
+    }
+    printed = capsys.readouterr().out
+    assert "ours/zero3-offload 2.00x, ours:auto/fsdp2 -x, ours:auto/reference -x, " \
+        "ours:auto/zero3-offload 4.00x" in printed  # fmt: skip
+    assert "summary: ours:auto/zero3-offload: geometric mean 4.00x over batches 2, 4" in printed
+    (figure,) = figures
+    legend = [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
+    assert legend == ["ours:auto", "ours", "zero3-offload (ours 2.00x, ours:auto 4.00x)"]
+    # a report of a variant alone: no row of ours, so no ratio of ours
+    alone = [r for r in report["runs"] if r["system"] != "ours"]
+    assert {k for row in ratios(alone) for k in row} == {
+        "batch", "ours:auto_over_fsdp2", "ours:auto_over_reference", "ours:auto_over_zero3-offload"
+    }  # fmt: skip
+
+
+def test_a_variant_of_ours_end_to_end_on_cpu(tmp_path: Path) -> None:
+    """ours and ours:n (every layer N: nothing recomputed) in their own workers, each given its
+    layout and traced into its own file; on CPU the two layouts train bit for bit alike."""
+    config = write_tiny_config(tmp_path / "m")
+    out, trace = tmp_path / "r.json", tmp_path / "t.json"
+    extra = ("--batch", "2", "--systems", "ours,ours:n", "--set", "ours:n.runtime.layers=N")
+    assert _cli(config, out, *extra, "--trace", str(trace)) == 0
+    ours, n = json.loads(out.read_text())["runs"]
+    assert (ours["system"], n["system"]) == ("ours", "ours:n")
+    assert (ours["layout"], n["layout"]) == ("2xF-r0", "2xN-r0")
+    assert n["losses"] == ours["losses"]
+    assert trace.exists()
+    assert (tmp_path / "t-n.json").exists()

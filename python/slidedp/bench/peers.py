@@ -19,7 +19,8 @@ A peer may run several times in one bench, as named variants: ``--systems
 ours,zero3-offload,zero3-offload:big`` runs ``zero3-offload:big`` as ``zero3-offload`` runs
 (same worker, same checks), with the peer's own ``--peer-set zero3-offload...`` overrides, then
 the variant's ``--peer-set zero3-offload:big...`` on top (``peer_overrides``). Its report rows,
-ratios, timeout and summary go by the full name.
+ratios, timeout and summary go by the full name. Ours has variants too (``ours:auto``, its own
+``--set ours:auto.KEY=VALUE``, ``bench.train``).
 
 Example::
 
@@ -94,15 +95,15 @@ def check_variant(name: str) -> str | None:
     system, label = split_variant(name)
     if not VARIANT.fullmatch(label):
         return "a LABEL is letters, digits, '-', '_' and '.'"
-    if system not in PEERS:
+    if system != "ours" and system not in PEERS:
         return (
-            f"only a peer ({', '.join(PEERS)}) has variants, told apart by their --peer-set "
-            "(ours is configured with --set; reference and fsdp2 have no config to set)"
+            f"only ours and a peer ({', '.join(PEERS)}) have variants, told apart by --set "
+            "ours:LABEL.KEY=VALUE and --peer-set (reference and fsdp2 have no config to set)"
         )
     return None
 
 
-def _system_and_key(path: str, systems: Sequence[str]) -> tuple[str, str]:
+def system_and_key(path: str, systems: Sequence[str]) -> tuple[str, str]:
     """``SYSTEM.KEY.PATH`` split after the system: a variant of ``systems`` matched whole (its
     label may hold dots), else at the first dot."""
     for name in sorted((s for s in systems if ":" in s), key=len, reverse=True):
@@ -119,7 +120,7 @@ def parse_peer_sets(items: list[str], systems: Sequence[str] = ()) -> dict[str, 
     out: dict[str, dict[str, Any]] = {}
     for item in items:
         path, sep, text = item.partition("=")
-        system, key = _system_and_key(path.strip(), systems)
+        system, key = system_and_key(path.strip(), systems)
         if ":" in system and system not in systems:
             raise ConfigError(
                 f"--peer-set {item!r}: the variant {system} is not in --systems "
@@ -128,7 +129,7 @@ def parse_peer_sets(items: list[str], systems: Sequence[str] = ()) -> dict[str, 
         if not sep or not key or split_variant(system)[0] not in PEERS:
             raise ConfigError(
                 f"--peer-set {item!r}: use SYSTEM.KEY=VALUE with SYSTEM one of {', '.join(PEERS)}"
-                " or a variant SYSTEM:LABEL of --systems"
+                " or a variant SYSTEM:LABEL of --systems (ours and its variants: --set)"
             )
         try:
             value = yaml.safe_load(text)

@@ -4,7 +4,8 @@ Three panels against batch size, one line per system (ours, reference, fsdp2, th
 their variants, ``zero3-offload:big`` in its peer's marker; with ``--gpus N`` also each run of N
 ranks, ``bench.report.run_label``): tokens/s, GPU peak reserved (GiB) and host PSS peak (GiB),
 as the SlideDP paper's Figures 2 and 3. A system's legend entry
-carries the geometric mean of ours / it over the batches where both ran (``bench.sweep``). A
+carries the geometric mean of ours / it over the batches where both ran (``bench.sweep``), and
+of each variant of ours (``ours:auto``) / it. A
 run that ran out of memory has no point; its batch is marked "OOM" at the bottom of each panel.
 Needs matplotlib (``pip install 'slidedp[bench]'``).
 
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from slidedp.bench.peers import split_variant
-from slidedp.bench.report import run_label
+from slidedp.bench.report import is_ours, run_label
 from slidedp.bench.sweep import print_summary, sweep_summary
 from slidedp.errors import ConfigError
 
@@ -68,7 +69,11 @@ def plot_sweep(report: dict[str, Any], path: Path) -> None:
 
     runs = report["runs"]
     labels = list(dict.fromkeys(run_label(r) for r in runs))
-    geomeans = {p["system"]: p["geomean_ours_over_peer"] for p in sweep_summary(runs)["peers"]}
+    geomeans: dict[str, list[str]] = {}  # per system: "OURS RATIOx" for ours and its variants
+    for p in sweep_summary(runs)["peers"]:
+        if p["geomean_ours_over_peer"] is not None:
+            text = f"{p['ours']} {p['geomean_ours_over_peer']:.2f}x"
+            geomeans.setdefault(p["system"], []).append(text)
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4), constrained_layout=True)
     for ax, (key, axis_label) in zip(axes, PANELS, strict=True):
         for label in labels:
@@ -78,7 +83,7 @@ def plot_sweep(report: dict[str, Any], path: Path) -> None:
             if points:
                 xs, ys = zip(*points, strict=True)
                 ratio = geomeans.get(label)
-                legend = label if ratio is None else f"{label} (ours {ratio:.2f}x)"
+                legend = label if ratio is None else f"{label} ({', '.join(ratio)})"
                 style = STYLE.get(split_variant(mine[0]["system"])[0], "x-")
                 ax.plot(xs, ys, style, label=legend)
             for r in mine:
@@ -115,12 +120,19 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
 def _check_ours_configs(reports: list[dict[str, Any]]) -> None:
     """One ``ConfigError`` line naming the first key where two reports' ``ours_config`` differ:
     the whole config among the reports with ours or reference rows, its train section among
-    all."""
+    all; and a variant's of ours (``ours_variants``) among the reports with its rows."""
     ours = [r for r in reports if any(run["system"] in OURS_CONFIG_SYSTEMS for run in r["runs"])]
     scopes = {
         "ours_config": [r.get("ours_config") for r in ours],
         "ours_config.train": [(r.get("ours_config") or {}).get("train") for r in reports],
     }
+    variants = {run["system"] for r in reports for run in r["runs"] if is_ours(run["system"])}
+    for name in sorted(variants - {"ours"}):
+        scopes[f"ours_variants.{name}"] = [
+            r.get("ours_variants", {}).get(name)
+            for r in reports
+            if any(run["system"] == name for run in r["runs"])
+        ]
     for path, configs in scopes.items():
         for config in configs[1:]:
             differ = _first_difference(configs[0], config, path)

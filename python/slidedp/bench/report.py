@@ -55,22 +55,37 @@ def summarise(
     return run
 
 
+def is_ours(system: str) -> bool:
+    """Ours or a variant of it (``ours:LABEL``): a numerator of the ratios, never a divisor."""
+    return system == "ours" or system.startswith("ours:")
+
+
+def ours_family(runs: list[dict[str, Any]]) -> list[str]:
+    """The variants of ours among ``runs``, after ours itself where it has rows or no variant
+    has (a report of peers alone still says ours did not run)."""
+    variants = list(dict.fromkeys(r["system"] for r in runs if r["system"].startswith("ours:")))
+    plain = not variants or any(r["system"] == "ours" for r in runs)
+    return ["ours", *variants] if plain else variants
+
+
 def compared(runs: list[dict[str, Any]]) -> list[str]:
     """The systems ours is divided by: the baselines always, the peers that were asked for."""
-    peers = [r["system"] for r in runs if r["system"] not in ("ours", *BASELINES)]
+    peers = [r["system"] for r in runs if not is_ours(r["system"]) and r["system"] not in BASELINES]
     return [*BASELINES, *dict.fromkeys(peers)]
 
 
 def ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per batch, tokens/s of ours over each other system (None where either did not run)."""
+    """Per batch, tokens/s of ours (``ours_over_X``) and of each variant of ours
+    (``ours:LABEL_over_X``) over each other system X (None where either did not run)."""
     by_key = {(r["batch"], r["system"]): r for r in runs}
     out = []
     for batch in sorted({r["batch"] for r in runs}):
-        ours = by_key.get((batch, "ours"), {}).get("tokens_per_s")
         row: dict[str, Any] = {"batch": batch}
-        for base in compared(runs):
-            theirs = by_key.get((batch, base), {}).get("tokens_per_s")
-            row[f"ours_over_{base}"] = ours / theirs if ours and theirs else None
+        for mine in ours_family(runs):
+            ours = by_key.get((batch, mine), {}).get("tokens_per_s")
+            for base in compared(runs):
+                theirs = by_key.get((batch, base), {}).get("tokens_per_s")
+                row[f"{mine}_over_{base}"] = ours / theirs if ours and theirs else None
         out.append(row)
     return out
 
@@ -135,6 +150,6 @@ def print_report(report: dict[str, Any]) -> None:
     if "world" in report:
         one = " on 1 GPU" if report["device"] == "cuda" else " on 1 rank"
     for row in report["ratios"]:
-        parts = [f"ours/{k.removeprefix('ours_over_')} {_fmt(v, '.2f')}x" for k, v in row.items()
+        parts = [f"{k.replace('_over_', '/', 1)} {_fmt(v, '.2f')}x" for k, v in row.items()
                  if k != "batch"]  # fmt: skip
         print(f"ratios at batch {row['batch']}{one} (tokens/s): {', '.join(parts)}")

@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from slidedp.bench.report import is_ours, ours_family
+
 
 def _single(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in runs if r.get("world", 1) == 1]
@@ -42,26 +44,27 @@ def geometric_mean(values: list[float]) -> float | None:
 
 
 def sweep_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """``largest_batch`` per system and, per system other than ours, the matched-batch ratio."""
+    """``largest_batch`` per system and, per system other than ours and its variants, the
+    matched-batch ratio of ours (``ours``: ours or a variant ``ours:LABEL``, one entry each)."""
     single = _single(runs)
     systems = list(dict.fromkeys(r["system"] for r in single))
     tokens = {(r["system"], r["batch"]): r["tokens_per_s"] for r in single if r["status"] == "ok"}
     peers = []
-    for system in systems:
-        if system == "ours":
-            continue
-        both = sorted(b for s, b in tokens if s == system and ("ours", b) in tokens)
-        ratios = [tokens["ours", b] / tokens[system, b] for b in both]
-        absent = [r for r in single if r["system"] == system and r["status"] == "unavailable"]
-        peers.append(
-            {
-                "system": system,
-                "matched_batches": both,
-                "ours_over_peer": ratios,
-                "geomean_ours_over_peer": geometric_mean(ratios),
-                "unavailable": absent[0].get("error", "") if absent else None,
-            }
-        )
+    for mine in ours_family(single):
+        for system in (s for s in systems if not is_ours(s)):
+            both = sorted(b for s, b in tokens if s == system and (mine, b) in tokens)
+            ratios = [tokens[mine, b] / tokens[system, b] for b in both]
+            absent = [r for r in single if r["system"] == system and r["status"] == "unavailable"]
+            peers.append(
+                {
+                    "ours": mine,
+                    "system": system,
+                    "matched_batches": both,
+                    "ours_over_peer": ratios,
+                    "geomean_ours_over_peer": geometric_mean(ratios),
+                    "unavailable": absent[0].get("error", "") if absent else None,
+                }
+            )
     return {"fits": {s: fits(single, s) for s in systems}, "peers": peers}
 
 
@@ -77,16 +80,16 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     """One line per system other than ours, then the largest batches."""
     lines = []
     for peer in summary["peers"]:
-        name = peer["system"]
+        name = f"{peer.get('ours', 'ours')}/{peer['system']}"  # reports before variants: ours
         if peer["unavailable"] is not None and not peer["matched_batches"]:
-            lines.append(f"ours/{name}: not run ({peer['unavailable']})")
+            lines.append(f"{name}: not run ({peer['unavailable']})")
             continue
         if not peer["matched_batches"]:
-            lines.append(f"ours/{name}: no batch where both ran")
+            lines.append(f"{name}: no batch where both ran")
             continue
         batches = ", ".join(map(str, peer["matched_batches"]))
         lines.append(
-            f"ours/{name}: geometric mean {peer['geomean_ours_over_peer']:.2f}x over batches "
+            f"{name}: geometric mean {peer['geomean_ours_over_peer']:.2f}x over batches "
             f"{batches} (tokens/s where both ran)"
         )
     fits_text = ", ".join(_fit_text(s, f) for s, f in summary["fits"].items())

@@ -13,6 +13,8 @@ Run (on the GPU machine)::
     slidedp bench train --shape qwen3-4b --batch 8 --json tuned.json \
         --systems ours,zero3-offload,zero3-offload:pf5e8 \
         --peer-set zero3-offload:pf5e8.zero_optimization.stage3_prefetch_bucket_size=5e8
+    slidedp bench train --shape qwen3-4b --batch 16 --systems ours,ours:auto,zero3-offload \
+        --set ours:auto.runtime.policy=auto
 
 For each batch size, each system runs in its own subprocess (``bench.child``, ``bench.worker``)
 on the same synthetic tokens, ``--warmup`` steps discarded then ``--steps`` measured:
@@ -29,6 +31,9 @@ on the same synthetic tokens, ``--warmup`` steps discarded then ``--steps`` meas
   own (``--peer-set SYSTEM:LABEL.KEY=VALUE``) on top, and is reported, divided by, timed out
   (``--system-timeout SYSTEM:LABEL=S``; a plain ``SYSTEM=S`` is not its) and summarised under
   that name: several settings of one peer beside ours in one run, DeepSpeed's ops built once.
+  Ours has variants the same way: ``ours:auto`` with ``--set ours:auto.runtime.policy=auto``
+  runs our engine with the plain ``--set`` items then its own; each of ours' family is divided
+  by every other system (``ours:auto/zero3-offload:big``) and summarised apart.
 
 Per run: mean step time, tokens/s, model TFLOP/s (``runtime.flops.FLOPS_FORMULA``), MFU against
 the measured bf16 GEMM peak, GPU peak reserved (``torch.cuda.max_memory_reserved`` of the
@@ -63,7 +68,14 @@ import yaml
 from slidedp.bench import multi
 from slidedp.bench.child import run_child
 from slidedp.bench.measure import RunSpec
-from slidedp.bench.peers import PEERS, check_variant, parse_peer_sets, peer_overrides, split_variant
+from slidedp.bench.peers import (
+    PEERS,
+    check_variant,
+    parse_peer_sets,
+    peer_overrides,
+    split_variant,
+    system_and_key,
+)
 from slidedp.bench.predict import predict_report, print_predictions
 from slidedp.bench.report import Model, print_report, ratios, summarise
 from slidedp.bench.scaling import collectives_report, print_scale, scale_report
@@ -105,6 +117,34 @@ def ours_config(overrides: list[str]) -> dict[str, Any]:
         return dataclasses.asdict(load_config(path, overrides))
 
 
+def ours_configs(overrides: list[str], systems: list[str]) -> dict[str, dict[str, Any]]:
+    """The whole config of ``ours`` (from the plain ``--set`` items; also where ``systems``
+    has only variants of it: the reference and the report follow it) and of each variant
+    ``ours:LABEL`` of ``systems`` (those items, then its own ``--set ours:LABEL.KEY=VALUE``: a
+    key set in both is the variant's). A variant trains the bench's one model, so its
+    ``model.*`` keys are refused; so is an item naming no variant of ``systems``."""
+    own: dict[str, list[str]] = {"ours": []}
+    own |= {name: [] for name in systems if split_variant(name)[0] == "ours"}
+    plain = []
+    for item in overrides:
+        if not item.startswith("ours:"):
+            plain.append(item)
+            continue
+        name, key = system_and_key(item, systems)
+        if name not in own:
+            raise ConfigError(
+                f"--set {item}: the variant {name} is not in --systems {','.join(systems)!r}; "
+                "name it there too"
+            )
+        if key.partition(".")[0] == "model":
+            raise ConfigError(
+                f"--set {item}: every system trains the bench's one model; set model.* for all "
+                "(--set model.KEY=VALUE)"
+            )
+        own[name].append(key)
+    return {name: ours_config([*plain, *items]) for name, items in own.items()}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg = parser.add_argument
     arg("--shape", default="qwen3-4b", help=f"{', '.join(SHAPES)}, or an HF config.json path")
@@ -117,8 +157,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg(
         "--systems",
         default=",".join(DEFAULT_SYSTEMS),
-        help=f"a subset of {','.join(SYSTEMS)}; a peer's variant as SYSTEM:LABEL, its own "
-        "--peer-set SYSTEM:LABEL.KEY=VALUE over the peer's (e.g. zero3-offload:big)",
+        help=f"a subset of {','.join(SYSTEMS)}; a variant of ours or of a peer as SYSTEM:LABEL, "
+        "its own --set ours:LABEL.KEY=VALUE or --peer-set SYSTEM:LABEL.KEY=VALUE over the "
+        "system's (e.g. ours:auto, zero3-offload:big)",
     )
     arg(
         "--peer-set",
@@ -144,7 +185,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="SECTION.KEY=VALUE",
-        help="our engine's config, as slidedp train's overrides (e.g. runtime.offload_ratio=1)",
+        help="our engine's config, as slidedp train's overrides (e.g. runtime.offload_ratio=1); "
+        "ours:LABEL.SECTION.KEY=VALUE: a variant's own (e.g. ours:auto.runtime.policy=auto)",
     )
     arg("--seed", type=int, default=0, help="seed of the synthetic tokens")
     arg(
@@ -168,6 +210,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="Chrome/Perfetto trace of our first measured step (FILE; with --sweep, FILE-bN.json; "
+        "a variant ours:LABEL's FILE-LABEL.json or FILE-LABEL-bN.json; "
         "on N ranks FILE-xN-PARAM-GRAD-rankR.json)",
     )
     arg(
@@ -265,7 +308,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     batches, systems, device = _parse(args)
     if args.png:
         require_matplotlib()
-    ours = ours_config(args.overrides)
+    configs = ours_configs(args.overrides, systems)
+    ours = configs["ours"]
     peer_sets = peer_overrides(parse_peer_sets(args.peer_sets, systems), systems)
     timeouts = system_timeouts(args.system_timeout, systems)
     scale = multi.parse_scale(args, systems, device, ours)  # None: one GPU only
@@ -292,6 +336,11 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "gpu_limit_gib": args.gpu_limit or None,
         "host_limit_gib": args.host_limit or None,
         "ours_config": {"train": ours["train"], "runtime": ours["runtime"]},
+        "ours_variants": {  # ours:LABEL's config, where --systems names any
+            name: {"train": config["train"], "runtime": config["runtime"]}
+            for name, config in configs.items()
+            if name != "ours"
+        },
         "peer_sets": peer_sets,
         "system_timeout_s": timeouts,
     }
@@ -328,7 +377,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 system, variant = split_variant(name)
                 at_batch.append(
                     dataclasses.replace(spec, system=system, variant=variant, batch=batch,
-                                        peer=peer_sets.get(name, {}), timeout_s=timeouts[name])
+                                        peer=peer_sets.get(name, {}), timeout_s=timeouts[name],
+                                        ours=configs.get(name, ours))
                 )  # fmt: skip
             if scale is not None:
                 at_batch += multi.scaled_specs(
@@ -373,10 +423,11 @@ def _describe(run: RunSpec) -> str:
 
 
 def _traced(run: RunSpec, args: argparse.Namespace, batches: int) -> dict[str, Any]:
-    """``run.ours`` tracing its first measured step into ``--trace`` (one file per swept batch,
+    """``run.ours`` tracing its first measured step into ``--trace`` (one file per variant of
+    ours, per swept batch,
     per route on several ranks, per rank: ``bench.ours``)."""
     path, ours = Path(args.trace), run.ours
-    tag = f"-b{run.batch}" if batches > 1 else ""
+    tag = (f"-{run.variant}" if run.variant else "") + (f"-b{run.batch}" if batches > 1 else "")
     if run.world > 1:
         tag += f"-x{run.world}-{str(multi.run_keys(run)['route']).replace('/', '-')}"
     if tag:
