@@ -13,16 +13,14 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from bench.tiny import tiny_spec, write_tiny_config
+from bench.tiny import fake_sweep, tiny_spec, write_tiny_config
 from slidedp.bench import train as bench_train
 from slidedp.bench import worker
 from slidedp.bench.child import run_child
 from slidedp.bench.deepspeed_zero import zero_config
-from slidedp.bench.measure import RunSpec
 from slidedp.bench.peers import (
     PEERS,
     Peer,
@@ -221,31 +219,14 @@ def test_variants_are_rows_ratios_timeouts_and_summaries_of_their_own(
     """DeepSpeed is not installed here: the workers are replaced by results a worker would
     write, and the test checks what each run was given and what the report makes of it."""
     pytest.importorskip("matplotlib")
-    from matplotlib import pyplot
-
-    specs: list[RunSpec] = []
     step_s = {"ours": 0.5, "zero3-offload": 1.0, "zero3-offload:big": 2.0, "zero3-offload:s": 1.5}
-
-    def fake_child(spec: RunSpec, workdir: Path) -> tuple[dict[str, Any], int]:
-        specs.append(spec)
-        raw = {"system": spec.full_system, "batch": spec.batch, "status": "ok",
-               "step_times_s": [step_s[spec.full_system]],
-               "tokens_per_step": spec.batch * spec.seq_len,
-               "gpu_peak_reserved_bytes": 2**31}  # fmt: skip
-        return raw, 2**30
-
-    figures: list[Any] = []
-    monkeypatch.setattr(bench_train, "run_child", fake_child)
-    monkeypatch.setattr(pyplot, "close", figures.append)
-    config = write_tiny_config(tmp_path / "m")
-    out = tmp_path / "r.json"
-    args = ["bench", "train", "--shape", str(config), "--seq", "16", "--device", "cpu"]
-    args += ["--sweep", "2,4", "--json", str(out), "--png", str(tmp_path / "r.png")]
-    args += ["--systems", "ours,zero3-offload,zero3-offload:big,zero3-offload:s"]
-    args += ["--system-timeout", "100,zero3-offload=200,zero3-offload:big=300"]
-    args += ["--peer-set", "zero3-offload.zero_optimization.overlap_comm=false"]
-    args += ["--peer-set", "zero3-offload:big.zero_optimization.reduce_bucket_size=5e8"]
-    assert main(args) == 0
+    specs, figures, out = fake_sweep(
+        monkeypatch, tmp_path, step_s,
+        "--systems", "ours,zero3-offload,zero3-offload:big,zero3-offload:s",
+        "--system-timeout", "100,zero3-offload=200,zero3-offload:big=300",
+        "--peer-set", "zero3-offload.zero_optimization.overlap_comm=false",
+        "--peer-set", "zero3-offload:big.zero_optimization.reduce_bucket_size=5e8",
+    )  # fmt: skip
     by_name = {(s.full_system, s.batch): s for s in specs}
     base, big, small = (by_name[name, 2] for name in ("zero3-offload", "zero3-offload:big",
                                                        "zero3-offload:s"))  # fmt: skip

@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from bench.tiny import tiny_spec, write_tiny_config
-from slidedp.bench import train as bench_train
+from bench.tiny import fake_sweep, tiny_spec, write_tiny_config
 from slidedp.bench import worker
 from slidedp.bench.measure import RunSpec, process_tree, tree_pss_bytes
 from slidedp.bench.plot import plot_sweep, require_matplotlib
@@ -347,29 +346,11 @@ def test_ours_variants_are_rows_ratios_and_summaries_of_their_own(
     """The workers replaced by results a worker would write: what each run of ours' family was
     given, and what the report, the summary and the figure make of their rows."""
     pytest.importorskip("matplotlib")
-    from matplotlib import pyplot
-
-    specs: list[RunSpec] = []
     step_s = {"ours": 1.0, "ours:auto": 0.5, "zero3-offload": 2.0}
-
-    def fake_child(spec: RunSpec, workdir: Path) -> tuple[dict[str, Any], int]:
-        specs.append(spec)
-        raw = {"system": spec.full_system, "batch": spec.batch, "status": "ok",
-               "step_times_s": [step_s[spec.full_system]],
-               "tokens_per_step": spec.batch * spec.seq_len,
-               "gpu_peak_reserved_bytes": 2**31}  # fmt: skip
-        return raw, 2**30
-
-    figures: list[Any] = []
-    monkeypatch.setattr(bench_train, "run_child", fake_child)
-    monkeypatch.setattr(pyplot, "close", figures.append)
-    config = write_tiny_config(tmp_path / "m")
-    out = tmp_path / "r.json"
-    args = ["bench", "train", "--shape", str(config), "--seq", "16", "--device", "cpu"]
-    args += ["--sweep", "2,4", "--json", str(out), "--png", str(tmp_path / "r.png")]
-    args += ["--systems", "ours:auto,ours,zero3-offload", "--set", "runtime.slots=3"]
-    args += ["--set", "ours:auto.runtime.policy=auto"]
-    assert main(args) == 0
+    specs, figures, out = fake_sweep(
+        monkeypatch, tmp_path, step_s, "--systems", "ours:auto,ours,zero3-offload",
+        "--set", "runtime.slots=3", "--set", "ours:auto.runtime.policy=auto",
+    )  # fmt: skip
     by_name = {(s.full_system, s.batch): s for s in specs}
     ours, auto = by_name["ours", 2], by_name["ours:auto", 2]
     assert (ours.system, ours.variant, auto.system, auto.variant) == ("ours", "", "ours", "auto")

@@ -5,10 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from transformers import Qwen3Config
 
+from slidedp.bench import train as bench_train
 from slidedp.bench.measure import RunSpec
 from slidedp.bench.train import ours_config
+from slidedp.cli import main
 
 TINY: dict[str, Any] = {
     "hidden_size": 64,
@@ -47,3 +50,32 @@ def tiny_spec(root: Path, system: str, overrides: list[str] | None = None) -> Ru
         device="cpu",
         ours=ours_config(overrides or []),
     )
+
+
+def fake_sweep(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, step_s: dict[str, float], *extra: str
+) -> tuple[list[RunSpec], list[Any], Path]:
+    """``slidedp bench train --sweep 2,4 ... EXTRA`` on the tiny model, each worker replaced by
+    the result one would write (a system's step time from ``step_s``): the specs the runs were
+    given, the figures drawn (``--png``) and the JSON report's path."""
+    from matplotlib import pyplot
+
+    specs: list[RunSpec] = []
+
+    def fake_child(spec: RunSpec, workdir: Path) -> tuple[dict[str, Any], int]:
+        specs.append(spec)
+        raw = {"system": spec.full_system, "batch": spec.batch, "status": "ok",
+               "step_times_s": [step_s[spec.full_system]],
+               "tokens_per_step": spec.batch * spec.seq_len,
+               "gpu_peak_reserved_bytes": 2**31}  # fmt: skip
+        return raw, 2**30
+
+    figures: list[Any] = []
+    monkeypatch.setattr(bench_train, "run_child", fake_child)
+    monkeypatch.setattr(pyplot, "close", figures.append)
+    config = write_tiny_config(tmp_path / "m")
+    out = tmp_path / "r.json"
+    args = ["bench", "train", "--shape", str(config), "--seq", "16", "--device", "cpu"]
+    args += ["--sweep", "2,4", "--json", str(out), "--png", str(tmp_path / "r.png")]
+    assert main([*args, *extra]) == 0
+    return specs, figures, out
