@@ -77,10 +77,11 @@ def _fit_text(system: str, fit: dict[str, Any]) -> str:
 
 
 def summary_lines(summary: dict[str, Any]) -> list[str]:
-    """One line per system other than ours, then the largest batches."""
+    """One line per system other than ours, for ours and each variant of it, then the largest
+    batches."""
     lines = []
     for peer in summary["peers"]:
-        name = f"{peer.get('ours', 'ours')}/{peer['system']}"  # reports before variants: ours
+        name = f"{peer['ours']}/{peer['system']}"
         if peer["unavailable"] is not None and not peer["matched_batches"]:
             lines.append(f"{name}: not run ({peer['unavailable']})")
             continue
