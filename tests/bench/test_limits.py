@@ -168,6 +168,23 @@ def test_a_key_an_older_report_lacks_is_no_difference() -> None:
         merge_reports([new, _configured(_report("x", (8,)), kernels="eager")])
 
 
+def test_reports_whose_variant_of_ours_ran_different_configs_are_refused() -> None:
+    """``ours:auto`` rows of two reports are one curve: their ``ours_variants`` entry must
+    agree; a report without such rows is not asked."""
+
+    def with_auto(report: dict[str, Any], policy: str) -> dict[str, Any]:
+        runs = [r | {"system": "ours:auto"} for r in report["runs"] if r["system"] == "ours"]
+        variant = {"train": report["ours_config"]["train"], "runtime": {"policy": policy}}
+        return report | {"runs": report["runs"] + runs, "ours_variants": {"ours:auto": variant}}
+
+    a, b = (with_auto(_configured(_report("x", (n,))), "auto") for n in (4, 8))
+    assert len(merge_reports([a, b])["runs"]) == 6
+    assert len(merge_reports([a, _configured(_report("x", (16,)))])["runs"]) == 5
+    other = with_auto(_configured(_report("x", (16,))), "policy.yaml")
+    with pytest.raises(ConfigError, match=r"ours_variants\.ours:auto\.runtime\.policy"):
+        merge_reports([a, other])
+
+
 GIB = 2**30
 
 

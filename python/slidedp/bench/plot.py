@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from slidedp.bench.peers import split_variant
-from slidedp.bench.report import is_ours, run_label
+from slidedp.bench.report import run_label
 from slidedp.bench.sweep import print_summary, sweep_summary
 from slidedp.errors import ConfigError
 
@@ -126,8 +126,8 @@ def _check_ours_configs(reports: list[dict[str, Any]]) -> None:
         "ours_config": [r.get("ours_config") for r in ours],
         "ours_config.train": [(r.get("ours_config") or {}).get("train") for r in reports],
     }
-    variants = {run["system"] for r in reports for run in r["runs"] if is_ours(run["system"])}
-    for name in sorted(variants - {"ours"}):
+    variants = {run["system"] for r in reports for run in r["runs"]}
+    for name in sorted(v for v in variants if v.startswith("ours:")):
         scopes[f"ours_variants.{name}"] = [
             r.get("ours_variants", {}).get(name)
             for r in reports
