@@ -8,6 +8,11 @@
 #                 GPUs (100 steps, bf16 parity and the cross-node step cost), the GPU tests of
 #                 several nodes and of AutoPolicy on 2 GPUs, then auto vs the fixed default
 #                 (Qwen3-1.7B B=16 per GPU, same call, with the step-time model's prediction)
+#   PARTS=x2a     the nodes check, then AutoPolicy on 2 GPUs beside the fixed default (the GPU
+#                 tests of both only in the time left)
+#   PARTS=x2b     the host probe, then Qwen3-4B B=16 on the gpu and the cpu route
+#   PARTS=auto    x2a's AutoPolicy part alone (LIMIT seconds, 500)
+#   PARTS=x2c     Qwen3-1.7B B=4 on the three routes m17 did not reach (LIMIT seconds, 540)
 # Here first:  rm -f dist/*.whl; .venv/bin/maturin build --release -o dist/ -q
 # Device call: carry ["dist"], command `PARTS=m17 bash benches/gpu_two.sh`
 # Layer compute: eager (Liger not installed here, so no Triton compile on a fresh machine);
@@ -37,5 +42,20 @@ case ${PARTS:-m17} in
         within 200 auto-2gpu && part auto-2gpu 200 python3 -m slidedp bench train \
             --shape qwen3-1.7b --batch 16 --gpus 2 --routes replicated/gpu,auto --systems ours \
             --warmup 2 --steps 3 --predict --json "$OUT/qwen3-1.7b-b16-auto.json" ;;
+    x2a)
+        part nodes 150 python3 -m slidedp bench nodes --device cuda --nodes 2 --ranks 1 \
+            --steps 100 --nccl-net --json "$OUT/nodes-2x1.json"
+        within 400 auto-2gpu && part auto-2gpu 400 python3 -m slidedp bench train \
+            --shape qwen3-1.7b --batch 16 --gpus 2 --routes replicated/gpu,auto --systems ours \
+            --warmup 2 --steps 3 --json "$OUT/qwen3-1.7b-b16-auto.json"
+        within 120 gpu-tests && part gpu-tests $((560 - SECONDS)) python3 -m pytest -q -s \
+            -p no:cacheprovider -m multi_gpu tests/multirank/test_gpu_nodes.py ;;
+    auto)  # AutoPolicy on 2 GPUs alone (x2a's third part)
+        part auto-2gpu "${LIMIT:-500}" python3 -m slidedp bench train --shape qwen3-1.7b \
+            --batch 16 --gpus 2 --routes replicated/gpu,auto --systems ours --warmup 2 --steps 3 \
+            --json "$OUT/qwen3-1.7b-b16-auto.json" ;;
+    x2b) part host 60 python3 -m slidedp.bench.predict host '{"device": "cuda"}' "$OUT/host.json"
+        routes qwen3-4b 16 replicated/gpu,replicated/cpu $((560 - SECONDS)) ;;
+    x2c) routes qwen3-1.7b 4 replicated/cpu,sharded/gpu,sharded/cpu "${LIMIT:-540}" ;;
 esac
 grep -E "^ +[0-9]+ +[12] |step-time model|== " "$LOG" | tail -30

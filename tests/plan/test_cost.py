@@ -62,3 +62,19 @@ def test_the_replay_counts_activations_not_the_weights_it_saves() -> None:
     weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
     assert 0 <= fp.replay_bytes - activations <= 64  # the flash kernel's RNG state on meta
     assert fp.replay_bytes < weight_bytes + activations  # the weights are not in it
+
+
+@pytest.mark.parametrize("text", ["F", "N", "S1010100", "SAC.mm", "N-r0.5"])
+def test_the_meta_footprint_runs_the_modules_even_when_layers_are_compiled(text: str) -> None:
+    # on a CUDA run without Liger the layers are compiled (models.fast); inductor cannot
+    # partition the meta run's graph under saved-tensor hooks (the 2xH200 AutoPolicy run of
+    # issue 21 died there), so the cost model must never call the compiled layer
+    adapter = HFAdapter(tiny_config("qwen3", tied=False, layers=1))
+
+    def compiled(*_: object) -> None:
+        raise AssertionError("the cost model called the compiled layer")
+
+    adapter.layer_call = compiled
+    _, policy = parse_entry(text, 0.0)
+    fp = layer_footprint(adapter, policy, 2, 12, torch.float32)
+    assert sum(fp.saved) + fp.cache_bytes > 0

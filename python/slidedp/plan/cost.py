@@ -111,7 +111,7 @@ def _meta_run(adapter: HFAdapter, layer: int, batch: int, seq_len: int, dtype: t
     params = {
         local: torch.empty(shapes[full], device=META, dtype=dtype) for full, local in group.params
     }
-    return LayerRun(adapter, layer, params, ctx), x
+    return LayerRun(adapter, layer, params, ctx, eager=True), x
 
 
 def _saved_by_grad_run(run: Any, params: dict[str, torch.Tensor], fn: Any) -> int:

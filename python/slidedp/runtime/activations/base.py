@@ -38,12 +38,15 @@ class LayerRun:
     layer: int
     params: dict[str, torch.Tensor]
     ctx: dict[str, Any]
+    # every call runs the modules themselves, never the compiled layer (``plan.cost``'s runs on
+    # the meta device: inductor cannot partition a meta graph run under saved-tensor hooks)
+    eager: bool = False
 
     def module_forward(
         self, params: dict[str, torch.Tensor], x: torch.Tensor, *, eager: bool = False
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """The layer's output and its extra outputs (``HFAdapter.run_layer``)."""
-        return self.adapter.run_layer(self.layer, params, x, self.ctx, eager=eager)
+        return self.adapter.run_layer(self.layer, params, x, self.ctx, eager=eager or self.eager)
 
     def shared_ids(self) -> set[int]:
         """ids of the tensors every layer reads (rotary cos/sin, masks, positions)."""
