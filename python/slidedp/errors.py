@@ -16,6 +16,13 @@ class SlidedpError(Exception):
     """Base class of every slidedp error."""
 
 
+def exception_line(e: BaseException) -> str:
+    """``e`` as one line, its type and its message's first paragraph (torch's compiler errors
+    carry the cause there and pages of advice after it)."""
+    first = str(e).strip().split("\n\n", 1)[0]
+    return " ".join(f"{type(e).__name__}: {first}".split())
+
+
 class OutOfSharedMemoryError(SlidedpError, MemoryError):
     """The host store does not fit; ``needed_bytes`` and ``available_bytes`` say by how much."""
 

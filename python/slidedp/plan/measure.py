@@ -13,7 +13,7 @@ Run by ``plan.auto`` (not by hand)::
 
 Exit code 0 when the layer profile and the host probe are cached (a link probe that fails is
 one warning line on stderr, and the routes stay the config's); 2 with one line on stderr for
-a ``SlidedpError``.
+a ``SlidedpError``; 1 for any other exception, its traceback then its own line last.
 
 Example::
 
@@ -26,10 +26,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from slidedp.errors import ConfigError, SlidedpError
+from slidedp.errors import ConfigError, SlidedpError, exception_line
 
 if TYPE_CHECKING:
     from slidedp.config import TrainConfig
@@ -115,6 +116,10 @@ def main(argv: list[str]) -> int:
     except SlidedpError as e:
         print(" ".join(str(e).split()), file=sys.stderr)
         return EXIT_BAD_INPUT
+    except Exception as e:  # a crash: its traceback, then itself as the line the launcher reports
+        traceback.print_exc()
+        print(exception_line(e), file=sys.stderr)
+        return 1
     return 0
 
 
