@@ -12,7 +12,13 @@
 #                 tests of both only in the time left)
 #   PARTS=x2b     the host probe, then Qwen3-4B B=16 on the gpu and the cpu route
 #   PARTS=auto    x2a's AutoPolicy part alone (LIMIT seconds, 500)
-#   PARTS=x2c     Qwen3-1.7B B=4 on the three routes m17 did not reach (LIMIT seconds, 540)
+#   PARTS=x2c     the Qwen3-1.7B routes not yet measured: B=4 sharded/gpu, B=32 sharded/cpu (the
+#                 second lease ran B=4 on both cpu routes)
+#   PARTS=cpu     the cpu route's miss (BENCHMARKS.md, second lease): the ranks' host pools on all
+#                 cores against each rank's share (benches/ranks_host_threads.py), then a traced
+#                 Qwen3-1.7B B=4 step on replicated/cpu (one trace per rank)
+#   PARTS=4b      Qwen3-4B B=4 on every route (LIMIT seconds, 540; 1 GPU and 4 routes, ~100 s each)
+#   PARTS=4b16    Qwen3-4B B=16 on the sharded routes (LIMIT seconds, 540)
 # Here first:  rm -f dist/*.whl; .venv/bin/maturin build --release -o dist/ -q
 # Device call: carry ["dist"], command `PARTS=m17 bash benches/gpu_two.sh`
 # Layer compute: eager (Liger not installed here, so no Triton compile on a fresh machine);
@@ -56,6 +62,13 @@ case ${PARTS:-m17} in
             --json "$OUT/qwen3-1.7b-b16-auto.json" ;;
     x2b) part host 60 python3 -m slidedp.bench.predict host '{"device": "cuda"}' "$OUT/host.json"
         routes qwen3-4b 16 replicated/gpu,replicated/cpu $((560 - SECONDS)) ;;
-    x2c) routes qwen3-1.7b 4 replicated/cpu,sharded/gpu,sharded/cpu "${LIMIT:-540}" ;;
+    x2c) routes qwen3-1.7b 4 sharded/gpu 250; routes qwen3-1.7b 32 sharded/cpu 280 ;;
+    cpu) part threads 120 python3 benches/ranks_host_threads.py
+        part cpu-trace 240 python3 -m slidedp bench train --shape qwen3-1.7b --batch 4 --gpus 2 \
+            --routes replicated/cpu --systems ours --warmup 2 --steps 3 \
+            --set runtime.bf16_mirror=true --trace "$OUT/cpu-route.json" \
+            --json "$OUT/qwen3-1.7b-b4-cpu-trace.json" ;;
+    4b) routes qwen3-4b 4 all "${LIMIT:-540}" ;;
+    4b16) routes qwen3-4b 16 sharded/gpu,sharded/cpu "${LIMIT:-540}" ;;
 esac
 grep -E "^ +[0-9]+ +[12] |step-time model|== " "$LOG" | tail -30
