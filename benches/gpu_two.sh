@@ -26,48 +26,46 @@
 # small and grows, so the default would decide from too little).
 OUT=${OUT:-out/gpu-two}
 LIGER=0 source "$(dirname "$0")/gpu_common.sh"
-routes() {  # routes SHAPE BATCH ROUTES SECONDS
+routes() {  # routes SHAPE BATCH ROUTES SECONDS [BENCH ARGS...]
     part "$1-b$2" "$4" python3 -m slidedp bench train --shape "$1" --batch "$2" --gpus 2 \
         --routes "$3" --systems ours --warmup 2 --steps 3 \
-        --set runtime.bf16_mirror=true --json "$OUT/$1-b$2.json"
+        --set runtime.bf16_mirror=true --json "$OUT/$1-b$2.json" "${@:5}"
+}
+host_probe() {  # the host AdamW rate alone and under the copies
+    part host 60 python3 -m slidedp.bench.predict host '{"device": "cuda"}' "$OUT/host.json"
+}
+nodes_check() {  # two one-GPU nodes over NCCL's sockets against one node of two GPUs
+    part nodes 150 python3 -m slidedp bench nodes --device cuda --nodes 2 --ranks 1 \
+        --steps 100 --nccl-net --json "$OUT/nodes-2x1.json"
+}
+auto_pair() {  # auto_pair SECONDS [BENCH ARGS...]: AutoPolicy beside the fixed default
+    part auto-2gpu "$1" python3 -m slidedp bench train --shape qwen3-1.7b --batch 16 --gpus 2 \
+        --routes replicated/gpu,auto --systems ours --warmup 2 --steps 3 \
+        --json "$OUT/qwen3-1.7b-b16-auto.json" "${@:2}"
 }
 case ${PARTS:-m17} in
     probes) for sb in qwen3-1.7b:4 qwen3-1.7b:32 qwen3-4b:4 qwen3-4b:16; do
             layer "${sb%:*}" "${sb#*:}"; done ;;
     # each run starts in about 60 s here (a fresh store faults in at ~3 s per 8 GiB)
     m17) routes qwen3-1.7b 4 all 230; routes qwen3-1.7b 32 all 320 ;;
-    p2) part host 60 python3 -m slidedp.bench.predict host '{"device": "cuda"}' "$OUT/host.json"
+    p2) host_probe
         for sb in qwen3-1.7b:4 qwen3-1.7b:32 qwen3-4b:16; do layer "${sb%:*}" "${sb#*:}"; done
         routes qwen3-1.7b 4 replicated/cpu,sharded/gpu,sharded/cpu 240
         routes qwen3-4b 16 replicated/gpu 200 ;;
-    nodes)
-        part nodes 150 python3 -m slidedp bench nodes --device cuda --nodes 2 --ranks 1 \
-            --steps 100 --nccl-net --json "$OUT/nodes-2x1.json"
+    nodes) nodes_check
         part gpu-tests 200 python3 -m pytest -q -s -p no:cacheprovider -m multi_gpu \
             tests/multirank/test_gpu_nodes.py tests/plan/test_auto_gpus.py
-        within 200 auto-2gpu && part auto-2gpu 200 python3 -m slidedp bench train \
-            --shape qwen3-1.7b --batch 16 --gpus 2 --routes replicated/gpu,auto --systems ours \
-            --warmup 2 --steps 3 --predict --json "$OUT/qwen3-1.7b-b16-auto.json" ;;
-    x2a)
-        part nodes 150 python3 -m slidedp bench nodes --device cuda --nodes 2 --ranks 1 \
-            --steps 100 --nccl-net --json "$OUT/nodes-2x1.json"
-        within 400 auto-2gpu && part auto-2gpu 400 python3 -m slidedp bench train \
-            --shape qwen3-1.7b --batch 16 --gpus 2 --routes replicated/gpu,auto --systems ours \
-            --warmup 2 --steps 3 --json "$OUT/qwen3-1.7b-b16-auto.json"
+        within 200 auto-2gpu && auto_pair 200 --predict ;;
+    x2a) nodes_check
+        within 400 auto-2gpu && auto_pair 400
         within 120 gpu-tests && part gpu-tests $((560 - SECONDS)) python3 -m pytest -q -s \
             -p no:cacheprovider -m multi_gpu tests/multirank/test_gpu_nodes.py ;;
-    auto)  # AutoPolicy on 2 GPUs alone (x2a's third part)
-        part auto-2gpu "${LIMIT:-500}" python3 -m slidedp bench train --shape qwen3-1.7b \
-            --batch 16 --gpus 2 --routes replicated/gpu,auto --systems ours --warmup 2 --steps 3 \
-            --json "$OUT/qwen3-1.7b-b16-auto.json" ;;
-    x2b) part host 60 python3 -m slidedp.bench.predict host '{"device": "cuda"}' "$OUT/host.json"
+    auto) auto_pair "${LIMIT:-500}" ;;
+    x2b) host_probe
         routes qwen3-4b 16 replicated/gpu,replicated/cpu $((560 - SECONDS)) ;;
     x2c) routes qwen3-1.7b 4 sharded/gpu 250; routes qwen3-1.7b 32 sharded/cpu 280 ;;
     cpu) part threads 120 python3 benches/ranks_host_threads.py
-        part cpu-trace 240 python3 -m slidedp bench train --shape qwen3-1.7b --batch 4 --gpus 2 \
-            --routes replicated/cpu --systems ours --warmup 2 --steps 3 \
-            --set runtime.bf16_mirror=true --trace "$OUT/cpu-route.json" \
-            --json "$OUT/qwen3-1.7b-b4-cpu-trace.json" ;;
+        routes qwen3-1.7b 4 replicated/cpu 240 --trace "$OUT/cpu-route.json" ;;
     4b) routes qwen3-4b 4 all "${LIMIT:-540}" ;;
     4b16) routes qwen3-4b 16 sharded/gpu,sharded/cpu "${LIMIT:-540}" ;;
 esac

@@ -45,8 +45,9 @@ PROBED: list[tuple[Path, Path, Path | float | None]] = [
     (L2 / "qwen3-1.7b-2xh200-cpu-routes-b4.json", T21, L2 / "host.json"),
     (L2 / "qwen3-4b-2xh200-routes-b16.json", T21, L2 / "host.json"),
 ]
-TRACED = json.loads((ROOT / "step-model-vs-traces.json").read_text())
-TRACES = [Path(r["trace"]).name for r in TRACED]
+TRACES = [
+    Path(r["trace"]).name for r in json.loads((ROOT / "step-model-vs-traces.json").read_text())
+]
 
 
 def probed_rows() -> list[dict[str, Any]]:
