@@ -14,9 +14,10 @@
 #   PARTS=auto    x2a's AutoPolicy part alone (LIMIT seconds, 500)
 #   PARTS=x2c     the Qwen3-1.7B routes not yet measured: B=4 sharded/gpu, B=32 sharded/cpu (the
 #                 second lease ran B=4 on both cpu routes)
-#   PARTS=cpu     the cpu route's miss (BENCHMARKS.md, second lease): the ranks' host pools on all
-#                 cores against each rank's share (benches/ranks_host_threads.py), then a traced
-#                 Qwen3-1.7B B=4 step on replicated/cpu (one trace per rank)
+#   PARTS=cpu     the cpu route's miss (BENCHMARKS.md, second lease): the host probe, the ranks'
+#                 host pools on all cores against each rank's share (benches/ranks_host_threads.py),
+#                 a traced Qwen3-1.7B B=4 step on replicated/cpu (one trace per rank), then the
+#                 same run with runtime.update_threads at each rank's share of the cores
 #   PARTS=4b      Qwen3-4B B=4 on every route (LIMIT seconds, 540; 1 GPU and 4 routes, ~100 s each)
 #   PARTS=4b16    Qwen3-4B B=16 on the sharded routes (LIMIT seconds, 540)
 # Here first:  rm -f dist/*.whl; .venv/bin/maturin build --release -o dist/ -q
@@ -64,8 +65,12 @@ case ${PARTS:-m17} in
     x2b) host_probe
         routes qwen3-4b 16 replicated/gpu,replicated/cpu $((560 - SECONDS)) ;;
     x2c) routes qwen3-1.7b 4 sharded/gpu 250; routes qwen3-1.7b 32 sharded/cpu 280 ;;
-    cpu) part threads 120 python3 benches/ranks_host_threads.py
-        routes qwen3-1.7b 4 replicated/cpu 240 --trace "$OUT/cpu-route.json" ;;
+    cpu) host_probe
+        part threads 120 python3 benches/ranks_host_threads.py
+        routes qwen3-1.7b 4 replicated/cpu 200 --trace "$OUT/cpu-route.json"
+        # the same with each rank's host pools on its share of the cores (a later --json wins)
+        within 200 share && routes qwen3-1.7b 4 replicated/cpu 200 \
+            --set runtime.update_threads=$(($(nproc) / 2)) --json "$OUT/qwen3-1.7b-b4-share.json" ;;
     4b) routes qwen3-4b 4 all "${LIMIT:-540}" ;;
     4b16) routes qwen3-4b 16 sharded/gpu,sharded/cpu "${LIMIT:-540}" ;;
 esac

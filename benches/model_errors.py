@@ -2,12 +2,12 @@
 
 A change to the model (``crates/slidedp-core/src/model``, ``plan.timing``) is judged by all of
 them at once: the eleven one-GPU H100 configurations predicted from probes (issue #15), the
-2xH200 runs of each route on two leases (issue #21) and the eleven traced steps (``bench model``).
+2xH200 runs of each route on three leases (issue #21) and the eleven traced steps (``bench model``).
 
     .venv/bin/python benches/model_errors.py [--json OUT]
 
 Prints one line per measurement and, per set, how many are within 10% (the 2xH200 runs
-split by gradient route: the model misses the cpu route, BENCHMARKS.md issue #21).
+split by gradient route: the cpu route's host sums are modelled apart, BENCHMARKS.md #21).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from slidedp.profile.host import model_gbps
 
 ROOT = Path(__file__).resolve().parent.parent / "benchmarks"
 T15, T21 = ROOT / "step-model-t15", ROOT / "two-gpu-t21"
-L2 = T21 / "lease2"  # the second 2xH200 lease: its own host probe
+L2, L3 = T21 / "lease2", T21 / "lease3"  # later 2xH200 leases: each its own host probe
 # (report, probes folder, the host probe when another lease's): BENCHMARKS.md's tables
 PROBED: list[tuple[Path, Path, Path | float | None]] = [
     (T15 / "qwen3-1.7b-h100-sweep-reconstructed.json", T15 / "probes-call1", None),
@@ -44,6 +44,12 @@ PROBED: list[tuple[Path, Path, Path | float | None]] = [
     (T21 / "qwen3-1.7b-2xh200-routes-b32.json", T21, 185.0),
     (L2 / "qwen3-1.7b-2xh200-cpu-routes-b4.json", T21, L2 / "host.json"),
     (L2 / "qwen3-4b-2xh200-routes-b16.json", T21, L2 / "host.json"),
+    (L3 / "qwen3-1.7b-2xh200-cpu-trace-b4.json", T21, L3 / "host.json"),
+    (L3 / "qwen3-1.7b-2xh200-cpu-share-b4.json", T21, L3 / "host.json"),
+    (L3 / "qwen3-1.7b-2xh200-sharded-gpu-b4.json", T21, L3 / "host.json"),
+    (L3 / "qwen3-1.7b-2xh200-sharded-cpu-b32.json", T21, L3 / "host.json"),
+    (L3 / "qwen3-4b-2xh200-routes-b4.json", T21, L3 / "host.json"),
+    (L3 / "qwen3-4b-2xh200-sharded-b16.json", T21, L3 / "host.json"),
 ]
 TRACES = [
     Path(r["trace"]).name for r in json.loads((ROOT / "step-model-vs-traces.json").read_text())

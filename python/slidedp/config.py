@@ -123,7 +123,7 @@ class RuntimeSection:
     policy_force: bool = False
     loss_chunk_tokens: int = 1024  # tokens per chunk of the linear + cross-entropy
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    update_threads: int = 0  # host AdamW threads; 0: all available
+    update_threads: int = 0  # host AdamW threads per rank; 0: its share of the cores
     version_timeout_s: float = 600.0
     chunk_elems: int = 0  # elements per H2D/D2H chunk (a store slot); 0: one decoder layer
     staging_slots: int = 2  # BF16 host staging slots (H2D ring)

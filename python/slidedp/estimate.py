@@ -376,7 +376,9 @@ class HostRate:
 
 
 def update_threads(cfg: TrainConfig, machine: Machine) -> int:
-    """The update worker's threads for ``cfg`` on ``machine``, as ``Trainer`` starts it."""
+    """The update worker's threads for ``cfg`` on ``machine``, as ``Trainer`` starts it for
+    one rank; with several, the node's cores (the host probe's rate is every rank's update
+    together, ``engine_update_threads``)."""
     cuda = machine.device == "cuda"
     return cfg.runtime.update_threads or engine_update_threads(machine.cores, cuda)
 

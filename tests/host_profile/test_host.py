@@ -166,3 +166,25 @@ def test_the_probe_keeps_the_best_of_its_repeats(
     clean = ADAMW_BYTES_PER_PARAM * report["params"] * report["passes"] / 0.01 / 1e9
     assert report["adamw_gbps"] == pytest.approx(clean)
     assert next(seconds, None) is None, "every repeat measured"
+
+
+def test_each_rank_takes_its_share_of_the_cores_for_host_kernels() -> None:
+    """Two ranks' pools on all cores ran the cpu route 10% slower than on each rank's share
+    (BENCHMARKS.md, issue #21, third lease); the trainer asks for its rank's share."""
+    from types import SimpleNamespace
+
+    from slidedp.kernels import default_threads
+    from slidedp.runtime.trainer import Trainer
+
+    assert host.engine_update_threads(32, True) == 32
+    assert host.engine_update_threads(32, True, ranks=2) == 16
+    assert host.engine_update_threads(32, False, ranks=2) == 8  # half of the share on CPU
+    assert host.engine_update_threads(3, True, ranks=8) == 1
+    cores = default_threads()
+    for device, ctx, expected in [
+        ("cuda", None, cores),
+        ("cuda", SimpleNamespace(local_world=2), max(1, cores // 2)),
+        ("cpu", SimpleNamespace(local_world=2), max(1, cores // 4)),
+    ]:
+        trainer = SimpleNamespace(device=torch.device(device), ctx=ctx)
+        assert Trainer._default_host_threads(trainer) == expected  # type: ignore[arg-type]

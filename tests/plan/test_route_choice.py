@@ -108,13 +108,14 @@ def test_on_nvlink_the_default_route_is_kept(tmp_path: Path, clipping: bool) -> 
 def test_on_a_slow_interconnect_the_cpu_route_is_chosen(tmp_path: Path) -> None:
     """At 5 GB/s between the GPUs the gpu route's reduce of every layer's bf16 gradient
     (2 B/param) takes longer than the cpu route's f32 copies over PCIe (4 B/param at 54 GB/s)
-    and the owner's host sum, and the sharded route's all-gather (the whole layer at 5 GB/s)
-    longer than the replicated route's H2D of the whole layer at 55: replicated/cpu."""
+    and the host sums (each on the training threads and in the DRAM AdamW uses), and the
+    sharded route's all-gather (the whole layer at 5 GB/s) longer than the replicated route's
+    H2D of the whole layer at 55: replicated/cpu, by over 20%."""
     steps = _steps(tmp_path, SLOW)
     choice = choose_route(steps, DEFAULT)
     assert choice.route == ("replicated", "cpu")
     assert min(steps, key=lambda r: steps[r]) == ("replicated", "cpu")
-    assert choice.gain > 1.3
+    assert choice.gain > 1.2
     assert "1." in choice.describe()
     assert "the config's replicated/gpu" in choice.describe()
 

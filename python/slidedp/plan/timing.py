@@ -161,10 +161,12 @@ def _route_times(
     """One rank's view of the routes, per group: the load (sharded: its share, then the
     all-gather on the same copy stream), the gradient's reduction onto its owner (gpu route,
     a synchronous collective), and on the cpu route every rank's gradient copy into its f32
-    slots (``policy.store_args``: 4 bytes per parameter) and the host sum of the ranks' copies
-    on the owner (rank 0 owns every ``count``-th group, ``Dist.owner``): it reads ``count``
-    slots, writes one and reads the sum again for its Σ g², at the host's DRAM rate (as
-    AdamW's)."""
+    slots (``policy.store_args``: 4 bytes per parameter) and the host sum of the ranks' copies:
+    it reads ``count`` slots, writes one and reads the sum again for its Σ g², at the host's
+    DRAM rate (as AdamW's). Every group's sum is on rank 0's training thread, not only those
+    it owns (``Dist.owner``): an owner sums once every peer's copy has landed, and a peer
+    announces its copy only after its own sums before it, so the ranks' threads pass each
+    group's sum in turn (traced on 2xH200: the owner's wait for its peer, BENCHMARKS.md)."""
     r = ranks.count
     sharded = r > 1 and ranks.param_route == "sharded"
     load = [
@@ -181,9 +183,7 @@ def _route_times(
             "reduce_s": [2 * n / (links.reduce_gbps * 1e9) for n in params],
             "host_sum_s": [],
         }
-    host_sum = [
-        (r + 2) * 4 * n / (host_gbps * 1e9) if g % r == 0 else 0.0 for g, n in enumerate(params)
-    ]
+    host_sum = [(r + 2) * 4 * n / (host_gbps * 1e9) for n in params]
     return {
         "load_s": load,
         "reduce_s": [],

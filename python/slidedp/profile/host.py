@@ -68,10 +68,16 @@ NUMBERS = ("adamw_gbps", "params", "passes", "state_bytes", "measured_s")
 JOINT = ("joint_adamw_gbps", "joint_h2d_gbps", "joint_d2h_gbps", "joint_cast_gbps")
 
 
-def engine_update_threads(cores: int, cuda: bool) -> int:
-    """The update worker's threads when ``runtime.update_threads`` is 0, as ``Trainer`` starts
-    it: every core beside a GPU, half of them on CPU (torch computes on the rest)."""
-    return cores if cuda else max(1, cores // 2)
+def engine_update_threads(cores: int, cuda: bool, ranks: int = 1) -> int:
+    """The host kernels' threads of one of ``ranks`` ranks sharing the host when
+    ``runtime.update_threads`` is 0, as ``Trainer`` starts them: the rank's share of the cores
+    beside a GPU, half of that on CPU (torch computes on the rest). Each rank runs two pools
+    (AdamW, the cpu route's sums) at once: two ranks' pools on all 32 cores of the 2xH200 host
+    ran the cpu route 10% slower than pools on each rank's share (BENCHMARKS.md, issue #21,
+    third lease). The host probe times one pool on the node's cores (``ranks=1``): the node's
+    AdamW rate, every rank's updates together, which the step-time model's update lane is."""
+    share = max(1, cores // ranks)
+    return share if cuda else max(1, share // 2)
 
 
 def host_facts(threads: int, gpu: str | None) -> dict[str, Any]:

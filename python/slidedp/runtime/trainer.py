@@ -37,6 +37,7 @@ from slidedp.models.hf import HFAdapter
 from slidedp.plan.device import pick_device, pick_dtype
 from slidedp.plan.policy import OptimConfig, Plan, resolve_policy, store_args
 from slidedp.preflight import Checked, check_router_loss_ranks
+from slidedp.profile.host import engine_update_threads
 from slidedp.runtime.dist import Dist, all_reduce_sum, check_nodes_agree, start
 from slidedp.runtime.engine import Engine
 from slidedp.runtime.flops import device_peak_flops, model_flops_per_token
@@ -142,12 +143,12 @@ class Trainer:
         load_resume_point(self.resume, self.adapter, store)
         return f"resumed from {self.resume.path} (step {self.progress.step})"
 
-    def _default_host_threads(self) -> int | None:
-        """All cores for host kernels on GPU; on CPU, half of them (torch computes on the
-        rest: two thread pools spinning on the same cores slow each step down ~10x)."""
-        if self.device.type == "cuda":
-            return None
-        return max(1, default_threads() // 2)
+    def _default_host_threads(self) -> int:
+        """This rank's share of the cores for host kernels on GPU; on CPU, half of that (torch
+        computes on the rest: two thread pools spinning on the same cores slow each step down
+        ~10x). ``engine_update_threads`` says why a share."""
+        ranks = 1 if self.ctx is None else self.ctx.local_world
+        return engine_update_threads(default_threads(), self.device.type == "cuda", ranks)
 
     def _facts(self) -> RunFacts:
         a, tc, pinned = self.adapter, self.cfg.train, 0

@@ -52,9 +52,10 @@ pub struct StepSpec {
     pub reduce_blocks: bool,
     /// Per group: the cpu gradient route's sum of the ranks' copies on the host (empty: none).
     /// The training thread sums synchronously after the group's copy has landed, so it delays
-    /// what that thread issues next, and the update follows it. With clipping the route sends
-    /// each gradient twice: once during the backward for the norm (copy and sum, no update),
-    /// then again with the coefficient.
+    /// what that thread issues next, and the update follows it. The sum's memory traffic
+    /// shares the host's DRAM with AdamW, so it occupies the update lane as long again. With
+    /// clipping the route sends each gradient twice: once during the backward for the norm
+    /// (copy and sum, no update), then again with the coefficient.
     #[serde(default)]
     pub host_sum_s: Vec<f64>,
     /// Per group: GPU-resident (empty: none). A resident group is never loaded, cast, copied
@@ -218,8 +219,9 @@ impl Builder<'_> {
         self.updates[group] = Some(update);
     }
 
-    /// The gradient's copy to the host, then (cpu route) the host's sum of the ranks' copies;
-    /// the operation after which the sum is in the owner's slot.
+    /// The gradient's copy to the host, then (cpu route) the host's sum of the ranks' copies
+    /// and its DRAM traffic on the update lane (AdamW moves less meanwhile); the operation
+    /// after which the sum is in the owner's slot.
     fn copy_and_sum(&mut self, group: usize, what: &str, deps: &[usize]) -> usize {
         let copy = self.dag.add(
             format!("grad copy{what} g{group}"),
@@ -230,12 +232,19 @@ impl Builder<'_> {
         if self.spec.host_sum(group) == 0.0 {
             return copy;
         }
-        self.dag.add(
+        let sum = self.dag.add(
             format!("host sum{what} g{group}"),
             Lane::Host,
             self.spec.host_sum(group),
             &[copy],
-        )
+        );
+        self.dag.add(
+            format!("host sum traffic{what} g{group}"),
+            Lane::Update,
+            self.spec.host_sum(group),
+            &[sum],
+        );
+        sum
     }
 
     /// Before a load waits for `group`'s version, the parked gradients up to a ring's worth

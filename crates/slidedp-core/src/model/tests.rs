@@ -160,6 +160,11 @@ fn a_host_sum_runs_on_the_training_thread_before_the_update() {
     summed.host_sum_s = vec![0.3; 6];
     let p = predict_ok(&summed);
     assert!((p.busy_s[&Lane::Host] - 1.8).abs() < 1e-9, "{p:?}");
+    // the sums' memory traffic shares the host's DRAM with AdamW: on the update lane too
+    assert!(
+        (p.busy_s[&Lane::Update] - (0.6 + 1.8)).abs() < 1e-9,
+        "{p:?}"
+    );
     assert!(p.step_s > base.step_s, "{p:?} {base:?}");
     // with clipping every gradient is copied and summed twice: for the norm, then to update
     let mut clipped = spec(4, true, 0.1);
@@ -167,6 +172,10 @@ fn a_host_sum_runs_on_the_training_thread_before_the_update() {
     let c = predict_ok(&clipped);
     assert!((c.busy_s[&Lane::Host] - 3.6).abs() < 1e-9, "{c:?}");
     assert!((c.busy_s[&Lane::D2h] - 6.0).abs() < 1e-9, "{c:?}");
+    assert!(
+        (c.busy_s[&Lane::Update] - (0.6 + 3.6)).abs() < 1e-9,
+        "{c:?}"
+    );
 }
 
 #[test]
