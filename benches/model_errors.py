@@ -7,7 +7,7 @@ them at once: the eleven one-GPU H100 configurations predicted from probes (issu
     .venv/bin/python benches/model_errors.py [--json OUT]
 
 Prints one line per measurement and, per set, how many are within 10% (the 2xH200 runs
-split by gradient route: the cpu route's host sums are modelled apart, BENCHMARKS.md #21).
+split by gradient route, whose errors BENCHMARKS.md #21 reads apart).
 """
 
 from __future__ import annotations
