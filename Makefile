@@ -72,7 +72,7 @@ liger-wheels:
 	du -sh wheels
 
 # The peers of `slidedp bench train` (DeepSpeed, RoundPipe) for the GPU machine, which has no
-# index: carry peers-wheels/ and run `scripts/peers.sh install` there (README, "Benchmarks").
+# index: carry peers-wheels/ and run `scripts/peers.sh install` there (docs/benchmarks.md).
 peers-wheels:
 	scripts/peers.sh download peers-wheels
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The peers of `slidedp bench train` for a GPU machine without a package index (README,
-# "Benchmarks"): download them here, carry the folder there, install them there.
+# The peers of `slidedp bench train` for a GPU machine without a package index
+# (docs/benchmarks.md): download them here, carry the folder there, install them there.
 #
 #   scripts/peers.sh download peers-wheels         # here: Python 3.12 manylinux x86-64 wheels
 #                                                  # + DeepSpeed's sdist (make peers-wheels)
