@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 16 (and 22's open check) on the GPU machine, two device calls (each < 10 minutes on an
-# H100): PARTS=parity runs part 1 (about 4 minutes), PARTS=bench parts 2 and 3 (about 9).
+# AutoPolicy's GPU check (and the fast layers' parity) on the GPU machine, two device calls (each <
+# 10 minutes on an H100): PARTS=parity runs part 1 (about 4 minutes), PARTS=bench parts 2 and 3
+# (about 9).
 #
 # Here first:  .venv/bin/maturin build --release -o dist/ -q && make liger-wheels
 # Device call: carry ["dist", "wheels"], command `PARTS=bench bash benches/gpu_autopolicy.sh`

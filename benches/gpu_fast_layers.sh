@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 22 on the GPU machine, one device call (< 10 minutes on an H100): fast layer compute.
+# Fast layer compute on the GPU machine, one device call (< 10 minutes on an H100): fast layer
+# compute.
 #
 # Here first:  .venv/bin/maturin build --release -o dist/ -q && make liger-wheels
 # Device call: carry ["dist", "wheels"], command `PARTS=layers bash benches/gpu_fast_layers.sh`
@@ -10,7 +11,7 @@
 #   1. one Qwen3-8B decoder layer, B=16, S=1024, fwd+bwd without replay: eager, Liger, then
 #      compiled, both — model TFLOP/s and the top kernels of each (slidedp profile layer --kernels)
 #   2. slidedp bench train --shape qwen3-4b --batch 16, ours and the reference with the new
-#      defaults, no clipping (BENCHMARKS.md's issue #14 second measurement ran the same eager)
+#      defaults, no clipping (benchmarks/2026-11-23-activation-layouts-h100.md ran the same eager)
 #   3. the FSDP2 parity tests with Liger and with the compiled layer (200 steps each; the
 #      liger+compiled case and the eager test are left for another call: time)
 OUT=${OUT:-out/gpu-fast}

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 14's last rows on the GPU machine, one device call (about 8 minutes on an H100):
-# Qwen3-4B without clipping at B=8 (all F vs 36xN, 51.3 GiB estimated) and B=32 (all F vs
-# 10xF, 26xSAC.mm, 66.6 GiB estimated), each pair in the same call, eager kernels as the
-# issue's other rows (BENCHMARKS.md, issue #14 second measurement).
+# The activation layouts' last rows on the GPU machine, one device call (about 8 minutes on an
+# H100): Qwen3-4B without clipping at B=8 (all F vs 36xN, 51.3 GiB estimated) and B=32 (all F vs
+# 10xF, 26xSAC.mm, 66.6 GiB estimated), each pair in the same call, eager kernels as the other rows
+# (benchmarks/2026-11-23-activation-layouts-h100.md, second measurement).
 #
 # Here first:  .venv/bin/maturin build --release -o dist/ -q && make liger-wheels
 # Device call: carry ["dist", "wheels"], command `bash benches/gpu_layouts_noclip.sh`

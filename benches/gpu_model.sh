@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 15's error table on one GPU (one device call, < 10 minutes): the probes first, then the
-# runs, each part with its own timeout; the predictions are made afterwards, here:
+# The step-time model's error table on one GPU (one device call, < 10 minutes): the probes first,
+# then the runs, each part with its own timeout; the predictions are made afterwards, here:
 #   slidedp bench predict OUT/RUN.json --probes OUT
 # Here first:  rm -f dist/*.whl; .venv/bin/maturin build --release -o dist/ -q
 # Device call: carry ["dist"], command `PARTS=first bash benches/gpu_model.sh` (then second, ...)

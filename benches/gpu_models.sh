@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17 on one GPU: mixtures of experts and long sequences, each part in its own timed
+# Models on one GPU: mixtures of experts and long sequences, each part in its own timed
 # process, every finished report kept. PARTS lists what one device call (< 10 minutes) runs:
 #   parity  the MoE parity test (4 models, 200 steps vs FSDP2; PARITY_K: pytest's -k), ~2 min
 #   moe     OLMoE-1B-7B S=1024: ours, reference, FSDP2-offload, ~4 min

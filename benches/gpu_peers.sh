@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 18's matched-batch sweep on one GPU, a batch set per device call (< 10 minutes): ours
+# The peers' matched-batch sweep on one GPU, a batch set per device call (< 10 minutes): ours
 # (the default config) and the peers, each in its own process, every finished run kept in the
 # batch's JSON (the bench rewrites it after each run). An item of BATCHES is one bench run:
 # "8,32" sweeps both batches in one process tree (DeepSpeed's CPU Adam is built once). Merge

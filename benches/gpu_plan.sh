@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16's "slidedp plan on the GPU": plan a Qwen3-1.7B run on this GPU (every stage: layer
+# `slidedp plan` on the GPU: plan a Qwen3-1.7B run on this GPU (every stage: layer
 # profile, host probe, chunk probe, solve, calibration, validation, the estimate's check), then
 # train a few steps with the policy file it wrote, and a second `train` with
 # runtime.policy=auto, which must take the plan's choice from the selection cache (no profile,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16's GPU-resident layers on the GPU machine; each PARTS value is one device call of
+# GPU-resident layers on the GPU machine; each PARTS value is one device call of
 # under 10 minutes on an H100 (a fresh machine compiles Liger's Triton kernels in its first
 # run: the limits leave room for that):
 #   PARTS=b4      the host probe, then Qwen3-4B B=4 (host-bound): the fixed default against all

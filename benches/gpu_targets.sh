@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16's targets table on the GPU machine: the fixed default against runtime.policy=auto,
+# AutoPolicy's targets table on the GPU machine: the fixed default against runtime.policy=auto,
 # same call, batch by batch (each pair in its own processes, the JSON of every finished run
 # kept). One device call of under 10 minutes per setting:
 #   BATCHES="4 16 8 32" CLIP=1.0 bash benches/gpu_targets.sh          (the config default)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 21 on nvidia-h200-x2, one device call per part set (each < 10 minutes):
+# Two GPUs (every route, two nodes of one GPU, AutoPolicy) on nvidia-h200-x2, one device call
+# per part set (each < 10 minutes):
 #   PARTS=m17     Qwen3-1.7B, B=4 and B=32 per GPU: ours on 1 GPU and on 2 GPUs over the four
 #                 routes (predicted afterwards: slidedp bench predict REPORT --probes DIR)
 #   PARTS=p2      the host and layer probes, the routes m17 did not reach, Qwen3-4B B=16
@@ -13,8 +14,9 @@
 #   PARTS=x2b     the host probe, then Qwen3-4B B=16 on the gpu and the cpu route
 #   PARTS=auto    x2a's AutoPolicy part alone (LIMIT seconds, 500)
 #   PARTS=x2c     the Qwen3-1.7B routes not yet measured: B=4 sharded/gpu, B=32 sharded/cpu (the
-#                 second lease ran B=4 on both cpu routes)
-#   PARTS=cpu     the cpu route's miss (BENCHMARKS.md, second lease): the host probe, the ranks'
+#                 second machine ran B=4 on both cpu routes)
+#   PARTS=cpu     the cpu route's miss (benchmarks/2026-11-27-two-gpus-routes-h200.md): the
+#                 host probe, the ranks'
 #                 host pools on all cores against each rank's share (benches/ranks_host_threads.py),
 #                 a traced Qwen3-1.7B B=4 step on replicated/cpu (one trace per rank), then the
 #                 same run with runtime.update_threads at each rank's share of the cores

@@ -1,13 +1,15 @@
 """The step-time model against every measurement committed under ``benchmarks/`` (CPU only).
 
 A change to the model (``crates/slidedp-core/src/model``, ``plan.timing``) is judged by all of
-them at once: the eleven one-GPU H100 configurations predicted from probes (issue #15), the
-2xH200 runs of each route on three leases (issue #21) and the eleven traced steps (``bench model``).
+them at once: the eleven one-GPU H100 configurations predicted from probes
+(benchmarks/2026-11-24-step-time-model-probes-h100.md), the 2xH200 runs of each route on three
+machines (benchmarks/2026-11-27-two-gpus-routes-h200.md) and the eleven traced steps
+(``bench model``, benchmarks/2026-11-23-step-time-model-traces.md).
 
     .venv/bin/python benches/model_errors.py [--json OUT]
 
 Prints one line per measurement and, per set, how many are within 10% (the 2xH200 runs
-split by gradient route, whose errors BENCHMARKS.md #21 reads apart).
+split by gradient route, whose errors the 2xH200 record reads apart).
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from slidedp.profile.host import model_gbps
 
 ROOT = Path(__file__).resolve().parent.parent / "benchmarks"
 T15, T21 = ROOT / "step-model-t15", ROOT / "two-gpu-t21"
-L2, L3 = T21 / "lease2", T21 / "lease3"  # later 2xH200 leases: each its own host probe
-# (report, probes folder, the host probe when another lease's): BENCHMARKS.md's tables
+L2, L3 = T21 / "lease2", T21 / "lease3"  # later 2xH200 machines: each its own host probe
+# (report, probes folder, the host probe when another machine's): the records' tables
 PROBED: list[tuple[Path, Path, Path | float | None]] = [
     (T15 / "qwen3-1.7b-h100-sweep-reconstructed.json", T15 / "probes-call1", None),
     (T15 / "qwen3-1.7b-h100-b16-cast-lease4.json", T15 / "probes-call4", None),

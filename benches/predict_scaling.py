@@ -1,15 +1,17 @@
-"""Predictions (not measurements) of the step-time model for 1-8 GPUs of one H200 host, each
-route, weak scaling (16 rows per GPU) and strong scaling (64 rows in all): issue 15's table for
-a 4- and 8-GPU machine we have not had. Run: ``.venv/bin/python benches/predict_scaling.py``.
+"""Predictions (not measurements) of the step-time model for 1-8 GPUs of one H200 host, each route,
+weak scaling (16 rows per GPU) and strong scaling (64 rows in all), for a 4- and 8-GPU machine not
+yet measured (benchmarks/2026-11-24-predictions-4-8-gpus.md).
 
-Assumptions, from the 2xH200 machine (BENCHMARKS.md, 2026-11-22/24): copies 55 GB/s H2D and
-54 GB/s D2H per GPU, each GPU on its own PCIe link with no shared bottleneck (seen at 2 GPUs
-only); the layer-sized reduce and all-gather at 250 and 260 GB/s (measured at 2 GPUs; NCCL's
-algorithm bandwidth falls little with more GPUs on NVSwitch, not checked); host AdamW 185 GB/s
-(the x2 host's update lanes), shared by all ranks: one update per layer and step; layer compute
-from FLOPs at ``plan.timing.LAYER_EFFICIENCY`` of the H200's dense bf16 peak; clipping 1.0,
-BF16 mirror, all layers F.
-"""
+    .venv/bin/python benches/predict_scaling.py
+
+Assumptions, from the 2xH200 machine (benchmarks/2026-11-22-two-gpus-h200.md and
+benchmarks/2026-11-24-two-gpus-step-model-h200.md): copies 55 GB/s H2D and 54 GB/s D2H per GPU,
+each GPU on its own PCIe link with no shared bottleneck (seen at 2 GPUs only); the layer-sized
+reduce and all-gather at 250 and 260 GB/s (measured at 2 GPUs; NCCL's algorithm bandwidth falls
+little with more GPUs on NVSwitch, not checked); host AdamW 185 GB/s (the x2 host's update lanes),
+shared by all ranks: one update per layer and step; layer compute from FLOPs at
+``plan.timing.LAYER_EFFICIENCY`` of the H200's dense bf16 peak; clipping 1.0, BF16 mirror, all
+layers F."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The GPU-resident update's time on the device: what a step of a model with every layer and
-the embeddings resident spends after its backward (issue #16: the ~80 ms that kept auto under
-the compute-only reference at B >= 16 on the H100).
+the embeddings resident spends after its backward (the ~80 ms that kept AutoPolicy under the
+compute-only reference at B >= 16 on the H100: benchmarks/2026-11-24-autopolicy-h100.md,
+"The offload fix and the embeddings on the GPU; the resident update in one pass").
 
 Both variants update every parameter of the shape as ``runtime.resident`` holds them (one
 group per layer, the embedding and the head, in the store's layout; FP32 master and moments,

@@ -21,9 +21,10 @@ model (``runtime.kernels``, ``runtime.compile``) and applied to the adapter by `
   load, and every layer of the same class, reuse the graph: one compilation per grad mode
   (the checkpointed forward runs without grad, the replay and ``N`` with it), none per layer or
   step (``tests/engine/test_fast.py`` counts them). The default (null) compiles on CUDA where
-  the kernels are eager. On the H100 one Qwen3-8B layer (B=16, S=1024, fwd+bwd, BENCHMARKS.md
-  issue #22) ran 446 model TFLOP/s eager, 618 with Liger, 627 compiled and 665 with both; the
-  combination is not the default until it has passed the GPU parity test. ``S`` and ``SAC``
+  the kernels are eager. On the H100 one Qwen3-8B layer (B=16, S=1024, fwd+bwd) ran 446 model
+  TFLOP/s eager, 618 with Liger, 627 compiled and 665 with both
+  (benchmarks/2026-11-23-fast-layers-h100.md); the combination drifted in the GPU parity test
+  and is refused (below). ``S`` and ``SAC``
   layers run eagerly (SAC's policy must see every operator). The CPU test compiles with
   ``aot_eager``, whose bit-identity says nothing of inductor's fusions. The mixtures of
   experts are not compiled by default (their routing is data-dependent); with router logits
@@ -132,7 +133,8 @@ def resolve_compute(
         compile = device.type == "cuda" and chosen == "eager" and one_kind and not adapter.moe
     if compile and chosen == "liger" and device.type == "cuda":
         # inductor takes Liger's Triton RMSNorm for a kernel that mutates every input: 200 bf16
-        # steps drift 1.7e-2 from FSDP2 (BENCHMARKS.md, issue #22's compiled layers' parity)
+        # steps drift 1.7e-2 from FSDP2 (benchmarks/2026-11-24-autopolicy-h100.md,
+        # "Fast layer compute: the compiled layers' parity on the GPU")
         if kernels == "liger":
             raise ConfigError(
                 "runtime.kernels=liger with runtime.compile=true fails the GPU parity test "

@@ -178,7 +178,8 @@ class GradLane:
         """The group's gradient norm, copied to host memory on the gradient stream. Checking
         it with ``bool()`` on the device would make the host wait for the whole compute
         stream, the layer just issued included, before it issues the next layer's load (about
-        5 ms per layer on Qwen3-4B at B=16: BENCHMARKS.md)."""
+        5 ms per layer on Qwen3-4B at B=16:
+        benchmarks/2026-11-22-one-gpu-engine.md)."""
         with on_stream(self.stream):
             total: torch.Tensor = torch.linalg.vector_norm(torch.stack(ticket.norms))
             if self.stream is None:

@@ -334,16 +334,17 @@ def _compiled_pass() -> Callable[..., None]:
     """``adamw_tensor`` compiled once per process (dynamic shapes: one kernel for every size),
     in this process: inductor's pool of one worker process per core takes ~0.35 GiB of host
     memory each while it lives, at the run's first step, when the store and the offload arena
-    are already in place (on Qwen3-8B it took the host past its memory, BENCHMARKS.md issue
-    #16); one small kernel gains nothing from it. The setting is the compile's own option, so
-    the ~400 calls a step pay nothing for it (a ``config.patch`` around each took ~20 us).
+    are already in place (on Qwen3-8B it took the host past its memory:
+    benchmarks/2026-11-25-autopolicy-h100.md, "Qwen3-8B, B=16: the OOM kill"); one small
+    kernel gains nothing from it. The setting is the compile's own option, so the ~400 calls a
+    step pay nothing for it (a ``config.patch`` around each took ~20 us).
 
     Without autotuning: the pass writes its inputs in place, so inductor's autotuner, timing
     its configs at the first call, saves each written input larger than the headroom under the
     run's GPU memory peak so far to *pinned host memory* (``copy_args_to_cpu_if_needed``), in
     blocks of torch's pinned cache (powers of two, never given back). For Qwen3-8B's embedding
     (2.3 GiB of f32 per state) that pinned 3 x 4 GiB beside the store and the mirror and the
-    OOM killer ended the run (BENCHMARKS.md, issue #16). The cost, on the H100: the untuned
+    OOM killer ended the run (same record and section). The cost, on the H100: the untuned
     config takes 54 ms per update of Qwen3-4B's 4.02 B parameters against 42 ms autotuned
     (56 ms autotuned first on a small scratch instead, so that was not kept)."""
     return torch.compile(

@@ -14,7 +14,7 @@ serve the compute stream's next allocation at once. Allocated on the offload str
 they made a pool of their own beside the compute stream's: on the H100 the two layouts that
 offload large tensors in many layers reserved 5.2 and 10.7 GiB over their allocated peak
 (Qwen3-4B B=32: 78.2 GiB for 67.5), where the others keep about what the all-F default keeps,
-1.2-3.5 GiB (BENCHMARKS.md, issue 16).
+1.2-3.5 GiB (benchmarks/2026-11-24-autopolicy-h100.md, "Reserved over allocated, by layout").
 
 Host memory is one exactly sized byte arena per layer (64-byte aligned tensors), pinned with
 ``cudaHostRegister`` (torch's pinned caching allocator would round it up to a power of two) and
