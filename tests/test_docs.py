@@ -7,7 +7,9 @@ Run: ``python -m pytest -q tests/test_docs.py``. Regenerate the key reference wi
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -128,3 +130,37 @@ def test_config_reference_check_catches_drift(tmp_path: Path) -> None:
     stray = {**descriptions, "train.max_stpes": "typo"}
     assert docs_config.problems(stray) == ["description of 'train.max_stpes' names no key"]
     assert "| `max_steps` | int | **required** |" in docs_config.render(descriptions)
+
+
+@dataclass(kw_only=True)
+class _Launch:
+    gpus: int = 1
+    route: Literal["gpu", "cpu"] = "gpu"
+
+
+@dataclass(kw_only=True)
+class _Runtime:
+    slots: int = 2
+    launch: _Launch = field(default_factory=_Launch)
+
+
+@dataclass(kw_only=True)
+class _Config:
+    runtime: _Runtime = field(default_factory=_Runtime)
+
+
+def test_walk_follows_how_the_yaml_nests_a_sub_dataclass() -> None:
+    nested = {"runtime": {"slots": 2, "launch": {"gpus": 1, "route": "gpu"}}}
+    sections, keys = docs_config.walk(_Config, tree=nested)
+    assert sections == ["runtime", "runtime.launch"]
+    assert [k.path for k in keys] == [
+        "runtime.slots",
+        "runtime.launch.gpus",
+        "runtime.launch.route",
+    ]
+    flat = {"runtime": {"slots": 2, "gpus": 1, "route": "gpu"}}  # sub-dataclass, YAML keys kept
+    sections, keys = docs_config.walk(_Config, tree=flat)
+    assert sections == ["runtime"]
+    assert [k.path for k in keys] == ["runtime.slots", "runtime.gpus", "runtime.route"]
+    assert keys[2].type_text == "`gpu` \\| `cpu`"
+    assert keys[2].default_text == "`gpu`"

@@ -23,7 +23,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 
-from slidedp.config import TrainConfig
+from slidedp.config import TrainConfig, config_from_dict, config_to_dict
 
 REPO = Path(__file__).resolve().parents[2]
 DESCRIPTIONS = REPO / "docs" / "config_keys.yaml"
@@ -73,20 +73,55 @@ def default_text(field: dataclasses.Field[Any]) -> str:
     return "**required**"
 
 
-def walk(cls: type[Any], prefix: str = "") -> tuple[list[str], list[Key]]:
-    """The sections (dotted paths of dataclass fields) and keys under ``cls``, in field order."""
+def _placeholder(hint: Any) -> Any:
+    """A valid value of a required key's type (the resolved defaults need one)."""
+    if get_origin(hint) is Literal:
+        return get_args(hint)[0]
+    return {str: "placeholder", int: 1, float: 1.0, bool: False}.get(hint)
+
+
+def _required(cls: type[Any]) -> dict[str, Any]:
+    """The required keys of ``cls`` (recursively) with placeholder values, as YAML nests them."""
+    hints = typing.get_type_hints(cls)
+    raw: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        required = field.default is dataclasses.MISSING
+        if required and field.default_factory is dataclasses.MISSING:
+            hint = hints[field.name]
+            raw[field.name] = _required(hint) if _is_dataclass_type(hint) else _placeholder(hint)
+    return raw
+
+
+def resolved_defaults() -> dict[str, Any]:
+    """The resolved config of the required keys alone: every key as YAML spells it."""
+    return config_to_dict(config_from_dict(_required(TrainConfig)))
+
+
+def walk(
+    cls: type[Any], prefix: str = "", tree: dict[str, Any] | None = None
+) -> tuple[list[str], list[Key]]:
+    """The sections and keys under ``cls`` in field order, with their dotted YAML paths.
+
+    A dataclass field is a section where the resolved YAML (``tree``) nests it as a mapping, and
+    its keys join the enclosing section where the YAML flattens it."""
+    tree = resolved_defaults() if tree is None else tree
     hints = typing.get_type_hints(cls)
     sections: list[str] = []
     keys: list[Key] = []
     for field in dataclasses.fields(cls):
-        path = f"{prefix}{field.name}"
         hint = hints[field.name]
-        if _is_dataclass_type(hint):
-            sub_sections, sub_keys = walk(hint, f"{path}.")
+        if not _is_dataclass_type(hint):
+            keys.append(Key(f"{prefix}{field.name}", type_text(hint), default_text(field)))
+            continue
+        sub_tree = tree.get(field.name)
+        if isinstance(sub_tree, dict):
+            path = f"{prefix}{field.name}"
+            sub_sections, sub_keys = walk(hint, f"{path}.", sub_tree)
             sections += [path, *sub_sections]
-            keys += sub_keys
-        else:
-            keys.append(Key(path, type_text(hint), default_text(field)))
+        else:  # flattened into this section's keys
+            sub_sections, sub_keys = walk(hint, prefix, tree)
+            sections += sub_sections
+        keys += sub_keys
     return sections, keys
 
 
