@@ -66,7 +66,7 @@ def test_a_peer_that_is_not_installed_is_one_line(
     assert result["status"] == "unavailable"
     assert result["error"].startswith("zero3-offload: deepspeed is not installed (")
     assert result["error"].endswith(
-        "pip install 'slidedp[peers]'; on a machine without an index: README, Benchmarks"
+        "pip install 'slidedp[peers]'; on a machine without an index: docs/benchmarks.md"
     )
     assert "\n" not in result["error"]
 

@@ -56,7 +56,7 @@ PEERS: dict[str, Peer] = {
     "roundpipe": Peer("roundpipe", needs_cuda=True),
 }
 VARIANT = re.compile(r"[A-Za-z0-9_.-]+")  # the LABEL of SYSTEM:LABEL
-INSTALL_HINT = "pip install 'slidedp[peers]'; on a machine without an index: README, Benchmarks"
+INSTALL_HINT = "pip install 'slidedp[peers]'; on a machine without an index: docs/benchmarks.md"
 
 
 class PeerUnavailable(Exception):
