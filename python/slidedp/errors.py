@@ -168,6 +168,11 @@ class OutputDirBusyError(SlidedpError, RuntimeError):
         self.host = host
 
 
+class DiskFullError(SlidedpError, OSError):
+    """``output.dir``'s filesystem cannot hold the run's checkpoints (found before the first
+    step), or ran out of space while saving one (``io.disk_space``)."""
+
+
 _collected_problems: ContextVar[list[str] | None] = ContextVar("collected_problems", default=None)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -36,11 +37,22 @@ def _holder(path: Path) -> tuple[int | None, str]:
         return None, "?"
 
 
+@dataclass(frozen=True)
+class _Before:
+    """A lock file as an earlier run left it."""
+
+    content: bytes
+    atime_ns: int
+    mtime_ns: int
+
+
 class RunLock:
     """An exclusive ``flock`` on ``OUTPUT/.slidedp.lock``, held until ``release`` or exit."""
 
-    def __init__(self, path: Path, fd: int, created_dir: Path | None) -> None:
-        self.path, self.fd, self.created_dir = path, fd, created_dir
+    def __init__(
+        self, path: Path, fd: int, created_dir: Path | None, before: _Before | None
+    ) -> None:
+        self.path, self.fd, self.created_dir, self.before = path, fd, created_dir, before
 
     @classmethod
     def acquire(cls, out_dir: Path) -> RunLock:
@@ -49,6 +61,7 @@ class RunLock:
         created = _first_missing(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / LOCK_FILE
+        before, existed = None, path.exists()
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
@@ -71,16 +84,23 @@ class RunLock:
             if same:
                 break
             os.close(fd)
+        stat = os.fstat(fd)
+        if existed:  # a lock file an earlier run left
+            before = _Before(path.read_bytes(), stat.st_atime_ns, stat.st_mtime_ns)
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
-        return cls(path, fd, created)
+        return cls(path, fd, created, before)
 
     def release(self, *, refused: bool = False) -> None:
         """Unlock. ``refused``: the run wrote nothing else, so its lock file (and the output
         directory it created) are removed: a refused run leaves the directory as it was."""
         if self.fd < 0:
             return
-        if refused:
+        if refused and self.before is not None:  # as an earlier run left it, mtime included
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, self.before.content, 0)
+            os.utime(self.fd, ns=(self.before.atime_ns, self.before.mtime_ns))
+        elif refused:
             self.path.unlink(missing_ok=True)
             if self.created_dir is not None:
                 _remove_created(self.path.parent, self.created_dir)

@@ -30,13 +30,14 @@ from slidedp.data.build import run_batches
 from slidedp.errors import NonFiniteError, TrainingInterruptedError
 from slidedp.estimate import Machine, resolve_mirror
 from slidedp.io.checkpoint import Progress, export_checkpoint, restore_rng, save_checkpoint
+from slidedp.io.disk_space import checkpoint_bytes, disk_full_reported
 from slidedp.io.hf_load import fill_master, read_buffers, weight_files
 from slidedp.io.resume import load_resume_point, plan_resume
 from slidedp.kernels import Kernels, default_threads
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.device import pick_device, pick_dtype
 from slidedp.plan.policy import OptimConfig, Plan, resolve_policy, store_args
-from slidedp.preflight import Checked, check_router_loss_ranks
+from slidedp.preflight import Checked, check_router_loss_ranks, parameter_count
 from slidedp.profile.host import engine_update_threads
 from slidedp.runtime.dist import Dist, all_reduce_sum, check_nodes_agree, start
 from slidedp.runtime.engine import Engine
@@ -267,15 +268,17 @@ class Trainer:
             },
             "data": {"path": data.path, "seq_len": data.seq_len, "next_step": self.progress.step},
         }
-        return save_checkpoint(
-            self.out_dir,
-            self.adapter,
-            self.store,
-            self.progress,
-            meta,
-            total_limit=self.cfg.output.save_total_limit,
-            set_aside=() if self.resume is None else self.resume.set_aside,
-        )
+        one_bytes = checkpoint_bytes(self.adapter, parameter_count(self.adapter))
+        with disk_full_reported(self.out_dir, one_bytes):  # ENOSPC: one line, exit 2
+            return save_checkpoint(
+                self.out_dir,
+                self.adapter,
+                self.store,
+                self.progress,
+                meta,
+                total_limit=self.cfg.output.save_total_limit,
+                set_aside=() if self.resume is None else self.resume.set_aside,
+            )
 
     def run(self) -> list[dict[str, Any]]:
         """The remaining steps; returns their metrics records (also in ``metrics.jsonl``).
