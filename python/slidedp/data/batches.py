@@ -21,6 +21,7 @@ import torch
 
 from slidedp.data.batch import IGNORE_INDEX, Batch
 from slidedp.data.layout import Rows
+from slidedp.data.mixture import SourceShare
 from slidedp.data.samples import I64, Samples, positions_within
 from slidedp.errors import InvalidArgumentError
 
@@ -41,6 +42,7 @@ class DataReport:
     truncated_tokens: int  # tokens cut off them
     dropped: int  # over-length samples left out (policy drop)
     unlabeled: int  # truncated samples left out: their prompt filled seq_len
+    sources: tuple[SourceShare, ...] = ()  # a mixture (data.sources): what each source gave
 
     @property
     def packing_efficiency(self) -> float:
@@ -59,6 +61,8 @@ class DataReport:
         )
         if self.unlabeled:
             line += f", {self.unlabeled} left out with nothing to train on after truncation"
+        if self.sources:
+            line += "; each epoch mixes " + ", ".join(str(s) for s in self.sources)
         return line
 
 

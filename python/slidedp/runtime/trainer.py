@@ -266,7 +266,12 @@ class Trainer:
                 "max_steps": tc.max_steps,
                 "last_lr": self.lr_at(self.progress.step - 1) if self.progress.step else None,
             },
-            "data": {"path": data.path, "seq_len": data.seq_len, "next_step": self.progress.step},
+            "data": {
+                "path": data.path,
+                "sources": data.sources,
+                "seq_len": data.seq_len,
+                "next_step": self.progress.step,
+            },
         }
         one_bytes = checkpoint_bytes(self.adapter, parameter_count(self.adapter))
         with disk_full_reported(self.out_dir, one_bytes):  # ENOSPC: one line, exit 2
