@@ -235,6 +235,10 @@ class OutputSection:
     save_total_limit: int = 0  # keep the newest N checkpoints (0: all)
     log_steps: int = 1  # a stdout line every N steps (metrics.jsonl has every step)
     tensorboard: bool = field(default_factory=_tensorboard_installed)  # OUTPUT/tensorboard/
+    # experiment trackers (runtime.trackers), each getting the config, the plan and every step
+    # record: tensorboard (as output.tensorboard=true), wandb (pip install 'slidedp[wandb]';
+    # WANDB_PROJECT, WANDB_MODE=offline... as W&B reads them; its files in OUTPUT/wandb/)
+    report_to: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _require(bool(self.dir), "output.dir is required")
@@ -246,6 +250,20 @@ class OutputSection:
             "output.tensorboard=true but tensorboard is not installed: pip install tensorboard, "
             "or set output.tensorboard=false",
         )
+        for name, module, fix in (
+            ("tensorboard", "tensorboard", "pip install tensorboard"),
+            ("wandb", "wandb", "pip install 'slidedp[wandb]'"),
+        ):
+            _require(
+                name not in self.report_to or importlib.util.find_spec(module) is not None,
+                f"output.report_to has {name} but it is not installed: {fix}, or take it out "
+                "of output.report_to",
+            )
+
+    def trackers(self) -> list[str]:
+        """The trackers of the run: ``report_to``, and tensorboard with ``tensorboard``."""
+        return list(dict.fromkeys([*(["tensorboard"] if self.tensorboard else []),
+                                   *self.report_to]))  # fmt: skip
 
 
 @dataclass(kw_only=True)

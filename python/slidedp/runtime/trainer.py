@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from slidedp.config import TrainConfig
+from slidedp.config import TrainConfig, config_to_dict
 from slidedp.data.build import run_batches
 from slidedp.errors import NonFiniteError, TrainingInterruptedError
 from slidedp.estimate import Machine, resolve_mirror
@@ -46,7 +46,8 @@ from slidedp.runtime.routes import signal_specs
 from slidedp.runtime.schedule import lr_schedule
 from slidedp.runtime.stop_signals import StopSignals
 from slidedp.runtime.trace import write_trace
-from slidedp.runtime.train_log import RunFacts, StepLog, tensorboard_writer
+from slidedp.runtime.trackers import open_trackers
+from slidedp.runtime.train_log import RunFacts, StepLog
 from slidedp.runtime.window import fill_mirror
 from slidedp.store import HostStore
 
@@ -371,13 +372,27 @@ class Trainer:
             log_steps=out.log_steps,
             peak_flops=facts.peak_flops,
             cuda=self.cuda,
-            writer=tensorboard_writer(self.out_dir) if out.tensorboard else None,
+            writer=open_trackers(
+                out.trackers(),
+                self.out_dir,
+                config=config_to_dict(self.cfg),
+                plan=self._plan_record(),
+            ),
             stream=sys.stdout if self.log else None,
         )
         for line in facts.lines():
             log.say(line)
         log.say(f"data: {self.data.report}")
         return log
+
+    def _plan_record(self) -> dict[str, Any]:
+        """What the trackers record of the plan: device, dtype, policy, host threads."""
+        return {
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "policy": self.policy.to_dict(),
+            "threads": self.engine.kernels.threads,
+        }
 
     def _stop_agreed(self, requested: bool) -> bool:
         """Whether to stop after this step. With several ranks a signal may reach them in
