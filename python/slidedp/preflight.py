@@ -177,6 +177,7 @@ def check_checkpoint_space(cfg: TrainConfig, adapter: HFAdapter, resume: ResumeP
         one_bytes=checkpoint_bytes(adapter, parameter_count(adapter)),
         total_limit=out.save_total_limit,
         saves=saves_of_run(start, cfg.train.max_steps, out.save_steps),
+        best=out.save_best,
     )
 
 

@@ -18,21 +18,23 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from slidedp.data.batches import Batches, DataReport
 from slidedp.data.config import DataSection, SourceSpec
 from slidedp.data.encode import Encoder
 from slidedp.data.layout import Rows, pack_rows, pad_rows
-from slidedp.data.mixture import SourceShare, mix
+from slidedp.data.mixture import SourceShare, held_out, mix
 from slidedp.data.samples import OverLengthCounts, Samples, apply_over_length
 from slidedp.data.sources import Source
 from slidedp.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
     from slidedp.config import TrainConfig
+
+Part = Literal["train", "eval"]
 
 
 def _first_id(value: Any) -> int | None:
@@ -62,22 +64,33 @@ class ModelFacts:
         )
 
 
-def run_batches(cfg: TrainConfig, model_config: Any, vocab_size: int) -> Batches:
+def run_batches(
+    cfg: TrainConfig, model_config: Any, vocab_size: int, part: Part = "train"
+) -> Batches:
     """The batches of the run ``cfg`` describes: ``slidedp train`` trains on them and
-    ``slidedp validate`` checks them, so both read the data the same way."""
+    ``slidedp validate`` checks them, so both read the data the same way. ``part="eval"``:
+    the held-out set (``data.eval_path``, or the ``data.eval_fraction`` split off)."""
     return build_batches(
         cfg.data,
         model_dir=Path(cfg.model.path),
         model=ModelFacts.from_config(model_config, vocab_size),
         batch_size=cfg.train.global_batch_size,
         seed=cfg.train.seed,
+        part=part,
     )
 
 
 def build_batches(
-    section: DataSection, *, model_dir: Path, model: ModelFacts, batch_size: int, seed: int
+    section: DataSection,
+    *,
+    model_dir: Path,
+    model: ModelFacts,
+    batch_size: int,
+    seed: int,
+    part: Part = "train",
 ) -> Batches:
-    """Read, tokenize, check and lay out the whole data file (see the module docstring)."""
+    """Read, tokenize, check and lay out the whole data file (see the module docstring);
+    ``part``: the training samples, or the held-out ones (in file order, never mixed)."""
     if model.max_positions is not None and section.seq_len > model.max_positions:
         raise ConfigError(
             f"data.seq_len={section.seq_len} exceeds the model's max_position_embeddings="
@@ -87,10 +100,18 @@ def build_batches(
         raise ConfigError(
             f"data.pad_id={section.pad_id} is outside the vocabulary of {model.vocab_size}"
         )
+    if part == "eval" and section.eval_path:
+        section = replace(section, path=section.eval_path, sources=[], eval_fraction=0.0)
     read = [_read_source(spec, section, model_dir, model) for spec in section.source_specs()]
+    if section.eval_fraction:  # each source's held-out share, drawn by the seed
+        read = [
+            replace(r, samples=held_out(r.samples, section.eval_fraction, seed, str(r.path))[
+                part == "eval"])
+            for r in read
+        ]  # fmt: skip
     shares: list[SourceShare] = []
-    if len(read) == 1:
-        samples = read[0].samples
+    if len(read) == 1 or part == "eval":
+        samples = Samples.concat([r.samples for r in read])
     else:
         specs = section.source_specs()
         samples, shares = mix([r.samples for r in read], [s.weight for s in specs],
@@ -121,7 +142,7 @@ def build_batches(
         batch_size=batch_size,
         pad_id=_pad_id(section, model, encoder, rows, batch_size),
         packed=section.packing,
-        shuffle=section.shuffle,
+        shuffle=section.shuffle and part == "train",
         seed=seed,
         report=report,
     )

@@ -57,6 +57,10 @@ class DataSection:
     shuffle: bool = False  # False: file order (packing: rows in order of their first sample)
     train_on_prompt: bool = False  # messages / prompt+completion: loss on every token
     pad_id: int = -1  # -1: the tokenizer's pad, else the model config's, else eos
+    # held-out data for train.eval_steps (runtime.evaluate): a file of its own, or the share
+    # of the training samples split off it (of each source's), drawn by train.seed
+    eval_path: str = ""
+    eval_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         _require(
@@ -67,6 +71,15 @@ class DataSection:
         _require(
             bool(self.path or self.sources),
             "data.path is required (one file), or data.sources (a list of {path, format, weight})",
+        )
+        _require(
+            0.0 <= self.eval_fraction < 1.0,
+            f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}",
+        )
+        _require(
+            not (self.eval_path and self.eval_fraction),
+            "data.eval_path and data.eval_fraction are both given: evaluate on a file of its "
+            "own or on a share split off the training data, not both",
         )
         for i, source in enumerate(self.sources):
             _check_source(i, source, self.format)
@@ -81,6 +94,11 @@ class DataSection:
             f"got {self.over_length!r}",
         )
         _require(self.pad_id >= -1, f"data.pad_id must be >= 0 (or -1: auto), got {self.pad_id}")
+
+    @property
+    def has_eval(self) -> bool:
+        """Whether held-out data is configured (``eval_path`` or ``eval_fraction``)."""
+        return bool(self.eval_path or self.eval_fraction)
 
     def source_specs(self) -> list[SourceSpec]:
         """The data files of the run: ``path`` alone, or every entry of ``sources``."""

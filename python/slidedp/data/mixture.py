@@ -21,8 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from slidedp.data.samples import I64, Samples, offsets_of, positions_within
+from slidedp.errors import DataError
 
 _MIX_STREAM = 7919  # the RNG stream of the interleaving, apart from every source's (its index)
+_EVAL_STREAM = 104729  # the RNG stream of the held-out split (data.eval_fraction)
 
 
 @dataclass(frozen=True)
@@ -80,3 +82,19 @@ def mix(
         for path, w, p, q in zip(paths, weights, parts, picked, strict=True)
     ]
     return take(every, order), shares
+
+
+def held_out(samples: Samples, fraction: float, seed: int, path: str) -> tuple[Samples, Samples]:
+    """(training, held-out) samples: ``round(fraction * n)`` of them (at least one) drawn by
+    ``seed``, each part in file order. Refused when nothing would be left to train on."""
+    count = max(1, round(fraction * len(samples)))
+    if count >= len(samples):
+        raise DataError(
+            f"{path}: data.eval_fraction={fraction} of {len(samples)} samples leaves none to "
+            "train on; lower data.eval_fraction or give data.eval_path"
+        )
+    chosen = np.random.default_rng([seed, _EVAL_STREAM]).permutation(len(samples))[:count]
+    is_eval = np.zeros(len(samples), dtype=np.bool_)
+    is_eval[chosen] = True
+    every = np.arange(len(samples), dtype=np.int64)
+    return take(samples, every[~is_eval]), take(samples, every[is_eval])

@@ -86,10 +86,14 @@ def saves_of_run(start_step: int, max_steps: int, save_steps: int) -> int:
     return periodic + 1
 
 
-def check_disk_space(out_dir: Path, *, one_bytes: int, total_limit: int, saves: int) -> str:
+def check_disk_space(
+    out_dir: Path, *, one_bytes: int, total_limit: int, saves: int, best: bool = False
+) -> str:
     """Raise ``DiskFullError`` unless ``out_dir``'s filesystem can hold the checkpoints the run
-    will have on disk at once; else a summary (the number of checkpoints, bytes, free bytes)."""
-    count = checkpoints_at_once(total_limit, len(complete_checkpoints(out_dir)), saves)
+    will have on disk at once (``best``: one more, the best one kept beside the newest); else
+    a summary (the number of checkpoints, bytes, free bytes)."""
+    existing = len(complete_checkpoints(out_dir))
+    count = checkpoints_at_once(total_limit, existing, saves) + int(best and total_limit > 0)
     need, free = count * one_bytes, free_bytes(out_dir)
     if need > free:
         limit = f"output.save_total_limit={total_limit}" if total_limit else "every checkpoint kept"

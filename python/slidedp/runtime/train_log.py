@@ -8,6 +8,8 @@ bar on a terminal, ``OUTPUT/metrics.jsonl`` and TensorBoard scalars.
   its non-padding tokens) and ``mfu`` (that over the measured bf16 GEMM peak; null on CPU);
   logged steps also carry ``host_pss_bytes`` and, on CUDA, ``gpu_reserved_bytes``. On resume
   the file keeps the records up to the resumed step and continues after them.
+- Evaluations (``runtime.evaluate``) add ``eval_loss``, ``eval_perplexity``, ``eval_tokens``
+  and the evaluation's time to their step's record and line (a step that evaluates is logged).
 - One line every ``log_steps`` steps, averaged over the steps since the previous line: loss,
   last grad_norm and lr, tokens/s, TFLOP/s, MFU, exposed waits (the compute lane's ``wait_*``
   per step), GPU reserved, host PSS (the shared store counted once), ETA. On a terminal a
@@ -169,6 +171,7 @@ class StepLog:
         self.interval.append(record)
         self.skipped += bool(record.get("skipped"))
         logged = record["step"] % self.log_steps == 0 or record["step"] == self.total_steps
+        logged = logged or "eval_loss" in record  # an evaluation always gets its line
         if logged:
             record["host_pss_bytes"] = host_pss_bytes()
             if self.cuda:
@@ -212,6 +215,8 @@ class StepLog:
         if self.cuda:
             parts.append(f"GPU {_gib(last['gpu_reserved_bytes'])} reserved")
         parts.append(f"host PSS {_gib(last['host_pss_bytes'])}")
+        if "eval_loss" in last:
+            parts.append(f"eval_loss {last['eval_loss']:.4f} ppl {last['eval_perplexity']:.2f}")
         if self.skipped:
             parts.append(f"{self.skipped} skipped")
         if last.get("skipped"):

@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import time
 from dataclasses import replace
@@ -29,6 +30,7 @@ from slidedp.config import TrainConfig, config_to_dict
 from slidedp.data.build import run_batches
 from slidedp.errors import NonFiniteError, TrainingInterruptedError
 from slidedp.estimate import Machine, resolve_mirror
+from slidedp.io.best import BestCheckpoint
 from slidedp.io.checkpoint import Progress, export_checkpoint, restore_rng, save_checkpoint
 from slidedp.io.disk_space import checkpoint_bytes, disk_full_reported
 from slidedp.io.hf_load import fill_master, read_buffers, weight_files
@@ -41,6 +43,7 @@ from slidedp.preflight import Checked, check_router_loss_ranks, parameter_count
 from slidedp.profile.host import engine_update_threads
 from slidedp.runtime.dist import Dist, all_reduce_sum, check_nodes_agree, start
 from slidedp.runtime.engine import Engine
+from slidedp.runtime.evaluate import Evaluator
 from slidedp.runtime.flops import device_peak_flops, model_flops_per_token
 from slidedp.runtime.routes import signal_specs
 from slidedp.runtime.schedule import lr_schedule
@@ -101,6 +104,11 @@ class Trainer:
         read_buffers(self.adapter, weight_files(weights) if weights is not None else [])
         # reads and checks all the data before any GPU work
         self.data = run_batches(cfg, self.adapter.config, self.adapter.vocab_size)
+        held_out = (
+            run_batches(cfg, self.adapter.config, self.adapter.vocab_size, part="eval")
+            if cfg.data.has_eval
+            else None
+        )
         self.lr_at = lr_schedule(tc.lr_scheduler, tc.learning_rate, tc.warmup_steps, tc.max_steps)
         # every rank's policy: the store's mirror is what the creator decided
         self.policy = resolve_policy(
@@ -123,6 +131,8 @@ class Trainer:
         self.engine = Engine(
             self.adapter, self.store, self.plan, ctx=self.ctx, signals=self.signals
         )
+        self.evaluator = None if held_out is None else Evaluator(self.engine, held_out)
+        self.best = BestCheckpoint(self.out_dir)
         if self.ctx is not None:
             check_nodes_agree(self.ctx, self._start_facts())
         if self.resume is not None:
@@ -284,6 +294,7 @@ class Trainer:
                 meta,
                 total_limit=self.cfg.output.save_total_limit,
                 set_aside=() if self.resume is None else self.resume.set_aside,
+                keep=self.best.kept(),
             )
 
     def run(self) -> list[dict[str, Any]]:
@@ -319,18 +330,27 @@ class Trainer:
         log = self._step_log() if main else None
         records: list[dict[str, Any]] = []
         start_step = self.progress.step
+        best_at_end: float | None = None
         try:
             with StopSignals() as stop:
                 for t in range(self.progress.step, tc.max_steps):
                     record = self._step(t)
+                    last = t + 1 == tc.max_steps
+                    record |= self._evaluate_if_due(t + 1, last)
                     if log is not None:
                         records.append(log.step(record))
-                    last = t + 1 == tc.max_steps
+                    best = out.save_best and self.best.improves(record.get("eval_loss", math.inf))
                     stopping = self._stop_agreed(stop.received is not None) and not last
                     due = bool(out.save_steps) and (t + 1) % out.save_steps == 0 and not last
-                    saved = self._save_or_drain() if stopping or due else None
-                    if log is not None and due and not stopping:
+                    saved = (
+                        self._save_or_drain() if stopping or ((due or best) and not last) else None
+                    )
+                    if log is not None and (due or best) and not stopping and saved is not None:
                         log.say(f"saved {saved}")
+                    if best and saved is not None:
+                        self.best.mark(saved, record["eval_loss"])
+                    elif best:
+                        best_at_end = record["eval_loss"]
                     if stopping:
                         by = stop.received.name if stop.received else "a signal to another rank"
                         raise TrainingInterruptedError(
@@ -351,6 +371,8 @@ class Trainer:
         if self.progress.step > start_step or not last_dir.exists():  # else: resumed from it
             last_dir = self.save()
             self._say(f"saved {last_dir}")
+        if best_at_end is not None:  # the last evaluation was the best: the last checkpoint
+            self.best.mark(last_dir, best_at_end)
         if out.export:
             self._say(
                 f"exported {export_checkpoint(last_dir, self.out_dir / 'final', replace=True)}"
@@ -393,6 +415,14 @@ class Trainer:
             "policy": self.policy.to_dict(),
             "threads": self.engine.kernels.threads,
         }
+
+    def _evaluate_if_due(self, steps: int, last: bool) -> dict[str, Any]:
+        """The held-out loss after ``steps`` steps, every ``train.eval_steps`` and at the end
+        (on every rank: each evaluates its rows); {} when not due or no held-out data."""
+        every = self.cfg.train.eval_steps
+        if self.evaluator is None or not (last or (every and steps % every == 0)):
+            return {}
+        return self.evaluator.run(steps)
 
     def _stop_agreed(self, requested: bool) -> bool:
         """Whether to stop after this step. With several ranks a signal may reach them in
