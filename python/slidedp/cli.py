@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import traceback
+from pathlib import Path
 
 from slidedp import __version__
 from slidedp.bench import kernels as bench_kernels
@@ -27,12 +28,16 @@ from slidedp.bench import nodes as bench_nodes
 from slidedp.bench import plot as bench_plot
 from slidedp.bench import predict as bench_predict
 from slidedp.bench import train as bench_train
+from slidedp.config import TrainConfig
 from slidedp.errors import ConfigError, SlidedpError, TrainingInterruptedError
+from slidedp.io.run_lock import RunLock
 from slidedp.plan import command as plan_command
 from slidedp.plan.device import prefer_expandable_segments
 from slidedp.profile import chunks as profile_chunks
 from slidedp.profile import host as profile_host
 from slidedp.profile import layer as profile_layer
+from slidedp.runtime.dist import Dist
+from slidedp.runtime.launch import LAUNCHER_PID
 
 EXIT_BAD_INPUT = 2
 EXIT_UNEXPECTED = 1
@@ -40,15 +45,44 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 
 
 def _train(config: str, overrides: list[str]) -> int:
-    """Resolve and print the config, check the inputs, build everything (model, store, data),
-    save ``resolved_config.yaml``, then train."""
-    from slidedp.config import RESOLVED_CONFIG, load_config, resolved_yaml, write_resolved_config
-
-    cfg = load_config(config, overrides)
-    from slidedp.preflight import check_before_training
+    """Resolve and print the config, lock ``output.dir`` (``io.run_lock``), check the inputs,
+    build everything (model, store, data), save ``resolved_config.yaml``, then train. A run
+    refused before that save leaves ``output.dir`` as it was, lock file included."""
+    from slidedp.config import load_config
+    from slidedp.preflight import check_output_dir
     from slidedp.runtime.dist import Dist
 
+    cfg = load_config(config, overrides)
     ctx = Dist.from_env()
+    lock = None
+    if _holds_run_lock(ctx, cfg.runtime.node_rank):
+        check_output_dir(cfg)  # never a lock file in a model directory or a file's place
+        lock = RunLock.acquire(Path(cfg.output.dir))
+    try:
+        return _train_locked(config, overrides, cfg, ctx, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _holds_run_lock(ctx: Dist | None, node_rank: int) -> bool:
+    """The process that holds the run's lock: this one alone, ``slidedp train`` starting the
+    ranks of node 0, or global rank 0 where another launcher (torchrun) started the ranks."""
+    if ctx is None:
+        return node_rank == 0
+    return ctx.main and LAUNCHER_PID not in os.environ
+
+
+def _train_locked(
+    config: str, overrides: list[str], cfg: TrainConfig, ctx: Dist | None, lock: RunLock | None
+) -> int:
+    from slidedp.config import RESOLVED_CONFIG, resolved_yaml, write_resolved_config
+    from slidedp.preflight import check_before_training
+
+    def refused() -> None:
+        if lock is not None:
+            lock.release(refused=True)
+
     rt = cfg.runtime
     if ctx is None and (rt.world > 1 or rt.nodes > 1):  # start the ranks (each runs this verb)
         from slidedp.plan.auto import AUTO, chosen_overrides
@@ -56,7 +90,11 @@ def _train(config: str, overrides: list[str]) -> int:
 
         # a refusal is one line, before any rank starts; runtime.policy=auto is chosen here,
         # once (its measurements in a child process), and every rank runs the choice
-        checked = check_before_training(cfg, measure_policy=True)
+        try:
+            checked = check_before_training(cfg, measure_policy=True)
+        except BaseException:
+            refused()
+            raise
         if checked.policy_line:
             print(checked.policy_line, flush=True)
         chosen = chosen_overrides(checked.cfg) if rt.policy == AUTO else []
@@ -70,14 +108,18 @@ def _train(config: str, overrides: list[str]) -> int:
         return 0
     print(f"slidedp train: resolved config (saved as {cfg.output.dir}/{RESOLVED_CONFIG}):")
     print(resolved_yaml(cfg), end="", flush=True)
-    checked = check_before_training(cfg, measure_policy=True)
-    cfg = checked.cfg  # runtime.policy=auto: the chosen layout (saved as it ran)
-    if checked.policy_line:
-        print(checked.policy_line, flush=True)
-    _warn("train", checked.warning)
-    from slidedp.runtime.trainer import Trainer  # the engine: imported once the inputs are good
+    try:
+        checked = check_before_training(cfg, measure_policy=True)
+        cfg = checked.cfg  # runtime.policy=auto: the chosen layout (saved as it ran)
+        if checked.policy_line:
+            print(checked.policy_line, flush=True)
+        _warn("train", checked.warning)
+        from slidedp.runtime.trainer import Trainer  # the engine: once the inputs are good
 
-    trainer = Trainer(cfg, checked=checked)
+        trainer = Trainer(cfg, checked=checked)
+    except BaseException:
+        refused()
+        raise
     write_resolved_config(cfg)  # only once every input is known good
     trainer.run()
     return 0
@@ -131,8 +173,6 @@ def _estimate(
 
 
 def _export(checkpoint: str, out_dir: str) -> int:
-    from pathlib import Path
-
     from slidedp.io.checkpoint import export_checkpoint
 
     print(f"slidedp export: wrote {export_checkpoint(Path(checkpoint), Path(out_dir))}")

@@ -84,6 +84,9 @@ class TrainSection:
     verify_checksums: bool = False  # on resume, every file's CRC-32 too (sizes are always checked)
     on_nonfinite: Literal["stop", "skip"] = "stop"  # skip: count the step, apply no update
     max_consecutive_skips: int = 5  # with skip: stop after this many non-finite steps in a row
+    # evaluate the held-out data (data.eval_path / eval_fraction) every N steps (0: only at the
+    # end, when there is held-out data): eval_loss and eval_perplexity (runtime.evaluate)
+    eval_steps: int = 0
 
     def __post_init__(self) -> None:
         _require(self.max_steps >= 1, f"train.max_steps must be >= 1, got {self.max_steps}")
@@ -97,6 +100,7 @@ class TrainSection:
         _require(self.max_grad_norm >= 0, "train.max_grad_norm must be >= 0 (0 disables)")
         _require(self.warmup_steps >= 0, "train.warmup_steps must be >= 0")
         _require(self.max_consecutive_skips >= 1, "train.max_consecutive_skips must be >= 1")
+        _require(self.eval_steps >= 0, "train.eval_steps must be >= 0 (0: only at the end)")
         _require(
             self.on_nonfinite == "stop" or self.max_grad_norm > 0,
             "train.on_nonfinite=skip needs train.max_grad_norm > 0: without clipping, updates "
@@ -234,7 +238,14 @@ class OutputSection:
     save_steps: int = 0  # checkpoint every N steps (0: only at the end and on SIGTERM/SIGINT)
     save_total_limit: int = 0  # keep the newest N checkpoints (0: all)
     log_steps: int = 1  # a stdout line every N steps (metrics.jsonl has every step)
+    # keep the checkpoint of the lowest eval loss (OUTPUT/best names it) beside the newest:
+    # an evaluation that improves on it saves one; save_total_limit never removes it
+    save_best: bool = False
     tensorboard: bool = field(default_factory=_tensorboard_installed)  # OUTPUT/tensorboard/
+    # experiment trackers (runtime.trackers), each getting the config, the plan and every step
+    # record: tensorboard (as output.tensorboard=true), wandb (pip install 'slidedp[wandb]';
+    # WANDB_PROJECT, WANDB_MODE=offline... as W&B reads them; its files in OUTPUT/wandb/)
+    report_to: list[Literal["tensorboard", "wandb"]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _require(bool(self.dir), "output.dir is required")
@@ -246,6 +257,20 @@ class OutputSection:
             "output.tensorboard=true but tensorboard is not installed: pip install tensorboard, "
             "or set output.tensorboard=false",
         )
+        for name, module, fix in (
+            ("tensorboard", "tensorboard", "pip install tensorboard"),
+            ("wandb", "wandb", "pip install 'slidedp[wandb]'"),
+        ):
+            _require(
+                name not in self.report_to or importlib.util.find_spec(module) is not None,
+                f"output.report_to has {name} but it is not installed: {fix}, or take it out "
+                "of output.report_to",
+            )
+
+    def trackers(self) -> list[str]:
+        """The trackers of the run: ``report_to``, and tensorboard with ``tensorboard``."""
+        return list(dict.fromkeys([*(["tensorboard"] if self.tensorboard else []),
+                                   *self.report_to]))  # fmt: skip
 
 
 @dataclass(kw_only=True)
@@ -255,6 +280,17 @@ class TrainConfig:
     train: TrainSection
     output: OutputSection
     runtime: RuntimeSection = field(default_factory=RuntimeSection)
+
+    def __post_init__(self) -> None:
+        _require(
+            not self.train.eval_steps or self.data.has_eval,
+            "train.eval_steps needs held-out data: set data.eval_path or data.eval_fraction",
+        )
+        _require(
+            not self.output.save_best or self.data.has_eval,
+            "output.save_best needs held-out data: set data.eval_path or data.eval_fraction "
+            "(and train.eval_steps)",
+        )
 
 
 _SECTIONS: dict[str, type[Any]] = typing.get_type_hints(TrainConfig)

@@ -158,6 +158,21 @@ class TrainingInterruptedError(SlidedpError, RuntimeError):
         self.checkpoint = checkpoint
 
 
+class OutputDirBusyError(SlidedpError, RuntimeError):
+    """Another run holds the lock of ``output.dir`` (``io.run_lock``); ``pid`` and ``host``
+    name it (``pid`` None while it has not written them)."""
+
+    def __init__(self, message: str, *, pid: int | None, host: str) -> None:
+        super().__init__(message)
+        self.pid = pid
+        self.host = host
+
+
+class DiskFullError(SlidedpError, OSError):
+    """``output.dir``'s filesystem cannot hold the run's checkpoints (found before the first
+    step), or ran out of space while saving one (``io.disk_space``)."""
+
+
 _collected_problems: ContextVar[list[str] | None] = ContextVar("collected_problems", default=None)
 
 

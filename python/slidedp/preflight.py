@@ -13,9 +13,9 @@ state and headers checked; the conflicts ``train`` refuses), the run's memory by
 CUDA) against free
 ``/dev/shm``, ``MemAvailable`` and the device total, the data, and the output directory
 (writable, probed with a temporary file; never a model or checkpoint directory, so nothing is
-ever written into one). ``slidedp train`` runs the same checks, all but the data (the trainer
-checks the data as it reads it), before it allocates or writes anything: the two verbs cannot
-disagree.
+ever written into one; room on its filesystem for the checkpoints, ``io.disk_space``).
+``slidedp train`` runs the same checks, all but the data (the trainer checks the data as it
+reads it), before it allocates or writes anything: the two verbs cannot disagree.
 
 Example::
 
@@ -35,6 +35,7 @@ from pathlib import Path
 
 from slidedp.config import TrainConfig
 from slidedp.errors import ConfigError, ModelLoadError
+from slidedp.io.disk_space import check_disk_space, checkpoint_bytes, saves_of_run
 from slidedp.io.hf_load import check_weight_files, weight_files
 from slidedp.io.resume import ResumePoint, plan_resume
 from slidedp.models.hf import HFAdapter
@@ -166,6 +167,20 @@ def check_output_dir(cfg: TrainConfig) -> str:
     return f"output   {out}: writable{'' if out.exists() else ' (will be created)'}"
 
 
+def check_checkpoint_space(cfg: TrainConfig, adapter: HFAdapter, resume: ResumePoint | None) -> str:
+    """``output.dir``'s filesystem holds the checkpoints the run has on disk at once
+    (``io.disk_space``): ``DiskFullError`` otherwise."""
+    out = cfg.output
+    start = 0 if resume is None else resume.progress.step
+    return check_disk_space(
+        Path(out.dir),
+        one_bytes=checkpoint_bytes(adapter, parameter_count(adapter)),
+        total_limit=out.save_total_limit,
+        saves=saves_of_run(start, cfg.train.max_steps, out.save_steps),
+        best=out.save_best,
+    )
+
+
 def check_ranks(cfg: TrainConfig) -> str:
     """What several ranks (and nodes) need from the config (each rank checks it again)."""
     from slidedp.runtime.dist import check_config
@@ -226,7 +241,7 @@ def check_before_training(cfg: TrainConfig, *, measure_policy: bool = False) -> 
     adapter, model = check_model(cfg)
     ranks = [check_ranks(cfg)] if cfg.runtime.world > 1 or cfg.runtime.nodes > 1 else []
     resume, resumed = check_resume(cfg, adapter)
-    output = check_output_dir(cfg)
+    output = f"{check_output_dir(cfg)}; {check_checkpoint_space(cfg, adapter, resume)}"
     # after every refusal that needs no layout: profiling is GPU work and writes its cache
     machine = Machine.probe(cfg, measure=False)
     cfg, chosen = resolve_auto(cfg, adapter, machine, measure=measure_policy,

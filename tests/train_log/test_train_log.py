@@ -17,6 +17,7 @@ import pytest
 from slidedp.config import OutputSection
 from slidedp.errors import ConfigError
 from slidedp.runtime.flops import FLOPS_FORMULA
+from slidedp.runtime.trackers import TensorBoardTracker
 from slidedp.runtime.train_log import RunFacts, StepLog, host_pss_bytes
 
 
@@ -51,6 +52,9 @@ class _Writer:
 
     def add_scalar(self, tag: str, scalar_value: float, global_step: int) -> None:
         self.scalars.append((tag, scalar_value, global_step))
+
+    def add_text(self, tag: str, text_string: str, global_step: int | None = None) -> None:
+        pass
 
     def close(self) -> None:
         self.closed = True
@@ -108,7 +112,8 @@ def test_a_terminal_gets_a_progress_bar_under_the_lines(tmp_path: Path) -> None:
 
 def test_mfu_uses_the_peak_and_tensorboard_gets_the_scalars(tmp_path: Path) -> None:
     out, writer = io.StringIO(), _Writer()
-    log = _log(tmp_path, out, peak_flops=1e9, writer=writer, total_steps=2, log_steps=1)
+    log = _log(tmp_path, out, peak_flops=1e9, writer=TensorBoardTracker(writer), total_steps=2,
+               log_steps=1)  # fmt: skip
     log.step(_record(1))
     log.step(_record(2, skipped=True, nonfinite="loss", loss=None, grad_norm=None))
     log.close()

@@ -21,6 +21,7 @@ import torch
 
 from slidedp.data.batch import IGNORE_INDEX, Batch
 from slidedp.data.layout import Rows
+from slidedp.data.mixture import SourceShare
 from slidedp.data.samples import I64, Samples, positions_within
 from slidedp.errors import InvalidArgumentError
 
@@ -41,6 +42,7 @@ class DataReport:
     truncated_tokens: int  # tokens cut off them
     dropped: int  # over-length samples left out (policy drop)
     unlabeled: int  # truncated samples left out: their prompt filled seq_len
+    sources: tuple[SourceShare, ...] = ()  # a mixture (data.sources): what each source gave
 
     @property
     def packing_efficiency(self) -> float:
@@ -59,6 +61,8 @@ class DataReport:
         )
         if self.unlabeled:
             line += f", {self.unlabeled} left out with nothing to train on after truncation"
+        if self.sources:
+            line += "; each epoch mixes " + ", ".join(str(s) for s in self.sources)
         return line
 
 
@@ -107,7 +111,10 @@ class Batches:
         return rows
 
     def batch(self, step: int) -> Batch:
-        rows = self.rows_at(step)
+        return self.batch_of_rows(self.rows_at(step))
+
+    def batch_of_rows(self, rows: I64) -> Batch:
+        """A batch of the rows ``rows`` [n] (the held-out set's, ``runtime.evaluate``)."""
         per_row = self.rows.offsets[rows + 1] - self.rows.offsets[rows]  # [B] samples per row
         picked = self.rows.samples[
             np.repeat(self.rows.offsets[rows], per_row) + positions_within(per_row)
@@ -120,16 +127,16 @@ class Batches:
         start_col = ends - lengths - np.repeat(ends[row_first] - lengths[row_first], per_row)
         pos = positions_within(lengths)  # [T] position inside its sample
         src = np.repeat(self.samples.offsets[:-1][picked], lengths) + pos
-        row = np.repeat(np.repeat(np.arange(self.batch_size), per_row), lengths)
+        row = np.repeat(np.repeat(np.arange(len(rows)), per_row), lengths)
         col = np.repeat(start_col, lengths) + pos
         tokens = self.samples.tokens[src].astype(np.int64)
         trained = self.samples.trained[src]
         if self.packed:
             trained = trained & (pos > 0)  # a sample's first token: no target across samples
         width = int(row_lengths.max())
-        ids = np.full((self.batch_size, width), self.pad_id, dtype=np.int64)
-        mask = np.zeros((self.batch_size, width), dtype=np.int64)
-        labels = np.full((self.batch_size, width), IGNORE_INDEX, dtype=np.int64)
+        ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
+        mask = np.zeros((len(rows), width), dtype=np.int64)
+        labels = np.full((len(rows), width), IGNORE_INDEX, dtype=np.int64)
         ids[row, col] = tokens
         mask[row, col] = 1
         labels[row[trained], col[trained]] = tokens[trained]

@@ -18,20 +18,23 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from slidedp.data.batches import Batches, DataReport
-from slidedp.data.config import DataSection
+from slidedp.data.config import DataSection, SourceSpec
 from slidedp.data.encode import Encoder
 from slidedp.data.layout import Rows, pack_rows, pad_rows
-from slidedp.data.samples import Samples, apply_over_length
+from slidedp.data.mixture import SourceShare, held_out, mix
+from slidedp.data.samples import OverLengthCounts, Samples, apply_over_length
 from slidedp.data.sources import Source
 from slidedp.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
     from slidedp.config import TrainConfig
+
+Part = Literal["train", "eval"]
 
 
 def _first_id(value: Any) -> int | None:
@@ -61,22 +64,33 @@ class ModelFacts:
         )
 
 
-def run_batches(cfg: TrainConfig, model_config: Any, vocab_size: int) -> Batches:
+def run_batches(
+    cfg: TrainConfig, model_config: Any, vocab_size: int, part: Part = "train"
+) -> Batches:
     """The batches of the run ``cfg`` describes: ``slidedp train`` trains on them and
-    ``slidedp validate`` checks them, so both read the data the same way."""
+    ``slidedp validate`` checks them, so both read the data the same way. ``part="eval"``:
+    the held-out set (``data.eval_path``, or the ``data.eval_fraction`` split off)."""
     return build_batches(
         cfg.data,
         model_dir=Path(cfg.model.path),
         model=ModelFacts.from_config(model_config, vocab_size),
         batch_size=cfg.train.global_batch_size,
         seed=cfg.train.seed,
+        part=part,
     )
 
 
 def build_batches(
-    section: DataSection, *, model_dir: Path, model: ModelFacts, batch_size: int, seed: int
+    section: DataSection,
+    *,
+    model_dir: Path,
+    model: ModelFacts,
+    batch_size: int,
+    seed: int,
+    part: Part = "train",
 ) -> Batches:
-    """Read, tokenize, check and lay out the whole data file (see the module docstring)."""
+    """Read, tokenize, check and lay out the whole data file (see the module docstring);
+    ``part``: the training samples, or the held-out ones (in file order, never mixed)."""
     if model.max_positions is not None and section.seq_len > model.max_positions:
         raise ConfigError(
             f"data.seq_len={section.seq_len} exceeds the model's max_position_embeddings="
@@ -86,7 +100,70 @@ def build_batches(
         raise ConfigError(
             f"data.pad_id={section.pad_id} is outside the vocabulary of {model.vocab_size}"
         )
-    source = Source(Path(section.path), section.format)
+    if part == "eval" and section.eval_path:
+        section = replace(section, path=section.eval_path, sources=[], eval_fraction=0.0)
+    read = [_read_source(spec, section, model_dir, model) for spec in section.source_specs()]
+    if section.eval_fraction:  # each source's held-out share, drawn by the seed
+        read = [
+            replace(r, samples=held_out(r.samples, section.eval_fraction, seed, str(r.path))[
+                part == "eval"])
+            for r in read
+        ]  # fmt: skip
+    shares: list[SourceShare] = []
+    if len(read) == 1 or part == "eval":
+        samples = Samples.concat([r.samples for r in read])
+    else:
+        specs = section.source_specs()
+        samples, shares = mix([r.samples for r in read], [s.weight for s in specs],
+                              [s.path for s in specs], seed=seed)  # fmt: skip
+    lengths = samples.lengths
+    rows = pack_rows(lengths, section.seq_len) if section.packing else pad_rows(lengths)
+    report = DataReport(
+        path=" + ".join(str(r.path) for r in read),
+        format="/".join(sorted({r.format for r in read})),
+        records=sum(r.records for r in read),
+        sequences=len(samples),
+        rows=len(rows),
+        tokens=int(lengths.sum()),
+        label_tokens=int(samples.label_counts().sum()),
+        seq_len=section.seq_len,
+        packing=section.packing,
+        over_length=section.over_length,
+        truncated=sum(r.counts.truncated for r in read),
+        truncated_tokens=sum(r.counts.truncated_tokens for r in read),
+        dropped=sum(r.counts.dropped for r in read),
+        unlabeled=sum(r.counts.unlabeled for r in read),
+        sources=tuple(shares),
+    )
+    encoder = next((r.encoder for r in read if r.encoder.loaded_tokenizer), read[0].encoder)
+    return Batches(
+        samples,
+        rows,
+        batch_size=batch_size,
+        pad_id=_pad_id(section, model, encoder, rows, batch_size),
+        packed=section.packing,
+        shuffle=section.shuffle and part == "train",
+        seed=seed,
+        report=report,
+    )
+
+
+@dataclass(frozen=True)
+class _Read:
+    """One data file read, tokenized and cut to ``seq_len``."""
+
+    path: Path
+    format: str
+    records: int
+    samples: Samples
+    counts: OverLengthCounts
+    encoder: Encoder
+
+
+def _read_source(
+    spec: SourceSpec, section: DataSection, model_dir: Path, model: ModelFacts
+) -> _Read:
+    source = Source(Path(spec.path), spec.format)
     encoder = Encoder(
         model_dir,
         vocab_size=model.vocab_size,
@@ -110,34 +187,7 @@ def build_batches(
             f"{section.over_length} at data.seq_len={section.seq_len} ({counts.dropped} dropped, "
             f"{counts.unlabeled} truncated to nothing to train on); raise data.seq_len"
         )
-    lengths = samples.lengths
-    rows = pack_rows(lengths, section.seq_len) if section.packing else pad_rows(lengths)
-    report = DataReport(
-        path=str(source.path),
-        format=data_format,
-        records=len(read),
-        sequences=len(samples),
-        rows=len(rows),
-        tokens=int(lengths.sum()),
-        label_tokens=int(samples.label_counts().sum()),
-        seq_len=section.seq_len,
-        packing=section.packing,
-        over_length=section.over_length,
-        truncated=counts.truncated,
-        truncated_tokens=counts.truncated_tokens,
-        dropped=counts.dropped,
-        unlabeled=counts.unlabeled,
-    )
-    return Batches(
-        samples,
-        rows,
-        batch_size=batch_size,
-        pad_id=_pad_id(section, model, encoder, rows, batch_size),
-        packed=section.packing,
-        shuffle=section.shuffle,
-        seed=seed,
-        report=report,
-    )
+    return _Read(source.path, data_format, len(read), samples, counts, encoder)
 
 
 def _pad_id(
@@ -163,8 +213,9 @@ def _pad_id(
             pad = next((int(c) for c in found if c is not None), None)
     if pad is None and padding_needed:
         raise DataError(
-            f"rows of {section.path} differ in length and need padding, but no pad or eos token "
-            f"is defined (tokenizer, {encoder.model_dir}/config.json); set data.pad_id"
+            f"rows of {section.path or 'data.sources'} differ in length and need padding, but "
+            f"no pad or eos token is defined (tokenizer, {encoder.model_dir}/config.json); "
+            "set data.pad_id"
         )
     if pad is not None and not 0 <= pad < model.vocab_size:
         raise DataError(f"the pad token id {pad} is outside the vocabulary of {model.vocab_size}")

@@ -8,11 +8,19 @@ Example (YAML)::
       packing: true              # false: one sample per row, right-padded
       over_length: truncate      # truncate | drop | error (counts are reported)
       shuffle: true              # a seeded permutation per epoch (train.seed)
+
+A mixture instead of one file (``data.mixture``)::
+
+    data:
+      sources:
+        - {path: ./data/chat.jsonl, weight: 3}
+        - {path: ./data/code.parquet, format: text, weight: 1}
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from slidedp.errors import require as _require
 
@@ -20,9 +28,24 @@ DATA_FORMATS = ("auto", "text", "messages", "prompt_completion", "input_ids")
 OVER_LENGTH_POLICIES = ("truncate", "drop", "error")
 
 
+SOURCE_KEYS = ("path", "format", "weight")
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """One data file of the run: its path, format and mixture weight."""
+
+    path: str
+    format: str = "auto"
+    weight: float = 1.0
+
+
 @dataclass(kw_only=True)
 class DataSection:
-    path: str  # a local .jsonl, .json or .parquet file
+    path: str = ""  # a local .jsonl, .json or .parquet file (or `sources`, not both)
+    # a mixture (data.mixture): a list of {path, format (default: data.format), weight
+    # (default 1)}; each source's share of an epoch's samples is its weight over their sum
+    sources: list[dict[str, Any]] = field(default_factory=list)
     # auto: from the record keys (text | messages | prompt+completion | input_ids); set it when a
     # record carries the keys of several formats
     format: str = "auto"
@@ -34,9 +57,32 @@ class DataSection:
     shuffle: bool = False  # False: file order (packing: rows in order of their first sample)
     train_on_prompt: bool = False  # messages / prompt+completion: loss on every token
     pad_id: int = -1  # -1: the tokenizer's pad, else the model config's, else eos
+    # held-out data for train.eval_steps (runtime.evaluate): a file of its own, or the share
+    # of the training samples split off it (of each source's), drawn by train.seed
+    eval_path: str = ""
+    eval_fraction: float = 0.0
 
     def __post_init__(self) -> None:
-        _require(bool(self.path), "data.path is required")
+        _require(
+            not (self.path and self.sources),
+            "data.path and data.sources are both given: use data.path for one file or "
+            "data.sources for a mixture of files, not both",
+        )
+        _require(
+            bool(self.path or self.sources),
+            "data.path is required (one file), or data.sources (a list of {path, format, weight})",
+        )
+        _require(
+            0.0 <= self.eval_fraction < 1.0,
+            f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}",
+        )
+        _require(
+            not (self.eval_path and self.eval_fraction),
+            "data.eval_path and data.eval_fraction are both given: evaluate on a file of its "
+            "own or on a share split off the training data, not both",
+        )
+        for i, source in enumerate(self.sources):
+            _check_source(i, source, self.format)
         _require(self.seq_len >= 2, f"data.seq_len must be >= 2, got {self.seq_len}")
         _require(
             self.format in DATA_FORMATS,
@@ -48,3 +94,39 @@ class DataSection:
             f"got {self.over_length!r}",
         )
         _require(self.pad_id >= -1, f"data.pad_id must be >= 0 (or -1: auto), got {self.pad_id}")
+
+    @property
+    def has_eval(self) -> bool:
+        """Whether held-out data is configured (``eval_path`` or ``eval_fraction``)."""
+        return bool(self.eval_path or self.eval_fraction)
+
+    def source_specs(self) -> list[SourceSpec]:
+        """The data files of the run: ``path`` alone, or every entry of ``sources``."""
+        if self.path:
+            return [SourceSpec(self.path, self.format)]
+        return [
+            SourceSpec(s["path"], s.get("format", self.format), float(s.get("weight", 1.0)))
+            for s in self.sources
+        ]
+
+
+def _check_source(i: int, source: Any, default_format: str) -> None:
+    """``data.sources[i]``: a mapping of path (required), format and weight (> 0)."""
+    where = f"data.sources[{i}]"
+    if not isinstance(source, dict):
+        _require(False, f"{where} must be a mapping {{path, format, weight}}, got {source!r}")
+        return
+    unknown = sorted(set(source) - set(SOURCE_KEYS))
+    _require(not unknown, f"{where} has unknown key(s) {unknown}: use {', '.join(SOURCE_KEYS)}")
+    path = source.get("path")
+    _require(isinstance(path, str) and bool(path), f"{where}.path is required (a data file)")
+    fmt = source.get("format", default_format)
+    _require(
+        fmt in DATA_FORMATS,
+        f"{where}.format must be one of {', '.join(DATA_FORMATS)}, got {fmt!r}",
+    )
+    weight = source.get("weight", 1.0)
+    _require(
+        isinstance(weight, int | float) and not isinstance(weight, bool) and weight > 0,
+        f"{where}.weight must be a number > 0, got {weight!r}",
+    )

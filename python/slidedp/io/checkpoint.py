@@ -163,11 +163,13 @@ def save_checkpoint(
     total_limit: int = 0,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     set_aside: Collection[Path] = (),
+    keep: Collection[Path] = (),
 ) -> Path:
     """Write ``out_dir/checkpoint-STEP`` atomically from the (drained) store; point ``latest``
     at it; keep the newest ``total_limit`` checkpoints (0: all). ``meta`` is recorded as is.
     A damaged ``checkpoint-STEP`` listed in ``set_aside`` is renamed ``checkpoint-STEP.damaged``
-    first (kept for the user, never written into)."""
+    first (kept for the user, never written into). Checkpoints in ``keep`` (the best one,
+    ``io.best``) are never removed and do not count against ``total_limit``."""
     final = out_dir / f"checkpoint-{progress.step}"
     if final.exists() and final in set_aside:
         final.rename(_free_name(final.with_name(f"{final.name}.damaged")))
@@ -195,7 +197,8 @@ def save_checkpoint(
     pointer.replace(out_dir / LATEST)
     _fsync(out_dir)
     if total_limit:
-        for old in complete_checkpoints(out_dir)[:-total_limit]:
+        rotated = [p for p in complete_checkpoints(out_dir) if p not in keep]
+        for old in rotated[:-total_limit]:
             if old != final:
                 doomed = old.rename(out_dir / f".{old.name}.deleting")  # never half a checkpoint
                 shutil.rmtree(doomed)

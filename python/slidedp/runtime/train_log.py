@@ -8,11 +8,13 @@ bar on a terminal, ``OUTPUT/metrics.jsonl`` and TensorBoard scalars.
   its non-padding tokens) and ``mfu`` (that over the measured bf16 GEMM peak; null on CPU);
   logged steps also carry ``host_pss_bytes`` and, on CUDA, ``gpu_reserved_bytes``. On resume
   the file keeps the records up to the resumed step and continues after them.
+- Evaluations (``runtime.evaluate``) add ``eval_loss``, ``eval_perplexity``, ``eval_tokens``
+  and the evaluation's time to their step's record and line (a step that evaluates is logged).
 - One line every ``log_steps`` steps, averaged over the steps since the previous line: loss,
   last grad_norm and lr, tokens/s, TFLOP/s, MFU, exposed waits (the compute lane's ``wait_*``
   per step), GPU reserved, host PSS (the shared store counted once), ETA. On a terminal a
   ``\\r`` progress bar with ETA sits under the lines; otherwise only the lines are printed.
-- TensorBoard (``OUTPUT/tensorboard``), when ``output.tensorboard``: the same scalars per step.
+- Trackers (``runtime.trackers``: TensorBoard, W&B; ``output.report_to``): every record.
 
 Example::
 
@@ -117,22 +119,12 @@ class RunFacts:
         ]
 
 
-class ScalarWriter(Protocol):
-    """What we use of ``torch.utils.tensorboard.SummaryWriter``."""
+class StepWriter(Protocol):
+    """Where each step record goes besides metrics.jsonl (``runtime.trackers.Trackers``)."""
 
-    def add_scalar(self, tag: str, scalar_value: float, global_step: int) -> None: ...
+    def log_step(self, record: dict[str, Any]) -> None: ...
 
     def close(self) -> None: ...
-
-
-def tensorboard_writer(out_dir: Path) -> ScalarWriter:
-    from torch.utils.tensorboard import SummaryWriter  # needs the optional tensorboard package
-
-    writer: ScalarWriter = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
-    return writer
-
-
-_SCALARS = ("loss", "grad_norm", "lr", "tokens_per_s", "tflops", "mfu")
 
 
 class StepLog:
@@ -148,7 +140,7 @@ class StepLog:
         log_steps: int,
         peak_flops: float | None = None,
         cuda: bool = False,
-        writer: ScalarWriter | None = None,
+        writer: StepWriter | None = None,
         stream: TextIO | None = None,
     ) -> None:
         self.flops_per_token, self.peak_flops, self.cuda = flops_per_token, peak_flops, cuda
@@ -179,6 +171,7 @@ class StepLog:
         self.interval.append(record)
         self.skipped += bool(record.get("skipped"))
         logged = record["step"] % self.log_steps == 0 or record["step"] == self.total_steps
+        logged = logged or "eval_loss" in record  # an evaluation always gets its line
         if logged:
             record["host_pss_bytes"] = host_pss_bytes()
             if self.cuda:
@@ -186,9 +179,7 @@ class StepLog:
         self.metrics.write(json.dumps(record) + "\n")
         self.metrics.flush()
         if self.writer is not None:
-            for key in _SCALARS:
-                if isinstance(record.get(key), float | int):
-                    self.writer.add_scalar(f"train/{key}", record[key], record["step"])
+            self.writer.log_step(record)
         if logged:
             self.say(self._line(record))
             self.interval = []
@@ -224,6 +215,8 @@ class StepLog:
         if self.cuda:
             parts.append(f"GPU {_gib(last['gpu_reserved_bytes'])} reserved")
         parts.append(f"host PSS {_gib(last['host_pss_bytes'])}")
+        if "eval_loss" in last:
+            parts.append(f"eval_loss {last['eval_loss']:.4f} ppl {last['eval_perplexity']:.2f}")
         if self.skipped:
             parts.append(f"{self.skipped} skipped")
         if last.get("skipped"):

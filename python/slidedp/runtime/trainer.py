@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import time
 from dataclasses import replace
@@ -25,27 +26,31 @@ from typing import Any
 
 import torch
 
-from slidedp.config import TrainConfig
+from slidedp.config import TrainConfig, config_to_dict
 from slidedp.data.build import run_batches
 from slidedp.errors import NonFiniteError, TrainingInterruptedError
 from slidedp.estimate import Machine, resolve_mirror
+from slidedp.io.best import BestCheckpoint
 from slidedp.io.checkpoint import Progress, export_checkpoint, restore_rng, save_checkpoint
+from slidedp.io.disk_space import checkpoint_bytes, disk_full_reported
 from slidedp.io.hf_load import fill_master, read_buffers, weight_files
 from slidedp.io.resume import load_resume_point, plan_resume
 from slidedp.kernels import Kernels, default_threads
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.device import pick_device, pick_dtype
 from slidedp.plan.policy import OptimConfig, Plan, resolve_policy, store_args
-from slidedp.preflight import Checked, check_router_loss_ranks
+from slidedp.preflight import Checked, check_router_loss_ranks, parameter_count
 from slidedp.profile.host import engine_update_threads
 from slidedp.runtime.dist import Dist, all_reduce_sum, check_nodes_agree, start
 from slidedp.runtime.engine import Engine
+from slidedp.runtime.evaluate import Evaluator
 from slidedp.runtime.flops import device_peak_flops, model_flops_per_token
 from slidedp.runtime.routes import signal_specs
 from slidedp.runtime.schedule import lr_schedule
 from slidedp.runtime.stop_signals import StopSignals
 from slidedp.runtime.trace import write_trace
-from slidedp.runtime.train_log import RunFacts, StepLog, tensorboard_writer
+from slidedp.runtime.trackers import open_trackers
+from slidedp.runtime.train_log import RunFacts, StepLog
 from slidedp.runtime.window import fill_mirror
 from slidedp.store import HostStore
 
@@ -99,6 +104,11 @@ class Trainer:
         read_buffers(self.adapter, weight_files(weights) if weights is not None else [])
         # reads and checks all the data before any GPU work
         self.data = run_batches(cfg, self.adapter.config, self.adapter.vocab_size)
+        held_out = (
+            run_batches(cfg, self.adapter.config, self.adapter.vocab_size, part="eval")
+            if cfg.data.has_eval
+            else None
+        )
         self.lr_at = lr_schedule(tc.lr_scheduler, tc.learning_rate, tc.warmup_steps, tc.max_steps)
         # every rank's policy: the store's mirror is what the creator decided
         self.policy = resolve_policy(
@@ -121,6 +131,8 @@ class Trainer:
         self.engine = Engine(
             self.adapter, self.store, self.plan, ctx=self.ctx, signals=self.signals
         )
+        self.evaluator = None if held_out is None else Evaluator(self.engine, held_out)
+        self.best = BestCheckpoint(self.out_dir)
         if self.ctx is not None:
             check_nodes_agree(self.ctx, self._start_facts())
         if self.resume is not None:
@@ -265,17 +277,25 @@ class Trainer:
                 "max_steps": tc.max_steps,
                 "last_lr": self.lr_at(self.progress.step - 1) if self.progress.step else None,
             },
-            "data": {"path": data.path, "seq_len": data.seq_len, "next_step": self.progress.step},
+            "data": {
+                "path": data.path,
+                "sources": data.sources,
+                "seq_len": data.seq_len,
+                "next_step": self.progress.step,
+            },
         }
-        return save_checkpoint(
-            self.out_dir,
-            self.adapter,
-            self.store,
-            self.progress,
-            meta,
-            total_limit=self.cfg.output.save_total_limit,
-            set_aside=() if self.resume is None else self.resume.set_aside,
-        )
+        one_bytes = checkpoint_bytes(self.adapter, parameter_count(self.adapter))
+        with disk_full_reported(self.out_dir, one_bytes):  # ENOSPC: one line, exit 2
+            return save_checkpoint(
+                self.out_dir,
+                self.adapter,
+                self.store,
+                self.progress,
+                meta,
+                total_limit=self.cfg.output.save_total_limit,
+                set_aside=() if self.resume is None else self.resume.set_aside,
+                keep=self.best.kept(),
+            )
 
     def run(self) -> list[dict[str, Any]]:
         """The remaining steps; returns their metrics records (also in ``metrics.jsonl``).
@@ -310,18 +330,27 @@ class Trainer:
         log = self._step_log() if main else None
         records: list[dict[str, Any]] = []
         start_step = self.progress.step
+        best_at_end: float | None = None
         try:
             with StopSignals() as stop:
                 for t in range(self.progress.step, tc.max_steps):
                     record = self._step(t)
+                    last = t + 1 == tc.max_steps
+                    record |= self._evaluate_if_due(t + 1, last)
                     if log is not None:
                         records.append(log.step(record))
-                    last = t + 1 == tc.max_steps
+                    best = out.save_best and self.best.improves(record.get("eval_loss", math.inf))
                     stopping = self._stop_agreed(stop.received is not None) and not last
                     due = bool(out.save_steps) and (t + 1) % out.save_steps == 0 and not last
-                    saved = self._save_or_drain() if stopping or due else None
-                    if log is not None and due and not stopping:
+                    saved = (
+                        self._save_or_drain() if stopping or ((due or best) and not last) else None
+                    )
+                    if log is not None and (due or best) and not stopping and saved is not None:
                         log.say(f"saved {saved}")
+                    if best and saved is not None:
+                        self.best.mark(saved, record["eval_loss"])
+                    elif best:
+                        best_at_end = record["eval_loss"]
                     if stopping:
                         by = stop.received.name if stop.received else "a signal to another rank"
                         raise TrainingInterruptedError(
@@ -342,6 +371,8 @@ class Trainer:
         if self.progress.step > start_step or not last_dir.exists():  # else: resumed from it
             last_dir = self.save()
             self._say(f"saved {last_dir}")
+        if best_at_end is not None:  # the last evaluation was the best: the last checkpoint
+            self.best.mark(last_dir, best_at_end)
         if out.export:
             self._say(
                 f"exported {export_checkpoint(last_dir, self.out_dir / 'final', replace=True)}"
@@ -363,13 +394,35 @@ class Trainer:
             log_steps=out.log_steps,
             peak_flops=facts.peak_flops,
             cuda=self.cuda,
-            writer=tensorboard_writer(self.out_dir) if out.tensorboard else None,
+            writer=open_trackers(
+                out.trackers(),
+                self.out_dir,
+                config=config_to_dict(self.cfg),
+                plan=self._plan_record(),
+            ),
             stream=sys.stdout if self.log else None,
         )
         for line in facts.lines():
             log.say(line)
         log.say(f"data: {self.data.report}")
         return log
+
+    def _plan_record(self) -> dict[str, Any]:
+        """What the trackers record of the plan: device, dtype, policy, host threads."""
+        return {
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "policy": self.policy.to_dict(),
+            "threads": self.engine.kernels.threads,
+        }
+
+    def _evaluate_if_due(self, steps: int, last: bool) -> dict[str, Any]:
+        """The held-out loss after ``steps`` steps, every ``train.eval_steps`` and at the end
+        (on every rank: each evaluates its rows); {} when not due or no held-out data."""
+        every = self.cfg.train.eval_steps
+        if self.evaluator is None or not (last or (every and steps % every == 0)):
+            return {}
+        return self.evaluator.run(steps)
 
     def _stop_agreed(self, requested: bool) -> bool:
         """Whether to stop after this step. With several ranks a signal may reach them in

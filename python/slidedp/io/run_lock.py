@@ -1,0 +1,140 @@
+"""One run per output directory: an advisory lock on ``OUTPUT/.slidedp.lock``.
+
+``slidedp train`` takes it before it reads or writes anything else in ``output.dir``; a second
+run into the same directory is refused at once (``OutputDirBusyError``: exit 2, one line naming
+the holder's pid and host). The lock is ``flock(2)`` on an open file: the kernel drops it when
+the process ends however it ends, so a killed run never leaves a stale lock. The file itself
+stays behind (its content, ``pid host``, is only read while the lock is held by another run).
+On several ranks the process that started them on node 0 holds it (``slidedp train``'s
+launcher), or global rank 0 where another launcher (torchrun) started the ranks.
+
+Example::
+
+    with RunLock.acquire(Path(cfg.output.dir)):
+        ...  # train
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from slidedp.errors import OutputDirBusyError
+
+LOCK_FILE = ".slidedp.lock"
+
+
+def _holder(path: Path) -> tuple[int | None, str]:
+    """The pid and host the lock file names (None, "?" while the holder has not written it)."""
+    try:
+        pid, _, host = path.read_text().strip().partition(" ")
+        return int(pid), host or "?"
+    except (OSError, ValueError):
+        return None, "?"
+
+
+@dataclass(frozen=True)
+class _Before:
+    """A lock file as an earlier run left it."""
+
+    content: bytes
+    atime_ns: int
+    mtime_ns: int
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``OUTPUT/.slidedp.lock``, held until ``release`` or exit."""
+
+    def __init__(
+        self, path: Path, fd: int, created_dir: Path | None, before: _Before | None
+    ) -> None:
+        self.path, self.fd, self.created_dir, self.before = path, fd, created_dir, before
+
+    @classmethod
+    def acquire(cls, out_dir: Path) -> RunLock:
+        """Create ``out_dir`` if needed, lock it, write ``pid host`` into the lock file; raises
+        ``OutputDirBusyError`` when another process holds it."""
+        created = _first_missing(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / LOCK_FILE
+        before, existed = None, path.exists()
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                pid, host = _holder(path)
+                who = "another run" if pid is None else f"run pid {pid} on host {host}"
+                raise OutputDirBusyError(
+                    f"output.dir {out_dir} is in use by {who} (it holds {path}); wait for it to "
+                    "end or stop it, or choose another output.dir",
+                    pid=pid,
+                    host=host,
+                ) from None
+            # a run that gave the lock up while refused removes the file: ours may be that one
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        stat = os.fstat(fd)
+        if existed:  # a lock file an earlier run left
+            before = _Before(path.read_bytes(), stat.st_atime_ns, stat.st_mtime_ns)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+        return cls(path, fd, created, before)
+
+    def release(self, *, refused: bool = False) -> None:
+        """Unlock. ``refused``: the run wrote nothing else, so its lock file (and the output
+        directory it created) are removed: a refused run leaves the directory as it was."""
+        if self.fd < 0:
+            return
+        if refused and self.before is not None:  # as an earlier run left it, mtime included
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, self.before.content, 0)
+            os.utime(self.fd, ns=(self.before.atime_ns, self.before.mtime_ns))
+        elif refused:
+            self.path.unlink(missing_ok=True)
+            if self.created_dir is not None:
+                _remove_created(self.path.parent, self.created_dir)
+        os.close(self.fd)
+        self.fd = -1
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost directory of ``path`` that does not exist yet (None: it exists)."""
+    missing = None
+    for parent in (path, *path.parents):
+        if parent.exists():
+            return missing
+        missing = parent
+    return missing
+
+
+def _remove_created(out_dir: Path, created: Path) -> None:
+    """``out_dir`` and its parents up to ``created`` (what ``acquire`` made), while empty."""
+    for folder in (out_dir, *out_dir.parents):
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+        if folder == created:
+            return

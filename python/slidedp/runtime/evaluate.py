@@ -1,0 +1,149 @@
+"""Evaluation on held-out data: the mean token loss and its perplexity, forward only.
+
+The held-out rows (``data.eval_path``, or ``data.eval_fraction`` split off the training data)
+are visited once, in order, ``train.global_batch_size`` rows a batch (the last one filled up
+with rows that carry no label). Each batch streams the layers through the training window at
+the current parameter version, as a training step's forward does, but under ``no_grad``: no
+activation is saved, nothing goes backward, nothing is updated. The head computes the summed
+cross-entropy in chunks of ``runtime.loss_chunk_tokens`` tokens (no full logits). With several
+ranks each rank evaluates its rows of every batch and one all-reduce sums the losses and label
+counts: the mean is over every label token of the held-out set, as on one rank.
+
+Example::
+
+    evaluator = Evaluator(engine, run_batches(cfg, config, vocab, part="eval"))
+    print(evaluator.run(version=t))   # {"eval_loss": ..., "eval_perplexity": ..., ...}
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from slidedp.data.batch import Batch
+from slidedp.data.batches import Batches
+from slidedp.models.hf import EMBED, LM_HEAD, NORM, bind_params
+from slidedp.models.loss import IGNORE_INDEX, shift_labels
+from slidedp.runtime.activations import LayerRun
+from slidedp.runtime.dist import all_reduce_sum
+from slidedp.runtime.engine import Engine
+
+
+def eval_batches(data: Batches) -> Iterator[Batch]:
+    """Every held-out row once, ``data.batch_size`` rows a batch; the last batch is filled up
+    with copies of its first row whose labels are all ignored (every rank gets its share)."""
+    n, size = len(data.rows), data.batch_size
+    for start in range(0, n, size):
+        rows = np.arange(start, min(start + size, n), dtype=np.int64)
+        real = len(rows)
+        rows = np.concatenate([rows, np.full(size - real, start, dtype=np.int64)])
+        batch = data.batch_of_rows(rows)
+        batch.labels[real:] = IGNORE_INDEX
+        yield batch
+
+
+def lm_loss_sum(
+    hidden: torch.Tensor,  # [B, S, H] final-norm output
+    weight: torch.Tensor,  # [V, H] LM head (or tied embedding)
+    targets: torch.Tensor,  # [B, S] shifted labels
+    chunk_tokens: int,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Σ token cross-entropies over the label tokens, ``chunk_tokens`` rows of logits at a
+    time (the training loss's operations, ``models.loss.chunked_lm_loss``, without grads)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])  # [B*S, H]
+    flat_targets = targets.reshape(-1)  # [B*S]
+    rows = (flat_targets != IGNORE_INDEX).nonzero().squeeze(1)  # [N]
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, rows.numel(), chunk_tokens):
+        idx = rows[start : start + chunk_tokens]  # [n]
+        logits = F.linear(flat.index_select(0, idx), weight)  # [n, V]
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        total += F.cross_entropy(logits.float(), flat_targets.index_select(0, idx), reduction="sum")
+    return total
+
+
+class Evaluator:
+    """Held-out loss of ``engine``'s model at a parameter version."""
+
+    def __init__(self, engine: Engine, data: Batches) -> None:
+        self.engine, self.data = engine, data
+
+    def run(self, version: int) -> dict[str, float | int]:
+        """Every held-out batch with the weights after ``version`` steps (updates drained
+        first): ``eval_loss`` (mean over every label token), ``eval_perplexity``,
+        ``eval_tokens`` (label tokens), ``eval_time_s``."""
+        engine = self.engine
+        engine.drain()  # the weights of `version` in the store, every rank's updates in
+        start = time.perf_counter()
+        loss_sum, labels, tokens = 0.0, 0, 0
+        with torch.no_grad():
+            for batch in eval_batches(self.data):
+                part = batch if engine.ctx is None else engine.ctx.rows(batch)
+                batch_loss, batch_labels = self._forward(part, version)
+                loss_sum, labels, tokens = (
+                    loss_sum + batch_loss, labels + batch_labels, tokens + part.tokens
+                )  # fmt: skip
+        if engine.ctx is not None:  # every rank's sums: the mean over every label token
+            loss_sum, n, tokens_sum = all_reduce_sum([loss_sum, labels, tokens], engine.device)
+            labels, tokens = round(n), round(tokens_sum)
+        loss = loss_sum / max(labels, 1)
+        seconds = time.perf_counter() - start
+        engine.lane_times()  # the evaluation's lane times are no training step's
+        return {
+            "eval_loss": loss,
+            "eval_perplexity": math.exp(min(loss, 700.0)),  # exp(>709) overflows a float
+            "eval_tokens": labels,
+            "eval_time_s": round(seconds, 6),
+            "eval_tokens_per_s": round(tokens / seconds, 1),
+        }
+
+    def _forward(self, batch: Batch, v: int) -> tuple[float, int]:
+        """(Σ token losses, label tokens) of ``batch`` [b, S], streamed through the window."""
+        e = self.engine
+        a, win, device = e.adapter, e.window, e.device
+        targets = shift_labels(batch.labels).to(device)  # [b, S]
+        ids = batch.input_ids.to(device)  # [b, S]
+        attn = None if batch.position_ids is not None else batch.attention_mask.to(device)
+        e._load_own(e.embed_buf, a.embed_group, v)
+        win.acquire(e.embed_buf)
+        embed_w = win.views(e.embed_buf, a.embed_group)[EMBED]  # [V, H]
+        compute = torch.cuda.current_stream() if device.type == "cuda" else None
+        with e.clock.stream("compute", compute):
+            x = a.embed(e.embed, ids, embed_w)  # [b, S, H]
+            if batch.position_ids is not None:
+                position_ids = batch.position_ids.to(device)  # [b, S]
+            else:
+                position_ids = torch.arange(x.shape[1], device=device).unsqueeze(0)  # [1, S]
+            ctx = {
+                "position_ids": position_ids,
+                "position_embeddings": a.position_embeddings(e.rotary, x, position_ids),
+                "masks": a.layer_masks(x, attn, position_ids),
+            }
+        streamed = e.plan.policy.resident_layers
+        for layer in range(a.num_layers):
+            buf = e._layer_buffer(layer, v)
+            if layer + 1 < a.num_layers:
+                e._prefetch(max(layer + 1, streamed), v)
+            else:
+                e._load_own(e.head_buf, a.head_group, v)
+            params = e._local(layer, buf)
+            with e.clock.stream("compute", compute):
+                x = LayerRun(a, layer, params, ctx).module_forward(params, x)[0]
+            win.release(buf)
+        win.acquire(e.head_buf)
+        head = win.views(e.head_buf, a.head_group)
+        with e.clock.stream("compute", compute):
+            norm = a.norm_module()
+            bind_params(norm, {"weight": head[NORM]})
+            head_w = embed_w if a.tied else head[LM_HEAD]
+            loss = lm_loss_sum(norm(x), head_w, targets, e.chunk_tokens, a.softcap)
+        win.release(e.head_buf)
+        win.release(e.embed_buf)
+        return float(loss), int((targets != IGNORE_INDEX).sum())

@@ -1,0 +1,118 @@
+"""Experiment trackers (``output.report_to``): TensorBoard and Weights & Biases.
+
+Each tracker gets the resolved config and the run's plan once, at the start, then every step
+record that ``metrics.jsonl`` holds (``runtime.train_log``), and evaluation records (keys
+``eval_*``). TensorBoard (``OUTPUT/tensorboard``) writes the config and the plan as text and
+each number of a record as a scalar ``train/KEY`` (``eval/KEY`` for ``eval_KEY``). W&B (the
+``slidedp[wandb]`` extra) starts one run in ``OUTPUT/wandb`` named after ``output.dir``, the
+config and the plan as its config, a record per step; ``WANDB_PROJECT``, ``WANDB_MODE``
+(``offline`` writes local files only, ``wandb sync`` sends them later) and the other ``WANDB_*``
+variables apply as W&B reads them.
+
+Example::
+
+    trackers = open_trackers(["tensorboard", "wandb"], out, config=cfg_dict, plan=plan_dict)
+    trackers.log_step({"step": 1, "loss": 2.3, ...})
+    trackers.close()
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import yaml
+
+TRACKERS = ("tensorboard", "wandb")
+
+
+class SummaryWriterLike(Protocol):
+    """What we use of ``torch.utils.tensorboard.SummaryWriter``."""
+
+    def add_scalar(self, tag: str, scalar_value: float, global_step: int) -> None: ...
+
+    def add_text(self, tag: str, text_string: str, global_step: int | None = None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _numbers(record: dict[str, Any]) -> dict[str, float]:
+    """The numeric entries of a record (bools, strings and nulls left out)."""
+    return {
+        k: v for k, v in record.items() if isinstance(v, int | float) and not isinstance(v, bool)
+    }
+
+
+class TensorBoardTracker:
+    def __init__(self, writer: SummaryWriterLike) -> None:
+        self.writer = writer
+
+    @classmethod
+    def open(cls, out_dir: Path) -> TensorBoardTracker:
+        from torch.utils.tensorboard import SummaryWriter  # the optional tensorboard package
+
+        writer: SummaryWriterLike = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+        return cls(writer)
+
+    def log_run(self, config: dict[str, Any], plan: dict[str, Any]) -> None:
+        def block(text: str) -> str:  # TensorBoard renders markdown: indented = verbatim
+            return "\n".join("    " + line for line in text.splitlines())
+
+        self.writer.add_text("config", block(yaml.safe_dump(config, sort_keys=False)), 0)
+        self.writer.add_text("plan", block(json.dumps(plan, indent=2, default=str)), 0)
+
+    def log_step(self, record: dict[str, Any]) -> None:
+        step = int(record["step"])
+        for key, value in _numbers(record).items():
+            if key != "step":
+                tag = f"eval/{key.removeprefix('eval_')}" if key.startswith("eval_") else key
+                self.writer.add_scalar(tag if "/" in tag else f"train/{tag}", value, step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    def __init__(self, out_dir: Path) -> None:
+        import wandb  # the optional slidedp[wandb] extra, checked by the config
+
+        self.run = wandb.init(dir=str(out_dir), name=out_dir.resolve().name)
+
+    def log_run(self, config: dict[str, Any], plan: dict[str, Any]) -> None:
+        plain = json.loads(json.dumps({"config": config, "plan": plan}, default=str))
+        self.run.config.update(plain)  # type: ignore[no-untyped-call]
+
+    def log_step(self, record: dict[str, Any]) -> None:
+        self.run.log(_numbers(record), step=int(record["step"]))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class Trackers:
+    """Every tracker of ``output.report_to``, as one."""
+
+    def __init__(self, trackers: Sequence[TensorBoardTracker | WandbTracker]) -> None:
+        self.trackers = list(trackers)
+
+    def log_step(self, record: dict[str, Any]) -> None:
+        for tracker in self.trackers:
+            tracker.log_step(record)
+
+    def close(self) -> None:
+        for tracker in self.trackers:
+            tracker.close()
+
+
+def open_trackers(
+    names: Sequence[str], out_dir: Path, *, config: dict[str, Any], plan: dict[str, Any]
+) -> Trackers | None:
+    """The trackers ``names`` names (None: none), each told the config and the plan."""
+    opened: list[TensorBoardTracker | WandbTracker] = []
+    for name in dict.fromkeys(names):
+        tracker = TensorBoardTracker.open(out_dir) if name == "tensorboard" else None
+        opened.append(tracker or WandbTracker(out_dir))
+        opened[-1].log_run(config, plan)
+    return Trackers(opened) if opened else None

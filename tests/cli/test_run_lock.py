@@ -1,0 +1,109 @@
+"""One run per output directory (``io.run_lock``): two real ``slidedp train`` processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import slidedp.preflight
+from cli.util import one_error_line, run
+from engine.tiny import make_model, write_config, write_data
+from slidedp.errors import OutputDirBusyError
+from slidedp.io.run_lock import LOCK_FILE, RunLock
+
+Capsys = pytest.CaptureFixture[str]
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Path:
+    model = make_model(tmp_path, "qwen3", tied=True)
+    data = write_data(tmp_path / "data.jsonl", 8)
+    return write_config(tmp_path / "c.yaml", model, data, tmp_path / "out")
+
+
+def _start_train(config: Path, *overrides: str) -> subprocess.Popen[str]:
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "slidedp", "train", str(config), *overrides],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[str], timeout_s: float = 120) -> None:
+    end = time.monotonic() + timeout_s
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < end, f"{path} did not appear"
+        time.sleep(0.1)
+
+
+def test_a_second_run_is_refused_while_the_first_trains_and_a_killed_one_leaves_no_lock(
+    capsys: Capsys, config: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = config.parent / "out"
+    first = _start_train(config, "train.max_steps=100000", "output.save_steps=1",
+                         "output.save_total_limit=2")  # fmt: skip
+    try:
+        _wait_for(out / "checkpoint-1", first)  # training, checkpointing every step
+        # refused before the resume decision reads a checkpoint (or anything else)
+        monkeypatch.setattr(slidedp.preflight, "plan_resume", _must_not_run)
+        code, _, err = run(capsys, "train", str(config), "train.resume=auto")
+        assert code == 2
+        one_error_line(
+            err, "train", f"run pid {first.pid} on host {socket.gethostname()}", "output.dir"
+        )
+    finally:
+        first.send_signal(signal.SIGKILL)  # no cleanup at all: the kernel drops the lock
+        first.communicate()
+    monkeypatch.undo()
+    latest = int((out / "latest").read_text().strip().removeprefix("checkpoint-"))
+    steps = f"train.max_steps={latest + 1}"
+    code, _, err = run(capsys, "train", str(config), "train.resume=auto", steps)
+    assert code == 0, err  # the killed run left no lock behind
+
+
+def _must_not_run(*args: object, **kwargs: object) -> object:
+    raise AssertionError("the refused run read output.dir")
+
+
+def test_a_refused_run_leaves_no_lock_file_nor_the_directory_it_created(
+    capsys: Capsys, config: Path
+) -> None:
+    out = config.parent / "new" / "out"
+    code, _, err = run(capsys, "train", str(config), f"output.dir={out}", "train.resume=auto",
+                       "model.max_position_embeddings=8")  # fmt: skip
+    assert code == 2, err
+    assert not (config.parent / "new").exists()
+    code, _, err = run(capsys, "train", str(config), "train.max_steps=1")
+    assert code == 0, err
+    assert (config.parent / "out" / LOCK_FILE).read_text().split()[0] == str(os.getpid())
+
+
+def test_the_lock_is_exclusive_between_processes(tmp_path: Path) -> None:
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time; from pathlib import Path; from slidedp.io.run_lock import RunLock; "
+         f"RunLock.acquire(Path({str(tmp_path)!r})); print('locked', flush=True); "
+         "time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(OutputDirBusyError) as busy:
+            RunLock.acquire(tmp_path)
+        assert (busy.value.pid, busy.value.host) == (holder.pid, socket.gethostname())
+    finally:
+        holder.kill()
+        holder.communicate()
+    RunLock.acquire(tmp_path).release()

@@ -1,0 +1,80 @@
+"""Trackers (``output.report_to``): TensorBoard and W&B (offline) get the config, the plan and
+every step record of ``metrics.jsonl``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from cli.util import run
+from engine.tiny import make_model, read_metrics, write_config, write_data
+from slidedp.config import OutputSection
+from slidedp.errors import ConfigError
+from slidedp.runtime.trackers import TensorBoardTracker
+
+
+def test_wandb_offline_gets_the_config_the_plan_and_every_record(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")  # local files only
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    model = make_model(tmp_path, "qwen3", tied=True)
+    data = write_data(tmp_path / "data.jsonl", 8)
+    out = tmp_path / "out"
+    config = write_config(tmp_path / "c.yaml", model, data, out,
+                          output={"report_to": ["wandb"]})  # fmt: skip
+    code, _, err = run(capsys, "train", str(config), "train.max_steps=3")
+    assert code == 0, err
+    records = read_metrics(out)
+    assert len(records) == 3
+    # W&B: one offline run; its record log holds every step's numbers, the config and the plan
+    (log,) = out.glob("wandb/offline-run-*/run-*.wandb")
+    raw = log.read_bytes()
+    for record in records:
+        for key in ("loss", "grad_norm", "tokens_per_s", "step_time_s"):
+            assert json.dumps(record[key]).encode() in raw, (key, record[key])
+    assert b"global_batch_size" in raw  # the resolved config
+    assert b"param_route" in raw  # the plan's policy
+
+
+class _SummaryWriter:
+    def __init__(self) -> None:
+        self.scalars: list[tuple[str, float, int]] = []
+        self.texts: dict[str, str] = {}
+
+    def add_scalar(self, tag: str, scalar_value: float, global_step: int) -> None:
+        self.scalars.append((tag, scalar_value, global_step))
+
+    def add_text(self, tag: str, text_string: str, global_step: int | None = None) -> None:
+        self.texts[tag] = text_string
+
+    def close(self) -> None:
+        pass
+
+
+def test_tensorboard_gets_the_config_the_plan_and_every_number_of_a_record() -> None:
+    writer = _SummaryWriter()
+    tracker = TensorBoardTracker(writer)
+    tracker.log_run({"train": {"max_steps": 3}}, {"policy": {"param_route": "replicated"}})
+    tracker.log_step({"step": 2, "loss": 1.5, "label_tokens": 7, "skipped": False, "x": None})
+    tracker.log_step({"step": 4, "eval_loss": 1.25, "eval_perplexity": 3.49})
+    assert "    train:\n      max_steps: 3" in writer.texts["config"]
+    assert '"param_route": "replicated"' in writer.texts["plan"]
+    assert writer.scalars == [("train/loss", 1.5, 2), ("train/label_tokens", 7, 2),
+                              ("eval/loss", 1.25, 4), ("eval/perplexity", 3.49, 4)]  # fmt: skip
+
+
+def test_a_tracker_that_is_not_installed_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert OutputSection(dir="o", tensorboard=False, report_to=["wandb"]).trackers() == ["wandb"]
+    both = OutputSection(dir="o", tensorboard=False, report_to=["wandb", "wandb"])
+    assert both.trackers() == ["wandb"]
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name: None if name == "wandb" else found(name))  # fmt: skip
+    with pytest.raises(ConfigError, match=r"report_to has wandb but it is not installed: pip"):
+        OutputSection(dir="o", report_to=["wandb"])
