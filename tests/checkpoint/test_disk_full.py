@@ -95,7 +95,7 @@ def test_the_best_checkpoint_needs_room_of_its_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(slidedp.io.disk_space, "free_bytes", lambda path: 3 * 100)
-    keys = {"one_bytes": 100, "total_limit": 2, "saves": 5}
-    assert check_disk_space(tmp_path, **keys).startswith("3 checkpoint(s)")
+    line = check_disk_space(tmp_path, one_bytes=100, total_limit=2, saves=5)
+    assert line.startswith("3 checkpoint(s)")  # two kept + the one being written
     with pytest.raises(DiskFullError, match="4 checkpoint"):
-        check_disk_space(tmp_path, best=True, **keys)
+        check_disk_space(tmp_path, one_bytes=100, total_limit=2, saves=5, best=True)
