@@ -126,11 +126,16 @@ def check_memory(cfg: TrainConfig, adapter: HFAdapter, shm_dir: Path = SHM_DIR) 
 
 
 def check_data(cfg: TrainConfig, adapter: HFAdapter) -> str:
-    """Read, tokenize and check the whole data set as the trainer will (``build_batches``)."""
+    """Read, tokenize and check the whole data set as the trainer will (``build_batches``),
+    the held-out data too."""
     from slidedp.data.build import run_batches
 
     batches = run_batches(cfg, adapter.config, adapter.vocab_size)
-    return f"data     {batches.report}"
+    line = f"data     {batches.report}"
+    if cfg.data.has_eval:  # the held-out rows runtime.evaluate visits
+        held = run_batches(cfg, adapter.config, adapter.vocab_size, part="eval")
+        line += f"; held out: {held.report}"
+    return line
 
 
 def _is_model_dir(path: Path) -> bool:
@@ -241,13 +246,15 @@ def check_before_training(cfg: TrainConfig, *, measure_policy: bool = False) -> 
     adapter, model = check_model(cfg)
     ranks = [check_ranks(cfg)] if cfg.runtime.world > 1 or cfg.runtime.nodes > 1 else []
     resume, resumed = check_resume(cfg, adapter)
-    output = f"{check_output_dir(cfg)}; {check_checkpoint_space(cfg, adapter, resume)}"
+    output = check_output_dir(cfg)
     # after every refusal that needs no layout: profiling is GPU work and writes its cache
     machine = Machine.probe(cfg, measure=False)
     cfg, chosen = resolve_auto(cfg, adapter, machine, measure=measure_policy,
                                resume=None if resume is None else resume.path)  # fmt: skip
     policy = [chosen] if chosen else []
-    lines = [device, *ranks, model, *policy, resumed, check_memory(cfg, adapter), output]
+    memory = check_memory(cfg, adapter)  # the host first: a disk is easier to free
+    output += f"; {check_checkpoint_space(cfg, adapter, resume)}"
+    lines = [device, *ranks, model, *policy, resumed, memory, output]
     return Checked(lines, resume, adapter, cfg, chosen)
 
 

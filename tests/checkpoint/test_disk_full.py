@@ -12,7 +12,8 @@ import slidedp.io.checkpoint
 import slidedp.io.disk_space
 from cli.util import one_error_line, run, snapshot
 from engine.tiny import make_model, read_metrics, write_config, write_data
-from slidedp.io.disk_space import checkpoints_at_once, saves_of_run
+from slidedp.errors import DiskFullError
+from slidedp.io.disk_space import check_disk_space, checkpoints_at_once, saves_of_run
 
 Capsys = pytest.CaptureFixture[str]
 
@@ -88,3 +89,13 @@ def test_the_checkpoints_on_disk_at_once() -> None:
     assert checkpoints_at_once(2, 1, 4) == 2
     assert checkpoints_at_once(2, 3, 4) == 1  # the oldest go once the new one is in
     assert checkpoints_at_once(3, 0, 1) == 1
+
+
+def test_the_best_checkpoint_needs_room_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(slidedp.io.disk_space, "free_bytes", lambda path: 3 * 100)
+    line = check_disk_space(tmp_path, one_bytes=100, total_limit=2, saves=5)
+    assert line.startswith("3 checkpoint(s)")  # two kept + the one being written
+    with pytest.raises(DiskFullError, match="4 checkpoint"):
+        check_disk_space(tmp_path, one_bytes=100, total_limit=2, saves=5, best=True)

@@ -7,7 +7,9 @@ from typing import Any
 
 import pytest
 
+from cli.util import run
 from data.helpers import VOCAB, write_jsonl
+from engine.tiny import make_model, write_config, write_data
 from slidedp.config import config_from_dict
 from slidedp.data.batches import Batches
 from slidedp.data.build import ModelFacts, build_batches
@@ -77,3 +79,16 @@ def _raw(**sections: dict[str, Any]) -> dict[str, Any]:
 def test_eval_keys_are_checked(sections: dict[str, dict[str, Any]], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         config_from_dict(_raw(**sections))
+
+
+def test_validate_reports_the_held_out_rows(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    model = make_model(tmp_path, "qwen3", tied=True)
+    data = write_data(tmp_path / "d.jsonl", 10)
+    config = write_config(tmp_path / "c.yaml", model, data, tmp_path / "out",
+                          data={"eval_fraction": 0.3})  # fmt: skip
+    code, out, err = run(capsys, "validate", str(config))
+    assert code == 0, err
+    assert f"{data} (input_ids): 10 samples → 7 in" in out  # 10 read, 3 held out
+    assert f"held out: {data} (input_ids): 10 samples → 3 in" in out

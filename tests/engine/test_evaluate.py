@@ -56,7 +56,7 @@ def _plain_eval_loss(config: Path, checkpoint: Path) -> float:
     model.train(False)  # no dropout
     total, labels = 0.0, 0
     with torch.no_grad():
-        for batch in eval_batches(held):
+        for batch, _ in eval_batches(held):
             logits = model(**batch.model_inputs()).logits[:, :-1].float()  # [B, S-1, V]
             targets = batch.labels[:, 1:]
             total += F.cross_entropy(logits.transpose(1, 2), targets, reduction="sum").item()

@@ -34,9 +34,10 @@ from slidedp.runtime.dist import all_reduce_sum
 from slidedp.runtime.engine import Engine
 
 
-def eval_batches(data: Batches) -> Iterator[Batch]:
-    """Every held-out row once, ``data.batch_size`` rows a batch; the last batch is filled up
-    with copies of its first row whose labels are all ignored (every rank gets its share)."""
+def eval_batches(data: Batches) -> Iterator[tuple[Batch, int]]:
+    """Every held-out row once, ``data.batch_size`` rows a batch, with its count of real rows:
+    the last batch is filled up with copies of its first row whose labels are all ignored
+    (every rank gets its share)."""
     n, size = len(data.rows), data.batch_size
     for start in range(0, n, size):
         rows = np.arange(start, min(start + size, n), dtype=np.int64)
@@ -44,7 +45,7 @@ def eval_batches(data: Batches) -> Iterator[Batch]:
         rows = np.concatenate([rows, np.full(size - real, start, dtype=np.int64)])
         batch = data.batch_of_rows(rows)
         batch.labels[real:] = IGNORE_INDEX
-        yield batch
+        yield batch, real
 
 
 def lm_loss_sum(
@@ -78,21 +79,21 @@ class Evaluator:
     def run(self, version: int) -> dict[str, float | int]:
         """Every held-out batch with the weights after ``version`` steps (updates drained
         first): ``eval_loss`` (mean over every label token), ``eval_perplexity``,
-        ``eval_tokens`` (label tokens), ``eval_time_s``."""
+        ``eval_tokens`` (label tokens), ``eval_time_s``, ``eval_tokens_per_s`` (every token of
+        the held-out rows, as the step's ``tokens_per_s``)."""
         engine = self.engine
         engine.drain()  # the weights of `version` in the store, every rank's updates in
         start = time.perf_counter()
         loss_sum, labels, tokens = 0.0, 0, 0
         with torch.no_grad():
-            for batch in eval_batches(self.data):
+            for batch, real in eval_batches(self.data):
                 part = batch if engine.ctx is None else engine.ctx.rows(batch)
                 batch_loss, batch_labels = self._forward(part, version)
-                loss_sum, labels, tokens = (
-                    loss_sum + batch_loss, labels + batch_labels, tokens + part.tokens
-                )  # fmt: skip
+                loss_sum, labels = loss_sum + batch_loss, labels + batch_labels
+                tokens += int(batch.attention_mask[:real].sum())  # the global batch's
         if engine.ctx is not None:  # every rank's sums: the mean over every label token
-            loss_sum, n, tokens_sum = all_reduce_sum([loss_sum, labels, tokens], engine.device)
-            labels, tokens = round(n), round(tokens_sum)
+            loss_sum, n = all_reduce_sum([loss_sum, labels], engine.device)
+            labels = round(n)
         loss = loss_sum / max(labels, 1)
         seconds = time.perf_counter() - start
         engine.lane_times()  # the evaluation's lane times are no training step's
