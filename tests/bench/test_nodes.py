@@ -63,6 +63,7 @@ def test_the_prediction_grows_with_the_nodes(
     assert rows[1]["blocking_s"] - rows[0]["blocking_s"] > 10 * rows[1]["reduce_layer_s"]
 
 
+@pytest.mark.e2e
 def test_the_cpu_measurement_reports_loss_parity(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

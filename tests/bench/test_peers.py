@@ -47,6 +47,7 @@ def test_every_system_has_a_worker_and_peers_are_opt_in() -> None:
     assert args.systems == "ours,reference,fsdp2"
 
 
+@pytest.mark.e2e
 def test_the_engine_and_the_bench_never_import_a_peer_package() -> None:
     code = (
         "import sys\n"
@@ -82,6 +83,7 @@ def test_a_peer_that_fails_at_import_is_one_line(
     assert str(caught.value) == "roundpipe: importing broken_peer failed: ValueError: no GPU here"
 
 
+@pytest.mark.e2e
 def test_a_peer_that_cannot_run_here_is_a_row_and_a_summary_line_not_a_failure(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -270,6 +272,7 @@ def test_variants_are_rows_ratios_timeouts_and_summaries_of_their_own(
                       "zero3-offload:s (ours 3.00x)"]  # fmt: skip
 
 
+@pytest.mark.e2e
 def test_two_variants_of_a_peer_end_to_end_on_cpu(tmp_path: Path) -> None:
     """GPU-resident FSDP2 runs on CPU: a peer and two variants of it, each in its own worker,
     each told its own overrides (FSDP2 takes none: the worker's record of what it was given),
@@ -337,6 +340,7 @@ def test_the_deepspeed_configs_follow_the_fine_tuning_guides() -> None:
     assert tuned["zero_optimization"]["offload_param"] == pinned_cpu
 
 
+@pytest.mark.e2e
 def test_gpu_resident_fsdp2_trains_the_same_model_as_fsdp2_offload(tmp_path: Path) -> None:
     # in workers, as the bench runs them: run in the test process, the resident backward left
     # autograd's threads there, and the multirank tests' later forks of it failed
@@ -359,6 +363,7 @@ def test_system_timeouts_have_a_default_and_per_system_values() -> None:
             system_timeouts(bad, systems)
 
 
+@pytest.mark.e2e
 def test_a_run_past_the_system_timeout_is_killed_and_reported(tmp_path: Path) -> None:
     # A worker spends well over 0.3 s importing torch before its first step.
     spec = dataclasses.replace(tiny_spec(tmp_path, "reference"), timeout_s=0.3)

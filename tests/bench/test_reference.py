@@ -32,6 +32,7 @@ def test_reference_loss_and_embedding_grad_are_the_hf_models(tied: bool) -> None
     torch.testing.assert_close(grad_embed, model.model.embed_tokens.weight.grad)
 
 
+@pytest.mark.e2e
 def test_run_reference_times_the_measured_steps(tmp_path: Path) -> None:
     spec = tiny_spec(tmp_path, "reference", ["runtime.loss_chunk_tokens=8"])
     result = run_reference(spec)
@@ -41,6 +42,7 @@ def test_run_reference_times_the_measured_steps(tmp_path: Path) -> None:
     assert all(5.0 < loss < 6.0 for loss in result["losses"])  # about ln(256) = 5.55
 
 
+@pytest.mark.e2e
 def test_the_reference_with_compiled_layers_is_the_eager_reference() -> None:
     """``aot_eager``: the traced graph run by the eager kernels, so equal bit for bit (the
     engine's compiled layers: ``tests/engine/test_fast.py``)."""

@@ -38,6 +38,7 @@ def _cli(config: Path, out: Path, *extra: str) -> int:
     return main([*args, "--warmup", "1", "--steps", "1", "--json", str(out), *extra])
 
 
+@pytest.mark.e2e
 def test_ours_and_reference_end_to_end_on_cpu(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -222,6 +223,7 @@ def test_three_systems_on_the_gpu(tmp_path: Path) -> None:
         assert row["ours_over_reference"] > 0
 
 
+@pytest.mark.e2e
 def test_ours_with_runtime_policy_auto_and_the_reference_run_the_chosen_layout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -239,6 +241,7 @@ def test_ours_with_runtime_policy_auto_and_the_reference_run_the_chosen_layout(
     assert list((tmp_path / "cache" / "slidedp" / "profile").glob("layer-*.json"))
 
 
+@pytest.mark.e2e
 def test_predict_calibrates_here_and_predicts_every_run_of_ours(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -265,6 +268,7 @@ def test_predict_calibrates_here_and_predicts_every_run_of_ours(
     assert "step-time model (calibrated here" in printed
 
 
+@pytest.mark.e2e
 def test_bench_predict_reads_probes_run_apart(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -386,6 +390,7 @@ def test_ours_variants_are_rows_ratios_and_summaries_of_their_own(
     }  # fmt: skip
 
 
+@pytest.mark.e2e
 def test_a_variant_of_ours_end_to_end_on_cpu(tmp_path: Path) -> None:
     """ours and ours:n (every layer N: nothing recomputed) in their own workers, each given its
     layout and traced into its own file; on CPU the two layouts train bit for bit alike."""

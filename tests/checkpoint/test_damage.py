@@ -16,6 +16,8 @@ import pytest
 from cli.util import one_error_line, run
 from engine.tiny import make_model, read_metrics, write_config, write_data
 
+pytestmark = pytest.mark.e2e  # every test here trains end to end
+
 Capsys = pytest.CaptureFixture[str]
 VERBS = ("validate", "train")
 

@@ -102,6 +102,7 @@ def test_bf16_per_expert_files_are_cast_into_the_f32_masters(tmp_path: Path) -> 
     assert masters["model.layers.1.mlp.experts.down_proj"].dtype == torch.float32
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("arch", ARCHS)
 def test_training_from_either_layout_gives_the_same_losses_and_exports_fused(
     capsys: Capsys, tmp_path: Path, arch: str

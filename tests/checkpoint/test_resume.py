@@ -38,6 +38,7 @@ def _assert_same_state(a: Trainer, b: Trainer) -> None:
         assert torch.equal(bits_a, bits_b), region
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     "train",
     [
@@ -77,6 +78,7 @@ def test_a_resumed_run_is_bit_identical_to_an_uninterrupted_one(
     assert state["world_size"] == 1
 
 
+@pytest.mark.e2e
 def test_a_signal_mid_run_saves_after_the_step_and_auto_resume_continues_exactly(
     tmp_path: Path,
 ) -> None:
@@ -112,6 +114,7 @@ def test_a_signal_mid_run_saves_after_the_step_and_auto_resume_continues_exactly
     assert losses == [(m["step"], m["loss"]) for m in read_metrics(tmp_path / "straight")]
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_sigterm_to_a_cli_run_saves_a_checkpoint_and_auto_resume_continues_exactly(
     tmp_path: Path,
@@ -152,6 +155,7 @@ def test_sigterm_to_a_cli_run_saves_a_checkpoint_and_auto_resume_continues_exact
     assert losses == [m["loss"] for m in read_metrics(tmp_path / "straight")]
 
 
+@pytest.mark.e2e
 def test_resume_refusals_are_one_clear_line_the_same_for_validate_and_write_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -206,6 +210,7 @@ def _poisoned_model(tmp_path: Path) -> Path:
     return model
 
 
+@pytest.mark.e2e
 def test_skip_leaves_the_state_untouched_counts_the_step_and_limits_the_streak(
     tmp_path: Path,
 ) -> None:

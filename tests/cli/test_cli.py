@@ -40,6 +40,7 @@ def test_validate_prints_an_ok_summary_and_writes_nothing(capsys: Capsys, config
     assert not list(config.parent.glob(".slidedp-write-probe-*"))
 
 
+@pytest.mark.e2e
 def test_train_prints_and_saves_the_resolved_config(capsys: Capsys, config: Path) -> None:
     code, out, err = run(capsys, "train", str(config), "train.max_steps=2")
     assert code == 0, err
@@ -115,6 +116,7 @@ def test_ctrl_c_is_one_line_and_exit_130(
     assert (code, err) == (130, "slidedp validate: interrupted\n")
 
 
+@pytest.mark.e2e
 def test_the_process_exit_code_and_no_traceback(tmp_path: Path) -> None:
     """The one test through a real process: the exit status the shell sees."""
     done = subprocess.run(

@@ -11,6 +11,8 @@ from data.helpers import write_jsonl
 from engine.tiny import make_model, write_config
 from slidedp.cli import main
 
+pytestmark = pytest.mark.e2e  # every test here trains end to end
+
 
 def test_the_banner_reports_the_data_and_a_bad_line_stops_the_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -10,6 +10,7 @@ whole training runs with clipping on two architectures.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +137,26 @@ def _train(
     return metrics, load_file(out / "final" / "model.safetensors")
 
 
+Run = tuple[Path, list[tuple[float, float]], dict[str, torch.Tensor]]
+
+
+@pytest.fixture(scope="module")
+def full_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, bool], Run]:
+    """The model of ``(arch, tied)`` and its run with full checkpointing, trained once per
+    module (every layout of that model compares with it)."""
+    runs: dict[tuple[str, bool], Run] = {}
+
+    def full(arch: str, tied: bool) -> Run:
+        if (arch, tied) not in runs:
+            root = tmp_path_factory.mktemp(f"full-{arch}")
+            model = make_model(root, arch, tied=tied, layers=5)
+            runs[arch, tied] = (model, *_train(root, model, "full", "F"))
+        return runs[arch, tied]
+
+    return full
+
+
+@pytest.mark.e2e
 @pytest.mark.parametrize(("arch", "tied"), [("qwen3", True), ("llama", False)])
 @pytest.mark.parametrize(
     "layers",
@@ -147,10 +168,9 @@ def _train(
     ],
 )
 def test_training_with_any_layout_is_bit_identical_to_full_checkpointing(
-    tmp_path: Path, arch: str, tied: bool, layers: str
+    tmp_path: Path, full_runs: Callable[[str, bool], Run], arch: str, tied: bool, layers: str
 ) -> None:
-    model = make_model(tmp_path, arch, tied=tied, layers=5)
-    full_metrics, full_params = _train(tmp_path, model, "full", "F")
+    model, full_metrics, full_params = full_runs(arch, tied)
     metrics, params = _train(tmp_path, model, "layout", layers)
     assert len(metrics) == STEPS
     assert metrics == full_metrics  # losses and gradient norms, every step

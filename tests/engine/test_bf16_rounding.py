@@ -20,6 +20,8 @@ import torch
 from engine.mixed_precision import fsdp2_losses, mean_abs, our_losses, parity_data, train_config
 from engine.tiny import make_model
 
+pytestmark = pytest.mark.e2e  # every test here trains end to end
+
 ROUNDING_RATIO = 1.5  # ours' distance from float32 at most this many times FSDP2's
 STEPS = 100
 

@@ -343,6 +343,7 @@ def _train(
     return metrics, load_file(out / "final" / "model.safetensors")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("arch", "tied", "layers", "graphs"),
     [

@@ -11,6 +11,8 @@ from engine.tiny import make_model, write_config, write_data
 from slidedp.config import load_config
 from slidedp.runtime.trainer import Trainer
 
+pytestmark = pytest.mark.e2e  # every test here trains end to end
+
 
 @pytest.mark.gpu
 def test_bf16_training_on_gpu_lowers_the_loss_with_depth_independent_param_memory(

@@ -56,6 +56,7 @@ def model_and_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path
     return _small_qwen3(root), _data(root)
 
 
+@pytest.mark.e2e
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.parametrize("clip", [1.0, 0.0], ids=["clipped", "overlap"])
@@ -90,6 +91,7 @@ def test_resident_layers_track_the_all_host_run(
         assert delta <= 1e-3, (name, delta)
 
 
+@pytest.mark.e2e
 @pytest.mark.gpu
 def test_the_resident_update_overlaps_the_next_forward(
     tmp_path: Path, model_and_data: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch

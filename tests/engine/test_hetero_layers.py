@@ -108,6 +108,7 @@ def test_flops_and_the_cost_model_take_each_layer_as_its_kind() -> None:
     assert memory.retained_bytes == 2 * sliding.retained_bytes + full.retained_bytes
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("arch", "tied", "max_grad_norm", "chunk", "layers"), CASES)
 def test_losses_and_final_params_match_the_reference(
     tmp_path: Path, arch: str, tied: bool, max_grad_norm: float, chunk: int, layers: str
@@ -154,6 +155,7 @@ def test_losses_and_final_params_match_the_reference(
     assert embed.max().item() <= 2 * LR[arch]
 
 
+@pytest.mark.e2e
 def test_a_resumed_gemma4_run_continues_with_the_checkpoints_layer_buffers(
     tmp_path: Path,
 ) -> None:
@@ -225,6 +227,7 @@ def _multimodal(text_dir: Path, arch: str) -> Path:
     return out
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("arch", "tied"), [("gemma4_text", True), ("qwen3_5_moe_text", False)])
 def test_a_multimodal_directory_trains_its_text_model(
     tmp_path: Path, arch: str, tied: bool
@@ -290,6 +293,7 @@ def _as_in_transformers_5_17(monkeypatch: pytest.MonkeyPatch, arch: str) -> None
         monkeypatch.setattr(qwen.Qwen3_5MoeTextRotaryEmbedding, "forward", by_axis)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("arch", ["gemma4_text", "qwen3_5_moe_text"])
 def test_layers_run_alone_as_the_models_forward_calls_them(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, arch: str

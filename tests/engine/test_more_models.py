@@ -70,6 +70,7 @@ def _run(arch: str, text: str) -> list[torch.Tensor]:
     return [y, logits, g_x, *(grads[n] for n in sorted(grads))]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("family", ["N", "N-r1", "SAC.mm", "SAC.attn-r0.5", "F-r1"])
 def test_a_moe_layer_with_router_logits_is_bit_identical_in_every_family(
@@ -157,6 +158,7 @@ def test_a_sequence_past_the_position_limit_is_refused_without_the_override(
     )  # fmt: skip
 
 
+@pytest.mark.e2e
 def test_rope_scaling_and_max_positions_train_past_the_native_limit(
     capsys: Capsys, tmp_path: Path
 ) -> None:

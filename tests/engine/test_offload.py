@@ -17,6 +17,7 @@ from slidedp.runtime.activations.full import FullExecutor
 from slidedp.runtime.activations.offload import ActivationOffload, offload_count
 
 
+@pytest.mark.e2e
 def test_the_backward_reloads_inputs_prefetched_one_layer_ahead(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -72,6 +73,7 @@ def test_a_ratio_offloads_the_shortest_prefix_holding_that_share(
     assert offload_count(saved, ratio) == count
 
 
+@pytest.mark.e2e
 @pytest.mark.gpu
 def test_reloaded_activations_are_the_compute_streams_blocks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

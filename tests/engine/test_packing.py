@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -17,6 +18,8 @@ from slidedp.config import load_config
 from slidedp.data.batch import Batch
 from slidedp.models.loss import IGNORE_INDEX
 from slidedp.runtime.trainer import Trainer
+
+pytestmark = pytest.mark.e2e  # every test here trains end to end
 
 
 def _hf_loss(model: torch.nn.Module, batch: Batch, packed: bool) -> float:

@@ -16,6 +16,8 @@ from safetensors.torch import load_file
 from engine.tiny import make_model, read_metrics, reference_train, write_config, write_data
 from slidedp.cli import main
 
+pytestmark = pytest.mark.e2e  # every test here trains end to end
+
 # Tolerances (float32, measured): both sides run the same math in a different summation order
 # (chunked loss vs one cross-entropy, per-layer vs whole-model autograd, Rust vs torch AdamW
 # reductions), so differences are rounding only. Measured over 12 steps: max relative loss

@@ -120,6 +120,7 @@ CASES = [
 ]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("arch", "tied", "clip", "layout"), CASES)
 def test_resident_layers_train_bit_for_bit_like_the_all_host_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, tied: bool, clip: str, layout: str
@@ -159,6 +160,7 @@ def test_resident_layers_train_bit_for_bit_like_the_all_host_run(
         assert f"resident_embeddings: {str(with_embeddings).lower()}" in resolved
 
 
+@pytest.mark.e2e
 def test_a_checkpoint_with_resident_layers_is_the_all_host_one_and_resumes_exactly(
     tmp_path: Path,
 ) -> None:
@@ -292,6 +294,7 @@ def test_the_estimate_counts_resident_layers_and_refuses_what_does_not_fit(
     assert "of which 2 resident layers and the embeddings" in out
 
 
+@pytest.mark.e2e
 def test_every_resident_group_waits_for_its_update_each_step(
     tiny_run: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -319,6 +322,7 @@ def test_every_resident_group_waits_for_its_update_each_step(
         assert asked.get(group, 0) > steps, (group, asked)
 
 
+@pytest.mark.e2e
 def test_the_engine_allocates_what_the_accounting_counts(tiny_run: Path) -> None:
     """CPU f32, clipping (no gradient term): the resident weights and FP32 state the engine
     holds are ``resident_layer_bytes``; resident embeddings add their FP32 state, which is what
@@ -431,6 +435,7 @@ def _poison_gradient(monkeypatch: pytest.MonkeyPatch, group: int, call: int) -> 
     monkeypatch.setattr(Trainer, "__init__", fresh)
 
 
+@pytest.mark.e2e
 def test_a_non_finite_resident_gradient_stops_or_skips_as_in_the_all_host_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

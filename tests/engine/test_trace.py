@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from engine.tiny import make_model, write_config, write_data
 from slidedp.cli import main
 from slidedp.runtime.trace import TRACKS, WAIT_TRACK
+
+pytestmark = pytest.mark.e2e  # every test here trains end to end
 
 
 def test_the_traced_step_has_every_lane_on_one_timeline(tmp_path: Path) -> None:

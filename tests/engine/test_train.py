@@ -18,6 +18,8 @@ from slidedp.config import load_config
 from slidedp.errors import NonFiniteError
 from slidedp.runtime.trainer import Trainer
 
+pytestmark = pytest.mark.e2e  # every test here trains end to end
+
 LANE_KEYS = ("h2d_s", "compute_s", "d2h_s", "update_s", "offload_s", "wait_h2d_s", "wait_update_s")
 
 

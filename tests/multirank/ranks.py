@@ -111,6 +111,10 @@ def run_ranks(
     for p in procs:
         p.join(timeout=60)
     codes = [p.exitcode for p in procs]
+    for p in procs:  # a hung rank must not outlive the test (the interpreter joins it at exit)
+        if p.is_alive():
+            p.kill()
+            p.join()
     assert all(c is not None for c in codes), f"a rank hung: {codes}"
     return [int(c) for c in codes if c is not None]
 

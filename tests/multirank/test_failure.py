@@ -18,6 +18,8 @@ from engine.tiny import make_model, write_config, write_data
 from multirank.ranks import run_ranks
 from slidedp.runtime.dist import EXIT_PEER_FAILED
 
+pytestmark = pytest.mark.e2e  # every test here trains end to end
+
 
 def _config(tmp_path: Path, steps: int) -> Path:
     model = make_model(tmp_path, "qwen3", tied=False, layers=3)

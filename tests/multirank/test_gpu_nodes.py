@@ -44,6 +44,8 @@ from slidedp.bench.node_runs import (
 )
 from slidedp.runtime.launch import free_port
 
+pytestmark = pytest.mark.e2e  # every test here trains end to end
+
 GPU_STEPS = 100
 TIMEOUT_S = 300  # one run of 100 small steps; a hang fails the test instead of blocking it
 TESTS = Path(__file__).resolve().parents[1]  # on PYTHONPATH of the nodes (multirank.node_dump)

@@ -17,6 +17,8 @@ from engine.tiny import make_model, read_metrics, write_config, write_data
 from multirank.ranks import latest_step, start_train, wait_for_steps
 from slidedp.cli import main
 
+pytestmark = pytest.mark.e2e  # every test here trains end to end
+
 STEPS = 100
 # (grad route, param route, max_grad_norm, BF16 mirror): the replicated routes read the mirror
 # (nothing cast per rank), the sharded ones cast their shard on delivery; clipping on every

@@ -27,6 +27,8 @@ from engine.tiny import final_param_delta, make_model, read_metrics, write_confi
 from multirank.ranks import REGIONS, run_ranks
 from slidedp.cli import main
 
+pytestmark = pytest.mark.e2e  # every test here trains end to end
+
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
 OUTPUT = {"tensorboard": False}

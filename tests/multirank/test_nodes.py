@@ -51,6 +51,7 @@ def _assert_same_run(a: Path, b: Path, first_step: int = 0) -> None:
     assert max((pa[n] - pb[n]).abs().max().item() for n in pa) <= PARAM_ATOL
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("grad_route", "param_route", "max_grad_norm"),
     [("gpu", "replicated", 2.4), ("cpu", "sharded", 2.4), ("gpu", "sharded", 0.0)],
@@ -101,6 +102,7 @@ def test_two_nodes_of_two_ranks_match_one_node_of_four_and_one_rank(
     assert not torch.equal(node0["exp_avg"], torch.zeros_like(node0["exp_avg"]))
 
 
+@pytest.mark.e2e
 def test_checkpoints_resume_across_a_change_of_node_count(tmp_path: Path) -> None:
     """1 rank writes checkpoint-3; 2 nodes x 1 rank resume it (each node loads it into its own
     store) and write checkpoints 4..6; 1 rank resumes checkpoint-4: both follow the
@@ -159,6 +161,7 @@ def _nodes_config(tmp_path: Path, steps: int) -> Path:
     )
 
 
+@pytest.mark.e2e
 def test_a_rank_that_raises_on_one_node_stops_every_node(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -168,6 +171,7 @@ def test_a_rank_that_raises_on_one_node_stops_every_node(
     assert err.count("injected failure on rank 3") == 1, err
 
 
+@pytest.mark.e2e
 def test_a_signal_to_one_node_stops_every_node_after_the_same_step(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -208,6 +212,7 @@ def test_nodes_that_would_start_apart_refuse_with_one_line(
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
+@pytest.mark.e2e
 def test_a_non_finite_gradient_on_one_node_skips_the_step_on_every_node(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -40,6 +40,7 @@ def _assert_same_checkpoints(a: Path, b: Path) -> None:
             assert torch.equal(ta[name], tb[name]), f"{f}: {name}"
 
 
+@pytest.mark.e2e
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -69,6 +70,7 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.e2e
 def test_sigterm_to_the_launcher_checkpoints_once_and_exits_2(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = start_train(_config(tmp_path, out, steps=10_000))
@@ -85,6 +87,7 @@ def test_sigterm_to_the_launcher_checkpoints_once_and_exits_2(tmp_path: Path) ->
     assert all(_gone(pid) for pid in ranks)
 
 
+@pytest.mark.e2e
 def test_a_dead_launcher_makes_the_ranks_checkpoint_and_exit(tmp_path: Path) -> None:
     """SIGKILL to the launcher (nothing can be forwarded): each rank sees its parent gone, sends
     itself SIGTERM and stops as on any SIGTERM, with a checkpoint."""

@@ -30,6 +30,7 @@ def _config(tmp_path: Path, name: str, **runtime: object) -> Path:
                         runtime=runtime, output={"tensorboard": False})  # fmt: skip
 
 
+@pytest.mark.e2e
 def test_auto_profiles_once_chooses_and_trains_as_the_chosen_layout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -93,6 +94,7 @@ def test_auto_profiles_once_chooses_and_trains_as_the_chosen_layout(
     assert losses == [m["loss"] for m in read_metrics(tmp_path / "by_hand")]
 
 
+@pytest.mark.e2e
 def test_auto_on_two_cpu_ranks_chooses_once_in_the_launcher(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -168,6 +170,7 @@ def test_the_profile_is_keyed_by_the_runs_layer_compute(tmp_path: Path) -> None:
     assert _profiled(auto.profile_args(cfg, world=2)).cache != eager.cache
 
 
+@pytest.mark.e2e
 def test_a_resumed_auto_run_keeps_the_layout_its_checkpoint_ran_with(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -20,6 +20,8 @@ from engine.tiny import make_model, read_metrics, write_config, write_data
 from slidedp.cli import main
 from slidedp.plan.route_choice import ROUTES
 
+pytestmark = pytest.mark.e2e  # every test here trains end to end
+
 STEPS = 4
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 

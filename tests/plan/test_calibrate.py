@@ -188,6 +188,7 @@ def test_calibration_off_keeps_the_profiled_times(
     assert "; not calibrated (runtime.policy_calibrate_steps=0); " in line
 
 
+@pytest.mark.e2e
 def test_train_with_auto_calibrates_on_the_cpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

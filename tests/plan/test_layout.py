@@ -79,6 +79,7 @@ def test_a_policy_file_sets_the_layout_and_routes(tmp_path: Path) -> None:
         resolve_policy(cfg.runtime, HFAdapter.from_dir(model), mirror=False, device=CPU)
 
 
+@pytest.mark.e2e
 def test_the_policy_is_in_the_banner_and_in_every_checkpoint(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -353,6 +353,7 @@ def test_a_layout_predicted_less_than_min_gain_faster_keeps_the_default(
     assert [str(p) for p in slow.layers] == ["F-r0"] * LAYERS
 
 
+@pytest.mark.e2e
 def test_plan_writes_a_policy_file_that_trains(
     run: tuple[Path, Any, HFAdapter, Machine], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

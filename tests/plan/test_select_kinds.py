@@ -182,6 +182,7 @@ def test_each_kind_is_profiled_once_and_cached_apart(
     assert json.loads((tmp_path / "p.json").read_text())["cached"].count("layer-") == 2
 
 
+@pytest.mark.e2e
 def test_train_with_policy_auto_on_layers_of_two_kinds(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -63,6 +63,7 @@ def _no_selection(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(module, name, ran)
 
 
+@pytest.mark.e2e
 def test_a_second_train_takes_the_cached_selection_and_trains_the_same_layout(
     run: tuple[Path, Path, FakeTrials],
     tmp_path: Path,
@@ -193,6 +194,7 @@ def test_a_refused_run_writes_nothing_and_caches_nothing(
     assert not list(cache.glob("selection-*.json"))
 
 
+@pytest.mark.e2e
 def test_a_resumed_run_keeps_its_checkpoints_layout_over_the_cache(
     run: tuple[Path, Path, FakeTrials], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -356,6 +356,7 @@ def test_plan_reports_the_validated_step_times_selection_time_and_break_even(
     assert "break-even unknown (not validated)" in capsys.readouterr().out
 
 
+@pytest.mark.e2e
 def test_auto_validates_on_the_tiny_model_and_trains_the_winner(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
