@@ -1,6 +1,7 @@
 """Host thread pools of several ranks on one host (issue #21, the cpu route's miss): each rank
-process updates its owned groups with its own AdamW pool and, on the cpu route, sums the
-ranks' gradient copies on its training thread with a second pool at the same time. Every pool
+process updates its owned groups with its own AdamW pool and, on the cpu route as it was
+then, summed the ranks' gradient copies on its training thread with a second pool at the same
+time (the owners' update workers sum now, on the AdamW pool). Every pool
 was sized to all cores by default (two ranks ran four pools on the cores) until this bench
 and the run beside it (BENCHMARKS.md, issue #21, third lease) made each rank's share the
 default (``profile.host.engine_update_threads``). This times the ranks' host work with pools

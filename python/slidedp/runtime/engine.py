@@ -89,7 +89,7 @@ from slidedp.runtime.trace import StepTrace
 from slidedp.runtime.transfer import pin, unpin
 from slidedp.runtime.window import DeviceBuffer, Window
 from slidedp.store import HostStore
-from slidedp.update import UpdateWorker
+from slidedp.update import HostSumRing, UpdateWorker
 
 
 def layer_state(states: list[LayerState | None], layer: int) -> LayerState:
@@ -141,15 +141,16 @@ class Engine:
         staging = store.layout["staging_slots"] // world
         self.clock = LaneClock(device)
         self.kernels = Kernels(threads)
-        self.worker = UpdateWorker(store, threads)
+        ring, host_sum = None, None
+        if ctx is not None and grad_route == "cpu":
+            assert signals is not None, "the cpu gradient route needs the signal store"
+            ring = HostSumRing(signals, rank, world, self.grad_slots, version_timeout_s)
+        self.worker = UpdateWorker(store, threads, ring)
         self.reduce = (
             GpuReduce(ctx, self.clock) if ctx is not None and grad_route == "gpu" else None
         )
-        host_sum = None
-        if ctx is not None and grad_route == "cpu":
-            assert signals is not None, "the cpu gradient route needs the signal store"
-            host_sum = HostSum(ctx, store, signals, self.kernels, self.grad_slots,
-                               version_timeout_s, self.clock)  # fmt: skip
+        if ctx is not None and ring is not None:
+            host_sum = HostSum(ctx, store, self.worker, self.kernels, self.clock)
         self.grads = GradLane(
             store,
             self.worker,
