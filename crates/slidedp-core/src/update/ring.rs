@@ -81,15 +81,8 @@ impl HostSumRing {
         })
     }
 
-    pub fn rank(&self) -> usize {
-        self.rank
-    }
-
-    pub fn slots_per_rank(&self) -> usize {
-        self.slots_per_rank
-    }
-
-    /// The index within this rank's slots of the store's gradient slot `grad_slot`, if it is one of them.
+    /// The index within this rank's slots of the store's gradient slot `grad_slot`, if it is
+    /// one of them.
     pub fn local_slot(&self, grad_slot: usize) -> Option<usize> {
         let first = self.rank * self.slots_per_rank;
         (first..first + self.slots_per_rank)
