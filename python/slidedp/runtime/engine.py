@@ -66,6 +66,7 @@ backward order were already updated (the overlap's price).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -196,11 +197,13 @@ class Engine:
         self.embed = adapter.make_embed(device)
         self._update_busy_s = 0.0
         self._pinned: list[torch.Tensor] = []
+        started = time.perf_counter()
         if device.type == "cuda":
             for region in ("staging", "grad", "mirror"):
                 if store.region(region).numel():
                     pin(store.region(region), f"the store's {region} slots")
                     self._pinned.append(store.region(region))
+        self.pin_s = time.perf_counter() - started  # page-locking the store's slots (startup)
 
     def close(self) -> None:
         """Unregister the page-locked host memory (the store's slots, the offload arena): a
