@@ -1,7 +1,8 @@
 """Host thread pools of several ranks on one host (the cpu route's miss): each rank process updates
-its owned groups with its own AdamW pool and, on the cpu route, sums the ranks' gradient copies on
-its training thread with a second pool at the same time. Every pool was sized to all cores by
-default (two ranks ran four pools on the cores) until this bench and the run beside it
+its owned groups with its own AdamW pool and, on the cpu route as it was then, summed the ranks'
+gradient copies on its training thread with a second pool at the same time (the owners' update
+workers sum now, on the AdamW pool). Every pool was sized to all cores by default (two ranks ran
+four pools on the cores) until this bench and the run beside it
 (benchmarks/2026-11-27-two-gpus-routes-h200.md, "Why the cpu route missed") made each rank's share
 the default (``profile.host.engine_update_threads``). This times the ranks' host work with pools on
 all cores against pools sized to each rank's share, in one run.

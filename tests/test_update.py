@@ -7,14 +7,16 @@ import gc
 import os
 import signal
 import sys
+import threading
 import time
 
 import pytest
 import torch
 
 from slidedp import errors
+from slidedp.runtime.routes import signal_specs
 from slidedp.store import GroupSpec, HostStore, ParamSpec
-from slidedp.update import UpdateWorker
+from slidedp.update import ChunkSum, HostSumRing, UpdateWorker
 
 SHAPES = {"w": (16, 9), "bias": (16,), "norm": (9,), "w2": (3, 5)}
 HP = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
@@ -138,3 +140,58 @@ def test_a_forked_child_can_drop_its_copy_of_a_worker() -> None:
     assert done[0] == pid, "the child hung dropping its copy of the worker"
     assert os.waitstatus_to_exitcode(done[1]) == 0
     worker.drain(timeout_s=30)  # the parent's worker is untouched
+
+
+def test_the_cpu_routes_sum_runs_on_the_owners_worker_with_the_gil_released() -> None:
+    """Two ranks in one process. The owner announces its chunk and submits; its worker waits
+    for the peer's copy while Python threads run on (a peer waiting for its slot, GIL
+    released, overlaps this thread's work); once the peer lands, the worker sums the two
+    copies, counts Σ g² and runs AdamW on the sum (torch.optim.AdamW, one step)."""
+    store = HostStore.create(
+        [GroupSpec("layers.0", [ParamSpec("w", (6, 5))])], 0, grad_dtype="f32", grad_slots=2
+    )
+    signals = HostStore.create(signal_specs(2, 1), 0)
+    owner, peer = (
+        UpdateWorker(store, 1, HostSumRing(signals, rank, 2, 1, timeout_s=30)) for rank in (0, 1)
+    )
+    gen = torch.Generator().manual_seed(0)
+    g0, g1 = torch.randn(30, generator=gen), torch.randn(30, generator=gen)
+    store.grad_slot(0)[:30].copy_(g0)
+    store.grad_slot(1)[:30].copy_(g1)
+    owner.landed(0)
+    both = ChunkSum(gather_seq=0, norm=True, apply=True)
+    seq = owner.submit(0, 0, 30, 0, step=1, publish=1, host_sum=both, **HP)  # type: ignore[arg-type]
+    with pytest.raises(errors.UpdateTimeoutError):
+        owner.wait_completed(seq + 1, timeout_s=0.2)  # waiting for the peer, on the worker
+
+    spans: dict[str, tuple[float, float]] = {}
+
+    def peer_waits_for_its_slot() -> None:
+        start = time.monotonic()
+        peer.wait_consumed(0, 0)
+        spans["wait"] = (start, time.monotonic())
+
+    waiter = threading.Thread(target=peer_waits_for_its_slot)
+    waiter.start()
+    busy_start = time.monotonic()
+    while time.monotonic() - busy_start < 0.3:  # Python work while the peer's thread waits
+        sum(range(1000))
+    spans["busy"] = (busy_start, time.monotonic())
+    peer.landed(0)
+    waiter.join(timeout=30)
+    assert not waiter.is_alive()
+    (w0, w1), (b0, b1) = spans["wait"], spans["busy"]
+    assert w0 < b1, "the wait released the GIL: the two threads overlapped"
+    assert b0 < w1
+    owner.wait_completed(seq + 1, timeout_s=30)
+    summed = g0 + g1
+    # f32 squares are exact in f64; only the order of the f64 additions differs from torch's
+    want = float(summed.double().square().sum())
+    assert owner.take_sum_squares(timeout_s=30) == pytest.approx(want, rel=1e-12)
+    assert owner.take_sum_squares(timeout_s=30) == 0.0  # taken: the total starts again
+    w = torch.nn.Parameter(torch.zeros(6, 5))
+    w.grad = summed.view(6, 5)
+    torch.optim.AdamW([w], **HP).step()  # type: ignore[arg-type]
+    # one AdamW step from zero: the kernel's float32 against torch's (tests/test_kernels_parity.py)
+    torch.testing.assert_close(store.master("w"), w.detach(), rtol=1e-5, atol=1e-6)
+    assert store.version(0) == 1

@@ -17,19 +17,56 @@ Example::
 Weight decay applies only to parameters of two or more dimensions (HF Trainer's grouping).
 While an update of group g is queued, do not write its slot nor g's state; read g's state only
 after its version is published.
+
+The cpu gradient route (``HostSumRing``): each rank announces its copy of chunk ``seq``
+(``landed``); the owner submits with ``ChunkSum(gather_seq=seq, ...)`` and its worker waits for
+the other ranks' copies, adds them into its slot, frees theirs (a rank rewrites a slot after
+``wait_consumed``), adds ``Σ g²`` of the sum to a total (``take_sum_squares``), then runs AdamW.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from slidedp import _native
-from slidedp.kernels import default_threads
+from slidedp.kernels import Kernels, default_threads
 from slidedp.store import HostStore
 
 
+@dataclass(frozen=True)
+class HostSumRing:
+    """Rank ``rank`` of ``ranks`` in the cpu route's ring: ``slots_per_rank`` gradient slots
+    each (rank ``r``'s are ``[r * slots_per_rank, (r + 1) * slots_per_rank)``), counters in
+    ``signals`` (``runtime.routes.signal_specs``); waits give up after ``timeout_s``."""
+
+    signals: HostStore
+    rank: int
+    ranks: int
+    slots_per_rank: int
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class ChunkSum:
+    """What the cpu route's owner does with a chunk before its AdamW: add the other ranks'
+    copies of chunk ``gather_seq`` first (None: the slot holds the sum already), count its
+    ``Σ g²`` (``norm``), then update (``apply``; False: the sum only feeds the norm)."""
+
+    gather_seq: int | None
+    norm: bool
+    apply: bool
+
+
 class UpdateWorker:
-    def __init__(self, store: HostStore, threads: int | None = None) -> None:
+    def __init__(
+        self, store: HostStore, threads: int | None = None, ring: HostSumRing | None = None
+    ) -> None:
+        native_ring = None
+        if ring is not None:
+            native_ring = (ring.signals._native, ring.rank, ring.ranks, ring.slots_per_rank,
+                           ring.timeout_s)  # fmt: skip
         self._native = _native.UpdateWorker(
-            store._native, default_threads() if threads is None else threads
+            store._native, default_threads() if threads is None else threads, native_ring
         )
 
     def submit(
@@ -46,10 +83,12 @@ class UpdateWorker:
         weight_decay: float,
         grad_scale: float = 1.0,
         publish: int | None = None,
+        host_sum: ChunkSum | None = None,
     ) -> int:
         """Queues AdamW on elements ``[start, start + length)`` of ``group`` (gradient from slot
         ``grad_slot``, multiplied by ``grad_scale``), then publishes ``publish`` for the group if
-        given (``length`` 0: publish only). Returns the request's sequence number at once."""
+        given (``length`` 0: publish only); ``host_sum`` first. Returns the request's sequence
+        number at once."""
         return self._native.submit(
             group,
             start,
@@ -63,11 +102,32 @@ class UpdateWorker:
             weight_decay=weight_decay,
             grad_scale=grad_scale,
             publish=publish,
+            host_sum=None
+            if host_sum is None
+            else (host_sum.gather_seq, host_sum.norm, host_sum.apply),
         )
 
     def wait_completed(self, count: int, timeout_s: float) -> None:
         """Waits until the first ``count`` requests are done; raises the first failure."""
         self._native.wait_completed(count, timeout_s)
+
+    def take_sum_squares(self, timeout_s: float) -> float:
+        """Waits until every request submitted so far is past its host sum; returns the
+        ``Σ g²`` the sums with ``norm`` added since the last call (f64, request order)."""
+        return self._native.take_sum_squares(timeout_s)
+
+    def landed(self, seq: int) -> None:
+        """This rank's gradient chunks up to ``seq`` are in its slots (ring workers only)."""
+        self._native.landed(seq)
+
+    def wait_consumed(self, slot: int, seq: int) -> None:
+        """Waits until chunk ``seq`` was summed out of this rank's slot ``slot`` (ring index)."""
+        self._native.wait_consumed(slot, seq)
+
+    def gather(self, kernels: Kernels, seq: int, slot: int, length: int) -> None:
+        """Owner, on this thread: adds the other ranks' chunk ``seq`` into this rank's slot
+        ``slot`` (ring index) with ``kernels`` and frees theirs."""
+        self._native.gather(kernels._native, seq, slot, length)
 
     def drain(self, timeout_s: float) -> None:
         """Waits until every submitted update is done; raises the first failure."""

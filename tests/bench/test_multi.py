@@ -303,7 +303,7 @@ def test_scale_routes_and_the_single_gpu_bench_unchanged() -> None:
     assert scale is not None
     assert scale.routes == (("sharded", "gpu"), ("replicated", "gpu"))
     assert scale.main_route == ("replicated", "gpu")  # the config's, when it runs
-    with pytest.raises(ConfigError, match="need ours or fsdp2"):
+    with pytest.raises(ConfigError, match="need ours, fsdp2 or a peer"):
         _scale("--ranks", "2", systems="reference")
     with pytest.raises(ConfigError, match=r"'runtime\.gpus' is set by the bench"):
         ours_config(["runtime.gpus=2"])

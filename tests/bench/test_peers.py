@@ -40,7 +40,9 @@ HAVE_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 
 def test_every_system_has_a_worker_and_peers_are_opt_in() -> None:
     assert set(bench_train.SYSTEMS) <= set(worker.SYSTEMS)
-    assert set(PEERS) == {"zero3-offload", "zero-offload", "fsdp2-resident", "roundpipe"}
+    assert set(PEERS) == {
+        "zero3-offload", "zero3-optim-offload", "zero-offload", "fsdp2-resident", "roundpipe"
+    }  # fmt: skip
     assert set(bench_train.SYSTEMS) == {*bench_train.DEFAULT_SYSTEMS, *PEERS}
     parser = __import__("slidedp.cli", fromlist=["build_parser"]).build_parser()
     args = parser.parse_args(["bench", "train"])
@@ -147,7 +149,10 @@ def test_a_variant_is_a_peer_and_a_label_each_mistake_one_line(
     systems = ["ours", "zero3-offload", "zero3-offload:big", "zero3-offload:pf-5e8_v1.5"]
     args = build_parser().parse_args(["bench", "train", "--systems", ",".join(systems)])
     assert bench_train._parse(args)[1] == systems
-    subset = "use a comma-separated subset of ours,reference,fsdp2,zero3-offload,zero-offload,"
+    subset = (
+        "use a comma-separated subset of ours,reference,fsdp2,zero3-offload,zero3-optim-offload,"
+        "zero-offload,"
+    )
     assert _bench_error(capsys, "--systems", "ours,deepspeed:big") == (
         f"--systems 'ours,deepspeed:big': {subset}fsdp2-resident,roundpipe"
     )
@@ -159,7 +164,8 @@ def test_a_variant_is_a_peer_and_a_label_each_mistake_one_line(
     for system in ("reference", "fsdp2"):
         assert _bench_error(capsys, "--systems", f"ours,{system}:x") == (
             f"--systems 'ours,{system}:x': '{system}:x': only ours and a peer (zero3-offload, "
-            "zero-offload, fsdp2-resident, roundpipe) have variants, told apart by --set "
+            "zero3-optim-offload, zero-offload, fsdp2-resident, roundpipe) have variants, told "
+            "apart by --set "
             "ours:LABEL.KEY=VALUE and --peer-set (reference and fsdp2 have no config to set)"
         )
     assert bench_train._parse(build_parser().parse_args(["bench", "train", "--systems",

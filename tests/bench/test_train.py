@@ -170,7 +170,8 @@ def test_bench_owned_keys_and_bad_systems_are_refused(
     err = capsys.readouterr().err.strip()
     assert err == (
         "slidedp bench train: error: --systems 'ours,deepspeed': use a comma-separated "
-        "subset of ours,reference,fsdp2,zero3-offload,zero-offload,fsdp2-resident,roundpipe"
+        "subset of ours,reference,fsdp2,zero3-offload,zero3-optim-offload,zero-offload,"
+        "fsdp2-resident,roundpipe"
     )
     assert not (tmp_path / "r.json").exists()
 

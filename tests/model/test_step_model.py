@@ -154,19 +154,22 @@ def test_the_routes_in_the_spec_and_the_gpu_route_beats_the_cpu_route() -> None:
     assert sharded["load_s"][layer] == pytest.approx(
         gpu["load_s"][layer] / 2 + gpu["load_s"][layer] * 55 / 320
     )
-    # cpu route: f32 copies (twice the bytes), a host sum on every group's chain (the peer's
-    # sums too: rank 0's thread waits for them through the copies it needs)
+    # cpu route: f32 copies (twice the bytes), a host sum of every group on the update lane
+    # (the owners' workers sum before AdamW, in the same DRAM)
     assert cpu["grad_copy_s"][layer] == pytest.approx(2 * gpu["grad_copy_s"][layer])
     assert all(s > 0 for s in cpu["host_sum_s"])
     assert cpu["host_sum_s"][layer] == pytest.approx((2 + 2) * 4 * cpu["update_s"][layer] / 28)
     step = {k: v["prediction"]["step_s"] for k, v in
             {"one": one, "gpu": gpu, "sharded": sharded, "cpu": cpu}.items()}  # fmt: skip
-    # as measured there (0.77 s on 1 GPU, 0.81 s on either gpu route, 1.12 s on the cpu
-    # route): the gpu route costs a few % over one GPU and beats the cpu route
+    # as measured there (0.77 s on 1 GPU, 0.81 s on either gpu route): the gpu route costs a
+    # few % over one GPU and beats the cpu route, whose sums lengthen the update lane (1.12 s
+    # measured when the training threads summed; not yet measured with the workers summing)
     assert step["one"] < step["gpu"] < 1.05 * step["one"]
     assert abs(step["sharded"] / step["gpu"] - 1) < 0.05
-    assert step["cpu"] > 1.10 * step["gpu"]
-    assert cpu["prediction"]["exposed_s"]["host"] > 0  # the sums delay the training thread
+    assert step["cpu"] > 1.05 * step["gpu"]
+    exposed = cpu["prediction"]["exposed_s"]
+    assert exposed.get("host", 0.0) == 0  # no sum on the training thread
+    assert exposed["update"] > gpu["prediction"]["exposed_s"].get("update", 0.0)
 
 
 def test_the_cast_on_delivery_takes_the_probed_cast_rate() -> None:

@@ -30,12 +30,15 @@ def _config(tmp_path: Path, steps: int) -> Path:
                         runtime=runtime, output={"tensorboard": False})  # fmt: skip
 
 
+@pytest.mark.parametrize("grad_route", ["gpu", "cpu"])
 def test_a_rank_that_raises_stops_every_rank(
-    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], grad_route: str
 ) -> None:
+    """On the cpu route the survivor's update worker may be waiting for the failed rank's
+    gradient chunk: it wakes with the poison, as the peer's failure, not its own."""
     config = _config(tmp_path, steps=6)
     start = time.monotonic()
-    codes = run_ranks(config, 2, fail=(1, 2))
+    codes = run_ranks(config, 2, [f"runtime.grad_route={grad_route}"], fail=(1, 2))
     assert time.monotonic() - start < 30
     assert codes == [EXIT_PEER_FAILED, 1]
     err = capfd.readouterr().err

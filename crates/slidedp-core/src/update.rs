@@ -14,6 +14,12 @@
 //! caller must not write the request's gradient slot; everyone else reads g only after waiting
 //! for its version. A failure is kept (the first one is reported by `drain`), poisons the store
 //! so that peers stop, and turns the remaining requests into no-ops.
+//!
+//! The cpu gradient route (several ranks of one node, [`HostSumRing`]): every rank copies its
+//! own gradient of every group into its slots; the owner's request first waits for the other
+//! ranks' copies of the chunk, adds them into its slot, frees theirs and adds the sum's `Σ g²`
+//! to a running total ([`UpdateWorker::take_sum_squares`], for the global norm), then runs
+//! AdamW: the caller's thread only announces its copy and submits.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -25,10 +31,14 @@ use crate::error::{Error, Result};
 use crate::kernels::{AdamWStep, GradSlice, Kernels};
 use crate::store::{Dtype, HostStore, Region};
 
+mod ring;
+pub use ring::HostSumRing;
+
 /// Update elements `[start, start + len)` of group `group`'s state (offsets relative to the
 /// group's `state_offset`) with `hp`, reading the gradient from element 0 of gradient slot
 /// `grad_slot`; then publish `publish` for the group, if given. `len == 0` only publishes (a
-/// skipped step still advances the group's version).
+/// skipped step still advances the group's version). With `host_sum`, the cpu route's sum
+/// comes first.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct UpdateRequest {
     pub group: usize,
@@ -37,13 +47,53 @@ pub struct UpdateRequest {
     pub grad_slot: usize,
     pub hp: AdamWStep,
     pub publish: Option<u32>,
+    pub host_sum: Option<ChunkSum>,
+}
+
+/// What the cpu gradient route does with a chunk before (or instead of) its AdamW.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ChunkSum {
+    /// `Some(seq)`: add the other ranks' copies of chunk `seq` into this rank's slot first
+    /// (needs the worker's [`HostSumRing`]); `None`: the slot holds the sum already (several
+    /// nodes: the caller summed it and all-reduced it across the nodes).
+    pub gather_seq: Option<u64>,
+    /// Add `Σ g²` of the summed chunk to the running total.
+    pub norm: bool,
+    /// Then run AdamW; false: the sum only feeds the norm (clipping sends the chunk again with
+    /// the clip coefficient).
+    pub apply: bool,
+}
+
+/// The first failure, kept until reported.
+#[derive(Clone, Debug)]
+enum Failure {
+    /// One of this worker's requests failed (the message names its group and step).
+    Update(String),
+    /// A failed peer poisoned a store this worker was waiting on: the peer reports the cause.
+    Peer { layer: usize },
+}
+
+impl Failure {
+    fn error(&self) -> Error {
+        match self {
+            Failure::Update(message) => Error::UpdateFailed {
+                message: message.clone(),
+            },
+            Failure::Peer { layer } => Error::StorePoisoned { layer: *layer },
+        }
+    }
 }
 
 #[derive(Debug, Default)]
 struct Progress {
     submitted: u64,
+    /// Requests past their host sum (all of them once completed).
+    summed: u64,
     completed: u64,
-    first_error: Option<String>,
+    /// `Σ g²` of the chunks summed with `norm` since the last `take_sum_squares`, added in
+    /// request order.
+    sum_squares: f64,
+    failure: Option<Failure>,
 }
 
 /// When one request ran: CLOCK_MONOTONIC seconds (the clock of Python's `time.monotonic()`), so
@@ -80,6 +130,7 @@ fn monotonic_s() -> f64 {
 #[derive(Debug)]
 pub struct UpdateWorker {
     store: Arc<HostStore>,
+    ring: Option<Arc<HostSumRing>>,
     sender: Mutex<Option<mpsc::Sender<UpdateRequest>>>,
     thread: Option<JoinHandle<()>>,
     shared: Arc<Shared>,
@@ -89,6 +140,20 @@ pub struct UpdateWorker {
 
 impl UpdateWorker {
     pub fn new(store: Arc<HostStore>, kernels: Kernels) -> Result<Self> {
+        Self::start(store, kernels, None)
+    }
+
+    /// A worker that also sums the ranks' gradient chunks of the cpu route (`ring` over the
+    /// same store).
+    pub fn with_ring(store: Arc<HostStore>, kernels: Kernels, ring: HostSumRing) -> Result<Self> {
+        Self::start(store, kernels, Some(Arc::new(ring)))
+    }
+
+    fn start(
+        store: Arc<HostStore>,
+        kernels: Kernels,
+        ring: Option<Arc<HostSumRing>>,
+    ) -> Result<Self> {
         if store.layout().grad_slots == 0 {
             return Err(Error::InvalidArgument(
                 "the update worker needs a store created with gradient slots (grad_slots > 0)"
@@ -97,13 +162,19 @@ impl UpdateWorker {
         }
         let (sender, receiver) = mpsc::channel::<UpdateRequest>();
         let shared = Arc::new(Shared::default());
-        let (thread_store, thread_shared) = (store.clone(), shared.clone());
+        let context = Context {
+            store: store.clone(),
+            ring: ring.clone(),
+            kernels,
+            shared: shared.clone(),
+        };
         let thread = std::thread::Builder::new()
             .name("slidedp-update".into())
-            .spawn(move || run(&thread_store, &kernels, &thread_shared, receiver))
+            .spawn(move || run(&context, receiver))
             .map_err(|e| Error::io("spawn the update thread", e))?;
         Ok(Self {
             store,
+            ring,
             sender: Mutex::new(Some(sender)),
             thread: Some(thread),
             shared,
@@ -111,9 +182,14 @@ impl UpdateWorker {
         })
     }
 
+    /// The cpu route's ring, if this worker sums (the caller announces its copies there).
+    pub fn ring(&self) -> Option<&HostSumRing> {
+        self.ring.as_deref()
+    }
+
     /// Queues one update; returns its sequence number (0, 1, …) at once.
     pub fn submit(&self, request: UpdateRequest) -> Result<u64> {
-        check(self.store.layout(), &request)?;
+        check(self.store.layout(), self.ring(), &request)?;
         let sender = self.sender.lock().expect("poisoned");
         let mut progress = self.shared.progress.lock().expect("poisoned");
         let sent = sender.as_ref().map(|s| s.send(request));
@@ -129,26 +205,41 @@ impl UpdateWorker {
     /// Blocks until the first `count` submitted requests have finished (a slot read by request
     /// `n` is free once `wait_completed(n + 1)` returns); reports the first failure.
     pub fn wait_completed(&self, count: u64, timeout: Duration) -> Result<()> {
+        self.wait_for(timeout, |p| p.completed >= count, |p| count - p.completed)
+            .map(|_| ())
+    }
+
+    /// Blocks until every request submitted so far is past its host sum, then returns the
+    /// `Σ g²` those sums added (in request order, f64) and starts the total again at 0.
+    pub fn take_sum_squares(&self, timeout: Duration) -> Result<f64> {
+        let count = self.shared.progress.lock().expect("poisoned").submitted;
+        let mut progress = self.wait_for(timeout, |p| p.summed >= count, |p| count - p.summed)?;
+        Ok(std::mem::take(&mut progress.sum_squares))
+    }
+
+    /// Waits until `done(progress)` or a failure; `pending` counts what is missing.
+    fn wait_for(
+        &self,
+        timeout: Duration,
+        done: impl Fn(&Progress) -> bool,
+        pending: impl Fn(&Progress) -> u64,
+    ) -> Result<std::sync::MutexGuard<'_, Progress>> {
         let progress = self.shared.progress.lock().expect("poisoned");
         let (progress, wait) = self
             .shared
             .advanced
-            .wait_timeout_while(progress, timeout, |p| {
-                p.completed < count && p.first_error.is_none()
-            })
+            .wait_timeout_while(progress, timeout, |p| !done(p) && p.failure.is_none())
             .expect("poisoned");
-        if let Some(message) = &progress.first_error {
-            return Err(Error::UpdateFailed {
-                message: message.clone(),
-            });
+        if let Some(failure) = &progress.failure {
+            return Err(failure.error());
         }
-        if wait.timed_out() {
+        if wait.timed_out() && !done(&progress) {
             return Err(Error::UpdateTimeout {
-                pending: (count - progress.completed) as usize,
+                pending: pending(&progress) as usize,
                 timeout_ms: timeout.as_millis() as u64,
             });
         }
-        Ok(())
+        Ok(progress)
     }
 
     /// Blocks until every submitted update has finished; reports the first failure.
@@ -158,13 +249,14 @@ impl UpdateWorker {
     }
 
     /// The first failure of an update, if one failed (without waiting): the cause of this
-    /// process's poisoned store, reported instead of the poison its waiters wake with.
+    /// process's poisoned store, reported instead of the poison its waiters wake with. A
+    /// failed peer's poison is not this worker's failure (`None`).
     pub fn failure(&self) -> Option<Error> {
         let progress = self.shared.progress.lock().expect("poisoned");
-        progress
-            .first_error
-            .clone()
-            .map(|message| Error::UpdateFailed { message })
+        match &progress.failure {
+            Some(failure @ Failure::Update(_)) => Some(failure.error()),
+            _ => None,
+        }
     }
 
     /// The spans of the requests completed since the last call (oldest first).
@@ -186,7 +278,11 @@ impl UpdateWorker {
     }
 }
 
-fn check(layout: &crate::store::StoreLayout, request: &UpdateRequest) -> Result<()> {
+fn check(
+    layout: &crate::store::StoreLayout,
+    ring: Option<&HostSumRing>,
+    request: &UpdateRequest,
+) -> Result<()> {
     let group = layout.group(request.group)?;
     let fits = request
         .start
@@ -205,6 +301,14 @@ fn check(layout: &crate::store::StoreLayout, request: &UpdateRequest) -> Result<
             layout.grad_slots
         )));
     }
+    let gathers = request.host_sum.is_some_and(|s| s.gather_seq.is_some());
+    if gathers && ring.and_then(|r| r.local_slot(request.grad_slot)).is_none() {
+        return Err(Error::InvalidArgument(format!(
+            "a host sum into gradient slot {} needs a worker with the ring of the rank that owns \
+             the slot",
+            request.grad_slot
+        )));
+    }
     Ok(())
 }
 
@@ -221,55 +325,117 @@ impl Drop for UpdateWorker {
     }
 }
 
-fn run(
-    store: &HostStore,
-    kernels: &Kernels,
-    shared: &Shared,
-    receiver: mpsc::Receiver<UpdateRequest>,
-) {
-    for request in receiver {
-        let failed = shared
-            .progress
-            .lock()
-            .expect("poisoned")
-            .first_error
-            .is_some();
-        let outcome = if failed {
-            Ok(())
-        } else {
-            let (start, start_s) = (Instant::now(), monotonic_s());
-            let outcome = update_chunk(store, kernels, &request).and_then(|()| {
-                request
-                    .publish
-                    .map_or(Ok(()), |v| store.publish(request.group, v))
-            });
-            shared
-                .busy_ns
-                .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            if request.len > 0 {
-                let mut spans = shared.spans.lock().expect("poisoned");
-                if spans.len() == MAX_SPANS {
-                    spans.pop_front();
-                }
-                spans.push_back(UpdateSpan {
-                    group: request.group,
-                    start_s,
-                    end_s: monotonic_s(),
-                });
-            }
-            outcome
-        };
-        let mut progress = shared.progress.lock().expect("poisoned");
-        if let Err(error) = outcome {
-            // Kept before the store is poisoned: whoever wakes on the poison finds the cause.
-            progress.first_error.get_or_insert(format!(
+/// What the worker's thread works with.
+struct Context {
+    store: Arc<HostStore>,
+    ring: Option<Arc<HostSumRing>>,
+    kernels: Kernels,
+    shared: Arc<Shared>,
+}
+
+impl Context {
+    fn advance(&self, step: impl FnOnce(&mut Progress)) {
+        let mut progress = self.shared.progress.lock().expect("poisoned");
+        step(&mut progress);
+        self.shared.advanced.notify_all();
+    }
+
+    fn failed(&self) -> bool {
+        let progress = self.shared.progress.lock().expect("poisoned");
+        progress.failure.is_some()
+    }
+
+    /// Keeps the first failure before poisoning the stores: whoever wakes on the poison finds
+    /// the cause.
+    fn fail(&self, request: &UpdateRequest, error: Error) {
+        let failure = match error {
+            Error::StorePoisoned { layer } => Failure::Peer { layer },
+            error => Failure::Update(format!(
                 "group {} step {}: {error}",
                 request.group, request.hp.step
-            ));
-            store.poison();
+            )),
+        };
+        self.advance(|p| {
+            p.failure.get_or_insert(failure);
+        });
+        self.store.poison();
+        if let Some(ring) = &self.ring {
+            ring.poison();
         }
-        progress.completed += 1;
-        shared.advanced.notify_all();
+    }
+
+    /// The cpu route's sum of the request's chunk; its `Σ g²` joins the total (`norm`).
+    fn host_sum(&self, request: &UpdateRequest) -> Result<()> {
+        let Some(sum) = request.host_sum else {
+            self.advance(|p| p.summed += 1);
+            return Ok(());
+        };
+        if let (Some(seq), Some(ring)) = (sum.gather_seq, &self.ring) {
+            let slot = ring
+                .local_slot(request.grad_slot)
+                .expect("checked at submit");
+            ring.gather(&self.kernels, seq, slot, request.len)?;
+        }
+        let squares = if sum.norm {
+            // SAFETY: the slot holds the request's chunk (`check`) and nobody writes it while
+            // the request runs (module docs); the Arc'd store keeps the mapping alive.
+            let grad = unsafe { grad_chunk(&self.store, request.grad_slot, 0, request.len) };
+            Some(self.kernels.sum_squares(grad))
+        } else {
+            None
+        };
+        self.advance(|p| {
+            p.sum_squares += squares.unwrap_or(0.0);
+            p.summed += 1;
+        });
+        Ok(())
+    }
+
+    fn serve(&self, request: &UpdateRequest) -> Result<()> {
+        self.host_sum(request)?;
+        if request.host_sum.is_some_and(|s| !s.apply) {
+            return Ok(());
+        }
+        update_chunk(&self.store, &self.kernels, request)?;
+        request
+            .publish
+            .map_or(Ok(()), |v| self.store.publish(request.group, v))
+    }
+
+    fn record(&self, request: &UpdateRequest, start: Instant, start_s: f64) {
+        let shared = &self.shared;
+        shared
+            .busy_ns
+            .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        if request.len > 0 {
+            let mut spans = shared.spans.lock().expect("poisoned");
+            if spans.len() == MAX_SPANS {
+                spans.pop_front();
+            }
+            spans.push_back(UpdateSpan {
+                group: request.group,
+                start_s,
+                end_s: monotonic_s(),
+            });
+        }
+    }
+}
+
+fn run(context: &Context, receiver: mpsc::Receiver<UpdateRequest>) {
+    for request in receiver {
+        if !context.failed() {
+            let (start, start_s) = (Instant::now(), monotonic_s());
+            let outcome = context.serve(&request);
+            context.record(&request, start, start_s);
+            if let Err(error) = outcome {
+                context.fail(&request, error);
+            }
+        }
+        // a failed request's sum counts as done: its waiters wake with the failure
+        context.advance(|p| {
+            p.summed = p.summed.max(p.completed + 1);
+            p.completed += 1;
+        });
     }
 }
 
@@ -279,12 +445,7 @@ fn run(
 fn update_chunk(store: &HostStore, kernels: &Kernels, request: &UpdateRequest) -> Result<()> {
     let layout = store.layout();
     let group = layout.group(request.group)?;
-    let grad_dtype = layout.grad_dtype.unwrap_or(Dtype::F32);
     let (chunk_lo, chunk_hi) = (request.start, request.start + request.len);
-    let grad_slot = store
-        .region(Region::Grad)
-        .0
-        .wrapping_add(request.grad_slot * layout.grad_slot_bytes());
     for param in &layout.params[group.params.clone()] {
         let param_lo = param.state_offset - group.state_offset;
         let (lo, hi) = (
@@ -313,16 +474,7 @@ fn update_chunk(store: &HostStore, kernels: &Kernels, request: &UpdateRequest) -
             let master = std::slice::from_raw_parts_mut(state(Region::Master), len);
             let exp_avg = std::slice::from_raw_parts_mut(state(Region::ExpAvg), len);
             let exp_avg_sq = std::slice::from_raw_parts_mut(state(Region::ExpAvgSq), len);
-            let grad = match grad_dtype {
-                Dtype::F32 => GradSlice::F32(std::slice::from_raw_parts(
-                    grad_slot.cast::<f32>().add(grad_at),
-                    len,
-                )),
-                Dtype::Bf16 => GradSlice::Bf16(std::slice::from_raw_parts(
-                    grad_slot.cast::<u16>().add(grad_at),
-                    len,
-                )),
-            };
+            let grad = grad_chunk(store, request.grad_slot, grad_at, len);
             // The mirror holds the parameter at its slot offset inside the group's range.
             let mirror = (layout.mirror_len > 0).then(|| {
                 let at = group.mirror_offset + param.slot_offset + (lo - param_lo);
@@ -337,3 +489,27 @@ fn update_chunk(store: &HostStore, kernels: &Kernels, request: &UpdateRequest) -
 
 #[cfg(test)]
 mod tests;
+
+/// Elements `[at, at + len)` of gradient slot `slot`, in the store's gradient dtype.
+///
+/// # Safety
+/// `slot < grad_slots` and `at + len <= slot_len`, and nobody writes that range while the
+/// slice lives (it borrows `store`, which keeps the mapping alive).
+unsafe fn grad_chunk(store: &HostStore, slot: usize, at: usize, len: usize) -> GradSlice<'_> {
+    let layout = store.layout();
+    // SAFETY: inside the gradient region, per the caller's contract.
+    unsafe {
+        let base = store
+            .region(Region::Grad)
+            .0
+            .add(slot * layout.grad_slot_bytes());
+        match layout.grad_dtype.unwrap_or(Dtype::F32) {
+            Dtype::F32 => {
+                GradSlice::F32(std::slice::from_raw_parts(base.cast::<f32>().add(at), len))
+            }
+            Dtype::Bf16 => {
+                GradSlice::Bf16(std::slice::from_raw_parts(base.cast::<u16>().add(at), len))
+            }
+        }
+    }
+}

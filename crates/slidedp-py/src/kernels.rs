@@ -99,7 +99,7 @@ fn f32_out(address: usize, numel: usize) -> Buffer {
 
 #[pyclass(frozen, name = "Kernels", module = "slidedp._native")]
 pub struct PyKernels {
-    inner: Kernels,
+    pub(crate) inner: Kernels,
 }
 
 #[pymethods]

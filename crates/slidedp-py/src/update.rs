@@ -1,10 +1,13 @@
-//! `slidedp._native.UpdateWorker`: host AdamW per parameter group on a background thread.
+//! `slidedp._native.UpdateWorker`: host AdamW per parameter group on a background thread, and
+//! the cpu gradient route's sums of the ranks' chunks before it.
 
 use pyo3::prelude::*;
+use slidedp_core::Error;
 use slidedp_core::kernels::{AdamWStep, Isa, Kernels};
-use slidedp_core::update::{UpdateRequest, UpdateWorker};
+use slidedp_core::update::{ChunkSum, HostSumRing, UpdateRequest, UpdateWorker};
 
 use crate::gate::{gate, timeout_from_secs};
+use crate::kernels::PyKernels;
 use crate::store::PyHostStore;
 
 #[pyclass(frozen, name = "UpdateWorker", module = "slidedp._native")]
@@ -14,19 +17,42 @@ pub struct PyUpdateWorker {
 
 #[pymethods]
 impl PyUpdateWorker {
+    /// `ring`: `(signals, rank, ranks, slots_per_rank, timeout_s)` of the cpu gradient route.
     #[new]
-    fn new(py: Python<'_>, store: &PyHostStore, threads: usize) -> PyResult<Self> {
+    #[pyo3(signature = (store, threads, ring=None))]
+    fn new(
+        py: Python<'_>,
+        store: &PyHostStore,
+        threads: usize,
+        ring: Option<(PyRef<'_, PyHostStore>, usize, usize, usize, f64)>,
+    ) -> PyResult<Self> {
         let store = store.inner.clone();
+        let ring = match ring {
+            Some((signals, rank, ranks, slots, timeout_s)) => {
+                let timeout = timeout_from_secs(py, timeout_s)?;
+                Some((signals.inner.clone(), rank, ranks, slots, timeout))
+            }
+            None => None,
+        };
         let inner = gate(py, || {
-            UpdateWorker::new(store, Kernels::new(threads, Isa::detect())?)
+            let kernels = Kernels::new(threads, Isa::detect())?;
+            match ring {
+                Some((signals, rank, ranks, slots, timeout)) => {
+                    let ring =
+                        HostSumRing::new(store.clone(), signals, rank, ranks, slots, timeout)?;
+                    UpdateWorker::with_ring(store, kernels, ring)
+                }
+                None => UpdateWorker::new(store, kernels),
+            }
         })?;
         Ok(Self { inner })
     }
 
-    /// Queues AdamW on one chunk of a group from a gradient slot; returns its sequence number.
+    /// Queues AdamW on one chunk of a group from a gradient slot (after the cpu route's sum:
+    /// `host_sum = (gather_seq, norm, apply)`); returns its sequence number.
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (group, start, length, grad_slot, *, step, lr, beta1, beta2, eps,
-                        weight_decay, grad_scale, publish=None))]
+                        weight_decay, grad_scale, publish=None, host_sum=None))]
     fn submit(
         &self,
         py: Python<'_>,
@@ -42,6 +68,7 @@ impl PyUpdateWorker {
         weight_decay: f64,
         grad_scale: f64,
         publish: Option<u32>,
+        host_sum: Option<(Option<u64>, bool, bool)>,
     ) -> PyResult<u64> {
         let hp = AdamWStep {
             lr,
@@ -59,8 +86,45 @@ impl PyUpdateWorker {
             grad_slot,
             hp,
             publish,
+            host_sum: host_sum.map(|(gather_seq, norm, apply)| ChunkSum {
+                gather_seq,
+                norm,
+                apply,
+            }),
         };
         gate(py, || self.inner.submit(request))
+    }
+
+    /// Blocks (GIL released) until every request submitted so far is past its host sum;
+    /// returns the sums' `Σ g²` since the last call and starts again at 0.
+    fn take_sum_squares(&self, py: Python<'_>, timeout_s: f64) -> PyResult<f64> {
+        let timeout = timeout_from_secs(py, timeout_s)?;
+        gate(py, || self.inner.take_sum_squares(timeout))
+    }
+
+    /// This rank's gradient chunks up to `seq` are in its slots (the ring's `landed`).
+    fn landed(&self, py: Python<'_>, seq: u64) -> PyResult<()> {
+        gate(py, || self.ring()?.landed(seq))
+    }
+
+    /// Blocks (GIL released) until this rank's slot `slot` was summed out of for chunk `seq`.
+    fn wait_consumed(&self, py: Python<'_>, slot: usize, seq: u64) -> PyResult<()> {
+        gate(py, || self.ring()?.wait_consumed(slot, seq))
+    }
+
+    /// Owner, on the calling thread (GIL released): adds the other ranks' chunk `seq` into
+    /// this rank's slot `slot` and frees theirs.
+    fn gather(
+        &self,
+        py: Python<'_>,
+        kernels: &PyKernels,
+        seq: u64,
+        slot: usize,
+        length: usize,
+    ) -> PyResult<()> {
+        gate(py, || {
+            self.ring()?.gather(&kernels.inner, seq, slot, length)
+        })
     }
 
     /// Blocks (GIL released) until the first `count` submitted requests are done.
@@ -93,5 +157,13 @@ impl PyUpdateWorker {
     /// (requests completed, seconds spent updating).
     fn stats(&self) -> (u64, f64) {
         self.inner.stats()
+    }
+}
+
+impl PyUpdateWorker {
+    fn ring(&self) -> slidedp_core::Result<&HostSumRing> {
+        self.inner.ring().ok_or_else(|| {
+            Error::InvalidArgument("this update worker was made without a host sum ring".into())
+        })
     }
 }

@@ -1,4 +1,6 @@
-"""The DeepSpeed peers: ZeRO-3 with parameter and optimizer offload, ZeRO-2 with optimizer offload.
+"""The DeepSpeed peers: ZeRO-3 with parameter and optimizer offload, ZeRO-3 with the optimizer
+offloaded only (the BF16 parameter shards stay on the GPUs: DeepSpeed's strongest synchronous
+set-up where they fit), ZeRO-2 with optimizer offload.
 
 Configured as DeepSpeed's and transformers' DeepSpeed guides recommend for fine-tuning
 (``zero_config``): BF16 compute with FP32 master weights in the optimizer, offload to pinned host
@@ -16,7 +18,11 @@ activation checkpointing per layer) on the host, then handed to ``deepspeed.init
 casts it to BF16, moves it to the GPU and partitions it (no ``zero.Init``: that would draw other
 initial weights on the GPU). The loss is the model's own (full logits). One process: the
 rendezvous variables DeepSpeed reads are set here (a free localhost port); NCCL on CUDA, gloo on
-CPU (DeepSpeed's CPU accelerator: the same code runs in the tests without a GPU).
+CPU (DeepSpeed's CPU accelerator: the same code runs in the tests without a GPU). On
+``spec.world`` ranks (``bench.ranks`` launches them, as for FSDP2) each rank trains rows
+``[r*B, (r+1)*B)`` of the global batch (``train_batch_size`` = world x B) and is bound to its
+share of the host's cores (``bind_cores``, as DeepSpeed's launcher ``--bind_cores_to_rank``
+does), so that the ranks' CPU Adam threads do not oversubscribe the host.
 
 DeepSpeed compiles its CPU Adam on first use (``scripts/peers.sh`` installs it with
 ``DS_BUILD_OPS=0``), under a build lock file that a run killed mid-build leaves behind; the next
@@ -27,8 +33,8 @@ user-wide cache would not have kept it either).
 
 Example::
 
-    config = zero_config(3, train, batch=16, hidden=2560)
-    result = run_zero(spec)  # a RunSpec with system="zero3-offload" or "zero-offload"
+    config = zero_config(3, train, batch=16, hidden=2560, world=4, offload_param=False)
+    result = run_zero(spec)  # a RunSpec with system "zero3-offload", "zero3-optim-offload", ...
 """
 
 from __future__ import annotations
@@ -45,9 +51,11 @@ from slidedp.bench.fsdp2 import enable_checkpointing
 from slidedp.bench.measure import RunSpec, synthetic_tokens, timed_steps
 from slidedp.bench.peers import merged, require
 from slidedp.config import TrainSection
+from slidedp.runtime.dist import Dist, rank_device
 from slidedp.runtime.launch import free_port
 
-STAGES = {"zero3-offload": 3, "zero-offload": 2}
+# each peer's ZeRO stage and whether its parameters are offloaded too
+STAGES = {"zero3-offload": (3, True), "zero3-optim-offload": (3, False), "zero-offload": (2, False)}
 LARGE = int(1e9)  # transformers' guide: sub_group_size, max live parameters, reuse distance
 
 
@@ -57,9 +65,13 @@ def zero_config(
     batch: int,
     hidden: int,
     overrides: dict[str, Any] | None = None,
+    *,
+    world: int = 1,
+    offload_param: bool | None = None,
 ) -> dict[str, Any]:
-    """The DeepSpeed config of a ZeRO ``stage`` (3: parameters and optimizer offloaded; 2: the
-    optimizer) for one GPU at ``batch`` sequences, with ``overrides`` merged in."""
+    """The DeepSpeed config of a ZeRO ``stage`` (3: parameters and optimizer offloaded, or
+    ``offload_param=False`` the optimizer only; 2: the optimizer) for ``world`` GPUs at ``batch``
+    sequences each, with ``overrides`` merged in."""
     pinned_cpu = {"device": "cpu", "pin_memory": True}
     zero: dict[str, Any] = {
         "stage": stage,
@@ -69,8 +81,9 @@ def zero_config(
         "reduce_bucket_size": hidden * hidden,
     }
     if stage == 3:
+        if offload_param is not False:
+            zero["offload_param"] = pinned_cpu
         zero |= {
-            "offload_param": pinned_cpu,
             "sub_group_size": LARGE,
             "stage3_prefetch_bucket_size": int(0.9 * hidden * hidden),
             "stage3_param_persistence_threshold": 10 * hidden,
@@ -80,7 +93,7 @@ def zero_config(
     else:
         zero |= {"allgather_partitions": True, "allgather_bucket_size": hidden * hidden}
     config = {
-        "train_batch_size": batch,
+        "train_batch_size": world * batch,
         "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
         "bf16": {"enabled": True},
@@ -123,22 +136,47 @@ def _rendezvous_alone() -> None:
     )  # fmt: skip
 
 
+def bind_cores(local_rank: int, local_world: int) -> list[int]:
+    """Binds this process to its share of the cores it may use (``local_rank``'s slice of
+    ``local_world`` equal slices, as DeepSpeed's ``--bind_cores_to_rank``) and sizes torch's
+    threads to it; returns the cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cores) // local_world)
+    mine = cores[local_rank * share : (local_rank + 1) * share] or cores[-share:]
+    os.sched_setaffinity(0, mine)
+    torch.set_num_threads(len(mine))
+    return mine
+
+
+def _join(spec: RunSpec, deepspeed: Any) -> tuple[torch.device, int, int, int]:
+    """(device, rank, world, cores) of this process, its process group joined."""
+    ctx = Dist.from_env()  # launched ranks, or None: one process
+    device, rank, world = torch.device(spec.device), 0, 1
+    if ctx is None:
+        _rendezvous_alone()
+        cores = len(os.sched_getaffinity(0))
+    else:
+        rank, world = ctx.rank, ctx.world
+        device = torch.device(spec.device) if spec.device != "cuda" else rank_device(ctx, "cuda")
+        cores = len(bind_cores(ctx.local_rank, ctx.local_world))
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index or 0)
+        torch.cuda.set_device(device)
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    return device, rank, world, cores
+
+
 def run_zero(spec: RunSpec) -> dict[str, Any]:
     """Timed steps of a DeepSpeed ZeRO peer: forward, ``engine.backward``, ``engine.step``."""
     os.environ["TORCH_EXTENSIONS_DIR"] = str(extensions_dir(Path(spec.config_dir)))
     deepspeed: Any = require(spec.system, spec.device)
     deepspeed.utils.logger.setLevel(logging.WARNING)  # not its config dump and per-step lines
-    device = torch.device(spec.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", 0)
-        torch.cuda.set_device(device)
-    _rendezvous_alone()
-    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    device, rank, world, cores = _join(spec, deepspeed)
     train = TrainSection(**spec.ours["train"])
     config = AutoConfig.from_pretrained(spec.config_dir)
-    ds_config = zero_config(
-        STAGES[spec.system], train, spec.batch, int(config.hidden_size), spec.peer
-    )
+    stage, offload_param = STAGES[spec.system]
+    ds_config = zero_config(stage, train, spec.batch, int(config.hidden_size), spec.peer,
+                            world=world, offload_param=offload_param)  # fmt: skip
     torch.manual_seed(spec.seed)
     model: Any = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     model.train()
@@ -147,7 +185,9 @@ def run_zero(spec: RunSpec) -> dict[str, Any]:
         model=model, model_parameters=model.parameters(), config=ds_config
     )
     steps = spec.warmup + spec.steps
-    tokens = synthetic_tokens(int(config.vocab_size), spec.batch, spec.seq_len, steps, spec.seed)
+    tokens = synthetic_tokens(
+        int(config.vocab_size), spec.global_batch, spec.seq_len, steps, spec.seed
+    )[:, rank * spec.batch : (rank + 1) * spec.batch]  # [steps, B, S]: this rank's rows
     losses: list[float] = []
 
     def step(t: int) -> None:
@@ -160,12 +200,14 @@ def run_zero(spec: RunSpec) -> dict[str, Any]:
     try:
         times = timed_steps(step, warmup=spec.warmup, steps=spec.steps, device=device)
     finally:
-        torch.distributed.destroy_process_group()
+        if world == 1:  # launched ranks: bench.ranks leaves the group
+            torch.distributed.destroy_process_group()
     return {
         "step_times_s": times,
-        "tokens_per_step": spec.batch * spec.seq_len,
+        "tokens_per_step": spec.global_batch * spec.seq_len,
         "losses": losses[spec.warmup :],
         "kernels": "eager (transformers' model, HF gradient checkpointing)",
         "optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
         "peer_config": ds_config,
+        "cores_per_rank": cores,
     }

@@ -15,14 +15,17 @@ the config's ``runtime.param_route``/``grad_route``; ``auto``: a run with ``runt
 auto`` that chooses its layout and routes as ``slidedp train`` would, so
 ``--routes replicated/gpu,auto`` puts AutoPolicy beside the fixed default in one command; a
 fixed route with ``--set runtime.policy=auto`` chooses the layout only), FSDP2-offload on N
-ranks (one ``fully_shard`` process each), and once per command the collectives' bandwidths
-(``bench.collectives``). The compute-only reference runs on one GPU only and is projected
-(x N). ``bench.scaling`` turns the runs into the efficiencies, ratios and the route table.
+ranks (one ``fully_shard`` process each), every peer of ``--systems`` that scales
+(``bench.peers``: DeepSpeed's ZeRO peers, GPU-resident FSDP2; their variants too, each with its
+own ``--peer-set`` and timeout) on N ranks, and once per command the collectives' bandwidths
+(``bench.collectives``). The compute-only reference and RoundPipe run on one GPU only; the
+reference is projected (x N). ``bench.scaling`` turns the runs into the efficiencies, ratios
+and the route table.
 
 Example::
 
     scale = parse_scale(args, systems, device, ours)   # None without --gpus/--ranks
-    specs = scaled_specs(spec, systems, scale)          # the N-rank runs at spec.batch
+    specs = scaled_specs(spec, systems, scale, at_batch)  # the N-rank runs at spec.batch
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from slidedp.bench.measure import RunSpec
+from slidedp.bench.peers import PEERS, split_variant
 from slidedp.config import RuntimeSection, TrainSection
 from slidedp.errors import ConfigError
 from slidedp.plan.auto import AUTO, check_auto_free
@@ -46,7 +51,13 @@ ROUTES: tuple[Route, ...] = tuple(
     (param, grad) for param in ("replicated", "sharded") for grad in ("gpu", "cpu")
 )
 AUTO_ROUTE: Route = ("auto", "auto")  # --routes auto: runtime.policy=auto chooses the route
-SCALED_SYSTEMS = ("ours", "fsdp2")  # the systems that run on N ranks
+SCALED_SYSTEMS = ("ours", "fsdp2")  # the built-in systems that run on N ranks
+
+
+def scales(name: str) -> bool:
+    """Whether the system ``name`` (a variant: its system's) also runs on N ranks."""
+    system = split_variant(name)[0]
+    return system in SCALED_SYSTEMS or (system in PEERS and PEERS[system].scales)
 
 
 def route_name(route: Route) -> str:
@@ -69,8 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="also run ours and fsdp2 on N GPUs at N x batch (weak scaling), the route table "
-        "and the collectives' bandwidths",
+        help="also run ours, fsdp2 and the peers of --systems on N GPUs at N x batch (weak "
+        "scaling), the route table and the collectives' bandwidths",
     )
     arg("--ranks", type=int, default=None, metavar="N", help="as --gpus, CPU processes (gloo)")
     arg(
@@ -137,9 +148,10 @@ def parse_scale(
             raise ConfigError("--routes needs --gpus N (or --ranks N --device cpu)")
         return None
     world = _world(args, device)
-    if not set(SCALED_SYSTEMS) & set(systems):
+    if not any(scales(name) for name in systems):
         raise ConfigError(
-            f"--systems {','.join(systems)}: the runs on {world} ranks need ours or fsdp2 in it"
+            f"--systems {','.join(systems)}: the runs on {world} ranks need ours, fsdp2 or a "
+            f"peer that runs on several GPUs ({', '.join(p for p in PEERS if PEERS[p].scales)})"
         )
     routes = _routes(args.routes, ours["runtime"])
     # the bench sets the global batch (world x batch): only the routes' own rules can fail here
@@ -168,8 +180,12 @@ def _route_runtime(runtime: dict[str, Any], route: Route) -> dict[str, Any]:
     return {**runtime, "param_route": route[0], "grad_route": route[1]}
 
 
-def scaled_specs(single: RunSpec, systems: list[str], scale: Scale) -> list[RunSpec]:
-    """The runs of ``scale.world`` ranks at ``single``'s batch: ours per route, then fsdp2."""
+def scaled_specs(
+    single: RunSpec, systems: list[str], scale: Scale, at_batch: Sequence[RunSpec] = ()
+) -> list[RunSpec]:
+    """The runs of ``scale.world`` ranks at ``single``'s batch: ours per route, then fsdp2, then
+    each peer's run of ``at_batch`` (its one-GPU run: its variant, overrides and timeout) that
+    scales."""
     specs = []
     if "ours" in systems:
         for route in scale.routes:
@@ -178,6 +194,9 @@ def scaled_specs(single: RunSpec, systems: list[str], scale: Scale) -> list[RunS
                                              auto_routes=route == AUTO_ROUTE))  # fmt: skip
     if "fsdp2" in systems:
         specs.append(dataclasses.replace(single, system="fsdp2", world=scale.world))
+    for run in at_batch:
+        if run.system in PEERS and scales(run.system):
+            specs.append(dataclasses.replace(run, world=scale.world))
     return specs
 
 

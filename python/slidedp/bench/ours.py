@@ -6,7 +6,7 @@ tokens as the baselines, as JSONL), output, steps, batch, device — and reads t
 lane times from the per-step records. On several ranks (``spec.world``, launched by
 ``bench.ranks``) each rank builds the trainer, which joins them (``Dist.from_env``); the global
 batch is ``world x batch``, rank 0's records are the result and each rank traces into its own
-file (``-rankR``).
+file (``-rankR``). ``startup_s`` is the time to the first step, broken down (``startup``).
 
 Example::
 
@@ -18,7 +18,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +34,57 @@ from slidedp.preflight import check_model
 from slidedp.runtime.dist import Dist
 from slidedp.runtime.lanes import LANES, WAITS
 from slidedp.runtime.trainer import Trainer
+from slidedp.store import HostStore
 
 
 class _BenchTrainer(Trainer):
     """The trainer without its final checkpoint: the bench measures steps, and a checkpoint
     of the whole host state (12 bytes per parameter: 48 GB for Qwen3-4B) would only fill the
-    disk. Saving still drains the update lane, as ``Trainer.save`` does first."""
+    disk. Saving still drains the update lane, as ``Trainer.save`` does first. It times its
+    store's fill (``fill_s``: the weights initialised or read, copied into the store)."""
+
+    fill_s = 0.0
+
+    def _fill_state(self, store: HostStore) -> str:
+        started = time.perf_counter()
+        try:
+            return super()._fill_state(store)
+        finally:
+            self.fill_s = time.perf_counter() - started
 
     def save(self) -> Path:
         self.engine.drain()
         return self.out_dir
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (``/proc``: the kernel's start time, so the
+    interpreter's start and the imports count)."""
+    start_ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
+    uptime_s = float(Path("/proc/uptime").read_text().split()[0])
+    return uptime_s - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
+def startup(
+    stamps: dict[str, float], trainer: _BenchTrainer, first_step_s: float
+) -> dict[str, float]:
+    """The time to the first step of one run, in its parts (seconds): the process until the
+    run starts (interpreter, imports, tokens written), the config (with ``runtime.policy:
+    auto``: its choice), the trainer's build (the model, the store created and filled, the
+    data, the engine: ``fill_state_s`` and ``pin_s`` of it, the rest ``other_init_s``), the
+    first step (the layers' compile included) and the sum, ``to_first_step_s``."""
+    init = stamps["trainer"] - stamps["config"]
+    parts = {
+        "process_s": stamps["start"],
+        "config_s": stamps["config"] - stamps["start"],
+        "trainer_init_s": init,
+        "fill_state_s": trainer.fill_s,
+        "pin_s": trainer.engine.pin_s,
+        "other_init_s": init - trainer.fill_s - trainer.engine.pin_s,
+        "first_step_s": first_step_s,
+        "to_first_step_s": stamps["trainer"] + first_step_s,
+    }
+    return {k: round(v, 3) for k, v in parts.items()}
 
 
 def ours_raw_config(spec: RunSpec, data: Path, out: Path) -> dict[str, Any]:
@@ -110,13 +153,18 @@ def run_ours(spec: RunSpec) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="slidedp-bench-") as tmp:
         data = Path(tmp) / "tokens.jsonl"
         write_tokens(data, spec, vocab_size)
+        stamps = {"start": process_age_s()}
         cfg, chosen = resolved_config(spec, data, Path(tmp) / "out")
+        stamps["config"] = process_age_s()
         trainer = _BenchTrainer(cfg, log=False)
-        records = trainer.run()[spec.warmup :]
+        stamps["trainer"] = process_age_s()
+        every = trainer.run()
+        records = every[spec.warmup :]
     if not records:  # a rank other than 0: rank 0 reports
         return {}
     lane_keys = [f"{k}_s" for k in LANES + WAITS]
     return {
+        "startup_s": startup(stamps, trainer, every[0]["step_time_s"]),
         "step_times_s": [r["step_time_s"] for r in records],
         "tokens_per_step": records[0]["tokens"],
         "losses": [r["loss"] for r in records],

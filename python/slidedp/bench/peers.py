@@ -6,6 +6,8 @@ ours, in BF16 compute with FP32 master weights:
 
 - ``zero3-offload``: DeepSpeed ZeRO-3, parameters and optimizer state offloaded to pinned host
   memory, DeepSpeedCPUAdam (``bench.deepspeed_zero``);
+- ``zero3-optim-offload``: ZeRO-3 with the optimizer state offloaded only, the BF16 parameter
+  shards on the GPUs (DeepSpeed's strongest synchronous set-up where they fit);
 - ``zero-offload``: DeepSpeed ZeRO-2 with the optimizer offloaded, BF16 weights on the GPU;
 - ``fsdp2-resident``: FSDP2 with every state on the GPU (``bench.fsdp2``, no offload);
 - ``roundpipe``: RoundPipe's Qwen3 preset, synchronous optimizer step (``bench.roundpipe_sync``).
@@ -13,7 +15,8 @@ ours, in BF16 compute with FP32 master weights:
 Their packages are an optional extra (``pip install 'slidedp[peers]'``), imported only inside
 the peer's worker, never by the engine. A peer whose package is missing or fails to import, or
 that cannot run on the bench's device, is a result with ``status`` ``unavailable`` and one line
-saying why (``require``).
+saying why (``require``). With ``--gpus N`` every peer that ``scales`` also runs on N ranks
+(``bench.multi``), its variants too; RoundPipe runs on one GPU only.
 
 A peer may run several times in one bench, as named variants: ``--systems
 ours,zero3-offload,zero3-offload:big`` runs ``zero3-offload:big`` as ``zero3-offload`` runs
@@ -47,13 +50,15 @@ from slidedp.errors import ConfigError
 class Peer:
     package: str | None  # what the worker imports (None: torch alone)
     needs_cuda: bool
+    scales: bool = True  # runs on N ranks with --gpus N (data parallel, one process per GPU)
 
 
 PEERS: dict[str, Peer] = {
     "zero3-offload": Peer("deepspeed", needs_cuda=False),  # DeepSpeed's CPU accelerator
+    "zero3-optim-offload": Peer("deepspeed", needs_cuda=False),
     "zero-offload": Peer("deepspeed", needs_cuda=False),
     "fsdp2-resident": Peer(None, needs_cuda=False),
-    "roundpipe": Peer("roundpipe", needs_cuda=True),
+    "roundpipe": Peer("roundpipe", needs_cuda=True, scales=False),  # its own one-GPU pipeline
 }
 VARIANT = re.compile(r"[A-Za-z0-9_.-]+")  # the LABEL of SYSTEM:LABEL
 INSTALL_HINT = "pip install 'slidedp[peers]'; on a machine without an index: docs/benchmarks.md"

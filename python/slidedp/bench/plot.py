@@ -45,7 +45,7 @@ PANELS = (
 )
 STYLE = {
     "ours": "o-", "reference": "s--", "fsdp2": "^-.", "fsdp2-resident": "v:",
-    "zero3-offload": "D-.", "zero-offload": "d:", "roundpipe": "P--",
+    "zero3-offload": "D-.", "zero3-optim-offload": "X-", "zero-offload": "d:", "roundpipe": "P--",
 }  # fmt: skip
 SAME = ("shape", "seq_len", "device_name")  # what reports must share to be drawn together
 OURS_CONFIG_SYSTEMS = ("ours", "reference")  # their rows run our whole config (ours_config)

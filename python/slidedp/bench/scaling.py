@@ -5,8 +5,9 @@ Weak-scaling efficiency of a system at per-rank batch B: its tokens/s on N ranks
 N x B) over N x its tokens/s on one rank at B — 100% when N ranks do N times the work in the
 same time. The compute-only reference runs on one GPU only; its N-GPU figure is projected
 (N x its tokens/s: the compute alone, scaling perfectly) and labelled so. Ratios on N ranks
-divide ours' tokens/s (the summary's route) by FSDP2's on N ranks and by the projected
-reference.
+divide ours' tokens/s (the summary's route) by FSDP2's on N ranks, by each peer's (and
+variant's) on N ranks (``peers``: its tokens/s on 1 and N ranks, efficiency, ours over it)
+and by the projected reference.
 
 Example::
 
@@ -60,8 +61,26 @@ def scaling(runs: list[Run], scale: Scale) -> list[Run]:
             "fsdp2_efficiency": efficiency(fsdp2_1, fsdp2_n, n),
             "ours_over_fsdp2": _ratio(ours_n, fsdp2_n),
             "ours_over_reference_projected": _ratio(ours_n, projected),
+            "peers": _peers(runs, batch, n, ours_n),
         })  # fmt: skip
     return rows
+
+
+def _peers(runs: list[Run], batch: int, n: int, ours_n: float | None) -> dict[str, Run]:
+    """Per peer (or variant) that ran on ``n`` ranks at ``batch``: tokens/s on 1 and ``n``
+    ranks, its efficiency, and ours (on ``n``) over it."""
+    names = [r["system"] for r in runs if r["batch"] == batch and r["world"] == n]
+    out = {}
+    for name in dict.fromkeys(names):
+        if name in ("ours", "fsdp2"):
+            continue
+        one = _tokens_per_s(runs, batch, name, 1, None)
+        many = _tokens_per_s(runs, batch, name, n, None)
+        out[name] = {
+            "tokens_per_s_1": one, "tokens_per_s_n": many,
+            "efficiency": efficiency(one, many, n), "ours_over": _ratio(ours_n, many),
+        }  # fmt: skip
+    return out
 
 
 def route_table(runs: list[Run], scale: Scale) -> list[Run]:
@@ -117,11 +136,21 @@ def _print_scaling(report: dict[str, Any], unit: str) -> None:
                 f"  {system:<10} 1: {_fmt(one, '.1f', 10)}  {n}: {_fmt(many, '.1f', 10)}  "
                 f"efficiency {_fmt(row[f'{system}_efficiency'], '.1%')}"
             )
+        peers = row.get("peers", {})
+        for name, peer in peers.items():
+            print(
+                f"  {name:<10} 1: {_fmt(peer['tokens_per_s_1'], '.1f', 10)}  "
+                f"{n}: {_fmt(peer['tokens_per_s_n'], '.1f', 10)}  "
+                f"efficiency {_fmt(peer['efficiency'], '.1%')}"
+            )
         projected = _fmt(row["reference_projected_tokens_per_s"], ".1f")
         print(f"  {'reference':<10} {n}: {projected} (projected: {n} x its tokens/s on 1)")
+        over_peers = "".join(
+            f"ours/{name} {_fmt(peer['ours_over'], '.2f')}x, " for name, peer in peers.items()
+        )
         print(
             f"ratios at batch {batch} per rank on {n} {unit} (tokens/s): "
-            f"ours/fsdp2 {_fmt(row['ours_over_fsdp2'], '.2f')}x, "
+            f"ours/fsdp2 {_fmt(row['ours_over_fsdp2'], '.2f')}x, {over_peers}"
             f"ours/reference (projected) {_fmt(row['ours_over_reference_projected'], '.2f')}x"
         )
 

@@ -46,9 +46,9 @@ failure makes the command exit 1 after the report. ``--json`` is rewritten after
 a sweep cut short keeps what it measured.
 
 With ``--gpus N`` (``--ranks N`` on CPU) the same batches also run on N ranks, weak scaling:
-ours once per route of ``--routes``, FSDP2 on N ranks, the collectives' bandwidths once
-(``bench.multi``), then the efficiencies, ratios to the projected reference and the route
-table (``bench.scaling``).
+ours once per route of ``--routes``, FSDP2 and the peers that scale (and their variants) on N
+ranks, the collectives' bandwidths once (``bench.multi``), then the efficiencies, ratios to
+the projected reference and the route table (``bench.scaling``).
 """
 
 from __future__ import annotations
@@ -382,7 +382,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 )  # fmt: skip
             if scale is not None:
                 at_batch += multi.scaled_specs(
-                    dataclasses.replace(spec, batch=batch), systems, scale
+                    dataclasses.replace(spec, batch=batch), systems, scale, at_batch
                 )
             for run in at_batch:
                 print(f"slidedp bench train: {_describe(run)} ...", file=sys.stderr)

@@ -78,6 +78,7 @@ SYSTEMS: dict[str, Callable[[RunSpec], dict[str, Any]]] = {
     "fsdp2": _fsdp2,
     "fsdp2-resident": _fsdp2,  # the same code without CPUOffloadPolicy
     "zero3-offload": _zero,
+    "zero3-optim-offload": _zero,
     "zero-offload": _zero,
     "roundpipe": _roundpipe,
     "collectives": _collectives,

@@ -163,10 +163,9 @@ def _route_times(
     a synchronous collective), and on the cpu route every rank's gradient copy into its f32
     slots (``policy.store_args``: 4 bytes per parameter) and the host sum of the ranks' copies:
     it reads ``count`` slots, writes one and reads the sum again for its Σ g², at the host's
-    DRAM rate (as AdamW's). Every group's sum is on rank 0's training thread, not only those
-    it owns (``Dist.owner``): an owner sums once every peer's copy has landed, and a peer
-    announces its copy only after its own sums before it, so the ranks' threads pass each
-    group's sum in turn (traced on 2xH200: the owner's wait for its peer, BENCHMARKS.md)."""
+    DRAM rate (as AdamW's). The owner's update worker sums once every peer's copy has landed,
+    then runs AdamW: the model puts every group's sum on the update lane, which stands for
+    the host's DRAM that all ranks' AdamW share (``StepSpec.host_sum_s``)."""
     r = ranks.count
     sharded = r > 1 and ranks.param_route == "sharded"
     load = [

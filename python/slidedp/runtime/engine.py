@@ -66,6 +66,7 @@ backward order were already updated (the overlap's price).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -89,7 +90,7 @@ from slidedp.runtime.trace import StepTrace
 from slidedp.runtime.transfer import pin, unpin
 from slidedp.runtime.window import DeviceBuffer, Window
 from slidedp.store import HostStore
-from slidedp.update import UpdateWorker
+from slidedp.update import HostSumRing, UpdateWorker
 
 
 def layer_state(states: list[LayerState | None], layer: int) -> LayerState:
@@ -141,15 +142,16 @@ class Engine:
         staging = store.layout["staging_slots"] // world
         self.clock = LaneClock(device)
         self.kernels = Kernels(threads)
-        self.worker = UpdateWorker(store, threads)
+        ring, host_sum = None, None
+        if ctx is not None and grad_route == "cpu":
+            assert signals is not None, "the cpu gradient route needs the signal store"
+            ring = HostSumRing(signals, rank, world, self.grad_slots, version_timeout_s)
+        self.worker = UpdateWorker(store, threads, ring)
         self.reduce = (
             GpuReduce(ctx, self.clock) if ctx is not None and grad_route == "gpu" else None
         )
-        host_sum = None
-        if ctx is not None and grad_route == "cpu":
-            assert signals is not None, "the cpu gradient route needs the signal store"
-            host_sum = HostSum(ctx, store, signals, self.kernels, self.grad_slots,
-                               version_timeout_s, self.clock)  # fmt: skip
+        if ctx is not None and ring is not None:
+            host_sum = HostSum(ctx, store, self.worker, self.kernels, self.clock)
         self.grads = GradLane(
             store,
             self.worker,
@@ -195,11 +197,13 @@ class Engine:
         self.embed = adapter.make_embed(device)
         self._update_busy_s = 0.0
         self._pinned: list[torch.Tensor] = []
+        started = time.perf_counter()
         if device.type == "cuda":
             for region in ("staging", "grad", "mirror"):
                 if store.region(region).numel():
                     pin(store.region(region), f"the store's {region} slots")
                     self._pinned.append(store.region(region))
+        self.pin_s = time.perf_counter() - started  # page-locking the store's slots (startup)
 
     def close(self) -> None:
         """Unregister the page-locked host memory (the store's slots, the offload arena): a

@@ -13,12 +13,14 @@ chunk's source stays referenced until its copy is done.
 
 Several ranks: the lane uses its rank's slot range ``[slot_base, slot_base + slot_count)``. With
 the cpu gradient route (``host_sum``) every rank sends every group; at flush a chunk is
-announced (``landed``), and only the group's owner (``owns``) sums the ranks' chunks and submits
-the update; a non-owner's slot is free again once the owner summed out of it. A chunk's
-``role`` says what the owner does with the sum: ``both`` — count its Σ g² towards the global
-norm and update (no clipping); with clipping on the cpu route the group is sent twice, ``norm``
-during the backward (the sum only feeds the norm, nothing is updated, the device gradient is
-kept) and ``update`` once the clip coefficient is known (the same sum again, then AdamW).
+announced (``landed``), and only the group's owner (``owns``) submits it, with the sum of the
+ranks' chunks for its update worker to do first (``routes.HostSum``); a non-owner's slot is
+free again once the owner's worker summed out of it. A chunk's ``role`` says what the owner
+does with the sum: ``both`` — count its Σ g² towards the global norm and update (no clipping);
+with clipping on the cpu route the group is sent twice, ``norm`` during the backward (the sum
+only feeds the norm, nothing is updated, the device gradient is kept) and ``update`` once the
+clip coefficient is known (the same sum again, then AdamW). The worker adds up the Σ g² of
+the sums it did (``take_sum_squares``).
 """
 
 from __future__ import annotations
@@ -116,7 +118,6 @@ class GradLane:
         self._slot_reader: list[tuple[str, int] | None] = [None] * count
         self._next_slot = 0
         self._sent = 0
-        self.owned_sum_squares = 0.0  # cpu route: Σ g² of the summed chunks this rank owned
 
     @staticmethod
     def ticket(group: int, grads: dict[str, torch.Tensor]) -> GradTicket:
@@ -196,6 +197,7 @@ class GradLane:
         chunk.keep.clear()
         self._queued_slots.discard(chunk.slot)
         ticket, a = chunk.ticket, chunk.adam
+        host_sum = None
         if self.host_sum is not None:
             self.host_sum.landed(chunk.seq)
             if not self.owns(ticket.group):
@@ -203,13 +205,7 @@ class GradLane:
                 if chunk.last and chunk.role != "norm":  # a "norm" chunk is sent again
                     ticket.grads.clear()
                 return
-            counts = chunk.role != "update"  # towards the global norm
-            with self.clock.host("wait_update"):  # the owner waits for its peers' chunks
-                sum_squares = self.host_sum.gather(chunk.seq, chunk.slot, chunk.length, norm=counts)
-            self.owned_sum_squares += sum_squares
-            if chunk.role == "norm":
-                self._slot_reader[chunk.slot] = None  # summed synchronously: free again
-                return
+            host_sum = self.host_sum.chunk_sum(chunk.seq, chunk.slot, chunk.length, chunk.role)
         if chunk.norm is not None:
             norm = float(chunk.norm)  # in host memory, landed with the chunk's copy
             if not math.isfinite(norm):
@@ -222,6 +218,7 @@ class GradLane:
                     step=a.version - 1,
                     what="grad_norm",
                 )
+        updates = chunk.role != "norm"
         seq = self.worker.submit(
             ticket.group,
             chunk.start,
@@ -233,11 +230,18 @@ class GradLane:
             eps=a.eps,
             weight_decay=a.weight_decay,
             grad_scale=a.grad_scale,
-            publish=a.version if chunk.last else None,
+            publish=a.version if chunk.last and updates else None,
+            host_sum=host_sum,
         )
         self._slot_reader[chunk.slot] = ("update", seq)
-        if chunk.last:
+        if chunk.last and updates:
             ticket.grads.clear()  # the device gradient is no longer needed
+
+    def take_sum_squares(self) -> float:
+        """Σ g² of the chunks this rank's worker summed for the norm since the last call (cpu
+        route; waits for the sums submitted so far)."""
+        with self.clock.host("wait_update"):
+            return self.worker.take_sum_squares(self.timeout_s)
 
     def flush(self, *, keep_last_group: bool = False, through_group: int | None = None) -> None:
         """Submit queued chunks in order: all of them; or all but the newest group's

@@ -10,7 +10,8 @@ gradients are *parked* on the device with their norms; ``finish`` computes ``cli
 leave a ring's worth at a time, before each load of the next step waits for a version
 (``send_ready``, the window's ``before_wait``), so the update lane overlaps the next forward.
 On the cpu route the norm is the host sum's: each parked gradient is also sent once during the
-backward for its Σ g² (summed, nothing updated), then again with the coefficient.
+backward for its Σ g² (summed by the owner's update worker, nothing updated), then again with
+the coefficient.
 
 GPU-resident groups (``runtime.resident``) never reach the lane: their gradients are kept on the
 device, count once in the global norm like any other group's, and are applied in ``finish``
@@ -64,7 +65,6 @@ class GradSync:
         return self.optim.max_grad_norm > 0
 
     def begin_step(self) -> None:
-        self.grads.owned_sum_squares = 0.0
         self._tickets = []
 
     def _adam(self, t: int, adam_step: int, lr: float) -> AdamArgs:
@@ -111,7 +111,7 @@ class GradSync:
             total: torch.Tensor = torch.linalg.vector_norm(torch.stack(all_norms))
             return total  # clip_grad_norm_'s total
         if self.grads.host_sum is not None:  # cpu route: Σ g² of the summed host chunks
-            owned = self.grads.owned_sum_squares
+            owned = self.grads.take_sum_squares()
         else:
             owned = float(torch.stack(all_norms).double().square().sum()) if all_norms else 0.0
         # every node's owners hold the same (all-nodes) sums: add up one node's

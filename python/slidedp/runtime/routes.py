@@ -5,15 +5,17 @@
   owners of the other nodes (``Dist.across_nodes``, several nodes only); only the owner copies
   it to the host and updates, so ONE gradient per group crosses each node's host link.
   Non-owners drop theirs.
-- ``cpu``: every rank copies its own gradient into its own gradient slots; ``HostSum`` lets the
-  owner sum the ranks' slots of a chunk (Rust ``sum_into``, shared memory) into its slot and
-  submit the update. Signals are version counters of a tiny second store (``signal_specs``):
-  ``landed[r]`` counts the chunks rank ``r`` has copied, ``consumed[r][k]`` the last chunk
-  summed out of rank ``r``'s slot ``k``. Every rank sends the same chunks in the same order
-  with the same slot round-robin, so a chunk's sequence number names it on every rank. No
-  barrier: a rank waits only for the counters of the chunks it needs. With several nodes the
-  owner all-reduces the summed chunk (f32, host memory, gloo) with the other nodes' owners
-  before its norm and update.
+- ``cpu``: every rank copies its own gradient into its own gradient slots and announces it;
+  the owner's update worker (``update.HostSumRing``, Rust) waits for the other ranks' copies of
+  the chunk, sums them into its slot (shared memory), frees theirs, takes the sum's Σ g² and
+  runs AdamW: no training thread waits for a peer or sums. Signals are version counters of a
+  tiny second store (``signal_specs``): ``landed[r]`` counts the chunks rank ``r`` has copied,
+  ``consumed[r][k]`` the last chunk summed out of rank ``r``'s slot ``k``. Every rank sends
+  the same chunks in the same order with the same slot round-robin, so a chunk's sequence
+  number names it on every rank. No barrier: a rank waits only for the counters of the chunks
+  it needs. With several nodes the owner's thread sums its node's copies (the same Rust sum)
+  and all-reduces the sum (f32, host memory, gloo) with the other nodes' owners; its worker
+  then takes the norm and updates.
 
 Either way exactly one AdamW runs per group per step and node, on the owner, with the same
 gradient on every node; other ranks only wait for the group's version.
@@ -31,9 +33,10 @@ import torch.distributed as dist
 
 from slidedp.kernels import Kernels
 from slidedp.runtime.dist import Dist, collective
-from slidedp.runtime.grad_lane import GradLane, GradTicket
+from slidedp.runtime.grad_lane import GradLane, GradTicket, Role
 from slidedp.runtime.lanes import LaneClock
 from slidedp.store import GroupSpec, HostStore, ParamSpec
+from slidedp.update import ChunkSum, UpdateWorker
 
 
 class GpuReduce:
@@ -73,47 +76,36 @@ def signal_specs(world: int, slots_per_rank: int) -> list[GroupSpec]:
 
 
 class HostSum:
-    """The cpu route's cross-rank sum of gradient chunks in the shared gradient slots."""
+    """The cpu route's cross-rank sum of gradient chunks: ``GradLane``'s calls into the ring of
+    its update worker (``UpdateWorker(..., ring=HostSumRing(...))``)."""
 
     def __init__(
-        self,
-        ctx: Dist,
-        store: HostStore,
-        signals: HostStore,
-        kernels: Kernels,
-        slots_per_rank: int,
-        timeout_s: float,
-        clock: LaneClock,
+        self, ctx: Dist, store: HostStore, worker: UpdateWorker, kernels: Kernels, clock: LaneClock
     ) -> None:
-        self.ctx, self.store, self.signals, self.kernels = ctx, store, signals, kernels
-        self.slots, self.timeout_s, self.clock = slots_per_rank, timeout_s, clock
-
-    def _consumed(self, rank: int, slot: int) -> int:
-        return self.ctx.local_world + rank * self.slots + slot
+        self.ctx, self.store, self.worker, self.kernels, self.clock = (
+            ctx, store, worker, kernels, clock
+        )  # fmt: skip
 
     def landed(self, seq: int) -> None:
         """This rank's chunks up to ``seq`` are in its slots."""
-        self.signals.publish(self.ctx.local_rank, seq + 1)
+        self.worker.landed(seq)
 
     def wait_consumed(self, slot: int, seq: int) -> None:
         """This rank's slot ``slot`` may be rewritten: chunk ``seq`` was summed out of it."""
-        wait = self._consumed(self.ctx.local_rank, slot)
-        self.signals.wait_version(wait, seq + 1, self.timeout_s)
+        self.worker.wait_consumed(slot, seq)
 
-    def gather(self, seq: int, slot: int, length: int, *, norm: bool = True) -> float:
-        """Owner: add every other local rank's chunk ``seq`` (their slot ``slot``) into its own
-        slot; frees their slots; sums it with the other nodes' owners; returns Σ g² of the
-        summed chunk (for the global norm; 0.0 unless ``norm``)."""
-        ctx = self.ctx
-        dst = self.store.grad_slot(ctx.local_rank * self.slots + slot)[:length]
-        others = [r for r in range(ctx.local_world) if r != ctx.local_rank]
-        for r in others:
-            self.signals.wait_version(r, seq + 1, self.timeout_s)
-        if others:
-            srcs = [self.store.grad_slot(r * self.slots + slot)[:length] for r in others]
-            self.kernels.sum_into(dst, srcs, accumulate=True)
-        for r in others:
-            self.signals.publish(self._consumed(r, slot), seq + 1)
-        with self.clock.host("nodes"):
-            ctx.across_nodes(dst)
-        return self.kernels.sum_squares(dst) if norm else 0.0
+    def chunk_sum(self, seq: int, slot: int, length: int, role: Role) -> ChunkSum:
+        """Owner of chunk ``seq`` (this rank's slot ``slot``): what its update request sums
+        (``role``: ``GradLane``). One node: the worker sums the ranks' copies. Several: this
+        thread sums them and all-reduces the sum with the other nodes' owners first."""
+        gather: int | None = seq
+        if self.ctx.nodes > 1:
+            with self.clock.host("wait_update"):  # the wait for its peers' chunks, then the sum
+                self.worker.gather(self.kernels, seq, slot, length)
+            ctx = self.ctx
+            slots = self.store.layout["grad_slots"] // ctx.local_world
+            dst = self.store.grad_slot(ctx.local_rank * slots + slot)[:length]
+            with self.clock.host("nodes"):
+                ctx.across_nodes(dst)
+            gather = None
+        return ChunkSum(gather_seq=gather, norm=role != "update", apply=role != "norm")

@@ -51,11 +51,11 @@ pub struct StepSpec {
     #[serde(default = "blocks")]
     pub reduce_blocks: bool,
     /// Per group: the cpu gradient route's sum of the ranks' copies on the host (empty: none).
-    /// The training thread sums synchronously after the group's copy has landed, so it delays
-    /// what that thread issues next, and the update follows it. The sum's memory traffic
-    /// shares the host's DRAM with AdamW, so it occupies the update lane as long again. With
-    /// clipping the route sends each gradient twice: once during the backward for the norm
-    /// (copy and sum, no update), then again with the coefficient.
+    /// The owner's update worker sums once the group's copies have landed, then runs its
+    /// AdamW: the sum is on the update lane, ahead of the update, and the training thread only
+    /// issues. With clipping the route sends each gradient twice: once during the backward
+    /// for the norm (copy and sum, no update), then again with the coefficient; the step ends
+    /// once the last norm sum is done (the norm needs every sum's `Σ g²`).
     #[serde(default)]
     pub host_sum_s: Vec<f64>,
     /// Per group: GPU-resident (empty: none). A resident group is never loaded, cast, copied
@@ -219,9 +219,8 @@ impl Builder<'_> {
         self.updates[group] = Some(update);
     }
 
-    /// The gradient's copy to the host, then (cpu route) the host's sum of the ranks' copies
-    /// and its DRAM traffic on the update lane (AdamW moves less meanwhile); the operation
-    /// after which the sum is in the owner's slot.
+    /// The gradient's copy to the host, then (cpu route) the owner's worker sums the ranks'
+    /// copies on the update lane; the operation after which the sum is in the owner's slot.
     fn copy_and_sum(&mut self, group: usize, what: &str, deps: &[usize]) -> usize {
         let copy = self.dag.add(
             format!("grad copy{what} g{group}"),
@@ -232,19 +231,12 @@ impl Builder<'_> {
         if self.spec.host_sum(group) == 0.0 {
             return copy;
         }
-        let sum = self.dag.add(
-            format!("host sum{what} g{group}"),
-            Lane::Host,
-            self.spec.host_sum(group),
-            &[copy],
-        );
         self.dag.add(
-            format!("host sum traffic{what} g{group}"),
+            format!("host sum{what} g{group}"),
             Lane::Update,
             self.spec.host_sum(group),
-            &[sum],
-        );
-        sum
+            &[copy],
+        )
     }
 
     /// Before a load waits for `group`'s version, the parked gradients up to a ring's worth
@@ -402,9 +394,12 @@ impl Builder<'_> {
         self.blocking = None;
         // the step returns once the host has the norm: the backward done, every gradient
         // reduced (the embedding's is the last) and, without clipping, the last one copied
+        // (cpu route: summed); with clipping on the cpu route, the last norm sum done
         let mut deps = vec![embed, reduced];
         if !spec.clipping {
-            deps.extend(self.ring.last().map(|&update| update - 1)); // its copy
+            deps.extend(self.ring.last().map(|&update| update - 1)); // its copy or sum
+        } else if !spec.host_sum_s.is_empty() {
+            deps.extend(self.ring.last().copied()); // the norm pass's sums, in lane order
         }
         let end = self.dag.add(format!("t{t} end"), Lane::Host, 0.0, &deps);
         self.backward_end = Some(end);

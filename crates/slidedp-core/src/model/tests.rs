@@ -152,30 +152,44 @@ fn a_cast_on_the_host_delays_every_load_it_precedes() {
 }
 
 #[test]
-fn a_host_sum_runs_on_the_training_thread_before_the_update() {
-    // the cpu route: 0.3 s of host sum per group after its copy. Without clipping the six sums
-    // sit on the host thread between issues; the update of each group starts after its sum
+fn a_host_sum_runs_on_the_update_lane_before_the_update() {
+    // the cpu route: 0.3 s of host sum per group after its copy, on the owner's update worker.
+    // Without clipping the six sums sit on the update lane, each before its group's update;
+    // the training thread (host lane) does none of them
     let base = predict_ok(&spec(4, false, 0.1));
     let mut summed = spec(4, false, 0.1);
     summed.host_sum_s = vec![0.3; 6];
     let p = predict_ok(&summed);
-    assert!((p.busy_s[&Lane::Host] - 1.8).abs() < 1e-9, "{p:?}");
-    // the sums' memory traffic shares the host's DRAM with AdamW: on the update lane too
+    assert!(p.busy_s[&Lane::Host] < 1e-9, "{p:?}");
     assert!(
         (p.busy_s[&Lane::Update] - (0.6 + 1.8)).abs() < 1e-9,
         "{p:?}"
     );
     assert!(p.step_s > base.step_s, "{p:?} {base:?}");
-    // with clipping every gradient is copied and summed twice: for the norm, then to update
+    let steps = super::step::build(&summed, 1);
+    let (sum, update) = (op_in(&steps, "host sum g3"), op_in(&steps, "update g3"));
+    assert_eq!(steps.dag.ops[sum].lane, Lane::Update);
+    assert!(steps.dag.ops[update].start_s >= steps.dag.finish(sum));
+    // with clipping every gradient is copied and summed twice: for the norm, then to update;
+    // the step ends (the norm is known) only once the last norm sum is done
     let mut clipped = spec(4, true, 0.1);
     clipped.host_sum_s = vec![0.3; 6];
     let c = predict_ok(&clipped);
-    assert!((c.busy_s[&Lane::Host] - 3.6).abs() < 1e-9, "{c:?}");
+    assert!(c.busy_s[&Lane::Host] < 1e-9, "{c:?}");
     assert!((c.busy_s[&Lane::D2h] - 6.0).abs() < 1e-9, "{c:?}");
     assert!(
         (c.busy_s[&Lane::Update] - (0.6 + 3.6)).abs() < 1e-9,
         "{c:?}"
     );
+    clipped.host_sum_s = vec![3.0; 6]; // longer than the backward: the end waits for them
+    let steps = super::step::build(&clipped, 1);
+    let (end, last_norm_sum) = (op_in(&steps, "t0 end"), op_in(&steps, "host sum (norm) g0"));
+    assert!(steps.dag.finish(last_norm_sum) > steps.dag.finish(op_in(&steps, "t0 embed bwd")));
+    assert!(steps.dag.ops[end].start_s >= steps.dag.finish(last_norm_sum));
+}
+
+fn op_in(steps: &super::step::Steps, name: &str) -> usize {
+    steps.dag.ops.iter().position(|o| o.name == name).unwrap()
 }
 
 #[test]

@@ -69,6 +69,7 @@ fn request(group: usize, start: usize, len: usize, grad_slot: usize, step: u64) 
         grad_slot,
         hp: hp(step),
         publish: None,
+        host_sum: None,
     }
 }
 
