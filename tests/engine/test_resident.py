@@ -382,6 +382,7 @@ def test_the_gpu_update_is_the_host_kernel_to_rounding(compiled: bool) -> None:
     assert torch.equal(group.weights.flat, kept["weights"])
 
 
+@pytest.mark.e2e
 def test_the_compiled_update_compiles_in_one_thread_without_autotuning() -> None:
     """The compiled pass compiles with one thread, in its own process, and without autotuning.
     On a GPU machine the one thread keeps inductor's pool of worker processes (one per core,

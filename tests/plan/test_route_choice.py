@@ -153,6 +153,7 @@ def _cache_probes(cfg: TrainConfig, adapter: HFAdapter, links: dict[str, float])
     write_report(cache_file(None, "links", facts), facts | links | {"measured_s": 1.0})
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("links", "route"), [(FAST, DEFAULT), (SLOW, ("replicated", "cpu"))])
 def test_auto_on_two_gpus_chooses_layout_and_routes_from_the_probes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, links: dict[str, float], route: Any

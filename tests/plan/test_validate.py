@@ -229,6 +229,7 @@ def test_nothing_fitting_the_default_included_is_one_line_and_leaves_no_output(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.e2e
 def test_a_trial_is_the_engine_and_writes_nothing_in_the_output_dir(tmp_path: Path) -> None:
     """Here and in a child process (as on CUDA): the run's own engine and data, the step time
     the median after a warm-up, the run's output directory as it was."""
@@ -267,6 +268,7 @@ def test_a_rank_says_its_trial_in_one_write(
     assert Trial(**json.loads(capfd.readouterr().out)) == trial
 
 
+@pytest.mark.e2e
 def test_a_trial_on_two_ranks_starts_them_and_takes_rank_0s_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
