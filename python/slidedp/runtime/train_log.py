@@ -126,7 +126,7 @@ class ScalarWriter(Protocol):
 
 
 def tensorboard_writer(out_dir: Path) -> ScalarWriter:
-    from torch.utils.tensorboard import SummaryWriter  # needs the optional tensorboard package
+    from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415  optional: the tensorboard package
 
     writer: ScalarWriter = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
     return writer

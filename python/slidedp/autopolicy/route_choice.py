@@ -10,9 +10,9 @@ copies' rates under it from the host probe (``profile.host``), the layer-sized `
 ``all_gather`` from the link probe (``profile.links``). A route the machine cannot hold
 (``estimate.shortages``) or that the launch refuses (``runtime.dist.check_config``) is left
 out. The config's route (``replicated/gpu`` unless the config sets one) is kept unless another
-is predicted ``plan.select.MIN_GAIN`` faster, as the layout stage keeps the all-F default.
+is predicted ``autopolicy.select.MIN_GAIN`` faster, as the layout stage keeps the all-F default.
 
-The chunk size (``runtime.chunk_elems``) is the chunk stage's (``plan.chunk_choice``), chosen
+The chunk size (``runtime.chunk_elems``) is the chunk stage's (``autopolicy.chunk_choice``), chosen
 before the routes from one rank's stream measured alone.
 
 Example::
@@ -24,34 +24,15 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
-import torch
-
+from slidedp.autopolicy.select import MIN_GAIN
 from slidedp.errors import ConfigError
-from slidedp.plan.select import MIN_GAIN
-from slidedp.plan.timing import CAST_GBPS, Links, Ranks, predict_step, spec_from_shapes
+from slidedp.plan.predict import ROUTES, Route, route_name
 
 if TYPE_CHECKING:
     from slidedp.config import TrainConfig
-    from slidedp.estimate import Machine
-    from slidedp.models.hf import HFAdapter
-
-ParamRoute = Literal["replicated", "sharded"]
-GradRoute = Literal["gpu", "cpu"]
-Route = tuple[ParamRoute, GradRoute]  # as `bench train --routes` writes them: PARAM/GRAD
-ROUTES: tuple[Route, ...] = (
-    ("replicated", "gpu"),
-    ("replicated", "cpu"),
-    ("sharded", "gpu"),
-    ("sharded", "cpu"),
-)
-
-
-def route_name(route: Route) -> str:
-    return f"{route[0]}/{route[1]}"
 
 
 @dataclass(frozen=True)
@@ -102,64 +83,6 @@ def candidate_routes(cfg: TrainConfig, fixed: bool | None) -> list[Route]:
         for p, g in ROUTES
         if (param_free or p == rt.param_route) and (grad_free or g == rt.grad_route)
     ]
-
-
-def route_steps(
-    cfg: TrainConfig,
-    adapter: HFAdapter,
-    machine: Machine,
-    routes: list[Route],
-    *,
-    links: Links,
-    adamw_gbps: float,
-    peak_flops: float,
-    measured: dict[str, tuple[float, float]],
-    cast_gbps: float | None = None,
-) -> dict[Route, float]:
-    """The predicted step, in seconds, of ``cfg`` (its layout, several ranks of this host) on
-    each of ``routes`` that the launch accepts and ``machine`` holds (``cast_gbps``: the host
-    probe's cast under DMA, for a route without the BF16 mirror; None: ``plan.timing``'s)."""
-    from slidedp.estimate import estimate_run, resolve_mirror, shortages
-    from slidedp.plan.cost import layer_footprint
-    from slidedp.plan.device import pick_dtype
-    from slidedp.plan.policy import resolve_policy
-    from slidedp.runtime.dist import check_config
-
-    rt = cfg.runtime
-    dtype = pick_dtype(cfg.train.dtype, torch.device("cuda"))
-    rows, seq = cfg.train.global_batch_size // rt.world, cfg.data.seq_len  # per rank
-    steps = {}
-    for param, grad in routes:
-        on_route = dataclasses.replace(
-            cfg, runtime=dataclasses.replace(rt, param_route=param, grad_route=grad)
-        )
-        try:
-            check_config(rt.world, on_route.runtime, cfg.train)
-        except ConfigError:
-            continue
-        if shortages(estimate_run(on_route, adapter, machine, step_model=False)):
-            continue
-        mirror = resolve_mirror(on_route, adapter, machine)
-        device = torch.device("cuda")
-        policy = resolve_policy(on_route.runtime, adapter, mirror=mirror, device=device)
-        offloaded = [layer_footprint(adapter, p, rows, seq, dtype, i).offloaded_bytes
-                     for i, p in enumerate(policy.layers)]  # fmt: skip
-        spec = spec_from_shapes(
-            adapter,
-            policy,
-            batch=rows,
-            seq_len=seq,
-            peak_flops=peak_flops,
-            adamw_gbps=adamw_gbps,
-            cast_gbps=cast_gbps or CAST_GBPS,
-            clipping=cfg.train.max_grad_norm > 0,
-            offloaded_bytes=offloaded,
-            measured=measured,
-            ranks=Ranks(rt.world, grad, param),
-            links=links,
-        )
-        steps[(param, grad)] = float(predict_step(spec)["step_s"])
-    return steps
 
 
 def choose_route(steps: dict[Route, float], default: Route) -> RouteChoice:
