@@ -8,12 +8,10 @@ Stages (each timed by ``clock``): the layer profile, the host probe, the chunk p
 (``calibrate``) and a validation against the fixed default (``validate``); the routes on
 several GPUs (``route_choice``, with ``plan.predict``). A selection is cached
 (``selection_cache``) and a later run of the same key takes it without measuring; a resumed run
-keeps its checkpoint's layout and routes. ``validate`` and ``estimate`` use caches only.
-docs/architecture.md, section "AutoPolicy", has the whole account.
+keeps its checkpoint's layout and routes. ``validate`` and ``estimate`` use caches only
+(docs/architecture.md, section "AutoPolicy").
 
-Example::
-
-    cfg, line = resolve_auto(cfg, adapter, machine, measure=True)
+Example: ``cfg, line = resolve_auto(cfg, adapter, machine, measure=True)``
 """
 
 from __future__ import annotations

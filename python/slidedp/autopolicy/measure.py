@@ -1,19 +1,11 @@
-"""The measurements ``runtime.policy: auto`` takes on several ranks, in a child process of the
-launcher: the layer profile (``profile.layer``, one rank's rows on the first device), the host
-AdamW rate with the copies under it (``profile.host``) and, on several GPUs, the chunk probe
-(``profile.chunks``, one rank's stream on the first device) and the layer-sized ``reduce``
-and ``all_gather`` between them (``profile.links``). Each lands in the measurement
-cache; the launcher then chooses from the cache (``autopolicy.auto``), once for every rank, and
-passes the choice to the ranks it starts. So the launcher itself never allocates on the GPUs
-its ranks train on (it only reads their properties), nor keeps the probe's pinned store.
+"""The measurements ``runtime.policy: auto`` takes for several ranks, in a child process of
+the launcher: the layer profile, the host AdamW probe and, on GPUs, the chunk probe and the
+links between the GPUs (``profile.*``), each into its cache. The launcher then chooses from the
+caches (``autopolicy.auto``) once for every rank, and never allocates on their GPUs itself.
 
-Run by ``autopolicy.auto`` (not by hand)::
-
-    python -m slidedp.autopolicy.measure RESOLVED_CONFIG.yaml
-
-Exit code 0 when the layer profile and the host probe are cached (a link probe that fails is
-one warning line on stderr, and the routes stay the config's); 2 with one line on stderr for
-a ``SlidedpError``; 1 for any other exception, its traceback then its own line last.
+Run by ``autopolicy.auto`` (not by hand): ``python -m slidedp.autopolicy.measure CONFIG.yaml``.
+Exit 0 when the layer profile and host probe are cached (a failed link probe is one warning
+and the config's routes run); 2 with one line for a ``SlidedpError``; 1 otherwise.
 
 Example::
 

@@ -1,24 +1,14 @@
-"""The routes stage of ``runtime.policy: auto`` on several GPUs of one host: which gradient route
-(``runtime.grad_route``: ``gpu``, reduced on the devices; ``cpu``, summed on the host) and which
-parameter route (``runtime.param_route``: ``replicated``, the whole layer to every rank;
-``sharded``, 1/R each and an all-gather) the run takes.
-
-Each candidate route is the run with the chosen layout on that route, predicted by the
-step-time model (``plan.timing.spec_from_shapes`` with ``Ranks`` and ``Links``, then
-``predict_step``): the layers' times from the layer profile, the host AdamW rate and the
-copies' rates under it from the host probe (``profile.host``), the layer-sized ``reduce`` and
-``all_gather`` from the link probe (``profile.links``). A route the machine cannot hold
-(``estimate.shortages``) or that the launch refuses (``runtime.dist.check_config``) is left
-out. The config's route (``replicated/gpu`` unless the config sets one) is kept unless another
-is predicted ``autopolicy.select.MIN_GAIN`` faster, as the layout stage keeps the all-F default.
-
-The chunk size (``runtime.chunk_elems``) is the chunk stage's (``autopolicy.chunk_choice``), chosen
-before the routes from one rank's stream measured alone.
+"""The routes stage of ``runtime.policy: auto`` on several GPUs of one host: which parameter
+route (``replicated``: the whole layer to every rank; ``sharded``: 1/R each and an all-gather)
+and which gradient route (``gpu``: reduced on the devices; ``cpu``: summed on the host) a run
+takes. Each candidate is the run with the chosen layout on that route, predicted by
+``plan.predict.route_steps`` (routes the machine cannot hold or the launch refuses are left
+out); the config's route is kept unless another is predicted ``select.MIN_GAIN`` faster, as the
+layout stage keeps the all-F default. The chunk is the chunk stage's, chosen before.
 
 Example::
 
-    steps = route_steps(cfg, adapter, machine, ROUTES, links=links, adamw_gbps=147.0,
-                        peak_flops=989e12, measured=layer_times(report))
+    steps = route_steps(cfg, adapter, machine, list(ROUTES), rates)
     choice = choose_route(steps, default=("replicated", "gpu"))
 """
 
