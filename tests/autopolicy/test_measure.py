@@ -32,7 +32,7 @@ def test_a_crash_in_the_child_ends_its_stderr_with_the_exception_itself(
     def crash(_cfg: object) -> None:
         raise RuntimeError(COMPILER_ERROR)
 
-    monkeypatch.setattr("slidedp.config.load_config", lambda _path: None)
+    monkeypatch.setattr(measure, "load_config", lambda _path: None)
     monkeypatch.setattr(measure, "measure", crash)
     assert measure.main([str(tmp_path / "config.yaml")]) == 1
     lines = capsys.readouterr().err.strip().splitlines()

@@ -55,8 +55,8 @@ from slidedp.errors import (
 from slidedp.plan.device import pick_device
 from slidedp.plan.layout import format_layout
 from slidedp.plan.policy import resident_text
+from slidedp.runtime import launch as rank_launcher
 from slidedp.runtime.dist import Dist
-from slidedp.runtime.launch import EXIT_TIMED_OUT, launch
 from slidedp.runtime.lifetime import die_with_parent, worker_env
 from slidedp.runtime.trainer import Trainer
 
@@ -152,11 +152,12 @@ def trial_on_ranks(cfg: TrainConfig, steps: int) -> Trial:
         path, out, err = Path(tmp) / "config.yaml", Path(tmp) / "stdout", Path(tmp) / "stderr"
         path.write_text(resolved_yaml(trial_config(cfg, steps, Path(tmp) / "out")))
         with out.open("wb") as stdout, err.open("wb") as stderr:
-            code = launch(rt.world, [str(path), str(steps)], module="slidedp.autopolicy.validate",
-                          name="policy validation", own_session=False, stdout=stdout,
-                          stderr=stderr, timeout_s=TIMEOUT_S)  # fmt: skip
+            code = rank_launcher.launch(
+                rt.world, [str(path), str(steps)], module="slidedp.autopolicy.validate",
+                name="policy validation", own_session=False, stdout=stdout, stderr=stderr,
+                timeout_s=TIMEOUT_S)  # fmt: skip
         printed, said = out.read_text(), err.read_text()
-    if code == EXIT_TIMED_OUT:
+    if code == rank_launcher.EXIT_TIMED_OUT:
         raise _ran_past(cfg)
     if code == EXIT_OUT_OF_MEMORY:
         return Trial(rt.layers, rt.resident_layers, None, None, rt.resident_embeddings)
