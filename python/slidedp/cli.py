@@ -19,7 +19,6 @@ import json
 import os
 import sys
 import traceback
-from pathlib import Path
 
 from slidedp import __version__
 from slidedp.autopolicy import command as plan_command
@@ -44,7 +43,6 @@ def _train(config: str, overrides: list[str]) -> int:
     """Resolve and print the config, check the inputs, build everything (model, store, data),
     save ``resolved_config.yaml``, then train."""
     from slidedp.config import RESOLVED_CONFIG, load_config, resolved_yaml, write_resolved_config
-    from slidedp.plan.policy import write_plan
 
     cfg = load_config(config, overrides)
     from slidedp.preflight import check_before_training
@@ -81,7 +79,6 @@ def _train(config: str, overrides: list[str]) -> int:
 
     trainer = Trainer(cfg, checked=checked)
     write_resolved_config(cfg)  # only once every input is known good
-    write_plan(trainer.plan, Path(cfg.output.dir))
     trainer.run()
     return 0
 

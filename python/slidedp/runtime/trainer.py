@@ -36,7 +36,7 @@ from slidedp.models.hf import HFAdapter
 from slidedp.models.router_loss import check_router_loss_ranks
 from slidedp.plan.device import pick_device, pick_dtype
 from slidedp.plan.machine import Machine
-from slidedp.plan.policy import store_args
+from slidedp.plan.policy import store_args, write_plan
 from slidedp.plan.resolve import resolve_plan
 from slidedp.profile.host import engine_update_threads
 from slidedp.runtime.dist import Dist, all_reduce_sum, check_nodes_agree, start
@@ -300,6 +300,8 @@ class Trainer:
         tc, out = self.cfg.train, self.cfg.output
         main = self.ctx is None or self.ctx.main
         log = self._step_log() if main else None
+        if main:  # the plan this run trains with, beside its metrics
+            write_plan(self.plan, self.out_dir)
         records: list[dict[str, Any]] = []
         start_step = self.progress.step
         try:
