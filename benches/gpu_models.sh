@@ -53,7 +53,7 @@ for PART in ${PARTS:-parity moe}; do case $PART in
     longest)
         for shape in qwen3-4b qwen3-8b; do
             dir=$(mktemp -d)
-            python3 -c "from slidedp.bench.shapes import resolve_shape as r
+            python3 -c "from slidedp.models.shapes import resolve_shape as r
 r('$shape').to_json_file('$dir/config.json')"
             echo '{"input_ids": [1, 2, 3]}' > "$dir/data.jsonl"
             printf '%s\n' "model: {path: $dir, max_position_embeddings: 262144, rope_scaling:" \

@@ -21,7 +21,7 @@ python3 - "$SHAPE" "$WORK" "${BATCH:-16}" <<'EOF'
 import json, sys
 from pathlib import Path
 import torch
-from slidedp.bench.shapes import resolve_shape
+from slidedp.models.shapes import resolve_shape
 shape, work, batch = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
 config = resolve_shape(shape)
 config.save_pretrained(work / "model")

@@ -57,7 +57,7 @@ case ${PARTS:-m17} in
         routes qwen3-4b 16 replicated/gpu 200 ;;
     nodes) nodes_check
         part gpu-tests 200 python3 -m pytest -q -s -p no:cacheprovider -m multi_gpu \
-            tests/multirank/test_gpu_nodes.py tests/plan/test_auto_gpus.py
+            tests/multirank/test_gpu_nodes.py tests/autopolicy/test_auto_gpus.py
         within 200 auto-2gpu && auto_pair 200 --predict ;;
     x2a) nodes_check
         within 400 auto-2gpu && auto_pair 400

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from slidedp.bench.shapes import cut_layers, resolve_shape
+
 from slidedp.config import config_from_dict
 from slidedp.errors import ConfigError
 from slidedp.runtime.train_log import host_pss_bytes

@@ -22,7 +22,7 @@ from typing import Any
 
 from slidedp.bench.model import compare
 from slidedp.bench.predict import _from_files, _layer_of, predict_report
-from slidedp.bench.shapes import cut_layers, resolve_shape
+from slidedp.models.shapes import cut_layers, resolve_shape
 from slidedp.profile.host import model_gbps
 
 ROOT = Path(__file__).resolve().parent.parent / "benchmarks"

@@ -19,9 +19,9 @@ import dataclasses
 
 import torch
 
-from slidedp.bench.shapes import resolve_shape
 from slidedp.config import RuntimeSection
 from slidedp.models.hf import HFAdapter
+from slidedp.models.shapes import resolve_shape
 from slidedp.plan.policy import resolve_policy
 from slidedp.plan.timing import Links, Ranks, predict_step, spec_from_shapes
 

@@ -1,6 +1,6 @@
 """The layout program on a recorded layer profile, for a GPU not at hand: what ``slidedp plan``
 and ``runtime.policy: auto`` would choose, and the choice with the embedding and head left on
-the host (``plan.select.solve_residency``'s other branch). Predictions, not measurements.
+the host (``autopolicy.select.solve_residency``'s other branch). Predictions, not measurements.
 
 Run: ``.venv/bin/python benches/replay_select.py`` (defaults: the H100 profile of one Qwen3-4B
 layer at B=16, ``benchmarks/qwen3-4b-h100-profile-layer-b16.json``, eager kernels; an 80 GB
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import yaml
 
-from slidedp.bench.shapes import resolve_shape
+from slidedp.autopolicy import select
 from slidedp.config import load_config
-from slidedp.estimate import GIB, Machine
 from slidedp.models.hf import HFAdapter
-from slidedp.plan import select
+from slidedp.models.shapes import resolve_shape
+from slidedp.plan.machine import GIB, Machine
 
 H100 = Machine(device="cuda", dtype="bfloat16", cores=16, shm_free_bytes=100 * GIB,
                mem_available_bytes=120 * GIB, gpu_name="NVIDIA H100 80GB HBM3",

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from slidedp.bench.shapes import resolve_shape
 from slidedp.models.hf import HFAdapter
+from slidedp.models.shapes import resolve_shape
 from slidedp.runtime.grad_lane import AdamArgs
 from slidedp.runtime.resident import (
     REGIONS,

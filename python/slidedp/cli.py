@@ -22,6 +22,7 @@ import traceback
 from pathlib import Path
 
 from slidedp import __version__
+from slidedp.autopolicy import command as plan_command
 from slidedp.bench import kernels as bench_kernels
 from slidedp.bench import model as bench_model
 from slidedp.bench import nodes as bench_nodes
@@ -31,7 +32,6 @@ from slidedp.bench import train as bench_train
 from slidedp.config import TrainConfig
 from slidedp.errors import ConfigError, SlidedpError, TrainingInterruptedError
 from slidedp.io.run_lock import RunLock
-from slidedp.plan import command as plan_command
 from slidedp.plan.device import prefer_expandable_segments
 from slidedp.profile import chunks as profile_chunks
 from slidedp.profile import host as profile_host
@@ -85,7 +85,7 @@ def _train_locked(
 
     rt = cfg.runtime
     if ctx is None and (rt.world > 1 or rt.nodes > 1):  # start the ranks (each runs this verb)
-        from slidedp.plan.auto import AUTO, chosen_overrides
+        from slidedp.autopolicy.auto import chosen_overrides
         from slidedp.runtime.launch import Node, launch
 
         # a refusal is one line, before any rank starts; runtime.policy=auto is chosen here,
@@ -97,7 +97,7 @@ def _train_locked(
             raise
         if checked.policy_line:
             print(checked.policy_line, flush=True)
-        chosen = chosen_overrides(checked.cfg) if rt.policy == AUTO else []
+        chosen = chosen_overrides(checked.cfg) if checked.selected else []
         node = Node(rt.nodes, rt.node_rank, rt.master_addr, rt.master_port)
         argv = ["train", config, *overrides, *chosen]
         return launch(rt.world, argv, node=node if rt.nodes > 1 else None)
@@ -145,15 +145,18 @@ def _warn(verb: str, warning: str | None) -> None:
 def _estimate(
     config: str, overrides: list[str], as_json: bool, explain: bool, longest: bool, gpus: int
 ) -> int:
+    from slidedp.autopolicy.auto import resolve_auto
     from slidedp.config import load_config
-    from slidedp.estimate import Machine, estimate_run, format_estimate, longest_sequence
-    from slidedp.plan.auto import resolve_auto
-    from slidedp.preflight import check_model
+    from slidedp.estimate_report import estimate_run, format_estimate, longest_sequence
+    from slidedp.plan.machine import Machine
+    from slidedp.preflight import apply_default_policy, check_model
 
     given = [f"runtime.gpus={gpus}"] if gpus else []  # may exceed this machine's: a prediction
     cfg = load_config(config, [*overrides, *given])
     adapter, machine = check_model(cfg)[0], Machine.probe(cfg)
+    cfg, fallback = apply_default_policy(cfg, adapter, machine, None)
     cfg, chosen = resolve_auto(cfg, adapter, machine, measure=False)  # a cached profile only
+    chosen = chosen or fallback
     if chosen:
         print(chosen)
     est = estimate_run(cfg, adapter, machine)

@@ -114,16 +114,18 @@ class RuntimeSection:
     # per-layer activation layout (plan.layout): [COUNTx]FAMILY[-rRATIO], ... e.g. "31xF, 5xN"
     layers: str = "F"
     offload_ratio: float = 0.0  # ratio of the entries of `layers` that give none (0..1)
-    policy: str = ""  # a policy file (plan.policy): its keys replace these runtime keys
+    # "": auto on CUDA unless the config names a layout, fixed on CPU (autopolicy.default);
+    # auto: select; fixed: these keys as they are; else a policy file whose keys replace them
+    policy: str = ""
     # runtime.policy=auto: training steps each of the choice and the fixed default run before
-    # training, the faster one wins (plan.validate; the first step is a warm-up); 0: off
+    # training, the faster one wins (autopolicy.validate; the first step is a warm-up); 0: off
     policy_validate_steps: int = 3
-    # runtime.policy=auto: training steps of each calibration trial (plan.calibrate: the
+    # runtime.policy=auto: training steps of each calibration trial (autopolicy.calibrate: the
     # shortlisted candidates' layer times measured on a reduced model, then solved again; the
     # median of all but the first: with 3, one slow step of two moved a candidate's time, and
     # three calibrations on the H100 read F-r1 at 0.020-0.064 s, BENCHMARKS.md); 0: off
     policy_calibrate_steps: int = 5
-    # runtime.policy=auto: select again though a cached selection matches (plan.selection_cache)
+    # runtime.policy=auto: select again though a cached selection matches
     policy_force: bool = False
     loss_chunk_tokens: int = 1024  # tokens per chunk of the linear + cross-entropy
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -135,7 +137,7 @@ class RuntimeSection:
     # BF16 copy of every parameter on the host, written by AdamW: loads are one DMA, no cast
     # (+2 B/param host memory); false: cast each chunk into the staging ring on delivery;
     # null (default): on where the run with it fits the host with 8 GiB to spare
-    # (estimate.resolve_mirror), and always for several ranks on the replicated route, where
+    # (plan.resolve.resolve_mirror), and always for several ranks on the replicated route, where
     # every rank would otherwise cast the whole layer again
     bf16_mirror: bool | None = None
     ranks: int = 1  # CPU processes (gloo) sharing one host state; `slidedp train` starts them

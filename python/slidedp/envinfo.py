@@ -23,6 +23,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import torch
+import transformers
+
 from slidedp import __version__
 from slidedp.kernels import Kernels, default_threads
 
@@ -73,8 +76,6 @@ def nvidia_smi(*args: str) -> str | None:
 
 
 def _gpus() -> tuple[list[dict[str, Any]], dict[str, str | None]]:
-    import torch
-
     cuda = {"cuda": torch.version.cuda, "driver": None, "nccl": None}
     if not torch.cuda.is_available():
         return [], cuda
@@ -97,9 +98,6 @@ def _gpus() -> tuple[list[dict[str, Any]], dict[str, str | None]]:
 
 def collect() -> dict[str, Any]:
     """Every fact as plain JSON-able values (bytes as integers)."""
-    import torch
-    import transformers
-
     gpus, cuda = _gpus()
     return {
         "versions": {

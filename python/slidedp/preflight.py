@@ -33,39 +33,30 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from slidedp.autopolicy.auto import resolve_auto, selection_cached
+from slidedp.autopolicy.default import AUTO, break_even_fallback, default_policy
 from slidedp.config import TrainConfig
+from slidedp.data.build import run_batches
 from slidedp.errors import ConfigError, ModelLoadError
+from slidedp.estimate import check_fits
+from slidedp.estimate_report import estimate_run
 from slidedp.io.disk_space import check_disk_space, checkpoint_bytes, saves_of_run
 from slidedp.io.hf_load import check_weight_files, weight_files
 from slidedp.io.resume import ResumePoint, plan_resume
 from slidedp.models.hf import HFAdapter
+from slidedp.models.router_loss import check_router_loss_ranks
+from slidedp.plan.device import pick_device, pick_dtype
+from slidedp.plan.machine import Machine
+from slidedp.runtime.dist import check_config
 
 SHM_DIR = Path("/dev/shm")
 _GIB = 2**30
 
 
 def check_device(cfg: TrainConfig) -> str:
-    from slidedp.plan.device import pick_device, pick_dtype
 
     device = pick_device(cfg.runtime.device)
     return f"device   {device} ({str(pick_dtype(cfg.train.dtype, device)).removeprefix('torch.')})"
-
-
-def check_router_loss_ranks(adapter: HFAdapter, world: int) -> None:
-    """Several ranks sum the ranks' token statistics of a load-balancing loss (per-expert means
-    over every token of the global batch, ``models.router_loss``): refused only where the
-    installed transformers' ``load_balancing_loss_func`` is not that formula (``check_split``),
-    since the ranks' sums would then not give its value."""
-    if adapter.router_loss is None or world == 1:
-        return
-    differs = adapter.router_loss.check_split()
-    if differs is not None:
-        raise ConfigError(
-            f"{adapter.config.model_type} with output_router_logits on {world} ranks "
-            "(runtime.ranks/gpus x runtime.nodes): this transformers' load_balancing_loss_func "
-            f"is not the per-expert token means slidedp sums over ranks ({differs} on a test "
-            "batch); use one rank, or set model.output_router_logits=false"
-        )
 
 
 def check_model(cfg: TrainConfig) -> tuple[HFAdapter, str]:
@@ -109,7 +100,6 @@ def check_memory(cfg: TrainConfig, adapter: HFAdapter, shm_dir: Path = SHM_DIR) 
     """The run's memory estimate (``slidedp.estimate``: exact store size, offload arena, process,
     GPU peak) against this machine; raises ``OutOfSharedMemoryError`` (/dev/shm, RAM) or
     ``OutOfDeviceMemoryError`` (GPU), one line with the numbers, before anything is allocated."""
-    from slidedp.estimate import Machine, check_fits, estimate_run
 
     est = estimate_run(cfg, adapter, Machine.probe(cfg, shm_dir, measure=False))
     check_fits(est)
@@ -128,7 +118,6 @@ def check_memory(cfg: TrainConfig, adapter: HFAdapter, shm_dir: Path = SHM_DIR) 
 def check_data(cfg: TrainConfig, adapter: HFAdapter) -> str:
     """Read, tokenize and check the whole data set as the trainer will (``build_batches``),
     the held-out data too."""
-    from slidedp.data.build import run_batches
 
     batches = run_batches(cfg, adapter.config, adapter.vocab_size)
     line = f"data     {batches.report}"
@@ -179,7 +168,7 @@ def check_checkpoint_space(cfg: TrainConfig, adapter: HFAdapter, resume: ResumeP
     start = 0 if resume is None else resume.progress.step
     return check_disk_space(
         Path(out.dir),
-        one_bytes=checkpoint_bytes(adapter, parameter_count(adapter)),
+        one_bytes=checkpoint_bytes(adapter),
         total_limit=out.save_total_limit,
         saves=saves_of_run(start, cfg.train.max_steps, out.save_steps),
         best=out.save_best,
@@ -188,7 +177,6 @@ def check_checkpoint_space(cfg: TrainConfig, adapter: HFAdapter, resume: ResumeP
 
 def check_ranks(cfg: TrainConfig) -> str:
     """What several ranks (and nodes) need from the config (each rank checks it again)."""
-    from slidedp.runtime.dist import check_config
 
     rt = cfg.runtime
     check_config(rt.world, rt, cfg.train, nodes=rt.nodes)
@@ -224,8 +212,9 @@ class Checked:
     lines: list[str]
     resume: ResumePoint | None
     adapter: HFAdapter
-    cfg: TrainConfig  # the config to run: runtime.policy=auto resolved (plan.auto)
+    cfg: TrainConfig  # the config to run: runtime.policy=auto resolved (autopolicy.auto)
     policy_line: str | None = None  # what runtime.policy=auto chose, and why
+    selected: bool = False  # AutoPolicy chose the policy (explicitly or by default on CUDA)
 
     @property
     def warning(self) -> str | None:
@@ -235,12 +224,10 @@ class Checked:
 def check_before_training(cfg: TrainConfig, *, measure_policy: bool = False) -> Checked:
     """The checks ``slidedp train`` runs before it allocates or writes anything: all but the
     data, which the trainer reads once and checks as it builds the batches. With
-    ``runtime.policy: auto`` the layout is chosen first (``plan.auto``; ``measure_policy``:
+    ``runtime.policy: auto`` the layout is chosen first (``autopolicy.auto``; ``measure_policy``:
     profile the layer if it is not cached and validate the choice in a few training steps
     beside the default, as ``train`` does; nothing is written into ``output.dir``) and the rest
     checks the choice."""
-    from slidedp.estimate import Machine
-    from slidedp.plan.auto import resolve_auto
 
     device = check_device(cfg)
     adapter, model = check_model(cfg)
@@ -249,13 +236,34 @@ def check_before_training(cfg: TrainConfig, *, measure_policy: bool = False) -> 
     output = check_output_dir(cfg)
     # after every refusal that needs no layout: profiling is GPU work and writes its cache
     machine = Machine.probe(cfg, measure=False)
-    cfg, chosen = resolve_auto(cfg, adapter, machine, measure=measure_policy,
-                               resume=None if resume is None else resume.path)  # fmt: skip
+    resume_path = None if resume is None else resume.path
+    cfg, fallback = apply_default_policy(cfg, adapter, machine, resume_path)
+    selected = cfg.runtime.policy == AUTO
+    cfg, chosen = resolve_auto(cfg, adapter, machine, measure=measure_policy, resume=resume_path)
+    chosen = chosen or fallback
     policy = [chosen] if chosen else []
     memory = check_memory(cfg, adapter)  # the host first: a disk is easier to free
     output += f"; {check_checkpoint_space(cfg, adapter, resume)}"
     lines = [device, *ranks, model, *policy, resumed, memory, output]
-    return Checked(lines, resume, adapter, cfg, chosen)
+    return Checked(lines, resume, adapter, cfg, chosen, selected)
+
+
+def apply_default_policy(
+    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, resume: Path | None
+) -> tuple[TrainConfig, str | None]:
+    """``cfg`` with ``runtime.policy: auto`` where AutoPolicy is the default
+    (``autopolicy.default``), and the banner's line where it would be but the predicted
+    break-even exceeds ``train.max_steps`` (the fixed default runs)."""
+    rule = default_policy(cfg.runtime, machine.device, int(os.environ.get("WORLD_SIZE", "1")))
+    if not rule.implicit:
+        return cfg, None
+    selecting = replace(cfg, runtime=replace(cfg.runtime, policy=AUTO))
+    if selection_cached(selecting, adapter, machine, resume):
+        return selecting, None
+    est = estimate_run(cfg, adapter, machine)
+    step_s = est.step_model["step_s"] if est.step_model else None
+    fallback = break_even_fallback(cfg.train.max_steps, step_s)
+    return (cfg, fallback) if fallback else (selecting, None)
 
 
 def validate(cfg: TrainConfig) -> Checked:

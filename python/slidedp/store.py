@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from slidedp import _native
+from slidedp.errors import UnknownParameterError
 
 StateRegion = Literal["master", "exp_avg", "exp_avg_sq"]
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
@@ -171,8 +172,6 @@ class HostStore:
         try:
             p = self._params[name]
         except KeyError:
-            from slidedp.errors import UnknownParameterError
-
             raise UnknownParameterError(f"parameter '{name}' is not in the store layout") from None
         flat = self._regions[region][p["state_offset"] : p["state_offset"] + p["numel"]]
         return flat.view(p["shape"])

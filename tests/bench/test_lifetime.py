@@ -1,4 +1,4 @@
-"""The bench's processes (``bench.lifetime``): a worker dies with the bench that started it, even
+"""The bench's processes (``runtime.lifetime``): a worker dies with the bench that started it, even
 one killed by SIGKILL, and a run's whole process group is gone before the next run starts."""
 
 from __future__ import annotations
@@ -15,11 +15,14 @@ from pathlib import Path
 import pytest
 
 from bench.tiny import tiny_spec, write_tiny_config
-from slidedp.bench import child, lifetime
+from slidedp.bench import child
 from slidedp.bench.measure import process_tree
+from slidedp.runtime import lifetime
 
 SLEEPER = "import time; print('armed', flush=True); time.sleep(120)"
-ARMED_SLEEPER = "from slidedp.bench.lifetime import die_with_parent; die_with_parent(); " + SLEEPER
+ARMED_SLEEPER = (
+    "from slidedp.runtime.lifetime import die_with_parent; die_with_parent(); " + SLEEPER
+)
 
 
 def _alive(pid: int) -> bool:
@@ -44,7 +47,7 @@ def _gone_within(pid: int, seconds: float) -> bool:
 def test_a_worker_dies_with_its_parent() -> None:
     parent_code = textwrap.dedent(f"""
         import subprocess, sys, time
-        from slidedp.bench.lifetime import worker_env
+        from slidedp.runtime.lifetime import worker_env
         worker = subprocess.Popen([sys.executable, "-c", {ARMED_SLEEPER!r}], env=worker_env(),
                                   stdout=subprocess.PIPE, text=True)
         print(worker.pid, worker.stdout.readline().strip(), flush=True)

@@ -23,7 +23,7 @@ from slidedp.bench.train import ours_config
 from slidedp.cli import build_parser, main
 from slidedp.config import config_from_dict
 from slidedp.errors import ConfigError
-from slidedp.estimate import Machine, update_threads
+from slidedp.plan.machine import Machine, update_threads
 
 OPS = {"all_gather", "reduce", "all_reduce"}
 

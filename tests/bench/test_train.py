@@ -13,14 +13,15 @@ import pytest
 import torch
 
 from bench.tiny import fake_sweep, tiny_spec, write_tiny_config
+from slidedp.autopolicy.validate import is_out_of_memory
 from slidedp.bench import worker
 from slidedp.bench.measure import RunSpec, process_tree, tree_pss_bytes
-from slidedp.bench.plot import plot_sweep, require_matplotlib
+from slidedp.bench.plot import plot_sweep
 from slidedp.bench.report import Model, print_report, ratios, summarise
 from slidedp.bench.train import ours_config, ours_configs, shape_config
 from slidedp.cli import main
 from slidedp.errors import ConfigError
-from slidedp.plan.validate import is_out_of_memory
+from slidedp.profile.pareto import require_matplotlib
 
 RUN_KEYS = {
     "system", "batch", "status", "step_times_s", "step_time_s", "tokens_per_step",

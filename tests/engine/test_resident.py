@@ -25,7 +25,8 @@ from estimate.machines import H100
 from slidedp.cli import main
 from slidedp.config import load_config
 from slidedp.errors import NonFiniteError, OutOfDeviceMemoryError
-from slidedp.estimate import Machine, check_fits, estimate_run, plan_store
+from slidedp.estimate import check_fits
+from slidedp.estimate_report import estimate_run
 from slidedp.kernels import Kernels
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.cost import (
@@ -33,7 +34,9 @@ from slidedp.plan.cost import (
     resident_embedding_bytes,
     resident_layer_bytes,
 )
+from slidedp.plan.machine import Machine
 from slidedp.plan.policy import Policy, resolve_policy
+from slidedp.plan.resolve import plan_store
 from slidedp.runtime.grad_lane import AdamArgs, GradLane, GradTicket
 from slidedp.runtime.resident import (
     REGIONS,

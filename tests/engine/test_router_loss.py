@@ -22,8 +22,7 @@ import torch
 from engine.tiny import tiny_config
 from slidedp.errors import ConfigError
 from slidedp.models.hf import HFAdapter
-from slidedp.models.router_loss import LayerLogits, RouterLoss
-from slidedp.preflight import check_router_loss_ranks
+from slidedp.models.router_loss import LayerLogits, RouterLoss, check_router_loss_ranks
 
 LOSS_RTOL = 1e-6
 GRAD_ATOL = 1e-6  # of the largest gradient entry

@@ -12,10 +12,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from engine.tiny import make_model, read_metrics, write_config, write_data
-from slidedp import estimate
 from slidedp.cli import main
 from slidedp.config import load_config
 from slidedp.errors import NonFiniteError
+from slidedp.plan import machine
 from slidedp.runtime.trainer import Trainer
 
 pytestmark = pytest.mark.e2e  # every test here trains end to end
@@ -203,7 +203,7 @@ def test_by_default_the_trainer_takes_the_mirror_where_the_host_has_room_for_it(
     """``runtime.bf16_mirror: null``: the store the trainer creates has the mirror when the run
     with it fits MemAvailable with 8 GiB to spare (``estimate.resolve_mirror``), else not."""
     monkeypatch.setattr(
-        estimate, "meminfo_bytes", lambda: {"mem_available_bytes": available_gib * 2**30}
+        machine, "meminfo_bytes", lambda: {"mem_available_bytes": available_gib * 2**30}
     )
     model = make_model(tmp_path, "qwen3", tied=True, layers=2)
     data = write_data(tmp_path / "data.jsonl", 8)

@@ -3,7 +3,7 @@ available, 80 GB of GPU memory)."""
 
 from __future__ import annotations
 
-from slidedp.estimate import GIB, Machine
+from slidedp.plan.machine import GIB, Machine
 
 H100 = Machine(
     device="cuda",

@@ -17,30 +17,18 @@ from cli.util import one_error_line, run
 from engine.tiny import make_model, write_config, write_data
 from estimate.machines import H100
 from host_profile.fake import cache_rate
-from slidedp.bench.shapes import SHAPES
 from slidedp.cli import main
 from slidedp.config import TrainConfig, load_config
 from slidedp.errors import OutOfDeviceMemoryError
-from slidedp.estimate import (
-    COMPILE_WORKER_BYTES,
-    CUDA_PROCESS_BYTES,
-    GIB,
-    Estimate,
-    Machine,
-    adamw_gbps,
-    check_fits,
-    estimate_run,
-    format_estimate,
-    longest_sequence,
-    plan_store,
-    resolve_mirror,
-    shortages,
-    update_threads,
-)
+from slidedp.estimate import COMPILE_WORKER_BYTES, CUDA_PROCESS_BYTES, check_fits, shortages
+from slidedp.estimate_report import Estimate, estimate_run, format_estimate, longest_sequence
 from slidedp.models.hf import HFAdapter
+from slidedp.models.shapes import SHAPES
 from slidedp.plan.cost import layer_footprint
 from slidedp.plan.layout import LayerPolicy
+from slidedp.plan.machine import GIB, Machine, adamw_gbps, update_threads
 from slidedp.plan.policy import layer_chunk_elems
+from slidedp.plan.resolve import plan_store, resolve_mirror
 from slidedp.runtime.flops import model_flops_per_token
 from slidedp.store import HostStore
 

@@ -16,12 +16,14 @@ from transformers import Qwen3Config
 
 from engine.tiny import write_config, write_data
 from estimate.machines import H100
-from slidedp.bench.shapes import SHAPES
 from slidedp.config import load_config
-from slidedp.estimate import GIB, estimate_run, shortages
+from slidedp.estimate import shortages
+from slidedp.estimate_report import estimate_run
 from slidedp.models.hf import HFAdapter
+from slidedp.models.shapes import SHAPES
 from slidedp.plan.cost import layer_footprint
 from slidedp.plan.layout import LayerPolicy
+from slidedp.plan.machine import GIB
 
 # torch's total_memory on the H100 machine (estimate.machines.H100 rounds it down to 80e9)
 H100_80GB = replace(H100, gpu_total_bytes=85_017_493_504)

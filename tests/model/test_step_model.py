@@ -94,10 +94,10 @@ def test_the_layer_profile_calibrates_the_layers_and_predicts_a_traced_layout() 
 
     import torch
 
-    from slidedp.bench.shapes import resolve_shape
     from slidedp.config import RuntimeSection
-    from slidedp.estimate import _gpu_peak, adamw_gbps
     from slidedp.models.hf import HFAdapter
+    from slidedp.models.shapes import resolve_shape
+    from slidedp.plan.machine import adamw_gbps, gpu_peak
     from slidedp.plan.policy import resolve_policy
     from slidedp.plan.timing import layer_times, spec_from_shapes
 
@@ -106,7 +106,7 @@ def test_the_layer_profile_calibrates_the_layers_and_predicts_a_traced_layout() 
     adapter = HFAdapter(resolve_shape("qwen3-4b"))
     runtime = dataclasses.replace(RuntimeSection(), layers="24xSAC.mm, 12xN")
     policy = resolve_policy(runtime, adapter, mirror=True, device=torch.device("cuda"))
-    peak, _ = _gpu_peak("NVIDIA H100 80GB HBM3")
+    peak, _ = gpu_peak("NVIDIA H100 80GB HBM3")
     assert peak is not None
     shaped = functools.partial(
         spec_from_shapes, adapter, policy, batch=16, seq_len=1024, peak_flops=peak,
@@ -123,9 +123,9 @@ def test_the_layer_profile_calibrates_the_layers_and_predicts_a_traced_layout() 
 def _route_step(ranks: Ranks, *, batch: int, clipping: bool) -> dict[str, Any]:
     """Qwen3-1.7B on the 2x H200 host of BENCHMARKS.md ("Two GPUs: ... routes"): its measured
     layer-sized reduce and all-gather, its H2D/D2H, AdamW at 147 GB/s."""
-    from slidedp.bench.shapes import resolve_shape
     from slidedp.config import RuntimeSection
     from slidedp.models.hf import HFAdapter
+    from slidedp.models.shapes import resolve_shape
     from slidedp.plan.policy import resolve_policy
 
     adapter = HFAdapter(resolve_shape("qwen3-1.7b"))
@@ -173,9 +173,9 @@ def test_the_routes_in_the_spec_and_the_gpu_route_beats_the_cpu_route() -> None:
 
 
 def test_the_cast_on_delivery_takes_the_probed_cast_rate() -> None:
-    from slidedp.bench.shapes import resolve_shape
     from slidedp.config import RuntimeSection
     from slidedp.models.hf import HFAdapter
+    from slidedp.models.shapes import resolve_shape
     from slidedp.plan.policy import resolve_policy
 
     adapter = HFAdapter(resolve_shape("qwen3-1.7b"))
@@ -194,9 +194,9 @@ def test_gpu_resident_groups_skip_the_host_and_shorten_a_host_bound_step() -> No
     issue #16, twelfth lease: 27 layers and the embeddings resident ran 0.485 s a step against
     the all-host default's 1.014 s in validation). Resident groups have no load, cast, copy nor
     host update; their AdamW is device time; the step is no longer update-bound."""
-    from slidedp.bench.shapes import resolve_shape
     from slidedp.config import RuntimeSection
     from slidedp.models.hf import HFAdapter
+    from slidedp.models.shapes import resolve_shape
     from slidedp.plan.cost import resident_update_s
     from slidedp.plan.policy import resolve_policy
 

@@ -36,10 +36,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from slidedp.bench.lifetime import GROUP_EXIT_S, stop_group, worker_env
 from slidedp.bench.measure import RunSpec, process_pss_bytes, tree_pss_bytes
 from slidedp.bench.report import GIB
 from slidedp.envinfo import meminfo_bytes
+from slidedp.runtime.lifetime import GROUP_EXIT_S, stop_group, worker_env
 
 PSS_SAMPLE_S = 0.25
 # A SIGKILL at this share of the host's memory is the kernel's OOM killer: the last samples

@@ -31,8 +31,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from slidedp.bench.measure import RunSpec, synchronize
+from slidedp.bench.measure import RunSpec
 from slidedp.runtime.dist import Dist, rank_device
+from slidedp.runtime.lanes import synchronize
 
 OPS = ("all_gather", "reduce", "all_reduce")
 BIG_BYTES = {"cuda": 512 * 2**20, "cpu": 4 * 2**20}  # gloo on CPU: a size that tests in ms

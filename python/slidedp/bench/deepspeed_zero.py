@@ -120,7 +120,7 @@ def extensions_dir(bench_dir: Path) -> Path:
     its path) names no owner, so in a shared directory (``~/.cache/torch_extensions``) a stale
     lock cannot be told from another process's build; in this one it can: the bench runs one
     system at a time, each run's whole process group gone before the next starts
-    (``bench.lifetime.stop_group``), and a DeepSpeed peer is one process, so when it starts no
+    (``runtime.lifetime.stop_group``), and a DeepSpeed peer is one process, so when it starts no
     other process can be building here and every lock is stale."""
     root = bench_dir / "torch_extensions"
     for lock in root.glob("*/lock"):

@@ -50,8 +50,8 @@ def build_fsdp2_model(
     """The HF model, checkpointed per layer, fully sharded over ``world`` ranks, with CPU offload
     or (``offload=False``) every state on ``device``, where ``fully_shard`` moves it (process
     group up)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: PLC0415  the FSDP2 peer only
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard  # noqa: PLC0415  the FSDP2 peer only
 
     model: Any = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     model.train()

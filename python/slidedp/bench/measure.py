@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from slidedp.runtime.lanes import synchronize
+
 
 @dataclass(frozen=True, kw_only=True)
 class RunSpec:
@@ -81,11 +83,6 @@ def synthetic_tokens(
     """[steps, batch, seq_len] uniform random token ids, the same for every system."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size, (steps, batch, seq_len), generator=gen)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def timed_steps(

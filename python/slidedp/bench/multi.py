@@ -39,11 +39,13 @@ from typing import Any
 
 import torch
 
+from slidedp.autopolicy.auto import AUTO, check_auto_free
 from slidedp.bench.measure import RunSpec
 from slidedp.bench.peers import PEERS, split_variant
 from slidedp.config import RuntimeSection, TrainSection
 from slidedp.errors import ConfigError
-from slidedp.plan.auto import AUTO, check_auto_free
+from slidedp.models.hf import HFAdapter
+from slidedp.plan.policy import layer_numel
 from slidedp.runtime.dist import check_config
 
 Route = tuple[str, str]  # (param_route, grad_route)
@@ -203,8 +205,6 @@ def scaled_specs(
 def collectives_spec(single: RunSpec, scale: Scale, config: Any) -> RunSpec:
     """The collectives' run on ``scale.world`` ranks for the model of ``config``, at the size
     of its largest decoder layer."""
-    from slidedp.models.hf import HFAdapter
-    from slidedp.plan.measure import layer_numel
 
     return dataclasses.replace(
         single,

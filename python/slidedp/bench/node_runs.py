@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import torch
+
 from slidedp.errors import ConfigError
 
 # NCCL between processes of one host as between machines: no CUDA P2P (NVLink), no shared
@@ -71,7 +73,6 @@ def visible_gpus(environ: Mapping[str, str] = os.environ) -> list[str]:
     """This process's GPUs as ``CUDA_VISIBLE_DEVICES`` names them (indices or UUIDs)."""
     if "CUDA_VISIBLE_DEVICES" in environ:
         return [g.strip() for g in environ["CUDA_VISIBLE_DEVICES"].split(",") if g.strip()]
-    import torch
 
     return [str(i) for i in range(torch.cuda.device_count())]
 

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 import yaml
+from transformers import Qwen3Config
 
 from slidedp.bench.node_runs import (
     NCCL_NET_ENV,
@@ -52,8 +53,11 @@ from slidedp.bench.node_runs import (
     run_nodes,
     visible_gpus,
 )
+from slidedp.config import RuntimeSection
 from slidedp.errors import ConfigError
 from slidedp.models.hf import HFAdapter
+from slidedp.models.shapes import resolve_shape
+from slidedp.plan.machine import adamw_gbps, gpu_peak
 from slidedp.plan.policy import resolve_policy
 from slidedp.plan.timing import predict_step, reduce_s, spec_from_shapes
 from slidedp.runtime.launch import free_port
@@ -61,13 +65,11 @@ from slidedp.runtime.launch import free_port
 WARMUP_STEPS = 2
 NODE_RUN_TIMEOUT_S = 600  # one simulated multi-node run; its collectives time out sooner
 VOCAB = 4096
-H100_PEAK_FLOPS = 989e12  # dense bf16 (estimate.GPU_PEAK_FLOPS)
 HOST_THREADS = 16  # AdamW at estimate.adamw_gbps(16), as `slidedp estimate` on the H100 host
 
 
 def _write_run(root: Path, args: argparse.Namespace) -> Path:
     """A config-only Qwen3 model (seeded init), token data and the run's config; its path."""
-    from transformers import Qwen3Config
 
     model = root / "model"
     Qwen3Config(
@@ -169,9 +171,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def predict(args: argparse.Namespace) -> list[dict[str, Any]]:
     """One GPU's step for 1..8 nodes (module docstring), blocking and overlapped."""
-    from slidedp.bench.shapes import resolve_shape
-    from slidedp.config import RuntimeSection
-    from slidedp.estimate import adamw_gbps
 
     adapter = HFAdapter(resolve_shape(args.predict))
     policy = resolve_policy(RuntimeSection(), adapter, mirror=True, device=torch.device("cuda"))
@@ -180,7 +179,7 @@ def predict(args: argparse.Namespace) -> list[dict[str, Any]]:
         policy,
         batch=args.batch,
         seq_len=args.seq_len,
-        peak_flops=H100_PEAK_FLOPS,
+        peak_flops=gpu_peak("H100")[0] or 0.0,  # dense bf16, plan.machine.GPU_PEAK_FLOPS
         adamw_gbps=adamw_gbps(HOST_THREADS),
         clipping=True,
         offloaded_bytes=[0] * adapter.num_layers,
@@ -221,7 +220,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=4, help="decoder layers of the model")
     parser.add_argument("--batch", type=int, default=4, help="global batch (--predict: per GPU)")
     parser.add_argument("--seq-len", type=int, default=128, help="tokens per row")
-    parser.add_argument("--predict", metavar="SHAPE", help="predict for SHAPE (bench.shapes)")
+    parser.add_argument("--predict", metavar="SHAPE", help="predict for SHAPE (models.shapes)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="--predict: GPUs per node")
     parser.add_argument("--link-gbit", type=float, default=400.0, help="--predict: Gb/s link")
     parser.add_argument("--json", help="also write the numbers here")

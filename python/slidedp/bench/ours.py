@@ -26,10 +26,10 @@ from typing import Any
 
 from transformers import AutoConfig
 
+from slidedp.autopolicy.auto import AUTO, chosen_runtime, resolve_auto
 from slidedp.bench.measure import RunSpec, synthetic_tokens
 from slidedp.config import TrainConfig, config_from_dict
-from slidedp.estimate import Machine
-from slidedp.plan.auto import AUTO, chosen_runtime, resolve_auto
+from slidedp.plan.machine import Machine
 from slidedp.preflight import check_model
 from slidedp.runtime.dist import Dist
 from slidedp.runtime.lanes import LANES, WAITS
@@ -117,7 +117,7 @@ def resolved_config(spec: RunSpec, data: Path, out: Path) -> tuple[TrainConfig, 
 
 def choose_for_ranks(spec: RunSpec, spec_path: Path) -> tuple[Path, dict[str, Any]]:
     """In the launcher of ``spec``'s ranks: ``runtime.policy=auto`` resolved once (its
-    measurements in a child process, ``plan.measure``), written into a copy of the spec the
+    measurements in a child process, ``autopolicy.measure``), written into a copy of the spec the
     ranks read (the policy cleared, the chosen keys set), and the result's keys that say what
     was chosen. ``spec_path`` unchanged and nothing to add without ``auto``."""
     if spec.ours["runtime"]["policy"] != AUTO:

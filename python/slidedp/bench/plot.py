@@ -27,7 +27,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -37,6 +36,7 @@ from slidedp.bench.peers import split_variant
 from slidedp.bench.report import run_label
 from slidedp.bench.sweep import print_summary, sweep_summary
 from slidedp.errors import ConfigError
+from slidedp.profile.pareto import require_matplotlib
 
 PANELS = (
     ("tokens_per_s", "tokens/s"),
@@ -49,19 +49,6 @@ STYLE = {
 }  # fmt: skip
 SAME = ("shape", "seq_len", "device_name")  # what reports must share to be drawn together
 OURS_CONFIG_SYSTEMS = ("ours", "reference")  # their rows run our whole config (ours_config)
-
-
-def require_matplotlib() -> Any:
-    """``matplotlib.pyplot`` (Agg backend: files only), or one clear line if it is missing
-    (the CLI checks before any run starts). Imported by name: an optional dependency."""
-    try:
-        matplotlib = importlib.import_module("matplotlib")
-    except ImportError:
-        raise ConfigError(
-            "--png needs matplotlib: pip install 'slidedp[bench]' (or pip install matplotlib)"
-        ) from None
-    matplotlib.use("Agg")
-    return importlib.import_module("matplotlib.pyplot")
 
 
 def plot_sweep(report: dict[str, Any], path: Path) -> None:

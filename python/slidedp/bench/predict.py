@@ -29,13 +29,24 @@ import dataclasses
 import json
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from slidedp.config import RuntimeSection
 from slidedp.errors import ConfigError
+from slidedp.kernels import default_threads
+from slidedp.models.hf import HFAdapter
+from slidedp.models.shapes import SHAPES, cut_layers, resolve_shape
+from slidedp.plan.cost import layer_footprint
+from slidedp.plan.machine import gpu_peak
+from slidedp.plan.policy import resolve_policy
+from slidedp.plan.timing import CAST_GBPS, Links, Ranks, layer_times, predict_step, spec_from_shapes
+from slidedp.profile.host import engine_update_threads, model_gbps, probe_host
+from slidedp.profile.layer import ProfileSpec, profile_layer
 
 if TYPE_CHECKING:
     from slidedp.config import RuntimeSection
@@ -62,15 +73,12 @@ def _probe(kind: str, args: dict[str, Any], out: Path) -> dict[str, Any]:
 
 def _layer(args: dict[str, Any]) -> dict[str, Any]:
     """``profile.layer.profile_layer`` with ``args`` (the run's layer compute too)."""
-    from slidedp.profile.layer import profile_layer
 
-    return profile_layer(argparse.Namespace(**args))
+    return profile_layer(ProfileSpec(**args))
 
 
 def _host(args: dict[str, Any]) -> dict[str, Any]:
     """``profile.host.probe_host`` with the engine's update threads on ``args["device"]``."""
-    from slidedp.kernels import default_threads
-    from slidedp.profile.host import engine_update_threads, probe_host
 
     device = torch.device(args["device"])
     return probe_host(engine_update_threads(default_threads(), device.type == "cuda"), device)
@@ -81,7 +89,6 @@ PROBES = {"layer": _layer, "host": _host}
 
 def _ours_runtime(report: dict[str, Any], run: dict[str, Any]) -> RuntimeSection:
     """The run's ``RuntimeSection``: the report's config of ours with the run's routes."""
-    from slidedp.config import RuntimeSection
 
     known = {f.name for f in dataclasses.fields(RuntimeSection)}
     given = {k: v for k, v in report["ours_config"]["runtime"].items() if k in known}
@@ -101,7 +108,6 @@ def _links(report: dict[str, Any]) -> Links:
     """The collectives' rates from the same command; the copies at ``plan.timing``'s PCIe
     ceilings (the host probe's joint copy rates are paced by its AdamW passes, not a copy
     engine's capacity)."""
-    from slidedp.plan.timing import Links
 
     rates: dict[str, float] = {}
     rows = report.get("collectives", {}).get("rows", [])
@@ -119,18 +125,6 @@ def predict_report(
 ) -> list[dict[str, Any]]:
     """The prediction of each finished run of ours (``config_dir``: the bench's model;
     ``probe``: measures here, or reads earlier probes: ``main``)."""
-    from slidedp.estimate import _gpu_peak
-    from slidedp.models.hf import HFAdapter
-    from slidedp.plan.cost import layer_footprint
-    from slidedp.plan.policy import resolve_policy
-    from slidedp.plan.timing import (
-        CAST_GBPS,
-        Ranks,
-        layer_times,
-        predict_step,
-        spec_from_shapes,
-    )
-    from slidedp.profile.host import model_gbps
 
     runs = [r for r in report["runs"] if r["system"] == "ours" and r["status"] == "ok"]
     if not runs:
@@ -139,7 +133,7 @@ def predict_report(
     adapter = HFAdapter.from_dir(config_dir)
     host = probe("host", {"device": device}, config_dir / "host.json")
     # the layer efficiency of plan.timing is a share of the dense bf16 peak of the GPU's kind
-    peak = _gpu_peak(report["device_name"])[0] or report["peak_flops"] or 1e12
+    peak = gpu_peak(report["device_name"])[0] or report["peak_flops"] or 1e12
     links = _links(report)
     clipping = float(report["ours_config"]["train"]["max_grad_norm"]) > 0
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -209,7 +203,6 @@ LAYER_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_h
 
 def _layer_of(shape: Any) -> tuple[Any, ...]:
     """What fixes a decoder layer's time: from a shape name or a profile's config dict."""
-    from slidedp.bench.shapes import SHAPES, resolve_shape
 
     if isinstance(shape, str):
         if shape not in SHAPES and not Path(shape).exists():
@@ -263,9 +256,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """``slidedp bench predict REPORT --probes DIR``: ``--predict`` for a report measured
     earlier, from probes run apart (on the same machine kind)."""
-    import tempfile
-
-    from slidedp.bench.shapes import cut_layers, resolve_shape
 
     try:
         report = json.loads(Path(args.report).read_text())

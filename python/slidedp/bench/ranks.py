@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from slidedp.bench.measure import RunSpec
+from slidedp.bench.ours import choose_for_ranks
+from slidedp.errors import SlidedpError
 from slidedp.runtime.dist import EXIT_PEER_FAILED, Dist, fail, finish
 from slidedp.runtime.launch import launch
 
@@ -46,9 +48,6 @@ def launch_ranks(spec: RunSpec, spec_path: Path, result_path: Path) -> int:
     with ``runtime.policy=auto`` is chosen here, once, and every rank runs the choice."""
     chosen: dict[str, Any] = {}
     if spec.system == "ours":
-        from slidedp.bench.ours import choose_for_ranks
-        from slidedp.errors import SlidedpError
-
         try:
             spec_path, chosen = choose_for_ranks(spec, spec_path)
         except SlidedpError as e:

@@ -21,11 +21,12 @@ from typing import Any
 
 import torch
 
+from slidedp.autopolicy.auto import AUTO
 from slidedp.bench.measure import RunSpec, synthetic_tokens, timed_steps
+from slidedp.bench.ours import auto_layout
 from slidedp.models.fast import Compute, apply_compute, resolve_compute
 from slidedp.models.hf import EMBED, LM_HEAD, NORM, HFAdapter
 from slidedp.models.loss import IGNORE_INDEX, shift_labels
-from slidedp.plan.auto import AUTO
 from slidedp.plan.device import pick_dtype
 from slidedp.plan.layout import LayerPolicy, format_layout, parse_layout
 from slidedp.plan.policy import read_policy_file
@@ -118,8 +119,6 @@ def run_reference(spec: RunSpec) -> dict[str, Any]:
     dtype = pick_dtype(spec.ours["train"]["dtype"], device)
     rt = spec.ours["runtime"]
     if rt["policy"] == AUTO:  # the layout ours chose
-        from slidedp.bench.ours import auto_layout  # the engine: only where auto needs it
-
         rt = rt | {"layers": auto_layout(spec), "policy": ""}
     elif rt["policy"]:  # the policy file's keys replace the runtime's
         rt = rt | read_policy_file(rt["policy"])

@@ -64,6 +64,7 @@ from typing import Any
 
 import torch
 import yaml
+from transformers import AutoModelForCausalLM
 
 from slidedp.bench import multi
 from slidedp.bench.child import run_child
@@ -76,13 +77,17 @@ from slidedp.bench.peers import (
     split_variant,
     system_and_key,
 )
+from slidedp.bench.plot import plot_sweep
 from slidedp.bench.predict import predict_report, print_predictions
 from slidedp.bench.report import Model, print_report, ratios, summarise
 from slidedp.bench.scaling import collectives_report, print_scale, scale_report
-from slidedp.bench.shapes import SHAPES, cut_layers, resolve_shape
 from slidedp.bench.sweep import print_summary, sweep_summary
 from slidedp.config import ModelSection, load_config
 from slidedp.errors import ConfigError, SlidedpError
+from slidedp.models.hf import apply_overrides
+from slidedp.models.shapes import SHAPES, cut_layers, resolve_shape
+from slidedp.profile.pareto import require_matplotlib
+from slidedp.runtime.flops import FLOPS_FORMULA, matmul_params, model_flops_per_token
 
 DEFAULT_SYSTEMS = ("ours", "reference", "fsdp2")
 SYSTEMS = (*DEFAULT_SYSTEMS, *PEERS)
@@ -280,7 +285,6 @@ def shape_config(shape: str, layers: int, ours: dict[str, Any]) -> tuple[Any, di
     applied here, so the reference and the peers train the same model as ours. They are
     cleared from ``ours`` in place: ours reads them from the config like every system.
     Returns the config and the overrides applied (the report records them)."""
-    from slidedp.models.hf import apply_overrides
 
     config = resolve_shape(shape)
     if layers:
@@ -293,7 +297,6 @@ def shape_config(shape: str, layers: int, ours: dict[str, Any]) -> tuple[Any, di
 
 def _params(config: Any) -> int:
     """Stored parameters (a tied head counted once), from a meta-device model."""
-    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
@@ -302,8 +305,6 @@ def _params(config: Any) -> int:
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run every (batch, system), each in its own subprocess; the report."""
-    from slidedp.bench.plot import require_matplotlib
-    from slidedp.runtime.flops import FLOPS_FORMULA, matmul_params, model_flops_per_token
 
     batches, systems, device = _parse(args)
     if args.png:
@@ -450,8 +451,6 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     if args.png:
-        from slidedp.bench.plot import plot_sweep
-
         plot_sweep(report, Path(args.png))
     failed = [r for r in report["runs"] if r["status"] not in RESULTS]
     if report.get("collectives", {}).get("status", "ok") not in ("ok", "oom"):

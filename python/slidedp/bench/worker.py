@@ -5,7 +5,7 @@ Run by the parent (``slidedp.bench.train``), not by hand::
     python -m slidedp.bench.worker SPEC.json RESULT.json
 
 A spec of several ranks (``world > 1``) makes this process their launcher and each rank a copy
-of it (``bench.ranks``); each dies with the process that started it (``bench.lifetime``). The
+of it (``bench.ranks``); each dies with the process that started it (``runtime.lifetime``). The
 result holds ``status`` (``ok``, or ``oom`` when the device or the host ran out of memory: a
 result, not a crash), the system's measured step times, the process's GPU peak reserved and
 allocated bytes and its PSS at the end, a peer's ``--peer-set`` overrides as given
@@ -28,46 +28,48 @@ from typing import Any
 
 import torch
 
-from slidedp.bench.lifetime import die_with_parent
+from slidedp.autopolicy.validate import is_out_of_memory
+from slidedp.bench.collectives import run_collectives
+from slidedp.bench.deepspeed_zero import run_zero
+from slidedp.bench.fsdp2 import run_fsdp2
 from slidedp.bench.measure import RunSpec, gpu_memory, process_pss_bytes
+from slidedp.bench.ours import run_ours
 from slidedp.bench.peers import PeerUnavailable
+from slidedp.bench.ranks import launch_ranks, run_rank
+from slidedp.bench.reference import run_reference
+from slidedp.bench.roundpipe_sync import run_roundpipe
 from slidedp.plan.device import allocator_settings, prefer_expandable_segments
-from slidedp.plan.validate import is_out_of_memory
+from slidedp.runtime.dist import Dist
 from slidedp.runtime.flops import device_peak_flops
+from slidedp.runtime.lifetime import die_with_parent
 
 
 def _ours(spec: RunSpec) -> dict[str, Any]:
-    from slidedp.bench.ours import run_ours  # each child imports only its own system
 
     return run_ours(spec)
 
 
 def _reference(spec: RunSpec) -> dict[str, Any]:
-    from slidedp.bench.reference import run_reference
 
     return run_reference(spec)
 
 
 def _fsdp2(spec: RunSpec) -> dict[str, Any]:
-    from slidedp.bench.fsdp2 import run_fsdp2
 
     return run_fsdp2(spec)
 
 
 def _zero(spec: RunSpec) -> dict[str, Any]:
-    from slidedp.bench.deepspeed_zero import run_zero
 
     return run_zero(spec)
 
 
 def _roundpipe(spec: RunSpec) -> dict[str, Any]:
-    from slidedp.bench.roundpipe_sync import run_roundpipe
 
     return run_roundpipe(spec)
 
 
 def _collectives(spec: RunSpec) -> dict[str, Any]:
-    from slidedp.bench.collectives import run_collectives
 
     return run_collectives(spec)
 
@@ -131,9 +133,6 @@ def main(argv: list[str]) -> int:
     if spec.system == "ours":  # the peers and the reference run on the user's settings
         prefer_expandable_segments()
     if spec.world > 1:
-        from slidedp.bench.ranks import launch_ranks, run_rank
-        from slidedp.runtime.dist import Dist
-
         ctx = Dist.from_env()
         if ctx is None:
             return launch_ranks(spec, Path(spec_path), Path(result_path))

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from jinja2 import TemplateError
+from transformers import AutoTokenizer
 
 from slidedp.data.samples import I64, Samples, flatten_lists, offsets_of, positions_within
 from slidedp.data.sources import Chunk, TokenColumn
@@ -62,7 +63,6 @@ def _encode(tokenizer: Any, texts: list[str], *, special: bool, offsets: bool = 
 
 def load_tokenizer(model_dir: Path, why: str) -> Any:
     """The model directory's fast tokenizer (``why``: what needs it, for the error line)."""
-    from transformers import AutoTokenizer
 
     # without these files transformers may build an empty tokenizer: every text would be 0 tokens
     if not any((model_dir / name).is_file() for name in _VOCABULARY_FILES):

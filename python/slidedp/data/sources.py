@@ -168,8 +168,8 @@ class Source:
 
     def _parquet_chunks(self) -> Iterator[Chunk]:
         try:
-            import pyarrow as pa
-            import pyarrow.parquet as pq
+            import pyarrow as pa  # noqa: PLC0415  optional: Parquet data only
+            import pyarrow.parquet as pq  # noqa: PLC0415  optional: Parquet data only
         except ImportError:
             raise DataError(
                 f"{self.path}: reading Parquet needs pyarrow: pip install 'slidedp[parquet]'"
@@ -195,7 +195,7 @@ class Source:
 
     def _token_column(self, column: Any, numbers: npt.NDArray[np.int64]) -> TokenColumn:
         """A Parquet list-of-integers column as flat arrays (zero-copy where arrow allows)."""
-        import pyarrow as pa
+        import pyarrow as pa  # noqa: PLC0415  optional: Parquet data only
 
         kind = column.type
         if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not (

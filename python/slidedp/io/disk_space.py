@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import errno
+import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,8 +37,9 @@ SMALL_FILES_BYTES = 1 << 20
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
-def checkpoint_bytes(adapter: HFAdapter, params: int) -> int:
-    """The bytes one checkpoint of this model takes (``params``: its parameter count)."""
+def checkpoint_bytes(adapter: HFAdapter) -> int:
+    """The bytes one checkpoint of this model takes."""
+    params = sum(math.prod(shape) for shape in adapter.shapes().values())
     source = adapter.path
     tokenizer = 0 if source is None else sum(
         (source / f).stat().st_size for f in TOKENIZER_FILES if (source / f).is_file()

@@ -226,9 +226,9 @@ def _scoped_rope(attention: nn.Module, modeling: Any, rope: Any) -> None:
 def _apply_liger(adapter: HFAdapter) -> None:
     """Liger's RMSNorm, SwiGLU and RoPE in ``adapter``'s modules (instances: another adapter of
     the same model type keeps transformers' modules)."""
-    from liger_kernel.transformers.rms_norm import LigerRMSNorm
-    from liger_kernel.transformers.rope import liger_rotary_pos_emb
-    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+    from liger_kernel.transformers.rms_norm import LigerRMSNorm  # noqa: PLC0415  optional: the fast extra
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb  # noqa: PLC0415  optional: the fast extra
+    from liger_kernel.transformers.swiglu import LigerSwiGLUMLP  # noqa: PLC0415  optional: the fast extra
 
     modeling: Any = importlib.import_module(type(adapter.base).__module__)
     _patch_rms_norm(adapter.norm_module(), LigerRMSNorm.forward)

@@ -29,13 +29,16 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from slidedp.errors import ModelLoadError
+from slidedp.errors import ConfigError, ModelLoadError
+
+if TYPE_CHECKING:
+    from slidedp.models.hf import HFAdapter
 
 LayerLogits = list[tuple[torch.Tensor, ...]]  # per decoder layer, its routers' [rows, E] logits
 
@@ -205,3 +208,20 @@ class RouterLoss:
 def _leaves(logits: LayerLogits) -> LayerLogits:
     """The logits detached, each a leaf that requires its gradient."""
     return [tuple(t.detach().requires_grad_(True) for t in layer) for layer in logits]
+
+
+def check_router_loss_ranks(adapter: HFAdapter, world: int) -> None:
+    """Several ranks sum the ranks' token statistics of a load-balancing loss (per-expert means
+    over every token of the global batch, ``models.router_loss``): refused only where the
+    installed transformers' ``load_balancing_loss_func`` is not that formula (``check_split``),
+    since the ranks' sums would then not give its value."""
+    if adapter.router_loss is None or world == 1:
+        return
+    differs = adapter.router_loss.check_split()
+    if differs is not None:
+        raise ConfigError(
+            f"{adapter.config.model_type} with output_router_logits on {world} ranks "
+            "(runtime.ranks/gpus x runtime.nodes): this transformers' load_balancing_loss_func "
+            f"is not the per-expert token means slidedp sums over ranks ({differs} on a test "
+            "batch); use one rank, or set model.output_router_logits=false"
+        )

@@ -1,4 +1,6 @@
-"""The run's choices as data, below ``runtime/`` and ``estimate``: ``layout`` (per-layer
-activation layouts and their text form), ``policy`` (the one ``Policy`` the engine executes and
-the ``Plan`` around it, resolved once from the config), ``device`` (device and dtype), ``cost``
-(what a layout costs in device memory, measured by running the executors on the meta device)."""
+"""A run's plan as data and pure functions: ``layout`` (per-layer activation layouts),
+``policy`` (the ``Policy`` and the ``Plan`` the engine executes, its JSON form), ``device``,
+``cost`` (a layout's device memory, from the executors on the meta device), ``timing`` (the
+Rust step-time model's bindings), ``machine`` (the machine probe, GPU peak, host rates),
+``resolve`` (``resolve_plan``: where a run's plan is decided) and ``predict`` (a plan's step
+time). Nothing here runs a training step (``autopolicy`` does)."""

@@ -34,8 +34,15 @@ import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
 
+from slidedp.models.fast import liger_saved_tensors
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.layout import LayerPolicy
+from slidedp.runtime.activations import LayerRun, executor_for
+from slidedp.runtime.activations.base import ParamAliases, leaves
+from slidedp.runtime.activations.offload import offload_count
+from slidedp.runtime.activations.segment import SegmentExecutor
+from slidedp.runtime.activations.segments import SEGMENTS, run_segments
+from slidedp.store import HostStore
 
 # The backward's peak over a replay's saved tensors: the gradients alive at the same time, as a
 # share of those saved bytes. Fitted so that full checkpointing reproduces the GPU peaks measured
@@ -59,7 +66,6 @@ class LayerFootprint:
 
     @property
     def offloaded_bytes(self) -> int:
-        from slidedp.runtime.activations.offload import offload_count
 
         return sum(self.saved[: offload_count(list(self.saved), self.policy.ratio)])
 
@@ -96,7 +102,6 @@ class _FlashOnMeta(TorchFunctionMode):
 
 
 def _meta_run(adapter: HFAdapter, layer: int, batch: int, seq_len: int, dtype: torch.dtype) -> Any:
-    from slidedp.runtime.activations import LayerRun
 
     x = torch.empty(batch, seq_len, adapter.hidden_size, device=META, dtype=dtype)
     position_ids = torch.arange(seq_len, device=META).unsqueeze(0)
@@ -117,7 +122,6 @@ def _meta_run(adapter: HFAdapter, layer: int, batch: int, seq_len: int, dtype: t
 def _saved_by_grad_run(run: Any, params: dict[str, torch.Tensor], fn: Any) -> int:
     """Bytes autograd saves while ``fn()`` runs with grad on ``params`` (the weights it saves
     sit in the window: they are aside, as the shared tensors)."""
-    from slidedp.runtime.activations.base import ParamAliases
 
     aliases = ParamAliases({id(p): n for n, p in params.items()}, run.shared_ids())
     with torch.enable_grad(), saved_tensors_hooks(aliases.pack, aliases.unpack):
@@ -126,9 +130,6 @@ def _saved_by_grad_run(run: Any, params: dict[str, torch.Tensor], fn: Any) -> in
 
 
 def _replay_bytes(policy: LayerPolicy, run: Any, x: torch.Tensor) -> int:
-    from slidedp.runtime.activations.base import leaves
-    from slidedp.runtime.activations.segment import SegmentExecutor
-    from slidedp.runtime.activations.segments import SEGMENTS, run_segments
 
     if policy.family == "N":
         return 0
@@ -179,8 +180,6 @@ def _kind_footprint(
     layer: int,
     kernels: str,
 ) -> LayerFootprint:
-    from slidedp.models.fast import liger_saved_tensors
-    from slidedp.runtime.activations import executor_for
 
     liger = liger_saved_tensors(adapter, layer) if kernels == "liger" else contextlib.nullcontext()
     with _FlashOnMeta(), liger:
@@ -232,7 +231,6 @@ def resident_layer_bytes(adapter: HFAdapter, dtype: torch.dtype, *, clipping: bo
     update at the step's end (with clipping every gradient is parked anyway: the estimate's
     parked term). The GPU update reads the gradient as it is, in one pass with no f32 copy
     (``resident.adamw_single_pass``)."""
-    from slidedp.store import HostStore
 
     specs = adapter.group_specs()
     layout = HostStore.plan([specs[adapter.layer_group(i)] for i in range(adapter.num_layers)], 0)
@@ -252,7 +250,6 @@ def resident_embedding_bytes(adapter: HFAdapter, dtype: torch.dtype, *, clipping
     gradient kept to the step's end (``e`` B/param; the update reads it in one pass, with no
     f32 copy). Their weights are the window's own buffers either way (``estimate``'s window
     term)."""
-    from slidedp.store import HostStore
 
     specs = adapter.group_specs()
     layout = HostStore.plan([specs[adapter.embed_group], specs[adapter.head_group]], 0)

@@ -30,6 +30,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
     from slidedp.config import RuntimeSection
     from slidedp.models.hf import HFAdapter
 
+PLAN_FILE = "plan.json"  # in output.dir: the plan the run trained with
+PLAN_FORMAT = 1
 POLICY_FILE_KEYS = (
     "layers",
     "offload_ratio",
@@ -137,6 +140,12 @@ def layer_chunk_elems(adapter: HFAdapter) -> int:
     return max(sum(-(-math.prod(p.shape) // 32) * 32 for p in g.params) for g in layers)
 
 
+def layer_numel(adapter: HFAdapter) -> int:
+    """Parameters of the largest decoder layer: the size of the routes' collectives."""
+    specs = adapter.group_specs()
+    return max(specs[adapter.layer_group(i)].numel for i in range(adapter.num_layers))
+
+
 def read_policy_file(path: str) -> dict[str, Any]:
     """The keys of a policy file, checked (unknown keys, not a mapping: one line)."""
     try:
@@ -157,7 +166,7 @@ def read_policy_file(path: str) -> dict[str, Any]:
 
 def effective_runtime(rt: RuntimeSection) -> RuntimeSection:
     """``rt`` with the policy file's keys applied (``rt`` itself without one)."""
-    if not rt.policy:
+    if rt.policy in ("", "fixed"):  # fixed: the config's keys, never auto's (autopolicy.default)
         return rt
     if rt.policy == "auto":  # preflight.check_before_training replaces it by the choice
         raise ConfigError("runtime.policy=auto is chosen by `slidedp train` (or `slidedp plan`)")
@@ -229,7 +238,7 @@ def resolve_policy(
     rt: RuntimeSection, adapter: HFAdapter, *, mirror: bool, device: torch.device
 ) -> Policy:
     """The policy of ``rt`` (the policy file applied) for ``adapter`` on ``device``;
-    ``mirror`` as ``estimate.resolve_mirror`` decided."""
+    ``mirror`` as ``plan.resolve.resolve_mirror`` decided."""
     rt = effective_runtime(rt)
     layers = parse_layout(rt.layers, adapter.num_layers, rt.offload_ratio)
     check_layout_fits(layers, adapter)
@@ -289,3 +298,56 @@ class Plan:
     loss_chunk_tokens: int
     threads: int | None  # host kernel threads (None: all)
     version_timeout_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        """The plan as JSON values (``OUTPUT/plan.json``), ``PLAN_FORMAT`` first."""
+        return {
+            "format": PLAN_FORMAT,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "policy": self.policy.to_dict(),
+            "optim": dataclasses.asdict(self.optim),
+            "loss_chunk_tokens": self.loss_chunk_tokens,
+            "threads": self.threads,
+            "version_timeout_s": self.version_timeout_s,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any], source: str = "plan.json") -> Plan:
+        """The plan ``to_json`` wrote; another format is one ``ConfigError`` line."""
+        if not isinstance(d, dict) or d.get("format") != PLAN_FORMAT:
+            found = d.get("format") if isinstance(d, dict) else type(d).__name__
+            raise ConfigError(
+                f"{source} is not a plan of format {PLAN_FORMAT} (found {found!r}): write it "
+                "again with this slidedp (slidedp plan, or a train run)"
+            )
+        try:
+            optim = d["optim"] | {"betas": tuple(d["optim"]["betas"])}
+            return cls(
+                device=torch.device(d["device"]),
+                dtype=getattr(torch, d["dtype"]),
+                policy=Policy.from_dict(d["policy"]),
+                optim=OptimConfig(**optim),
+                loss_chunk_tokens=int(d["loss_chunk_tokens"]),
+                threads=d["threads"],
+                version_timeout_s=float(d["version_timeout_s"]),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ConfigError(f"{source} does not read as a plan: {e!r}") from None
+
+
+def write_plan(plan: Plan, out_dir: Path) -> Path:
+    """``out_dir/plan.json``, written whole (temp file, then rename)."""
+    target, temp = out_dir / PLAN_FILE, out_dir / f".{PLAN_FILE}.tmp"
+    temp.write_text(json.dumps(plan.to_json(), indent=1) + "\n")
+    temp.replace(target)
+    return target
+
+
+def read_plan(path: Path) -> Plan:
+    """The plan at ``path`` (``write_plan``'s); unreadable or another format: one line."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the plan {path}: {e}") from None
+    return Plan.from_json(raw, str(path))

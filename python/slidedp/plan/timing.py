@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from slidedp import _native
 from slidedp.errors import ConfigError
+from slidedp.models.shape import layer_shapes
+from slidedp.plan.cost import resident_update_s
 
 if TYPE_CHECKING:
     from slidedp.models.hf import HFAdapter
@@ -215,7 +217,6 @@ def spec_from_shapes(
     times of the layers with that policy. ``batch``: per rank. ``ranks``: several GPUs of this
     host (``_route_times``); the host's update lane serves all of them, so ``adamw_gbps`` is
     the host's rate under all their copies."""
-    from slidedp.models.shape import layer_shapes
 
     ranks, links = ranks or Ranks(), links or Links()
     tokens = batch * seq_len
@@ -265,7 +266,6 @@ def _make_resident(spec: dict[str, Any], policy: Policy, params: list[int]) -> N
     and head's compute (the engine runs it on a stream of its own, after the norm with
     clipping: counted in the compute lane, the step is overstated by at most that time). One
     rank only, as the engine (several refuse resident layers)."""
-    from slidedp.plan.cost import resident_update_s
 
     layers = len(spec["forward_s"])
     groups = {1 + i for i in range(layers) if policy.resident(i)}  # a layer's group: i + 1

@@ -1,7 +1,7 @@
 """``slidedp profile chunks [--shape NAME|config.json] [--device auto|cpu|cuda] [--no-mirror]
 [--threads N] [--force] [--json]``: how the H2D/D2H chunk size (``runtime.chunk_elems``) changes
 a layer's transfers and update on this machine: the chunk probes of AutoPolicy (the paper's
-TuneChunks, §3.6), whose choice ``plan.chunk_choice`` makes.
+TuneChunks, §3.6), whose choice ``autopolicy.chunk_choice`` makes.
 
 A chunk is one host slot: a layer's gradient goes back chunk by chunk (each chunk's AdamW
 starts once its copy lands, while later copies run) and, without the BF16 mirror, its
@@ -47,6 +47,9 @@ from typing import Any
 import torch
 
 from slidedp.kernels import Kernels
+from slidedp.models.hf import HFAdapter
+from slidedp.models.shapes import resolve_shape
+from slidedp.plan.policy import layer_numel
 from slidedp.profile.cache import cache_file, read_report, write_report
 from slidedp.profile.host import (
     COLUMNS,
@@ -55,6 +58,10 @@ from slidedp.profile.host import (
     host_facts,
     probe_device_threads,
 )
+from slidedp.runtime.grad_lane import AdamArgs, GradLane
+from slidedp.runtime.lanes import LaneClock, new_stream
+from slidedp.runtime.transfer import pin, unpin
+from slidedp.runtime.window import Window
 from slidedp.store import GroupSpec, HostStore, ParamSpec
 from slidedp.update import UpdateWorker
 
@@ -138,10 +145,6 @@ class _Bench:
     def __init__(
         self, chunk: int, layer_numel: int, threads: int, device: torch.device, mirror: bool
     ) -> None:
-        from slidedp.runtime.grad_lane import GradLane
-        from slidedp.runtime.lanes import LaneClock, new_stream
-        from slidedp.runtime.transfer import pin
-        from slidedp.runtime.window import Window
 
         self.cuda = device.type == "cuda"
         rows = math.ceil(layer_numel / COLUMNS)
@@ -187,7 +190,6 @@ class _Bench:
             torch.cuda.empty_cache()
 
     def _unpin(self) -> None:
-        from slidedp.runtime.transfer import unpin
 
         while self.pinned:
             unpin(self.pinned.pop())
@@ -195,7 +197,6 @@ class _Bench:
     def step(self) -> float:
         """Seconds for ``LAYERS`` layers streamed as a backward streams them (module
         docstring), the last version published and the last load landed."""
-        from slidedp.runtime.grad_lane import AdamArgs
 
         self._sync()
         start = time.perf_counter()
@@ -273,9 +274,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from slidedp.bench.shapes import resolve_shape
-    from slidedp.models.hf import HFAdapter
-    from slidedp.plan.measure import layer_numel
 
     device, threads = probe_device_threads(args)
     numel = layer_numel(HFAdapter(resolve_shape(args.shape)))  # as runtime.policy: auto takes it

@@ -2,7 +2,7 @@
 [--json]``: the host AdamW lane's rate on the machine at hand.
 
 The step-time model and the layout selector (``estimate``, ``plan``, ``runtime.policy: auto``)
-take it instead of ``estimate.ADAMW_GBPS``, a table measured on another machine. The probe runs
+take it instead of ``plan.machine.ADAMW_GBPS``, a table measured on another machine. The probe runs
 the engine's own update path: a ``HostStore`` of ``--state-mib`` of FP32 state (master,
 exp_avg, exp_avg_sq) in ``GROUPS`` groups, each updated as one chunk (as a decoder layer is by
 default) by an ``UpdateWorker`` with the engine's thread count, reading its gradient from a ring
@@ -49,6 +49,8 @@ from slidedp.kernels import Kernels, default_threads
 from slidedp.plan.device import pick_device
 from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM, CAST_BYTES_PER_PARAM
 from slidedp.profile.cache import cache_file, cpu_model, read_report, write_report
+from slidedp.runtime.lanes import new_event, new_stream
+from slidedp.runtime.transfer import pin, unpin
 from slidedp.store import GroupSpec, HostStore, ParamSpec
 from slidedp.update import UpdateWorker
 
@@ -231,8 +233,6 @@ def _measure(
 def _under_dma(bench: _Bench, passes: int, device: torch.device) -> dict[str, float]:
     """``passes`` updates while the mirror goes to the device and gradients come back into the
     slots, each copy stream kept ``IN_FLIGHT`` deep until the last update is done."""
-    from slidedp.runtime.lanes import new_event, new_stream
-    from slidedp.runtime.transfer import pin, unpin
 
     mirror, grad = bench.store.region("mirror"), bench.store.region("grad")
     pinned = []

@@ -24,13 +24,15 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from transformers import PretrainedConfig
 
-from slidedp.bench.measure import synchronize
 from slidedp.errors import ConfigError
 from slidedp.models.fast import Compute, apply_compute, resolve_compute
 from slidedp.models.hf import HFAdapter
 from slidedp.models.shape import layer_shapes
+from slidedp.models.shapes import resolve_shape
+from slidedp.plan.device import pick_device, pick_dtype
 from slidedp.plan.layout import LayerPolicy
 from slidedp.runtime.activations import LayerRun, executor_for
+from slidedp.runtime.lanes import synchronize
 
 VARIANTS = ("eager", "liger", "compiled", "liger+compiled")
 
@@ -71,6 +73,32 @@ def breakdown(step: Any, device: torch.device, top: int) -> list[dict[str, Any]]
     ]
 
 
+def layer_inputs(
+    adapter: HFAdapter,
+    batch: int,
+    seq_len: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    layer: int = 0,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, Any]]:
+    gen = torch.Generator(device).manual_seed(0)
+    group = adapter.groups[adapter.layer_group(layer)]
+    shapes = adapter.shapes()
+    params = {}
+    for full, local in group.params:
+        t = torch.empty(shapes[full], device=device, dtype=dtype)
+        params[local] = t.normal_(0.0, 0.02, generator=gen) if t.dim() > 1 else t.fill_(1.0)
+    x = torch.randn(batch, seq_len, adapter.hidden_size, device=device, dtype=dtype, generator=gen)
+    position_ids = torch.arange(seq_len, device=device).unsqueeze(0)
+    rotary = adapter.position_embeddings(adapter.make_rotary(device), x, position_ids)
+    ctx = {
+        "position_ids": position_ids,
+        "position_embeddings": [(cos.to(dtype), sin.to(dtype)) for cos, sin in rotary],
+        "masks": adapter.layer_masks(x, None, position_ids),
+    }
+    return params, x, ctx
+
+
 def measure_variant(
     config: PretrainedConfig,
     variant: str,
@@ -81,7 +109,6 @@ def measure_variant(
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     """One variant on a fresh adapter (Liger patches the modules it is given)."""
-    from slidedp.profile.layer import layer_inputs  # layer imports this module
 
     adapter = HFAdapter(config)
     try:
@@ -118,8 +145,6 @@ def measure_variant(
 
 def profile_kernels(args: argparse.Namespace) -> dict[str, Any]:
     """Every variant of ``args.kernels`` on ``args.shape``'s first layer."""
-    from slidedp.bench.shapes import resolve_shape
-    from slidedp.plan.device import pick_device, pick_dtype
 
     config = resolve_shape(args.shape)
     device = pick_device(args.device)

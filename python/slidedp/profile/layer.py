@@ -23,7 +23,7 @@ Pareto-efficient candidates (no other both faster and smaller, by ``retained_byt
 ``forward_s + backward_s``) are marked: the paper's Figure 6, drawn with ``--png``. The JSON is the
 policy solver's input and is cached (``--cache-dir``, default ``$XDG_CACHE_HOME/slidedp/profile``),
 one file per kind, under a key of the kind, GPU name, CPU model and logical cores, shape, batch,
-sequence, dtype, world size (a run's processes: ``plan.auto.profile_args``; 1 from the command
+sequence, dtype, world size (a run's processes: ``profile_spec``; 1 from the command
 line), candidates, layer compute and the torch, transformers, Liger Kernel (where its kernels run)
 and slidedp versions; a cached profile is reused unless ``--force``, and any changed fact is
 another key: measured again, never reused.
@@ -54,24 +54,69 @@ import torch
 import transformers
 
 from slidedp import __version__
-from slidedp.bench.measure import synchronize
-from slidedp.bench.shapes import SHAPES, resolve_shape
+from slidedp.config import TrainConfig
 from slidedp.errors import ConfigError
 from slidedp.models.fast import COMPILE_BACKEND, Compute, apply_compute, resolve_compute
 from slidedp.models.hf import HFAdapter
+from slidedp.models.shapes import SHAPES, resolve_shape
 from slidedp.plan.cost import layer_footprint
 from slidedp.plan.device import pick_device, pick_dtype
 from slidedp.plan.layout import LayerPolicy, parse_entry
 from slidedp.plan.policy import check_layout_fits
 from slidedp.profile.cache import cache_file, cpu_model, read_report, write_report
-from slidedp.profile.kernels import VARIANTS, format_kernels, profile_kernels
-from slidedp.profile.pareto import mark_pareto, plot_pareto
+from slidedp.profile.kernels import VARIANTS, format_kernels, layer_inputs, profile_kernels
+from slidedp.profile.pareto import mark_pareto, plot_pareto, require_matplotlib
 from slidedp.runtime.activations import LayerRun, LayerState, executor_for
 from slidedp.runtime.activations.offload import ActivationOffload, offload_count
-from slidedp.runtime.lanes import LaneClock
+from slidedp.runtime.lanes import LaneClock, synchronize
 
 FAMILIES = "F,S0000000,S0000100,S1010100,S1111111,SAC.mm,SAC.attn,SAC.noact,N"
 RATIOS = "0,0.5,1"
+
+
+@dataclass(frozen=True)
+class ProfileSpec:
+    """What ``profile_layer`` measures: the shape (a name of ``models.shapes`` or a
+    config.json), one rank's batch, the sequence, the candidates, device and dtype, the run's
+    layer compute and world size (both part of the cache key)."""
+
+    shape: str = "qwen3-4b"
+    batch: int = 16
+    seq_len: int = 1024
+    families: str = FAMILIES
+    ratios: str = RATIOS
+    device: str = "auto"
+    dtype: str = "auto"
+    warmup: int = 2
+    steps: int = 5
+    cache_dir: str | None = None  # profile.cache.default_cache_dir
+    force: bool = False
+    layer_kernels: str = "eager"
+    layer_compile: bool | None = False
+    world: int = 1  # processes the run's batch is split over
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ProfileSpec:
+        """The spec of ``slidedp profile layer``'s command line."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{n: getattr(args, n) for n in names if hasattr(args, n)})
+
+
+def profile_spec(cfg: TrainConfig, **given: Any) -> ProfileSpec:
+    """The profile of the run's own model, batch per rank and sequence, on its device and
+    dtype, with its layer compute (``runtime.kernels``, ``runtime.compile``); ``given``
+    replaces any field."""
+    run = ProfileSpec(
+        shape=str(Path(cfg.model.path) / "config.json"),
+        batch=cfg.train.global_batch_size // cfg.runtime.world,
+        world=cfg.runtime.world,
+        seq_len=cfg.data.seq_len,
+        device=cfg.runtime.device,
+        dtype=cfg.train.dtype,
+        layer_kernels=cfg.runtime.kernels,
+        layer_compile=cfg.runtime.compile,
+    )
+    return dataclasses.replace(run, **given)
 
 
 @dataclass
@@ -92,32 +137,6 @@ class Candidate:
     estimated_transient_bytes: int
     pareto: bool = False
     kind: int = 0  # the first layer of its kind (``HFAdapter.layer_kinds``)
-
-
-def layer_inputs(
-    adapter: HFAdapter,
-    batch: int,
-    seq_len: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    layer: int = 0,
-) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, Any]]:
-    gen = torch.Generator(device).manual_seed(0)
-    group = adapter.groups[adapter.layer_group(layer)]
-    shapes = adapter.shapes()
-    params = {}
-    for full, local in group.params:
-        t = torch.empty(shapes[full], device=device, dtype=dtype)
-        params[local] = t.normal_(0.0, 0.02, generator=gen) if t.dim() > 1 else t.fill_(1.0)
-    x = torch.randn(batch, seq_len, adapter.hidden_size, device=device, dtype=dtype, generator=gen)
-    position_ids = torch.arange(seq_len, device=device).unsqueeze(0)
-    rotary = adapter.position_embeddings(adapter.make_rotary(device), x, position_ids)
-    ctx = {
-        "position_ids": position_ids,
-        "position_embeddings": [(cos.to(dtype), sin.to(dtype)) for cos, sin in rotary],
-        "masks": adapter.layer_masks(x, None, position_ids),
-    }
-    return params, x, ctx
 
 
 def _allocated(device: torch.device) -> int:
@@ -252,7 +271,7 @@ class _Profiled:
         return cache_file(self.cache_dir, "layer", self.facts | {"layer": kind})
 
 
-def _profiled(args: argparse.Namespace) -> _Profiled:
+def _profiled(args: ProfileSpec) -> _Profiled:
     """The key names the families and ratios asked for, not the candidates they resolve to:
     those follow from the shape, batch, sequence, dtype and slidedp version, also in the key,
     so a cache lookup runs no layer (``estimate`` looks one up at every start on a GPU)."""
@@ -261,8 +280,7 @@ def _profiled(args: argparse.Namespace) -> _Profiled:
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     # the layer compute the run uses (plan, runtime.policy: auto); the command line's: eager
-    compute = resolve_compute(getattr(args, "layer_kernels", "eager"),
-                              getattr(args, "layer_compile", False), device, adapter)  # fmt: skip
+    compute = resolve_compute(args.layer_kernels, args.layer_compile, device, adapter)
     facts = {
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         # the host runs the layer on CPU and launches its kernels beside a GPU
@@ -272,7 +290,7 @@ def _profiled(args: argparse.Namespace) -> _Profiled:
         "batch": args.batch,
         "seq_len": args.seq_len,
         "dtype": str(dtype).removeprefix("torch."),
-        "world": getattr(args, "world", 1),  # processes the run's batch is split over
+        "world": args.world,  # processes the run's batch is split over
         "families": args.families,
         "ratios": args.ratios,
         "compute": {"kernels": compute.kernels, "compile": compute.compile},
@@ -315,7 +333,7 @@ def _combined(prof: _Profiled, reports: dict[int, dict[str, Any]]) -> dict[str, 
     }
 
 
-def cached_profile(args: argparse.Namespace) -> dict[str, Any] | None:
+def cached_profile(args: ProfileSpec) -> dict[str, Any] | None:
     """The cached report of ``args`` (None when a kind's is not cached: nothing is measured)."""
     prof = _profiled(args)
     reports = {k: _read_cache(prof.cache(k)) for k in prof.kinds}
@@ -325,7 +343,7 @@ def cached_profile(args: argparse.Namespace) -> dict[str, Any] | None:
 
 
 def _measure_kind(
-    prof: _Profiled, args: argparse.Namespace, kind: int, policies: list[LayerPolicy]
+    prof: _Profiled, args: ProfileSpec, kind: int, policies: list[LayerPolicy]
 ) -> dict[str, Any]:
     """Kind ``kind``'s report: ``policies`` on its first layer, measured and cached."""
     adapter, device, dtype = prof.adapter, prof.device, prof.dtype
@@ -346,7 +364,7 @@ def _measure_kind(
     return measured
 
 
-def profile_layer(args: argparse.Namespace) -> dict[str, Any]:
+def profile_layer(args: ProfileSpec) -> dict[str, Any]:
     """Every kind's candidates (``_combined``): each kind's cached report, or measured once."""
     prof = _profiled(args)
     reports = {k: None if args.force else _read_cache(prof.cache(k)) for k in prof.kinds}
@@ -418,14 +436,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     if args.png:
-        from slidedp.bench.plot import require_matplotlib
-
         require_matplotlib()  # before measuring
     if args.kernels:
         report = profile_kernels(args)
         print(format_kernels(report))
     else:
-        report = profile_layer(args)
+        report = profile_layer(ProfileSpec.from_args(args))
         print(format_report(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -2,7 +2,7 @@
 layer: the bf16 ``reduce`` of the gpu gradient route (a layer's gradient summed onto its owner)
 and the bf16 ``all_gather`` of the sharded parameter route (a layer rebuilt from the ranks'
 shares). ``runtime.policy: auto`` on several GPUs predicts each route's step with them
-(``plan.route_choice``).
+(``autopolicy.route_choice``).
 
 Measured in one process over the first ``gpus`` visible devices with torch's single-process
 NCCL API (``torch.cuda.nccl.reduce`` / ``all_gather``: one communicator per device, as
@@ -15,7 +15,7 @@ algorithm bandwidths in GB/s (1e9 B/s) of the whole layer's bytes (the gathered 
 Cached like the host probe (``profile.cache``) under a key of the GPU name, the GPU count, the
 layer's element count and the torch, NCCL and slidedp versions: ``cached_links`` looks it up
 without measuring (``validate``, ``estimate``), ``probe_links`` measures when it is missing
-(``runtime.policy: auto`` in ``train``, in a child process: ``plan.measure``).
+(``runtime.policy: auto`` in ``train``, in a child process: ``autopolicy.measure``).
 
 Example::
 
@@ -112,7 +112,7 @@ def _median_s(call: Callable[[], None], devices: list[torch.device]) -> float:
 
 
 def _measure(gpus: int, layer_numel: int) -> dict[str, Any]:
-    from torch.cuda import nccl
+    from torch.cuda import nccl  # noqa: PLC0415  CUDA builds only
 
     devices = [torch.device("cuda", i) for i in range(gpus)]
     share = -(-layer_numel // gpus)  # the sharded route's share, the layer padded to gpus x it

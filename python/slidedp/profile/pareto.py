@@ -8,9 +8,12 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
+
+from slidedp.errors import ConfigError
 
 
 class _Point(Protocol):
@@ -54,9 +57,20 @@ def mark_pareto(points: Sequence[_Point]) -> None:
         )
 
 
-def plot_pareto(report: dict[str, Any], path: Path) -> None:
-    from slidedp.bench.plot import require_matplotlib
+def require_matplotlib() -> Any:
+    """``matplotlib.pyplot`` (Agg backend: files only), or one clear line if it is missing
+    (the CLI checks before any run starts). Imported by name: an optional dependency."""
+    try:
+        matplotlib = importlib.import_module("matplotlib")
+    except ImportError:
+        raise ConfigError(
+            "--png needs matplotlib: pip install 'slidedp[bench]' (or pip install matplotlib)"
+        ) from None
+    matplotlib.use("Agg")
+    return importlib.import_module("matplotlib.pyplot")
 
+
+def plot_pareto(report: dict[str, Any], path: Path) -> None:
     plt = require_matplotlib()
     fig, ax = plt.subplots(figsize=(7, 5), constrained_layout=True)
     kinds = sorted({int(c.get("kind", 0)) for c in report["candidates"]})

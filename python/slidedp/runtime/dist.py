@@ -53,6 +53,7 @@ from slidedp.errors import (
     UpdateFailedError,
     VersionTimeoutError,
 )
+from slidedp.plan.policy import effective_runtime, resident_ranks_message
 from slidedp.store import HostStore
 
 EXIT_PEER_FAILED = 3  # this rank stopped because another one failed (it prints nothing)
@@ -276,7 +277,6 @@ def check_config(
             "make them agree"
         )
     world = local_world * nodes
-    from slidedp.plan.policy import effective_runtime, resident_ranks_message  # (as in start)
 
     message = resident_ranks_message(
         runtime if runtime.policy == "auto" else effective_runtime(runtime), world
@@ -296,7 +296,6 @@ def start(
     """Checks the config against the launch, joins the process groups; this rank's device."""
     check_config(ctx.local_world, runtime, train, nodes=ctx.nodes)
     device = rank_device(ctx, device.type)
-    from slidedp.plan.policy import effective_runtime  # plan imports runtime modules
 
     # the route the engine will run: a policy file's grad_route counts (the host sum needs
     # gloo cross groups, NCCL refuses host memory)

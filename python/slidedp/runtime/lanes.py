@@ -30,6 +30,12 @@ LANES = ("prep", "h2d", "compute", "d2h", "offload", "update", "nodes")
 WAITS = ("wait_h2d", "wait_update", "wait_d2h", "wait_offload")
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for every queued kernel of ``device`` (nothing to wait for on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def new_event(timing: bool = False) -> torch.cuda.Event:
     return torch.cuda.Event(enable_timing=timing)  # type: ignore[no-untyped-call]
 

@@ -51,7 +51,7 @@ class TensorBoardTracker:
 
     @classmethod
     def open(cls, out_dir: Path) -> TensorBoardTracker:
-        from torch.utils.tensorboard import SummaryWriter  # the optional tensorboard package
+        from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415  optional: tensorboard
 
         writer: SummaryWriterLike = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
         return cls(writer)
@@ -76,7 +76,7 @@ class TensorBoardTracker:
 
 class WandbTracker:
     def __init__(self, out_dir: Path) -> None:
-        import wandb  # the optional slidedp[wandb] extra, checked by the config
+        import wandb  # noqa: PLC0415  optional: the slidedp[wandb] extra, checked by the config
 
         self.run = wandb.init(dir=str(out_dir), name=out_dir.resolve().name)
 

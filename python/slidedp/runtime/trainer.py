@@ -22,14 +22,13 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from slidedp.config import TrainConfig, config_to_dict
 from slidedp.data.build import run_batches
 from slidedp.errors import NonFiniteError, TrainingInterruptedError
-from slidedp.estimate import Machine, resolve_mirror
 from slidedp.io.best import BestCheckpoint
 from slidedp.io.checkpoint import Progress, export_checkpoint, restore_rng, save_checkpoint
 from slidedp.io.disk_space import checkpoint_bytes, disk_full_reported
@@ -37,9 +36,11 @@ from slidedp.io.hf_load import fill_master, read_buffers, weight_files
 from slidedp.io.resume import load_resume_point, plan_resume
 from slidedp.kernels import Kernels, default_threads
 from slidedp.models.hf import HFAdapter
+from slidedp.models.router_loss import check_router_loss_ranks
 from slidedp.plan.device import pick_device, pick_dtype
-from slidedp.plan.policy import OptimConfig, Plan, resolve_policy, store_args
-from slidedp.preflight import Checked, check_router_loss_ranks, parameter_count
+from slidedp.plan.machine import Machine
+from slidedp.plan.policy import store_args, write_plan
+from slidedp.plan.resolve import resolve_plan
 from slidedp.profile.host import engine_update_threads
 from slidedp.runtime.dist import Dist, all_reduce_sum, check_nodes_agree, start
 from slidedp.runtime.engine import Engine
@@ -53,6 +54,9 @@ from slidedp.runtime.trackers import open_trackers
 from slidedp.runtime.train_log import RunFacts, StepLog
 from slidedp.runtime.window import fill_mirror
 from slidedp.store import HostStore
+
+if TYPE_CHECKING:
+    from slidedp.preflight import Checked
 
 
 class Trainer:
@@ -82,10 +86,11 @@ class Trainer:
         self.progress = Progress() if self.resume is None else replace(self.resume.progress)
         bf16 = self.dtype == torch.bfloat16
 
+        machine = Machine.probe(cfg, measure=False)
+
         def create() -> HostStore:  # every rank gets its own range of the slot rings
             # decided once, by the creator: the others attach to what it made
-            mirror = resolve_mirror(cfg, self.adapter, Machine.probe(cfg, measure=False))
-            policy = resolve_policy(rt, self.adapter, mirror=mirror, device=self.device)
+            policy = resolve_plan(cfg, self.adapter, machine).policy
             args = store_args(policy, bf16=bf16, world=local_world, nodes=world // local_world)
             store = HostStore.create(self.adapter.group_specs(), **args)
             self.source = self._fill_state(store)
@@ -110,24 +115,11 @@ class Trainer:
             else None
         )
         self.lr_at = lr_schedule(tc.lr_scheduler, tc.learning_rate, tc.warmup_steps, tc.max_steps)
-        # every rank's policy: the store's mirror is what the creator decided
-        self.policy = resolve_policy(
-            rt, self.adapter, mirror=self.store.has_mirror, device=self.device
-        )
-        self.plan = Plan(
-            device=self.device,
-            dtype=self.dtype,
-            policy=self.policy,
-            optim=OptimConfig(
-                betas=(tc.adam_beta1, tc.adam_beta2),
-                eps=tc.adam_epsilon,
-                weight_decay=tc.weight_decay,
-                max_grad_norm=tc.max_grad_norm,
-            ),
-            loss_chunk_tokens=rt.loss_chunk_tokens,
-            threads=rt.update_threads or self._default_host_threads(),
-            version_timeout_s=rt.version_timeout_s,
-        )
+        # every rank's plan: the store's mirror is what the creator decided
+        plan = resolve_plan(cfg, self.adapter, machine, mirror=self.store.has_mirror)
+        threads = rt.update_threads or self._default_host_threads()
+        self.plan = replace(plan, device=self.device, threads=threads)
+        self.policy = self.plan.policy
         self.engine = Engine(
             self.adapter, self.store, self.plan, ctx=self.ctx, signals=self.signals
         )
@@ -198,7 +190,7 @@ class Trainer:
         """Where a policy file's keys came from (``runtime.policy: FILE``, as `slidedp plan`
         writes it); `runtime.policy: auto` says its own line before the run."""
         source = self.cfg.runtime.policy
-        return f" (from the policy file {source})" if source and source != "auto" else ""
+        return f" (from the policy file {source})" if source not in ("", "auto", "fixed") else ""
 
     def _step(self, t: int) -> dict[str, Any]:
         """Step ``t`` (0-based), or its skip under ``on_nonfinite: skip``; its metrics record."""
@@ -284,7 +276,7 @@ class Trainer:
                 "next_step": self.progress.step,
             },
         }
-        one_bytes = checkpoint_bytes(self.adapter, parameter_count(self.adapter))
+        one_bytes = checkpoint_bytes(self.adapter)
         with disk_full_reported(self.out_dir, one_bytes):  # ENOSPC: one line, exit 2
             return save_checkpoint(
                 self.out_dir,
@@ -313,7 +305,7 @@ class Trainer:
 
     def timed_steps(self, count: int) -> list[float]:
         """The seconds of ``count`` steps from the start, nothing logged or written (the policy
-        selector's validation, ``plan.validate``); the engine is closed after."""
+        selector's validation, ``autopolicy.validate``); the engine is closed after."""
         try:
             times = [float(self._step(t)["step_time_s"]) for t in range(count)]
             self.engine.drain()
@@ -328,6 +320,8 @@ class Trainer:
         tc, out = self.cfg.train, self.cfg.output
         main = self.ctx is None or self.ctx.main
         log = self._step_log() if main else None
+        if main:  # the plan this run trains with, beside its metrics
+            write_plan(self.plan, self.out_dir)
         records: list[dict[str, Any]] = []
         start_step = self.progress.step
         best_at_end: float | None = None

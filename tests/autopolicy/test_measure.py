@@ -1,4 +1,4 @@
-"""The measurement child of ``runtime.policy: auto`` (``plan.measure``): a crash reaches the
+"""The measurement child of ``runtime.policy: auto`` (``autopolicy.measure``): a crash reaches the
 launcher as the exception itself, its traceback before it."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from slidedp.autopolicy import measure
 from slidedp.errors import exception_line
-from slidedp.plan import measure
 
 # the shape of torch's compiler errors: the cause in the first paragraph, advice after it
 COMPILER_ERROR = (
@@ -32,7 +32,7 @@ def test_a_crash_in_the_child_ends_its_stderr_with_the_exception_itself(
     def crash(_cfg: object) -> None:
         raise RuntimeError(COMPILER_ERROR)
 
-    monkeypatch.setattr("slidedp.config.load_config", lambda _path: None)
+    monkeypatch.setattr(measure, "load_config", lambda _path: None)
     monkeypatch.setattr(measure, "measure", crash)
     assert measure.main([str(tmp_path / "config.yaml")]) == 1
     lines = capsys.readouterr().err.strip().splitlines()

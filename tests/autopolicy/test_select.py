@@ -1,4 +1,4 @@
-"""The policy selector's layout stage (``plan.select``) and ``slidedp plan``: the integer
+"""The policy selector's layout stage (``autopolicy.select``) and ``slidedp plan``: the integer
 program's choice equals a brute-force search over every count vector, the fixed default is
 always feasible and never predicted faster than the choice, and the written policy file trains."""
 
@@ -16,11 +16,17 @@ import yaml
 
 from engine.tiny import make_model, read_metrics, write_config, write_data
 from host_profile.fake import cache_rate
+from slidedp.autopolicy import auto, select
+from slidedp.autopolicy.select import (
+    MIN_GAIN,
+    activation_budget,
+    host_tail_s,
+    host_update_s_per_layer,
+    select_layout,
+)
 from slidedp.cli import main
 from slidedp.config import load_config
-from slidedp.estimate import Machine, update_threads
 from slidedp.models.hf import HFAdapter
-from slidedp.plan import auto, select
 from slidedp.plan.cost import (
     RESIDENT_UPDATE_BYTES_PER_PARAM,
     RESIDENT_UPDATE_GBPS,
@@ -29,13 +35,7 @@ from slidedp.plan.cost import (
     resident_embedding_update_s,
 )
 from slidedp.plan.layout import parse_layout
-from slidedp.plan.select import (
-    MIN_GAIN,
-    activation_budget,
-    host_tail_s,
-    host_update_s_per_layer,
-    select_layout,
-)
+from slidedp.plan.machine import Machine, update_threads
 
 MIB = 2**20
 GIB = 2**30
@@ -235,7 +235,8 @@ def test_the_offloaded_activations_leave_the_mirror_its_host_memory(
     (the brute force counts the same row), and unbounded (``None``: RAM to spare) it offloads
     on every layer. Without the row the arena took the mirror's room on Qwen3-8B and every
     streamed layer was cast on the host (BENCHMARKS.md, issue #16)."""
-    from slidedp.estimate import MIRROR_HEADROOM_BYTES, estimate_run
+    from slidedp.estimate_report import estimate_run
+    from slidedp.plan.resolve import MIRROR_HEADROOM_BYTES
 
     _, cfg, adapter, machine = run
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_grad_norm=0.0))
@@ -279,7 +280,8 @@ def test_where_only_offloading_fits_the_device_the_arena_takes_the_mirrors_room(
     """A device budget that only offloaded layers fit, and host memory beside the mirror for
     half a share: no layout fits with the mirror's room kept, so the budget is the one without
     the mirror (the run then goes without it), and every layer offloads."""
-    from slidedp.estimate import MIRROR_HEADROOM_BYTES, estimate_run
+    from slidedp.estimate_report import estimate_run
+    from slidedp.plan.resolve import MIRROR_HEADROOM_BYTES
 
     _, cfg, adapter, machine = run
     share = 300 * MIB

@@ -8,7 +8,7 @@ or reserves beyond that is solved again with the activation budget cut by the ov
 (reserved-memory feedback), ``RESOLVES`` times at most. The choice runs only when validated
 faster than the default; the default wins ties, and whenever the choice does not fit.
 
-On CUDA each trial runs in a child process (``python -m slidedp.plan.validate CONFIG STEPS``):
+On CUDA each trial runs in a child process (``python -m slidedp.autopolicy.validate CONFIG STEPS``):
 everything a trial holds (the caching allocator's blocks, the page-locked staging, the
 shared-memory store, the update worker) goes with it, and an out-of-memory failure cannot
 leave the training process's allocator fragmented or its peak statistics spent. On CPU a trial
@@ -43,19 +43,27 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from slidedp.autopolicy.clock import break_even_steps
+from slidedp.autopolicy.select import DEFAULT, HEADROOM
+from slidedp.config import load_config, resolved_yaml
 from slidedp.errors import (
     ConfigError,
     InvalidArgumentError,
     OutOfSharedMemoryError,
     SlidedpError,
 )
-from slidedp.plan.clock import break_even_steps
+from slidedp.plan.device import pick_device
+from slidedp.plan.layout import format_layout
 from slidedp.plan.policy import resident_text
+from slidedp.runtime import launch as rank_launcher
+from slidedp.runtime.dist import Dist
+from slidedp.runtime.lifetime import die_with_parent, worker_env
+from slidedp.runtime.trainer import Trainer
 
 if TYPE_CHECKING:
+    from slidedp.autopolicy.select import Choice
     from slidedp.config import TrainConfig
-    from slidedp.estimate import Machine
-    from slidedp.plan.select import Choice
+    from slidedp.plan.machine import Machine
 
 RESOLVES = 2  # re-solves after a trial that did not fit, at most
 EXIT_OUT_OF_MEMORY = 3  # a rank of a trial on several ranks ran out of device memory
@@ -112,8 +120,6 @@ def run_trial(cfg: TrainConfig, steps: int, *, on_ranks: bool = False) -> Trial:
     ``on_ranks``: one of several ranks (``trial_on_ranks``): ``cfg`` is already the trial's,
     with the scratch directory every rank shares, and running out of device memory is raised
     (it ends this rank, and the launcher stops the others) instead of being the result."""
-    from slidedp.plan.device import pick_device
-    from slidedp.runtime.trainer import Trainer
 
     cuda = pick_device(cfg.runtime.device).type == "cuda"
     if cuda:
@@ -140,19 +146,18 @@ def trial_on_ranks(cfg: TrainConfig, steps: int) -> Trial:
     and the slowest rank's step and the largest reservation count (a synchronous step waits
     for the slowest; the limit holds on every GPU). A rank that runs out of device memory exits
     with ``EXIT_OUT_OF_MEMORY`` and the launcher stops the others: the trial did not fit."""
-    from slidedp.config import resolved_yaml
-    from slidedp.runtime.launch import EXIT_TIMED_OUT, launch
 
     rt = cfg.runtime
     with tempfile.TemporaryDirectory(prefix="slidedp-validate-") as tmp:
         path, out, err = Path(tmp) / "config.yaml", Path(tmp) / "stdout", Path(tmp) / "stderr"
         path.write_text(resolved_yaml(trial_config(cfg, steps, Path(tmp) / "out")))
         with out.open("wb") as stdout, err.open("wb") as stderr:
-            code = launch(rt.world, [str(path), str(steps)], module="slidedp.plan.validate",
-                          name="policy validation", own_session=False, stdout=stdout,
-                          stderr=stderr, timeout_s=TIMEOUT_S)  # fmt: skip
+            code = rank_launcher.launch(
+                rt.world, [str(path), str(steps)], module="slidedp.autopolicy.validate",
+                name="policy validation", own_session=False, stdout=stdout, stderr=stderr,
+                timeout_s=TIMEOUT_S)  # fmt: skip
         printed, said = out.read_text(), err.read_text()
-    if code == EXIT_TIMED_OUT:
+    if code == rank_launcher.EXIT_TIMED_OUT:
         raise _ran_past(cfg)
     if code == EXIT_OUT_OF_MEMORY:
         return Trial(rt.layers, rt.resident_layers, None, None, rt.resident_embeddings)
@@ -177,13 +182,11 @@ def _ran_past(cfg: TrainConfig) -> ConfigError:
 def trial_in_child(cfg: TrainConfig, steps: int) -> Trial:
     """``run_trial`` in a child process; its stderr is passed on, a failure is one
     ``ConfigError`` with its last line."""
-    from slidedp.bench.lifetime import worker_env
-    from slidedp.config import resolved_yaml
 
     with tempfile.TemporaryDirectory(prefix="slidedp-validate-") as tmp:
         path = Path(tmp) / "config.yaml"
         path.write_text(resolved_yaml(cfg))
-        command = [sys.executable, "-m", "slidedp.plan.validate", str(path), str(steps)]
+        command = [sys.executable, "-m", "slidedp.autopolicy.validate", str(path), str(steps)]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S,
                                   env=worker_env())  # fmt: skip
@@ -224,8 +227,6 @@ class Validation:
         (its accounting kept, ``kept_default`` set)."""
         if self.choice is not None:
             return self.choice
-        from slidedp.plan.layout import format_layout
-        from slidedp.plan.select import DEFAULT
 
         all_f = (DEFAULT,) * len(solved.layers)
         return dataclasses.replace(solved, layout=format_layout(all_f), layers=all_f,
@@ -293,7 +294,6 @@ def default_config(cfg: TrainConfig) -> TrainConfig:
 def limit_bytes(machine: Machine) -> int | None:
     """What a validated policy may reserve on the device: its total less ``HEADROOM`` (None
     on CPU: nothing to check)."""
-    from slidedp.plan.select import HEADROOM
 
     if machine.device != "cuda" or machine.gpu_total_bytes is None:
         return None
@@ -371,9 +371,6 @@ def validate_choice(
 
 
 def main(argv: list[str]) -> int:
-    from slidedp.bench.lifetime import die_with_parent
-    from slidedp.config import load_config
-    from slidedp.runtime.dist import Dist
 
     die_with_parent()  # a run killed while validating leaves no trial on the GPU
     config, steps = argv

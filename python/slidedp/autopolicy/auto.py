@@ -1,56 +1,21 @@
-"""``runtime.policy: auto``: the run chooses its own activation layout at start, as ``slidedp
-plan`` would (``plan.select``), and on several GPUs of one host its routes
-(``plan.route_choice``), and trains with them. The choice replaces ``runtime.layers`` (and
-``runtime.grad_route``, ``runtime.param_route``) in the run's config, so
-``resolved_config.yaml`` and every checkpoint record the policy that ran, and a resumed run
-keeps it.
+"""``runtime.policy: auto``: a run chooses its own activation layout (and resident layers, its
+H2D/D2H chunk, and on several GPUs of one host its routes) before it starts, as ``slidedp
+plan`` does, and trains with them: ``resolve_auto(cfg, adapter, machine, measure=...)`` returns
+the config with the chosen ``runtime`` keys and the banner line.
 
-``train`` profiles the layer when the profile is not cached (on the run's device, with the
-batch of one rank and the run's sequence), and probes the host AdamW rate the same way
-(``slidedp profile host``: the selector's host lane), on GPUs probes the H2D/D2H chunk
-(``profile.chunks``: the whole layer unless a chunk is measured faster, ``plan.chunk_choice``;
-the choice sets ``runtime.chunk_elems`` and ``runtime.grad_slots`` where the config leaves the
-chunk at 0, and is validated with the layout), and solves (``plan.select``). On one process it
-then calibrates the candidates that solution uses on a reduced model of the run
-(``plan.calibrate``: ``runtime.policy_calibrate_steps`` training steps each trial; their layer
-times measured in the pipeline replace the profile's) and solves again, and validates the
-solver's choice against the fixed default in ``runtime.policy_validate_steps`` training steps
-each (``plan.validate``: the faster one runs, the default on a tie; a choice out of memory is
-re-solved with a smaller budget). Each stage is said in one line as it ends, and the banner
-line ends with the selection time by stage and the break-even steps (``plan.clock``).
-``validate`` and ``estimate`` never run GPU work: they use a cached profile, or check the
-default layout and say that ``train`` will choose, and a cached host rate or else
-``estimate.ADAMW_GBPS``'s; they show the solver's choice, uncalibrated and unvalidated. A
-resumed run keeps the layout and routes its checkpoint ran with.
+Stages (each timed by ``clock``): the layer profile, the host probe, the chunk probe
+(``chunk_choice``), the solve (``select``), on one process a calibration on a reduced model
+(``calibrate``) and a validation against the fixed default (``validate``); the routes on
+several GPUs (``route_choice``, with ``plan.predict``). A selection is cached
+(``selection_cache``) and a later run of the same key takes it without measuring; a resumed run
+keeps its checkpoint's layout and routes. ``validate`` and ``estimate`` use caches only
+(docs/architecture.md, section "AutoPolicy").
 
-``train`` (the bench, and ``slidedp plan`` for this GPU) keeps each selection it makes in the
-selection cache (``plan.selection_cache``), keyed by the cached measurements and the run's
-terms: a later run whose key matches takes the choice from there (its banner line says so,
-with the file and the original selection time) and runs no profile, probe, solve nor trial;
-``runtime.policy_force: true`` selects again. ``validate`` and ``estimate`` do not read it
-(they show the solver's choice).
-
-Several GPUs of one host (``runtime.gpus: N``): ``slidedp train``'s launcher chooses once,
-before it starts the ranks, and passes the choice to them as overrides (``chosen_overrides``);
-the bench's launcher (``bench.ranks``) does the same. Its measurements (layer profile, host
-probe, chunk probe, and ``profile.links``: the layer-sized ``reduce`` and ``all_gather``
-between the GPUs) run in a child process (``plan.measure``), so the launcher allocates nothing
-on the GPUs. No layer is GPU-resident there (refused with several ranks). CPU ranks choose the
-layout and keep the config's routes and chunk (the route model and the chunk probe are for
-GPUs); several nodes, and ranks started by another launcher (torchrun), are refused with one
-line. The launcher validates its choice (layout, chunk and routes) against the default (all
-``F``, whole layers, the config's routes) on every rank, each trial a launch of the ranks
-(``plan.validate.trial_on_ranks``); it does not calibrate.
-
-Example::
-
-    cfg, line = resolve_auto(cfg, adapter, machine, measure=True)
-    print(line)   # 'policy   auto: 11xF-r1, 1xS0000100-r0, 24xN-r0, predicted 1.19x ...'
+Example: ``cfg, line = resolve_auto(cfg, adapter, machine, measure=True)``
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -58,64 +23,56 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from slidedp.errors import ConfigError
-from slidedp.io.checkpoint import STATE_FILE
-from slidedp.plan.calibrate import calibrate_choice, clause, why_not_calibrated
-from slidedp.plan.chunk_choice import ChunkChoice, choose_chunk, probe_terms, with_chunk
-from slidedp.plan.clock import Clock
-from slidedp.plan.layout import LayerPolicy, parse_layout
-from slidedp.plan.policy import layer_chunk_elems, resident_text
-from slidedp.plan.route_choice import (
-    ROUTES,
-    Route,
-    candidate_routes,
-    choose_route,
-    route_name,
-    route_steps,
+import torch
+
+from slidedp.autopolicy import measure as measurements
+from slidedp.autopolicy import select
+from slidedp.autopolicy.calibrate import calibrate_choice, clause, why_not_calibrated
+from slidedp.autopolicy.chunk_choice import (
+    ChunkChoice,
+    choose_chunk,
+    chunk_skipped,
+    probe_terms,
+    with_chunk,
 )
-from slidedp.plan.selection_cache import Selection, read_selection, selection_facts, write_selection
-from slidedp.plan.validate import (
+from slidedp.autopolicy.clock import Clock
+from slidedp.autopolicy.route_choice import candidate_routes, choose_route
+from slidedp.autopolicy.select import MIN_GAIN
+from slidedp.autopolicy.selection_cache import (
+    KeyTerms,
+    from_cache,
+    read_selection,
+    selection_key,
+    store_selection,
+)
+from slidedp.autopolicy.validate import (
     limit_bytes,
     needs_validation,
     runner_for,
     validate_choice,
     with_choice,
 )
-from slidedp.profile.layer import FAMILIES, RATIOS, cached_profile, profile_layer
+from slidedp.errors import ConfigError
+from slidedp.estimate_report import estimate_run
+from slidedp.io.checkpoint import STATE_FILE
+from slidedp.plan.layout import LayerPolicy, parse_layout
+from slidedp.plan.machine import gpu_peak, host_rate, update_threads
+from slidedp.plan.policy import layer_chunk_elems, resident_text
+from slidedp.plan.predict import ROUTES, Rates, Route, links_for, route_name, route_steps
+from slidedp.plan.timing import layer_times
+from slidedp.profile.chunks import cached_chunks, probe_chunks
+from slidedp.profile.layer import cached_profile, profile_layer, profile_spec
 
 if TYPE_CHECKING:
+    from slidedp.autopolicy.select import Choice
+    from slidedp.autopolicy.validate import Validation
     from slidedp.config import RuntimeSection, TrainConfig
-    from slidedp.estimate import HostRate, Machine
     from slidedp.models.hf import HFAdapter
-    from slidedp.plan.select import Choice
-    from slidedp.plan.validate import Validation
+    from slidedp.plan.machine import HostRate, Machine
 
 AUTO = "auto"
 # the keys auto writes (and routes)
 CHOSEN = ("layers", "offload_ratio", "resident_layers", "resident_embeddings")
-
-
-def profile_args(cfg: TrainConfig, **given: Any) -> argparse.Namespace:
-    """``slidedp profile layer``'s arguments for the run's own model, batch per rank and
-    sequence, on its device and dtype, with its layer compute (``runtime.kernels``,
-    ``runtime.compile``); ``given`` replaces any of them."""
-    args = {
-        "shape": str(Path(cfg.model.path) / "config.json"),
-        "batch": cfg.train.global_batch_size // cfg.runtime.world,
-        "world": cfg.runtime.world,
-        "seq_len": cfg.data.seq_len,
-        "families": FAMILIES,
-        "ratios": RATIOS,
-        "device": cfg.runtime.device,
-        "dtype": cfg.train.dtype,
-        "warmup": 2,
-        "steps": 5,
-        "cache_dir": None,  # profile.cache.default_cache_dir
-        "force": False,
-        "layer_kernels": cfg.runtime.kernels,
-        "layer_compile": cfg.runtime.compile,
-    }
-    return argparse.Namespace(**(args | given))
 
 
 def device_total_bytes(machine: Machine, cfg: TrainConfig, adapter: HFAdapter) -> int:
@@ -123,7 +80,6 @@ def device_total_bytes(machine: Machine, cfg: TrainConfig, adapter: HFAdapter) -
     what MemAvailable leaves after the host state and the process (``estimate``)."""
     if machine.gpu_total_bytes is not None:
         return machine.gpu_total_bytes
-    from slidedp.estimate import estimate_run
 
     if machine.mem_available_bytes is None:
         raise ConfigError("runtime.policy=auto: no GPU and no MemAvailable to plan the layout for")
@@ -254,6 +210,22 @@ def _kept_line(
     return cfg, line
 
 
+def selection_cached(
+    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, resume: Path | None
+) -> bool:
+    """Whether ``runtime.policy: auto`` would take its choice without measuring: kept from the
+    checkpoint ``resume``, or found in the selection cache."""
+    if resume is not None and _kept_policy(resume, adapter.num_layers, 0) is not None:
+        return True
+    several = cfg.runtime.world > 1
+    candidates = candidate_routes(cfg, None) if several else []
+    resident = machine.gpu_total_bytes is not None and not several
+    facts = selection_key(cfg, adapter, machine, KeyTerms(resident, candidates))
+    found = facts and read_selection(facts, layers=adapter.num_layers, routes=candidates,
+                                     say=lambda line: None)  # fmt: skip
+    return bool(found)
+
+
 def resolve_auto(
     cfg: TrainConfig,
     adapter: HFAdapter,
@@ -268,14 +240,11 @@ def resolve_auto(
     the routes), and the line that says what was chosen and why (``cfg`` unchanged and None
     without ``auto``). ``measure``: profile the layer when it is not cached (else check the
     default layout); on several ranks every measurement runs in a child process
-    (``plan.measure``) and the choice is made here from the cache, once for every rank.
+    (``autopolicy.measure``) and the choice is made here from the cache, once for every rank.
     ``resume``: the checkpoint a run continues from keeps the layout, chunk and routes it ran
     with.
     ``routes_fixed``: True keeps the config's routes, False lets auto choose both, None
     (``train``) keeps each route key the config sets to another value than its default."""
-    from slidedp.estimate import host_rate, update_threads
-    from slidedp.plan.measure import measure_in_child
-    from slidedp.plan.select import select_layout
 
     rt = cfg.runtime
     if rt.policy != AUTO:
@@ -292,17 +261,17 @@ def resolve_auto(
     # refuse them: their gradients are not reduced across ranks)
     resident = machine.gpu_total_bytes is not None and not several
     if measure and not rt.policy_force:  # validate and estimate show the solver's choice
-        facts = selection_key(default, adapter, machine, resident=resident, routes=candidates)
+        facts = selection_key(default, adapter, machine, KeyTerms(resident, candidates))
         hit = facts and read_selection(facts, layers=adapter.num_layers, routes=candidates,
                                        say=_say)  # fmt: skip
         if hit:
-            return _from_cache(default, *hit)
+            return from_cache(default, *hit)
     measuring, clock = measure, Clock(say=_say_stage if measure else None)
     measured_s = None
     if measure and several:  # the launcher stays free of the measurements' device state
         with clock.stage("measure"):
-            measured_s, measure = measure_in_child(cfg), False
-    args = profile_args(cfg)
+            measured_s, measure = measurements.measure_in_child(cfg), False
+    args = profile_spec(cfg)
     with clock.stage("profile") as notes:
         report = profile_layer(args) if measure else cached_profile(args)
         notes.append("cached" if report is None or report.get("cached") else "measured")
@@ -324,7 +293,7 @@ def resolve_auto(
     calibrated: dict[LayerPolicy, float] = {}  # the calibration stage's layer times
 
     def solve_at(cut_bytes: int = 0) -> Choice:
-        return select_layout(default, adapter, machine, report, total_bytes=total,
+        return select.select_layout(default, adapter, machine, report, total_bytes=total,
                              update_gbps=host.gbps, resident=resident,
                              budget_cut_bytes=cut_bytes, times_s=calibrated)  # fmt: skip
 
@@ -391,33 +360,19 @@ def resolve_auto(
     line += f"; {_validated(validation, steps, measuring=measuring)}"
     if measuring:  # from a cache alone (validate, estimate) the seconds say nothing
         line += f"; {_selection(clock, validation)}"
-        store_selection(default, chosen, adapter, machine, line, clock, validation,
-                        resident=resident, routes=candidates)  # fmt: skip
+        terms = KeyTerms(resident, candidates)
+        store_selection(default, chosen, adapter, machine, line, clock, validation, terms)
     return chosen, line
-
-
-def chunk_skipped(rt: RuntimeSection, machine: Machine) -> str | None:
-    """Why the chunk stage keeps the config's chunk (None: it chooses one)."""
-    if machine.device != "cuda":
-        return "the config's (on CPU no copy to cut)"
-    if rt.chunk_elems:
-        return f"{rt.chunk_elems:,} elements, the config's"
-    if rt.grad_slots != type(rt)().grad_slots:  # the ring a chunk cuts is the default's
-        return f"the whole layer (the config sets runtime.grad_slots={rt.grad_slots})"
-    return None
 
 
 def chunk_stage(
     cfg: TrainConfig, adapter: HFAdapter, machine: Machine, *, measure: bool, clock: Clock
 ) -> tuple[ChunkChoice | None, str]:
-    """The chunk for a run on GPUs (``plan.chunk_choice``, timed as the stage ``chunks`` of
+    """The chunk for a run on GPUs (``autopolicy.chunk_choice``, timed as the stage ``chunks`` of
     ``clock``) and what to say of it; None where ``chunk_skipped`` says why, or where, not
     measuring, the probe is not cached. On several GPUs the launcher's child process probes
-    (``plan.measure``) and this reads its report: one rank's stream, measured alone;
+    (``autopolicy.measure``) and this reads its report: one rank's stream, measured alone;
     validation on the ranks has the last word."""
-    import torch
-
-    from slidedp.profile.chunks import cached_chunks, probe_chunks
 
     skipped = chunk_skipped(cfg.runtime, machine)
     if skipped is not None:
@@ -439,97 +394,6 @@ def chunk_stage(
     return choice, choice.describe()
 
 
-def selection_key(
-    cfg: TrainConfig,
-    adapter: HFAdapter,
-    machine: Machine,
-    *,
-    resident: bool,
-    routes: list[Route],
-    profile: argparse.Namespace | None = None,
-) -> dict[str, Any] | None:
-    """The selection cache's key for ``cfg`` from the cached measurements (None: the layer
-    profile of ``profile``, default ``profile_args(cfg)``, or the host probe is not cached, so
-    a selection measures)."""
-    from slidedp.estimate import update_threads
-    from slidedp.plan.measure import layer_numel
-    from slidedp.profile.chunks import cached_chunks
-    from slidedp.profile.host import cached_host
-    from slidedp.profile.links import cached_links
-
-    report = cached_profile(profile or profile_args(cfg))
-    gpu = machine.gpu_name if machine.device == "cuda" else None
-    threads = update_threads(cfg, machine)
-    host = cached_host(threads, gpu)
-    if report is None or host is None:
-        return None
-    links = chunks = None
-    if routes and gpu is not None:
-        links = cached_links(cfg.runtime.world, gpu, layer_numel(adapter))
-    if gpu is not None and chunk_skipped(cfg.runtime, machine) is None:  # the stage chooses
-        numel, _, mirror = probe_terms(cfg, adapter, machine)
-        chunks = cached_chunks(threads, gpu, numel, mirror)
-        if chunks is None:
-            return None
-    return selection_facts(cfg, profile=report, host=host, links=links, chunks=chunks,
-                           resident=resident, gpu_total_bytes=machine.gpu_total_bytes,
-                           routes=routes)  # fmt: skip
-
-
-def _from_cache(cfg: TrainConfig, found: Selection, path: Path) -> tuple[TrainConfig, str]:
-    chosen = _with(
-        cfg,
-        layers=found.layers,
-        resident_layers=found.resident_layers,
-        resident_embeddings=found.resident_embeddings,
-    )
-    if found.route is not None:
-        chosen = _with(chosen, param_route=found.route[0], grad_route=found.route[1])
-    if found.chunk_elems:
-        chosen = _with(chosen, chunk_elems=found.chunk_elems, grad_slots=found.grad_slots)
-    return chosen, found.hit_line(path)
-
-
-def store_selection(
-    cfg: TrainConfig,
-    chosen: TrainConfig,
-    adapter: HFAdapter,
-    machine: Machine,
-    line: str,
-    clock: Clock,
-    validation: Validation | None,
-    *,
-    resident: bool,
-    routes: list[Route],
-    profile: argparse.Namespace | None = None,
-) -> None:
-    """``chosen`` cached under ``cfg``'s key, of the measurements it rests on (as cached now;
-    ``profile``: as ``selection_key``); a cache that cannot be written is said in one line, and
-    the run goes on."""
-    facts = selection_key(cfg, adapter, machine, resident=resident, routes=routes,
-                          profile=profile)  # fmt: skip
-    if facts is None:  # a measurement not in the cache (a profile given by hand): no key
-        return
-    rt = chosen.runtime
-    found = Selection(
-        rt.layers,
-        rt.resident_layers,
-        (rt.param_route, rt.grad_route) if routes else None,
-        line,
-        clock.total_s,
-        dict(clock.seconds),
-        None if validation is None else validation.summary(),
-        None if validation is None else validation.break_even_steps(clock.total_s),
-        resident_embeddings=rt.resident_embeddings,
-        chunk_elems=rt.chunk_elems,
-        grad_slots=rt.grad_slots,
-    )
-    try:
-        write_selection(facts, found)
-    except OSError as e:
-        _say(f"policy   auto: the selection is not cached ({e})")
-
-
 def _say(line: str) -> None:
     print(line, flush=True)
 
@@ -537,7 +401,6 @@ def _say(line: str) -> None:
 def _head(choice: Choice, shown: Choice, source: str, host: HostRate, solve_s: float) -> str:
     """What runs (``shown``: the solver's ``choice`` or, after validation, the winner) and why,
     with the program's accounting."""
-    from slidedp.plan.select import MIN_GAIN
 
     if shown.kept_default and not choice.kept_default:  # validation kept the default
         verdict = (
@@ -604,38 +467,23 @@ def _routes(
     report: dict[str, Any],
     host: HostRate,
 ) -> tuple[TrainConfig, str]:
-    """``cfg`` on the routes ``plan.route_choice`` picks among ``candidates``, and what it says
-    (the config's routes, and why, where the model cannot predict them)."""
-    from slidedp.estimate import _gpu_peak
-    from slidedp.plan.measure import layer_numel
-    from slidedp.plan.timing import Links, layer_times
-    from slidedp.profile.links import cached_links
-
+    """``cfg`` on the routes ``autopolicy.route_choice`` picks among ``candidates``, and what
+    it says (the config's routes, and why, where the model cannot predict them)."""
     rt = cfg.runtime
     config_route = (rt.param_route, rt.grad_route)
-    peak, _ = _gpu_peak(machine.gpu_name)
-    probe = None
-    if machine.device == "cuda" and machine.gpu_name is not None:
-        probe = cached_links(rt.world, machine.gpu_name, layer_numel(adapter))
+    peak, _ = gpu_peak(machine.gpu_name)
+    links = links_for(rt.world, adapter, machine) if machine.device == "cuda" else None
     why = None
     if machine.device != "cuda":
         why = "the route model is for GPUs"
     elif peak is None:
         why = f"no peak FLOP/s on record for {machine.gpu_name}"
-    elif probe is None:
+    elif links is None:
         why = "the links between the GPUs are not measured"
-    if why is not None or peak is None or probe is None:
+    if why is not None or peak is None or links is None:
         return cfg, f"{route_name(config_route)}, the config's ({why})"
-    # the copies at the PCIe ceilings: the host probe's joint copy rates are paced by its
-    # AdamW passes, not a copy engine's capacity (as bench.predict)
-    links = Links(
-        reduce_gbps=float(probe["reduce_gbps"]),
-        gather_gbps=float(probe["gather_gbps"]),
-        source="measured",
-    )
-    steps = route_steps(cfg, adapter, machine, candidates, links=links, adamw_gbps=host.gbps,
-                        cast_gbps=host.cast_gbps,
-                        peak_flops=peak, measured=layer_times(report))  # fmt: skip
+    rates = Rates(peak, host.gbps, host.cast_gbps, links, layer_times(report))
+    steps = route_steps(cfg, adapter, machine, candidates, rates)
     choice = choose_route(steps, config_route)
     fixed = ", fixed by the config" if len(candidates) == 1 else ""
     said = (

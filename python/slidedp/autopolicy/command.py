@@ -4,20 +4,20 @@ selector, paper §3.6) and write it as a policy file (``runtime.policy: FILE``).
 Stages, each timed in the report: the layer profile of the run's own model, batch and sequence
 (``slidedp profile layer``, cached by device, shape, batch, sequence, dtype and versions), the
 host AdamW rate (``slidedp profile host``, cached by CPU, threads, GPU and versions), on a GPU
-the chunk (``slidedp profile chunks``, ``plan.chunk_choice``: the whole layer unless a smaller
+the chunk (``slidedp profile chunks``, ``autopolicy.chunk_choice``: the whole layer unless a smaller
 H2D/D2H chunk is measured faster), the integer program over its Pareto candidates under the
-GPU budget with the host update lane counted (``plan.select``), the placement, the
-calibration (``plan.calibrate``: the candidates of that solution timed in a reduced model of
+GPU budget with the host update lane counted (``autopolicy.select``), the placement, the
+calibration (``autopolicy.calibrate``: the candidates of that solution timed in a reduced model of
 the run on this GPU, their layer times in the profile's place, then solved again; not for
 ``--gpu-memory``), the validation
-(``plan.validate``: a few training steps of the choice and of the default on this GPU, the
+(``autopolicy.validate``: a few training steps of the choice and of the default on this GPU, the
 choice kept only when faster, re-solved with a smaller budget when it does not fit; not for
 ``--gpu-memory``, another GPU), and ``slidedp estimate`` of the chosen layout (the same check
 ``train`` runs). The fixed default (all ``F``) is a candidate of the program, and its
 accounting is printed beside the choice. Each stage is said in one line as it ends; the report
-adds the selection time (their sum) and the break-even steps (``plan.clock``).
+adds the selection time (their sum) and the break-even steps (``autopolicy.clock``).
 
-The plan is kept in ``runtime.policy: auto``'s selection cache (``plan.selection_cache``) where
+The plan is kept in ``runtime.policy: auto``'s selection cache (``selection_cache``) where
 it is for this machine's GPU from cached measurements (no ``--gpu-memory``, ``--profile`` nor
 ``--cache-dir``): a ``train`` of the same run with ``auto`` then takes it without selecting. The
 plan does not read that cache: it is the command that chooses afresh, and its report shows the
@@ -42,15 +42,13 @@ from typing import Any
 
 import yaml
 
-from slidedp.errors import ConfigError
-from slidedp.plan.auto import check_one_process, chunk_stage, profile_args, store_selection
-from slidedp.plan.calibrate import Calibration, calibrate_choice, clause, why_not_calibrated
-from slidedp.plan.chunk_choice import with_chunk
-from slidedp.plan.clock import Clock
-from slidedp.plan.layout import LayerPolicy
-from slidedp.plan.policy import resident_text
-from slidedp.plan.select import MIN_GAIN, Choice, select_layout
-from slidedp.plan.validate import (
+from slidedp.autopolicy.auto import check_one_process, chunk_stage
+from slidedp.autopolicy.calibrate import Calibration, calibrate_choice, clause, why_not_calibrated
+from slidedp.autopolicy.chunk_choice import with_chunk
+from slidedp.autopolicy.clock import Clock
+from slidedp.autopolicy.select import MIN_GAIN, Choice, select_layout
+from slidedp.autopolicy.selection_cache import KeyTerms, store_selection
+from slidedp.autopolicy.validate import (
     Validation,
     default_config,
     limit_bytes,
@@ -59,7 +57,15 @@ from slidedp.plan.validate import (
     validate_choice,
     with_choice,
 )
-from slidedp.profile.layer import FAMILIES, RATIOS, profile_layer
+from slidedp.config import load_config
+from slidedp.errors import ConfigError
+from slidedp.estimate import shortages
+from slidedp.estimate_report import estimate_run
+from slidedp.plan.layout import LayerPolicy
+from slidedp.plan.machine import Machine, host_rate, update_threads
+from slidedp.plan.policy import resident_text
+from slidedp.preflight import check_model
+from slidedp.profile.layer import FAMILIES, RATIOS, ProfileSpec, profile_layer, profile_spec
 
 GIB = 2**30
 
@@ -120,19 +126,16 @@ def _profile(args: argparse.Namespace, cfg: Any, batch: int) -> dict[str, Any]:
                 f", the run is B={batch} S={cfg.data.seq_len}: profile the run's own shape"
             )
         return report
-    return profile_layer(_profile_args(args, cfg))
+    return profile_layer(_profile_spec(args, cfg))
 
 
-def _profile_args(args: argparse.Namespace, cfg: Any) -> argparse.Namespace:
+def _profile_spec(args: argparse.Namespace, cfg: Any) -> ProfileSpec:
     given = {"families": args.families, "ratios": args.ratios, "warmup": args.warmup,
              "steps": args.steps, "cache_dir": args.cache_dir, "force": args.force}  # fmt: skip
-    return profile_args(cfg, **given)
+    return profile_spec(cfg, **given)
 
 
 def main(args: argparse.Namespace) -> int:
-    from slidedp.config import load_config
-    from slidedp.estimate import Machine, estimate_run, host_rate, shortages, update_threads
-    from slidedp.preflight import check_model
 
     clock = Clock(say=lambda line: print(f"slidedp plan {line}", flush=True))
     with clock.stage("setup"):
@@ -145,7 +148,7 @@ def main(args: argparse.Namespace) -> int:
         total = int(args.gpu_memory * GIB) if args.gpu_memory else machine.gpu_total_bytes
         if total is None:
             raise ConfigError("no GPU here to plan for: pass --gpu-memory GIB (the target's size)")
-        batch = profile_args(cfg).batch
+        batch = profile_spec(cfg).batch
     with clock.stage("profile") as notes:
         report = _profile(args, cfg, batch)
         source = args.profile or report.get("cached") or "measured"
@@ -193,7 +196,7 @@ def main(args: argparse.Namespace) -> int:
         choice = validation.result(solved)
         if validation.choice is None and other_chunk:  # the default won: whole layers too
             chunk, chunk_said = None, f"the whole layer ({chunk_said}; the default won validation)"
-    elif other_chunk:  # a chunk runs only where validation ran it faster (plan.chunk_choice)
+    elif other_chunk:  # a chunk runs only where validation ran it faster (autopolicy.chunk_choice)
         chunk, chunk_said = None, f"the whole layer ({chunk_said}; not applied unvalidated: {why})"
 
     with clock.stage("check"):
@@ -250,8 +253,9 @@ def main(args: argparse.Namespace) -> int:
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     print(format_summary(summary, out))
     if not (args.profile or args.gpu_memory or args.cache_dir):  # this GPU, cached measurements
+        terms = KeyTerms(resident=True, routes=[], profile=_profile_spec(args, cfg))
         store_selection(cfg, chosen, adapter, machine, _auto_line(summary), clock, validation,
-                        resident=True, routes=[], profile=_profile_args(args, cfg))  # fmt: skip
+                        terms)  # fmt: skip
     return 0
 
 

@@ -11,10 +11,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from bench.tiny import write_tiny_config
-from slidedp.bench.shapes import SHAPES, cut_layers, resolve_shape
 from slidedp.errors import ConfigError
 from slidedp.models.hf import HFAdapter, config_values
 from slidedp.models.shape import layer_shapes
+from slidedp.models.shapes import SHAPES, cut_layers, resolve_shape
 
 # Published by Qwen (model cards): total and non-embedding parameters, in billions, rounded.
 PUBLISHED = {

@@ -3,7 +3,7 @@ child process (layer profile, host probe, the link probe over both GPUs), choose
 the routes once, and both ranks train the choice; ``slidedp bench train --routes
 replicated/gpu,auto`` runs AutoPolicy beside the fixed default in one command.
 
-Run on a 2-GPU machine: ``pytest -m multi_gpu tests/plan/test_auto_gpus.py``.
+Run on a 2-GPU machine: ``pytest -m multi_gpu tests/autopolicy/test_auto_gpus.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import yaml
 from bench.tiny import write_tiny_config
 from engine.tiny import make_model, read_metrics, write_config, write_data
 from slidedp.cli import main
-from slidedp.plan.route_choice import ROUTES
+from slidedp.plan.predict import ROUTES
 
 pytestmark = pytest.mark.e2e  # every test here trains end to end
 

@@ -1,4 +1,4 @@
-"""``runtime.policy: auto`` on several GPUs of one host: the routes stage (``plan.route_choice``)
+"""``runtime.policy: auto`` on several GPUs of one host: the routes stage (``route_choice``)
 as a function of the probes' numbers, and ``resolve_auto`` for two GPUs from cached (here:
 written) probes, on this machine without a GPU. A resumed run keeps its routes; several nodes
 and a rank of another launcher are refused with one line."""
@@ -13,22 +13,17 @@ from typing import Any
 import pytest
 
 from host_profile.fake import cache_chunks, cache_rate
-from slidedp.bench.shapes import resolve_shape
+from slidedp.autopolicy import auto
+from slidedp.autopolicy.chunk_choice import chunk_skipped, probe_terms
+from slidedp.autopolicy.route_choice import candidate_routes, choose_route
 from slidedp.config import TrainConfig, config_from_dict
 from slidedp.errors import ConfigError
-from slidedp.estimate import Machine, update_threads
 from slidedp.io.checkpoint import STATE_FILE
 from slidedp.models.hf import HFAdapter
-from slidedp.plan import auto
-from slidedp.plan.chunk_choice import probe_terms
-from slidedp.plan.measure import layer_numel
-from slidedp.plan.route_choice import (
-    ROUTES,
-    Route,
-    candidate_routes,
-    choose_route,
-    route_steps,
-)
+from slidedp.models.shapes import resolve_shape
+from slidedp.plan.machine import Machine, update_threads
+from slidedp.plan.policy import layer_numel
+from slidedp.plan.predict import ROUTES, Rates, Route, route_steps
 from slidedp.plan.timing import Links, layer_times
 from slidedp.profile.cache import cache_file, write_report
 from slidedp.profile.links import links_facts
@@ -84,9 +79,9 @@ def _profile(adapter: HFAdapter) -> dict[str, Any]:
 def _steps(tmp_path: Path, links: dict[str, float], clipping: bool = False) -> dict[Any, float]:
     cfg = _cfg(tmp_path, clipping)
     adapter = HFAdapter.from_dir(cfg.model.path)
-    return route_steps(cfg, adapter, _machine(), list(ROUTES),
-                       links=Links(H2D, D2H, source="measured", **links), adamw_gbps=ADAMW,
-                       peak_flops=989e12, measured=layer_times(_profile(adapter)))  # fmt: skip
+    rates = Rates(989e12, ADAMW, links=Links(H2D, D2H, source="measured", **links),
+                  measured=layer_times(_profile(adapter)))  # fmt: skip
+    return route_steps(cfg, adapter, _machine(), list(ROUTES), rates)
 
 
 @pytest.mark.parametrize("clipping", [False, True])
@@ -261,7 +256,7 @@ def test_estimate_on_two_gpus_predicts_with_the_cached_links(
 ) -> None:
     """``slidedp estimate`` of a 2-GPU run takes the link and host probes where cached: the
     same rates auto predicts the routes with."""
-    from slidedp.estimate import estimate_run
+    from slidedp.estimate_report import estimate_run
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     cfg = _cfg(tmp_path)
@@ -285,10 +280,9 @@ def test_a_route_without_the_mirror_casts_at_the_probed_rate(tmp_path: Path) -> 
     routes = [DEFAULT, ("sharded", "gpu")]
 
     def steps(cast_gbps: float) -> dict[Any, float]:
-        return route_steps(cfg, adapter, _machine(), routes,
-                           links=Links(H2D, D2H, source="measured", **FAST), adamw_gbps=ADAMW,
-                           peak_flops=989e12, measured=layer_times(_profile(adapter)),
-                           cast_gbps=cast_gbps)  # fmt: skip
+        rates = Rates(989e12, ADAMW, cast_gbps, Links(H2D, D2H, source="measured", **FAST),
+                      layer_times(_profile(adapter)))  # fmt: skip
+        return route_steps(cfg, adapter, _machine(), routes, rates)
 
     fast, slow = steps(80.0), steps(2.0)
     sharded = slow[("sharded", "gpu")] - fast[("sharded", "gpu")]
@@ -307,7 +301,7 @@ def test_the_chunk_probe_takes_the_default_runs_mirror_whatever_the_policy(
     numel, threads, mirror = probe_terms(cfg, adapter, _machine())
     assert (numel, threads) == (layer_numel(adapter), update_threads(cfg, _machine()))
     assert mirror  # 1 TiB of RAM: it fits
-    assert auto.chunk_skipped(cfg.runtime, _machine()) is None
+    assert chunk_skipped(cfg.runtime, _machine()) is None
     rings = dataclasses.replace(cfg.runtime, grad_slots=8)
-    assert auto.chunk_skipped(rings, _machine()) == (
+    assert chunk_skipped(rings, _machine()) == (
         "the whole layer (the config sets runtime.grad_slots=8)")  # fmt: skip

@@ -24,6 +24,7 @@ import torch
 
 from slidedp import _native
 from slidedp.errors import ConfigError, InvalidArgumentError
+from slidedp.estimate_report import estimate_run
 from slidedp.plan.cost import (
     resident_bytes_per_layer,
     resident_embedding_bytes,
@@ -33,13 +34,14 @@ from slidedp.plan.cost import (
 from slidedp.plan.device import pick_dtype
 from slidedp.plan.layout import LayerPolicy, format_layout, parse_entry, place_by_kind
 from slidedp.plan.policy import resident_text
+from slidedp.plan.resolve import MIRROR_HEADROOM_BYTES, mirror_given
 from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM, D2H_GBPS, H2D_GBPS
 from slidedp.profile.pareto import layer_time, memory
 
 if TYPE_CHECKING:
     from slidedp.config import RuntimeSection, TrainConfig
-    from slidedp.estimate import Machine
     from slidedp.models.hf import HFAdapter
+    from slidedp.plan.machine import Machine
 
 # measured on the H100 (BENCHMARKS.md, issue #14): a clipped layout keeping 55 GiB of
 # activations reserved 6% more than the estimate (the allocator does not reuse every block
@@ -88,7 +90,7 @@ def profile_candidates(
     """The Pareto-efficient candidates of a ``slidedp profile layer`` report, plus ``F-r0``
     (the fixed default), of each kind of layer (its first layer's index, first), as the
     program's ``Candidate`` records (their ``kind`` set by ``select_layout``). ``times_s``:
-    layer times that replace the profile's (``plan.calibrate``'s, of one kind of layer)."""
+    layer times that replace the profile's (``autopolicy.calibrate``'s, of one kind of layer)."""
     kinds = sorted(int(k) for k in report.get("kinds") or {"0": 1})
     out: dict[tuple[int, LayerPolicy], dict[str, Any]] = {}
     for c in report["candidates"]:
@@ -136,7 +138,6 @@ def activation_budget(
     window, the chunked loss, the allocator's reserve, the CUDA context: ``estimate``'s terms
     for the same run), less ``HEADROOM``; and the parked gradients, which take the retained
     activations' place once the clipped backward has freed them."""
-    from slidedp.estimate import estimate_run
 
     probe = replace(machine, device="cuda", gpu_total_bytes=total_bytes)
     gpu = estimate_run(replace(cfg, runtime=all_f(cfg.runtime)), adapter, probe,
@@ -164,7 +165,6 @@ def offload_host_budget(
     B=16). ``mirror=False``: the budget without the mirror's room (where no layout fits beside
     it). None on CPU (activations are in host memory, in the device budget) or where
     MemAvailable is unknown."""
-    from slidedp.estimate import MIRROR_HEADROOM_BYTES, estimate_run, mirror_given
 
     available = machine.mem_available_bytes
     if machine.device != "cuda" or available is None:
@@ -297,9 +297,9 @@ def select_layout(
     with ``resident`` how many layers stay GPU-resident (their memory against the same budget,
     their update off the host lane), and with ``embeddings`` too whether the embedding and head
     do (``solve_residency``); the offloaded activations within ``offload_host_budget``.
-    ``budget_cut_bytes``: taken off the activations' budget (``plan.validate``'s feedback: what
+    ``budget_cut_bytes``: taken off the activations' budget (``validate``'s feedback: what
     a validated choice reserved beyond the device).
-    ``times_s``: calibrated layer times (``plan.calibrate``) in the profile's place."""
+    ``times_s``: calibrated layer times (``autopolicy.calibrate``) in the profile's place."""
     cands = profile_candidates(report, times_s)
     kinds = program_kinds(adapter, report, update_gbps)
     index = {k: i for i, k in enumerate(sorted({k for k, _, _ in cands}))}

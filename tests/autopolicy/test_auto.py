@@ -14,9 +14,8 @@ from engine.tiny import make_model, read_metrics, write_config, write_data
 from host_profile.fake import cache_rate
 from slidedp.cli import main
 from slidedp.config import load_config
-from slidedp.estimate import Machine, update_threads
-from slidedp.plan import auto
 from slidedp.plan.layout import parse_layout
+from slidedp.plan.machine import Machine, update_threads
 
 LAYERS = 3
 
@@ -155,19 +154,19 @@ def test_the_profile_is_keyed_by_the_runs_layer_compute(tmp_path: Path) -> None:
     """A run that compiles its layers is profiled compiled: its cached profile is another; so
     is a run of another world size."""
     from slidedp.config import load_config
-    from slidedp.profile.layer import _profiled
+    from slidedp.profile.layer import _profiled, profile_spec
 
     cfg = load_config(_config(tmp_path, "keyed"), [])
     eager, compiled = (
-        _profiled(auto.profile_args(cfg)),
-        _profiled(auto.profile_args(cfg, layer_compile=True)),
+        _profiled(profile_spec(cfg)),
+        _profiled(profile_spec(cfg, layer_compile=True)),
     )
     assert eager.facts["compute"] == {"kernels": "eager", "compile": ""}
     assert compiled.facts["compute"] == {"kernels": "eager", "compile": "inductor"}
     assert eager.cache != compiled.cache
     # the run's world size is in the key too (one rank's batch of another split is another run)
     assert eager.facts["world"] == 1
-    assert _profiled(auto.profile_args(cfg, world=2)).cache != eager.cache
+    assert _profiled(profile_spec(cfg, world=2)).cache != eager.cache
 
 
 @pytest.mark.e2e

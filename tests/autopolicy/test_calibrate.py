@@ -1,4 +1,4 @@
-"""AutoPolicy's calibration stage (``plan.calibrate``): the shortlisted candidates' layer times
+"""AutoPolicy's calibration stage (``calibrate``): the shortlisted candidates' layer times
 measured on a reduced model of the run, ``τ_j = τ_0 + (T_j - T_0) / k_j``, replace the
 profile's before the program is solved again; a trial out of memory keeps the profiled time;
 ``train`` says the stage in its own line and in the banner."""
@@ -12,18 +12,18 @@ from typing import Any
 
 import pytest
 
+from autopolicy.runs import BATCH, SEQ, on_a_gpu, profile_row, resolve, run_config, selection_stages
 from engine.tiny import read_metrics
 from host_profile.fake import cache_rate
-from plan.runs import BATCH, SEQ, on_a_gpu, profile_row, resolve, run_config, selection_stages
+from slidedp.autopolicy import auto, validate
+from slidedp.autopolicy.calibrate import SHORTLIST, calibrate_choice, shortlist
+from slidedp.autopolicy.select import DEFAULT, Choice, select_layout
+from slidedp.autopolicy.validate import Trial
 from slidedp.cli import main
 from slidedp.config import TrainConfig, load_config
-from slidedp.estimate import Machine, update_threads
 from slidedp.models.hf import HFAdapter
-from slidedp.plan import auto, validate
-from slidedp.plan.calibrate import SHORTLIST, calibrate_choice, shortlist
 from slidedp.plan.layout import LayerPolicy, parse_layout
-from slidedp.plan.select import DEFAULT, Choice, select_layout
-from slidedp.plan.validate import Trial
+from slidedp.plan.machine import Machine, update_threads
 
 MIB, GIB = 2**20, 2**30
 N_R0 = LayerPolicy("N")

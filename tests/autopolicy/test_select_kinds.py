@@ -17,15 +17,15 @@ from typing import Any
 import pytest
 import yaml
 
+from autopolicy.test_select import _row
 from engine.tiny import make_model, read_metrics, write_config, write_data
-from plan.test_select import _row
+from slidedp.autopolicy.select import activation_budget, select_layout
 from slidedp.cli import main
 from slidedp.config import load_config
 from slidedp.errors import ConfigError
-from slidedp.estimate import Machine
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.layout import parse_entry, parse_layout
-from slidedp.plan.select import activation_budget, select_layout
+from slidedp.plan.machine import Machine
 from slidedp.profile import layer as layer_profile
 
 MIB = 2**20

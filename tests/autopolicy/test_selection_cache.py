@@ -1,4 +1,4 @@
-"""``runtime.policy: auto``'s selection cache (``plan.selection_cache``): a second run of the same
+"""``runtime.policy: auto``'s selection cache (``selection_cache``): a second run of the same
 key takes the choice from the cache and runs no profile, probe, solve nor trial; a changed
 batch, sequence, clipping or model config selects again; a file that does not read is one line
 and rewritten; ``runtime.policy_force`` selects again; a refused run caches nothing."""
@@ -13,17 +13,19 @@ from typing import Any
 import pytest
 import yaml
 
+from autopolicy.runs import resolve
+from autopolicy.test_validate import ALL_F, CHOICE, GIB, FakeTrials, _config, _report
 from engine.tiny import read_metrics
 from host_profile.fake import cache_rate
-from plan.runs import resolve
-from plan.test_validate import ALL_F, CHOICE, GIB, FakeTrials, _config, _report
-from slidedp import estimate
+from slidedp.autopolicy import auto, select, selection_cache, validate
 from slidedp.cli import main
 from slidedp.config import TrainConfig, load_config
-from slidedp.estimate import Machine, update_threads
-from slidedp.plan import auto, select, selection_cache, validate
+from slidedp.models.hf import HFAdapter
+from slidedp.plan import machine
+from slidedp.plan.machine import Machine, update_threads
+from slidedp.plan.resolve import resolve_plan
 from slidedp.profile.cache import write_report
-from slidedp.profile.layer import _profiled, cached_profile
+from slidedp.profile.layer import _profiled, cached_profile, profile_spec
 
 
 def _profile_here(args: Any) -> dict[str, Any]:
@@ -58,7 +60,7 @@ def _no_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     def ran(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a cached selection measured or solved")
 
-    for module, name in [(auto, "profile_layer"), (estimate, "probe_host"),
+    for module, name in [(auto, "profile_layer"), (machine, "probe_host"),
                          (select, "select_layout"), (validate, "run_trial")]:  # fmt: skip
         monkeypatch.setattr(module, name, ran)
 
@@ -214,7 +216,7 @@ def test_auto_takes_the_choice_slidedp_plan_made_for_the_same_run(
 ) -> None:
     """A plan for this machine's GPU (its size faked here) from cached measurements is kept in
     the selection cache; ``auto`` of the same run then selects nothing."""
-    from slidedp.plan import command
+    from slidedp.autopolicy import command
 
     path, cache, trials = run
     probe = Machine.probe
@@ -253,13 +255,13 @@ def test_the_launchers_choice_on_several_ranks_is_cached_with_its_routes(
 ) -> None:
     """``runtime.ranks=2``: the launcher's choice, validated on the ranks, and the routes it
     keeps are cached; the next launch measures nothing (no child process) and runs no trial."""
-    from slidedp.plan import measure
+    from slidedp.autopolicy import measure
 
     path, cache, trials = run
     ranks = ["runtime.ranks=2", "runtime.device=cpu"]
 
     def measured_here(cfg: TrainConfig) -> float:  # the child's measurements, cached
-        _profile_here(auto.profile_args(cfg))
+        _profile_here(profile_spec(cfg))
         cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 1000.0)
         return 0.1
 
@@ -286,12 +288,12 @@ def test_the_launchers_choice_slower_on_the_ranks_leaves_the_default(
 ) -> None:
     """``runtime.ranks=2``: validated slower than the default on the ranks, the launcher's
     choice gives way to the default, on the config's routes."""
-    from slidedp.plan import measure
+    from slidedp.autopolicy import measure
 
     path, _, _ = run
 
     def measured_here(cfg: TrainConfig) -> float:
-        _profile_here(auto.profile_args(cfg))
+        _profile_here(profile_spec(cfg))
         return 0.1
 
     monkeypatch.setattr(measure, "measure_in_child", measured_here)
@@ -303,3 +305,28 @@ def test_the_launchers_choice_slower_on_the_ranks_leaves_the_default(
     assert (rt.layers, rt.param_route, rt.grad_route) == (ALL_F, "replicated", "gpu")
     assert "; routes replicated/gpu, the config's (validated); " in line
     assert "did not run faster in validation" in line
+
+
+def test_plan_and_auto_resolve_the_same_plan(
+    run: tuple[Path, Path, FakeTrials], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`slidedp plan`'s policy file and ``runtime.policy: auto`` selecting afresh from the same
+    measurements (``policy_force``: not from the plan's cache entry) give one ``Plan``."""
+    from slidedp.autopolicy import command
+
+    path, _, _ = run
+    probe = Machine.probe
+
+    def with_gpu(cfg: TrainConfig, *args: Any, **kwargs: Any) -> Machine:
+        return dataclasses.replace(probe(cfg, *args, **kwargs), gpu_total_bytes=80 * GIB)
+
+    monkeypatch.setattr(Machine, "probe", with_gpu)
+    monkeypatch.setattr(command, "profile_layer", _profile_here)
+    policy = tmp_path / "policy.yaml"
+    assert main(["plan", str(path), "--out", str(policy)]) == 0
+    chosen, _ = resolve(path, "runtime.policy_force=true")
+    from_file = load_config(path, [f"runtime.policy={policy}"])
+    adapter = HFAdapter.from_dir(chosen.model.path)
+    on = Machine.probe(chosen, measure=False)
+    assert chosen.runtime.layers == CHOICE  # the program's pick, validated faster
+    assert resolve_plan(chosen, adapter, on) == resolve_plan(from_file, adapter, on)

@@ -8,7 +8,7 @@ streams them (loads, gradients back, their AdamW). The whole layer (``chunk_elem
 fixed default) is kept unless a chunk is ``MIN_GAIN`` faster: the probe's own noise must not
 move the run off the default. A chosen chunk cuts the ring's layers: ``grad_slots`` whole
 layers of the config in chunks, rounded up (``profile.chunks.ring_slots``). It runs only where
-validation (``plan.validate``) ran it, with the layout, faster than the default's whole layers
+validation (``autopolicy.validate``) ran it, with the layout, faster than the default's whole layers
 (repeated probes differed by up to ~10% on the H100), and only where the chosen run loads as
 the probe did (with or without the mirror: ``with_chunk``).
 
@@ -27,12 +27,16 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from slidedp.autopolicy.validate import default_config
+from slidedp.plan.machine import update_threads
+from slidedp.plan.policy import layer_numel
+from slidedp.plan.resolve import resolve_mirror
 from slidedp.profile.chunks import BF16_BYTES, ring_slots
 
 if TYPE_CHECKING:
-    from slidedp.config import TrainConfig
-    from slidedp.estimate import Machine
+    from slidedp.config import RuntimeSection, TrainConfig
     from slidedp.models.hf import HFAdapter
+    from slidedp.plan.machine import Machine
 
 MIN_GAIN = 0.10  # the H100's probe read one candidate 3% faster, then 4% slower, a chunk 5.8%
 # faster in one run and the whole layer fastest in the next (BENCHMARKS.md, issue #16)
@@ -85,7 +89,6 @@ def with_chunk(
     """``cfg`` with ``chunk``'s chunk and gradient ring; unchanged for None, the whole layer,
     or a run that loads otherwise than the probe did (an offloading layout can take the
     mirror's host memory, a sharded route drop the mirror's rule)."""
-    from slidedp.estimate import resolve_mirror
 
     if chunk is None or chunk.is_default or resolve_mirror(cfg, adapter, machine) != chunk.mirror:
         return cfg
@@ -98,9 +101,17 @@ def probe_terms(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> tuple
     """The chunk probe's layer size, update threads and mirror for ``cfg`` on ``machine``: the
     mirror of the fixed default (``runtime.policy`` cleared: the probe runs before anything is
     chosen), as the launcher's child, the stage and the selection cache's key all take it."""
-    from slidedp.estimate import resolve_mirror, update_threads
-    from slidedp.plan.measure import layer_numel
-    from slidedp.plan.validate import default_config
 
     mirror = resolve_mirror(default_config(cfg), adapter, machine)
     return layer_numel(adapter), update_threads(cfg, machine), mirror
+
+
+def chunk_skipped(rt: RuntimeSection, machine: Machine) -> str | None:
+    """Why the chunk stage keeps the config's chunk (None: it chooses one)."""
+    if machine.device != "cuda":
+        return "the config's (on CPU no copy to cut)"
+    if rt.chunk_elems:
+        return f"{rt.chunk_elems:,} elements, the config's"
+    if rt.grad_slots != type(rt)().grad_slots:  # the ring a chunk cuts is the default's
+        return f"the whole layer (the config sets runtime.grad_slots={rt.grad_slots})"
+    return None

@@ -11,10 +11,10 @@ import pytest
 
 from engine.tiny import make_model, write_config, write_data
 from host_profile.fake import cache_rate
+from slidedp.autopolicy import auto
 from slidedp.config import TrainConfig, load_config
-from slidedp.estimate import Machine, update_threads
 from slidedp.models.hf import HFAdapter
-from slidedp.plan import auto
+from slidedp.plan.machine import Machine, update_threads
 
 MIB = 2**20
 BATCH, SEQ = 4, 32

@@ -1,4 +1,4 @@
-"""AutoPolicy's chunk stage (``plan.chunk_choice``): the whole layer unless the probe measured a
+"""AutoPolicy's chunk stage (``chunk_choice``): the whole layer unless the probe measured a
 chunk ``MIN_GAIN`` faster, the ring kept at its bytes; in ``runtime.policy: auto`` the chunk runs
 with the layout, is validated against the default's whole layers, is kept in the selection cache
 and by a resumed run."""
@@ -13,15 +13,15 @@ from typing import Any
 import pytest
 import yaml
 
-from plan.runs import run_config
-from plan.test_validate import ALL_F, CHOICE, FakeTrials, _resolve, start_auto
+from autopolicy.runs import run_config
+from autopolicy.test_validate import ALL_F, CHOICE, FakeTrials, _resolve, start_auto
+from slidedp.autopolicy import auto, selection_cache, validate
+from slidedp.autopolicy.chunk_choice import MIN_GAIN, ChunkChoice, choose_chunk, with_chunk
+from slidedp.autopolicy.selection_cache import Selection, read_selection, write_selection
 from slidedp.config import TrainConfig, load_config
-from slidedp.estimate import Machine
 from slidedp.io.checkpoint import STATE_FILE
 from slidedp.models.hf import HFAdapter
-from slidedp.plan import auto, validate
-from slidedp.plan.chunk_choice import MIN_GAIN, ChunkChoice, choose_chunk, with_chunk
-from slidedp.plan.selection_cache import Selection, read_selection, write_selection
+from slidedp.plan.machine import Machine
 
 NUMEL = 3 << 20
 MIB_1 = 1 << 19  # elements of 1 MiB of BF16
@@ -116,14 +116,14 @@ def test_a_cached_selection_brings_its_chunk(auto_run: tuple[Path, TrainConfig])
     write_selection(facts, Selection(CHOICE, 0, None, line, 1.0, chunk_elems=MIB_1, grad_slots=24))
     hit = read_selection(facts, layers=4, routes=[], say=print)
     assert hit is not None
-    chosen, said = auto._from_cache(cfg, *hit)
+    chosen, said = selection_cache.from_cache(cfg, *hit)
     assert (chosen.runtime.chunk_elems, chosen.runtime.grad_slots) == (MIB_1, 24)
     assert said.startswith(line)
     whole = Selection(CHOICE, 0, None, line, 1.0, grad_slots=4)
     write_selection(facts, whole)
     hit = read_selection(facts, layers=4, routes=[], say=print)
     assert hit is not None
-    assert auto._from_cache(cfg, *hit)[0].runtime.chunk_elems == 0
+    assert selection_cache.from_cache(cfg, *hit)[0].runtime.chunk_elems == 0
 
 
 def test_a_layout_kept_as_the_default_is_still_validated_for_its_chunk(
@@ -142,7 +142,7 @@ def test_a_layout_kept_as_the_default_is_still_validated_for_its_chunk(
 
 
 def _all_f_report() -> dict[str, Any]:
-    from plan.runs import BATCH, SEQ, profile_row
+    from autopolicy.runs import BATCH, SEQ, profile_row
 
     return {"batch": BATCH, "seq_len": SEQ, "candidates": [profile_row("F-r0", 30.0, 1.0)],
             "cached": None}  # fmt: skip
@@ -189,9 +189,9 @@ def test_plan_writes_a_chunk_only_where_validation_ran_it_faster(
     """``slidedp plan`` on this machine's GPU (faked): a chunk-only choice (the program keeps
     all F) is validated, and its policy file carries the chunk and its ring only when it ran
     faster; for another GPU (--gpu-memory) the chunk stage does not run."""
-    from plan.runs import on_a_gpu
+    from autopolicy.runs import on_a_gpu
+    from slidedp.autopolicy import command
     from slidedp.cli import main
-    from slidedp.plan import command
 
     path = run_config(tmp_path, 4, {"policy_calibrate_steps": 0})
     on_a_gpu(path, monkeypatch, tmp_path / "cache")

@@ -1,4 +1,4 @@
-"""AutoPolicy's validation stage (``plan.validate``): the solver's choice trains only when it
+"""AutoPolicy's validation stage (``autopolicy.validate``): the solver's choice trains only when it
 ran faster than the fixed default; a choice that runs out of memory is solved again with a
 smaller budget, at most ``RESOLVES`` times; a trial is the engine itself and writes nothing
 into the run's output directory; ``slidedp plan`` and ``train`` report the selection time and
@@ -18,17 +18,17 @@ from typing import Any
 import pytest
 import yaml
 
+from autopolicy.runs import BATCH, SEQ, on_a_gpu, profile_row, run_config, selection_stages
 from engine.tiny import read_metrics
 from host_profile.fake import cache_rate
-from plan.runs import BATCH, SEQ, on_a_gpu, profile_row, run_config, selection_stages
+from slidedp.autopolicy import auto, validate
+from slidedp.autopolicy.select import Choice, select_layout
+from slidedp.autopolicy.validate import RESOLVES, Trial, default_config, validate_choice
 from slidedp.cli import main
 from slidedp.config import TrainConfig, load_config
 from slidedp.errors import ConfigError
-from slidedp.estimate import Machine, update_threads
 from slidedp.models.hf import HFAdapter
-from slidedp.plan import auto, validate
-from slidedp.plan.select import Choice, select_layout
-from slidedp.plan.validate import RESOLVES, Trial, default_config, validate_choice
+from slidedp.plan.machine import Machine, update_threads
 
 MIB, GIB = 2**20, 2**30
 LAYERS = 4
@@ -187,7 +187,7 @@ def test_a_re_solved_choice_that_fits_and_runs_faster_trains(tmp_path: Path) -> 
     cfg = load_config(_config(tmp_path), [])
     adapter = HFAdapter.from_dir(cfg.model.path)
     machine = Machine.probe(cfg, measure=False)
-    from slidedp.plan.select import HEADROOM, activation_budget
+    from slidedp.autopolicy.select import HEADROOM, activation_budget
 
     at_80 = activation_budget(cfg, adapter, machine, 80 * GIB).bytes
     fixed = 80 * GIB - at_80 / (1 - HEADROOM)
@@ -288,7 +288,7 @@ def test_a_trial_on_two_ranks_starts_them_and_takes_rank_0s_step(
 
     def ended(code: int, said: bytes, printed: bytes = b"") -> Callable[..., int]:
         def launch(world: int, argv: list[str], **kwargs: Any) -> int:
-            assert (world, kwargs["module"]) == (2, "slidedp.plan.validate")
+            assert (world, kwargs["module"]) == (2, "slidedp.autopolicy.validate")
             kwargs["stdout"].write(printed)
             kwargs["stderr"].write(said)
             return code

@@ -179,7 +179,7 @@ SHAPES: dict[str, dict[str, Any]] = {
 
 def resolve_shape(shape: str) -> PretrainedConfig:
     """A name of ``SHAPES``, or the path of an HF ``config.json`` (or of its directory)."""
-    from transformers import AutoConfig  # here: the CLI imports SHAPES for --help
+    from transformers import AutoConfig  # noqa: PLC0415  the CLI imports SHAPES for --help
 
     if shape in SHAPES:
         values = dict(SHAPES[shape])

@@ -10,10 +10,10 @@ per rank, sequence, dtype, clipping, world size, the GPU and its memory, the pro
 selected afresh; a file that does not read is said in one line and rewritten by the new
 selection. ``runtime.policy_force: true`` selects again (and caches the new choice).
 
-The host's free memory (the offloaded activations' budget, ``plan.select.offload_host_budget``)
+The host's free memory (the offloaded activations' budget, ``select.offload_host_budget``)
 is not in the key either: it too changes from run to run. A cached choice is not solved again
 for it: where the host has less to spare than when it was chosen, the run may go without the
-BF16 mirror (``estimate.resolve_mirror``), or is refused by the estimate where it does not fit.
+BF16 mirror (``plan.resolve.resolve_mirror``), or is refused by the estimate where it does not fit.
 
 The free memory of a CPU run (its activations' budget) is not in the key: it changes from run to
 run; the estimate that checks every run (``preflight.check_memory``) checks a cached choice too.
@@ -37,13 +37,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from slidedp.autopolicy.chunk_choice import chunk_skipped, probe_terms
+from slidedp.autopolicy.clock import Clock
 from slidedp.errors import ConfigError
 from slidedp.plan.layout import parse_layout
-from slidedp.plan.route_choice import Route
+from slidedp.plan.machine import Machine, update_threads
+from slidedp.plan.policy import layer_numel
+from slidedp.plan.predict import Route
 from slidedp.profile.cache import cache_file, cache_key, read_report, write_report
+from slidedp.profile.chunks import cached_chunks
+from slidedp.profile.host import cached_host
+from slidedp.profile.layer import ProfileSpec, cached_profile, profile_spec
+from slidedp.profile.links import cached_links
 
 if TYPE_CHECKING:
+    from slidedp.autopolicy.validate import Validation
     from slidedp.config import TrainConfig
+    from slidedp.models.hf import HFAdapter
 
 KIND = "selection"
 # what the program counts, by revision: a selection cached before a change to it (2: the host
@@ -114,7 +124,7 @@ class Selection:
     line: str  # the banner line the selection printed
     selection_s: float
     timing_s: dict[str, float] = dataclasses.field(default_factory=dict)  # by stage
-    validation: dict[str, Any] | None = None  # plan.validate's trials (None: not validated)
+    validation: dict[str, Any] | None = None  # autopolicy.validate's trials (None: not validated)
     break_even_steps: int | None = None
     selected_at: str = ""  # UTC, as written
     resident_embeddings: bool = False
@@ -189,3 +199,93 @@ def write_selection(facts: dict[str, Any], selection: Selection) -> Path:
     fields = dataclasses.asdict(dataclasses.replace(selection, selected_at=stamp))
     write_report(path, {"facts": facts} | fields)
     return path
+
+
+@dataclass(frozen=True)
+class KeyTerms:
+    """What a selection's key covers beside the run: whether layers may be GPU-resident, the
+    routes it chose among, and the layer profile it rests on (None: the run's own)."""
+
+    resident: bool
+    routes: list[Route]
+    profile: ProfileSpec | None = None
+
+
+def selection_key(
+    cfg: TrainConfig,
+    adapter: HFAdapter,
+    machine: Machine,
+    terms: KeyTerms,
+) -> dict[str, Any] | None:
+    """The selection cache's key for ``cfg`` from the cached measurements (None: the layer
+    profile of ``terms.profile``, default ``profile_spec(cfg)``, or the host probe is not
+    cached, so a selection measures)."""
+    routes = terms.routes
+    report = cached_profile(terms.profile or profile_spec(cfg))
+    gpu = machine.gpu_name if machine.device == "cuda" else None
+    threads = update_threads(cfg, machine)
+    host = cached_host(threads, gpu)
+    if report is None or host is None:
+        return None
+    links = chunks = None
+    if routes and gpu is not None:
+        links = cached_links(cfg.runtime.world, gpu, layer_numel(adapter))
+    if gpu is not None and chunk_skipped(cfg.runtime, machine) is None:  # the stage chooses
+        numel, _, mirror = probe_terms(cfg, adapter, machine)
+        chunks = cached_chunks(threads, gpu, numel, mirror)
+        if chunks is None:
+            return None
+    return selection_facts(cfg, profile=report, host=host, links=links, chunks=chunks,
+                           resident=terms.resident, gpu_total_bytes=machine.gpu_total_bytes,
+                           routes=routes)  # fmt: skip
+
+
+def from_cache(cfg: TrainConfig, found: Selection, path: Path) -> tuple[TrainConfig, str]:
+    """``cfg`` with the cached selection ``found`` (read from ``path``) and its banner line."""
+    keys: dict[str, Any] = {
+        "layers": found.layers,
+        "resident_layers": found.resident_layers,
+        "resident_embeddings": found.resident_embeddings,
+    }
+    if found.route is not None:
+        keys |= {"param_route": found.route[0], "grad_route": found.route[1]}
+    if found.chunk_elems:
+        keys |= {"chunk_elems": found.chunk_elems, "grad_slots": found.grad_slots}
+    return dataclasses.replace(
+        cfg, runtime=dataclasses.replace(cfg.runtime, **keys)
+    ), found.hit_line(path)
+
+
+def store_selection(
+    cfg: TrainConfig,
+    chosen: TrainConfig,
+    adapter: HFAdapter,
+    machine: Machine,
+    line: str,
+    clock: Clock,
+    validation: Validation | None,
+    terms: KeyTerms,
+) -> None:
+    """``chosen`` cached under ``cfg``'s key, of the measurements it rests on (as cached now);
+    a cache that cannot be written is said in one line, and the run goes on."""
+    facts = selection_key(cfg, adapter, machine, terms)
+    if facts is None:  # a measurement not in the cache (a profile given by hand): no key
+        return
+    rt = chosen.runtime
+    found = Selection(
+        rt.layers,
+        rt.resident_layers,
+        (rt.param_route, rt.grad_route) if terms.routes else None,
+        line,
+        clock.total_s,
+        dict(clock.seconds),
+        None if validation is None else validation.summary(),
+        None if validation is None else validation.break_even_steps(clock.total_s),
+        resident_embeddings=rt.resident_embeddings,
+        chunk_elems=rt.chunk_elems,
+        grad_slots=rt.grad_slots,
+    )
+    try:
+        write_selection(facts, found)
+    except OSError as e:
+        print(f"policy   auto: the selection is not cached ({e})", flush=True)

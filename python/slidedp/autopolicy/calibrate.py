@@ -13,7 +13,7 @@ before the candidates and again after them, and is their mean: a candidate moves
 profiled time only where ``|T_j - T_0|`` exceeds the two defaults' spread (on the H100 a
 Qwen3-4B reduced step read 0.436 s in one plan and 0.394 s in the next, 21 ms a replaced layer
 against candidates a few ms apart: such a τ_j is noise). A candidate whose trial runs out of
-memory keeps its profiled time. Trials go through ``plan.validate``'s runners (in this process
+memory keeps its profiled time. Trials go through ``autopolicy.validate``'s runners (in this process
 on CPU, a child process on CUDA); only models of one kind of layer are calibrated.
 
 Example::
@@ -31,12 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from slidedp.autopolicy.select import DEFAULT
+from slidedp.autopolicy.validate import Runner, default_config
+from slidedp.models.shapes import cut_layers, resolve_shape
 from slidedp.plan.layout import LayerPolicy, format_layout, parse_entry, place
-from slidedp.plan.validate import Runner, default_config
 
 if TYPE_CHECKING:
+    from slidedp.autopolicy.select import Choice
     from slidedp.config import TrainConfig
-    from slidedp.plan.select import Choice
 
 SHORTLIST = 3  # candidates calibrated at most (each costs a trial)
 REDUCED_LAYERS = 4  # the reduced model's decoder layers (K), at most the model's own
@@ -59,7 +61,6 @@ def _policy(candidate: dict[str, Any]) -> LayerPolicy:
 def shortlist(choice: Choice) -> list[LayerPolicy]:
     """The candidates the solver's solution uses, the default left out, most layers first,
     ``SHORTLIST`` at most."""
-    from slidedp.plan.select import DEFAULT
 
     counts = zip(choice.problem["candidates"], choice.solution["counts"], strict=True)
     used = sorted(((int(n), _policy(c)) for c, n in counts if int(n) > 0),
@@ -82,7 +83,6 @@ def reduced_model(model_dir: Path, layers: int, out: Path) -> Path:
     """``out``: the model of ``model_dir`` cut to its first ``layers`` decoder layers (the
     bench's ``cut_layers``; of a multimodal model, its text model), without weights (the
     trainer initialises them from the config), its other files (the tokenizer) linked."""
-    from slidedp.bench.shapes import cut_layers, resolve_shape
 
     config = resolve_shape(str(model_dir))
     cut_layers(config.get_text_config(), layers)  # the text config is config's own object
@@ -166,7 +166,6 @@ def clause(found: dict[str, Any]) -> str:
 def _trial_layout(policy: LayerPolicy, replaced: int, layers: int, choice: Choice) -> str:
     """``replaced`` layers on ``policy``, the rest on the default, placed as the run places
     them (``plan.layout.place``)."""
-    from slidedp.plan.select import DEFAULT
 
     retained = {_policy(c): int(c["retained_bytes"]) for c in choice.problem["candidates"]}
     counts = [(policy, replaced), (DEFAULT, layers - replaced)]
@@ -186,7 +185,6 @@ def calibrate_choice(
 ) -> Calibration:
     """The shortlisted candidates of ``choice`` (solved with the profiled times of ``cfg``'s
     run) calibrated by ``runner`` on the reduced model, ``steps`` steps each trial."""
-    from slidedp.plan.select import DEFAULT
 
     layers = min(REDUCED_LAYERS, int(choice.problem["layers"]))
     replaced = max(1, layers // 2)

@@ -1,19 +1,11 @@
-"""The measurements ``runtime.policy: auto`` takes on several ranks, in a child process of the
-launcher: the layer profile (``profile.layer``, one rank's rows on the first device), the host
-AdamW rate with the copies under it (``profile.host``) and, on several GPUs, the chunk probe
-(``profile.chunks``, one rank's stream on the first device) and the layer-sized ``reduce``
-and ``all_gather`` between them (``profile.links``). Each lands in the measurement
-cache; the launcher then chooses from the cache (``plan.auto``), once for every rank, and
-passes the choice to the ranks it starts. So the launcher itself never allocates on the GPUs
-its ranks train on (it only reads their properties), nor keeps the probe's pinned store.
+"""The measurements ``runtime.policy: auto`` takes for several ranks, in a child process of
+the launcher: the layer profile, the host AdamW probe and, on GPUs, the chunk probe and the
+links between the GPUs (``profile.*``), each into its cache. The launcher then chooses from the
+caches (``autopolicy.auto``) once for every rank, and never allocates on their GPUs itself.
 
-Run by ``plan.auto`` (not by hand)::
-
-    python -m slidedp.plan.measure RESOLVED_CONFIG.yaml
-
-Exit code 0 when the layer profile and the host probe are cached (a link probe that fails is
-one warning line on stderr, and the routes stay the config's); 2 with one line on stderr for
-a ``SlidedpError``; 1 for any other exception, its traceback then its own line last.
+Run by ``autopolicy.auto`` (not by hand): ``python -m slidedp.autopolicy.measure CONFIG.yaml``.
+Exit 0 when the layer profile and host probe are cached (a failed link probe is one warning
+and the config's routes run); 2 with one line for a ``SlidedpError``; 1 otherwise.
 
 Example::
 
@@ -30,36 +22,30 @@ import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
+from slidedp.autopolicy.chunk_choice import chunk_skipped, probe_terms
+from slidedp.config import load_config, resolved_yaml
 from slidedp.errors import ConfigError, SlidedpError, exception_line
+from slidedp.models.hf import HFAdapter
+from slidedp.plan.machine import Machine, host_rate, update_threads
+from slidedp.plan.policy import layer_numel
+from slidedp.profile.chunks import probe_chunks
+from slidedp.profile.layer import profile_layer, profile_spec
+from slidedp.profile.links import probe_links
 
 if TYPE_CHECKING:
     from slidedp.config import TrainConfig
-    from slidedp.models.hf import HFAdapter
 
 EXIT_BAD_INPUT = 2
 TIMEOUT_S = 1800.0  # a first torch.compile'd profile of a large layer takes minutes
 
 
-def layer_numel(adapter: HFAdapter) -> int:
-    """Parameters of the largest decoder layer: the size of the routes' collectives."""
-    specs = adapter.group_specs()
-    return max(specs[adapter.layer_group(i)].numel for i in range(adapter.num_layers))
-
-
 def measure(cfg: TrainConfig) -> None:
-    """Every measurement ``plan.auto`` takes for ``cfg``, cached (measured where missing)."""
-    import torch
-
-    from slidedp.estimate import Machine, host_rate, update_threads
-    from slidedp.models.hf import HFAdapter
-    from slidedp.plan.auto import chunk_skipped, profile_args
-    from slidedp.plan.chunk_choice import probe_terms
-    from slidedp.profile.chunks import probe_chunks
-    from slidedp.profile.layer import profile_layer
-    from slidedp.profile.links import probe_links
+    """Every measurement ``autopolicy.auto`` takes for ``cfg``, cached (measured where missing)."""
 
     machine = Machine.probe(cfg, measure=False)
-    profile_layer(profile_args(cfg))
+    profile_layer(profile_spec(cfg))
     threads = update_threads(cfg, machine)
     host_rate(threads, machine, measure=True)
     world = cfg.runtime.world
@@ -82,7 +68,6 @@ def measure(cfg: TrainConfig) -> None:
 def measure_in_child(cfg: TrainConfig) -> float:
     """``measure(cfg)`` in a child process (the environment inherited: NCCL's settings too);
     its seconds. Its stderr is passed on; a failure is one ``ConfigError`` with its last line."""
-    from slidedp.config import resolved_yaml
 
     start = time.perf_counter()
     links = ", the chunks, the links between the GPUs" if cfg.runtime.gpus > 1 else ""
@@ -91,7 +76,7 @@ def measure_in_child(cfg: TrainConfig) -> float:
     with tempfile.TemporaryDirectory(prefix="slidedp-auto-") as tmp:
         path = Path(tmp) / "config.yaml"
         path.write_text(resolved_yaml(cfg))
-        command = [sys.executable, "-m", "slidedp.plan.measure", str(path)]
+        command = [sys.executable, "-m", "slidedp.autopolicy.measure", str(path)]
         try:
             done = subprocess.run(command, stderr=subprocess.PIPE, text=True, timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -108,7 +93,6 @@ def measure_in_child(cfg: TrainConfig) -> float:
 
 
 def main(argv: list[str]) -> int:
-    from slidedp.config import load_config
 
     (config,) = argv
     try:

@@ -1,0 +1,87 @@
+"""The routes stage of ``runtime.policy: auto`` on several GPUs of one host: which parameter
+route (``replicated``: the whole layer to every rank; ``sharded``: 1/R each and an all-gather)
+and which gradient route (``gpu``: reduced on the devices; ``cpu``: summed on the host) a run
+takes. Each candidate is the run with the chosen layout on that route, predicted by
+``plan.predict.route_steps`` (routes the machine cannot hold or the launch refuses are left
+out); the config's route is kept unless another is predicted ``select.MIN_GAIN`` faster, as the
+layout stage keeps the all-F default. The chunk is the chunk stage's, chosen before.
+
+Example::
+
+    steps = route_steps(cfg, adapter, machine, list(ROUTES), rates)
+    choice = choose_route(steps, default=("replicated", "gpu"))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from slidedp.autopolicy.select import MIN_GAIN
+from slidedp.errors import ConfigError
+from slidedp.plan.predict import ROUTES, Route, route_name
+
+if TYPE_CHECKING:
+    from slidedp.config import TrainConfig
+
+
+@dataclass(frozen=True)
+class RouteChoice:
+    route: Route  # the chosen (param_route, grad_route)
+    step_s: dict[Route, float]  # the predicted step of every candidate route, seconds
+    default: Route  # the config's route, kept unless another is MIN_GAIN faster
+    kept_default: bool  # another route was predicted faster, but not by MIN_GAIN
+
+    @property
+    def gain(self) -> float:
+        """The chosen route's predicted speed over the config's."""
+        return self.step_s[self.default] / self.step_s[self.route]
+
+    def describe(self) -> str:
+        """``replicated/gpu (predicted 0.812 s; sharded/gpu 0.815, replicated/cpu 1.113, ...)``."""
+        others = ", ".join(
+            f"{route_name(r)} {s:.3f}" for r, s in sorted(self.step_s.items(), key=lambda x: x[1])
+            if r != self.route
+        )  # fmt: skip
+        why = ""
+        if self.kept_default:
+            best = min(self.step_s, key=lambda r: self.step_s[r])
+            why = f"; kept: {route_name(best)} is not {MIN_GAIN:.0%} faster"
+        elif self.route != self.default:
+            why = f"; {self.gain:.2f}x the config's {route_name(self.default)}"
+        return (
+            f"{route_name(self.route)} (predicted {self.step_s[self.route]:.3f} s"
+            + (f"; {others}" if others else "")
+            + f"{why})"
+        )
+
+
+def candidate_routes(cfg: TrainConfig, fixed: bool | None) -> list[Route]:
+    """The routes auto may take: only the config's with ``fixed``; with None, every route
+    whose keys the config leaves at their defaults (a key that differs from the dataclass
+    default is the user's: a route set to its default value cannot be told from an unset
+    one, and auto may then change it)."""
+    rt = cfg.runtime
+    config_route = (rt.param_route, rt.grad_route)
+    if fixed:
+        return [config_route]
+    defaults = type(rt)()
+    param_free = fixed is False or rt.param_route == defaults.param_route
+    grad_free = fixed is False or rt.grad_route == defaults.grad_route
+    return [
+        (p, g)
+        for p, g in ROUTES
+        if (param_free or p == rt.param_route) and (grad_free or g == rt.grad_route)
+    ]
+
+
+def choose_route(steps: dict[Route, float], default: Route) -> RouteChoice:
+    """The fastest of ``steps``, unless ``default`` (among them) is within ``MIN_GAIN`` of it."""
+    if not steps:
+        raise ConfigError("runtime.policy=auto: no route fits this machine (slidedp estimate)")
+    best = min(steps, key=lambda r: steps[r])
+    if default not in steps:  # the config's route does not fit: the fastest that does
+        return RouteChoice(best, steps, best, kept_default=False)
+    if steps[default] < (1 + MIN_GAIN) * steps[best]:
+        return RouteChoice(default, steps, default, kept_default=best != default)
+    return RouteChoice(best, steps, default, kept_default=False)

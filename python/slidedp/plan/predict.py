@@ -1,0 +1,153 @@
+"""One step's time, predicted: ``predict(plan, adapter, shape, rates)`` runs the step-time model
+(``plan.timing``, the Rust operation graph) for a ``Plan`` at one rank's batch and sequence.
+
+``rates_for`` gathers what the machine measured and cached (the GPU's peak from
+``plan.machine.gpu_peak``, the layer profile, the host AdamW rate, the links between GPUs);
+``route_steps`` predicts one layout on each parameter/gradient route of several GPUs. The
+estimate's report, ``slidedp plan`` and ``runtime.policy: auto`` all predict through here.
+
+Invariant: reads caches only; nothing is measured here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from slidedp.config import TrainConfig
+from slidedp.errors import ConfigError
+from slidedp.estimate import estimate_memory, shortages
+from slidedp.models.hf import HFAdapter
+from slidedp.plan.cost import layer_footprint
+from slidedp.plan.machine import HostRate, Machine, gpu_peak
+from slidedp.plan.policy import Plan, layer_numel
+from slidedp.plan.resolve import resolve_plan
+from slidedp.plan.timing import CAST_GBPS, Links, Ranks, layer_times, predict_step, spec_from_shapes
+from slidedp.profile.layer import cached_profile, profile_spec
+from slidedp.profile.links import cached_links
+from slidedp.runtime.dist import check_config
+
+ParamRoute = Literal["replicated", "sharded"]
+GradRoute = Literal["gpu", "cpu"]
+Route = tuple[ParamRoute, GradRoute]  # as `bench train --routes` writes them: PARAM/GRAD
+ROUTES: tuple[Route, ...] = (
+    ("replicated", "gpu"),
+    ("replicated", "cpu"),
+    ("sharded", "gpu"),
+    ("sharded", "cpu"),
+)
+
+
+def route_name(route: Route) -> str:
+    return f"{route[0]}/{route[1]}"
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One rank's share of a step: rows of ``seq_len`` tokens, ``world`` ranks of this host."""
+
+    rows: int
+    seq_len: int
+    world: int = 1
+
+    @classmethod
+    def of_run(cls, cfg: TrainConfig) -> Shape:
+        rt = cfg.runtime
+        return cls(cfg.train.global_batch_size // rt.world, cfg.data.seq_len, rt.world)
+
+
+@dataclass(frozen=True)
+class Rates:
+    """The rates a prediction takes: the GPU's peak, host AdamW (and the cast on delivery
+    under DMA), the links between GPUs, the layer profile's times by layer policy."""
+
+    peak_flops: float
+    adamw_gbps: float
+    cast_gbps: float | None = None
+    links: Links = dataclasses.field(default_factory=Links)
+    measured: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    calibration: tuple[str, ...] = ()  # what of these was measured, for the report's line
+
+
+def links_for(world: int, adapter: HFAdapter, machine: Machine) -> Links | None:
+    """The layer-sized reduce and all-gather between ``world`` GPUs where ``profile.links``
+    cached them; None where they are not measured (the copies stay at ``plan.timing``'s PCIe
+    ceilings either way: the host probe's joint copy rates are paced by its AdamW passes)."""
+    if world <= 1 or machine.gpu_name is None:
+        return None
+    probe = cached_links(world, machine.gpu_name, layer_numel(adapter))
+    if probe is None:
+        return None
+    return Links(reduce_gbps=float(probe["reduce_gbps"]), gather_gbps=float(probe["gather_gbps"]),
+                 source="measured")  # fmt: skip
+
+
+def rates_for(
+    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, host: HostRate
+) -> Rates | None:
+    """The rates of ``cfg`` on ``machine`` from the caches (None off CUDA or for a GPU without
+    a peak on record): the run's layer profile where cached, ``host``'s AdamW rate."""
+    peak, _ = gpu_peak(machine.gpu_name)
+    if machine.device != "cuda" or peak is None:
+        return None
+    report = cached_profile(profile_spec(cfg))
+    measured = layer_times(report) if report else {}
+    links = links_for(cfg.runtime.world, adapter, machine)
+    said = [f"host AdamW {host.source}"] if host.source.startswith("measured") else []
+    if links is not None:
+        said.append("reduce and all_gather between the GPUs (cached)")
+    return Rates(peak, host.gbps, host.cast_gbps, links or Links(), measured, tuple(said))
+
+
+def predict(plan: Plan, adapter: HFAdapter, shape: Shape, rates: Rates) -> dict[str, Any]:
+    """The step-time model's prediction of ``plan`` (``predict_step``: ``step_s``, ``busy_s``
+    and ``exposed_s`` by lane, ``critical_path``, ``regime``) plus ``calibration``: which of
+    the rates were measured."""
+    policy = plan.policy
+    offloaded = [
+        layer_footprint(adapter, p, shape.rows, shape.seq_len, plan.dtype, i,
+                        policy.compute.kernels).offloaded_bytes
+        for i, p in enumerate(policy.layers)
+    ]  # fmt: skip
+    spec = spec_from_shapes(
+        adapter,
+        policy,
+        batch=shape.rows,
+        seq_len=shape.seq_len,
+        peak_flops=rates.peak_flops,
+        adamw_gbps=rates.adamw_gbps,
+        cast_gbps=rates.cast_gbps or CAST_GBPS,
+        clipping=plan.optim.max_grad_norm > 0,
+        offloaded_bytes=offloaded,
+        measured=rates.measured,
+        ranks=Ranks(shape.world, policy.grad_route, policy.param_route),
+        links=rates.links,
+    )
+    covered = sum(str(p) in rates.measured for p in policy.layers)
+    parts = [f"layer profile: {covered} of {len(policy.layers)} layers"] * bool(covered)
+    calibration = ", ".join([*parts, *rates.calibration]) or "uncalibrated rates"
+    return predict_step(spec) | {"calibration": calibration}
+
+
+def route_steps(
+    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, routes: list[Route], rates: Rates
+) -> dict[Route, float]:
+    """The predicted step, in seconds, of ``cfg`` (its layout, several ranks of this host) on
+    each of ``routes`` that the launch accepts (``runtime.dist.check_config``) and ``machine``
+    holds (``estimate.shortages``)."""
+    rt, steps = cfg.runtime, {}
+    for param, grad in routes:
+        on_route = dataclasses.replace(
+            cfg, runtime=dataclasses.replace(rt, param_route=param, grad_route=grad)
+        )
+        try:
+            check_config(rt.world, on_route.runtime, cfg.train)
+        except ConfigError:
+            continue
+        plan = resolve_plan(on_route, adapter, machine)
+        if shortages(estimate_memory(on_route, adapter, machine, plan)):
+            continue
+        step = predict(plan, adapter, Shape.of_run(on_route), rates)
+        steps[(param, grad)] = float(step["step_s"])
+    return steps

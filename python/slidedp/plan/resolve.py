@@ -1,0 +1,102 @@
+"""Where a run's plan is decided: ``resolve_plan(cfg, adapter, machine) -> Plan``.
+
+One function turns the config (its ``runtime`` keys, a policy file applied), the model and the
+machine into the frozen ``Plan`` the engine executes: the device and dtype, the ``Policy``
+(routes, chunk, slots, per-layer layouts, layer compute, resident layers), the BF16 mirror
+(``resolve_mirror``: on where the run with it fits MemAvailable with ``MIRROR_HEADROOM_BYTES``
+to spare), the optimizer settings and the host kernel threads. ``runtime.policy: auto`` is
+chosen before it (``autopolicy``) and arrives here as plain ``runtime`` keys.
+
+Invariant: pure given the machine facts; nothing is measured, allocated or written.
+
+Example::
+
+    plan = resolve_plan(cfg, adapter, Machine.probe(cfg, measure=False))
+    print(plan.policy.describe())
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from slidedp.config import TrainConfig
+from slidedp.estimate import estimate_memory, shortages
+from slidedp.models.hf import HFAdapter
+from slidedp.plan.machine import GIB, Machine
+from slidedp.plan.policy import OptimConfig, Plan, Policy, resolve_policy, store_args
+from slidedp.profile.host import engine_update_threads
+from slidedp.store import HostStore
+
+# RAM an automatic BF16 mirror leaves free beyond the run (page cache, the data, other processes)
+MIRROR_HEADROOM_BYTES = 8 * GIB
+
+
+def mirror_given(cfg: TrainConfig, machine: Machine) -> bool | None:
+    """Whether the store gets the BF16 mirror whatever fits (``resolve_mirror``'s first
+    rules), or None where what fits decides."""
+    rt = cfg.runtime
+    if machine.dtype != "bfloat16":
+        return False
+    if rt.bf16_mirror is not None:
+        return rt.bf16_mirror
+    if rt.world > 1 and rt.param_route == "replicated":
+        return True
+    return None
+
+
+def resolve_mirror(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> bool:
+    """Whether the store gets the BF16 mirror: ``runtime.bf16_mirror`` when set; unset, always
+    for several ranks on the replicated route (no rank casts a layer) and otherwise where the run
+    with the mirror fits ``machine`` with ``MIRROR_HEADROOM_BYTES`` of RAM to spare (the mirror
+    is the faster path, casting on delivery the smaller footprint; both train bit-identically).
+    Never when computing in f32."""
+    given = mirror_given(cfg, machine)
+    if given is not None:
+        return given
+    available = machine.mem_available_bytes
+    if available is None:  # cannot tell: the smaller footprint
+        return False
+    est = estimate_memory(cfg, adapter, machine, resolve_plan(cfg, adapter, machine, mirror=True))
+    return est.ram_bytes + MIRROR_HEADROOM_BYTES <= available and not shortages(est)
+
+
+def plan_policy(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> Policy:
+    """The policy ``Trainer`` would run on ``machine``."""
+    return resolve_plan(cfg, adapter, machine).policy
+
+
+def plan_store(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> dict[str, Any]:
+    """The layout of the store ``Trainer`` would create on ``machine`` (same arguments), not
+    allocated."""
+    bf16, world = machine.dtype == "bfloat16", cfg.runtime.world
+    policy = plan_policy(cfg, adapter, machine)
+    return HostStore.plan(adapter.group_specs(), **store_args(policy, bf16=bf16, world=world))
+
+
+def resolve_plan(
+    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, *, mirror: bool | None = None
+) -> Plan:
+    """The plan of ``cfg`` for ``adapter`` on ``machine``; ``mirror`` given: that BF16 mirror
+    instead of ``resolve_mirror``'s (a store already made, a what-if)."""
+    rt, tc = cfg.runtime, cfg.train
+    device = torch.device(machine.device)
+    if mirror is None:
+        mirror = resolve_mirror(cfg, adapter, machine)
+    cuda = machine.device == "cuda"
+    return Plan(
+        device=device,
+        dtype=torch.bfloat16 if machine.dtype == "bfloat16" else torch.float32,
+        policy=resolve_policy(rt, adapter, mirror=mirror, device=device),
+        optim=OptimConfig(
+            betas=(tc.adam_beta1, tc.adam_beta2),
+            eps=tc.adam_epsilon,
+            weight_decay=tc.weight_decay,
+            max_grad_norm=tc.max_grad_norm,
+        ),
+        loss_chunk_tokens=rt.loss_chunk_tokens,
+        # this rank's share of the cores (``engine_update_threads`` says why a share)
+        threads=rt.update_threads or engine_update_threads(machine.cores, cuda, rt.world),
+        version_timeout_s=rt.version_timeout_s,
+    )
