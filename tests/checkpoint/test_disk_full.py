@@ -10,8 +10,8 @@ import pytest
 
 import slidedp.io.checkpoint
 import slidedp.io.disk_space
-from cli.util import one_error_line, run, snapshot
-from engine.tiny import make_model, read_metrics, write_config, write_data
+from cli.util import one_error_line, run, snapshot, tiny_run_config
+from engine.tiny import read_metrics
 from slidedp.errors import DiskFullError
 from slidedp.io.disk_space import check_disk_space, checkpoints_at_once, saves_of_run
 
@@ -20,9 +20,7 @@ Capsys = pytest.CaptureFixture[str]
 
 @pytest.fixture
 def config(tmp_path: Path) -> Path:
-    model = make_model(tmp_path, "qwen3", tied=True)
-    data = write_data(tmp_path / "data.jsonl", 8)
-    return write_config(tmp_path / "c.yaml", model, data, tmp_path / "out")
+    return tiny_run_config(tmp_path)
 
 
 def _checkpoint_size(path: Path) -> int:

@@ -12,8 +12,8 @@ import pytest
 import yaml
 
 import slidedp.preflight
-from cli.util import one_error_line, run
-from engine.tiny import make_model, read_metrics, write_config, write_data
+from cli.util import one_error_line, run, tiny_run_config
+from engine.tiny import read_metrics
 from slidedp.config import RESOLVED_CONFIG, config_from_dict
 
 Capsys = pytest.CaptureFixture[str]
@@ -21,9 +21,7 @@ Capsys = pytest.CaptureFixture[str]
 
 @pytest.fixture
 def config(tmp_path: Path) -> Path:
-    model = make_model(tmp_path, "qwen3", tied=True)
-    data = write_data(tmp_path / "data.jsonl", 8)
-    return write_config(tmp_path / "c.yaml", model, data, tmp_path / "out")
+    return tiny_run_config(tmp_path)
 
 
 def test_validate_prints_an_ok_summary_and_writes_nothing(capsys: Capsys, config: Path) -> None:

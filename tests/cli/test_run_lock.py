@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 import slidedp.preflight
-from cli.util import one_error_line, run
-from engine.tiny import make_model, write_config, write_data
+from cli.util import one_error_line, run, tiny_run_config
 from slidedp.errors import OutputDirBusyError
 from slidedp.io.run_lock import LOCK_FILE, RunLock
 
@@ -23,9 +22,7 @@ Capsys = pytest.CaptureFixture[str]
 
 @pytest.fixture
 def config(tmp_path: Path) -> Path:
-    model = make_model(tmp_path, "qwen3", tied=True)
-    data = write_data(tmp_path / "data.jsonl", 8)
-    return write_config(tmp_path / "c.yaml", model, data, tmp_path / "out")
+    return tiny_run_config(tmp_path)
 
 
 def _start_train(config: Path, *overrides: str) -> subprocess.Popen[str]:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.tiny import make_model, write_config, write_data
 from slidedp.cli import main
 
 
@@ -37,3 +38,10 @@ def snapshot(path: Path) -> dict[str, tuple[int, int]]:
         str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns)
         for p in sorted(path.rglob("*"))
     }
+
+
+def tiny_run_config(tmp_path: Path) -> Path:
+    """A config training a tiny tied Qwen3 on 8 rows into ``tmp_path/out``."""
+    model = make_model(tmp_path, "qwen3", tied=True)
+    data = write_data(tmp_path / "data.jsonl", 8)
+    return write_config(tmp_path / "c.yaml", model, data, tmp_path / "out")
