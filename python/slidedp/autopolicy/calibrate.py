@@ -1,4 +1,4 @@
-"""AutoPolicy's calibration stage (issue #16), between the first solve and the final one: the
+"""AutoPolicy's calibration stage, between the first solve and the final one: the
 single-layer profile times a candidate alone, but in the pipeline its copies share the links
 with the parameter stream and the update, so its per-layer time there can differ. The
 candidates the solver's first solution uses (other than the fixed default ``F-r0``, at most

@@ -38,8 +38,9 @@ if TYPE_CHECKING:
     from slidedp.models.hf import HFAdapter
     from slidedp.plan.machine import Machine
 
-MIN_GAIN = 0.10  # the H100's probe read one candidate 3% faster, then 4% slower, a chunk 5.8%
-# faster in one run and the whole layer fastest in the next (BENCHMARKS.md, issue #16)
+# the H100's probe read one candidate 3% faster, then 4% slower, a chunk 5.8% faster in one run
+# and the whole layer fastest in the next (benchmarks/2026-11-25-autopolicy-h100.md)
+MIN_GAIN = 0.10
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ into the gradient ring, AdamW by the ``UpdateWorker``, which also writes the mir
 as the backward flushes (all but the newest layer after each send), until the last update is
 published and the last load landed. No compute runs: the figure is the host side's service
 time, which a smaller chunk must shorten to pay (on the H100 the update passes of 16 MiB
-chunks ran 12-13% longer in training steps, BENCHMARKS.md). On CPU there is no copy to the
-device: the returns alone.
+chunks ran 12-13% longer in training steps: benchmarks/2026-11-25-autopolicy-h100.md). On CPU
+there is no copy to the device: the returns alone.
 
 The gradient ring holds ``GRAD_SLOTS`` whole layers whatever the chunk (``ring_slots``), so a
 candidate changes only how the work is cut, not how far the backward may run ahead of the

@@ -75,9 +75,10 @@ def engine_update_threads(cores: int, cuda: bool, ranks: int = 1) -> int:
     ``runtime.update_threads`` is 0, as ``Trainer`` starts them: the rank's share of the cores
     beside a GPU, half of that on CPU (torch computes on the rest). Each rank runs two pools
     (AdamW, the cpu route's sums) at once: two ranks' pools on all 32 cores of the 2xH200 host
-    ran the cpu route 10% slower than pools on each rank's share (BENCHMARKS.md, issue #21,
-    third lease). The host probe times one pool on the node's cores (``ranks=1``): the node's
-    AdamW rate, every rank's updates together, which the step-time model's update lane is."""
+    ran the cpu route 10% slower than pools on each rank's share
+    (benchmarks/2026-11-27-two-gpus-routes-h200.md). The host probe times one pool on the node's
+    cores (``ranks=1``): the node's AdamW rate, every rank's updates together, which the
+    step-time model's update lane is."""
     share = max(1, cores // ranks)
     return share if cuda else max(1, share // 2)
 
