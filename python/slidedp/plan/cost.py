@@ -3,16 +3,9 @@ executors the engine runs (``runtime.activations``) on the ``meta`` device: shap
 only, nothing computed or allocated, a few milliseconds per family.
 
 Per layer (``LayerFootprint``): the tensors its forward saves (offloadable, in save order), the
-operator outputs selective checkpointing keeps on the device, and the transient of its backward:
-the tensors autograd saves while the backward replays (all of a full-layer replay, the largest
-span of a segment replay, nothing for ``N``, which replays nothing) and, factor
-``GRAD_COPIES``, as much again for their gradients — the accounting ``estimate`` validated
-against measured peaks for full checkpointing.
-
-On meta, ``scaled_dot_product_attention`` would take its math path (the S x S attention matrix
-saved); a CUDA run takes the flash/efficient kernels, which save q, k, v, the output and the
-log-sum-exp. ``_FlashOnMeta`` routes attention through the flash operator so the saved tensors
-are the GPU's.
+outputs selective checkpointing keeps, and the backward's transient (what the replay saves plus
+their gradients). Invariant: attention is routed through the flash operator on meta
+(``_FlashOnMeta``), so the saved tensors are the GPU's, not the math path's S x S matrix.
 
 Example::
 
