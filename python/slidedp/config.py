@@ -2,12 +2,10 @@
 
 Run: ``slidedp train examples/tiny-qwen3.yaml train.max_steps=5 output.dir=/tmp/run``.
 
-One YAML file plus ``section.key=value`` overrides. The schema is strict (``slidedp.schema``): an
-unknown section or key is an error with the closest valid name suggested, a wrong type names the
-expected type, a key given twice in the file is an error, and every problem of the whole config is
-reported at once in one ``ConfigError`` (one line per problem). Each section validates its values
-in ``__post_init__`` with ``slidedp.errors.require``. ``config_to_dict`` gives the resolved tree
-(every default filled in) that ``slidedp train`` prints and saves as
+One YAML file plus ``section.key=value`` overrides. Invariants: the schema is strict
+(``slidedp.schema``: unknown keys with the closest name suggested, wrong types, duplicate keys),
+and every problem of the whole config is reported at once in one ``ConfigError``;
+``config_to_dict`` gives the resolved tree that ``slidedp train`` prints and saves as
 ``output.dir/resolved_config.yaml``.
 
 Example::

@@ -5,8 +5,7 @@ Hub checkpoints keep one tensor per expert and projection (``...experts.E.{gate_
 down_proj}.weight``; Mixtral ``block_sparse_moe.experts.E.{w1,w3,w2}``). Each names its ``Slot``,
 a slice of a fused parameter (gate ``gate_up_proj[e, :I]``, up ``gate_up_proj[e, I:]``,
 ``down_proj[e]``), as transformers' ``conversion_mapping.py`` fuses them on load; ``io.hf_load``
-copies tensor by tensor, never assembling a layer's experts outside the store (tested against
-``from_pretrained``).
+copies tensor by tensor, never assembling a layer's experts outside the store.
 
 Example::
 
