@@ -119,10 +119,10 @@ class RuntimeSection:
     # training, the faster one wins (autopolicy.validate; the first step is a warm-up); 0: off
     policy_validate_steps: int = 3
     # runtime.policy=auto: training steps of each calibration trial (autopolicy.calibrate: the
-    # shortlisted candidates' layer times measured on a reduced model, then solved again; the
-    # median of all but the first: with 3, one slow step of two moved a candidate's time, and
-    # three calibrations on the H100 read F-r1 at 0.020-0.064 s,
-    # benchmarks/2026-11-25-autopolicy-h100.md); 0: off
+    # shortlisted candidates' layer times measured on a reduced model, then solved again; the median
+    # of all but the first: with 3, one slow step of two moved a candidate's time, and three
+    # calibrations on the H100 read F-r1 at 0.020-0.064 s, benchmarks/2026-11-25-autopolicy-h100.md,
+    # section "The resident update in the program"); 0: off
     policy_calibrate_steps: int = 5
     # runtime.policy=auto: select again though a cached selection matches
     policy_force: bool = False

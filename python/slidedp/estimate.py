@@ -36,8 +36,9 @@ from slidedp.plan.policy import Plan, store_args
 from slidedp.store import HostStore
 
 CUDA_PROCESS_BYTES = int(1.6 * GIB)
-# one of inductor's compile worker processes, resident: measured on the H100 host (torch 2.11,
-# 16 cores: 17 processes of ~363 MB beside a run, benchmarks/2026-11-25-autopolicy-h100.md)
+# one of inductor's compile worker processes, resident: measured on the H100 host (torch 2.11, 16
+# cores: 17 processes of ~363 MB beside a run, benchmarks/2026-11-25-autopolicy-h100.md, section
+# "The targets re-measured")
 COMPILE_WORKER_BYTES = int(0.35 * GIB)
 CPU_PROCESS_BYTES = int(0.7 * GIB)
 CUDA_CONTEXT_BYTES = int(0.5 * GIB)

@@ -31,8 +31,9 @@ if TYPE_CHECKING:
     from slidedp.models.hf import HFAdapter
     from slidedp.plan.machine import Machine
 
-# the H100's probe read one candidate 3% faster, then 4% slower, a chunk 5.8% faster in one run
-# and the whole layer fastest in the next (benchmarks/2026-11-25-autopolicy-h100.md)
+# the H100's probe read one candidate 3% faster, then 4% slower, a chunk 5.8% faster in one run and
+# the whole layer fastest in the next (benchmarks/2026-11-25-autopolicy-h100.md, section "`slidedp
+# plan` on the GPU")
 MIN_GAIN = 0.10
 
 

@@ -43,9 +43,10 @@ if TYPE_CHECKING:
     from slidedp.models.hf import HFAdapter
     from slidedp.plan.machine import Machine
 
-# measured on the H100 (benchmarks/2026-11-23-activation-layouts-h100.md): a clipped layout keeping
-# 55 GiB of activations reserved 6% more than the estimate (the allocator does not reuse every block
-# freed by the parked gradients); the budget keeps that share free
+# measured on the H100 (benchmarks/2026-11-23-activation-layouts-h100.md, section "Elastic
+# Checkpointing: per-layer layouts on one GPU"): a clipped layout keeping 55 GiB of activations
+# reserved 6% more than the estimate (the allocator does not reuse every block freed by the parked
+# gradients); the budget keeps that share free
 HEADROOM = 0.06
 DEFAULT = LayerPolicy("F")
 # MemAvailable may shrink between the plan and the store's allocation (the profile's and the
@@ -162,9 +163,10 @@ def offload_host_budget(
     shared by the node's ranks (on several, for the config's routes). An arena that took the
     mirror's room would cost more than it saves: without the mirror every streamed layer is
     cast on the host before its H2D (1.39 s a step on Qwen3-8B, B=16:
-    benchmarks/2026-11-25-autopolicy-h100.md). ``mirror=False``: the budget without the
-    mirror's room (where no layout fits beside it). None on CPU (activations are in host
-    memory, in the device budget) or where MemAvailable is unknown."""
+    benchmarks/2026-11-25-autopolicy-h100.md, section "The targets re-measured").
+    ``mirror=False``: the budget without the mirror's room (where no layout fits beside it).
+    None on CPU (activations are in host memory, in the device budget) or where MemAvailable
+    is unknown."""
 
     available = machine.mem_available_bytes
     if machine.device != "cuda" or available is None:

@@ -254,10 +254,11 @@ def resident_embedding_bytes(adapter: HFAdapter, dtype: torch.dtype, *, clipping
 
 
 # the resident update's pass (``runtime.resident.adamw_tensor``, compiled): bytes it moves per
-# parameter (BF16 gradient read; FP32 master and moments read and written; BF16 weight written)
-# and the rate it moved them at on the H100 (benches/resident_update.py: 4.02 B parameters of
-# Qwen3-4B in 53.9 ms, benchmarks/2026-11-25-autopolicy-h100.md); used for every GPU, so on one
-# with more memory bandwidth (the H200) the update is overstated, not yet measured there
+# parameter (BF16 gradient read; FP32 master and moments read and written; BF16 weight written) and
+# the rate it moved them at on the H100 (benches/resident_update.py: 4.02 B parameters of Qwen3-4B
+# in 53.9 ms, benchmarks/2026-11-25-autopolicy-h100.md, section "Qwen3-8B, B=16: the OOM kill found
+# and fixed"); used for every GPU, so on one with more memory bandwidth (the H200) the update is
+# overstated, not yet measured there
 RESIDENT_UPDATE_BYTES_PER_PARAM = 28
 RESIDENT_UPDATE_GBPS = 2090.0
 

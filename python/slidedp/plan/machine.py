@@ -26,8 +26,8 @@ from slidedp.profile.host import cached_host, engine_update_threads, model_gbps,
 
 GIB = 2**30
 SHM_DIR = Path("/dev/shm")
-# AdamW GB/s by host threads (benchmarks/2026-11-22-host-kernels.md; 16-core Sapphire Rapids,
-# AVX-512)
+# AdamW GB/s by host threads (benchmarks/2026-11-22-host-kernels.md, section "Host kernels"; 16-core
+# Sapphire Rapids, AVX-512)
 ADAMW_GBPS = ((1, 18.0), (2, 31.6), (4, 62.8), (8, 100.5), (16, 170.4))
 # Dense bf16 tensor-core FLOP/s by device name (first match wins: the PCIe H100 before H100)
 GPU_PEAK_FLOPS = (
