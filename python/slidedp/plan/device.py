@@ -34,7 +34,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
 # offload arenas) does not fragment it. On the H100, Qwen3-8B B=16 with 20 resident layers reserved
 # 78.3 GiB for 72.7 GiB allocated either way, but its compute lane took 3.38 s per step with fixed
 # segments and 1.66 s with expandable ones (benchmarks/2026-11-24-autopolicy-h100.md, section
-# "Booking A's choice traced").
+# "...: the allocator at the card's edge").
 ALLOCATOR_DEFAULT = "expandable_segments:True"
 ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
