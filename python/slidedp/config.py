@@ -2,12 +2,10 @@
 
 Run: ``slidedp train examples/tiny-qwen3.yaml train.max_steps=5 output.dir=/tmp/run``.
 
-One YAML file plus ``section.key=value`` overrides. The schema is strict (``slidedp.schema``): an
-unknown section or key is an error with the closest valid name suggested, a wrong type names the
-expected type, a key given twice in the file is an error, and every problem of the whole config is
-reported at once in one ``ConfigError`` (one line per problem). Each section validates its values
-in ``__post_init__`` with ``slidedp.errors.require``. ``config_to_dict`` gives the resolved tree
-(every default filled in) that ``slidedp train`` prints and saves as
+One YAML file plus ``section.key=value`` overrides. Invariants: the schema is strict
+(``slidedp.schema``: unknown keys with the closest name suggested, wrong types, duplicate keys),
+and every problem of the whole config is reported at once in one ``ConfigError``;
+``config_to_dict`` gives the resolved tree that ``slidedp train`` prints and saves as
 ``output.dir/resolved_config.yaml``.
 
 Example::
@@ -121,9 +119,10 @@ class RuntimeSection:
     # training, the faster one wins (autopolicy.validate; the first step is a warm-up); 0: off
     policy_validate_steps: int = 3
     # runtime.policy=auto: training steps of each calibration trial (autopolicy.calibrate: the
-    # shortlisted candidates' layer times measured on a reduced model, then solved again; the
-    # median of all but the first: with 3, one slow step of two moved a candidate's time, and
-    # three calibrations on the H100 read F-r1 at 0.020-0.064 s, BENCHMARKS.md); 0: off
+    # shortlisted candidates' layer times measured on a reduced model, then solved again; the median
+    # of all but the first: with 3, one slow step of two moved a candidate's time, and three
+    # calibrations on the H100 read F-r1 at 0.020-0.064 s, benchmarks/2026-11-25-autopolicy-h100.md,
+    # section "The resident update in the program"); 0: off
     policy_calibrate_steps: int = 5
     # runtime.policy=auto: select again though a cached selection matches
     policy_force: bool = False

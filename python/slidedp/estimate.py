@@ -36,8 +36,9 @@ from slidedp.plan.policy import Plan, store_args
 from slidedp.store import HostStore
 
 CUDA_PROCESS_BYTES = int(1.6 * GIB)
-# one of inductor's compile worker processes, resident: measured on the H100 host (torch 2.11,
-# 16 cores: 17 processes of ~363 MB beside a run, BENCHMARKS.md issue #16)
+# one of inductor's compile worker processes, resident: measured on the H100 host (torch 2.11, 16
+# cores: 17 processes of ~363 MB beside a run, benchmarks/2026-11-25-autopolicy-h100.md, section
+# "The targets re-measured")
 COMPILE_WORKER_BYTES = int(0.35 * GIB)
 CPU_PROCESS_BYTES = int(0.7 * GIB)
 CUDA_CONTEXT_BYTES = int(0.5 * GIB)
@@ -145,7 +146,8 @@ def estimate_memory(
     gpu = GpuEstimate(window, loss, layer, checkpoints, parked, resident, ALLOCATOR_BYTES, peak,
                       peak + CUDA_CONTEXT_BYTES) if cuda else None  # fmt: skip
     # every rank is a process of its own, with its own torch (and CUDA) runtime beside the one
-    # shared store (BENCHMARKS.md, "Host memory, 1 rank vs 2 ranks": a second CPU rank added
+    # shared store (benchmarks/2026-11-22-two-gpus-h200.md, "Host memory, 1 rank vs 2 ranks": a
+    # second CPU rank added
     # 1.6 GiB outside the store)
     process = (CUDA_PROCESS_BYTES if cuda else CPU_PROCESS_BYTES) * rt.world
     workers = compile_worker_bytes(policy.compute.compile, machine) * rt.world

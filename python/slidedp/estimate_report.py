@@ -28,7 +28,8 @@ from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM
 from slidedp.runtime.flops import model_flops_per_token
 
 RECOMPUTE_FACTOR = 4 / 3  # the recompute forward of full-layer checkpointing
-# this engine's measured utilization on H100 to a compute-bound run (BENCHMARKS.md, "Speed")
+# this engine's measured utilization on H100 to a compute-bound run
+# (benchmarks/2026-11-22-one-gpu-engine.md)
 GPU_EFFICIENCY = (0.15, 0.50)
 CPU_EFFICIENCY = (0.25, 0.90)
 

@@ -2,26 +2,16 @@
 
 Run: ``slidedp validate examples/tiny-qwen3.yaml model.path=/models/qwen3-0.6b``.
 
-Each check raises one typed ``SlidedpError`` whose message names the problem and the fix, or
-returns one line for the OK summary: the device (``runtime.device=cuda`` on a machine without
-CUDA), the model directory (config.json present and of a supported architecture, built on the
-meta device; every safetensors header against the model's names, shapes and dtypes, and against
-the file size, without reading tensor data), with several ranks the batch split, the resume
-decision (``io.resume``: the checkpoint ``train.resume`` picks, its manifest sizes, trainer
-state and headers checked; the conflicts ``train`` refuses), the run's memory by
-``slidedp.estimate`` (the exact store size, the offload arena, the process; the GPU peak on
-CUDA) against free
-``/dev/shm``, ``MemAvailable`` and the device total, the data, and the output directory
-(writable, probed with a temporary file; never a model or checkpoint directory, so nothing is
-ever written into one; room on its filesystem for the checkpoints, ``io.disk_space``).
-``slidedp train`` runs the same checks, all but the data (the trainer checks the data as it
-reads it), before it allocates or writes anything: the two verbs cannot disagree.
+Checks: the device, the model directory (every safetensors header against the model, no
+tensor data read), the batch split, the resume decision (``io.resume``), the memory
+(``slidedp.estimate``) against ``/dev/shm``, ``MemAvailable`` and the device, the data, the
+output directory (writable, never a model or checkpoint directory, room: ``io.disk_space``).
+Invariants: each failure is one typed ``SlidedpError`` naming the problem and the fix;
+``slidedp train`` runs the same checks (all but the data) before it allocates or writes anything.
 
 Example::
 
-    cfg = load_config("run.yaml")
-    for line in validate(cfg).lines:
-        print(line)
+    for line in validate(load_config("run.yaml")).lines: print(line)
 """
 
 from __future__ import annotations

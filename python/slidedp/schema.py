@@ -1,24 +1,15 @@
 """Strict mapping → dataclass conversion, the engine under ``slidedp.config``.
 
-A config section is a keyword-only dataclass whose annotations are the schema (``int``, ``float``,
-``str``, ``bool``, ``X | None``, ``Literal[...]``, ``list[X]``, ``dict[K, V]``, ``Any``).
-``build_section`` checks a raw mapping against it and records every problem instead of stopping at
-the first one: an unknown key (with the closest valid name suggested), a value of the wrong type
-(naming the expected type), a missing required key, and every failed ``require`` of the section's
-``__post_init__``. Nothing is coerced silently except an integer where a float is expected and an
-integral float where an integer is expected.
+A config section is a keyword-only dataclass whose annotations are the schema. ``build_section``
+records every problem instead of stopping at the first: an unknown key (the closest valid name
+suggested), a wrong type, a missing required key, every failed ``require`` of ``__post_init__``.
+Invariant: nothing is coerced silently except int → float and an integral float → int.
 
 Example::
 
-    @dataclass(kw_only=True)
-    class Train:
-        max_steps: int
-        lr_scheduler: Literal["constant", "linear"] = "linear"
-
-    problems: list[str] = []
+    problems: list[str] = []  # Train: a kw_only dataclass with ``max_steps: int``
     train = build_section("train", Train, {"max_stpes": 5}, problems)
-    # train is None; problems == ["unknown key 'train.max_stpes' (did you mean 'train.max_steps'?)",
-    #                             "missing key 'train.max_steps' (required: add it under train:)"]
+    # None; problems: "unknown key 'train.max_stpes' (did you mean 'train.max_steps'?)", ...
 """
 
 from __future__ import annotations

@@ -1,27 +1,17 @@
 """Host AdamW, one chunk of a parameter group at a time, on a Rust thread (the update lane).
 
-The gradient reaches the worker through the store's gradient slots (a ring): copy a chunk of
-group ``g``'s gradient (its state layout, offsets relative to the group's ``state_offset``) into
-slot ``k``, submit, and reuse slot ``k`` only after ``wait_completed(seq + 1)``.
+Copy a chunk of group ``g``'s gradient (its state layout) into gradient slot ``k``, submit, and
+reuse slot ``k`` only after ``wait_completed(seq + 1)``. Invariants: weight decay only on
+parameters of two or more dimensions; while an update of ``g`` is queued neither its slot nor its
+state is written, and its state is read only after its version is published. The cpu route
+(``HostSumRing``): the owner's worker sums the ranks' copies of a chunk first.
 
 Example::
 
     worker = UpdateWorker(store)                # store made with grad_slots >= 1
-    n = store.layout["groups"][g]["state_len"]  # here the whole group fits one slot
-    store.grad_slot(0)[:n].copy_(flat_grad)
+    store.grad_slot(0)[:n].copy_(flat_grad)     # n: the group's state_len
     seq = worker.submit(g, 0, n, 0, step=t, lr=lr, betas=(0.9, 0.999), eps=1e-8,
                         weight_decay=0.01, publish=t)
-    worker.wait_completed(seq + 1, timeout_s=60)  # slot 0 is free again
-    store.wait_version(g, t, timeout_s=60)        # any process: g's update of step t is done
-
-Weight decay applies only to parameters of two or more dimensions (HF Trainer's grouping).
-While an update of group g is queued, do not write its slot nor g's state; read g's state only
-after its version is published.
-
-The cpu gradient route (``HostSumRing``): each rank announces its copy of chunk ``seq``
-(``landed``); the owner submits with ``ChunkSum(gather_seq=seq, ...)`` and its worker waits for
-the other ranks' copies, adds them into its slot, frees theirs (a rank rewrites a slot after
-``wait_consumed``), adds ``Σ g²`` of the sum to a total (``take_sum_squares``), then runs AdamW.
 """
 
 from __future__ import annotations

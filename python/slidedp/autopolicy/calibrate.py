@@ -1,25 +1,16 @@
-"""AutoPolicy's calibration stage (issue #16), between the first solve and the final one: the
-single-layer profile times a candidate alone, but in the pipeline its copies share the links
-with the parameter stream and the update, so its per-layer time there can differ. The
-candidates the solver's first solution uses (other than the fixed default ``F-r0``, at most
-``SHORTLIST``, most used first) are calibrated in a reduced real pipeline: the run's model cut
-to ``K = REDUCED_LAYERS`` decoder layers (at most its own), its weights initialised from the
-config (``io.hf_load.fill_master``: the directory has no safetensors; timing does not depend
-on the values), nothing GPU-resident. ``T_0`` is the reduced model's step time with every layer
-``F-r0``; ``T_j`` its step time with ``k_j = K // 2`` layers on candidate ``j`` and the rest
-``F-r0``; then ``τ_j = τ_0 + (T_j - T_0) / k_j``, with ``τ_0`` the profile's ``F-r0`` time. The
-program is solved again with these times (``select_layout(times_s=...)``). ``T_0`` is run
-before the candidates and again after them, and is their mean: a candidate moves off its
-profiled time only where ``|T_j - T_0|`` exceeds the two defaults' spread (on the H100 a
-Qwen3-4B reduced step read 0.436 s in one plan and 0.394 s in the next, 21 ms a replaced layer
-against candidates a few ms apart: such a τ_j is noise). A candidate whose trial runs out of
-memory keeps its profiled time. Trials go through ``autopolicy.validate``'s runners (in this process
-on CPU, a child process on CUDA); only models of one kind of layer are calibrated.
+"""AutoPolicy's calibration stage, between the first solve and the final one: the candidates'
+layer times measured in a reduced real pipeline, where their copies share the links.
+
+The first solution's candidates (other than ``F-r0``, at most ``SHORTLIST``) run in the run's
+model cut to ``REDUCED_LAYERS`` layers: ``T_0`` all ``F-r0`` (before and after, averaged),
+``T_j`` with ``k_j`` layers on candidate ``j``, then ``τ_j = τ_0 + (T_j - T_0) / k_j``, and the
+program is solved again (``select_layout(times_s=...)``). Invariants: a candidate moves off its
+profiled time only where ``|T_j - T_0|`` exceeds the two defaults' spread; one that runs out of
+memory keeps it; trials use ``autopolicy.validate``'s runners; only one-kind models calibrate.
 
 Example::
 
     found = calibrate_choice(default_cfg, choice, steps=3, runner=runner_for(machine))
-    print(found.describe())   # '1 candidate on a 4-layer model: N-r0 τ 0.018 → 0.025 s; ...'
     choice = select_layout(..., times_s=found.times_s())
 """
 

@@ -1,19 +1,12 @@
 """The chunk stage of ``runtime.policy: auto`` on GPUs: the H2D/D2H chunk size
-(``runtime.chunk_elems``) and the gradient ring that goes with it (``runtime.grad_slots``), from
-the chunk probe (``profile.chunks``, with the BF16 mirror where the fixed default has it, or
-without), taken before the layout is solved, as the paper takes routes and chunks first (§3.6).
+(``runtime.chunk_elems``) and its gradient ring (``runtime.grad_slots``), from the chunk probe
+(``profile.chunks``), before the layout is solved.
 
-A candidate's cost is its measured ``step_s``: the host side of layers streamed as a backward
-streams them (loads, gradients back, their AdamW). The whole layer (``chunk_elems`` 0, the
-fixed default) is kept unless a chunk is ``MIN_GAIN`` faster: the probe's own noise must not
-move the run off the default. A chosen chunk cuts the ring's layers: ``grad_slots`` whole
-layers of the config in chunks, rounded up (``profile.chunks.ring_slots``). It runs only where
-validation (``autopolicy.validate``) ran it, with the layout, faster than the default's whole layers
-(repeated probes differed by up to ~10% on the H100), and only where the chosen run loads as
-the probe did (with or without the mirror: ``with_chunk``).
-
-The step-time model has no chunk term: the chunk changes when a layer's update may start and
-how many passes it takes, not the lanes' rates, and the probe measures that directly.
+A candidate's cost is its measured ``step_s``. Invariants: the whole layer (the default) is kept
+unless a chunk is ``MIN_GAIN`` faster; a chosen chunk runs only where validation ran it faster
+than the default and where the run loads as the probe did (with or without the mirror:
+``with_chunk``); the ring keeps ``grad_slots`` whole layers (``profile.chunks.ring_slots``). The
+step-time model has no chunk term: the probe measures the chunk's effect directly.
 
 Example::
 
@@ -38,8 +31,10 @@ if TYPE_CHECKING:
     from slidedp.models.hf import HFAdapter
     from slidedp.plan.machine import Machine
 
-MIN_GAIN = 0.10  # the H100's probe read one candidate 3% faster, then 4% slower, a chunk 5.8%
-# faster in one run and the whole layer fastest in the next (BENCHMARKS.md, issue #16)
+# the H100's probe read one candidate 3% faster, then 4% slower, a chunk 5.8% faster in one run and
+# the whole layer fastest in the next (benchmarks/2026-11-25-autopolicy-h100.md, section "`slidedp
+# plan` on the GPU")
+MIN_GAIN = 0.10
 
 
 @dataclass(frozen=True)

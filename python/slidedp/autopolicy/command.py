@@ -1,27 +1,11 @@
-"""``slidedp plan CONFIG.yaml [overrides]``: choose the run's activation layout (the policy
-selector, paper §3.6) and write it as a policy file (``runtime.policy: FILE``).
+"""``slidedp plan CONFIG.yaml [overrides]``: choose the run's layout, write it as a policy file.
 
-Stages, each timed in the report: the layer profile of the run's own model, batch and sequence
-(``slidedp profile layer``, cached by device, shape, batch, sequence, dtype and versions), the
-host AdamW rate (``slidedp profile host``, cached by CPU, threads, GPU and versions), on a GPU
-the chunk (``slidedp profile chunks``, ``autopolicy.chunk_choice``: the whole layer unless a smaller
-H2D/D2H chunk is measured faster), the integer program over its Pareto candidates under the
-GPU budget with the host update lane counted (``autopolicy.select``), the placement, the
-calibration (``autopolicy.calibrate``: the candidates of that solution timed in a reduced model of
-the run on this GPU, their layer times in the profile's place, then solved again; not for
-``--gpu-memory``), the validation
-(``autopolicy.validate``: a few training steps of the choice and of the default on this GPU, the
-choice kept only when faster, re-solved with a smaller budget when it does not fit; not for
-``--gpu-memory``, another GPU), and ``slidedp estimate`` of the chosen layout (the same check
-``train`` runs). The fixed default (all ``F``) is a candidate of the program, and its
-accounting is printed beside the choice. Each stage is said in one line as it ends; the report
-adds the selection time (their sum) and the break-even steps (``autopolicy.clock``).
-
-The plan is kept in ``runtime.policy: auto``'s selection cache (``selection_cache``) where
-it is for this machine's GPU from cached measurements (no ``--gpu-memory``, ``--profile`` nor
-``--cache-dir``): a ``train`` of the same run with ``auto`` then takes it without selecting. The
-plan does not read that cache: it is the command that chooses afresh, and its report shows the
-program's accounting, which the cache does not keep.
+Stages, each timed and said in one line: the layer profile, the host AdamW rate, on a GPU the
+chunk (``chunk_choice``), the integer program (``select``), the calibration (``calibrate``), the
+validation (``validate``; neither for ``--gpu-memory``) and ``slidedp estimate`` of the choice;
+the report adds the selection time and the break-even steps (``clock``). Invariants: the fixed
+default (all ``F``) is a candidate, its accounting printed beside the choice; the plan always
+chooses afresh, and is kept in the selection cache only when made for this machine's GPU.
 
 Example::
 

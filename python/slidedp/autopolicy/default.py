@@ -20,8 +20,9 @@ from slidedp.config import RuntimeSection
 AUTO, FIXED = "auto", "fixed"
 # the keys that name a layout: set, the config's layout runs (auto would refuse them anyway)
 LAYOUT_KEYS = ("layers", "offload_ratio", "resident_layers", "resident_embeddings")
-# a cold selection's time for the break-even's prediction: the target for Qwen3-4B on one
-# H100 (BENCHMARKS.md, section "AutoPolicy": 155-306 s measured before it was made cheaper)
+# a cold selection's time for the break-even's prediction: the target for Qwen3-4B on one H100
+# (155-306 s measured before it was made cheaper: benchmarks/2026-11-25-autopolicy-h100.md, section
+# "`slidedp plan` on the GPU")
 COLD_SELECTION_S = 120.0
 # the speed-up the prediction assumes: the smallest one validation accepts in practice is
 # 1.1x (autopolicy.select.MIN_GAIN); Qwen3-4B B=16 with clipping measured 1.73x

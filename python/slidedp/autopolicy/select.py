@@ -43,18 +43,19 @@ if TYPE_CHECKING:
     from slidedp.models.hf import HFAdapter
     from slidedp.plan.machine import Machine
 
-# measured on the H100 (BENCHMARKS.md, issue #14): a clipped layout keeping 55 GiB of
-# activations reserved 6% more than the estimate (the allocator does not reuse every block
-# freed by the parked gradients); the budget keeps that share free
+# measured on the H100 (benchmarks/2026-11-23-activation-layouts-h100.md, section "Elastic
+# Checkpointing: per-layer layouts on one GPU"): a clipped layout keeping 55 GiB of activations
+# reserved 6% more than the estimate (the allocator does not reuse every block freed by the parked
+# gradients); the budget keeps that share free
 HEADROOM = 0.06
 DEFAULT = LayerPolicy("F")
 # MemAvailable may shrink between the plan and the store's allocation (the profile's and the
 # solver's own process memory): the offload arena keeps this much of it unplanned, so the run
 # still gets the BF16 mirror the plan counted on
 HOST_SLACK_BYTES = 2**30
-# a layout leaves the default only when predicted this much faster: on the H100 (BENCHMARKS.md,
-# issue #16) predicted gains of 9% and 20% measured 0.99x and 0.97x where the host update bound
-# the step, and a layout spends GPU memory the default leaves free
+# a layout leaves the default only when predicted this much faster: on the H100
+# (benchmarks/2026-11-24-autopolicy-h100.md) predicted gains of 9% and 20% measured 0.99x and 0.97x
+# where the host update bound the step, and a layout spends GPU memory the default leaves free
 MIN_GAIN = 0.05
 
 
@@ -161,10 +162,11 @@ def offload_host_budget(
     the mirror is decided by what fits the host and it fits there, less ``HOST_SLACK_BYTES``;
     shared by the node's ranks (on several, for the config's routes). An arena that took the
     mirror's room would cost more than it saves: without the mirror every streamed layer is
-    cast on the host before its H2D (BENCHMARKS.md, issue #16: 1.39 s a step on Qwen3-8B,
-    B=16). ``mirror=False``: the budget without the mirror's room (where no layout fits beside
-    it). None on CPU (activations are in host memory, in the device budget) or where
-    MemAvailable is unknown."""
+    cast on the host before its H2D (1.39 s a step on Qwen3-8B, B=16:
+    benchmarks/2026-11-25-autopolicy-h100.md, section "The targets re-measured").
+    ``mirror=False``: the budget without the mirror's room (where no layout fits beside it).
+    None on CPU (activations are in host memory, in the device budget) or where MemAvailable
+    is unknown."""
 
     available = machine.mem_available_bytes
     if machine.device != "cuda" or available is None:
@@ -221,7 +223,7 @@ def host_tail_s(adapter: HFAdapter, gbps: float, dtype: torch.dtype) -> float:
     two groups' host AdamW pass at ``gbps``, and the embedding's weights copied in before the
     next forward, which starts with them; the copies in ``dtype`` at the PCIe ceilings
     (``plan.timing``). On the H100, Qwen3-4B B=16 with every layer resident: 15 ms D2H, 77 ms
-    AdamW, 14 ms H2D (BENCHMARKS.md, issue #16)."""
+    AdamW, 14 ms H2D (benchmarks/2026-11-24-autopolicy-h100.md)."""
     specs = adapter.group_specs()
     params = specs[adapter.embed_group].numel + specs[adapter.head_group].numel
     copied = specs[adapter.embed_group].numel * dtype.itemsize

@@ -1,27 +1,15 @@
-"""``runtime.policy: auto``'s selection cache: what a selection chose (the layout, the
-GPU-resident layers, on GPUs the chunk and on several GPUs the routes) and what it said
-(validated step times, stage times, selection time, break-even), kept beside the measurement
-caches (``profile.cache``: ``selection-KEY.json``) under a key of everything that can change the
-choice: the cached layer profile's, host probe's, chunk probe's and link probe's reports (their
-facts and results: a measurement taken again is another key), the model's ``config.json``, batch
-per rank, sequence, dtype, clipping, world size, the GPU and its memory, the program's revision
-(``PROGRAM_REVISION``), and the runtime keys but those that cannot change the choice
-(``KEY_EXEMPT``). A hit runs no profile, probe, solve nor trial; a stale key is another file,
-selected afresh; a file that does not read is said in one line and rewritten by the new
-selection. ``runtime.policy_force: true`` selects again (and caches the new choice).
+"""``runtime.policy: auto``'s selection cache: what a selection chose (layout, resident layers,
+chunk, routes) and what it said (validated step times, stage times, break-even), kept as
+``selection-KEY.json`` beside the measurement caches (``profile.cache``).
 
-The host's free memory (the offloaded activations' budget, ``select.offload_host_budget``)
-is not in the key either: it too changes from run to run. A cached choice is not solved again
-for it: where the host has less to spare than when it was chosen, the run may go without the
-BF16 mirror (``plan.resolve.resolve_mirror``), or is refused by the estimate where it does not fit.
-
-The free memory of a CPU run (its activations' budget) is not in the key: it changes from run to
-run; the estimate that checks every run (``preflight.check_memory``) checks a cached choice too.
+Invariants: the key covers everything that can change the choice (the cached measurement
+reports, ``config.json``, batch, sequence, dtype, clipping, world size, GPU and its memory,
+``PROGRAM_REVISION``, the runtime keys but ``KEY_EXEMPT``); a hit runs no profile, probe, solve
+nor trial; a stale key is another file; an unreadable file is said in one line and rewritten.
+Free host (or CPU) memory is not in the key: the preflight estimate checks a cached choice too.
 
 Example::
 
-    facts = selection_facts(cfg, profile=layer_report, host=host_report, links=None,
-                            gpu_total_bytes=None, resident=False, routes=[])
     hit = read_selection(facts, layers=28, routes=[], say=print)   # None: select
     write_selection(facts, Selection("28xF-r0", 0, None, line, 12.3, {"solve": 12.3}))
 """

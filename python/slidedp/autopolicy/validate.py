@@ -1,24 +1,12 @@
-"""AutoPolicy's validation stage (paper §3.6, the end of Algorithm 1): a few training steps of
-the full model for the solver's choice and for the fixed default (all ``F``, nothing
-GPU-resident): the run's own engine, data, batch and sequence, in a scratch output directory
-that is deleted after (no checkpoint, export, trace or log). A trial's step time is the median
-of its steps after the first (a warm-up); on CUDA its peak ``torch.cuda.max_memory_reserved``
-is checked against the device total less ``select.HEADROOM``. A choice that runs out of memory
-or reserves beyond that is solved again with the activation budget cut by the overshoot
-(reserved-memory feedback), ``RESOLVES`` times at most. The choice runs only when validated
-faster than the default; the default wins ties, and whenever the choice does not fit.
+"""AutoPolicy's validation stage: a few training steps of the solver's choice and of the fixed
+default (all ``F``), the run's own engine and data, in a scratch output directory deleted after.
 
-On CUDA each trial runs in a child process (``python -m slidedp.autopolicy.validate CONFIG STEPS``):
-everything a trial holds (the caching allocator's blocks, the page-locked staging, the
-shared-memory store, the update worker) goes with it, and an out-of-memory failure cannot
-leave the training process's allocator fragmented or its peak statistics spent. On CPU a trial
-runs in this process (there is no device memory to hand back; the store goes with the trainer);
-the default runs after the choice, so the process's one-time costs that a warm-up step does not
-absorb (the first host update lands in the second step) count against the choice, never for it.
-On several ranks (``runtime.gpus``/``runtime.ranks``) each trial starts the run's ranks
-(``trial_on_ranks``, as ``slidedp train`` starts them): the slowest rank's step time and the
-largest rank's reservation count, and a rank out of device memory ends the trial, which then
-did not fit.
+A trial's step time is the median of its steps after the first; on CUDA its peak reserved
+memory must stay under the device total less ``select.HEADROOM``, else the choice is solved
+again with the budget cut by the overshoot (``RESOLVES`` times at most). Invariants: the choice
+runs only when validated faster; the default wins ties and whenever the choice does not fit. On
+CUDA each trial runs in a child process (``python -m slidedp.autopolicy.validate CONFIG STEPS``)
+so an OOM cannot fragment the training process; on several ranks the slowest rank counts.
 
 Example::
 

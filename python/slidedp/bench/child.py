@@ -1,22 +1,11 @@
 """A ``slidedp.bench.worker`` subprocess run by ``slidedp bench train``, with its host memory.
 
-While the child runs, a thread samples the PSS of its process tree every ``PSS_SAMPLE_S``
-(``measure.tree_pss_bytes``) and keeps the peak; for a run of several ranks the child is only
-their launcher (``bench.ranks``), which waits, so the sum is over the ranks. A child that exits
-non-zero becomes a result with ``status`` ``error`` (or ``killed`` when a signal ended it), its
-stderr echoed, its last line kept as ``error``; a SIGKILL near the host's memory is the
-kernel's OOM killer, reported as host ``oom`` (``crash_status``).
-
-With ``spec.host_limit_gib`` the sampler also enforces a host budget (a smaller machine than
-this one, e.g. an 80 GB H100 with a 125 GiB host): when the tree's PSS passes it, the child's
-process group is killed and the run reported as host ``oom`` — before the kernel's OOM killer
-would pick a process itself. The store of ours is a nameless tmpfs file: nothing is left in
-/dev/shm by the kill. With ``spec.timeout_s`` the child is killed the same way once it has run
-that long, and reported with ``status`` ``timeout`` (a sweep keeps to its time budget).
-
-However the run ends, its process group is then killed and waited for (``lifetime.stop_group``):
-the next system starts on a GPU no process of this one still holds. The worker dies with the
-bench (``lifetime.die_with_parent``).
+A thread samples the PSS of the child's process tree every ``PSS_SAMPLE_S`` and keeps the peak
+(over all ranks of a multi-rank run). A non-zero exit is a result with ``status`` ``error`` (or
+``killed``), its last stderr line kept; a SIGKILL near the host's memory is host ``oom``.
+``spec.host_limit_gib`` and ``spec.timeout_s`` kill the child's process group past the budget
+(host ``oom``, ``timeout``). Invariant: however the run ends its process group is killed and
+waited for (``lifetime.stop_group``), so the next system starts on a GPU no process still holds.
 
 Example::
 

@@ -1,20 +1,11 @@
 """The bandwidth of the collectives our routes use, measured on the ranks of the bench run.
 
-Run by ``slidedp bench train --gpus N`` (or ``--ranks N`` on CPU) in its own child of N ranks
-(``bench.ranks``): for a bf16 tensor the size of the model's largest decoder layer
-(``RunSpec.layer_numel``, counted by the parent) and one of ``BIG_BYTES``, the median time of
-``REPS`` calls after ``WARMUP`` of
-
-- ``all_gather``: the sharded parameter route rebuilding a layer from the ranks' shares (the
-  engine's call: ``dist.all_gather`` of one share into the views of the whole flat layer);
-- ``reduce``: the gpu gradient route summing a layer's gradient onto its owner;
-- ``all_reduce``: for comparison with other systems (and ``nccl-tests``).
-
-A call's time is the slowest rank's (each rank synchronises its device before and after; one
-all-reduce of the times at the end). Bandwidths as ``nccl-tests`` defines them, in GB/s
-(1e9 B/s) of a tensor of ``size`` bytes (the whole gathered layer for ``all_gather``): the
-algorithm bandwidth ``size / time``, and the bus bandwidth, the per-link rate it implies
-(x (R-1)/R for all-gather, x 1 for reduce, x 2(R-1)/R for all-reduce).
+Run by ``slidedp bench train --gpus N`` (or ``--ranks N`` on CPU) in its own child of N ranks:
+for a bf16 tensor of the largest decoder layer's size and one of ``BIG_BYTES``, the median of
+``REPS`` calls after ``WARMUP`` of ``all_gather`` (the sharded route, the engine's call),
+``reduce`` (the gpu route) and ``all_reduce`` (for comparison). A call's time is the slowest
+rank's. Bandwidths as ``nccl-tests`` defines them, in GB/s: algorithm ``size / time`` and bus
+(x (R-1)/R all-gather, x 1 reduce, x 2(R-1)/R all-reduce).
 
 Example::
 

@@ -1,39 +1,16 @@
-"""The DeepSpeed peers: ZeRO-3 with parameter and optimizer offload, ZeRO-3 with the optimizer
-offloaded only (the BF16 parameter shards stay on the GPUs: DeepSpeed's strongest synchronous
-set-up where they fit), ZeRO-2 with optimizer offload.
+"""The DeepSpeed peers: ZeRO-3 offloading parameters and optimizer, or the optimizer only; ZeRO-2.
 
-Configured as DeepSpeed's and transformers' DeepSpeed guides recommend for fine-tuning
-(``zero_config``): BF16 compute with FP32 master weights in the optimizer, offload to pinned host
-memory, ``overlap_comm``, ``contiguous_gradients``, the buckets sized from the hidden size as
-transformers' ``auto`` values are (``hidden²`` reduce bucket, ``0.9·hidden²`` prefetch bucket,
-``10·hidden`` persistence threshold), ``sub_group_size`` and the live/reuse limits at 1e9. The
-optimizer section is AdamW with our hyperparameters: with the optimizer offloaded DeepSpeed
-builds ``DeepSpeedCPUAdam`` (the result records the class it built). Clipping is DeepSpeed's
-``gradient_clipping`` at our ``train.max_grad_norm`` (0: off). Every key can be overridden with
-``--peer-set zero3-offload.zero_optimization.KEY=VALUE`` (any path of the config), and several
-settings compared in one bench as variants (``zero3-offload:LABEL``, ``bench.peers``).
-
-The model is built as the FSDP2 baseline builds it (HF from the config, FP32, the same seed, HF
-activation checkpointing per layer) on the host, then handed to ``deepspeed.initialize``, which
-casts it to BF16, moves it to the GPU and partitions it (no ``zero.Init``: that would draw other
-initial weights on the GPU). The loss is the model's own (full logits). One process: the
-rendezvous variables DeepSpeed reads are set here (a free localhost port); NCCL on CUDA, gloo on
-CPU (DeepSpeed's CPU accelerator: the same code runs in the tests without a GPU). On
-``spec.world`` ranks (``bench.ranks`` launches them, as for FSDP2) each rank trains rows
-``[r*B, (r+1)*B)`` of the global batch (``train_batch_size`` = world x B) and is bound to its
-share of the host's cores (``bind_cores``, as DeepSpeed's launcher ``--bind_cores_to_rank``
-does), so that the ranks' CPU Adam threads do not oversubscribe the host.
-
-DeepSpeed compiles its CPU Adam on first use (``scripts/peers.sh`` installs it with
-``DS_BUILD_OPS=0``), under a build lock file that a run killed mid-build leaves behind; the next
-run would wait on it forever. The ops are built in the bench's own temporary directory
-(``extensions_dir``): once per ``slidedp bench train``, its first DeepSpeed run paying for the
-build, every later one (either stage, any variant) loading it (the GPU machines start bare, so a
-user-wide cache would not have kept it either).
+``zero_config`` follows DeepSpeed's and transformers' fine-tuning guides (BF16 compute, FP32
+master in the optimizer, pinned offload, buckets sized from the hidden size as transformers'
+``auto`` values are, AdamW with our hyperparameters, ``gradient_clipping`` at our
+``train.max_grad_norm``); every key can be overridden with ``--peer-set``. The model is built as
+the FSDP2 baseline builds it, then handed to ``deepspeed.initialize``; each rank trains its rows
+of the global batch, bound to its share of the host's cores. Invariant: DeepSpeed's CPU Adam is
+built in the bench's own temporary directory (``extensions_dir``), so a killed build's lock
+never blocks a later run.
 
 Example::
 
-    config = zero_config(3, train, batch=16, hidden=2560, world=4, offload_param=False)
     result = run_zero(spec)  # a RunSpec with system "zero3-offload", "zero3-optim-offload", ...
 """
 

@@ -1,18 +1,12 @@
 """The FSDP2 baselines: how one would fine-tune the model with stock PyTorch.
 
-The HF model from its config (f32 weights on the host), HF activation checkpointing per decoder
-layer, ``fully_shard`` on every decoder layer and on the root with
-``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` and
-``CPUOffloadPolicy(pin_memory=True)`` (parameters, gradients and optimizer state on the host,
-each layer's bf16 parameters copied to the GPU when it runs), ``torch.optim.AdamW(fused=True)``
-on the host parameters, ``clip_grad_norm_`` at our ``train.max_grad_norm`` (0: off). One
-process (NCCL on CUDA, gloo on CPU, rendezvous on a free localhost port), or ``spec.world``
-ranks launched by ``bench.ranks``: the same model and step in each, sharded over all of them,
-rank ``r`` computing rows ``[r*B, (r+1)*B)`` of the global batch of ``world x B`` sequences
-(the losses reported are rank 0's rows). The loss is the model's own (full logits). On CPU the
-host memory is not pinned (there is no CUDA to pin for). Each of ``world`` ranks on GPUs runs
-its share of the host AdamW with cores / ``world`` threads: torch's default, every core in every
-rank, oversubscribes the host (torchrun's default, one thread, starves it).
+The HF model from its config (f32 on the host), HF activation checkpointing per layer,
+``fully_shard`` on every decoder layer and the root with bf16 ``MixedPrecisionPolicy`` and
+``CPUOffloadPolicy(pin_memory=True)``, fused ``torch.optim.AdamW`` on the host parameters,
+``clip_grad_norm_`` at our ``train.max_grad_norm``; the model's own loss (full logits). One
+process or ``spec.world`` ranks (``bench.ranks``), rank ``r`` on rows ``[r*B, (r+1)*B)``.
+Invariant: each of ``world`` GPU ranks runs its host AdamW on cores / ``world`` threads (torch's
+default oversubscribes the host, torchrun's starves it).
 
 Example::
 

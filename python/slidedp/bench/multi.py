@@ -4,27 +4,13 @@ several ranks join the single-GPU ones.
 Run (on a machine with 2 GPUs)::
 
     slidedp bench train --shape qwen3-4b --sweep 4,16 --gpus 2 --json scale.json
-    slidedp bench train --shape qwen3-4b --batch 4 --gpus 2 --routes all \\
-        --set train.max_grad_norm=0 --trace route.json
+    slidedp bench train --shape qwen3-4b --batch 4 --gpus 2 --routes all
 
-Weak scaling: ``--batch``/``--sweep`` is the batch of each rank, so at batch B the runs of N
-ranks train the global batch N x B, rank ``r`` on rows ``[r*B, (r+1)*B)``. Beside the
-single-GPU runs of ``--systems`` (as without ``--gpus``), per batch: ours on N ranks once per
-route of ``--routes`` (``PARAM/GRAD``: ``replicated|sharded`` / ``gpu|cpu``, or ``all``; default
-the config's ``runtime.param_route``/``grad_route``; ``auto``: a run with ``runtime.policy:
-auto`` that chooses its layout and routes as ``slidedp train`` would, so
-``--routes replicated/gpu,auto`` puts AutoPolicy beside the fixed default in one command; a
-fixed route with ``--set runtime.policy=auto`` chooses the layout only), FSDP2-offload on N
-ranks (one ``fully_shard`` process each), every peer of ``--systems`` that scales
-(``bench.peers``: DeepSpeed's ZeRO peers, GPU-resident FSDP2; their variants too, each with its
-own ``--peer-set`` and timeout) on N ranks, and once per command the collectives' bandwidths
-(``bench.collectives``). The compute-only reference and RoundPipe run on one GPU only; the
-reference is projected (x N). ``bench.scaling`` turns the runs into the efficiencies, ratios
-and the route table.
+Weak scaling: ``--batch`` is each rank's, rank ``r`` trains rows ``[r*B, (r+1)*B)``. Per batch:
+ours once per route of ``--routes`` (``PARAM/GRAD``, ``all`` or ``auto``), FSDP2-offload and the
+peers that scale on N ranks, and once the collectives' bandwidths (``bench.collectives``). The
+reference and RoundPipe run on one GPU only; the reference is projected (x N).
 
-Example::
-
-    scale = parse_scale(args, systems, device, ours)   # None without --gpus/--ranks
     specs = scaled_specs(spec, systems, scale, at_batch)  # the N-rank runs at spec.batch
 """
 

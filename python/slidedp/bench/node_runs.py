@@ -1,23 +1,11 @@
-"""Simulated nodes on one host: ``slidedp train`` once per node, each a launcher of its own
-ranks with its own host store, and on CUDA its own GPUs. ``slidedp bench nodes`` measures with
-it; the GPU node test (``tests/multirank/test_gpu_nodes.py``) checks parity with it.
+"""Simulated nodes on one host: ``slidedp train`` once per node, each launching its own ranks
+with its own host store and, on CUDA, its own GPUs.
 
-``node_launches`` is pure (what each node's process runs and with which environment, unit
-tested on CPU); ``run_nodes`` starts them and waits. Every node inherits this process's
-environment (on the GPU machines it keeps NVLink multicast off: ``NCCL_NVLS_ENABLE=0``,
-``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``) plus:
-
-- ``OMP_NUM_THREADS``: this machine's cores / nodes (the ranks of a CPU node split them again);
-- ``runtime.update_threads``: on CPU cores / (2 x all ranks) per rank (torch computes on the
-  other half: two spinning pools on the same cores slow a step ~10x), on CUDA cores / all ranks
-  (the GPU computes); the same per rank for 1 node of N x R ranks as for N nodes of R;
-- CUDA: ``CUDA_VISIBLE_DEVICES``, node ``n`` the ``R`` GPUs ``n*R .. (n+1)*R - 1`` of this
-  process's visible ones (so no two nodes share GPU 0); bf16 compute (``train.dtype``);
-- ``nccl_net``: ``NCCL_NET_ENV``, NCCL's network transport (sockets on loopback, as between
-  machines without InfiniBand) instead of NVLink or shared memory. It holds for every NCCL
-  connection of the process: with several GPUs per node their own collectives use it too;
-- ``nccl_log``: NCCL's INFO log of connection setup into that folder, from which
-  ``nccl_transports`` reads the transports NCCL chose.
+``node_launches`` is pure (each node's command and environment); ``run_nodes`` starts them and
+waits. Each node inherits this environment plus ``OMP_NUM_THREADS`` (cores / nodes),
+``runtime.update_threads`` (the same per rank as 1 node of N x R ranks), on CUDA
+``CUDA_VISIBLE_DEVICES`` (node ``n`` the GPUs ``n*R .. (n+1)*R - 1``: no two nodes share one),
+with ``nccl_net`` NCCL's socket transport, with ``nccl_log`` its INFO log (``nccl_transports``).
 
 Example::
 

@@ -1,29 +1,11 @@
 """``slidedp bench nodes``: what the cross-node gradient all-reduce adds to a step.
 
-Measured on this machine: one seeded Qwen3-style model trained as 1 node of ``nodes x ranks``
-ranks, then as ``nodes`` simulated nodes of ``ranks`` ranks (one host store each, loopback
-rendezvous, each node started by ``slidedp train`` with ``runtime.nodes``: ``node_runs``), same
-processes, same data and global batch. Printed (and in ``--json``): both step times (median
-after warm-up), their ratio, the ``nodes`` lane (the owners' all-reduce with the other nodes,
-``metrics.jsonl``) and the loss parity (max |Δloss| between the two runs over every step).
-
-- ``--device cpu`` (default): CPU ranks, f32, gloo between the nodes.
-- ``--device cuda``: one GPU per rank, bf16, NCCL between the nodes; node ``n`` sees only its
-  GPUs (``CUDA_VISIBLE_DEVICES``), so 2 nodes x 1 GPU against 1 node x 2 GPUs needs 2 GPUs.
-  Without ``--nccl-net`` NCCL joins the nodes over NVLink (it sees one host); with it, the
-  simulated nodes' NCCL uses its network transport (sockets on loopback), as machines without
-  InfiniBand would. The transports NCCL chose are read from its INFO log and printed.
-
-Assumed: the simulated nodes share this machine's cores, memory bandwidth and host links, and
-each applies every AdamW to its own store: the ratio is an upper bound on a real cluster's (on
-CUDA, where the host update binds, one node's AdamW competes with the other's); the lane is the
-collective itself, timed on the compute stream on CUDA. Loopback sockets are not a NIC: the
-``--nccl-net`` lane has the network protocol's costs, not a link's bandwidth.
-
-Predicted (``--predict SHAPE``): the step-time model (``plan.timing``) for one GPU of ``1..8``
-nodes of ``--gpus-per-node`` GPUs joined by a ``--link-gbit`` link, with the engine's
-synchronous collective (the backward waits for each layer's reduction) and with the reduction
-on its own stream; every rate is ``plan.timing``'s (labelled as assumptions there).
+Trains one seeded model as 1 node of ``nodes x ranks`` ranks, then as ``nodes`` simulated nodes
+(one host store each, loopback rendezvous, ``node_runs``), same data and global batch; prints
+both step times, their ratio, the ``nodes`` lane and the loss parity (max |Δloss|). ``--device
+cuda``: NCCL between the nodes (``--nccl-net``: its socket transport on loopback). The simulated
+nodes share this machine's cores and memory bandwidth: the ratio is an upper bound on a real
+cluster's. ``--predict SHAPE``: the step-time model (``plan.timing``) for 1..8 nodes.
 
 Example::
 

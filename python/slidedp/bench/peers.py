@@ -1,29 +1,12 @@
 """The peers of ``slidedp bench train``: the systems users would pick instead of ours.
 
-Each peer runs in its own worker process like the built-in systems (``bench.worker``), on the
-same synthetic tokens, the same model (config and seed), AdamW hyperparameters and clipping as
-ours, in BF16 compute with FP32 master weights:
-
-- ``zero3-offload``: DeepSpeed ZeRO-3, parameters and optimizer state offloaded to pinned host
-  memory, DeepSpeedCPUAdam (``bench.deepspeed_zero``);
-- ``zero3-optim-offload``: ZeRO-3 with the optimizer state offloaded only, the BF16 parameter
-  shards on the GPUs (DeepSpeed's strongest synchronous set-up where they fit);
-- ``zero-offload``: DeepSpeed ZeRO-2 with the optimizer offloaded, BF16 weights on the GPU;
-- ``fsdp2-resident``: FSDP2 with every state on the GPU (``bench.fsdp2``, no offload);
-- ``roundpipe``: RoundPipe's Qwen3 preset, synchronous optimizer step (``bench.roundpipe_sync``).
-
-Their packages are an optional extra (``pip install 'slidedp[peers]'``), imported only inside
-the peer's worker, never by the engine. A peer whose package is missing or fails to import, or
-that cannot run on the bench's device, is a result with ``status`` ``unavailable`` and one line
-saying why (``require``). With ``--gpus N`` every peer that ``scales`` also runs on N ranks
-(``bench.multi``), its variants too; RoundPipe runs on one GPU only.
-
-A peer may run several times in one bench, as named variants: ``--systems
-ours,zero3-offload,zero3-offload:big`` runs ``zero3-offload:big`` as ``zero3-offload`` runs
-(same worker, same checks), with the peer's own ``--peer-set zero3-offload...`` overrides, then
-the variant's ``--peer-set zero3-offload:big...`` on top (``peer_overrides``). Its report rows,
-ratios, timeout and summary go by the full name. Ours has variants too (``ours:auto``, its own
-``--set ours:auto.KEY=VALUE``, ``bench.train``).
+``zero3-offload``, ``zero3-optim-offload``, ``zero-offload`` (``bench.deepspeed_zero``),
+``fsdp2-resident`` (``bench.fsdp2``) and ``roundpipe`` (``bench.roundpipe_sync``), each in its
+own worker process on the same tokens, model, AdamW hyperparameters and clipping as ours.
+Invariants: their packages (``pip install 'slidedp[peers]'``) are imported only inside the peer's
+worker, never by the engine; a peer that cannot run is a result with ``status`` ``unavailable``
+and one line saying why (``require``). A variant ``SYSTEM:LABEL`` runs as its peer with the
+peer's ``--peer-set`` then its own on top (``peer_overrides``), reported under its full name.
 
 Example::
 

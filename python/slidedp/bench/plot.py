@@ -1,23 +1,12 @@
 """The batch-sweep figure of ``slidedp bench train --sweep ... --png FILE``.
 
-Three panels against batch size, one line per system (ours, reference, fsdp2, the peers and
-their variants, ``zero3-offload:big`` in its peer's marker; with ``--gpus N`` also each run of N
-ranks, ``bench.report.run_label``): tokens/s, GPU peak reserved (GiB) and host PSS peak (GiB),
-as the SlideDP paper's Figures 2 and 3. A system's legend entry
-carries the geometric mean of ours / it over the batches where both ran (``bench.sweep``), and
-of each variant of ours (``ours:auto``) / it. A
-run that ran out of memory has no point; its batch is marked "OOM" at the bottom of each panel.
-Needs matplotlib (``pip install 'slidedp[bench]'``).
-
-A sweep too long for one sitting (one device call) can be run a few batches at a time with
-``--json`` and drawn afterwards from the reports: ``slidedp bench plot --png sweep.png
-b4-8.json b16-32.json`` (the reports must be of one shape, sequence length and device; the
-systems may differ, e.g. one report per peer). It prints the sweep summary of the merged runs.
-Reports with ``ours`` or ``reference`` rows must also share our config (``ours_config``: the
-engine's runtime and train sections, which the reference follows for its layout, kernels and
-loss chunk), and every report its train section (each peer takes its hyperparameters and
-clipping from it): rows of two configurations would be drawn as one curve, and their ratios
-summarised as one.
+Three panels against batch size, one line per system and variant (and per run of N ranks):
+tokens/s, GPU peak reserved and host PSS peak; each legend entry carries the geometric mean of
+ours / it (``bench.sweep``); an OOM batch is marked at the bottom. Needs matplotlib
+(``pip install 'slidedp[bench]'``). A sweep run a few batches at a time is drawn from its
+reports: ``slidedp bench plot --png sweep.png b4-8.json b16-32.json``. Invariant: the reports
+must share shape, sequence length and device, and (``ours_config``) our runtime and train
+sections, so no curve or ratio mixes two configurations.
 
 Example::
 

@@ -1,20 +1,12 @@
 """``slidedp bench train --predict``: the step-time model's prediction of every run of ours in
 the report, calibrated on this machine in the same command, beside the measured step.
 
-Calibration (each probe in its own child process, after the runs, so none of them shares the
-GPUs with a timed step; cached like ``slidedp profile``):
-
-- the decoder layer's forward and backward per layer policy of the run, at the run's batch per
-  rank and sequence, with its layer compute (``profile.layer``);
-- the host AdamW rate under the GPU's copies, and the f32→bf16 cast on delivery meanwhile
-  (``profile.host``, the engine's update thread count);
-- on several ranks, the layer-sized ``reduce`` and ``all_gather`` of the same command's
-  collectives run (``bench.collectives``).
-
-Assumed (``plan.timing``): the head's and embedding's compute from FLOPs at the measured layer
-efficiency, the copies at the PCIe ceilings. The prediction is ``plan.timing.spec_from_shapes``
-(routes and ranks included) through the Rust model; the error printed is predicted / measured
-- 1.
+Calibration, each probe in its own child process after the runs (cached like ``slidedp
+profile``): the layer's forward and backward per layer policy (``profile.layer``), the host
+AdamW and cast rates under the GPU's copies (``profile.host``), on several ranks the same
+command's collectives (``bench.collectives``). The head, embedding and copies are assumed as
+``plan.timing`` says; the prediction is ``plan.timing.spec_from_shapes`` through the Rust model,
+and the error printed is predicted / measured - 1.
 
 Example::
 

@@ -1,17 +1,11 @@
 """A bench system on several ranks: the worker launches them, each rank measures, rank 0 reports.
 
-``python -m slidedp.bench.worker SPEC RESULT`` with ``spec.world > 1`` and no ``RANK`` in its
-environment is the launcher: it starts ``spec.world`` copies of itself with ``runtime.launch``
-(``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, rendezvous on localhost; NCCL on CUDA, gloo on CPU),
-waits, and writes RESULT from the ranks' files. Each rank runs the system (``worker.run``) and
-writes ``RESULT.rankR.json`` when it is rank 0 or ran out of memory. So that no rank waits
-forever on a peer that stopped, a failing rank poisons the shared store (``runtime.dist.fail``)
-and exits at once; the launcher kills survivors. The outcome:
-
-- every rank succeeded: rank 0's result (step times are rank 0's; every step ends in
-  collectives, so the ranks keep in step);
-- a rank ran out of memory: that rank's result, status ``oom`` (a result, not a crash);
-- otherwise: the first failing rank's exit code (the parent reports it as an error).
+``python -m slidedp.bench.worker SPEC RESULT`` with ``spec.world > 1`` and no ``RANK`` is the
+launcher: it starts ``spec.world`` copies of itself (``runtime.launch``), waits, and writes
+RESULT from the ranks' files. Invariants: a failing rank poisons the shared store and exits at
+once, the launcher kills survivors, so no rank waits forever. Outcome: rank 0's result when
+every rank succeeded; a rank's ``oom`` result when one ran out of memory; otherwise the first
+failing rank's exit code.
 
 Example::
 

@@ -1,14 +1,10 @@
 """The compute-only reference: our step's computation with every weight resident on the device.
 
-Same transformers decoder-layer modules as the engine (``HFAdapter``, parameters bound with
-``bind_params``), same dtype (bf16 on CUDA, f32 on CPU), the same per-layer activation layout
-run by the same executors (``runtime.activations``: full-layer checkpointing by default; the
-offload ratios are left out, nothing moves), same embedding and chunked linear + cross-entropy
-(``chunked_lm_loss``), the same layer kernels and compilation (``models.fast``: the runtime's
-``kernels`` and ``compile`` resolved the way the engine resolves them). What it
-leaves out is everything that moves data or updates weights: no window, no host store, no
-transfers, no optimizer — the parameter gradients are computed and dropped. Every layer of the
-model runs (no one-layer-times-L extrapolation), so its step time is the model's compute time.
+Same decoder-layer modules (``HFAdapter``, ``bind_params``), dtype, per-layer activation layout
+and executors (offload ratios left out), embedding, chunked loss and layer compute
+(``models.fast``) as the engine. Invariant: it leaves out everything that moves data or
+updates weights (no window, store, transfers or optimizer: gradients computed and dropped), and
+every layer runs, so its step time is the model's compute time.
 
 Example::
 

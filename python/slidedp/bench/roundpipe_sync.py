@@ -1,23 +1,13 @@
 """The RoundPipe peer in its synchronous mode (the SlideDP paper's setting).
 
-The HF model from the config (FP32, the same seed as the other systems), cast to BF16 and
-wrapped by RoundPipe's Qwen3 sequential preset with FP32 optimizer copies
-(``wrap_model_to_roundpipe(..., optim_dtype=float32)``); RoundPipe's CPU Adam in AdamW mode
-(``decoupled_weight_decay=True``) on those copies, with our hyperparameters; clipping at our
-``train.max_grad_norm`` inside the optimizer step, on the FP32 gradients. Each step is
-``forward_backward`` (the model's chunked loss: ``return_logits=False``; each microbatch's mean
-loss weighted by its share of the rows, so the gradient is the batch's mean as in the other
-systems) then ``step(..., is_async=False)``: the next step runs on the updated weights.
-``--peer-set roundpipe.KEY=VALUE`` sets ``RoundPipeRunConfig`` fields (e.g. ``num_microbatch``,
-``recompute_grain``).
-
-RoundPipe 0.1.1's Qwen3 preset was written for transformers 4: it calls the mask builders
-with ``input_embeds=`` and ``cache_position=``, which transformers 5 renamed and dropped
-(``TypeError: create_causal_mask() got an unexpected keyword argument 'input_embeds'`` on the
-GPU machine's 5.17), and it reads each decoder layer's ``attention_type``, which transformers 5
-keeps only in ``config.layer_types``. ``_adapt_mask_builders`` maps the preset's keywords onto
-the installed signature and ``_adapt_layers`` sets the attribute from the config; neither
-changes a mask or a weight.
+The HF model (FP32, the common seed) cast to BF16 and wrapped by RoundPipe's Qwen3 preset with
+FP32 optimizer copies; RoundPipe's CPU Adam in AdamW mode with our hyperparameters and clipping;
+each step ``forward_backward`` (microbatch losses weighted by their rows: the batch's mean)
+then ``step(..., is_async=False)``. ``--peer-set roundpipe.KEY=VALUE`` sets
+``RoundPipeRunConfig`` fields. RoundPipe 0.1.1's preset was written for transformers 4:
+``_adapt_mask_builders`` maps its mask-builder keywords onto the installed signature and
+``_adapt_layers`` sets each layer's ``attention_type`` from the config; neither changes a mask
+or a weight.
 
 Example::
 

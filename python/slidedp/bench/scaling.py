@@ -1,13 +1,10 @@
 """The figures of ``slidedp bench train --gpus N`` and their printed form: weak scaling, ratios,
 the route table of ours and the collectives' bandwidths, from the measured runs.
 
-Weak-scaling efficiency of a system at per-rank batch B: its tokens/s on N ranks (global batch
-N x B) over N x its tokens/s on one rank at B — 100% when N ranks do N times the work in the
-same time. The compute-only reference runs on one GPU only; its N-GPU figure is projected
-(N x its tokens/s: the compute alone, scaling perfectly) and labelled so. Ratios on N ranks
-divide ours' tokens/s (the summary's route) by FSDP2's on N ranks, by each peer's (and
-variant's) on N ranks (``peers``: its tokens/s on 1 and N ranks, efficiency, ours over it)
-and by the projected reference.
+Weak-scaling efficiency at per-rank batch B: tokens/s on N ranks over N x tokens/s on one rank
+(100%: N ranks do N times the work in the same time). The reference runs on one GPU only; its
+N-GPU figure is projected (N x) and labelled so. Ratios on N ranks divide ours' tokens/s by
+FSDP2's, each peer's (and variant's) and the projected reference's.
 
 Example::
 

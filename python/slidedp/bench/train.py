@@ -1,54 +1,17 @@
 """``slidedp bench train``: our engine beside the compute-only reference, FSDP2 CPU offload and
-the peers users would pick instead (DeepSpeed ZeRO-Offload, GPU-resident FSDP2, RoundPipe).
+the peers (DeepSpeed ZeRO-Offload, GPU-resident FSDP2, RoundPipe), same synthetic tokens.
 
 Run (on the GPU machine)::
 
     slidedp bench train --shape qwen3-4b --seq 1024 --batch 16 --json out.json
-    slidedp bench train --shape qwen3-4b --sweep 4,8,16,32 --png sweep.png --json sweep.json
-    slidedp bench train --shape path/to/config.json --systems ours,reference --device cpu
     slidedp bench train --shape qwen3-4b --batch 4 --gpus 2 --routes all --json scale.json
-    slidedp bench train --shape qwen3-30b-a3b --layers 12 --seq 4096 --json moe.json
-    slidedp bench train --shape qwen3-4b --sweep 4,8,16,32 --system-timeout 300 --json peers.json \
-        --systems ours,zero3-offload,zero-offload,fsdp2-resident,roundpipe
-    slidedp bench train --shape qwen3-4b --batch 8 --json tuned.json \
-        --systems ours,zero3-offload,zero3-offload:pf5e8 \
-        --peer-set zero3-offload:pf5e8.zero_optimization.stage3_prefetch_bucket_size=5e8
-    slidedp bench train --shape qwen3-4b --batch 16 --systems ours,ours:auto,zero3-offload \
-        --set ours:auto.runtime.policy=auto
 
-For each batch size, each system runs in its own subprocess (``bench.child``, ``bench.worker``)
-on the same synthetic tokens, ``--warmup`` steps discarded then ``--steps`` measured:
-
-- ``ours``: ``Trainer`` with our config (``--set section.key=value``, as ``slidedp train``'s
-  overrides), step times and per-lane times from its metrics records (``bench.ours``);
-- ``reference``: the same layers and step computation, every weight resident, no offload, no
-  optimizer (``bench.reference``);
-- ``fsdp2``: HF model, activation checkpointing, FSDP2 with bf16 mixed precision and
-  ``CPUOffloadPolicy(pin_memory=True)``, fused host AdamW (``bench.fsdp2``);
-- the peers of ``bench.peers`` (optional packages; one line in the report when one cannot run),
-  their config overridden with ``--peer-set SYSTEM.KEY=VALUE``. ``SYSTEM:LABEL`` in ``--systems``
-  is a variant of a peer: it runs as the peer runs, with the peer's ``--peer-set`` and then its
-  own (``--peer-set SYSTEM:LABEL.KEY=VALUE``) on top, and is reported, divided by, timed out
-  (``--system-timeout SYSTEM:LABEL=S``; a plain ``SYSTEM=S`` is not its) and summarised under
-  that name: several settings of one peer beside ours in one run, DeepSpeed's ops built once.
-  Ours has variants the same way: ``ours:auto`` with ``--set ours:auto.runtime.policy=auto``
-  runs our engine with the plain ``--set`` items then its own; each of ours' family is divided
-  by every other system (``ours:auto/zero3-offload:big``) and summarised apart.
-
-Per run: mean step time, tokens/s, model TFLOP/s (``runtime.flops.FLOPS_FORMULA``), MFU against
-the measured bf16 GEMM peak, GPU peak reserved (``torch.cuda.max_memory_reserved`` of the
-child), host PSS peak (sampled over the child's process tree), and for ours the exposed wait
-per lane. Ratios are of tokens/s: ours / each other system (``bench.report``), and over a sweep
-the geometric mean of those ratios where both ran and the largest batch of each system
-(``bench.sweep``). A system that runs out of memory is reported as ``OOM``, one that runs past
-``--system-timeout`` as ``TIMEOUT``, a peer that cannot run here as ``UNAVAILABLE``; any other
-failure makes the command exit 1 after the report. ``--json`` is rewritten after every run, so
-a sweep cut short keeps what it measured.
-
-With ``--gpus N`` (``--ranks N`` on CPU) the same batches also run on N ranks, weak scaling:
-ours once per route of ``--routes``, FSDP2 and the peers that scale (and their variants) on N
-ranks, the collectives' bandwidths once (``bench.multi``), then the efficiencies, ratios to
-the projected reference and the route table (``bench.scaling``).
+Each system runs in its own subprocess (``bench.child``); ``--set`` overrides ours,
+``--peer-set SYSTEM[:LABEL].KEY=VALUE`` a peer or its variant. Reports tokens/s, model TFLOP/s,
+MFU, peak GPU reserved and host PSS, ratios ours/other (``bench.report``, ``bench.sweep``);
+``--gpus N`` adds weak scaling (``bench.multi``, ``bench.scaling``). Invariants: OOM, TIMEOUT and
+UNAVAILABLE are reported, any other failure exits 1 after the report; ``--json`` is rewritten
+after every run (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -4,17 +4,12 @@ Run by the parent (``slidedp.bench.train``), not by hand::
 
     python -m slidedp.bench.worker SPEC.json RESULT.json
 
-A spec of several ranks (``world > 1``) makes this process their launcher and each rank a copy
-of it (``bench.ranks``); each dies with the process that started it (``runtime.lifetime``). The
-result holds ``status`` (``ok``, or ``oom`` when the device or the host ran out of memory: a
-result, not a crash), the system's measured step times, the process's GPU peak reserved and
-allocated bytes and its PSS at the end, a peer's ``--peer-set`` overrides as given
-(``peer_set``; a variant's merged on its peer's); a peer that cannot run here
-(``bench.peers.PeerUnavailable``: its package missing or broken, no CUDA) is ``unavailable``
-with one line.
-Any other exception propagates (non-zero exit, traceback on stderr). ``system="peak"`` measures
-the device's bf16 GEMM peak and the device name instead; ``system="collectives"`` the bandwidths
-of the ranks' collectives (``bench.collectives``).
+A spec of several ranks makes this process their launcher (``bench.ranks``); each dies with the
+process that started it (``runtime.lifetime``). The result holds ``status`` (``ok``, ``oom``: a
+result, not a crash; ``unavailable`` for a peer that cannot run here, with one line), the step
+times, GPU peaks, PSS and a peer's ``peer_set``. Any other exception propagates (non-zero exit).
+``system="peak"`` measures the device's bf16 GEMM peak, ``system="collectives"`` the ranks'
+collectives (``bench.collectives``).
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """One step's global batch, as the engine consumes it.
 
-Labels are the inputs (the model shifts them: position ``i`` predicts token ``i + 1``, see
-``slidedp.models.loss.shift_labels``); padding and untrained tokens (prompts, user turns) are
-``IGNORE_INDEX`` in ``labels``. The loss is the mean over all label tokens of the global batch.
-
-Two row layouts (``data.packing``):
-
-- padded (``position_ids is None``): one sample per row, right-padded; ``attention_mask`` marks
-  the tokens and positions are ``0 .. S-1`` (the models' default).
-- packed (``position_ids`` set): several samples per row, back to back, padding only at a row's
-  tail. ``position_ids`` restart at 0 at each sample (the tail padding restarts too, so it is a
-  segment of its own, with ``IGNORE_INDEX`` labels). The first token of each sample is never a
-  target, so no sample is trained to predict the next one's start.
-
-What the engine must do with a packed batch (``model_inputs`` returns exactly this): pass
-``position_ids`` [B, S] to the rotary embeddings and to transformers' mask builders, and pass
-``attention_mask=None`` and no cache to the mask builders: transformers then
-detects the packed samples from the position ids (``masking_utils.find_packed_sequence_indices``,
-skipped when there is a mask or a cache) and keeps attention inside each sample.
-``attention_mask`` stays set only to count tokens (``Batch.tokens``).
+Labels are the inputs (the model shifts them, ``models.loss.shift_labels``); padding and
+untrained tokens are ``IGNORE_INDEX``. The loss is the mean over the global batch's label tokens.
+Rows (``data.packing``): padded (``position_ids is None``, one right-padded sample per row) or
+packed (``position_ids`` restart at 0 at each sample, the tail padding a segment of its own; a
+sample's first token is never a target). Invariant for a packed batch (``model_inputs``):
+``position_ids`` go to the rotary embeddings and the mask builders with ``attention_mask=None``
+and no cache, so transformers keeps attention inside each sample
+(``masking_utils.find_packed_sequence_indices``); ``attention_mask`` only counts tokens.
 
 Example::
 

@@ -1,18 +1,16 @@
 """``build_batches``: the ``data:`` section and the model → every step's batch, checked up front.
 
-Everything that can be wrong with the data is found here, before any GPU work: ``seq_len`` above
-the model's positions, a token id outside its vocabulary, a missing chat template, eos or pad
-token, a bad record (named by file:line), an empty data set, over-length samples under
-``over_length: error``.
+Invariant: everything that can be wrong with the data is found here, before any GPU work:
+``seq_len`` above the model's positions, a token id outside its vocabulary, a missing chat
+template, eos or pad token, a bad record (named by file:line), an empty data set, over-length
+samples under ``over_length: error``.
 
 Example::
 
     batches = build_batches(
-        cfg.data,
-        model_dir=Path(cfg.model.path),
+        cfg.data, model_dir=Path(cfg.model.path),
         model=ModelFacts.from_config(adapter.config, adapter.vocab_size),
-        batch_size=cfg.train.global_batch_size,
-        seed=cfg.train.seed,
+        batch_size=cfg.train.global_batch_size, seed=cfg.train.seed,
     )
 """
 

@@ -9,12 +9,8 @@ Example (YAML)::
       over_length: truncate      # truncate | drop | error (counts are reported)
       shuffle: true              # a seeded permutation per epoch (train.seed)
 
-A mixture instead of one file (``data.mixture``)::
-
-    data:
-      sources:
-        - {path: ./data/chat.jsonl, weight: 3}
-        - {path: ./data/code.parquet, format: text, weight: 1}
+A mixture instead of one file: ``sources: [{path: ..., weight: 3}, {path: ..., format: text,
+weight: 1}]`` (docs/configuration.md, key ``data.sources``).
 """
 
 from __future__ import annotations

@@ -1,29 +1,17 @@
-"""Records → token ids and the trained-token mask, per data format, one chunk at a time.
+"""Records → token ids and trained-token mask, per format, one chunk (one tokenizer call) at a time.
 
-- ``text``: tokenized with the tokenizer's own special tokens (e.g. a BOS). With packing, eos is
-  appended (unless already last) so the model learns where a document ends and sees it before
-  the next sample, as TRL and transformers' ``group_texts`` do; a padded row keeps the text as
-  written (its end is the row's end). Loss on every token.
-- ``prompt`` + ``completion``: prompt tokens (with special tokens), then completion tokens
-  (without), then eos unless already last; loss on the completion and its eos only.
-- ``messages``: rendered by the tokenizer's chat template and tokenized without added special
-  tokens (the template writes them, as ``apply_chat_template`` does). Loss on assistant turns: for
-  assistant message ``i``, the characters that the template adds for it after the generation
-  prompt, i.e. ``render(messages[:i+1])`` past ``render(messages[:i], add_generation_prompt)``
-  (the content and the end-of-turn marker, not the role header); a token is trained when its
-  first character lies there. A template that renders a conversation's prefix differently from
-  the start of the whole conversation (some rewrite earlier turns) is an error naming the line.
-- ``input_ids``: taken as given (nothing added); loss on every token.
-
-``data.train_on_prompt`` puts the loss on every token of ``messages`` and ``prompt_completion``.
-A chunk is tokenized by one batched call of the fast (Rust) tokenizer (two for
-prompt + completion); only chat templates render per conversation, as in transformers.
+- ``text``: the tokenizer's special tokens; with packing, eos appended unless last. Loss on all.
+- ``prompt`` + ``completion``: prompt (with special tokens), completion, eos unless last; loss
+  on the completion and its eos.
+- ``messages``: the tokenizer's chat template; loss on the characters the template adds for each
+  assistant turn past the generation prompt (content and end-of-turn, not the role header). A
+  template that renders a prefix differently from the whole conversation is an error.
+- ``input_ids``: as given; loss on all. ``data.train_on_prompt`` trains every token.
 
 Example::
 
     encoder = Encoder(model_dir, vocab_size=32000, eos_id=2, packing=True,
                       train_on_prompt=False, where=source.where)
-    samples = Samples.concat([encoder.encode(chunk) for chunk in source.chunks()])
 """
 
 from __future__ import annotations

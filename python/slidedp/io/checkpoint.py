@@ -1,23 +1,12 @@
 """Training checkpoints: written atomically, found again, loaded straight into the host store.
 
-A checkpoint is ``OUTPUT/checkpoint-STEP/`` (STEP = steps completed)::
-
-    config.json, tokenizer files, model.safetensors        an HF model directory (f32 master
-      (or model-0000k-of-0000n.safetensors + index)        weights): from_pretrained loads it
-    optimizer/exp_avg*.safetensors, exp_avg_sq*...          Adam moments, same names and shapes
-    rng_state.json                                          python, numpy, torch (and CUDA) RNG
-    trainer_state.json                                      step, Adam step, skips, schedule...
-    manifest.json                                           every file's size and CRC-32
-
-Atomic: everything is written into the hidden ``OUTPUT/.checkpoint-STEP.tmp``, every file and
-directory fsync'd, then the directory is renamed to ``checkpoint-STEP`` (the commit point: a
-crash before it leaves no ``checkpoint-*`` behind, the previous checkpoints untouched), then the
-``OUTPUT/latest`` pointer (the name, one line) is replaced atomically, then the oldest
-checkpoints beyond ``save_total_limit`` are removed. ``resume: auto`` takes the newest complete
-checkpoint (the one ``latest`` names, unless a crash hit between the rename and the pointer).
-Nothing is ever written into an existing checkpoint. Tensors stream from the store's views to
-the files and back (``safe_open`` per tensor), so saving and loading never hold a second copy
-of the state in memory. The data position is the step (``batch(t)`` is a pure function of t).
+``OUTPUT/checkpoint-STEP/``: an HF model directory of the f32 master weights, ``optimizer/``
+(Adam moments, same names and shapes), ``rng_state.json``, ``trainer_state.json`` and
+``manifest.json`` (every file's size and CRC-32); ``OUTPUT/latest`` names the newest.
+Invariants: written into ``.checkpoint-STEP.tmp``, fsync'd, then renamed (the commit point),
+then ``latest`` replaced atomically, then the oldest beyond ``save_total_limit`` removed; nothing
+is written into an existing checkpoint; tensors stream between the store's views and the files
+(never a second copy of the state); the data position is the step (docs/checkpoints.md).
 
 Example::
 

@@ -1,13 +1,10 @@
 """Disk space for checkpoints: checked before the first step, reported when a save runs out.
 
-A checkpoint (``io.checkpoint``) holds three FP32 copies of the parameters (master weights and
-both Adam moments: 12 bytes per parameter), the tokenizer files and a few small JSON files.
-Before the first step the preflight (``slidedp validate`` and ``train``) checks that
-``output.dir``'s filesystem has room for the checkpoints the run will have on disk at once:
-``save_total_limit`` kept plus the one being written (every save of the run when the limit is
-0), less those already there. A save that still runs out of space (another writer filled the
-disk) raises ``DiskFullError``: one line naming the filesystem, the bytes needed and free, and
-the intact checkpoint to resume from (the partial one is already removed).
+A checkpoint holds 12 bytes per parameter (FP32 master and both Adam moments), the tokenizer and
+a few JSON files. The preflight checks that ``output.dir``'s filesystem has room for the
+checkpoints on disk at once (``save_total_limit`` plus the one being written, less those there).
+Invariant: a save that still runs out raises ``DiskFullError``, one line naming the filesystem,
+the bytes needed and free and the intact checkpoint to resume from (the partial one removed).
 
 Example::
 

@@ -1,12 +1,10 @@
 """Write store state as safetensors, HF-style: the tensor files of checkpoints (whose weight
 part is an HF model directory, ``io.checkpoint``).
 
-Tensors stream from the store's views straight to the file (``file.write`` of a memoryview:
-no copy of a tensor, let alone of the model, is made in memory). Files larger than
-``max_shard_bytes`` are split HF-style (``model-00001-of-00003.safetensors`` plus
-``model.safetensors.index.json``), which ``from_pretrained`` and ``safe_open`` read. Tied
-embeddings are saved the HF way: only ``model.embed_tokens.weight``, ``tie_word_embeddings`` in
-the config. Tokenizer files of the source directory are copied along.
+Invariants: tensors stream from the store's views straight to the file (no copy in memory);
+files over ``max_shard_bytes`` are split HF-style with ``model.safetensors.index.json``; tied
+embeddings are saved the HF way (only ``model.embed_tokens.weight``). Tokenizer files of the
+source directory are copied along.
 
 Example::
 

@@ -1,35 +1,17 @@
 """The hub's per-expert layout of mixture-of-experts checkpoints, mapped onto the model's fused
-expert parameters.
+expert parameters ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I].
 
-transformers 5 builds the Qwen3-MoE, Qwen3.5-MoE, Mixtral and OLMoE layers with each layer's
-experts fused into two parameters, ``mlp.experts.gate_up_proj`` [E, 2I, H] and
-``mlp.experts.down_proj`` [E, H, I], which is what the store holds and what ``slidedp export``
-writes. Checkpoints on the hub, and transformers' own ``save_pretrained``, keep one tensor per
-expert and projection (Gemma 4's experts stay fused: transformers converts none)::
-
-    qwen3_moe, olmoe, model.layers.N.mlp.experts.E.{gate_proj,up_proj,down_proj}.weight
-    qwen3_5_moe_text
-    mixtral           model.layers.N.block_sparse_moe.experts.E.{w1,w3,w2}.weight
-                      model.layers.N.block_sparse_moe.gate.weight  (the router, mlp.gate.weight)
-
-transformers fuses these when it loads them: its ``conversion_mapping.py`` (the same in 5.17 and
-5.23) stacks each projection's experts in index order (``MergeModulelist(dim=0)``) and
-concatenates gate before up (``Concatenate(dim=1)`` over ``[gate_proj, up_proj]``, Mixtral's
-``[w1, w3]``), and the experts' forward splits ``gate, up = linear(x, gate_up_proj[e]).chunk(2,
-dim=-1)``; Mixtral's ``block_sparse_moe`` is renamed ``mlp``. That machinery is not called here:
-it lives in transformers' internal ``core_model_loading``, whose operations build whole fused
-tensors from a whole state dict. This module writes the same mapping out instead: each hub
-tensor names its ``Slot``, a slice of a fused parameter (``gate_up_proj[e, :I]`` for gate,
-``gate_up_proj[e, I:]`` for up, ``down_proj[e]``), and ``io.hf_load`` copies it there one tensor
-at a time, so no layer's experts are ever assembled outside the store.
-``tests/checkpoint/test_hub_experts.py`` holds it against ``from_pretrained`` of the same files.
+Hub checkpoints keep one tensor per expert and projection (``...experts.E.{gate_proj,up_proj,
+down_proj}.weight``; Mixtral ``block_sparse_moe.experts.E.{w1,w3,w2}``). Each names its ``Slot``,
+a slice of a fused parameter (gate ``gate_up_proj[e, :I]``, up ``gate_up_proj[e, I:]``,
+``down_proj[e]``), as transformers' ``conversion_mapping.py`` fuses them on load; ``io.hf_load``
+copies tensor by tensor, never assembling a layer's experts outside the store.
 
 Example::
 
     hub = HubLayout.of(adapter.config.model_type, adapter.shapes())  # None: a dense model
-    hub.slot("model.layers.0.block_sparse_moe.experts.3.w3.weight")
-    # Slot(target='model.layers.0.mlp.experts.gate_up_proj', shape=(I, H), expert=3,
-    #      rows=(I, 2 * I)): up, the second half of expert 3's rows
+    hub.slot("model.layers.0.block_sparse_moe.experts.3.w3.weight")  # up of expert 3: a
+    # Slot of target 'model.layers.0.mlp.experts.gate_up_proj', rows=(I, 2 * I)
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """A checkpoint's manifest: every file's size and CRC-32, written at save time, checked on resume.
 
-``checkpoint-STEP/manifest.json`` lists each file of the checkpoint (paths relative to it) with
-its size in bytes and its CRC-32 (zlib's, several GB/s: computed right after the file is
-written, while it is still in the page cache). On resume the sizes are always checked (a stat
-per file: a copy cut short or a file missing shows at once); the checksums only when asked
-(``train.verify_checksums``) or when the sizes match but a file cannot be read. Checkpoints
-written before the manifest existed have none: for them only the presence of the files a
-checkpoint needs is checked.
+``checkpoint-STEP/manifest.json`` lists each file (relative path) with its size and CRC-32
+(computed right after the file is written, still in the page cache). On resume the sizes are
+always checked; the checksums when ``train.verify_checksums`` asks or a file of the right size
+cannot be read. Checkpoints older than the manifest: only the needed files' presence.
 
 Example::
 

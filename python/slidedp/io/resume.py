@@ -1,22 +1,17 @@
 """Which checkpoint a run continues from: decided, and the checkpoint checked, before anything is
 allocated or written (``slidedp validate`` and ``slidedp train`` both call ``plan_resume``).
 
-``train.resume``: ``""`` starts afresh (refused when ``output.dir`` already holds a checkpoint),
-``auto`` takes the newest intact checkpoint of ``output.dir`` (none: a new run), a path takes
-that checkpoint. A checkpoint is damaged when its manifest (``io.manifest``: sizes always, CRC-32s
-with ``train.verify_checksums``) or, for older checkpoints without one, the list of files a
-checkpoint needs, says a file is missing or changed, or when its trainer state, RNG state or a
-safetensors header cannot be read (then the checksums say which file changed, if one did).
-``auto`` skips damaged newer checkpoints with one warning line; a damaged checkpoint named by path
-is refused, naming the previous intact one. A damaged checkpoint past the resumed step stays as
-it is until the run saves that step: then it is renamed ``checkpoint-STEP.damaged``, never
-written into (``save_checkpoint``'s ``set_aside``).
+``train.resume``: ``""`` starts afresh (refused when ``output.dir`` holds a checkpoint), ``auto``
+takes the newest intact checkpoint (none: a new run), a path takes that one. A checkpoint is
+damaged when its manifest (``io.manifest``), or for older ones its list of needed files, says a
+file is missing or changed, or when its states or a safetensors header cannot be read.
+Invariants: ``auto`` skips damaged newer checkpoints with one warning line; a damaged one named
+by path is refused, naming the previous intact one; a damaged one past the resumed step is
+renamed ``checkpoint-STEP.damaged`` when the run saves that step, never written into.
 
 Example::
 
     point = plan_resume(cfg.train, Path(cfg.output.dir), adapter)   # None: a new run
-    if point is not None and point.warning:
-        print(point.warning, file=sys.stderr)
 """
 
 from __future__ import annotations

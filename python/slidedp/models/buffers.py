@@ -1,12 +1,10 @@
 """Tensors a decoder layer holds that are not parameters: its buffers (Gemma 4's
 ``layer_scalar``, a constant scale per layer that checkpoints carry).
 
-The skeleton's layer modules live on the ``meta`` device, so a buffer has no value there. The
-values are kept here, on CPU, one small tensor per buffer: first what the model's own
-``_init_weights`` sets (``from_config``'s), then the checkpoint's where it has them
-(``io.hf_load``). They are never trained: checkpoints and the export write the persistent ones
-beside the master weights (``io.export``), so ``from_pretrained`` reads them back, and a layer
-is run with copies on its input's device bound in, the floating ones in the input's dtype
+The skeleton lives on ``meta``, so the values are kept here on CPU: the model's own
+``_init_weights`` first, then the checkpoint's (``io.hf_load``). Invariants: never trained;
+checkpoints and the export write the persistent ones beside the master weights (``io.export``);
+a layer runs with copies on its input's device bound in, the floating ones in the input's dtype
 (``HFAdapter.run_layer``), as ``model.to(dtype)`` converts buffers.
 
 Example::

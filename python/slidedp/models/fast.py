@@ -1,50 +1,17 @@
 """Fast decoder-layer compute: Liger Kernel's fused modules and a compiled decoder layer.
 
-Two choices of the Policy, resolved once per run by ``resolve_compute`` for the device and the
-model (``runtime.kernels``, ``runtime.compile``) and applied to the adapter by ``apply_compute``
-(the engine, the compute-only reference and ``slidedp profile layer`` all call it):
-
-- ``kernels``: ``liger`` patches Liger Kernel's Triton kernels (the ``slidedp[fast]`` extra,
-  ``pip install 'slidedp[fast]'``) into the adapter's modules — RMSNorm (each layer's input
-  and post-attention norms, Qwen3's q/k norms, the final norm), SwiGLU (``act(gate) * up`` in
-  one kernel) and RoPE (the modeling module's ``apply_rotary_pos_emb``, a module-level name
-  transformers looks up at call time: a dispatcher installed once runs Liger's function in a
-  thread inside a patched attention, transformers' everywhere else). Segment
-  checkpointing (``S``) runs the MLP's pieces itself, so its SwiGLU stays eager. Llama, Mistral,
-  Qwen2 and Qwen3 get all three; Gemma 3 and the mixtures of experts keep transformers'
-  modules. ``eager``: transformers' modules. ``auto``: ``liger`` where it can run (CUDA, a
-  Llama-family model, ``liger_kernel`` importable), else ``eager`` with the reason in the
-  banner. Asking for ``liger`` where it cannot run is a config error.
-- ``compile``: every decoder layer runs through ONE ``torch.compile``d call (regional
-  compilation). The layer module is an argument of the compiled function, and dynamo reads a
-  module's parameters as graph inputs, so the slot views that ``bind_params`` re-binds on every
-  load, and every layer of the same class, reuse the graph: one compilation per grad mode
-  (the checkpointed forward runs without grad, the replay and ``N`` with it), none per layer or
-  step (``tests/engine/test_fast.py`` counts them). The default (null) compiles on CUDA where
-  the kernels are eager. On the H100 one Qwen3-8B layer (B=16, S=1024, fwd+bwd) ran 446 model
-  TFLOP/s eager, 618 with Liger, 627 compiled and 665 with both
-  (benchmarks/2026-11-23-fast-layers-h100.md); the combination drifted in the GPU parity test
-  and is refused (below). ``S`` and ``SAC``
-  layers run eagerly (SAC's policy must see every operator). The CPU test compiles with
-  ``aot_eager``, whose bit-identity says nothing of inductor's fusions. The mixtures of
-  experts are not compiled by default (their routing is data-dependent); with router logits
-  (recorded by hooks registered per call) ``compile: true`` is a config error. A layer that
-  recompiles past dynamo's ``recompile_limit`` runs eagerly from then on: slidedp says so once
-  (one ``warning:`` line on stderr naming the layer compute and what to do).
-
-``apply_compute`` patches an adapter once: a second call with the same choice changes nothing,
-another choice is a programming error (the patched modules cannot be unpatched).
-
-The loss head stays ``models.loss.chunked_lm_loss`` (a GEMM per chunk of labelled rows, its
-memory bounded by ``runtime.loss_chunk_tokens``); attention is transformers' SDPA path, whose
-backend PyTorch picks per call (flash or cuDNN without a mask tensor, memory-efficient with a
-padding or packing mask; ``slidedp profile layer --kernels`` names the kernel that ran).
+``resolve_compute`` picks, once per run, ``runtime.kernels`` (``liger``: Liger's RMSNorm, SwiGLU
+and RoPE for the Llama family, the ``slidedp[fast]`` extra; ``eager``; ``auto``: liger where it
+can run) and ``runtime.compile`` (every decoder layer through ONE ``torch.compile``d call, one
+compilation per grad mode, none per layer or step); ``apply_compute`` patches the adapter.
+Invariants: a second ``apply_compute`` with the same choice changes nothing, another choice is a
+programming error; liger where it cannot run, liger with compile, and compile with router logits
+are config errors; ``S`` and ``SAC`` layers run eagerly (docs/layer-compute.md).
 
 Example::
 
     compute = resolve_compute("auto", None, torch.device("cuda"), adapter)
     apply_compute(adapter, compute)
-    print(compute.describe())   # 'liger (RMSNorm, RoPE, SwiGLU), not compiled, attention SDPA'
 """
 
 from __future__ import annotations

@@ -1,26 +1,16 @@
-"""A mixture of experts' load-balancing loss, on one rank or over the global batch of several.
-
-transformers' ``load_balancing_loss_func`` (Switch Transformer eq. 4-6) pools the tokens of
-every router layer: with ``m_t`` the padding mask of token ``t`` (1 everywhere when packed) and
-``p_t = softmax(logits_t)`` over the ``E`` experts,
-
-    c_e = Σ_layers Σ_t m_t · [e ∈ top_k(p_t)]     (routed count, no gradient)
-    s_e = Σ_layers Σ_t m_t · p_t,e               (probability sum)
-    T   = Σ_layers Σ_t m_t                       (rows)
-    aux = E · Σ_e (c_e / T) · (s_e / T)
-
-``c``, ``s`` and ``T`` are sums over tokens, so the global batch's are the sums of the ranks'
-(``Statistics.packed``, one all-reduce of ``2E + 1`` numbers, float64): every rank then
-computes the same ``aux`` and the gradient for its own rows, ``d aux / d logits_t = E / T ·
-Σ_e (c_e / T) · m_t · d p_t,e / d logits_t`` (``T`` and ``c`` global, constants). One rank
-keeps calling transformers' function itself (``RouterLoss.__call__``); ``check_split`` proves
-on a random batch that the installed function is this formula before several ranks rely on it.
+"""A mixture of experts' load-balancing loss, on one rank or over the global batch of several:
+transformers' ``load_balancing_loss_func`` (Switch Transformer), with ``m_t`` the padding mask
+and ``p_t = softmax(logits_t)``: ``c_e = Σ m_t·[e ∈ top_k(p_t)]``, ``s_e = Σ m_t·p_t,e``,
+``T = Σ m_t`` (over layers and tokens), ``aux = E · Σ_e (c_e / T)(s_e / T)``. These are sums,
+so the global batch's are the ranks' summed (``Statistics.packed``: one all-reduce of ``2E + 1``
+float64): every rank computes the same ``aux`` and the gradient for its own rows. One rank
+calls transformers' function itself; ``check_split`` proves the installed function is this
+formula before several ranks rely on it.
 
 Example::
 
     stats = router_loss.statistics(logits, attention_mask)   # this rank's rows
-    total = stats.packed()
-    torch.distributed.all_reduce(total)                      # the global batch's sums
+    total = stats.packed(); torch.distributed.all_reduce(total)  # the global batch's sums
     aux, grads = router_loss.from_total(stats, total)
 """
 

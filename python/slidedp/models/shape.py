@@ -1,13 +1,10 @@
 """Per-layer shapes of a decoder-only LM: what FLOPs, the cost model and the executors share.
 
-``LayerShape`` is read from transformers' own modules built on the meta device (no weight
-allocated), so it follows the architecture, not a formula per model family, and each layer
-from its own module (layers differ: Gemma 4's full-attention layers have wider heads,
-Qwen3.5's linear-attention layers no softmax attention): the hidden size, the attention
-widths, the key length a query attends to at a sequence length (``S``, or the window of a
-sliding-attention layer), and the parameters — all of them and the ones a token uses (equal
-for dense layers; a mixture-of-experts layer uses ``top_k`` of its ``experts``), with the
-matmul weights among them (the ``nn.Linear`` weights that FLOPs count).
+``LayerShape`` is read from transformers' own modules built on the meta device, each layer
+from its own module (layers may differ): hidden size, attention widths, the key length a query
+attends to (``S`` or a sliding window), all parameters and those a token uses (``top_k`` of a
+mixture's ``experts``), with the matmul weights among them (what FLOPs count). Invariant: no
+weight allocated; it follows the architecture, not a formula per family.
 
 Example::
 

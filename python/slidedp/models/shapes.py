@@ -1,17 +1,12 @@
 """Named model shapes for the benchmarks: the Qwen3 dense family, MoE and Gemma 3 models,
 models whose layers differ (Gemma 4, Qwen3.5-MoE), or any HF config.json.
 
-Values are those of the published config.json files: ``Qwen/Qwen3-*`` (head_dim 128, vocab
-151936, rope_theta 1e6, rms_norm_eps 1e-6, embeddings tied up to 4B), ``Qwen/Qwen3-30B-A3B``,
-``allenai/OLMoE-1B-7B-0924``, ``mistralai/Mixtral-8x7B-v0.1`` and the text part of
-``google/gemma-3-12b-pt`` (its RoPE left at the default: rotary scaling does not change a
-step's time). The text parts of two multimodal models: ``google/gemma-4-31B`` (as its model
-card describes the decoder: 60 layers, 5 sliding of head dim 256 to 1 full of 512 with 4
-key/value heads and k = v; 30.7 B parameters) and ``Qwen/Qwen3.5-35B-A3B`` (transformers'
-``Qwen3_5MoeTextConfig`` defaults, documented as that checkpoint's: 3 Gated DeltaNet layers to
-1 full attention, 256 experts top-8 with a shared expert). Weights are never downloaded: the
-benchmarks initialise randomly, which does not change the time of a step. ``model_type``
-picks the config class (default qwen3).
+Values are those of the published config.json files (``Qwen/Qwen3-*``, ``Qwen/Qwen3-30B-A3B``,
+``allenai/OLMoE-1B-7B-0924``, ``mistralai/Mixtral-8x7B-v0.1``, the text parts of
+``google/gemma-3-12b-pt``, ``google/gemma-4-31B`` as its model card describes it and
+``Qwen/Qwen3.5-35B-A3B`` as transformers' ``Qwen3_5MoeTextConfig`` defaults). Invariant: weights
+are never downloaded; the benchmarks initialise randomly, which does not change a step's time.
+``model_type`` picks the config class (default qwen3).
 
 Example::
 

@@ -3,16 +3,9 @@ executors the engine runs (``runtime.activations``) on the ``meta`` device: shap
 only, nothing computed or allocated, a few milliseconds per family.
 
 Per layer (``LayerFootprint``): the tensors its forward saves (offloadable, in save order), the
-operator outputs selective checkpointing keeps on the device, and the transient of its backward:
-the tensors autograd saves while the backward replays (all of a full-layer replay, the largest
-span of a segment replay, nothing for ``N``, which replays nothing) and, factor
-``GRAD_COPIES``, as much again for their gradients — the accounting ``estimate`` validated
-against measured peaks for full checkpointing.
-
-On meta, ``scaled_dot_product_attention`` would take its math path (the S x S attention matrix
-saved); a CUDA run takes the flash/efficient kernels, which save q, k, v, the output and the
-log-sum-exp. ``_FlashOnMeta`` routes attention through the flash operator so the saved tensors
-are the GPU's.
+outputs selective checkpointing keeps, and the backward's transient (what the replay saves plus
+their gradients). Invariant: attention is routed through the flash operator on meta
+(``_FlashOnMeta``), so the saved tensors are the GPU's, not the math path's S x S matrix.
 
 Example::
 
@@ -46,12 +39,14 @@ from slidedp.store import HostStore
 
 # The backward's peak over a replay's saved tensors: the gradients alive at the same time, as a
 # share of those saved bytes. Fitted so that full checkpointing reproduces the GPU peaks measured
-# for Qwen3-4B (BENCHMARKS.md, within 0.5% with ``estimate.ALLOCATOR_BYTES``); the other families
-# use the same share (validated against measured peaks: BENCHMARKS.md "Elastic Checkpointing").
+# for Qwen3-4B (benchmarks/2026-11-23-activation-layouts-h100.md, within 0.5% with
+# ``estimate.ALLOCATOR_BYTES``); the other families use the same share (validated against the
+# measured peaks of that record).
 REPLAY_PEAK_FACTOR = 1.64
-# The same share with Liger's kernels (``models.liger_twins`` count what they save): fitted to
-# the H100's peaks with Liger, Qwen3-4B at 64K and 128K and Qwen3-8B at 64K tokens (1.85-1.90;
-# BENCHMARKS.md, issue #17); its backward kernels allocate more beside fewer saved tensors.
+# The same share with Liger's kernels (``models.liger_twins`` count what they save): fitted to the
+# H100's peaks with Liger, Qwen3-4B at 64K and 128K and Qwen3-8B at 64K tokens (1.85-1.90;
+# benchmarks/2026-11-24-moe-long-context-h100.md); its backward kernels allocate more beside fewer
+# saved tensors.
 LIGER_REPLAY_PEAK_FACTOR = 1.90
 META = torch.device("meta")
 
@@ -259,10 +254,11 @@ def resident_embedding_bytes(adapter: HFAdapter, dtype: torch.dtype, *, clipping
 
 
 # the resident update's pass (``runtime.resident.adamw_tensor``, compiled): bytes it moves per
-# parameter (BF16 gradient read; FP32 master and moments read and written; BF16 weight written)
-# and the rate it moved them at on the H100 (benches/resident_update.py: 4.02 B parameters of
-# Qwen3-4B in 53.9 ms, BENCHMARKS.md issue #16, tenth lease); used for every GPU, so on one
-# with more memory bandwidth (the H200) the update is overstated, not yet measured there
+# parameter (BF16 gradient read; FP32 master and moments read and written; BF16 weight written) and
+# the rate it moved them at on the H100 (benches/resident_update.py: 4.02 B parameters of Qwen3-4B
+# in 53.9 ms, benchmarks/2026-11-25-autopolicy-h100.md, section "Qwen3-8B, B=16: the OOM kill found
+# and fixed"); used for every GPU, so on one with more memory bandwidth (the H200) the update is
+# overstated, not yet measured there
 RESIDENT_UPDATE_BYTES_PER_PARAM = 28
 RESIDENT_UPDATE_GBPS = 2090.0
 

@@ -29,11 +29,12 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
-# The allocator's settings when the user gave none: expandable segments grow one mapping per
-# stream instead of caching fixed blocks, so a layout that fills the card (GPU-resident layers
-# beside offload arenas) does not fragment it. On the H100, Qwen3-8B B=16 with 20 resident
-# layers reserved 78.3 GiB for 72.7 GiB allocated either way, but its compute lane took 3.38 s
-# per step with fixed segments and 1.66 s with expandable ones (BENCHMARKS.md, issue #16).
+# The allocator's settings when the user gave none: expandable segments grow one mapping per stream
+# instead of caching fixed blocks, so a layout that fills the card (GPU-resident layers beside
+# offload arenas) does not fragment it. On the H100, Qwen3-8B B=16 with 20 resident layers reserved
+# 78.3 GiB for 72.7 GiB allocated either way, but its compute lane took 3.38 s per step with fixed
+# segments and 1.66 s with expandable ones (benchmarks/2026-11-24-autopolicy-h100.md, section
+# "...: the allocator at the card's edge").
 ALLOCATOR_DEFAULT = "expandable_segments:True"
 ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 

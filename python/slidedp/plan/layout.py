@@ -1,19 +1,11 @@
 """Per-layer activation layouts: a checkpoint family and an offload ratio for each decoder layer.
 
-Text form (``runtime.layers``), entries separated by commas, each ``[COUNTx]FAMILY[-rRATIO]``:
-
-- ``F`` full-layer checkpointing: the layer's input is saved, the backward replays the layer;
-- ``S<mask>`` segment checkpointing, seven bits over the decoder layer's segment boundaries
-  (``runtime.activations.segments.BOUNDARIES``, first bit = first boundary): the state at a set
-  boundary is saved, the backward replays one span between saved boundaries at a time;
-- ``SAC<preset>`` selective activation checkpointing (``SAC_PRESETS``): operator outputs of the
-  preset are saved, the rest is recomputed (``torch.utils.checkpoint``);
-- ``N`` no checkpointing: every tensor autograd saves stays until the layer's backward.
-
-``-rRATIO`` (default: ``runtime.offload_ratio``) moves that fraction of the layer's saved bytes
-to pinned host memory, whole tensors in the order the forward saved them. An entry without a
-count takes every layer the others leave (at most one such entry). Examples: ``"F"`` (every
-layer), ``"31xF-r0, 9xN"``, ``"2xF-r1, 1xS1010100, 1xSAC.mm, N"``.
+Text form (``runtime.layers``): comma-separated ``[COUNTx]FAMILY[-rRATIO]`` entries. Families:
+``F`` full-layer checkpointing (input saved, the layer replayed); ``S<mask>`` segment
+checkpointing, seven bits over ``runtime.activations.segments.BOUNDARIES``; ``SAC<preset>``
+selective checkpointing (``SAC_PRESETS``); ``N`` none. ``-rRATIO`` (default
+``runtime.offload_ratio``) moves that fraction of the saved bytes to pinned host memory, whole
+tensors in save order. At most one entry without a count takes the layers the others leave.
 
 Example::
 

@@ -1,7 +1,7 @@
 """The machine a run would get, and its rates: ``Machine.probe`` (device, cores, free
 /dev/shm, MemAvailable, the GPU), ``gpu_peak`` (dense bf16 FLOP/s of a GPU kind: the one
 table), ``host_rate`` (host AdamW GB/s: ``slidedp profile host``'s cache, else the table of
-BENCHMARKS.md, section "Host kernels").
+benchmarks/2026-11-22-host-kernels.md).
 
 Invariant: probing reads the machine and the probe caches; only ``host_rate(measure=True)``
 measures anything (a few seconds; ``slidedp plan`` and AutoPolicy ask for it).
@@ -26,7 +26,8 @@ from slidedp.profile.host import cached_host, engine_update_threads, model_gbps,
 
 GIB = 2**30
 SHM_DIR = Path("/dev/shm")
-# AdamW GB/s by host threads, BENCHMARKS.md "Host kernels" (16-core Sapphire Rapids, AVX-512)
+# AdamW GB/s by host threads (benchmarks/2026-11-22-host-kernels.md, section "Host kernels"; 16-core
+# Sapphire Rapids, AVX-512)
 ADAMW_GBPS = ((1, 18.0), (2, 31.6), (4, 62.8), (8, 100.5), (16, 170.4))
 # Dense bf16 tensor-core FLOP/s by device name (first match wins: the PCIe H100 before H100)
 GPU_PEAK_FLOPS = (

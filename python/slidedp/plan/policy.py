@@ -1,30 +1,17 @@
-"""The Policy: every choice of how the engine moves data and keeps activations, in one frozen
-object, resolved once from the config (``resolve_policy``), printed in the banner, saved in
-``resolved_config.yaml`` (as the ``runtime`` keys it came from) and in every checkpoint
-(``trainer_state.json``: ``policy``), and the only place the engine reads these choices from.
+"""The Policy: every choice of how the engine moves data and keeps activations, frozen, resolved
+once from the config (``resolve_policy``).
 
-Fields: the parameter route (``replicated``: whole layer per rank, ``sharded``: 1/R per rank
-and an all-gather), the gradient route (``gpu``: reduced on the devices, ``cpu``: summed on the
-host), ``chunk_elems`` (elements per transfer chunk = one host slot: one size serves H2D
-and D2H, since the staging and gradient rings share the store's slot size), the device window
-``slots``, the host ``staging_slots`` and ``grad_slots`` per rank, the BF16 ``mirror``, and
-``layers``: one ``LayerPolicy`` per decoder layer (``plan.layout``), and ``compute``: the layer
-kernels and whether the layer is compiled (``models.fast``: ``runtime.kernels``,
-``runtime.compile``), ``resident_layers``: how many decoder layers stay on the device with
-their optimizer state (``runtime.resident``; the first ones, see ``Policy.resident``), and
-``resident_embeddings``: whether the embedding and head groups do too.
-
-A policy file (``runtime.policy: path.yaml``) holds any of ``layers, param_route, grad_route,
-chunk_elems, slots, staging_slots, grad_slots, bf16_mirror, offload_ratio, kernels, compile,
-resident_layers, resident_embeddings``;
-its values replace the ``runtime`` ones (setting a key in both places, to different values, is
-an error).
+Fields: ``param_route``, ``grad_route``, ``chunk_elems`` (one host slot, H2D and D2H alike), the
+window ``slots``, host ``staging_slots``/``grad_slots``, the BF16 ``mirror``, ``layers`` (one
+``LayerPolicy`` per decoder layer, ``plan.layout``), ``compute`` (``models.fast``),
+``resident_layers`` and ``resident_embeddings``. A policy file (``runtime.policy: path.yaml``)
+may set any of them; a key set there and in ``runtime`` to different values is an error.
+Invariant: the engine reads these choices only here; the banner and checkpoints record it.
 
 Example::
 
     policy = resolve_policy(cfg.runtime, adapter, mirror=True, device=torch.device("cuda"))
     print(policy.describe())   # 'replicated/gpu, chunk 52,436,992, 2 slots, ..., 31xF-r0, 5xN-r0'
-    print(policy.compute.describe())  # 'liger (RMSNorm, RoPE, SwiGLU), not compiled, ...'
 """
 
 from __future__ import annotations

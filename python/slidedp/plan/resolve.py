@@ -1,12 +1,10 @@
 """Where a run's plan is decided: ``resolve_plan(cfg, adapter, machine) -> Plan``.
 
 One function turns the config (its ``runtime`` keys, a policy file applied), the model and the
-machine into the frozen ``Plan`` the engine executes: the device and dtype, the ``Policy``
-(routes, chunk, slots, per-layer layouts, layer compute, resident layers), the BF16 mirror
-(``resolve_mirror``: on where the run with it fits MemAvailable with ``MIRROR_HEADROOM_BYTES``
-to spare), the optimizer settings and the host kernel threads. ``runtime.policy: auto`` is
-chosen before it (``autopolicy``) and arrives here as plain ``runtime`` keys.
-
+machine into the frozen ``Plan`` the engine executes: device and dtype, the ``Policy``, the
+BF16 mirror (``resolve_mirror``: on where the run with it fits MemAvailable with
+``MIRROR_HEADROOM_BYTES`` to spare), optimizer settings and host kernel threads.
+``runtime.policy: auto`` is chosen before it and arrives as plain ``runtime`` keys.
 Invariant: pure given the machine facts; nothing is measured, allocated or written.
 
 Example::

@@ -125,7 +125,7 @@ def layer_times(report: dict[str, Any]) -> dict[str, tuple[float, float]]:
     return {p: (f / n, b / n) for p, (n, f, b) in sums.items()}
 
 
-# Several nodes (issue #19), assumptions of the prediction, not measurements: NCCL's reduce of
+# Several nodes: assumptions of the prediction, not measurements: NCCL's reduce of
 # a layer's bf16 gradient over a node's NVLink at 360 GB/s (bus bandwidth of an 8x H100 node),
 # the owners' ring all-reduce across nodes at 90% of the inter-node link, 10 us per ring hop.
 NVLINK_GBPS = 360.0

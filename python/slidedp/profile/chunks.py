@@ -1,33 +1,12 @@
 """``slidedp profile chunks [--shape NAME|config.json] [--device auto|cpu|cuda] [--no-mirror]
 [--threads N] [--force] [--json]``: how the H2D/D2H chunk size (``runtime.chunk_elems``) changes
-a layer's transfers and update on this machine: the chunk probes of AutoPolicy (the paper's
-TuneChunks, §3.6), whose choice ``autopolicy.chunk_choice`` makes.
+a layer's transfers and update here: AutoPolicy's chunk probes (``autopolicy.chunk_choice``).
 
-A chunk is one host slot: a layer's gradient goes back chunk by chunk (each chunk's AdamW
-starts once its copy lands, while later copies run) and, without the BF16 mirror, its
-parameters are cast to BF16 chunk by chunk into the staging ring while the previous chunk's H2D
-runs. Smaller chunks start the dependent work sooner and cost more copies, submissions, queue
-operations and update passes; which wins depends on the machine, so it is measured, on the
-engine's own classes: for the whole layer (the default, ``chunk_elems`` 0) and each of
-``CHUNK_MIB`` below it, a ``HostStore`` holding one layer-sized group (matrices of ``COLUMNS``
-columns, so weight decay applies) with that chunk and, as the run has it, the BF16 mirror, and
-``step_s``: ``LAYERS`` layers as a backward streams them, each a load of the layer through the
-engine's ``Window`` (the mirror's one copy, or without it the cast into the staging ring and
-the H2D) beside its gradient sent back through the engine's ``GradLane`` (D2H chunk by chunk
-into the gradient ring, AdamW by the ``UpdateWorker``, which also writes the mirror), flushed
-as the backward flushes (all but the newest layer after each send), until the last update is
-published and the last load landed. No compute runs: the figure is the host side's service
-time, which a smaller chunk must shorten to pay (on the H100 the update passes of 16 MiB
-chunks ran 12-13% longer in training steps, BENCHMARKS.md). On CPU there is no copy to the
-device: the returns alone.
-
-The gradient ring holds ``GRAD_SLOTS`` whole layers whatever the chunk (``ring_slots``), so a
-candidate changes only how the work is cut, not how far the backward may run ahead of the
-update. The median of ``REPEATS``: the candidates differ by a few milliseconds.
-
-Cached like the host probe (``profile.cache``, kind ``chunks``) under the host probe's facts,
-the layer's parameter count and the mirror: ``cached_chunks`` reads, ``probe_chunks`` measures
-where missing (``runtime.policy: auto``, this command).
+For the whole layer and each of ``CHUNK_MIB``, ``step_s`` streams ``LAYERS`` layer-sized groups
+as a backward does, through the engine's own ``HostStore``, ``Window``, ``GradLane`` and
+``UpdateWorker``, without compute: the host side's service time (median of ``REPEATS``). The
+gradient ring holds ``GRAD_SLOTS`` whole layers whatever the chunk, so a candidate changes only
+how the work is cut. Cached (``profile.cache``, kind ``chunks``): ``cached_chunks`` reads.
 
 Example::
 

@@ -1,33 +1,14 @@
 """``slidedp profile host [--threads N] [--device auto|cpu|cuda] [--state-mib 512] [--force]
 [--json]``: the host AdamW lane's rate on the machine at hand.
 
-The step-time model and the layout selector (``estimate``, ``plan``, ``runtime.policy: auto``)
-take it instead of ``plan.machine.ADAMW_GBPS``, a table measured on another machine. The probe runs
-the engine's own update path: a ``HostStore`` of ``--state-mib`` of FP32 state (master,
-exp_avg, exp_avg_sq) in ``GROUPS`` groups, each updated as one chunk (as a decoder layer is by
-default) by an ``UpdateWorker`` with the engine's thread count, reading its gradient from a ring
-of ``GRAD_SLOTS`` slots. The store is the one the engine makes on that device: on CUDA, BF16
-gradient slots and the BF16 mirror (written by AdamW; the engine's default where it fits); on
-CPU, f32 gradient slots and no mirror. 512 MiB of state, plus the slots and the mirror, is
-beyond any CPU's caches.
-
-Measured, in GB/s counted as ``ADAMW_BYTES_PER_PARAM`` (28) bytes per parameter, so that
-``28 * N / rate`` is the update time of ``N`` parameters as the model computes it:
-
-- ``adamw_gbps``: the update alone: the worker's busy time over whole passes (about
-  ``budget_s``), after a warm-up pass (the first touch of fresh shared memory faults it in);
-- on CUDA, ``joint_adamw_gbps``: as many passes while the GPU copies the mirror to the device
-  (H2D) and a gradient into the gradient slots (D2H) on two streams, from the same page-locked
-  store regions the engine pins: a training step's situation. AdamW and the DMA share the DRAM,
-  so the model takes this joint rate on CUDA (``model_gbps``); the copies' own rates meanwhile
-  are ``joint_h2d_gbps``, ``joint_d2h_gbps``, and ``joint_cast_gbps`` is the f32→bf16 cast of a
-  group on the probe's own thread meanwhile (the engine's host thread without the BF16 mirror;
-  ``CAST_BYTES_PER_PARAM`` bytes per parameter). On CPU there is no DMA: the plain rate only.
-
-Cached like the layer profile (``profile.cache``) under a key of the CPU model, logical cores,
-threads, GPU name (None on CPU) and the torch and slidedp versions: ``cached_host`` looks it up
-without measuring (``estimate``, ``validate``, ``train``), ``probe_host`` measures when it is
-missing (``plan``, ``runtime.policy: auto``, this command).
+The step-time model and the layout selector take it instead of ``plan.machine.ADAMW_GBPS``. The
+probe runs the engine's own update path (``HostStore``, ``UpdateWorker``, the gradient ring) on
+``--state-mib`` of FP32 state, beyond any CPU's caches. Rates are GB/s at
+``ADAMW_BYTES_PER_PARAM`` (28) bytes per parameter: ``adamw_gbps`` alone; on CUDA
+``joint_adamw_gbps`` while H2D/D2H copies share the DRAM, the rate the model takes
+(``model_gbps``), with ``joint_h2d_gbps``, ``joint_d2h_gbps`` and ``joint_cast_gbps``.
+Invariant: cached (``profile.cache``) under the CPU model, cores, threads, GPU name and versions;
+``cached_host`` only looks up, ``probe_host`` measures where missing.
 """
 
 from __future__ import annotations
@@ -75,9 +56,10 @@ def engine_update_threads(cores: int, cuda: bool, ranks: int = 1) -> int:
     ``runtime.update_threads`` is 0, as ``Trainer`` starts them: the rank's share of the cores
     beside a GPU, half of that on CPU (torch computes on the rest). Each rank runs two pools
     (AdamW, the cpu route's sums) at once: two ranks' pools on all 32 cores of the 2xH200 host
-    ran the cpu route 10% slower than pools on each rank's share (BENCHMARKS.md, issue #21,
-    third lease). The host probe times one pool on the node's cores (``ranks=1``): the node's
-    AdamW rate, every rank's updates together, which the step-time model's update lane is."""
+    ran the cpu route 10% slower than pools on each rank's share
+    (benchmarks/2026-11-27-two-gpus-routes-h200.md). The host probe times one pool on the node's
+    cores (``ranks=1``): the node's AdamW rate, every rank's updates together, which the
+    step-time model's update lane is."""
     share = max(1, cores // ranks)
     return share if cuda else max(1, share // 2)
 

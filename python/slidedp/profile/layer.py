@@ -1,36 +1,16 @@
 """``slidedp profile layer --shape qwen3-4b --batch 16 --seq-len 1024 --json F --png F``.
 
-Runs one decoder layer of each kind of the shape (``HFAdapter.layer_kinds``: one for most models,
-two for Gemma 4's sliding and full attention or Qwen3.5's linear and full attention; a kind's
-candidates carry its first layer's index as ``kind``), with random weights in the compute dtype,
-through every candidate layout — each checkpoint family (``--families``) at each offload ratio
-(``--ratios``; ratios that select the same tensors are one candidate) — with the engine's own
-executors and offload (``runtime.activations``), on one device, and measures per candidate:
-
-- ``forward_s``, ``backward_s`` (median of ``--steps`` after ``--warmup``; the backward includes
-  the replay), ``replay_s``: ``backward_s`` minus ``N``'s (no replay), ``reload_s``: the copy
-  of the offloaded tensors back to the device, timed alone (the engine issues it a layer ahead,
-  under the previous layer's backward; the offload copies run after the forward, on their own
-  stream);
-- ``retained_bytes`` (device memory held from the forward to the backward: allocated after the
-  forward and its offload copies, minus before, minus the layer output; the input counts when
-  the family keeps it), ``offloaded_bytes``, ``transient_bytes`` (peak allocated during the
-  backward above its start, the reloaded tensors included);
-- the same three from ``plan.cost`` (``estimated_*``: the meta-device footprint the estimate and
-  the solver use), so every profile states the cost model's error.
-
-Pareto-efficient candidates (no other both faster and smaller, by ``retained_bytes`` and
-``forward_s + backward_s``) are marked: the paper's Figure 6, drawn with ``--png``. The JSON is the
-policy solver's input and is cached (``--cache-dir``, default ``$XDG_CACHE_HOME/slidedp/profile``),
-one file per kind, under a key of the kind, GPU name, CPU model and logical cores, shape, batch,
-sequence, dtype, world size (a run's processes: ``profile_spec``; 1 from the command
-line), candidates, layer compute and the torch, transformers, Liger Kernel (where its kernels run)
-and slidedp versions; a cached profile is reused unless ``--force``, and any changed fact is
-another key: measured again, never reused.
-
-``--kernels eager,liger,compiled,liger+compiled`` shows another view instead: the layer's
-forward + backward under each layer-compute variant, its model TFLOP/s and its kernels with
-their share of the time (``profile.kernels``; not cached).
+Runs one decoder layer of each kind of the shape (``HFAdapter.layer_kinds``) with random weights
+through every candidate layout (each checkpoint family of ``--families`` at each offload ratio of
+``--ratios``) with the engine's own executors and offload, and measures per candidate
+``forward_s``, ``backward_s``, ``replay_s``, ``reload_s``, ``retained_bytes``,
+``offloaded_bytes`` and ``transient_bytes``, beside ``plan.cost``'s ``estimated_*`` (the cost
+model's error). Pareto-efficient candidates are marked (``--png`` draws them).
+Invariant: the JSON, the policy solver's input, is cached (``--cache-dir``) one file per kind
+under a key of every fact it depends on (device, shape, batch, sequence, dtype, world size,
+candidates, layer compute, versions): a changed fact is another key, never a reuse; ``--force``
+measures again. ``--kernels eager,liger,compiled,liger+compiled`` instead times the layer under
+each layer-compute variant (``profile.kernels``; not cached).
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
-"""The collectives between this host's GPUs that the routes use, at the size of one decoder
-layer: the bf16 ``reduce`` of the gpu gradient route (a layer's gradient summed onto its owner)
-and the bf16 ``all_gather`` of the sharded parameter route (a layer rebuilt from the ranks'
-shares). ``runtime.policy: auto`` on several GPUs predicts each route's step with them
-(``autopolicy.route_choice``).
+"""The collectives between this host's GPUs that the routes use, at one decoder layer's size:
+the bf16 ``reduce`` of the gpu gradient route and the bf16 ``all_gather`` of the sharded route;
+``autopolicy.route_choice`` predicts each route's step with them.
 
-Measured in one process over the first ``gpus`` visible devices with torch's single-process
-NCCL API (``torch.cuda.nccl.reduce`` / ``all_gather``: one communicator per device, as
-``nccl-tests`` runs with ``-g N``): no rendezvous, no ranks to start, about a second. Each op
-is timed ``REPS`` times after ``WARMUP`` (every device synchronised before and after), the
-median kept, as ``bench.collectives`` times the engine's own calls on launched ranks. Rates are
-algorithm bandwidths in GB/s (1e9 B/s) of the whole layer's bytes (the gathered layer for
-``all_gather``), as ``plan.timing.Links`` takes them.
-
-Cached like the host probe (``profile.cache``) under a key of the GPU name, the GPU count, the
-layer's element count and the torch, NCCL and slidedp versions: ``cached_links`` looks it up
-without measuring (``validate``, ``estimate``), ``probe_links`` measures when it is missing
-(``runtime.policy: auto`` in ``train``, in a child process: ``autopolicy.measure``).
+One process, torch's single-process NCCL API over the first ``gpus`` devices (no rendezvous);
+the median of ``REPS`` after ``WARMUP``, as algorithm bandwidths in GB/s of the whole layer's
+bytes (``plan.timing.Links``). Invariant: cached (``profile.cache``) under the GPU name and
+count, the layer's size and the torch, NCCL and slidedp versions; ``cached_links`` only looks
+up, ``probe_links`` measures where missing.
 
 Example::
 

@@ -1,37 +1,17 @@
-"""Several ranks, on one node or several, one host state per node: the process groups, the
-shared store, the data slice.
+"""Several ranks on one node or several, one host state per node: groups, shared store, data slice.
 
-Every rank is one process (``slidedp.runtime.launch`` starts them, or ``torchrun``: both set
-``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``). A
-*node* is the ``LOCAL_WORLD_SIZE`` ranks with consecutive global ranks (torchrun's numbering):
-its local rank 0 creates the node's host store and loads the weights once; it broadcasts the
-store's name in the node's process group and the node's other ranks attach (it stays in the
-group's barrier until they have). Rank ``r`` computes rows ``[r*B/R, (r+1)*B/R)`` of every
-global batch (``R`` ranks over all nodes); the loss is the mean over the label tokens of the
-whole global batch (the count is all-reduced first, over all ranks).
-
-Within a node a group's update belongs to one local rank, ``owner(group) = group % L`` (its
-UpdateWorker submits it and publishes the version); every rank uses its own range of the store's
-staging and gradient slots, so the store is created with ``L x`` the configured slot counts.
-Across nodes (``nodes > 1``) the owners of a group on every node have the same local rank: the
-*cross* group of local rank ``l`` holds them, and each owner all-reduces its node's summed
-gradient there before the update (``routes``). Every node then applies the same AdamW to the
-same bits: the host states stay identical (replicated host state). Collectives of the node
-(reduce to the owner, the parameter all-gather, the global norm's sum over owners) run in the
-node's group; the cross groups are gloo where the gradient is summed on the host.
-
-A failure on one rank poisons the store (every version waiter of that node wakes with
-``StorePoisonedError``) and exits the process; peers blocked in a collective, on any node, get an
-error from the process group, and a peer that hangs is killed by its launcher. Ranks that stop
-because a peer failed exit with ``EXIT_PEER_FAILED`` without printing: the failing rank's error
-is shown once.
+One process per rank (``runtime.launch`` or ``torchrun``, the usual environment variables). A
+node's local rank 0 creates its host store and loads the weights once; the node's other ranks
+attach. Rank ``r`` of ``R`` computes rows ``[r*B/R, (r+1)*B/R)``; the loss is the mean over the
+whole global batch's label tokens. Invariants: a group's update belongs to local rank
+``group % L`` of each node; across nodes the owners all-reduce their node's sum before the
+update, so every node's host state stays identical; a failed rank poisons its node's store and
+peers exit with ``EXIT_PEER_FAILED`` without printing (the failing rank's error shows once).
 
 Example::
 
     ctx = Dist.from_env()                 # None without RANK/WORLD_SIZE in the environment
-    if ctx is not None:
-        ctx.init(torch.device("cpu"), timeout_s=60)
-        store = ctx.share_store(lambda: HostStore.create(...))
+    ctx.init(torch.device("cpu"), timeout_s=60)  # where ctx is not None
 """
 
 from __future__ import annotations

@@ -2,65 +2,16 @@
 
 Step ``t`` (0-based) computes with parameter version ``t`` of every group and publishes
 ``t + 1``; before group ``g`` is loaded, ``store.wait_version(g, t)`` (per-group gate, never a
-global barrier). Order:
+global barrier). Order: embed; each layer's fetch (version gate, cast, H2D), prefetch of the
+next and forward under its activation layout; the chunked loss (plus a mixture of experts'
+load-balancing loss); each layer's backward from last to first, its gradient handed to the
+gradient lane (``grad_lane``, ``grad_sync.GradSync``); the embedding's backward.
 
-1. embed → ``x0``; for each layer ``l``: fetch (version gate, cast, H2D), prefetch ``l + 1``,
-   run the forward of ``l``'s activation executor (``plan.policy.layers[l]``: F, S, SAC or N,
-   ``runtime.activations``), then offload its ratio of the saved tensors (``offload``);
-2. final norm + chunked linear/CE (``models.loss``), the head's gradient; for a mixture of
-   experts, the load-balancing loss of every layer's router logits together (kept from the
-   forward, ``HFAdapter.router_loss``) and its gradient for each layer's logits (several
-   ranks: of the global batch, from its per-expert token statistics summed over all ranks,
-   ``models.router_loss``);
-3. for ``l`` from last to first: reload params (and the offloaded tensors, prefetched one layer
-   ahead), the executor's backward (replay as the family says, differentiate; the router
-   logits' gradient joins the output's), hand the layer's gradient to the gradient lane
-   (``grad_lane``);
-4. embedding backward (plus the tied head's gradient when embeddings are tied).
-
-GPU-resident layers (``plan.policy.resident_layers``, ``runtime.resident``) are never fetched:
-their weights stay in their own device buffer, their gradients stay on the device, and their
-AdamW runs on the device at the end of the step (``GradSync.finish``); the prefetch skips them.
-Resident embeddings (``Policy.resident_embeddings``) are the embedding and head groups kept so:
-never loaded, their update (the host lane's last, after the embedding's backward) on the device.
-
-Where each group's gradient goes and when its update starts is ``grad_sync.GradSync``'s
-protocol. Without clipping (``max_grad_norm == 0``) each group's gradient goes to the host as
-soon as it exists and its AdamW runs while the GPU computes earlier layers (the paper's
-overlap).
-
-Exact global-norm clipping (``max_grad_norm > 0``): the norm is known only after the whole
-backward, so the step's gradients are *parked on the device* (the compute dtype: 2 B/param in
-BF16) with each parameter's L2 norm; then ``total = ‖norms‖₂`` and ``clip_coef = min(1,
-max_norm / (total + 1e-6))`` — ``torch.nn.utils.clip_grad_norm_``'s formula — and every group's
-update uses ``grad_scale = clip_coef``: the result is ``clip_grad_norm_`` + AdamW. The parked
-gradients leave in forward order as soon as the coefficient is known, a ring's worth at a time:
-each load of the next step tops the ring up (D2H into the gradient slots, AdamW), so the update
-lane overlaps the next step's forward instead of the backward. Host memory stays
-one chunk per gradient slot (no per-parameter host gradient); the cost is GPU memory for one
-gradient of the model and no update/backward overlap (measured in BENCHMARKS.md).
-
-Several ranks (``ctx``, ``slidedp.runtime.dist``): each rank computes its rows of the global
-batch with the label count of the whole batch as the loss denominator (all-reduced first), so
-the ranks' gradients sum to the global one; likewise a load-balancing loss takes the global
-batch's routed counts, probability sums and rows (one all-reduce of 2E + 1 numbers), so its
-value is the global one on every rank and its gradient each rank's share. ``grad_route`` says
-where they are summed (``slidedp.runtime.routes``: ``gpu`` reduces each group onto its owner,
-``cpu`` sums the ranks' gradient slots on the host); the group's owner alone updates it and
-publishes its version, the others only wait for it. The global norm is the square root of the
-all-reduced sum of the owners' Σ g² (one scalar collective per step). On the cpu route that Σ g²
-is of the host sum, which exists only on the host: with clipping every rank parks its own
-gradient and sends it twice, during the backward for the norm (summed, nothing updated) and
-after it with the coefficient (summed again, bit for bit the same, then AdamW) — twice the D2H
-and host sums, no extra host memory. ``param_route`` ``sharded`` loads 1/L of every layer per
-rank of a node and all-gathers it in the node (``Window``). With several nodes (one store each)
-the owners' node sums are all-reduced across nodes before the norm and the update (``routes``),
-so every node applies the same update to the same state.
-
-A non-finite loss, or (clipping) a non-finite norm, raises ``NonFiniteError`` before any update
-of the step is submitted; ``skip(t)`` then advances the versions without updating. Without
-clipping, a non-finite group gradient raises before that group's update; groups later in
-backward order were already updated (the overlap's price).
+Invariants: with clipping (``max_grad_norm > 0``) the update is exactly
+``torch.nn.utils.clip_grad_norm_`` + AdamW over the global batch of every rank; each group's
+owner alone updates it and publishes its version; a non-finite loss or norm raises
+``NonFiniteError`` before any update of the step (``skip(t)`` advances the versions). The full
+schedule (resident layers, parking, routes, nodes): docs/architecture.md, "One step's data path".
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Evaluation on held-out data: the mean token loss and its perplexity, forward only.
 
-The held-out rows (``data.eval_path``, or ``data.eval_fraction`` split off the training data)
-are visited once, in order, ``train.global_batch_size`` rows a batch (the last one filled up
-with rows that carry no label). Each batch streams the layers through the training window at
-the current parameter version, as a training step's forward does, but under ``no_grad``: no
-activation is saved, nothing goes backward, nothing is updated. The head computes the summed
-cross-entropy in chunks of ``runtime.loss_chunk_tokens`` tokens (no full logits). With several
-ranks each rank evaluates its rows of every batch and one all-reduce sums the losses and label
-counts: the mean is over every label token of the held-out set, as on one rank.
+The held-out rows (``data.eval_path`` or ``data.eval_fraction``) are visited once, in order,
+``train.global_batch_size`` rows a batch, streamed through the training window at the current
+parameter version under ``no_grad``, the head's cross-entropy in chunks. Invariants: nothing is
+saved, sent backward or updated; with several ranks one all-reduce sums losses and label
+counts, so the mean is over every label token of the held-out set, as on one rank.
 
 Example::
 

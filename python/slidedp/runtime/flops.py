@@ -1,31 +1,17 @@
 """Model FLOPs of a training step and the measured bf16 GEMM peak of a device (for MFU).
 
-Formula (``FLOPS_FORMULA``), training FLOPs per token of a dense decoder-only causal LM at
-sequence length ``S``, two FLOPs per multiply-accumulate, forward + backward (backward = 2x
-forward)::
+``FLOPS_FORMULA``, training FLOPs per token at sequence length ``S`` (forward + backward)::
 
     6 * N_matmul + 6 * sum over layers of S_eff * d_attn        ("causal half")
 
-- ``N_matmul``: the *active* matmul weights, those one token multiplies by: every ``nn.Linear``
-  of the model (q/k/v/o, gate/up/down, and the LM head, counted even when tied to the
-  embedding) and, in a mixture-of-experts layer, ``top_k / experts`` of its experts' stacked
-  weights (``models.shape.LayerShape``); MFU of an MoE is thus over active parameters. The
-  embedding lookup, norms, biases and the router are not counted.
-- attention: per layer and token, ``Q·Kᵀ`` and ``P·V`` are each ``2 * S * d_attn`` forward FLOPs
-  over the full ``S x S`` score matrix (``d_attn = num_attention_heads * head_dim``), so
-  ``12 * S * d_attn`` for training; a causal mask needs half of it, and we count that half
-  (``6 * S * d_attn``). A sliding-window layer uses ``S_eff = min(S, sliding_window)``;
-  each layer its own head dimension (Gemma 4's full-attention layers are wider), and a
-  linear-attention layer (Qwen3.5's Gated DeltaNet) none: ``d_attn = 0``, its cost is linear
-  in ``S`` through its matmuls, counted in ``N_matmul``.
-- not counted: checkpoint recomputation (a second forward), the optimizer, transfers, softmax
-  and elementwise work. MFU = model FLOP/s / measured peak, so recomputation lowers MFU.
+``N_matmul``: the active matmul weights (every ``nn.Linear``, the LM head even when tied, and
+``top_k / experts`` of a mixture's experts); ``d_attn = heads * head_dim`` per layer (0 for
+linear attention), ``S_eff = min(S, sliding_window)``. Not counted: recomputation, optimizer,
+transfers, elementwise work, so recomputation lowers MFU (model FLOP/s / measured peak).
 
 Example::
 
     flops = model_flops_per_token(AutoConfig.from_pretrained(path), seq_len=1024)
-    tflops = tokens_per_s * flops / 1e12
-    peak = device_peak_flops(torch.device("cuda"))  # None on CPU
 """
 
 from __future__ import annotations

@@ -1,26 +1,13 @@
 """The gradient lane: device gradients → the store's gradient slots (a ring) → the update worker.
 
-``send`` cuts a group's gradient into chunks of the group's state layout (one slot each; a
-decoder layer is one chunk by default, the embedding several), issues each chunk's D2H into a
-free slot on the D2H stream and queues it. ``flush`` takes queued chunks in order: waits for the
-chunk's copy, checks its group's gradient is finite (first chunk of a group, when asked), and
-submits the chunk's AdamW (the group's last chunk publishes its version). A slot is reused only
-after the worker finished reading it (``wait_completed``): that is the lane's backpressure, and
-when every slot is queued-but-unsubmitted, ``send`` flushes the oldest first.
-
-Host memory: ``grad_slots`` chunks, never one gradient per parameter. Device memory: each
-chunk's source stays referenced until its copy is done.
-
-Several ranks: the lane uses its rank's slot range ``[slot_base, slot_base + slot_count)``. With
-the cpu gradient route (``host_sum``) every rank sends every group; at flush a chunk is
-announced (``landed``), and only the group's owner (``owns``) submits it, with the sum of the
-ranks' chunks for its update worker to do first (``routes.HostSum``); a non-owner's slot is
-free again once the owner's worker summed out of it. A chunk's ``role`` says what the owner
-does with the sum: ``both`` — count its Σ g² towards the global norm and update (no clipping);
-with clipping on the cpu route the group is sent twice, ``norm`` during the backward (the sum
-only feeds the norm, nothing is updated, the device gradient is kept) and ``update`` once the
-clip coefficient is known (the same sum again, then AdamW). The worker adds up the Σ g² of
-the sums it did (``take_sum_squares``).
+``send`` cuts a group's gradient into chunks (one slot each), issues each D2H on the D2H stream
+and queues it; ``flush`` waits for each copy in order, checks the group's gradient is finite and
+submits its AdamW (the last chunk publishes the version). Invariants: a slot is reused only after
+the worker read it (the backpressure); host memory is ``grad_slots`` chunks, never a gradient per
+parameter; a chunk's source stays referenced until its copy is done. Several ranks: each rank
+its own slot range; on the cpu route (``host_sum``) every rank sends, only the owner submits,
+with a chunk ``role`` of ``both`` (norm and update), ``norm`` (during the backward, with
+clipping) or ``update`` (after the coefficient); ``take_sum_squares`` returns the Σ g².
 """
 
 from __future__ import annotations

@@ -1,28 +1,17 @@
 """The gradient-sync protocol of a step: where each group's gradient goes once the backward
 produced it, and when its update may start.
 
-Without clipping (``max_grad_norm == 0``) a group's gradient is reduced onto its owner (gpu
-route) and sent to the host at once: its AdamW overlaps the backward of earlier layers.
-
-With exact clipping the global norm exists only after the whole backward, so the step's
-gradients are *parked* on the device with their norms; ``finish`` computes ``clip_coef``
-(``clip_grad_norm_``'s formula) and the parked gradients become *ready*, in forward order; they
-leave a ring's worth at a time, before each load of the next step waits for a version
-(``send_ready``, the window's ``before_wait``), so the update lane overlaps the next forward.
-On the cpu route the norm is the host sum's: each parked gradient is also sent once during the
-backward for its Σ g² (summed by the owner's update worker, nothing updated), then again with
-the coefficient.
-
-GPU-resident groups (``runtime.resident``) never reach the lane: their gradients are kept on the
-device, count once in the global norm like any other group's, and are applied in ``finish``
-(with the coefficient, or 1 without clipping), on the device.
+Without clipping a group's gradient goes to its owner and the host at once (AdamW overlaps the
+backward). With exact clipping the step's gradients are parked on the device with their norms;
+``finish`` computes ``clip_grad_norm_``'s coefficient and they leave in forward order, a ring's
+worth before each load of the next step (``send_ready``). On the cpu route each is sent twice
+(for the host sum's Σ g², then with the coefficient). GPU-resident groups stay on the device and
+count once in the norm. Invariant: no update of a step starts before its coefficient is known.
 
 Example::
 
     sync = GradSync(grads, reduce, optim, ctx, device)
-    sync.hand_over(ticket, t, adam_step, lr)   # per group, as the backward produces it
-    sync.end_backward()
-    grad_norm, clip_coef = sync.finish(t)
+    sync.hand_over(ticket, t, adam_step, lr)   # per group; then end_backward(), finish(t)
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """Per-step wall time of each lane and the time the compute lane waited on each of them.
 
-Lanes: ``prep`` (host f32→bf16 cast into staging), ``h2d``, ``compute``, ``d2h``, ``offload``
-(activation offload and reload), ``update`` (host AdamW, read from the update worker), ``nodes``
-(the owners' all-reduce of their node's gradient with the other nodes, several nodes only; on
-the cpu route inside the owner's ``wait_update``). Waits are
-the compute lane's: ``wait_update`` (version gates, host side), ``wait_h2d`` / ``wait_d2h`` /
-``wait_offload`` (on CUDA the compute stream's stall on a copy event, measured by events around
-``wait_event``; on CPU copies are synchronous and these stay 0).
-
-On CPU every interval is ``time.monotonic`` (CLOCK_MONOTONIC, the clock of the Rust update
-worker's spans); on CUDA intervals on a stream are pairs of timing events resolved once at the
-end of the step (no sync inside the step). With ``start_trace()`` the step's intervals are also
-kept as spans on one timeline (GPU events placed by a reference event recorded at a synchronised
-instant) for ``runtime.trace``.
+Lanes: ``prep`` (host cast into staging), ``h2d``, ``compute``, ``d2h``, ``offload``,
+``update`` (host AdamW, from the update worker), ``nodes`` (the cross-node all-reduce). Waits
+are the compute lane's: ``wait_update`` (version gates), ``wait_h2d`` / ``wait_d2h`` /
+``wait_offload`` (on CUDA the compute stream's stall on a copy event; 0 on CPU).
+Invariant: no sync inside the step: on CUDA intervals are timing-event pairs resolved once at
+the end of the step; on CPU ``time.monotonic`` (the Rust worker's clock). ``start_trace()``
+keeps the intervals as spans on one timeline for ``runtime.trace``.
 """
 
 from __future__ import annotations

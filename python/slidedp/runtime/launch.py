@@ -1,26 +1,13 @@
 """``slidedp train`` with ``runtime.ranks``/``runtime.gpus`` > 1 or ``runtime.nodes`` > 1: one
 process per local rank, watched.
 
-Each rank is ``python -m slidedp train CONFIG ...`` with the environment ``torchrun`` would set
-(``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``); stdout and stderr
-pass through (only rank 0 logs). When a rank fails, the others are woken by the poisoned store
-or a failed collective and exit; any rank still running ``GRACE_S`` later is killed. The exit
-code is the first failing rank's (a rank killed by a signal: 1), with one line naming it.
-
-Several nodes (``Node``): ``slidedp train`` runs on each machine and starts that node's ranks,
-numbered node by node as torchrun does (``RANK = node_rank * L + local_rank``); they meet at
-node 0's ``master_addr:master_port`` (torch.distributed's TCP store, hosted by rank 0). Ranks
-that stopped only because another node's rank failed make one line saying so.
-
-SIGTERM and SIGINT to the launcher are forwarded to every rank, SIGHUP as SIGTERM; the ranks
-agree on the step after which they stop, rank 0 saves, prints the one line and exits 2, the
-others exit ``EXIT_STOPPED_WITH_PEERS``, and the launcher exits 2. A second signal to the
-launcher kills the ranks at once (a rank blocked in a version wait or a collective would not
-see a second forwarded one). With ``own_session`` (``slidedp train``) the ranks run in their own
-session, so a terminal's Ctrl-C reaches them only through the launcher, once; should the
-launcher die (SIGKILL), each rank sends itself SIGTERM (``watch_launcher``) and checkpoints as
-on any SIGTERM. The bench launches without it: its ranks stay in the process group that the
-bench kills as one.
+Each rank is ``python -m slidedp train CONFIG ...`` with torchrun's environment; ranks are
+numbered node by node (``RANK = node_rank * L + local_rank``) and meet at node 0's
+``master_addr:master_port``. Invariants: when a rank fails the others exit and any still running
+``GRACE_S`` later is killed; the exit code is the first failing rank's, with one line naming it.
+SIGTERM/SIGINT are forwarded (SIGHUP as SIGTERM): the ranks agree on a step, rank 0 saves, all
+exit 2; a second signal kills them. With ``own_session`` a rank whose launcher died sends itself
+SIGTERM (``watch_launcher``).
 
 Example::
 

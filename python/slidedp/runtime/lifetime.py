@@ -1,17 +1,11 @@
 """How long the processes of a bench run live: no worker outlives the bench, and no system starts
-while the process group of the previous one is still exiting.
+while the process group of the previous one is still exiting. Linux only (``/proc``, ``prctl``).
 
-- ``die_with_parent`` (first thing in ``bench.worker``'s main): the kernel sends the worker
-  SIGKILL when the process that started it exits (``PR_SET_PDEATHSIG``), so a ``slidedp bench
-  train`` killed with SIGKILL, which cannot clean up, leaves no worker holding the GPU; a
-  worker launching ranks passes the same on to them. The parent's pid comes in the environment
-  (``worker_env``): a parent that died before the worker armed the signal is caught there.
-- ``stop_group``: SIGKILL to a run's process group (``bench.child`` starts each worker in its
-  own), then wait, bounded, until no process of it is alive. The leader's exit says nothing of
-  its ranks or helpers, and a process with a CUDA context takes seconds to exit after SIGKILL:
-  the next system would start beside it, on a GPU still holding its memory.
-
-Linux only (``/proc``, ``prctl``), as the bench's PSS sampling already is.
+- ``die_with_parent``: the kernel SIGKILLs the worker when its parent exits
+  (``PR_SET_PDEATHSIG``; a parent dead before that is caught through ``worker_env``), so a
+  killed bench leaves no worker holding the GPU.
+- ``stop_group``: SIGKILL to a run's process group, then a bounded wait until none of it is
+  alive (a process with a CUDA context takes seconds to exit).
 
 Example::
 

@@ -1,56 +1,17 @@
-"""GPU-resident decoder layers (``Policy.resident_layers``): the first K layers keep their
-compute-dtype weights, FP32 master weights and Adam moments on the device for the whole run and
-are updated there, so they skip the H2D load, the gradient D2H and the host AdamW pass.
+"""GPU-resident decoder layers (``Policy.resident_layers``): the first K layers keep their weights,
+FP32 master and Adam moments on the device and are updated there (no H2D, D2H or host AdamW).
 
-Per resident group: ``master``, ``exp_avg``, ``exp_avg_sq`` are flat FP32 device tensors in the
-group's state layout (a copy of ``store.group_state``), and the weights one ``DeviceBuffer`` in
-its slot layout (the window's own-buffer kind: never a load target, never evicted). The
-backward hands each resident group's gradient here instead of to the gradient lane
-(``GradSync.hand_over``: its norms join the global norm exactly once); ``update`` is issued
-at the end of the backward with the clip coefficient as a device tensor (1 without clipping)
-and the step's ``AdamArgs``: the same learning rate, betas, eps, Adam step, decay on ≥2-D
-tensors only and gradient scale as the host update, and the weights cast again from the new
-master.
-
-On CUDA nothing of it waits on the host: the coefficient stays on the device and the update
-is gated there on the norm being finite (applied or not at all), so it is issued before the
-host waits for the norm, and its ~400 launches overlap the backward's last layers instead of
-following them (``GradSync.finish``; the caller then checks the norm and ``publish``es or
-``discard``s). It runs on a stream of its own, group by group in forward order, so it
-overlaps the next step's forward: ``buffer`` (and ``ready``, for the embedding and head,
-whose buffers the engine keeps) makes the compute stream wait for the group's update at its
-first use, and ``load``/``write_back`` for all of them. The kept gradients are
-marked used by that stream (``record_stream``), so the allocator reuses their memory only
-after their update ran.
-
-The math of the update:
-- CUDA: one compiled elementwise pass per tensor (``adamw_single_pass``): the BF16 gradient
-  read, scaled by the coefficient in f32 (``g * coef``, as the host kernel and
-  ``clip_grad_norm_`` do), AdamW on the f32 master and moments as torch's fused AdamW computes
-  it, and the BF16 weights written in the same pass: 28 B per parameter against 48 for torch's
-  fused AdamW on an f32 copy of the gradient plus a separate cast (54 against 79 ms for
-  Qwen3-4B's 4.02 B parameters on an H100, ``benches/resident_update.py``; 42 autotuned, see
-  ``_compiled_pass``). It rounds like torch's fused AdamW, not bit for bit like the host
-  kernel: results track the all-host run within the bf16 bound
-  (``tests/engine/test_gpu_resident.py``).
-- CPU (tests): the "device" is host memory, so the update runs the engine's own host AdamW
-  kernel (``Kernels.adamw``, the update worker's kernel) on the resident tensors: training is
-  bit for bit the all-host run's, which is what the CPU tests check.
-
-The host store stays authoritative: ``write_back`` copies the resident state into it (the
-engine's ``drain``, before every checkpoint and export) and ``load`` copies it out again (at
-start and on resume). A resident group's version advances through the update worker's queue
-(a publish-only request) like every other group's, so the version gates stay consistent.
-
-Device bytes per resident layer: ``plan.cost.resident_bytes``.
+The backward hands each resident group's gradient here (``GradSync.hand_over``; its norms join
+the global norm once); ``update`` runs at the end of the backward on a stream of its own, with
+the clip coefficient as a device tensor and gated on the norm being finite, so it never waits on
+the host. CUDA: one compiled elementwise pass per tensor (``adamw_single_pass``), rounding like
+torch's fused AdamW; CPU (tests): the engine's host AdamW kernel, bit for bit the all-host run.
+Invariant: the host store stays authoritative (``write_back`` before checkpoints and exports,
+``load`` at start and resume); versions advance through the update worker's queue.
 
 Example::
 
     resident = ResidentLayers(store, window, kernels, worker, groups=[1, 2], device=device)
-    resident.keep(ticket, adam)        # from the backward, per resident group
-    resident.update(coef, finite)      # 0-d device tensors: the clip coefficient, its gate
-    resident.publish()                 # once the host has seen the norm finite
-    resident.write_back()              # before a checkpoint
 """
 
 from __future__ import annotations

@@ -1,29 +1,17 @@
 """Gradient routes across ranks (``runtime.grad_route``): how one gradient per group reaches AdamW.
 
-- ``gpu``: ``GpuReduce`` sums each group's gradient across the node's ranks on the devices
-  with one ``reduce`` to the group's owner (``Dist.owner``), which all-reduces it with the
-  owners of the other nodes (``Dist.across_nodes``, several nodes only); only the owner copies
-  it to the host and updates, so ONE gradient per group crosses each node's host link.
-  Non-owners drop theirs.
-- ``cpu``: every rank copies its own gradient into its own gradient slots and announces it;
-  the owner's update worker (``update.HostSumRing``, Rust) waits for the other ranks' copies of
-  the chunk, sums them into its slot (shared memory), frees theirs, takes the sum's Σ g² and
-  runs AdamW: no training thread waits for a peer or sums. Signals are version counters of a
-  tiny second store (``signal_specs``): ``landed[r]`` counts the chunks rank ``r`` has copied,
-  ``consumed[r][k]`` the last chunk summed out of rank ``r``'s slot ``k``. Every rank sends
-  the same chunks in the same order with the same slot round-robin, so a chunk's sequence
-  number names it on every rank. No barrier: a rank waits only for the counters of the chunks
-  it needs. With several nodes the owner's thread sums its node's copies (the same Rust sum)
-  and all-reduces the sum (f32, host memory, gloo) with the other nodes' owners; its worker
-  then takes the norm and updates.
-
-Either way exactly one AdamW runs per group per step and node, on the owner, with the same
-gradient on every node; other ranks only wait for the group's version.
+- ``gpu``: ``GpuReduce`` reduces each group's gradient onto its owner (``Dist.owner``), then
+  across nodes; only the owner copies it to the host (one gradient per group per node).
+- ``cpu``: every rank copies its own gradient to its slots; the owner's update worker
+  (``update.HostSumRing``, Rust) sums the ranks' copies, takes Σ g² and runs AdamW. Signals are
+  version counters of a small second store (``signal_specs``); every rank sends the same chunks
+  in the same order, so a chunk's sequence number names it everywhere; no barrier.
+Invariant: exactly one AdamW per group per step and node, on the owner, with the same gradient
+on every node; other ranks only wait for the group's version.
 
 Example::
 
-    route = GpuReduce(ctx, clock)
-    owned = route.reduce(ticket)   # the summed gradient on the owner, None elsewhere
+    owned = GpuReduce(ctx, clock).reduce(ticket)   # the summed gradient on the owner, else None
 """
 
 from __future__ import annotations

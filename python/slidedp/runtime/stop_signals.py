@@ -1,11 +1,9 @@
 """SIGTERM and SIGINT become a request to stop after the current step (then checkpoint, exit).
 
-The first signal only sets ``received`` and puts SIGINT's previous handler back, so a second
-Ctrl-C interrupts at once. Further SIGTERMs are absorbed until the context ends: a scheduler
-that signals every process of a job also reaches a rank through its launcher, and that second
-copy must not kill the rank mid-save (schedulers follow up with SIGKILL when they mean it).
-Handlers are installed from the main thread only (Python delivers signals there); elsewhere
-the context is inert.
+The first signal sets ``received`` and puts SIGINT's previous handler back, so a second Ctrl-C
+interrupts at once. Invariant: further SIGTERMs are absorbed until the context ends (a
+scheduler's copy through the launcher must not kill a rank mid-save). Handlers are installed
+from the main thread only; elsewhere the context is inert.
 
 Example::
 
@@ -13,8 +11,7 @@ Example::
         for t in range(steps):
             step(t)
             if stop.received is not None:
-                save_checkpoint(...)
-                break
+                break  # then save a checkpoint
 """
 
 from __future__ import annotations

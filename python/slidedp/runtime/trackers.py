@@ -1,13 +1,10 @@
 """Experiment trackers (``output.report_to``): TensorBoard and Weights & Biases.
 
-Each tracker gets the resolved config and the run's plan once, at the start, then every step
-record that ``metrics.jsonl`` holds (``runtime.train_log``), and evaluation records (keys
-``eval_*``). TensorBoard (``OUTPUT/tensorboard``) writes the config and the plan as text and
-each number of a record as a scalar ``train/KEY`` (``eval/KEY`` for ``eval_KEY``). W&B (the
-``slidedp[wandb]`` extra) starts one run in ``OUTPUT/wandb`` named after ``output.dir``, the
-config and the plan as its config, a record per step; ``WANDB_PROJECT``, ``WANDB_MODE``
-(``offline`` writes local files only, ``wandb sync`` sends them later) and the other ``WANDB_*``
-variables apply as W&B reads them.
+Each tracker gets the resolved config and the run's plan once, then every step record of
+``metrics.jsonl`` (``runtime.train_log``) and the evaluation records (``eval_*``). TensorBoard
+(``OUTPUT/tensorboard``) writes each number as a scalar ``train/KEY`` (``eval/KEY``). W&B (the
+``slidedp[wandb]`` extra) starts one run in ``OUTPUT/wandb`` named after ``output.dir``; the
+``WANDB_*`` variables apply as W&B reads them (``WANDB_MODE=offline``: local files only).
 
 Example::
 

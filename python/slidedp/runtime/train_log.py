@@ -1,20 +1,11 @@
 """What ``slidedp train`` tells the user: a start-up banner, a line per logged step, a progress
-bar on a terminal, ``OUTPUT/metrics.jsonl`` and TensorBoard scalars.
+bar on a terminal, ``OUTPUT/metrics.jsonl`` and the trackers.
 
-- Banner (``RunFacts.lines``): model, parameters, ranks, tokens per step, steps, host memory
-  (store size vs MemAvailable), pinned bytes, host-kernel ISA and threads, the FLOPs formula.
-- ``metrics.jsonl``: one object per step (every step, whatever ``log_steps``), enriched here
-  with ``tflops`` (model TFLOP/s of the step by ``slidedp.runtime.flops.FLOPS_FORMULA`` over
-  its non-padding tokens) and ``mfu`` (that over the measured bf16 GEMM peak; null on CPU);
-  logged steps also carry ``host_pss_bytes`` and, on CUDA, ``gpu_reserved_bytes``. On resume
-  the file keeps the records up to the resumed step and continues after them.
-- Evaluations (``runtime.evaluate``) add ``eval_loss``, ``eval_perplexity``, ``eval_tokens``
-  and the evaluation's time to their step's record and line (a step that evaluates is logged).
-- One line every ``log_steps`` steps, averaged over the steps since the previous line: loss,
-  last grad_norm and lr, tokens/s, TFLOP/s, MFU, exposed waits (the compute lane's ``wait_*``
-  per step), GPU reserved, host PSS (the shared store counted once), ETA. On a terminal a
-  ``\\r`` progress bar with ETA sits under the lines; otherwise only the lines are printed.
-- Trackers (``runtime.trackers``: TensorBoard, W&B; ``output.report_to``): every record.
+``metrics.jsonl`` holds one object per step (whatever ``log_steps``), with ``tflops``
+(``runtime.flops.FLOPS_FORMULA``) and ``mfu``, evaluations' ``eval_*``, and on logged steps the
+host PSS and GPU reserved bytes; on resume it keeps the records up to the resumed step. A line
+every ``log_steps`` steps averages since the previous one (loss, grad_norm, lr, tokens/s,
+TFLOP/s, MFU, exposed waits, memory, ETA). Fields in full: docs/logging.md.
 
 Example::
 

@@ -1,26 +1,13 @@
 """The device window: a few reusable layer slots fed from the host store, plus embed/head.
 
-Each slot is one flat device buffer in the compute dtype in the group's slot layout (params at
-their ``slot_offset``), so loading group ``g`` is: wait for ``g``'s version → per chunk (one
-store staging slot: a whole decoder layer by default, a part of the embedding), cast the chunk
-of f32 master into a BF16 host staging slot (Rust) → copy it into the device buffer on the copy
-stream; for f32 compute, no staging. With the store's BF16 mirror (``runtime.bf16_mirror``,
-written by the update worker as AdamW's by-product), a load is one H2D straight from the mirror:
-no cast on the load path, 2 bytes per parameter more host memory. A layer's module is bound
-to views of the slot just before it runs (``HFAdapter`` modules are structure only), so device
-memory for parameters is ``slots`` times the largest layer plus embed and head, whatever the
-depth.
-
-Several ranks: a rank uses its own range of staging slots (``staging_base``). With the sharded
-parameter route (``shard=(rank, world)``, the ranks of one node) the device buffers are padded
-to a multiple of ``world``; a rank loads (and, in BF16, casts) only its ``1/world`` share of
-the group's flat slot layout and an all-gather rebuilds the layer on every rank, so no element
-is cast twice. With the mirror nothing is cast on either route (the owner's update wrote it
-once).
-
-Buffer owners: the store owns host master/staging/grad; the window owns the device buffers;
-a staging slot is reused only after the copy that read it completed (its event), and a device
-slot only after the compute that read it completed (its release event).
+Each slot is one flat device buffer in the compute dtype in the group's slot layout. Loading
+group ``g``: wait for its version, then per chunk cast f32 master into a BF16 staging slot
+(Rust) and copy it on the copy stream, or with the BF16 mirror one H2D straight from it. A
+layer's module is bound to views of the slot just before it runs, so parameter memory is
+``slots`` layers plus embed and head, whatever the depth. Sharded route: each rank loads its
+``1/world`` share and an all-gather rebuilds the layer. Invariants: the store owns host
+buffers, the window the device ones; a staging slot is reused only after the copy that read
+it completed, a device slot only after the compute that read it.
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """What every checkpoint family shares: one layer's run, its saved state, the input's gradient.
 
 An executor (``full``, ``segment``, ``selective``, ``none``) has ``forward(run, x) → (y,
-state)`` and ``backward(run, state, g_y, g_extra) → (g_x, {local name: gradient})``. A layer may
-have extra outputs besides ``y`` (a mixture-of-experts layer's router logits, which the
-load-balancing loss reads after the whole forward): ``state.extra`` holds them (detached) from
-the forward, and ``g_extra`` brings their gradients to the backward (``()`` for none: a dense
-layer, or no auxiliary loss). ``state.tensors``
-are the layer's saved activations that may move to the host (device tensors, in the order the
-forward saved them; ``None`` while offloaded: ``offload.ActivationOffload`` moves them and puts
-them back before ``backward``); ``state.retained_bytes`` counts what the family keeps on the
-device outside that list (the operator outputs of selective checkpointing).
-
-Weights are never saved by value: a layer's parameters are views of a window slot that later
-loads overwrite, so a saved tensor that is (a view of) a parameter is recorded as (name, size,
-stride, offset) and rebuilt from the slot the backward loaded (``ParamAliases``). Tensors shared
-by every layer (the rotary cos/sin, the masks) are kept by reference and belong to no layer.
+state)`` and ``backward(run, state, g_y, g_extra) → (g_x, {local name: gradient})``.
+``state.extra`` holds extra outputs (a mixture's router logits, detached), ``g_extra`` their
+gradients (``()`` for none). ``state.tensors`` are the saved activations that may move to the
+host, in save order (``None`` while offloaded); ``state.retained_bytes`` counts what stays on
+the device outside them. Invariant: weights are never saved by value: a saved view of a
+parameter is recorded as (name, size, stride, offset) and rebuilt from the slot the backward
+loaded (``ParamAliases``); tensors shared by every layer (rotary cos/sin, masks) are kept by
+reference.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """Activation offload: a layer's chosen saved tensors to pinned host memory and back.
 
-The offload ratio ``r`` of a layer selects whole tensors, in the order its forward saved them,
-up to the first prefix holding at least ``r`` of the layer's saved bytes (``offload_count``;
-ratios that select the same prefix are the same layout). On CUDA the copies run on their own
-stream after the layer's compute (an event orders them); ``record_stream`` keeps each device
-tensor alive until its copy is done. The backward prefetches across layers: ``prefetch(l - 1)``
-issues the next layer's H2D while layer ``l`` computes, ``reload(l - 1)`` then makes the compute
-stream wait for it.
-
-The reloaded copies are the compute stream's blocks (allocated on it, filled on the offload
-stream once the compute stream's earlier work is done): freed after their layer's backward, they
-serve the compute stream's next allocation at once. Allocated on the offload stream instead,
-they made a pool of their own beside the compute stream's: on the H100 the two layouts that
-offload large tensors in many layers reserved 5.2 and 10.7 GiB over their allocated peak
-(Qwen3-4B B=32: 78.2 GiB for 67.5), where the others keep about what the all-F default keeps,
-1.2-3.5 GiB (benchmarks/2026-11-24-autopolicy-h100.md, "Reserved over allocated, by layout").
-
-Host memory is one exactly sized byte arena per layer (64-byte aligned tensors), pinned with
-``cudaHostRegister`` (torch's pinned caching allocator would round it up to a power of two) and
-reallocated only when the layer's offloaded bytes change. On CPU the "offload" is a copy.
+Ratio ``r`` selects the shortest prefix of the saved tensors, in save order, holding at least
+``r`` of their bytes (``offload_count``). On CUDA the copies run on their own stream after the
+layer's compute; the backward prefetches across layers (``prefetch(l - 1)``, then
+``reload(l - 1)`` makes the compute stream wait). Invariants: each device tensor lives until its
+copy is done (``record_stream``); reloaded copies are allocated on the compute stream, so no
+second allocator pool grows beside it (benchmarks/2026-11-24-autopolicy-h100.md, "Reserved over
+allocated, by layout"); host memory is one exactly sized pinned arena per layer
+(``cudaHostRegister``), reallocated only when its bytes change. On CPU the "offload" is a copy.
 """
 
 from __future__ import annotations

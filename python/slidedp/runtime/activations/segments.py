@@ -1,21 +1,15 @@
 """The decoder layer of Llama, Mistral, Qwen2 and Qwen3 as eight segments, each a call of one of
-transformers' own submodules (or the residual add between them), in the order and with the
-arguments of the layer's ``forward``; ``tests/engine/test_activations.py`` checks that the
-segments reproduce the module bit for bit on each architecture.
+transformers' own submodules or the residual add, in the order of the layer's ``forward``.
 
-Boundaries (the state after each segment; ``x`` is the layer input, ``x1`` the residual stream
-after attention)::
+Boundaries (the state after each; ``x`` the layer input, ``x1`` the residual after attention)::
 
-    b0 input norm         (x, h = input_layernorm(x))
-    b1 attention          (x, a = self_attn(h))
-    b2 residual           (x1 = x + a,)
-    b3 post-attn norm     (x1, h2 = post_attention_layernorm(x1))
-    b4 gate/up            (x1, gate_proj(h2), up_proj(h2))
-    b5 activation         (x1, m = act_fn(gate) * up)
-    b6 down               (x1, d = down_proj(m))
-    end                   (x1 + d,)
+    b0 input norm (x, h)         b1 attention (x, a)       b2 residual (x1 = x + a,)
+    b3 post-attn norm (x1, h2)   b4 gate/up (x1, g, u)     b5 activation (x1, m = act(g) * u)
+    b6 down (x1, d)              end (x1 + d,)
 
-A segment mask ``S1010100`` saves the states at b0, b2 and b4 (first bit = b0).
+A segment mask ``S1010100`` saves the states at b0, b2 and b4 (first bit = b0). Invariant: the
+segments reproduce the module bit for bit on each architecture
+(``tests/engine/test_activations.py``).
 """
 
 from __future__ import annotations
