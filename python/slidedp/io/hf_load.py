@@ -24,6 +24,8 @@ from torch import nn
 
 from slidedp.errors import ModelLoadError
 from slidedp.io.hub_experts import HubLayout, Slot
+from slidedp.io.parallel_init import ParallelNormal
+from slidedp.kernels import default_threads
 from slidedp.models.hf import EMBED, LM_HEAD, NORM, HFAdapter
 from slidedp.store import HostStore
 
@@ -264,22 +266,32 @@ def _fresh(
 
 
 def init_weights(adapter: HFAdapter, store: HostStore, seed: int) -> None:
-    """Seeded init from the config, one module at a time (embed, layers in order, norm, head)."""
-    torch.manual_seed(seed)
+    """Seeded init from the config, one module at a time (embed, layers in order, norm, head);
+    the normal draws on every core (``ParallelNormal``), seeded by the module's name."""
+    torch.manual_seed(seed)  # any draw but normal_ (none in the supported models' inits)
+    with ParallelNormal(seed, default_threads()) as draws:
+        _init_modules(adapter, store, draws)
+
+
+def _init_modules(adapter: HFAdapter, store: HostStore, draws: ParallelNormal) -> None:
     base = adapter.base
+    draws.scope(_module(EMBED))
     embed = _fresh(adapter, _module(EMBED), nn.Embedding, adapter.vocab_size, adapter.hidden_size,
                    adapter.padding_idx)  # fmt: skip
     store.param(EMBED).copy_(embed.get_parameter("weight").detach())
     del embed
     for i in range(adapter.num_layers):
+        draws.scope(f"model.layers.{i}")
         layer = _fresh(adapter, f"model.layers.{i}", type(base.layers[i]), adapter.config, i)
         for full, local in adapter.groups[adapter.layer_group(i)].params:
             store.param(full).copy_(layer.get_parameter(local).detach())
         del layer
+    draws.scope(_module(NORM))
     norm = copy.deepcopy(base.norm).to_empty(device="cpu")  # Gemma's takes other args
     norm = _initialised(adapter, norm, _module(NORM))
     store.param(NORM).copy_(norm.get_parameter("weight").detach())
     if not adapter.tied:
+        draws.scope(_module(LM_HEAD))
         head = _fresh(adapter, _module(LM_HEAD), nn.Linear, adapter.hidden_size, adapter.vocab_size,
                       bias=False)  # fmt: skip
         store.param(LM_HEAD).copy_(head.get_parameter("weight").detach())

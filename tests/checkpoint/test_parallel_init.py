@@ -1,0 +1,73 @@
+"""``io.parallel_init.ParallelNormal``: the init's normal draws by seeded chunks on a pool of
+threads, the values a function of the seed, the scope and the draw order alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.tiny import tiny_config
+from slidedp.io import hf_load
+from slidedp.io.parallel_init import CHUNK, ParallelNormal, chunk_seed
+from slidedp.models.hf import HFAdapter
+from slidedp.store import HostStore
+
+
+def _drawn(threads: int, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    first, second = torch.empty(numel), torch.empty(numel)
+    with ParallelNormal(7, threads) as draws:
+        draws.scope("m")
+        torch.nn.init.normal_(first, mean=1.0, std=0.02)  # how _init_weights draws
+        second.normal_(0.0, 3.0)  # a method call: the scope's second draw
+    return first, second
+
+
+def test_each_chunk_has_its_own_seeded_generator_whatever_the_threads() -> None:
+    numel = 2 * CHUNK + 5  # a short last chunk
+    first, second = _drawn(3, numel)
+    expected = torch.empty(numel)
+    for k, start in enumerate(range(0, numel, CHUNK)):
+        g = torch.Generator().manual_seed(chunk_seed(7, "m", 0, k))
+        expected[start : start + CHUNK].normal_(1.0, 0.02, generator=g)
+    assert torch.equal(first, expected)
+    assert torch.equal(torch.stack(_drawn(1, numel)), torch.stack((first, second)))
+    assert not torch.equal(first[:CHUNK] - 1.0, first[CHUNK : 2 * CHUNK] - 1.0)
+    assert abs(float(second.std()) - 3.0) < 0.01  # 8M draws: the std within ~0.1%
+
+
+def test_a_strided_tensor_draws_from_one_seeded_generator() -> None:
+    base = torch.zeros(64, 32)
+    with ParallelNormal(3, 2) as draws:
+        draws.scope("s")
+        base.t().normal_(0.0, 1.0)
+    expected = torch.zeros(64, 32)
+    g = torch.Generator().manual_seed(chunk_seed(3, "s", 0, 0))
+    expected.t().normal_(0.0, 1.0, generator=g)
+    assert torch.equal(base, expected)
+
+
+def test_an_error_in_a_draw_reaches_the_caller_as_itself() -> None:
+    integers = torch.empty(8, dtype=torch.int64)
+    with ParallelNormal(0, 2), pytest.raises(RuntimeError, match="normal"):
+        integers.normal_()  # torch refuses normal_ on integers
+
+
+def test_the_models_init_is_the_same_on_one_thread_and_many(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tiny_config("qwen3", tied=False, layers=2).save_pretrained(tmp_path)
+    adapter = HFAdapter.from_dir(tmp_path)
+
+    def init(threads: int) -> dict[str, torch.Tensor]:
+        monkeypatch.setattr(hf_load, "default_threads", lambda: threads)
+        store = HostStore.create(adapter.group_specs(), staging_slots=2)
+        hf_load.init_weights(adapter, store, 5)
+        return {n: store.param(n).clone() for _, n in adapter.iter_params()}
+
+    one, many = init(1), init(4)
+    assert all(torch.equal(one[n], many[n]) for n in one)
+    layer0 = [n for n in one if n.startswith("model.layers.0.") and n.endswith("q_proj.weight")]
+    layer1 = [n.replace("layers.0.", "layers.1.") for n in layer0]
+    assert not torch.equal(one[layer0[0]], one[layer1[0]])  # each layer its own scope
