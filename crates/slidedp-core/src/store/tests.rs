@@ -149,3 +149,25 @@ fn nothing_appears_in_the_shm_directory() {
     assert_eq!(std::fs::read_dir(shm()).unwrap().count(), before);
     drop(store);
 }
+
+#[test]
+fn every_page_is_allocated_and_zero_before_create_returns() {
+    let store = HostStore::create(&spec(40, 2), &shm()).unwrap();
+    let mut stat = std::mem::MaybeUninit::<libc::stat>::uninit();
+    // SAFETY: the store's descriptor is open; `stat` is writable storage for one stat.
+    let rc = unsafe { libc::fstat(store.region.raw_fd(), stat.as_mut_ptr()) };
+    assert_eq!(rc, 0);
+    // SAFETY: fstat returned 0, so it filled the struct.
+    let allocated = unsafe { stat.assume_init() }.st_blocks as usize * 512;
+    assert!(
+        allocated >= store.total_bytes(),
+        "{allocated} of {} B",
+        store.total_bytes()
+    );
+    // the header, the spec and the version counters before it are written at create
+    let (master, _) = store.region(Region::Master);
+    let state_len = store.base_ptr() as usize + store.total_bytes() - master as usize;
+    // SAFETY: from the master region to the mapping's end is readable while `store` lives.
+    let state = unsafe { std::slice::from_raw_parts(master.cast_const(), state_len) };
+    assert!(state.iter().all(|&b| b == 0));
+}
