@@ -14,6 +14,7 @@ fn store(
         name: name.into(),
         shape: shape.to_vec(),
         dtype: Dtype::Bf16,
+        frozen: false,
     };
     let spec = StoreSpec {
         groups: (0..2)
