@@ -5,13 +5,13 @@ Step ``t`` (0-based) computes with parameter version ``t`` of every group and pu
 global barrier). Order: embed; each layer's fetch (version gate, cast, H2D), prefetch of the
 next and forward under its activation layout; the chunked loss (plus a mixture of experts'
 load-balancing loss); each layer's backward from last to first, its gradient handed to the
-gradient lane (``grad_lane``, ``grad_sync.GradSync``); the embedding's backward.
-
-Invariants: with clipping (``max_grad_norm > 0``) the update is exactly
-``torch.nn.utils.clip_grad_norm_`` + AdamW over the global batch of every rank; each group's
-owner alone updates it and publishes its version; a non-finite loss or norm raises
-``NonFiniteError`` before any update of the step (``skip(t)`` advances the versions). The full
-schedule (resident layers, parking, routes, nodes): docs/architecture.md, "One step's data path".
+gradient lane (``grad_lane``, ``grad_sync.GradSync``); the embedding's backward. Frozen
+parameters (``models.freeze.Trained``) get no gradient; below the lowest layer whose backward
+is needed, layers run forward only. Invariants: with clipping (``max_grad_norm > 0``) the
+update is exactly ``torch.nn.utils.clip_grad_norm_`` + AdamW over the global batch of every
+rank (the trained parameters); each group's owner alone updates it and publishes its version; a
+non-finite loss or norm raises ``NonFiniteError`` before any update of the step (``skip(t)``
+advances the versions). The full schedule: docs/architecture.md, "One step's data path".
 """
 
 from __future__ import annotations
