@@ -113,15 +113,11 @@ def estimate_memory(
     cuda = machine.device == "cuda"
     elem = 2 if machine.dtype == "bfloat16" else 4
     policy = plan.policy
-    bf16, world = machine.dtype == "bfloat16", cfg.runtime.world
-    args = store_args(policy, bf16=bf16, world=world)
+    args = store_args(policy, bf16=machine.dtype == "bfloat16", world=cfg.runtime.world)
     layout = HostStore.plan(adapter.group_specs(), **args)
     groups = layout["groups"]
     params = sum(int(p["numel"]) for p in layout["params"])
     trained = sum(int(p["numel"]) for p in layout["params"] if not p["frozen"])
-    unfrozen = [replace(g, params=[replace(p, frozen=False) for p in g.params])
-                for g in adapter.group_specs()]  # fmt: skip
-    frozen_saved = int(HostStore.plan(unfrozen, **args)["regions"]["total_bytes"])
     b, s, layers, rt = (
         cfg.train.global_batch_size,
         cfg.data.seq_len,
@@ -187,8 +183,15 @@ def estimate_memory(
         world=rt.world,
         route=f"{rt.param_route}/{rt.grad_route}",
         trained_params=trained,
-        frozen_saved_bytes=frozen_saved - store,
+        frozen_saved_bytes=_unfrozen_store_bytes(adapter, args) - store,
     )
+
+
+def _unfrozen_store_bytes(adapter: HFAdapter, store_args: dict[str, Any]) -> int:
+    """The store's bytes with nothing frozen (what ``train.freeze`` saves is the difference)."""
+    unfrozen = [replace(g, params=[replace(p, frozen=False) for p in g.params])
+                for g in adapter.group_specs()]  # fmt: skip
+    return int(HostStore.plan(unfrozen, **store_args)["regions"]["total_bytes"])
 
 
 def _resident_bytes(adapter: HFAdapter, plan: Plan, clipping: bool) -> int:
