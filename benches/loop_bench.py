@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from slidedp.bench.shapes import cut_layers, resolve_shape
 
 from slidedp.config import config_from_dict
 from slidedp.errors import ConfigError
+from slidedp.models.shapes import cut_layers, resolve_shape
 from slidedp.runtime.train_log import host_pss_bytes
 from slidedp.runtime.trainer import Trainer
 

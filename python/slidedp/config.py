@@ -85,6 +85,9 @@ class TrainSection:
     # evaluate the held-out data (data.eval_path / eval_fraction) every N steps (0: only at the
     # end, when there is held-out data): eval_loss and eval_perplexity (runtime.evaluate)
     eval_steps: int = 0
+    # parameters that never train (models.freeze): layer ranges (layers.0-9), name parts
+    # (embed_tokens, lm_head) or fnmatch globs over the full names; no moments, no update
+    freeze: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         _require(self.max_steps >= 1, f"train.max_steps must be >= 1, got {self.max_steps}")

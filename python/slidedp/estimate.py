@@ -16,7 +16,7 @@ Example::
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -87,6 +87,8 @@ class MemoryEstimate:
     machine: Machine
     world: int = 1  # processes of the node (runtime.gpus / runtime.ranks)
     route: str = ""  # this run's param_route/grad_route
+    trained_params: int = 0  # of ``params``, those that train (train.freeze: the others)
+    frozen_saved_bytes: int = 0  # store bytes train.freeze saves (the frozen ones' moments)
 
     def to_json(self) -> dict[str, Any]:
         """Every field (bytes, seconds, FLOPs as numbers), plus ``fits`` and ``shortages``."""
@@ -111,10 +113,11 @@ def estimate_memory(
     cuda = machine.device == "cuda"
     elem = 2 if machine.dtype == "bfloat16" else 4
     policy = plan.policy
-    bf16, world = machine.dtype == "bfloat16", cfg.runtime.world
-    layout = HostStore.plan(adapter.group_specs(), **store_args(policy, bf16=bf16, world=world))
+    args = store_args(policy, bf16=machine.dtype == "bfloat16", world=cfg.runtime.world)
+    layout = HostStore.plan(adapter.group_specs(), **args)
     groups = layout["groups"]
     params = sum(int(p["numel"]) for p in layout["params"])
+    trained = sum(int(p["numel"]) for p in layout["params"] if not p["frozen"])
     b, s, layers, rt = (
         cfg.train.global_batch_size,
         cfg.data.seq_len,
@@ -179,7 +182,16 @@ def estimate_memory(
         machine=machine,
         world=rt.world,
         route=f"{rt.param_route}/{rt.grad_route}",
+        trained_params=trained,
+        frozen_saved_bytes=_unfrozen_store_bytes(adapter, args) - store,
     )
+
+
+def _unfrozen_store_bytes(adapter: HFAdapter, store_args: dict[str, Any]) -> int:
+    """The store's bytes with nothing frozen (what ``train.freeze`` saves is the difference)."""
+    unfrozen = [replace(g, params=[replace(p, frozen=False) for p in g.params])
+                for g in adapter.group_specs()]  # fmt: skip
+    return int(HostStore.plan(unfrozen, **store_args)["regions"]["total_bytes"])
 
 
 def _resident_bytes(adapter: HFAdapter, plan: Plan, clipping: bool) -> int:

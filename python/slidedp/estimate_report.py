@@ -69,7 +69,7 @@ def estimate_run(
     plan = resolve_plan(cfg, adapter, machine)
     memory = estimate_memory(cfg, adapter, machine, plan)
     rate = host_rate(update_threads(cfg, machine), machine)
-    step = _step_time(cfg, adapter, machine, memory.params, rate)
+    step = _step_time(cfg, adapter, machine, memory.trained_params, rate)
     est = Estimate(**{f.name: getattr(memory, f.name) for f in fields(memory)}, step=step)
     rates = rates_for(cfg, adapter, machine, rate) if step_model else None
     if rates is None:
@@ -184,6 +184,10 @@ def format_estimate(est: Estimate) -> str:
     row("/dev/shm (host store)", gib(est.shm_bytes), f"{gib(m.shm_free_bytes)} free")
     row("host RAM", gib(est.ram_bytes), f"{gib(m.mem_available_bytes)} available")
     row("  store", gib(est.store_bytes))
+    if est.frozen_saved_bytes:
+        frozen = est.params - est.trained_params
+        row("    less than with nothing frozen", gib(est.frozen_saved_bytes),
+            f"train.freeze: {frozen:,} parameters without Adam moments")  # fmt: skip
     if est.mirror_bytes:
         row("    of which the BF16 mirror", gib(est.mirror_bytes), "runtime.bf16_mirror")
     if est.offload_arena_bytes:
@@ -222,7 +226,8 @@ def format_estimate(est: Estimate) -> str:
     row(
         "  host AdamW floor",
         f"{st.host_floor_s:.2f} s",
-        f"28 B/param at {st.host_gbps:.0f} GB/s ({st.host_threads} threads), {st.host_source}",
+        f"28 B/trained param at {st.host_gbps:.0f} GB/s ({st.host_threads} threads), "
+        f"{st.host_source}",
     )
     head = (
         f"slidedp estimate: {est.model}, {est.params:,} parameters, {est.layers} layers; "

@@ -33,6 +33,7 @@ from slidedp.estimate_report import estimate_run
 from slidedp.io.disk_space import check_disk_space, checkpoint_bytes, saves_of_run
 from slidedp.io.hf_load import check_weight_files, weight_files
 from slidedp.io.resume import ResumePoint, plan_resume
+from slidedp.models.freeze import apply_freeze
 from slidedp.models.hf import HFAdapter
 from slidedp.models.router_loss import check_router_loss_ranks
 from slidedp.plan.device import pick_device, pick_dtype
@@ -58,7 +59,7 @@ def check_model(cfg: TrainConfig) -> tuple[HFAdapter, str]:
             f"model.path {path} {what}; set model.path to a local HF model directory "
             "(config.json + *.safetensors)"
         )
-    adapter = HFAdapter.from_dir(path, cfg.model.config_overrides())
+    adapter = apply_freeze(HFAdapter.from_dir(path, cfg.model.config_overrides()), cfg.train.freeze)
     check_router_loss_ranks(adapter, cfg.runtime.world * cfg.runtime.nodes)
     if cfg.data.packing and "linear_attention" in (
         getattr(adapter.config, "layer_types", None) or []
@@ -78,8 +79,15 @@ def check_model(cfg: TrainConfig) -> tuple[HFAdapter, str]:
     of = f" (the text model of a {adapter.multimodal} model)" if adapter.multimodal else ""
     return adapter, (
         f"model    {adapter.config.model_type}{of} at {path}: {adapter.num_layers} layers, "
-        f"{parameter_count(adapter):,} parameters, {weights}"
+        f"{parameter_count(adapter):,} parameters{frozen_count(adapter)}, {weights}"
     )
+
+
+def frozen_count(adapter: HFAdapter) -> str:
+    """``" (N frozen: train.freeze)"``, or "" when everything trains."""
+    shapes = adapter.shapes()
+    frozen = sum(math.prod(shapes[n]) for n in adapter.frozen)
+    return f" ({frozen:,} frozen: train.freeze)" if frozen else ""
 
 
 def parameter_count(adapter: HFAdapter) -> int:

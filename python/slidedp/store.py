@@ -32,11 +32,13 @@ _TORCH_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """One named tensor; ``dtype`` is the dtype it is delivered to the GPU in."""
+    """One named tensor; ``dtype`` is the dtype it is delivered to the GPU in; a ``frozen`` one
+    is never updated (no Adam moments, no gradient slot traffic)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: Literal["bf16", "f32"] = "bf16"
+    frozen: bool = False
 
 
 @dataclass(frozen=True)
@@ -93,9 +95,11 @@ def _bytes_view(owner: object, address: int, nbytes: int) -> torch.Tensor:
 
 
 class HostStore:
-    """FP32 master weights, Adam moments, BF16 staging slots, gradient slots and (optionally) a
-    BF16 mirror of every parameter in one shared mapping. Slots hold one transfer chunk
-    (``layout["slot_len"]`` elements) each."""
+    """FP32 master weights, Adam moments (of the trained parameters only), BF16 staging slots,
+    gradient slots and (optionally) a BF16 mirror of every parameter in one shared mapping.
+    Slots hold one transfer chunk (``layout["slot_len"]`` elements) each. Inside a group the
+    trained parameters come first: its first ``trained_len`` state elements, the range of its
+    gradient and of its moments (at ``moment_offset``)."""
 
     def __init__(self, native: _native.HostStore) -> None:
         self._native = native
@@ -168,21 +172,31 @@ class HostStore:
         return self._regions[region]
 
     def param(self, name: str, region: StateRegion = "master") -> torch.Tensor:
-        """One parameter's FP32 state, shaped."""
+        """One parameter's FP32 state, shaped (a frozen parameter has master weights only)."""
         try:
             p = self._params[name]
         except KeyError:
             raise UnknownParameterError(f"parameter '{name}' is not in the store layout") from None
-        flat = self._regions[region][p["state_offset"] : p["state_offset"] + p["numel"]]
-        return flat.view(p["shape"])
+        at = p["state_offset"] if region == "master" else p["moment_offset"]
+        if at is None:
+            raise UnknownParameterError(f"parameter '{name}' is frozen: it has no {region}")
+        return self._regions[region][at : at + p["numel"]].view(p["shape"])
+
+    def frozen(self, name: str) -> bool:
+        """Whether parameter ``name`` is frozen (never updated, no moments)."""
+        return bool(self._params[name]["frozen"])
 
     def master(self, name: str) -> torch.Tensor:
         return self.param(name, "master")
 
     def group_state(self, group: int, region: StateRegion) -> torch.Tensor:
-        """A group's contiguous range of one state region, padding included (padding stays 0)."""
+        """A group's contiguous range of one state region, padding included (padding stays 0):
+        its master weights (``state_len``), or its trained parameters' moments
+        (``trained_len``)."""
         g = self.layout["groups"][group]
-        return self._regions[region][g["state_offset"] : g["state_offset"] + g["state_len"]]
+        if region == "master":
+            return self._regions[region][g["state_offset"] : g["state_offset"] + g["state_len"]]
+        return self._regions[region][g["moment_offset"] : g["moment_offset"] + g["trained_len"]]
 
     @property
     def has_mirror(self) -> bool:

@@ -91,9 +91,33 @@ def _forward_backward(
     offload.reload(0, state)
     g = torch.linspace(-1, 1, y.numel()).view_as(y)
     g_x, grads = executor.backward(LayerRun(adapter, 0, backward_params, ctx), state, g)
+    assert g_x is not None
     for n, p in params.items():
         p.copy_(backward_params[n])
     return (y, g_x, *(grads[n] for n in params))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_leaves_out_frozen_and_unneeded_gradients_and_keeps_the_others(
+    family: str,
+) -> None:
+    """``LayerRun.frozen`` and ``input_grad`` (train.freeze): the gradients left are those of
+    the whole backward, bit for bit; the frozen ones and the input's are not computed."""
+    adapter, x, params, ctx = _layer("qwen3")
+    _, policy = parse_entry(family, 0.0)
+    g = torch.linspace(-1, 1, x.numel()).view_as(x)
+    frozen = frozenset(n for n in params if ".mlp." in f".{n}" or n.endswith("q_proj.weight"))
+    results = []
+    for run_args in ({}, {"frozen": frozen, "input_grad": False}):
+        executor = executor_for(policy)
+        run = LayerRun(adapter, 0, params, ctx, **run_args)  # type: ignore[arg-type]
+        _, state = executor.forward(run, x)
+        results.append(executor.backward(run, state, g))
+    (g_x, whole), (no_x, part) = results
+    assert g_x is not None
+    assert no_x is None
+    assert set(part) == set(whole) - frozen
+    assert all(torch.equal(part[n], whole[n]) for n in part)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])

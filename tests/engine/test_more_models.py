@@ -67,6 +67,7 @@ def _run(arch: str, text: str) -> list[torch.Tensor]:
         LayerRun(adapter, 0, backward_params, ctx), state, g, (g_logits,)
     )
     assert grads["mlp.gate.weight"].abs().sum() > 0
+    assert g_x is not None
     return [y, logits, g_x, *(grads[n] for n in sorted(grads))]
 
 

@@ -203,11 +203,18 @@ class Reference:
     params: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def reference_train(model_dir: Path, data: Path, train: dict[str, Any]) -> Reference:
+def reference_train(
+    model_dir: Path, data: Path, train: dict[str, Any], frozen: tuple[str, ...] = ()
+) -> Reference:
+    """``frozen``: parameters set to ``requires_grad=False`` (AdamW and clipping over the
+    others only, as a PyTorch user freezes them)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).train()
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
     patterns = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
     decay = set(get_parameter_names(model, [nn.LayerNorm], patterns))  # type: ignore[no-untyped-call]
-    named = list(model.named_parameters())  # tied weights appear once
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # tied: once
     decay &= {n for n, _ in named}  # HF lists the tied lm_head.weight too
     # HF's rule is the 1-D rule here but for Qwen3.5's A_log and Gemma 4's router scales, 1-D
     # tensors HF's names would decay and slidedp (1-D tensors never decay) does not: the
@@ -241,7 +248,7 @@ def reference_train(model_dir: Path, data: Path, train: dict[str, Any]) -> Refer
         if getattr(out, "aux_loss", None) is not None:
             ref.aux_losses.append(float(out.aux_loss.detach()))
         max_norm = train["max_grad_norm"] or float("inf")  # HF Trainer skips clipping at 0
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        norm = torch.nn.utils.clip_grad_norm_([p for _, p in named], max_norm)
         opt.step()
         sched.step()
         opt.zero_grad()

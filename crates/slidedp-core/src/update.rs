@@ -287,16 +287,16 @@ fn check(
     let fits = request
         .start
         .checked_add(request.len)
-        .is_some_and(|end| end <= group.state_len);
+        .is_some_and(|end| end <= group.trained_len);
     if !fits || request.len > layout.slot_len || request.grad_slot >= layout.grad_slots {
         return Err(Error::InvalidArgument(format!(
             "update chunk [{}, +{}) of group '{}' from gradient slot {} does not fit (group {} \
-             elements, slots of {} elements, {} slots)",
+             trained elements, slots of {} elements, {} slots)",
             request.start,
             request.len,
             group.name,
             request.grad_slot,
-            group.state_len,
+            group.trained_len,
             layout.slot_len,
             layout.grad_slots
         )));
@@ -463,17 +463,24 @@ fn update_chunk(store: &HostStore, kernels: &Kernels, request: &UpdateRequest) -
             },
             ..request.hp
         };
+        // `check` keeps the chunk inside the trained prefix: a frozen parameter is never in it
+        let moments = param.moment_offset.ok_or_else(|| {
+            Error::InvalidArgument(format!("update of frozen parameter '{}'", param.name))
+        })?;
         let (offset, len, grad_at) = (group.state_offset + lo, hi - lo, lo - chunk_lo);
-        // SAFETY: [offset, offset + len) lies inside the parameter, hence inside every state
-        // region (and its mirror range inside the group's mirror range); [grad_at, grad_at + len) lies inside gradient slot `grad_slot` (`check`: the
-        // chunk is at most a slot long); the caller's protocol (module docs) makes this worker
-        // the only writer of the group and keeps the slot unchanged while the update runs; the
-        // Arc'd store keeps the mapping alive.
+        let moment_at = moments + (lo - param_lo);
+        // SAFETY: [offset, offset + len) lies inside the parameter's master weights and
+        // [moment_at, moment_at + len) inside its moments (a trained parameter has them), its
+        // mirror range inside the group's mirror range; [grad_at, grad_at + len) lies inside
+        // gradient slot `grad_slot` (`check`: the chunk is at most a slot long); the caller's
+        // protocol (module docs) makes this worker the only writer of the group and keeps the
+        // slot unchanged while the update runs; the Arc'd store keeps the mapping alive.
         unsafe {
-            let state = |region| store.region(region).0.cast::<f32>().add(offset);
-            let master = std::slice::from_raw_parts_mut(state(Region::Master), len);
-            let exp_avg = std::slice::from_raw_parts_mut(state(Region::ExpAvg), len);
-            let exp_avg_sq = std::slice::from_raw_parts_mut(state(Region::ExpAvgSq), len);
+            let f32_at = |region, at| store.region(region).0.cast::<f32>().add(at);
+            let master = std::slice::from_raw_parts_mut(f32_at(Region::Master, offset), len);
+            let exp_avg = std::slice::from_raw_parts_mut(f32_at(Region::ExpAvg, moment_at), len);
+            let exp_avg_sq =
+                std::slice::from_raw_parts_mut(f32_at(Region::ExpAvgSq, moment_at), len);
             let grad = grad_chunk(store, request.grad_slot, grad_at, len);
             // The mirror holds the parameter at its slot offset inside the group's range.
             let mirror = (layout.mirror_len > 0).then(|| {

@@ -22,6 +22,7 @@ fn param(name: String, shape: &[usize]) -> ParamSpec {
         name,
         shape: shape.to_vec(),
         dtype: Dtype::Bf16,
+        frozen: false,
     }
 }
 

@@ -101,7 +101,9 @@ class ReferenceModel:
             loss += a.router_loss.coef * float(aux)
         for layer in reversed(range(a.num_layers)):  # backward: as the family replays
             run = LayerRun(a, layer, self._layer_params(layer), ctx)
+            assert g is not None, "nothing is frozen: every gradient is computed"
             g, _ = self.executors[layer].backward(run, states.pop(), g, g_extra[layer])
+        assert g is not None, "nothing is frozen"
         g_embed = a.embed_backward(self.embed, ids, embed_w, g, g_head_w)
         return loss, g_embed
 

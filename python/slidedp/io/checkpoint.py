@@ -250,13 +250,34 @@ def tensor_plan(path: Path, adapter: HFAdapter) -> list[tuple[Path, StateRegion]
                     )
                 seen.add(name)
             plan.append((file, region))
-        missing = sorted(set(shapes) - seen)
-        if missing:
-            raise CheckpointError(
-                f"{path.name} does not fit this model: {prefix} lacks '{missing[0]}' "
-                f"({len(missing)} missing); resume with the model it was trained from"
-            )
+        _check_names(path, prefix, region, set(shapes), seen, adapter.frozen)
     return plan
+
+
+def _check_names(
+    path: Path,
+    prefix: str,
+    region: StateRegion,
+    stored: set[str],
+    seen: set[str],
+    frozen: Collection[str],
+) -> None:
+    """``CheckpointError`` unless ``seen`` are the names ``region`` holds for this model: every
+    stored parameter's master weights, the trained ones' moments (``train.freeze``)."""
+    if region != "master" and seen != stored - set(frozen):  # the moments: of trained ones
+        there, here = sorted(stored - seen), sorted(frozen)
+        raise CheckpointError(
+            f"{path.name} was trained with another train.freeze: it froze {len(there)} "
+            f"parameter(s) ({', '.join(there[:2]) or 'none'}), this config freezes {len(here)} "
+            f"({', '.join(here[:2]) or 'none'}); set train.freeze as it was, or start a new run "
+            "from its weights (model.path)"
+        )
+    missing = sorted(stored - seen)
+    if region == "master" and missing:
+        raise CheckpointError(
+            f"{path.name} does not fit this model: {prefix} lacks '{missing[0]}' "
+            f"({len(missing)} missing); resume with the model it was trained from"
+        )
 
 
 def load_tensors(path: Path, adapter: HFAdapter, store: HostStore) -> None:

@@ -1,8 +1,9 @@
 """Disk space for checkpoints: checked before the first step, reported when a save runs out.
 
-A checkpoint holds 12 bytes per parameter (FP32 master and both Adam moments), the tokenizer and
-a few JSON files. The preflight checks that ``output.dir``'s filesystem has room for the
-checkpoints on disk at once (``save_total_limit`` plus the one being written, less those there).
+A checkpoint holds 12 bytes per trained parameter (FP32 master and both Adam moments), 4 per
+frozen one (``train.freeze``: master only), the tokenizer and a few JSON files. The preflight
+checks that ``output.dir``'s filesystem has room for the checkpoints on disk at once
+(``save_total_limit`` plus the one being written, less those there).
 Invariant: a save that still runs out raises ``DiskFullError``, one line naming the filesystem,
 the bytes needed and free and the intact checkpoint to resume from (the partial one removed).
 
@@ -28,6 +29,7 @@ from slidedp.io.export import TOKENIZER_FILES
 from slidedp.models.hf import HFAdapter
 
 STATE_COPIES = 3  # master weights, exp_avg, exp_avg_sq: FP32 each
+MOMENT_COPIES = 2  # of them, what a frozen parameter lacks
 # safetensors headers, config, rng and trainer state, manifest: a few KiB on small models, the
 # headers grow with the tensor count (~150 B each); 1 MiB covers thousands of tensors
 SMALL_FILES_BYTES = 1 << 20
@@ -36,12 +38,14 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 def checkpoint_bytes(adapter: HFAdapter) -> int:
     """The bytes one checkpoint of this model takes."""
-    params = sum(math.prod(shape) for shape in adapter.shapes().values())
+    shapes = adapter.shapes()
+    params = sum(math.prod(shape) for shape in shapes.values())
+    frozen = sum(math.prod(shapes[n]) for n in adapter.frozen)
     source = adapter.path
     tokenizer = 0 if source is None else sum(
         (source / f).stat().st_size for f in TOKENIZER_FILES if (source / f).is_file()
     )  # fmt: skip
-    return STATE_COPIES * 4 * params + tokenizer + SMALL_FILES_BYTES
+    return STATE_COPIES * 4 * params - MOMENT_COPIES * 4 * frozen + tokenizer + SMALL_FILES_BYTES
 
 
 def free_bytes(path: Path) -> int:

@@ -107,8 +107,11 @@ def write_region(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> list[Path]:
     """One f32 state region (``master``, ``exp_avg``, ``exp_avg_sq``) under the HF names; the
-    master weights with the decoder layers' persistent buffers (``models.buffers``)."""
+    master weights with the decoder layers' persistent buffers (``models.buffers``); the
+    moments of the trained parameters only (a frozen one has none)."""
     names = [full for _, full in adapter.iter_params()]
+    if region != "master":
+        names = [n for n in names if n not in adapter.frozen]
     tensors = [(n, store.param(n, region)) for n in names]
     if region == "master":
         values = adapter.buffers.values

@@ -213,6 +213,8 @@ class HFAdapter:
         # how a decoder layer module is called: eager, or compiled (models.fast.apply_compute)
         self.layer_call: Callable[[nn.Module, torch.Tensor, dict[str, Any]], Any] = call_layer
         self.compute: Compute | None = None  # what apply_compute patched in (None: not yet)
+        # stored parameters that never train (train.freeze: models.freeze.apply_freeze)
+        self.frozen: frozenset[str] = frozenset()
 
     @classmethod
     def from_dir(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> HFAdapter:
@@ -304,9 +306,20 @@ class HFAdapter:
     def group_specs(self) -> list[GroupSpec]:
         shapes = self.shapes()
         return [
-            GroupSpec(g.name, [ParamSpec(full, shapes[full]) for full, _ in g.params])
+            GroupSpec(
+                g.name,
+                [ParamSpec(full, shapes[full], frozen=full in self.frozen) for full, _ in g.params],
+            )
             for g in self.groups
         ]
+
+    def frozen_locals(self, group: int) -> frozenset[str]:
+        """Group ``group``'s frozen parameters by their names inside its module."""
+        return frozenset(local for full, local in self.groups[group].params if full in self.frozen)
+
+    def trains(self, group: int) -> bool:
+        """Whether any parameter of group ``group`` trains."""
+        return any(full not in self.frozen for full, _ in self.groups[group].params)
 
     def layer_module(self, layer: int) -> nn.Module:
         return cast(nn.Module, self.base.layers[layer])
@@ -362,18 +375,25 @@ class HFAdapter:
         targets: torch.Tensor,  # [B, S] shifted labels
         n_labels: int,
         chunk_tokens: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        needs: tuple[bool, bool, bool] = (True, True, True),
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """Final norm + chunked linear/CE with its backward: ``(loss sum, d/dx, d/d norm_w,
-        d/d head_w)`` for the mean over ``n_labels`` label tokens."""
-        x_last = x.detach().requires_grad_(True)
-        norm_w = norm_w.detach().requires_grad_(True)
+        d/d head_w)`` for the mean over ``n_labels`` label tokens. ``needs``: which of the three
+        gradients to compute (the others are None: frozen weights, nothing trained below)."""
+        need_x, need_norm, need_head = needs
+        x_last = x.detach().requires_grad_(need_x)
+        norm_w = norm_w.detach().requires_grad_(need_norm)
         bind_params(self.norm_module(), {"weight": norm_w})
         with torch.enable_grad():
             normed = self.norm_module()(x_last)  # [B, S, H]
         loss_sum, g_normed, g_head_w = chunked_lm_loss(
-            normed.detach(), head_w, targets, n_labels, chunk_tokens, softcap=self.softcap
-        )
-        g_x, g_norm_w = torch.autograd.grad(normed, (x_last, norm_w), g_normed)
+            normed.detach(), head_w, targets, n_labels, chunk_tokens, softcap=self.softcap,
+            weight_grad=need_head, hidden_grad=need_x or need_norm,
+        )  # fmt: skip
+        wanted = [t for t, need in ((x_last, need_x), (norm_w, need_norm)) if need]
+        grads = iter(torch.autograd.grad(normed, wanted, g_normed) if wanted else ())
+        g_x = next(grads) if need_x else None
+        g_norm_w = next(grads) if need_norm else None
         return loss_sum, g_x, g_norm_w, g_head_w
 
     def make_embed(self, device: torch.device) -> nn.Module:
@@ -401,14 +421,17 @@ class HFAdapter:
         ids: torch.Tensor,  # [B, S] token ids
         embed_w: torch.Tensor,  # [V, H]
         g_x: torch.Tensor,  # [B, S, H] d loss / d embedding output
-        g_head_w: torch.Tensor,  # [V, H] the LM head's gradient (used when tied)
+        g_head_w: torch.Tensor | None,  # [V, H] the LM head's gradient (needed when tied)
     ) -> torch.Tensor:
         """d loss / d embedding weight (plus the head's gradient when the two are tied)."""
         w = embed_w.detach().requires_grad_(True)
         with torch.enable_grad():
             emb = self.embed(module, ids, w)
         (g_embed,) = torch.autograd.grad(emb, w, g_x)
-        return g_embed + g_head_w if self.tied else g_embed
+        if not self.tied:
+            return g_embed
+        assert g_head_w is not None, "a tied embedding that trains: its head's gradient too"
+        return g_embed + g_head_w
 
     def norm_module(self) -> nn.Module:
         return cast(nn.Module, self.base.norm)

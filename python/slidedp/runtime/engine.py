@@ -5,20 +5,21 @@ Step ``t`` (0-based) computes with parameter version ``t`` of every group and pu
 global barrier). Order: embed; each layer's fetch (version gate, cast, H2D), prefetch of the
 next and forward under its activation layout; the chunked loss (plus a mixture of experts'
 load-balancing loss); each layer's backward from last to first, its gradient handed to the
-gradient lane (``grad_lane``, ``grad_sync.GradSync``); the embedding's backward.
-
-Invariants: with clipping (``max_grad_norm > 0``) the update is exactly
-``torch.nn.utils.clip_grad_norm_`` + AdamW over the global batch of every rank; each group's
-owner alone updates it and publishes its version; a non-finite loss or norm raises
-``NonFiniteError`` before any update of the step (``skip(t)`` advances the versions). The full
-schedule (resident layers, parking, routes, nodes): docs/architecture.md, "One step's data path".
+gradient lane (``grad_lane``, ``grad_sync.GradSync``); the embedding's backward. Frozen
+parameters (``models.freeze.Trained``) get no gradient; below the lowest layer whose backward
+is needed, layers run forward only. Invariants: with clipping (``max_grad_norm > 0``) the
+update is exactly ``torch.nn.utils.clip_grad_norm_`` + AdamW over the global batch of every
+rank (the trained parameters); each group's owner alone updates it and publishes its version; a
+non-finite loss or norm raises ``NonFiniteError`` before any update of the step (``skip(t)``
+advances the versions). The full schedule: docs/architecture.md, "One step's data path".
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,13 +27,14 @@ from slidedp.data.batch import Batch
 from slidedp.errors import NonFiniteError
 from slidedp.kernels import Kernels
 from slidedp.models.fast import apply_compute
+from slidedp.models.freeze import Trained
 from slidedp.models.hf import EMBED, LM_HEAD, NORM, HFAdapter
 from slidedp.models.loss import IGNORE_INDEX, shift_labels
 from slidedp.plan.policy import Plan
 from slidedp.runtime.activations import LayerRun, LayerState, executor_for
 from slidedp.runtime.activations.offload import ActivationOffload, offload_count
 from slidedp.runtime.dist import Dist, all_reduce_sum, all_reduce_tensor
-from slidedp.runtime.grad_lane import GradLane
+from slidedp.runtime.grad_lane import GradLane, RankShare
 from slidedp.runtime.grad_sync import GradSync
 from slidedp.runtime.lanes import LaneClock, new_stream
 from slidedp.runtime.resident import ResidentLayers
@@ -60,6 +62,27 @@ class StepResult:
     aux_loss: float | None = None  # the load-balancing loss alone (MoE with router logits)
 
 
+@dataclass
+class _Inputs:
+    """A step's batch on the device and what every layer reads (positions, rotary, masks)."""
+
+    ids: torch.Tensor  # [B, S]
+    targets: torch.Tensor  # [B, S] shifted labels
+    attn: torch.Tensor | None  # [B, S] padding mask; None for packed rows
+    n_labels: int  # label tokens of the global batch
+    compute: torch.cuda.Stream | None
+    ctx: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Update:
+    """What each group's update of the step needs besides its gradient."""
+
+    t: int
+    adam_step: int
+    lr: float
+
+
 class Engine:
     """Runs steps of ``plan`` (device, dtype, ``Policy``, optimizer) over the parameters of
     ``store``."""
@@ -76,63 +99,26 @@ class Engine:
         """With ``ctx``, the store holds ``ctx.local_world`` times the slots of one rank; the cpu
         gradient route needs ``signals`` (``routes.signal_specs``)."""
         device, policy = plan.device, plan.policy
-        version_timeout_s, threads = plan.version_timeout_s, plan.threads
-        grad_route, param_route = policy.grad_route, policy.param_route
         self.adapter, self.store, self.device, self.dtype = adapter, store, device, plan.dtype
         self.plan, self.optim = plan, plan.optim
-        self.chunk_tokens, self.timeout_s = plan.loss_chunk_tokens, version_timeout_s
+        self.chunk_tokens, self.timeout_s = plan.loss_chunk_tokens, plan.version_timeout_s
         self.ctx = ctx
         if len(policy.layers) != adapter.num_layers:
             raise ValueError(
                 f"the policy has {len(policy.layers)} layers, the model {adapter.num_layers}"
             )
         self.executors = [executor_for(p) for p in policy.layers]
+        self.trained = Trained.of(adapter)
         apply_compute(adapter, policy.compute)
         rank, world = (0, 1) if ctx is None else (ctx.local_rank, ctx.local_world)
         self.grad_slots = store.layout["grad_slots"] // world  # this rank's share of each ring
-        staging = store.layout["staging_slots"] // world
         self.clock = LaneClock(device)
-        self.kernels = Kernels(threads)
-        ring, host_sum = None, None
-        if ctx is not None and grad_route == "cpu":
-            assert signals is not None, "the cpu gradient route needs the signal store"
-            ring = HostSumRing(signals, rank, world, self.grad_slots, version_timeout_s)
-        self.worker = UpdateWorker(store, threads, ring)
-        self.reduce = (
-            GpuReduce(ctx, self.clock) if ctx is not None and grad_route == "gpu" else None
-        )
-        if ctx is not None and ring is not None:
-            host_sum = HostSum(ctx, store, self.worker, self.kernels, self.clock)
-        self.grads = GradLane(
-            store,
-            self.worker,
-            self.clock,
-            new_stream(device) if device.type == "cuda" else None,
-            version_timeout_s,
-            lambda g: adapter.groups[g].name,
-            slot_base=rank * self.grad_slots,
-            slot_count=self.grad_slots,
-            host_sum=host_sum,
-            owns=(lambda g: True) if ctx is None else ctx.owns,
-        )
+        self.kernels = Kernels(plan.threads)
+        self.grads, self.worker, self.reduce = self._grad_lane(signals, rank, world)
         self._target = 0  # the version every group reaches once this rank's updates are done
-        layers = [adapter.layer_group(i) for i in range(adapter.num_layers)]
-        self.window = Window(
-            store,
-            self.kernels,
-            device,
-            plan.dtype,
-            layers,
-            policy.slots if policy.resident_layers < adapter.num_layers else 0,  # all resident
-            self.clock,
-            version_timeout_s,
-            before_wait=lambda group: self.sync.send_ready(group),  # the sync comes next
-            staging_base=rank * staging,
-            staging_count=staging,
-            shard=(rank, world) if ctx is not None and param_route == "sharded" else None,
-            group=None if ctx is None else ctx.node_group,
-        )
+        self.window = self._window(rank, world)
         self.resident = None
+        layers = [adapter.layer_group(i) for i in range(adapter.num_layers)]
         groups = [g for i, g in enumerate(layers) if policy.resident(i)]
         if policy.resident_embeddings:
             groups += [adapter.embed_group, adapter.head_group]
@@ -155,6 +141,51 @@ class Engine:
                     pin(store.region(region), f"the store's {region} slots")
                     self._pinned.append(store.region(region))
         self.pin_s = time.perf_counter() - started  # page-locking the store's slots (startup)
+
+    def _grad_lane(
+        self, signals: HostStore | None, rank: int, world: int
+    ) -> tuple[GradLane, UpdateWorker, GpuReduce | None]:
+        """The gradient lane of this rank, its update worker and the gpu route's reduce."""
+        ctx, plan, device = self.ctx, self.plan, self.device
+        route = plan.policy.grad_route
+        ring = None
+        if ctx is not None and route == "cpu":
+            assert signals is not None, "the cpu gradient route needs the signal store"
+            ring = HostSumRing(signals, rank, world, self.grad_slots, plan.version_timeout_s)
+        worker = UpdateWorker(self.store, plan.threads, ring)
+        reduce = GpuReduce(ctx, self.clock) if ctx is not None and route == "gpu" else None
+        host_sum = None
+        if ctx is not None and ring is not None:
+            host_sum = HostSum(ctx, self.store, worker, self.kernels, self.clock)
+        share = RankShare(rank * self.grad_slots, self.grad_slots, host_sum,
+                          (lambda g: True) if ctx is None else ctx.owns)  # fmt: skip
+        stream = new_stream(device) if device.type == "cuda" else None
+        names = self.adapter.groups
+        lane = GradLane(self.store, worker, self.clock, stream, plan.version_timeout_s,
+                        lambda g: names[g].name, share)  # fmt: skip
+        return lane, worker, reduce
+
+    def _window(self, rank: int, world: int) -> Window:
+        """The device window of the streamed layers (this rank's share of the staging slots)."""
+        a, plan, ctx = self.adapter, self.plan, self.ctx
+        staging = self.store.layout["staging_slots"] // world
+        layers = [a.layer_group(i) for i in range(a.num_layers)]
+        sharded = ctx is not None and plan.policy.param_route == "sharded"
+        return Window(
+            self.store,
+            self.kernels,
+            self.device,
+            plan.dtype,
+            layers,
+            plan.policy.slots if plan.policy.resident_layers < a.num_layers else 0,  # all resident
+            self.clock,
+            plan.version_timeout_s,
+            before_wait=lambda group: self.sync.send_ready(group),  # the sync comes next
+            staging_base=rank * staging,
+            staging_count=staging,
+            shard=(rank, world) if sharded else None,
+            group=None if ctx is None else ctx.node_group,
+        )
 
     def close(self) -> None:
         """Unregister the page-locked host memory (the store's slots, the offload arena): a
@@ -206,79 +237,43 @@ class Engine:
         self.window.acquire(buf)
         return buf
 
+    def _run(self, layer: int, buf: DeviceBuffer, ctx: dict[str, Any]) -> LayerRun:
+        """Layer ``layer`` on the weights in ``buf``, with its frozen parameters."""
+        tr = self.trained
+        return LayerRun(self.adapter, layer, self._local(layer, buf), ctx,
+                        frozen=tr.layer_frozen[layer], input_grad=tr.input_grad[layer])  # fmt: skip
+
+    def _hand_over(self, group: int, grads: dict[str, torch.Tensor], u: _Update) -> None:
+        """Group ``group``'s gradients of step ``u.t`` to the sync; a group without any (all
+        frozen) only advances its version."""
+        if grads:
+            self.sync.hand_over(GradLane.ticket(group, grads), u.t, u.adam_step, u.lr)
+        else:
+            self.grads.publish_frozen(group, u.t + 1)
+
     def step(self, t: int, batch: Batch, lr: float, adam_step: int | None = None) -> StepResult:
         """One optimizer step on ``batch`` with learning rate ``lr``; updates are queued.
         ``adam_step`` is AdamW's 1-based step count (default ``t + 1``; lower after skips)."""
-        a, win, v = self.adapter, self.window, t
-        n_adam = t + 1 if adam_step is None else adam_step
-        if self.ctx is not None:
-            batch = self.ctx.rows(batch)
-        targets_host = shift_labels(batch.labels)  # [B, S]
-        n_labels = int((targets_host != IGNORE_INDEX).sum())
-        if self.ctx is not None:  # the mean is over the label tokens of the global batch
-            n_labels = int(all_reduce_sum([n_labels], self.device)[0])
+        a, u = self.adapter, _Update(t, t + 1 if adam_step is None else adam_step, lr)
+        inputs = self._inputs(batch)
         self.sync.begin_step()
         self.activations.discard()
-        ids = batch.input_ids.to(self.device, non_blocking=True)  # [B, S]
-        targets = targets_host.to(self.device, non_blocking=True)
-        # Packed rows: per-sample positions and no padding mask, so transformers' mask builders
-        # keep attention inside each sample (see slidedp.data.batch); else a padding mask.
-        attn = None
-        if batch.position_ids is None:
-            attn = batch.attention_mask.to(self.device, non_blocking=True)
-        self._load_own(self.embed_buf, a.embed_group, v)
-        win.acquire(self.embed_buf)
-        embed_w = win.views(self.embed_buf, a.embed_group)[EMBED]  # [V, H]
-        compute = torch.cuda.current_stream() if self.device.type == "cuda" else None
-        with self.clock.stream("compute", compute), torch.no_grad():
-            x = a.embed(self.embed, ids, embed_w)  # [B, S, H]
-            if batch.position_ids is not None:
-                position_ids = batch.position_ids.to(self.device)  # [B, S]
-            else:
-                position_ids = torch.arange(x.shape[1], device=self.device).unsqueeze(0)  # [1, S]
-            ctx = {
-                "position_ids": position_ids,
-                "position_embeddings": a.position_embeddings(self.rotary, x, position_ids),
-                "masks": a.layer_masks(x, attn, position_ids),
-            }
-        states: list[LayerState | None] = []
-        streamed = self.plan.policy.resident_layers  # the first layer the window loads
-        for layer in range(a.num_layers):  # forward: each layer saves what its family keeps
-            buf = self._layer_buffer(layer, v)
-            if layer + 1 < a.num_layers:
-                self._prefetch(max(layer + 1, streamed), v)  # a no-op once it is loaded
-            else:
-                self._load_own(self.head_buf, a.head_group, v)
-            run = LayerRun(a, layer, self._local(layer, buf), ctx)
-            with self.clock.stream("compute", compute):
-                x, state = self.executors[layer].forward(run, x)
-            win.release(buf)
-            ratio = self.executors[layer].policy.ratio
-            self.activations.offload(layer, state, offload_count(state.saved_bytes(), ratio))
-            states.append(state)
-        # the backward's first offloaded tensors come back during the head's loss
-        self.activations.prefetch(a.num_layers - 1)
-        win.acquire(self.head_buf)
-        head = win.views(self.head_buf, a.head_group)
-        with self.clock.stream("compute", compute):
-            head_w = embed_w if a.tied else head[LM_HEAD]
-            loss_sum, g, g_norm_w, g_head_w = a.head_loss(
-                x, head[NORM], head_w, targets, n_labels, self.chunk_tokens
-            )
-        win.release(self.head_buf)
+        x, embed_w = self._embed_forward(inputs, t)
+        x, states = self._forward(x, inputs, t)
+        loss_sum, g, head_grads, g_head_w = self._head(x, inputs, embed_w, t)
         total_loss = float(loss_sum)
         if self.ctx is not None:
             total_loss = all_reduce_sum([total_loss], self.device)[0]
-        loss = total_loss / max(n_labels, 1)
+        loss = total_loss / max(inputs.n_labels, 1)
         aux_loss = None
         g_extra: list[tuple[torch.Tensor, ...]] = [()] * a.num_layers
         if a.router_loss is not None:
-            with self.clock.stream("compute", compute):
+            with self.clock.stream("compute", inputs.compute):
                 logits = [layer_state(states, i).extra for i in range(a.num_layers)]
                 if self.ctx is None or self.ctx.world == 1:  # transformers' function itself
-                    aux, g_extra = a.router_loss(logits, attn)
+                    aux, g_extra = a.router_loss(logits, inputs.attn)
                 else:  # the global batch's: its token statistics summed over every rank
-                    aux, g_extra = a.router_loss.over_ranks(logits, attn, all_reduce_tensor)
+                    aux, g_extra = a.router_loss.over_ranks(logits, inputs.attn, all_reduce_tensor)
             aux_loss = float(aux)
             loss += a.router_loss.coef * aux_loss
         if not math.isfinite(loss):
@@ -287,35 +282,143 @@ class Engine:
                 step=t,
                 what="loss",
             )
-        head_grads = {NORM: g_norm_w} if a.tied else {NORM: g_norm_w, LM_HEAD: g_head_w}
-        self.sync.hand_over(GradLane.ticket(a.head_group, head_grads), t, n_adam, lr)
-        for layer in reversed(range(a.num_layers)):  # backward: reload, recompute, grad
-            group = a.layer_group(layer)
+        self._hand_over(a.head_group, head_grads, u)
+        g = self._backward(g, g_extra, states, inputs, u)
+        g_embed: dict[str, torch.Tensor] = {}
+        if self.trained.embed:
+            assert g is not None, "the embedding trains: layer 0's input gradient was computed"
+            with self.clock.stream("compute", inputs.compute):
+                g_embed[EMBED] = a.embed_backward(self.embed, inputs.ids, embed_w, g, g_head_w)
+        self.window.release(self.embed_buf)
+        self._hand_over(a.embed_group, g_embed, u)
+        self.sync.end_backward()
+        self._target = t + 1
+        grad_norm, coef = self.sync.finish(t)
+        return StepResult(loss=loss, grad_norm=grad_norm, clip_coef=coef,
+                          label_tokens=inputs.n_labels, aux_loss=aux_loss)  # fmt: skip
+
+    def _inputs(self, batch: Batch) -> _Inputs:
+        """This rank's rows of ``batch`` on the device, the global batch's label count."""
+        if self.ctx is not None:
+            batch = self.ctx.rows(batch)
+        targets_host = shift_labels(batch.labels)  # [B, S]
+        n_labels = int((targets_host != IGNORE_INDEX).sum())
+        if self.ctx is not None:  # the mean is over the label tokens of the global batch
+            n_labels = int(all_reduce_sum([n_labels], self.device)[0])
+        ids = batch.input_ids.to(self.device, non_blocking=True)  # [B, S]
+        targets = targets_host.to(self.device, non_blocking=True)
+        # Packed rows: per-sample positions and no padding mask, so transformers' mask builders
+        # keep attention inside each sample (see slidedp.data.batch); else a padding mask.
+        attn = None
+        if batch.position_ids is None:
+            attn = batch.attention_mask.to(self.device, non_blocking=True)
+        compute = torch.cuda.current_stream() if self.device.type == "cuda" else None
+        inputs = _Inputs(ids, targets, attn, n_labels, compute)
+        if batch.position_ids is not None:
+            inputs.ctx["position_ids"] = batch.position_ids.to(self.device)  # [B, S]
+        return inputs
+
+    def _embed_forward(self, inputs: _Inputs, v: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The embedding of the batch at version ``v`` and every layer's shared inputs
+        (``inputs.ctx``): ``(x [B, S, H], the embedding weight [V, H])``."""
+        a = self.adapter
+        self._load_own(self.embed_buf, a.embed_group, v)
+        self.window.acquire(self.embed_buf)
+        embed_w = self.window.views(self.embed_buf, a.embed_group)[EMBED]  # [V, H]
+        with self.clock.stream("compute", inputs.compute), torch.no_grad():
+            x = a.embed(self.embed, inputs.ids, embed_w)  # [B, S, H]
+            position_ids = inputs.ctx.get("position_ids")
+            if position_ids is None:
+                position_ids = torch.arange(x.shape[1], device=self.device).unsqueeze(0)  # [1, S]
+            inputs.ctx.update(
+                position_ids=position_ids,
+                position_embeddings=a.position_embeddings(self.rotary, x, position_ids),
+                masks=a.layer_masks(x, inputs.attn, position_ids),
+            )
+        return x, embed_w
+
+    def _forward(
+        self, x: torch.Tensor, inputs: _Inputs, v: int
+    ) -> tuple[torch.Tensor, list[LayerState | None]]:
+        """Every layer's forward; each saves what its family keeps, but a layer below the
+        lowest whose backward runs keeps nothing (its extra outputs only)."""
+        a = self.adapter
+        states: list[LayerState | None] = []
+        streamed = self.plan.policy.resident_layers  # the first layer the window loads
+        for layer in range(a.num_layers):
             buf = self._layer_buffer(layer, v)
-            if layer > 0:
+            if layer + 1 < a.num_layers:
+                self._prefetch(max(layer + 1, streamed), v)  # a no-op once it is loaded
+            else:
+                self._load_own(self.head_buf, a.head_group, v)
+            run = self._run(layer, buf, inputs.ctx)
+            with self.clock.stream("compute", inputs.compute):
+                if layer < self.trained.lowest:
+                    with torch.no_grad():
+                        x, extra = run.module_forward(run.params, x)
+                    state = LayerState([], extra=extra)
+                else:
+                    x, state = self.executors[layer].forward(run, x)
+            self.window.release(buf)
+            ratio = self.executors[layer].policy.ratio
+            self.activations.offload(layer, state, offload_count(state.saved_bytes(), ratio))
+            states.append(state)
+        return x, states
+
+    def _head(
+        self, x: torch.Tensor, inputs: _Inputs, embed_w: torch.Tensor, v: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor], torch.Tensor | None]:
+        """The loss and its backward through the final norm and the head: ``(loss sum, d/dx,
+        the head group's trained gradients, d/d head weight)``."""
+        a, tr = self.adapter, self.trained
+        # the backward's first offloaded tensors come back during the head's loss
+        self.activations.prefetch(a.num_layers - 1)
+        self.window.acquire(self.head_buf)
+        head = self.window.views(self.head_buf, a.head_group)
+        with self.clock.stream("compute", inputs.compute):
+            head_w = embed_w if a.tied else head[LM_HEAD]
+            needs = (tr.lowest < a.num_layers, tr.norm, tr.head)
+            loss_sum, g, g_norm_w, g_head_w = a.head_loss(
+                x, head[NORM], head_w, inputs.targets, inputs.n_labels, self.chunk_tokens, needs
+            )
+        self.window.release(self.head_buf)
+        grads = {NORM: g_norm_w, LM_HEAD: None if a.tied else g_head_w}
+        return loss_sum, g, {n: gr for n, gr in grads.items() if gr is not None}, g_head_w
+
+    def _backward(
+        self,
+        g: torch.Tensor | None,
+        g_extra: list[tuple[torch.Tensor, ...]],
+        states: list[LayerState | None],
+        inputs: _Inputs,
+        u: _Update,
+    ) -> torch.Tensor | None:
+        """Each layer's backward from the last to the lowest that runs (reload, recompute,
+        differentiate), its trained gradients handed over; the frozen groups below only
+        advance their versions. Returns layer 0's input gradient (None: not computed)."""
+        a, v = self.adapter, u.t
+        for layer in reversed(range(a.num_layers)):
+            group = a.layer_group(layer)
+            if layer < self.trained.lowest:
+                states[layer] = None
+                self._hand_over(group, {}, u)
+                continue
+            assert g is not None, "a layer's backward runs: the one above gave its gradient"
+            buf = self._layer_buffer(layer, v)
+            if layer > self.trained.lowest:
                 self._prefetch(layer - 1, v)
-            run = LayerRun(a, layer, self._local(layer, buf), ctx)
+            run = self._run(layer, buf, inputs.ctx)
             state = layer_state(states, layer)
-            with self.clock.stream("compute", compute):
+            with self.clock.stream("compute", inputs.compute):
                 self.activations.reload(layer, state)
                 if layer > 0:  # the next layer's offloaded tensors copy during this one
                     self.activations.prefetch(layer - 1)
                 g, local_grads = self.executors[layer].backward(run, state, g, g_extra[layer])
-            win.release(buf)
+            self.window.release(buf)
             states[layer] = None
             full = {local: full for full, local in a.groups[group].params}
-            ticket = GradLane.ticket(group, {full[n]: gr for n, gr in local_grads.items()})
-            self.sync.hand_over(ticket, t, n_adam, lr)
-        with self.clock.stream("compute", compute):
-            g_embed = a.embed_backward(self.embed, ids, embed_w, g, g_head_w)
-        win.release(self.embed_buf)
-        self.sync.hand_over(GradLane.ticket(a.embed_group, {EMBED: g_embed}), t, n_adam, lr)
-        self.sync.end_backward()
-        self._target = t + 1
-        grad_norm, coef = self.sync.finish(t)
-        return StepResult(
-            loss=loss, grad_norm=grad_norm, clip_coef=coef, label_tokens=n_labels, aux_loss=aux_loss
-        )
+            self._hand_over(group, {full[n]: gr for n, gr in local_grads.items()}, u)
+        return g
 
     def lane_times(self) -> dict[str, float]:
         """This step's lane times (closes the step's timing window)."""

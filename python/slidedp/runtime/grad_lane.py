@@ -74,6 +74,17 @@ class _Chunk:
     norm: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class RankShare:
+    """One rank's part of a store shared by several: its range of the gradient slots (None:
+    all of them), the cpu route's host sum, and the groups whose updates it runs."""
+
+    slot_base: int = 0
+    slot_count: int | None = None
+    host_sum: HostSum | None = None
+    owns: Callable[[int], bool] = lambda group: True
+
+
 class GradLane:
     def __init__(
         self,
@@ -83,23 +94,19 @@ class GradLane:
         stream: torch.cuda.Stream | None,
         timeout_s: float,
         group_name: Any,
-        *,
-        slot_base: int = 0,
-        slot_count: int | None = None,
-        host_sum: HostSum | None = None,
-        owns: Callable[[int], bool] = lambda group: True,
+        share: RankShare = RankShare(),  # frozen: one shared default is safe
     ) -> None:
         self.store, self.worker, self.clock, self.stream = store, worker, clock, stream
         self.timeout_s, self.group_name = timeout_s, group_name
-        self.host_sum, self.owns = host_sum, owns
+        self.host_sum, self.owns = share.host_sum, share.owns
         layout = store.layout
         self._slot_len = int(layout["slot_len"])
         self._groups = layout["groups"]
         self._params = layout["params"]
         self._queue: deque[_Chunk] = deque()
         self._queued_slots: set[int] = set()
-        self._slot_base = slot_base
-        count = int(layout["grad_slots"]) if slot_count is None else slot_count
+        self._slot_base = share.slot_base
+        count = int(layout["grad_slots"]) if share.slot_count is None else share.slot_count
         self.slot_count = count  # this rank's gradient slots
         # per local slot: ("update", worker seq) or ("sum", chunk seq) of its last reader
         self._slot_reader: list[tuple[str, int] | None] = [None] * count
@@ -129,10 +136,11 @@ class GradLane:
     def send(
         self, ticket: GradTicket, adam: AdamArgs, *, check_finite: bool, role: Role = "both"
     ) -> None:
-        """Issue the D2H of ``ticket``'s gradient, chunk by chunk, and queue the updates."""
+        """Issue the D2H of ``ticket``'s gradient (its trained parameters'), chunk by chunk, and
+        queue the updates."""
         g = self._groups[ticket.group]
         params = self._params[g["params"]["start"] : g["params"]["end"]]
-        parts = chunks(int(g["state_len"]), self._slot_len)
+        parts = chunks(int(g["trained_len"]), self._slot_len)  # frozen parameters lie past it
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())  # after the backward
         norm = self._norm_to_host(ticket) if check_finite else None
@@ -250,6 +258,10 @@ class GradLane:
     def publish_only(self, group: int, version: int) -> None:
         """Advance ``group``'s version without an update (a skipped step), in lane order."""
         self.flush()
+        self.publish_frozen(group, version)
+
+    def publish_frozen(self, group: int, version: int) -> None:
+        """Advance the version of ``group``, which has no gradient (frozen), on its owner."""
         if not self.owns(group):
             return
         self.worker.submit(group, 0, 0, 0, step=1, lr=0.0, betas=(0.0, 0.0), eps=1.0,

@@ -42,14 +42,20 @@ class _Param:
     slot_at: int  # offset in the group's slot layout (the weights buffer)
     numel: int
     decays: bool  # weight decay applies (tensors of two or more dimensions, as the host)
+    frozen: bool = False  # never updated: master weights only (the trained ones come first)
 
 
 @dataclass
 class _Group:
     group: int
     params: list[_Param]
-    state: dict[StateRegion, torch.Tensor]  # region -> [state_len] f32 on the device
+    # region -> f32 on the device: [state_len] master, [trained_len] moments
+    state: dict[StateRegion, torch.Tensor]
     weights: DeviceBuffer  # the compute-dtype weights, slot layout
+
+    @property
+    def trained(self) -> list[_Param]:
+        return [p for p in self.params if not p.frozen]
 
     def view(self, region: StateRegion, p: _Param) -> torch.Tensor:
         return self.state[region][p.state_at : p.state_at + p.numel]
@@ -61,7 +67,7 @@ def group_params(layout: dict[str, Any], group: int) -> list[_Param]:
     spec = layout["groups"][group]
     return [
         _Param(p["name"], p["state_offset"] - spec["state_offset"], p["slot_offset"], p["numel"],
-               len(p["shape"]) >= 2)
+               len(p["shape"]) >= 2, bool(p["frozen"]))
         for p in layout["params"][spec["params"]["start"] : spec["params"]["end"]]
     ]  # fmt: skip
 
@@ -83,8 +89,9 @@ class ResidentLayers:
         self._groups: dict[int, _Group] = {}
         for g in groups:
             params = group_params(layout, g)
-            state = {r: torch.zeros(layout["groups"][g]["state_len"], device=device)
-                     for r in REGIONS}  # fmt: skip
+            spec = layout["groups"][g]
+            state = {r: torch.zeros(spec["state_len" if r == "master" else "trained_len"],
+                                    device=device) for r in REGIONS}  # fmt: skip
             weights = window.own_buffer(g)
             weights.group = g
             self._groups[g] = _Group(g, params, state, weights)
@@ -192,7 +199,7 @@ class ResidentLayers:
             g = self._groups[ticket.group]
             # the version only names what is published: the step's groups share one key
             args = replace(adam, version=0)
-            grads = {p.name: ticket.grads[p.name].reshape(-1) for p in g.params}
+            grads = {p.name: ticket.grads[p.name].reshape(-1) for p in g.trained}
             if self._stream is not None:
                 if args not in hyper:
                     hyper[args] = {d: hyperparameters(args, d, self.device) for d in (True, False)}
@@ -235,7 +242,7 @@ class ResidentLayers:
         self._issued.clear()
 
     def _host_adamw(self, g: _Group, grads: dict[str, torch.Tensor], a: AdamArgs) -> None:
-        for p in g.params:
+        for p in g.trained:
             self.kernels.adamw(
                 g.view("master", p),
                 g.view("exp_avg", p),
@@ -325,7 +332,7 @@ def adamw_single_pass(
     """One group's update, tensor by tensor, with ``kernel`` (``adamw_tensor`` or its compiled
     pass); ``hyper``: ``hyperparameters`` for the decayed (True) and undecayed tensors;
     ``scale``: ``adamw_tensor``'s."""
-    for p in g.params:
+    for p in g.trained:
         kernel(g.view("master", p), g.view("exp_avg", p), g.view("exp_avg_sq", p),
                grads[p.name], g.weights.flat[p.slot_at : p.slot_at + p.numel],
                hyper[p.decays], scale)  # fmt: skip

@@ -35,6 +35,7 @@ from slidedp.io.disk_space import checkpoint_bytes, disk_full_reported
 from slidedp.io.hf_load import fill_master, read_buffers, weight_files
 from slidedp.io.resume import load_resume_point, plan_resume
 from slidedp.kernels import Kernels, default_threads
+from slidedp.models.freeze import apply_freeze
 from slidedp.models.hf import HFAdapter
 from slidedp.models.router_loss import check_router_loss_ranks
 from slidedp.plan.device import pick_device, pick_dtype
@@ -77,7 +78,9 @@ class Trainer:
         self.dtype = pick_dtype(tc.dtype, self.device)
         self.cuda = self.device.type == "cuda"
         torch.manual_seed(tc.seed)
-        self.adapter = HFAdapter.from_dir(cfg.model.path, cfg.model.config_overrides())
+        self.adapter = apply_freeze(
+            HFAdapter.from_dir(cfg.model.path, cfg.model.config_overrides()), tc.freeze
+        )
         check_router_loss_ranks(self.adapter, world)
         self.out_dir = Path(cfg.output.dir)
         self.resume = (
@@ -261,6 +264,7 @@ class Trainer:
                 "max_steps": tc.max_steps,
                 "seed": tc.seed,
                 "max_grad_norm": tc.max_grad_norm,
+                "freeze": tc.freeze,
             },
             "lr_schedule": {
                 "name": tc.lr_scheduler,

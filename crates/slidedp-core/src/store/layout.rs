@@ -1,10 +1,13 @@
 //! Where every parameter lives in the store.
 //!
-//! The store holds three FP32 state arrays of identical layout (master weights, Adam `exp_avg`,
-//! Adam `exp_avg_sq`), `staging_slots` BF16 staging slots and `grad_slots` gradient slots.
-//! Parameters are grouped (one group per decoder layer, plus groups for embeddings and head); a
-//! group's parameters are contiguous so that one layer is one range of each array, and every
-//! parameter starts on a 64-byte boundary in both the FP32 arrays and the BF16 slot layout.
+//! The store holds FP32 master weights of every parameter, the two Adam moments (`exp_avg`,
+//! `exp_avg_sq`) of the trained ones only, `staging_slots` BF16 staging slots and `grad_slots`
+//! gradient slots. Parameters are grouped (one group per decoder layer, plus groups for
+//! embeddings and head); a group's parameters are contiguous so that one layer is one range of
+//! each array, and every parameter starts on a 64-byte boundary in both the FP32 arrays and the
+//! BF16 slot layout. Inside a group the trained parameters come first (spec order otherwise), so
+//! they are the first `trained_len` elements of its master range and a moment range of the
+//! same length: a frozen parameter gets no moments, no gradient and no update.
 //!
 //! Transfers move *chunks* of at most `slot_len` elements: a staging chunk is a range of a
 //! group's slot layout (params at their `slot_offset`), a gradient chunk is a range of the
@@ -50,6 +53,9 @@ pub struct ParamSpec {
     pub name: String,
     pub shape: Vec<usize>,
     pub dtype: Dtype,
+    /// Never updated: no Adam moments, no gradient (its master weights stay as loaded).
+    #[serde(default)]
+    pub frozen: bool,
 }
 
 /// A named group of parameters updated and versioned together (a decoder layer, say).
@@ -88,8 +94,11 @@ pub struct ParamLayout {
     pub shape: Vec<usize>,
     pub dtype: Dtype,
     pub numel: usize,
-    /// Element offset into each FP32 state array.
+    pub frozen: bool,
+    /// Element offset into the master weights.
     pub state_offset: usize,
+    /// Element offset into each Adam moment array (None: frozen, no moments).
+    pub moment_offset: Option<usize>,
     /// Element offset into a BF16 staging slot, relative to the slot's start.
     pub slot_offset: usize,
 }
@@ -99,9 +108,13 @@ pub struct ParamLayout {
 pub struct GroupLayout {
     pub name: String,
     pub params: std::ops::Range<usize>,
-    /// Element range in each FP32 state array, padding included (padding stays zero).
+    /// Element range in the master weights, padding included (padding stays zero).
     pub state_offset: usize,
     pub state_len: usize,
+    /// The trained parameters' part of that range (its first elements): the range of the
+    /// group's gradient and of its moments, which start at `moment_offset`.
+    pub trained_len: usize,
+    pub moment_offset: usize,
     /// Elements of a staging slot this group occupies, padding included.
     pub slot_len: usize,
     /// Element offset of the group's slot layout in the BF16 mirror (when the store has one).
@@ -126,8 +139,10 @@ pub struct RegionOffsets {
 pub struct StoreLayout {
     pub groups: Vec<GroupLayout>,
     pub params: Vec<ParamLayout>,
-    /// Elements in each FP32 state array.
+    /// Elements of the master weights.
     pub state_len: usize,
+    /// Elements of each Adam moment array (the trained parameters', padding included).
+    pub moment_len: usize,
     /// Elements in one staging slot and in one gradient slot (the chunk size).
     pub slot_len: usize,
     pub staging_slots: usize,
@@ -154,33 +169,46 @@ impl StoreLayout {
         let mut groups = Vec::with_capacity(spec.groups.len());
         let mut params = Vec::new();
         let mut state_cursor = 0usize;
+        let mut moment_cursor = 0usize;
         let mut mirror_cursor = 0usize;
         for (group_index, group) in spec.groups.iter().enumerate() {
             let first_param = params.len();
             let group_start = state_cursor;
             let mut slot_cursor = 0usize;
-            for param in &group.params {
+            let mut trained_len = 0usize;
+            // trained parameters first: their gradient and moments are one prefix of the group
+            let trained = group.params.iter().filter(|p| !p.frozen);
+            for param in trained.chain(group.params.iter().filter(|p| p.frozen)) {
                 let numel: usize = param.shape.iter().product();
+                let relative = state_cursor - group_start;
                 params.push(ParamLayout {
                     name: param.name.clone(),
                     group: group_index,
                     shape: param.shape.clone(),
                     dtype: param.dtype,
                     numel,
+                    frozen: param.frozen,
                     state_offset: state_cursor,
+                    moment_offset: (!param.frozen).then_some(moment_cursor + relative),
                     slot_offset: slot_cursor,
                 });
                 state_cursor = align_up(state_cursor + numel, F32_ALIGN_ELEMS);
                 slot_cursor = align_up(slot_cursor + numel, BF16_ALIGN_ELEMS);
+                if !param.frozen {
+                    trained_len = state_cursor - group_start;
+                }
             }
             groups.push(GroupLayout {
                 name: group.name.clone(),
                 params: first_param..params.len(),
                 state_offset: group_start,
                 state_len: state_cursor - group_start,
+                trained_len,
+                moment_offset: moment_cursor,
                 slot_len: slot_cursor,
                 mirror_offset: mirror_cursor,
             });
+            moment_cursor += trained_len;
             mirror_cursor += slot_cursor; // a multiple of the BF16 alignment already
         }
         let mirror_len = if spec.bf16_mirror { mirror_cursor } else { 0 };
@@ -192,10 +220,10 @@ impl StoreLayout {
         let slot_len = align_up(spec.chunk_elems.unwrap_or(whole_group), BF16_ALIGN_ELEMS);
         let versions = align_up(header_bytes, ALIGN_BYTES);
         let master = align_up(versions + groups.len() * VERSION_STRIDE_BYTES, 4096);
-        let state_bytes = state_cursor * 4;
+        let (state_bytes, moment_bytes) = (state_cursor * 4, moment_cursor * 4);
         let exp_avg = master + state_bytes;
-        let exp_avg_sq = exp_avg + state_bytes;
-        let grad = exp_avg_sq + state_bytes;
+        let exp_avg_sq = exp_avg + moment_bytes;
+        let grad = exp_avg_sq + moment_bytes;
         let grad_bytes = spec
             .grad_dtype
             .map_or(0, |d| d.size_bytes() * slot_len * spec.grad_slots);
@@ -206,6 +234,7 @@ impl StoreLayout {
             groups,
             params,
             state_len: state_cursor,
+            moment_len: moment_cursor,
             slot_len,
             staging_slots: spec.staging_slots,
             grad_slots: spec.grad_slots,
@@ -301,6 +330,7 @@ mod tests {
             name: name.into(),
             shape: shape.to_vec(),
             dtype: Dtype::Bf16,
+            frozen: false,
         };
         StoreSpec {
             groups: vec![
@@ -344,6 +374,42 @@ mod tests {
             "three bf16 gradient slots"
         );
         assert!(r.total_bytes >= r.staging + 2 * 96 * 2);
+    }
+
+    #[test]
+    fn frozen_params_come_last_and_get_no_moments() {
+        let mut s = spec();
+        s.groups[1].params[0].frozen = true; // layers.0.w: its norm moves before it
+        s.groups.push(GroupSpec {
+            name: "head".into(),
+            params: vec![ParamSpec {
+                name: "head.w".into(),
+                shape: vec![4],
+                dtype: Dtype::F32,
+                frozen: true,
+            }],
+        });
+        let layout = StoreLayout::resolve(&s, 4096).unwrap();
+        let (norm, w) = (&layout.params[1], &layout.params[2]);
+        assert_eq!(
+            (norm.name.as_str(), w.name.as_str()),
+            ("layers.0.norm", "layers.0.w")
+        );
+        assert_eq!(norm.state_offset, 80);
+        assert_eq!(w.state_offset, 96);
+        assert_eq!((norm.moment_offset, w.moment_offset), (Some(80), None));
+        let (g1, g2) = (&layout.groups[1], &layout.groups[2]);
+        assert_eq!(
+            (g1.trained_len, g1.state_len, g1.moment_offset),
+            (16, 32, 80)
+        );
+        assert_eq!((g2.trained_len, g2.moment_offset), (0, 96));
+        assert_eq!(layout.moment_len, 80 + 16);
+        assert_eq!(layout.state_len, 80 + 32 + 16);
+        let r = layout.regions;
+        assert_eq!(r.exp_avg - r.master, layout.state_len * 4);
+        assert_eq!(r.exp_avg_sq - r.exp_avg, layout.moment_len * 4);
+        assert_eq!(r.grad - r.exp_avg_sq, layout.moment_len * 4);
     }
 
     #[test]

@@ -209,11 +209,11 @@ impl HostStore {
     /// Start address and byte length of one region; valid while `self` lives.
     pub fn region(&self, region: Region) -> (*mut u8, usize) {
         let r = &self.layout.regions;
-        let state_bytes = self.layout.state_len * 4;
+        let (state_bytes, moment_bytes) = (self.layout.state_len * 4, self.layout.moment_len * 4);
         let (offset, len) = match region {
             Region::Master => (r.master, state_bytes),
-            Region::ExpAvg => (r.exp_avg, state_bytes),
-            Region::ExpAvgSq => (r.exp_avg_sq, state_bytes),
+            Region::ExpAvg => (r.exp_avg, moment_bytes),
+            Region::ExpAvgSq => (r.exp_avg_sq, moment_bytes),
             Region::Grad => (
                 r.grad,
                 self.layout.grad_slots * self.layout.grad_slot_bytes(),

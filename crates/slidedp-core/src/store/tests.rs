@@ -11,11 +11,13 @@ fn spec(layers: usize, staging_slots: usize) -> StoreSpec {
                         name: format!("layers.{l}.weight"),
                         shape: vec![33, 17],
                         dtype: Dtype::Bf16,
+                        frozen: false,
                     },
                     ParamSpec {
                         name: format!("layers.{l}.norm"),
                         shape: vec![17],
                         dtype: Dtype::F32,
+                        frozen: false,
                     },
                 ],
             })

@@ -14,6 +14,7 @@ fn store(
         name: name.into(),
         shape: shape.to_vec(),
         dtype: Dtype::Bf16,
+        frozen: false,
     };
     let spec = StoreSpec {
         groups: (0..2)
@@ -279,4 +280,71 @@ fn bad_requests_and_missing_gradients_are_errors() {
         store.wait_version(1, 1, Duration::from_secs(5)),
         Err(Error::StorePoisoned { .. })
     ));
+}
+
+/// A half-frozen group: its update covers the trained prefix only, writes the trained
+/// parameter's own moments (not the frozen one's master offset), leaves the frozen weights as
+/// they were, and a chunk reaching past the prefix is refused.
+#[test]
+fn a_frozen_parameter_is_never_updated_and_has_no_moments() {
+    let p = |name: &str, shape: &[usize], frozen: bool| ParamSpec {
+        name: name.into(),
+        shape: shape.to_vec(),
+        dtype: Dtype::F32,
+        frozen,
+    };
+    let spec = StoreSpec {
+        groups: vec![
+            GroupSpec {
+                name: "embed".into(),
+                params: vec![p("e", &[4, 8], true)],
+            },
+            GroupSpec {
+                name: "layer".into(),
+                params: vec![p("w", &[6, 8], true), p("n", &[8], false)],
+            },
+        ],
+        staging_slots: 1,
+        chunk_elems: None,
+        grad_slots: 1,
+        grad_dtype: Some(Dtype::F32),
+        bf16_mirror: false,
+    };
+    let store = Arc::new(HostStore::create(&spec, Path::new("/dev/shm")).unwrap());
+    let layout = store.layout().clone();
+    let n = layout.param("n").unwrap().clone();
+    assert_eq!((n.state_offset, n.moment_offset), (32, Some(0)));
+    assert_eq!(layout.groups[1].trained_len, 16);
+    // SAFETY: no worker runs yet.
+    let master = unsafe { floats(&store, Region::Master) };
+    master.fill(1.0);
+    // SAFETY: as above; the gradient slot is region Grad, f32.
+    unsafe { floats(&store, Region::Grad) }.fill(0.5);
+    let worker = UpdateWorker::new(store.clone(), Kernels::new(1, Isa::Scalar).unwrap()).unwrap();
+    assert!(matches!(
+        worker.submit(request(1, 0, 17, 0, 1)),
+        Err(Error::InvalidArgument(_))
+    ));
+    worker.submit(request(1, 0, 16, 0, 1)).unwrap();
+    worker.drain(Duration::from_secs(30)).unwrap();
+    // SAFETY: the worker is drained.
+    let (master, exp_avg) = unsafe {
+        (
+            floats(&store, Region::Master),
+            floats(&store, Region::ExpAvg),
+        )
+    };
+    assert_eq!(
+        exp_avg.len(),
+        16,
+        "the moments of 'n' (8 elements, padded) only"
+    );
+    assert!(exp_avg[..8].iter().all(|&m| m != 0.0));
+    assert!(master[32..40].iter().all(|&w| w != 1.0), "'n' trained");
+    assert!(
+        master[..32]
+            .iter()
+            .chain(&master[48..96])
+            .all(|&w| w == 1.0)
+    );
 }

@@ -31,7 +31,7 @@ class Executor(Protocol):
         state: LayerState,
         g: torch.Tensor,
         g_extra: tuple[torch.Tensor, ...] = (),
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]: ...
 
 
 def executor_for(policy: LayerPolicy, *, measure: bool = False) -> Executor:

@@ -1,7 +1,9 @@
 """What every checkpoint family shares: one layer's run, its saved state, the input's gradient.
 
 An executor (``full``, ``segment``, ``selective``, ``none``) has ``forward(run, x) → (y,
-state)`` and ``backward(run, state, g_y, g_extra) → (g_x, {local name: gradient})``.
+state)`` and ``backward(run, state, g_y, g_extra) → (g_x, {local name: gradient})``; the
+backward computes no gradient for ``run.frozen`` parameters (absent from the dict) and, without
+``run.input_grad``, none for the input (``g_x`` is None).
 ``state.extra`` holds extra outputs (a mixture's router logits, detached), ``g_extra`` their
 gradients (``()`` for none). ``state.tensors`` are the saved activations that may move to the
 host, in save order (``None`` while offloaded); ``state.retained_bytes`` counts what stays on
@@ -35,6 +37,28 @@ class LayerRun:
     # every call runs the modules themselves, never the compiled layer (``plan.cost``'s runs on
     # the meta device: inductor cannot partition a meta graph run under saved-tensor hooks)
     eager: bool = False
+    frozen: frozenset[str] = frozenset()  # parameters that get no gradient (local names)
+    input_grad: bool = True  # False: nothing below trains, the input's gradient is not needed
+
+    def trained(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The entries of ``params`` that get a gradient."""
+        return {n: p for n, p in params.items() if n not in self.frozen}
+
+    def differentiate(
+        self,
+        outputs: tuple[Any, tuple[Any, ...]],
+        x: torch.Tensor,
+        params: dict[str, torch.Tensor],
+        grads: tuple[torch.Tensor, tuple[torch.Tensor, ...]],
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """``grad_with_extra`` of ``outputs`` (the layer output or its edge, the extra outputs)
+        for the input ``x`` (if ``input_grad``) and the trained ``params``: ``(g_x, grads)``."""
+        trained = self.trained(params)
+        inputs = ((x,) if self.input_grad else ()) + tuple(trained.values())
+        assert inputs, "a layer with no gradient to compute is not differentiated"
+        got = list(grad_with_extra(outputs[0], outputs[1], inputs, grads[0], grads[1]))
+        g_x = got.pop(0) if self.input_grad else None
+        return g_x, dict(zip(trained, got, strict=True))
 
     def module_forward(
         self, params: dict[str, torch.Tensor], x: torch.Tensor, *, eager: bool = False
@@ -133,12 +157,13 @@ class KeptGraph:
         return out.detach(), tuple(e.detach() for e in extra)
 
     def differentiate(
-        self, g: torch.Tensor, g_extra: tuple[torch.Tensor, ...]
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        self, run: LayerRun, g: torch.Tensor, g_extra: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """The backward for ``run``'s gradients (``LayerRun.differentiate``)."""
         assert self.out is not None, "the graph was not closed"
-        inputs = (self.box["anchor"], *self.leaves.values())
-        grads = grad_with_extra(self.out, self.extra, inputs, g, g_extra)
-        return self.box.pop("g"), dict(zip(self.leaves, grads[1:], strict=True))
+        outputs = (self.out, self.extra)
+        _, grads = run.differentiate(outputs, self.box["anchor"], self.leaves, (g, g_extra))
+        return self.box.pop("g", None), grads
 
 
 @dataclass

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from slidedp.plan.layout import LayerPolicy
-from slidedp.runtime.activations.base import LayerRun, LayerState, grad_with_extra, leaves
+from slidedp.runtime.activations.base import LayerRun, LayerState, leaves
 
 
 class FullExecutor:
@@ -25,10 +25,9 @@ class FullExecutor:
         state: LayerState,
         g: torch.Tensor,
         g_extra: tuple[torch.Tensor, ...] = (),
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        x_in = state.tensor(0).detach().requires_grad_(True)
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        x_in = state.tensor(0).detach().requires_grad_(run.input_grad)
         params = leaves(run.params)
         with torch.enable_grad():
             out, extra = run.module_forward(params, x_in)
-        grads = grad_with_extra(out, extra, (x_in, *params.values()), g, g_extra)
-        return grads[0], dict(zip(params, grads[1:], strict=True))
+        return run.differentiate((out, extra), x_in, params, (g, g_extra))

@@ -39,8 +39,8 @@ class NoCheckpointExecutor:
         state: LayerState,
         g: torch.Tensor,
         g_extra: tuple[torch.Tensor, ...] = (),
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         kept: _Graph = state.data
         kept.aliases.params = run.params  # the weights as the backward's slot holds them
         state.data = None  # the graph is consumed
-        return kept.graph.differentiate(g, g_extra)
+        return kept.graph.differentiate(run, g, g_extra)

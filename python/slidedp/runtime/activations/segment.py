@@ -70,7 +70,7 @@ class SegmentExecutor:
         state: LayerState,
         g: torch.Tensor,
         g_extra: tuple[torch.Tensor, ...] = (),
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         assert not g_extra, "segments cut dense layers only: no extra outputs"
         spans: _Spans = state.data
         # a replay starts from leaves that require grad, as the forward's tensors did
@@ -79,4 +79,4 @@ class SegmentExecutor:
         ]
         spans.params = leaves(run.params)
         state.data = None
-        return spans.graph.differentiate(g, ())
+        return spans.graph.differentiate(run, g, ())

@@ -120,9 +120,9 @@ class SelectiveExecutor:
         state: LayerState,
         g: torch.Tensor,
         g_extra: tuple[torch.Tensor, ...] = (),
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
         region: _Region = state.data
         region.x = state.tensor(0).detach().requires_grad_(True)
         region.params = leaves(run.params)  # the replay reads the backward's slot
         state.data = None
-        return region.graph.differentiate(g, g_extra)
+        return region.graph.differentiate(run, g, g_extra)
