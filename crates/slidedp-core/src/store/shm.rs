@@ -1,9 +1,8 @@
 //! A shared-memory region that has no name in the file system.
 //!
 //! The creator opens an anonymous tmpfs file in the shm directory (`O_TMPFILE`, so there is never
-//! a directory entry to leak, not even for an instant), sizes and maps it, and faults every page
-//! in on every core (`MADV_POPULATE_WRITE`) so that a shortage is an error here rather than a
-//! SIGBUS later; one serial `fallocate` zero-filled ~6 GB/s, 30 s of a 195 GB store. Other processes attach
+//! a directory entry to leak, not even for an instant), preallocates it with `fallocate` so that a
+//! shortage is an error here rather than a SIGBUS later, and maps it. Other processes attach
 //! through the creator's descriptor, `/proc/<pid>/fd/<fd>`: the region's name encodes pid, fd and
 //! a random nonce that is also written into the region and checked on attach. The kernel frees
 //! the memory when the last process holding a descriptor or a mapping exits, crashes included.
@@ -14,8 +13,6 @@ use std::fs::File;
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd};
 use std::path::Path;
-
-use rayon::prelude::*;
 
 use crate::error::{Error, Result};
 
@@ -40,58 +37,24 @@ impl SharedRegion {
     pub fn create(dir: &Path, len_bytes: usize) -> Result<Self> {
         check_space(dir, len_bytes as u64)?;
         let file = open_anonymous(dir)?;
-        file.set_len(len_bytes as u64)
-            .map_err(|e| Error::io(format!("size a store file in {}", dir.display()), e))?;
-        let region = Self::map(file, len_bytes)?;
-        match region.populate() {
-            Ok(()) => Ok(region),
-            // MADV_POPULATE_WRITE is Linux 5.14+: before it, one serial fallocate
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                region
-                    .fallocate()
-                    .map_err(|e| space_error(dir, len_bytes, e))?;
-                Ok(region)
-            }
-            Err(e) => Err(space_error(dir, len_bytes, e)),
-        }
-    }
-
-    /// Faults every page in (the kernel zero-fills them) by 1 GiB chunks on rayon's threads;
-    /// a page the file system cannot give is this call's error (EFAULT), never a SIGBUS.
-    fn populate(&self) -> io::Result<()> {
-        const CHUNK: usize = 1 << 30;
-        let base = self.ptr as usize;
-        (0..self.len_bytes.div_ceil(CHUNK))
-            .into_par_iter()
-            .try_for_each(|i| {
-                let start = i * CHUNK;
-                let len = CHUNK.min(self.len_bytes - start);
-                // SAFETY: [base + start, + len) lies inside this live mapping; `start` is a
-                // multiple of the page size, as the mapping's base is.
-                let rc = unsafe {
-                    libc::madvise(
-                        (base + start) as *mut libc::c_void,
-                        len,
-                        libc::MADV_POPULATE_WRITE,
-                    )
-                };
-                if rc == 0 {
-                    Ok(())
-                } else {
-                    Err(io::Error::last_os_error())
-                }
-            })
-    }
-
-    fn fallocate(&self) -> io::Result<()> {
-        let len = self.len_bytes as libc::off_t;
         // SAFETY: `file` is an open descriptor we own; fallocate only touches its extent.
-        let rc = unsafe { libc::fallocate(self.file.as_raw_fd(), 0, 0, len) };
-        if rc == 0 {
-            Ok(())
-        } else {
-            Err(io::Error::last_os_error())
+        let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len_bytes as libc::off_t) };
+        if rc != 0 {
+            let err = io::Error::last_os_error();
+            if err.raw_os_error() == Some(libc::ENOSPC) || err.raw_os_error() == Some(libc::ENOMEM)
+            {
+                return Err(Error::OutOfSharedMemory {
+                    path: dir.display().to_string(),
+                    needed_bytes: len_bytes as u64,
+                    available_bytes: available_bytes(dir).unwrap_or(0),
+                });
+            }
+            return Err(Error::io(
+                format!("fallocate {len_bytes} bytes in {}", dir.display()),
+                err,
+            ));
         }
+        Self::map(file, len_bytes)
     }
 
     /// Attaches to the region that process `pid` holds open as descriptor `fd`.
@@ -158,19 +121,6 @@ impl Drop for SharedRegion {
     fn drop(&mut self) {
         // SAFETY: `ptr`/`len_bytes` are exactly what mmap returned and nothing unmapped them yet.
         unsafe { libc::munmap(self.ptr.cast(), self.len_bytes) };
-    }
-}
-
-/// The error of a region `dir` could not give: [`Error::OutOfSharedMemory`] where the file
-/// system or the host ran out (EFAULT: a page that would have been a SIGBUS), else the I/O error.
-fn space_error(dir: &Path, len_bytes: usize, err: io::Error) -> Error {
-    match err.raw_os_error() {
-        Some(libc::ENOSPC | libc::ENOMEM | libc::EFAULT) => Error::OutOfSharedMemory {
-            path: dir.display().to_string(),
-            needed_bytes: len_bytes as u64,
-            available_bytes: available_bytes(dir).unwrap_or(0),
-        },
-        _ => Error::io(format!("fill {len_bytes} bytes in {}", dir.display()), err),
     }
 }
 
