@@ -23,7 +23,8 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from slidedp.autopolicy.auto import resolve_auto, selection_cached
+from slidedp.autopolicy.auto import resolve_auto
+from slidedp.autopolicy.choose import selection_cached
 from slidedp.autopolicy.default import AUTO, break_even_fallback, default_policy
 from slidedp.config import TrainConfig
 from slidedp.data.build import run_batches

@@ -15,7 +15,7 @@ import pytest
 from autopolicy.runs import BATCH, SEQ, on_a_gpu, profile_row, resolve, run_config, selection_stages
 from engine.tiny import read_metrics
 from host_profile.fake import cache_rate
-from slidedp.autopolicy import auto, validate
+from slidedp.autopolicy import choose, validate
 from slidedp.autopolicy.calibrate import SHORTLIST, calibrate_choice, shortlist
 from slidedp.autopolicy.select import DEFAULT, Choice, select_layout
 from slidedp.autopolicy.validate import Trial
@@ -158,7 +158,7 @@ def auto_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = _config(tmp_path, 4, policy="auto", policy_validate_steps=0)
     cfg = load_config(path, [])
     cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 1000.0)
-    monkeypatch.setattr(auto, "profile_layer", lambda args: _report())
+    monkeypatch.setattr(choose, "profile_layer", lambda args: _report())
     return path
 
 
@@ -198,7 +198,7 @@ def test_train_with_auto_calibrates_on_the_cpu(
     path = _config(tmp_path, 3, policy="auto", policy_calibrate_steps=2, policy_validate_steps=0)
     cfg = load_config(path, [])
     cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 1000.0)
-    monkeypatch.setattr(auto, "profile_layer", lambda args: _report())
+    monkeypatch.setattr(choose, "profile_layer", lambda args: _report())
     assert main(["train", str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
     said = next(x for x in out if x.startswith("policy   auto calibrate: "))

@@ -15,8 +15,9 @@ import yaml
 
 from autopolicy.runs import run_config
 from autopolicy.test_validate import ALL_F, CHOICE, FakeTrials, _resolve, start_auto
-from slidedp.autopolicy import auto, selection_cache, validate
+from slidedp.autopolicy import choose, selection_cache, validate
 from slidedp.autopolicy.chunk_choice import MIN_GAIN, ChunkChoice, choose_chunk, with_chunk
+from slidedp.autopolicy.kept import kept_line, kept_policy
 from slidedp.autopolicy.selection_cache import Selection, read_selection, write_selection
 from slidedp.config import TrainConfig, load_config
 from slidedp.io.checkpoint import STATE_FILE
@@ -55,7 +56,7 @@ def _chunk(monkeypatch: pytest.MonkeyPatch, mirror: bool = False) -> ChunkChoice
         assert cfg.runtime.chunk_elems == 0  # the default's config: the chunk left to auto
         return chunk, chunk.describe()
 
-    monkeypatch.setattr(auto, "chunk_stage", stage)
+    monkeypatch.setattr(choose, "probe_chunk", stage)
     return chunk
 
 
@@ -132,7 +133,7 @@ def test_a_layout_kept_as_the_default_is_still_validated_for_its_chunk(
     """Where the program keeps the all-F layout, the chunk alone still differs from the
     default: it runs only after a faster validation."""
     _chunk(monkeypatch)
-    monkeypatch.setattr(auto, "profile_layer", lambda args: _all_f_report())
+    monkeypatch.setattr(choose, "profile_layer", lambda args: _all_f_report())
     trials = FakeTrials({"*": 0.9, "F": 1.0})
     monkeypatch.setattr(validate, "run_trial", trials)
     chosen, _ = _resolve(auto_run[1])
@@ -169,11 +170,11 @@ def test_a_resumed_run_keeps_the_chunk_its_checkpoint_ran_with(
     policy = {"layers": "4xF-r0", "resident_layers": 0, "param_route": "replicated",
               "grad_route": "gpu", "chunk_elems": recorded, "grad_slots": 24}  # fmt: skip
     (tmp_path / STATE_FILE).write_text(json.dumps({"policy": policy}))
-    found = auto._kept_policy(tmp_path, 4, 777)
+    found = kept_policy(tmp_path, 4, 777)
     assert found is not None
     assert found.chunk_elems == kept
     cfg = load_config(run_config(tmp_path, 4, {"policy": "auto"}), [])
-    resumed, line = auto._kept_line(cfg, found, [], tmp_path)
+    resumed, line = kept_line(cfg, found, [], tmp_path)
     assert (resumed.runtime.chunk_elems, resumed.runtime.grad_slots) == (kept, 24 if kept else 4)
     assert (f", chunk {kept:,} elements (kept from" in line) == bool(kept)
 
@@ -190,15 +191,14 @@ def test_plan_writes_a_chunk_only_where_validation_ran_it_faster(
     all F) is validated, and its policy file carries the chunk and its ring only when it ran
     faster; for another GPU (--gpu-memory) the chunk stage does not run."""
     from autopolicy.runs import on_a_gpu
-    from slidedp.autopolicy import command
     from slidedp.cli import main
 
     path = run_config(tmp_path, 4, {"policy_calibrate_steps": 0})
     on_a_gpu(path, monkeypatch, tmp_path / "cache")
     chunk = ChunkChoice(MIB_1, 24, 0.5, 1.0, mirror=True, source="measured now")
-    monkeypatch.setattr(command, "chunk_stage", lambda *a, **k: (chunk, chunk.describe()))
+    monkeypatch.setattr(choose, "probe_chunk", lambda *a, **k: (chunk, chunk.describe()))
     monkeypatch.setattr(
-        command,
+        choose,
         "with_chunk",
         lambda cfg, c, *a: with_chunk(cfg, c and dataclasses.replace(c, mirror=False), *a),
     )  # the faked GPU: f32, no mirror
@@ -216,7 +216,8 @@ def test_plan_writes_a_chunk_only_where_validation_ran_it_faster(
             == {"layers": ALL_F, "resident_layers": 0, "resident_embeddings": False} | written
         )
         said = json.loads(policy.with_suffix(".json").read_text())["chunk"]["said"]
-        assert said.startswith("1 MiB" if written else "the whole layer (1 MiB")
+        assert said.startswith("1 MiB")
+        assert said.endswith("" if written else ", not run: the default won validation")
     capsys.readouterr()
     assert main([*argv, "--gpu-memory", "40"]) == 0
     summary = json.loads(policy.with_suffix(".json").read_text())

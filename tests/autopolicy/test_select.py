@@ -16,7 +16,7 @@ import yaml
 
 from engine.tiny import make_model, read_metrics, write_config, write_data
 from host_profile.fake import cache_rate
-from slidedp.autopolicy import auto, select
+from slidedp.autopolicy import auto, choose, select
 from slidedp.autopolicy.select import (
     MIN_GAIN,
     activation_budget,
@@ -437,7 +437,7 @@ def test_plan_and_auto_take_the_host_lane_from_the_cached_probe(
         seen.append(update_gbps)
         return select_layout(*args, update_gbps=update_gbps, **kwargs)
 
-    monkeypatch.setattr(auto, "cached_profile", lambda args: _report())
+    monkeypatch.setattr(choose, "cached_profile", lambda args: _report())
     monkeypatch.setattr(select, "select_layout", spy)
     chosen = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, policy="auto"))
     _, line = auto.resolve_auto(chosen, adapter, machine, measure=False)

@@ -17,7 +17,7 @@ from autopolicy.runs import resolve
 from autopolicy.test_validate import ALL_F, CHOICE, GIB, FakeTrials, _config, _report
 from engine.tiny import read_metrics
 from host_profile.fake import cache_rate
-from slidedp.autopolicy import auto, select, selection_cache, validate
+from slidedp.autopolicy import choose, select, selection_cache, validate
 from slidedp.cli import main
 from slidedp.config import TrainConfig, load_config
 from slidedp.models.hf import HFAdapter
@@ -48,7 +48,7 @@ def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, Fa
     path = _config(tmp_path, policy="auto")
     cfg = load_config(path, [])
     cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 1000.0)
-    monkeypatch.setattr(auto, "profile_layer", _profile_here)
+    monkeypatch.setattr(choose, "profile_layer", _profile_here)
     trials = FakeTrials({"F": 1.0, "*": 0.5})
     monkeypatch.setattr(validate, "run_trial", trials)
     return path, cache / "slidedp" / "profile", trials
@@ -60,7 +60,7 @@ def _no_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     def ran(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a cached selection measured or solved")
 
-    for module, name in [(auto, "profile_layer"), (machine, "probe_host"),
+    for module, name in [(choose, "profile_layer"), (machine, "probe_host"),
                          (select, "select_layout"), (validate, "run_trial")]:  # fmt: skip
         monkeypatch.setattr(module, name, ran)
 
@@ -216,7 +216,6 @@ def test_auto_takes_the_choice_slidedp_plan_made_for_the_same_run(
 ) -> None:
     """A plan for this machine's GPU (its size faked here) from cached measurements is kept in
     the selection cache; ``auto`` of the same run then selects nothing."""
-    from slidedp.autopolicy import command
 
     path, cache, trials = run
     probe = Machine.probe
@@ -225,12 +224,15 @@ def test_auto_takes_the_choice_slidedp_plan_made_for_the_same_run(
         return dataclasses.replace(probe(cfg, *args, **kwargs), gpu_total_bytes=80 * GIB)
 
     monkeypatch.setattr(Machine, "probe", with_gpu)
-    monkeypatch.setattr(command, "profile_layer", _profile_here)
+    monkeypatch.setattr(choose, "profile_layer", _profile_here)
     policy = tmp_path / "policy.yaml"
     assert main(["plan", str(path), "--out", str(policy)]) == 0
     assert len(trials.ran) == 2
     (stored,) = cache.glob("selection-*.json")
     summary = json.loads(policy.with_suffix(".json").read_text())
+    measuring = [(choose, "profile_layer"), (machine, "probe_host"), (select, "select_layout"),
+                 (validate, "run_trial")]  # fmt: skip
+    kept = [getattr(module, name) for module, name in measuring]
     _no_selection(monkeypatch)
     chosen, line = resolve(path)
     assert (chosen.runtime.layers, chosen.runtime.resident_layers) == (
@@ -242,10 +244,13 @@ def test_auto_takes_the_choice_slidedp_plan_made_for_the_same_run(
         "chunk the config's (on CPU no copy to cut); not calibrated "
         "(runtime.policy_calibrate_steps=0); validated (3 steps each): "
     )
-    assert f", chosen by `slidedp plan`; {said}" in line
+    assert ", chosen by `slidedp plan`, host AdamW " in line
+    assert f"; {said}" in line
     assert f"; from the cache {stored} (selected " in line
     # another GPU's plan (--gpu-memory) is not this machine's selection: nothing cached
     stored.unlink()
+    for (module, name), was in zip(measuring, kept, strict=True):
+        monkeypatch.setattr(module, name, was)
     assert main(["plan", str(path), "--out", str(policy), "--gpu-memory", "40"]) == 0
     assert not list(cache.glob("selection-*.json"))
 
@@ -312,7 +317,6 @@ def test_plan_and_auto_resolve_the_same_plan(
 ) -> None:
     """`slidedp plan`'s policy file and ``runtime.policy: auto`` selecting afresh from the same
     measurements (``policy_force``: not from the plan's cache entry) give one ``Plan``."""
-    from slidedp.autopolicy import command
 
     path, _, _ = run
     probe = Machine.probe
@@ -321,7 +325,7 @@ def test_plan_and_auto_resolve_the_same_plan(
         return dataclasses.replace(probe(cfg, *args, **kwargs), gpu_total_bytes=80 * GIB)
 
     monkeypatch.setattr(Machine, "probe", with_gpu)
-    monkeypatch.setattr(command, "profile_layer", _profile_here)
+    monkeypatch.setattr(choose, "profile_layer", _profile_here)
     policy = tmp_path / "policy.yaml"
     assert main(["plan", str(path), "--out", str(policy)]) == 0
     chosen, _ = resolve(path, "runtime.policy_force=true")

@@ -21,7 +21,7 @@ import yaml
 from autopolicy.runs import BATCH, SEQ, on_a_gpu, profile_row, run_config, selection_stages
 from engine.tiny import read_metrics
 from host_profile.fake import cache_rate
-from slidedp.autopolicy import auto, validate
+from slidedp.autopolicy import auto, choose, validate
 from slidedp.autopolicy.select import Choice, select_layout
 from slidedp.autopolicy.validate import RESOLVES, Trial, default_config, validate_choice
 from slidedp.cli import main
@@ -78,7 +78,7 @@ def start_auto(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, T
     path = _config(tmp_path, policy="auto")
     cfg = load_config(path, [])
     cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 1000.0)
-    monkeypatch.setattr(auto, "profile_layer", lambda args: _report())
+    monkeypatch.setattr(choose, "profile_layer", lambda args: _report())
     return path, cfg
 
 
@@ -368,7 +368,7 @@ def test_auto_validates_on_the_tiny_model_and_trains_the_winner(
     path = _config(tmp_path, policy="auto")
     cfg = load_config(path, [])
     cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 1000.0)
-    monkeypatch.setattr(auto, "profile_layer", lambda args: _report())  # the program picks N
+    monkeypatch.setattr(choose, "profile_layer", lambda args: _report())  # the program picks N
     assert main(["train", str(path)]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("policy   auto: "))
     assert f"; validated (3 steps each): {CHOICE}, 0 GPU-resident " in line
