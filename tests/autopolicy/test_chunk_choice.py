@@ -23,6 +23,8 @@ from slidedp.config import TrainConfig, load_config
 from slidedp.io.checkpoint import STATE_FILE
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.machine import Machine
+from slidedp.plan.policy import layer_chunk_elems
+from slidedp.plan.resolve import resolve_plan
 
 NUMEL = 3 << 20
 MIB_1 = 1 << 19  # elements of 1 MiB of BF16
@@ -112,19 +114,21 @@ def test_a_chunk_probed_with_other_loads_is_not_applied(
 
 def test_a_cached_selection_brings_its_chunk(auto_run: tuple[Path, TrainConfig]) -> None:
     cfg = auto_run[1]
+    adapter, machine = HFAdapter.from_dir(cfg.model.path), Machine.probe(cfg, measure=False)
+    whole_layer = layer_chunk_elems(adapter)
     facts = {"any": "key"}
     line = "policy   auto: 4xN-r0, 0 GPU-resident; chunk 1 MiB"
-    write_selection(facts, Selection(CHOICE, 0, None, line, 1.0, chunk_elems=MIB_1, grad_slots=24))
-    hit = read_selection(facts, layers=4, routes=[], say=print)
-    assert hit is not None
-    chosen, said = selection_cache.from_cache(cfg, *hit)
-    assert (chosen.runtime.chunk_elems, chosen.runtime.grad_slots) == (MIB_1, 24)
-    assert said.startswith(line)
-    whole = Selection(CHOICE, 0, None, line, 1.0, grad_slots=4)
-    write_selection(facts, whole)
-    hit = read_selection(facts, layers=4, routes=[], say=print)
-    assert hit is not None
-    assert selection_cache.from_cache(cfg, *hit)[0].runtime.chunk_elems == 0
+    for chunk, slots, kept in ((MIB_1, 24, (MIB_1, 24)), (0, 4, (0, 4))):
+        keys = {"layers": CHOICE, "chunk_elems": chunk, "grad_slots": slots, "policy": ""}
+        run = load_config(auto_run[0], [f"runtime.{k}={v}" for k, v in keys.items()])
+        plan = resolve_plan(run, adapter, machine)
+        write_selection(facts, Selection(plan.to_json(), line, 1.0))
+        hit = read_selection(facts, layers=4, routes=[], say=print)
+        assert hit is not None
+        chosen, said = selection_cache.from_cache(cfg, *hit, whole_layer)
+        assert (chosen.runtime.chunk_elems, chosen.runtime.grad_slots) == kept
+        assert chosen.runtime.layers == CHOICE
+        assert said.startswith(line)
 
 
 def test_a_layout_kept_as_the_default_is_still_validated_for_its_chunk(

@@ -176,11 +176,6 @@ def test_auto_on_two_gpus_chooses_layout_and_routes_from_the_probes(
                          "validates it); not calibrated (several ranks: the profiled times); "
                          "not validated here (`slidedp train` validates)")  # fmt: skip
     assert (rt.chunk_elems, rt.grad_slots) == (0, 4)
-    assert auto.chosen_overrides(chosen) == [
-        "runtime.policy=", f"runtime.layers={rt.layers}", "runtime.resident_layers=0",
-        "runtime.resident_embeddings=False", f"runtime.param_route={route[0]}",
-        f"runtime.grad_route={route[1]}", "runtime.chunk_elems=0", "runtime.grad_slots=4",
-    ]  # fmt: skip
 
     # the config's own route stays, and validate/estimate without a link probe say why
     fixed, line = auto.resolve_auto(

@@ -78,7 +78,8 @@ def test_a_second_train_takes_the_cached_selection_and_trains_the_same_layout(
     assert len(trials.ran) == 2  # the choice, the default
     (stored,) = cache.glob("selection-*.json")
     record = json.loads(stored.read_text())
-    assert (record["layers"], record["resident_layers"], record["route"]) == (CHOICE, 0, None)
+    policy = record["plan"]["policy"]  # the chosen run's Plan.to_json
+    assert (policy["layers"], policy["resident_layers"]) == (CHOICE, 0)
     assert record["validation"]["winner"] == "chosen"
     assert record["line"] == first
     assert set(record["timing_s"]) == {"profile", "host", "solve", "validation"}
@@ -147,7 +148,9 @@ def test_a_cache_file_that_does_not_read_is_one_line_and_rewritten(
     path, cache, trials = run
     resolve(path)
     (stored,) = cache.glob("selection-*.json")
-    for broken in ("{not json", json.dumps({"facts": {}, "layers": CHOICE}),
+    record = json.loads(stored.read_text())
+    older = {k: v for k, v in record.items() if k != "plan"} | {"layers": CHOICE}  # no plan
+    for broken in ("{not json", json.dumps({"facts": {}, "layers": CHOICE}), json.dumps(older),
                    stored.read_text().replace(CHOICE, "9xN-r0")):  # fmt: skip
         stored.write_text(broken)
         capsys.readouterr()
@@ -157,8 +160,9 @@ def test_a_cache_file_that_does_not_read_is_one_line_and_rewritten(
         assert said[0].startswith(f"policy   auto: the cached selection {stored} does not read (")
         assert said[0].endswith("): selecting again")
         assert "from the cache" not in line
-        assert json.loads(stored.read_text())["layers"] == chosen.runtime.layers == CHOICE
-    assert len(trials.ran) == 2 * 4
+        stored_policy = json.loads(stored.read_text())["plan"]["policy"]
+        assert stored_policy["layers"] == chosen.runtime.layers == CHOICE
+    assert len(trials.ran) == 2 * 5
 
 
 def test_policy_force_selects_again_and_caches_the_new_choice(
@@ -172,7 +176,7 @@ def test_policy_force_selects_again_and_caches_the_new_choice(
     chosen, line = resolve(path, "runtime.policy_force=true")
     assert "from the cache" not in line
     assert chosen.runtime.layers == ALL_F
-    assert json.loads(stored.read_text())["layers"] == ALL_F
+    assert json.loads(stored.read_text())["plan"]["policy"]["layers"] == ALL_F
     chosen, line = resolve(path)
     assert (chosen.runtime.layers, "from the cache" in line) == (ALL_F, True)
     assert len(trials.ran) == 2  # the first selection's
@@ -204,7 +208,8 @@ def test_a_resumed_run_keeps_its_checkpoints_layout_over_the_cache(
     assert main(["train", str(path), "output.save_steps=1"]) == 0
     (stored,) = cache.glob("selection-*.json")
     record = json.loads(stored.read_text())
-    stored.write_text(json.dumps(record | {"layers": ALL_F}))  # the cache now says all F
+    record["plan"]["policy"]["layers"] = ALL_F
+    stored.write_text(json.dumps(record))  # the cache now says all F
     capsys.readouterr()
     assert main(["train", str(path), "train.max_steps=3", "train.resume=auto"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("policy   auto"))
@@ -278,7 +283,8 @@ def test_the_launchers_choice_on_several_ranks_is_cached_with_its_routes(
     assert "; validated (3 steps each): " in first
     assert "; routes replicated/gpu, the config's" in first
     (stored,) = cache.glob("selection-*.json")
-    assert json.loads(stored.read_text())["route"] == ["replicated", "gpu"]
+    policy = json.loads(stored.read_text())["plan"]["policy"]
+    assert (policy["param_route"], policy["grad_route"]) == ("replicated", "gpu")
     _no_selection(monkeypatch)
     monkeypatch.setattr(measure, "measure_in_child", None)  # calling it fails the test
     again, line = resolve(path, *ranks)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from slidedp.autopolicy.choose import ChooseSpec, choose
 from slidedp.errors import ConfigError
@@ -26,21 +26,6 @@ if TYPE_CHECKING:
 AUTO = "auto"
 # the keys auto writes (and routes)
 CHOSEN = ("layers", "offload_ratio", "resident_layers", "resident_embeddings")
-
-
-def chosen_runtime(cfg: TrainConfig) -> dict[str, Any]:
-    """The runtime keys that make the ranks run ``cfg``'s resolved policy (the launcher's
-    choice), ``runtime.policy`` cleared."""
-    rt = cfg.runtime
-    return {"policy": "", "layers": rt.layers, "resident_layers": rt.resident_layers,
-            "resident_embeddings": rt.resident_embeddings, "param_route": rt.param_route,
-            "grad_route": rt.grad_route, "chunk_elems": rt.chunk_elems,
-            "grad_slots": rt.grad_slots}  # fmt: skip
-
-
-def chosen_overrides(cfg: TrainConfig) -> list[str]:
-    """``chosen_runtime`` as ``section.key=value`` overrides (``slidedp train``'s launcher)."""
-    return [f"runtime.{k}={v}" for k, v in chosen_runtime(cfg).items()]
 
 
 def check_one_process(rt: RuntimeSection, what: str) -> None:

@@ -214,7 +214,7 @@ def cached(s: Selecting) -> None:
     hit = facts and read_selection(facts, layers=s.adapter.num_layers, routes=s.candidates,
                                    say=_say)  # fmt: skip
     if hit:
-        s.settle(*from_cache(s.base, *hit))
+        s.settle(*from_cache(s.base, *hit, layer_chunk_elems(s.adapter)))
 
 
 def measure(s: Selecting) -> None:

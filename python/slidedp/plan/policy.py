@@ -299,6 +299,20 @@ class Plan:
             "version_timeout_s": self.version_timeout_s,
         }
 
+    def runtime_keys(self) -> dict[str, Any]:
+        """The ``runtime`` keys that resolve to this plan's policy (``runtime.policy``
+        cleared): what a rank started with the plan checks, records and reports it by."""
+        return self.runtime_keys_of(self.policy)
+
+    @staticmethod
+    def runtime_keys_of(p: Policy) -> dict[str, Any]:
+        """``runtime_keys`` of the policy ``p``."""
+        return {"policy": "", "layers": p.layout, "offload_ratio": 0.0,
+                "resident_layers": p.resident_layers, "resident_embeddings": p.resident_embeddings,
+                "param_route": p.param_route, "grad_route": p.grad_route,
+                "chunk_elems": p.chunk_elems, "slots": p.slots, "staging_slots": p.staging_slots,
+                "grad_slots": p.grad_slots, "bf16_mirror": p.mirror}  # fmt: skip
+
     @classmethod
     def from_json(cls, d: dict[str, Any], source: str = "plan.json") -> Plan:
         """The plan ``to_json`` wrote; another format is one ``ConfigError`` line."""
