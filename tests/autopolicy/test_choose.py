@@ -50,7 +50,7 @@ def test_plan_and_auto_run_every_stage_once_and_in_order(
     assert stages == ["kept", "cached", "measure", "profile", "host", "chunks", "solve",
                       "calibrate", "validate", "result", "check", "store"]  # fmt: skip
     calls = _recorded(monkeypatch)
-    assert main(["plan", str(path), "--out", str(tmp_path / "policy.yaml")]) == 0
+    assert main(["plan", str(path), "--out", str(tmp_path / "plan.json")]) == 0
     assert calls == stages
     assert len(trials.ran) == 2  # the choice and the default, validated once
     calls.clear()

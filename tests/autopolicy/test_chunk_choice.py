@@ -11,19 +11,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from autopolicy.runs import run_config
+from autopolicy.runs import run_config, written_policy
 from autopolicy.test_validate import ALL_F, CHOICE, FakeTrials, _resolve, start_auto
 from slidedp.autopolicy import choose, selection_cache, validate
 from slidedp.autopolicy.chunk_choice import MIN_GAIN, ChunkChoice, choose_chunk, with_chunk
+from slidedp.autopolicy.command import report_path
 from slidedp.autopolicy.kept import kept_line, kept_policy
 from slidedp.autopolicy.selection_cache import Selection, read_selection, write_selection
 from slidedp.config import TrainConfig, load_config
 from slidedp.io.checkpoint import STATE_FILE
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.machine import Machine
-from slidedp.plan.policy import layer_chunk_elems
+from slidedp.plan.policy import layer_chunk_elems, read_plan
 from slidedp.plan.resolve import resolve_plan
 
 NUMEL = 3 << 20
@@ -208,21 +208,23 @@ def test_plan_writes_a_chunk_only_where_validation_ran_it_faster(
     )  # the faked GPU: f32, no mirror
     report = tmp_path / "profile.json"
     report.write_text(json.dumps(_all_f_report()))
-    policy = tmp_path / "policy.yaml"
+    policy = tmp_path / "plan.json"
     argv = ["plan", str(path), "--profile", str(report), "--out", str(policy)]
-    for step_s, written in ((0.5, {"chunk_elems": MIB_1, "grad_slots": 24}), (1.5, {})):
+    whole = layer_chunk_elems(HFAdapter.from_dir(load_config(path, []).model.path))
+    for step_s, written in ((0.5, (MIB_1, 24)), (1.5, (whole, 4))):
         trials = FakeTrials({"F": 1.0, "*": step_s})
         monkeypatch.setattr(validate, "run_trial", trials)
         assert main(argv) == 0
         assert [c.runtime.chunk_elems for c in trials.ran] == [MIB_1, 0]
-        assert (
-            yaml.safe_load(policy.read_text())
-            == {"layers": ALL_F, "resident_layers": 0, "resident_embeddings": False} | written
-        )
-        said = json.loads(policy.with_suffix(".json").read_text())["chunk"]["said"]
+        assert written_policy(policy) == {"layers": ALL_F, "resident_layers": 0,
+                                          "resident_embeddings": False}  # fmt: skip
+        ran = read_plan(policy).policy
+        assert (ran.chunk_elems, ran.grad_slots) == written
+        said = json.loads(report_path(policy).read_text())["chunk"]["said"]
         assert said.startswith("1 MiB")
-        assert said.endswith("" if written else ", not run: the default won validation")
+        won = written[0] == MIB_1
+        assert said.endswith("" if won else ", not run: the default won validation")
     capsys.readouterr()
     assert main([*argv, "--gpu-memory", "40"]) == 0
-    summary = json.loads(policy.with_suffix(".json").read_text())
+    summary = json.loads(report_path(policy).read_text())
     assert summary["chunk"]["said"] == "the config's (planned for another GPU: --gpu-memory)"

@@ -18,6 +18,7 @@ from autopolicy.test_validate import ALL_F, CHOICE, GIB, FakeTrials, _config, _r
 from engine.tiny import read_metrics
 from host_profile.fake import cache_rate
 from slidedp.autopolicy import choose, select, selection_cache, validate
+from slidedp.autopolicy.command import report_path
 from slidedp.cli import main
 from slidedp.config import TrainConfig, load_config
 from slidedp.models.hf import HFAdapter
@@ -230,11 +231,11 @@ def test_auto_takes_the_choice_slidedp_plan_made_for_the_same_run(
 
     monkeypatch.setattr(Machine, "probe", with_gpu)
     monkeypatch.setattr(choose, "profile_layer", _profile_here)
-    policy = tmp_path / "policy.yaml"
+    policy = tmp_path / "plan.json"
     assert main(["plan", str(path), "--out", str(policy)]) == 0
     assert len(trials.ran) == 2
     (stored,) = cache.glob("selection-*.json")
-    summary = json.loads(policy.with_suffix(".json").read_text())
+    summary = json.loads(report_path(policy).read_text())
     measuring = [(choose, "profile_layer"), (machine, "probe_host"), (select, "select_layout"),
                  (validate, "run_trial")]  # fmt: skip
     kept = [getattr(module, name) for module, name in measuring]
@@ -332,7 +333,7 @@ def test_plan_and_auto_resolve_the_same_plan(
 
     monkeypatch.setattr(Machine, "probe", with_gpu)
     monkeypatch.setattr(choose, "profile_layer", _profile_here)
-    policy = tmp_path / "policy.yaml"
+    policy = tmp_path / "plan.json"
     assert main(["plan", str(path), "--out", str(policy)]) == 0
     chosen, _ = resolve(path, "runtime.policy_force=true")
     from_file = load_config(path, [f"runtime.policy={policy}"])

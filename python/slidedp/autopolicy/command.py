@@ -1,4 +1,4 @@
-"""``slidedp plan CONFIG.yaml [overrides]``: choose the run's layout, write it as a policy file.
+"""``slidedp plan CONFIG.yaml [overrides]``: choose the run's policy, write the run's plan.
 
 The selection is ``autopolicy.choose``, the one pipeline ``runtime.policy: auto`` runs too
 (each stage timed and said in one line); the report adds the selection time and the break-even
@@ -9,9 +9,10 @@ machine's GPU.
 
 Example::
 
-    slidedp plan examples/qwen3-4b-1gpu.yaml --out runs/qwen3-4b/policy.yaml
-    slidedp train examples/qwen3-4b-1gpu.yaml runtime.policy=runs/qwen3-4b/policy.yaml
-    slidedp plan tiny.yaml --gpu-memory 80 --device cpu   # plan for an 80 GiB GPU from here
+    slidedp plan examples/qwen3-4b-1gpu.yaml --out runs/qwen3-4b/plan.json
+    slidedp train examples/qwen3-4b-1gpu.yaml --plan runs/qwen3-4b/plan.json
+    slidedp plan tiny.yaml --gpu-memory 80 --out p.json   # for an 80 GiB GPU, from here
+    slidedp train tiny.yaml runtime.policy=p.json          # its policy; this machine the rest
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ import math
 import os
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 from slidedp.autopolicy.auto import check_one_process
 from slidedp.autopolicy.calibrate import Calibration, clause
@@ -48,11 +47,20 @@ def _gib(text: str) -> float:
     return value
 
 
+def report_path(out: Path) -> Path:
+    """Where the report of the plan ``out`` goes: beside it, ``NAME.report.json``."""
+    return out.with_suffix(".report.json")
+
+
 def _check_out(out: Path) -> None:
-    """Refused before any measuring: a report that would overwrite the policy, a place that
-    cannot be written."""
-    if out.suffix == ".json":
-        raise ConfigError(f"--out {out}: the report goes beside it as .json; name it .yaml")
+    """Refused before any measuring: a plan not named ``.json`` (the policy YAML of older
+    versions is still read as ``runtime.policy``, no longer written), a place that cannot be
+    written."""
+    if out.suffix != ".json" or out.name.endswith(".report.json"):
+        raise ConfigError(
+            f"--out {out}: slidedp plan writes the run's plan as JSON (its report beside it as "
+            ".report.json); name it PLAN.json"
+        )
     parent = next((p for p in (out.parent, *out.parent.parents) if p.exists()), Path("."))
     if out.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
         raise ConfigError(f"--out {out}: cannot write a file there")
@@ -62,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg = parser.add_argument
     arg("config", help="YAML with model, data, train, output (and runtime)")
     arg("overrides", nargs="*", help="section.key=value, e.g. train.global_batch_size=16")
-    arg("--out", default="policy.yaml", help="the policy file to write (the report: .json beside)")
+    arg("--out", default="plan.json", help="the plan to write (its report: .report.json beside)")
     arg("--profile", default=None, help="a `slidedp profile layer --json` report to use")
     arg("--gpu-memory", type=_gib, default=None, metavar="GIB",
         help="plan for a GPU of this size (default: this machine's GPU)")  # fmt: skip
@@ -102,16 +110,11 @@ def main(args: argparse.Namespace) -> int:
         machine = Machine.probe(cfg, measure=False)
         if not args.gpu_memory and machine.gpu_total_bytes is None:
             raise ConfigError("no GPU here to plan for: pass --gpu-memory GIB (the target's size)")
-    _, found = choose(cfg, adapter, machine, plan_spec(args, cfg, clock))
+    plan, found = choose(cfg, adapter, machine, plan_spec(args, cfg, clock))
     out.parent.mkdir(parents=True, exist_ok=True)
     summary = plan_summary(found)
-    rt = found.cfg.runtime
-    policy = {"layers": rt.layers, "resident_layers": rt.resident_layers,
-              "resident_embeddings": rt.resident_embeddings}  # fmt: skip
-    if rt.chunk_elems != cfg.runtime.chunk_elems:  # the chunk stage's, validated
-        policy |= {"chunk_elems": rt.chunk_elems, "grad_slots": rt.grad_slots}
-    out.write_text(yaml.safe_dump(policy, sort_keys=False))
-    out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    out.write_text(json.dumps(plan.to_json(), indent=1) + "\n")  # as OUTPUT/plan.json
+    report_path(out).write_text(json.dumps(summary, indent=1))
     print(format_summary(summary, out))
     return 0
 
@@ -242,6 +245,7 @@ def format_summary(s: dict[str, Any], out: Path) -> str:
         f"  {clause(s['calibration'])}",
         _validation_line(s),
         _selection_line(s),
-        f"wrote {out} (train with runtime.policy={out}) and {out.with_suffix('.json')}",
+        f"wrote {out} (train with --plan {out}, or its policy: runtime.policy={out}) and "
+        f"{report_path(out)}",
     ]
     return "\n".join(lines)
