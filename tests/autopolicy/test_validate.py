@@ -297,9 +297,10 @@ def test_a_trial_on_two_ranks_starts_them_and_takes_rank_0s_step(
 
     def ended(code: int, said: bytes, printed: bytes = b"") -> Callable[..., int]:
         def launch(world: int, argv: list[str], **kwargs: Any) -> int:
-            assert (world, kwargs["module"]) == (2, "slidedp.autopolicy.validate")
-            kwargs["stdout"].write(printed)
-            kwargs["stderr"].write(said)
+            spec = kwargs["spec"]
+            assert (world, spec.module) == (2, "slidedp.autopolicy.validate")
+            spec.stdout.write(printed)
+            spec.stderr.write(said)
             return code
 
         return launch
