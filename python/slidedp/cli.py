@@ -18,7 +18,9 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import traceback
+from dataclasses import replace
 from pathlib import Path
 
 from slidedp import __version__
@@ -33,6 +35,7 @@ from slidedp.config import TrainConfig
 from slidedp.errors import ConfigError, SlidedpError, TrainingInterruptedError
 from slidedp.io.run_lock import RunLock
 from slidedp.plan.device import prefer_expandable_segments
+from slidedp.plan.policy import Plan, read_plan, write_plan
 from slidedp.profile import chunks as profile_chunks
 from slidedp.profile import host as profile_host
 from slidedp.profile import layer as profile_layer
@@ -44,22 +47,27 @@ EXIT_UNEXPECTED = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 
 
-def _train(config: str, overrides: list[str]) -> int:
+def _train(config: str, overrides: list[str], plan_file: str | None = None) -> int:
     """Resolve and print the config, lock ``output.dir`` (``io.run_lock``), check the inputs,
     build everything (model, store, data), save ``resolved_config.yaml``, then train. A run
-    refused before that save leaves ``output.dir`` as it was, lock file included."""
+    refused before that save leaves ``output.dir`` as it was, lock file included.
+    ``plan_file``: the plan to run (``Plan.to_json``; the launcher's to its ranks), its policy
+    in place of the config's."""
     from slidedp.config import load_config
     from slidedp.preflight import check_output_dir
     from slidedp.runtime.dist import Dist
 
     cfg = load_config(config, overrides)
+    plan = None if plan_file is None else read_plan(Path(plan_file))
+    if plan is not None:  # checked, recorded and run as the plan says
+        cfg = replace(cfg, runtime=replace(cfg.runtime, **plan.runtime_keys()))
     ctx = Dist.from_env()
     lock = None
     if _holds_run_lock(ctx, cfg.runtime.node_rank):
         check_output_dir(cfg)  # never a lock file in a model directory or a file's place
         lock = RunLock.acquire(Path(cfg.output.dir))
     try:
-        return _train_locked(config, overrides, cfg, ctx, lock)
+        return _train_locked(config, overrides, cfg, ctx, lock, plan)
     finally:
         if lock is not None:
             lock.release()
@@ -74,7 +82,12 @@ def _holds_run_lock(ctx: Dist | None, node_rank: int) -> bool:
 
 
 def _train_locked(
-    config: str, overrides: list[str], cfg: TrainConfig, ctx: Dist | None, lock: RunLock | None
+    config: str,
+    overrides: list[str],
+    cfg: TrainConfig,
+    ctx: Dist | None,
+    lock: RunLock | None,
+    plan: Plan | None,
 ) -> int:
     from slidedp.config import RESOLVED_CONFIG, resolved_yaml, write_resolved_config
     from slidedp.preflight import check_before_training
@@ -85,38 +98,38 @@ def _train_locked(
 
     rt = cfg.runtime
     if ctx is None and (rt.world > 1 or rt.nodes > 1):  # start the ranks (each runs this verb)
-        from slidedp.autopolicy.auto import chosen_overrides
         from slidedp.runtime.launch import Node, launch
 
-        # a refusal is one line, before any rank starts; runtime.policy=auto is chosen here,
-        # once (its measurements in a child process), and every rank runs the choice
+        # a refusal is one line, before any rank starts; the plan is decided here, once
+        # (runtime.policy=auto: its measurements in a child process), and every rank runs it
         try:
-            checked = check_before_training(cfg, measure_policy=True)
+            checked = check_before_training(cfg, measure_policy=True, plan=plan)
         except BaseException:
             refused()
             raise
         if checked.policy_line:
             print(checked.policy_line, flush=True)
-        chosen = chosen_overrides(checked.cfg) if checked.selected else []
         node = Node(rt.nodes, rt.node_rank, rt.master_addr, rt.master_port)
-        argv = ["train", config, *overrides, *chosen]
-        return launch(rt.world, argv, node=node if rt.nodes > 1 else None)
+        with tempfile.TemporaryDirectory(prefix="slidedp-plan-") as tmp:
+            plan_file = write_plan(checked.plan, Path(tmp))
+            argv = ["train", config, *overrides, "--plan", str(plan_file)]
+            return launch(rt.world, argv, node=node if rt.nodes > 1 else None)
     if ctx is not None and not ctx.main:  # rank 0 prints, checks and writes
         from slidedp.runtime.trainer import Trainer
 
-        Trainer(cfg).run()
+        Trainer(cfg, plan=plan).run()
         return 0
     print(f"slidedp train: resolved config (saved as {cfg.output.dir}/{RESOLVED_CONFIG}):")
     print(resolved_yaml(cfg), end="", flush=True)
     try:
-        checked = check_before_training(cfg, measure_policy=True)
+        checked = check_before_training(cfg, measure_policy=True, plan=plan)
         cfg = checked.cfg  # runtime.policy=auto: the chosen layout (saved as it ran)
         if checked.policy_line:
             print(checked.policy_line, flush=True)
         _warn("train", checked.warning)
         from slidedp.runtime.trainer import Trainer  # the engine: once the inputs are good
 
-        trainer = Trainer(cfg, checked=checked)
+        trainer = Trainer(cfg, plan=checked.plan, checked=checked)
     except BaseException:
         refused()
         raise
@@ -207,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub = verbs.add_parser(verb, parents=[debug], help=help_text)
         sub.add_argument("config", help="YAML with model, data, train, output (and runtime)")
         sub.add_argument("overrides", nargs="*", help="section.key=value, e.g. train.max_steps=5")
+        if verb == "train":
+            sub.add_argument("--plan", default=None, metavar="PLAN.json",
+                             help="run this plan (a run's plan.json), deciding none")  # fmt: skip
     estimate = verbs.add_parser(
         "estimate", parents=[debug], help="host, /dev/shm, pinned, GPU memory and step time"
     )
@@ -263,7 +279,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.verb == "env":
         return _env(args.json)
     if args.verb == "train":
-        return _train(args.config, args.overrides)
+        return _train(args.config, args.overrides, args.plan)
     if args.verb == "validate":
         return _validate(args.config, args.overrides)
     if args.verb == "estimate":

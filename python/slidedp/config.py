@@ -116,7 +116,8 @@ class RuntimeSection:
     layers: str = "F"
     offload_ratio: float = 0.0  # ratio of the entries of `layers` that give none (0..1)
     # "": auto on CUDA unless the config names a layout, fixed on CPU (autopolicy.default);
-    # auto: select; fixed: these keys as they are; else a policy file whose keys replace them
+    # auto: select; fixed: these keys as they are; else a file whose policy keys replace them
+    # (a plan.json of `slidedp plan` or of a run, or a policy YAML)
     policy: str = ""
     # runtime.policy=auto: training steps each of the choice and the fixed default run before
     # training, the faster one wins (autopolicy.validate; the first step is a warm-up); 0: off

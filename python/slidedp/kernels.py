@@ -13,13 +13,36 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
 from slidedp import _native
 from slidedp.errors import InvalidArgumentError
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+class AdamWStep(TypedDict):
+    """One AdamW step's hyper-parameters, as ``torch.optim.AdamW`` names them; ``step``:
+    1-based, for the bias correction."""
+
+    step: int
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+
+
+class AdamWArgs(AdamWStep, total=False):
+    """``Kernels.adamw``'s keywords: the step, the gradient's scale (the clipping
+    coefficient, 1.0 unless given) and where the updated weights also go as bfloat16."""
+
+    grad_scale: float
+    bf16_out: torch.Tensor | None
 
 
 def _check(t: torch.Tensor, what: str, dtypes: Sequence[torch.dtype], numel: int) -> str:
@@ -76,16 +99,10 @@ class Kernels:
         exp_avg: torch.Tensor,
         exp_avg_sq: torch.Tensor,
         grad: torch.Tensor,
-        *,
-        lr: float,
-        betas: tuple[float, float],
-        eps: float,
-        weight_decay: float,
-        step: int,
-        grad_scale: float = 1.0,
-        bf16_out: torch.Tensor | None = None,
+        **hyper: Unpack[AdamWArgs],
     ) -> None:
-        """One in-place AdamW step (``torch.optim.AdamW`` semantics) on f32 state.
+        """One in-place AdamW step (``torch.optim.AdamW`` semantics) on f32 state; ``hyper``:
+        the step's keywords (``AdamWArgs``).
 
         ``grad`` is float32 or bfloat16 and is multiplied by ``grad_scale`` first (the clipping
         coefficient); ``step`` is the 1-based step count for bias correction; with ``bf16_out``
@@ -96,9 +113,11 @@ class Kernels:
             _check(t, what, [torch.float32], n)
         grad_dtype = _check(grad, "grad", [torch.float32, torch.bfloat16], n)
         out_ptr = None
+        bf16_out = hyper.get("bf16_out")
         if bf16_out is not None:
             _check(bf16_out, "bf16_out", [torch.bfloat16], n)
             out_ptr = bf16_out.data_ptr()
+        beta1, beta2 = hyper["betas"]
         self._native.adamw(
             param.data_ptr(),
             exp_avg.data_ptr(),
@@ -106,13 +125,13 @@ class Kernels:
             grad.data_ptr(),
             grad_dtype,
             n,
-            lr=lr,
-            beta1=betas[0],
-            beta2=betas[1],
-            eps=eps,
-            weight_decay=weight_decay,
-            step=step,
-            grad_scale=grad_scale,
+            lr=hyper["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=hyper["eps"],
+            weight_decay=hyper["weight_decay"],
+            step=hyper["step"],
+            grad_scale=hyper.get("grad_scale", 1.0),
             bf16_out=out_ptr,
         )
 

@@ -23,7 +23,8 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from slidedp.autopolicy.auto import resolve_auto, selection_cached
+from slidedp.autopolicy.auto import resolve_auto
+from slidedp.autopolicy.choose import selection_cached
 from slidedp.autopolicy.default import AUTO, break_even_fallback, default_policy
 from slidedp.config import TrainConfig
 from slidedp.data.build import run_batches
@@ -38,6 +39,8 @@ from slidedp.models.hf import HFAdapter
 from slidedp.models.router_loss import check_router_loss_ranks
 from slidedp.plan.device import pick_device, pick_dtype
 from slidedp.plan.machine import Machine
+from slidedp.plan.policy import Plan
+from slidedp.plan.resolve import kept_plan, resolve_plan
 from slidedp.runtime.dist import check_config
 
 SHM_DIR = Path("/dev/shm")
@@ -211,6 +214,7 @@ class Checked:
     resume: ResumePoint | None
     adapter: HFAdapter
     cfg: TrainConfig  # the config to run: runtime.policy=auto resolved (autopolicy.auto)
+    plan: Plan  # the run's plan (plan.resolve.resolve_plan of ``cfg`` on this machine)
     policy_line: str | None = None  # what runtime.policy=auto chose, and why
     selected: bool = False  # AutoPolicy chose the policy (explicitly or by default on CUDA)
 
@@ -219,13 +223,16 @@ class Checked:
         return None if self.resume is None else self.resume.warning
 
 
-def check_before_training(cfg: TrainConfig, *, measure_policy: bool = False) -> Checked:
+def check_before_training(
+    cfg: TrainConfig, *, measure_policy: bool = False, plan: Plan | None = None
+) -> Checked:
     """The checks ``slidedp train`` runs before it allocates or writes anything: all but the
     data, which the trainer reads once and checks as it builds the batches. With
     ``runtime.policy: auto`` the layout is chosen first (``autopolicy.auto``; ``measure_policy``:
     profile the layer if it is not cached and validate the choice in a few training steps
     beside the default, as ``train`` does; nothing is written into ``output.dir``) and the rest
-    checks the choice."""
+    checks the choice. ``plan``: the run's plan, decided before (``slidedp train --plan``):
+    ``cfg`` already carries its keys and nothing is chosen again."""
 
     device = check_device(cfg)
     adapter, model = check_model(cfg)
@@ -235,15 +242,30 @@ def check_before_training(cfg: TrainConfig, *, measure_policy: bool = False) -> 
     # after every refusal that needs no layout: profiling is GPU work and writes its cache
     machine = Machine.probe(cfg, measure=False)
     resume_path = None if resume is None else resume.path
-    cfg, fallback = apply_default_policy(cfg, adapter, machine, resume_path)
-    selected = cfg.runtime.policy == AUTO
-    cfg, chosen = resolve_auto(cfg, adapter, machine, measure=measure_policy, resume=resume_path)
-    chosen = chosen or fallback
-    policy = [chosen] if chosen else []
+    if plan is None:
+        cfg, said, selected = settle_policy(cfg, adapter, machine, resume_path,
+                                            measure=measure_policy)  # fmt: skip
+    else:  # the launcher's plan: nothing is chosen again
+        said, selected = [], False
     memory = check_memory(cfg, adapter)  # the host first: a disk is easier to free
     output += f"; {check_checkpoint_space(cfg, adapter, resume)}"
-    lines = [device, *ranks, model, *policy, resumed, memory, output]
-    return Checked(lines, resume, adapter, cfg, chosen, selected)
+    lines = [device, *ranks, model, *said, resumed, memory, output]
+    plan = plan or resolve_plan(cfg, adapter, machine)
+    return Checked(lines, resume, adapter, cfg, plan, "\n".join(said) or None, selected)
+
+
+def settle_policy(
+    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, resume: Path | None, *, measure: bool
+) -> tuple[TrainConfig, list[str], bool]:
+    """The config whose ``runtime`` keys the run trains, the lines that say how they were
+    settled, and whether AutoPolicy chose them: ``runtime.policy: auto`` (explicit, or the
+    default on CUDA) chosen (``autopolicy.auto``), and a resumed run's checkpoint policy kept
+    (``plan.resolve.kept_plan``)."""
+    cfg, fallback = apply_default_policy(cfg, adapter, machine, resume)
+    selected = cfg.runtime.policy == AUTO
+    cfg, chosen = resolve_auto(cfg, adapter, machine, measure=measure, resume=resume)
+    cfg, kept = kept_plan(cfg, adapter, machine, resume)
+    return cfg, [x for x in (chosen or fallback, kept) if x], selected
 
 
 def apply_default_policy(

@@ -17,10 +17,14 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from slidedp import _native
-from slidedp.kernels import Kernels, default_threads
+from slidedp.kernels import AdamWStep, Kernels, default_threads
 from slidedp.store import HostStore
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,16 @@ class ChunkSum:
     apply: bool
 
 
+class SubmitArgs(AdamWStep, total=False):
+    """``UpdateWorker.submit``'s keywords: the AdamW step, the gradient's scale (the clipping
+    coefficient, 1.0 unless given), the version to publish after it (None: none) and the cpu
+    route's sum first (None: none)."""
+
+    grad_scale: float
+    publish: int | None
+    host_sum: ChunkSum | None
+
+
 class UpdateWorker:
     def __init__(
         self, store: HostStore, threads: int | None = None, ring: HostSumRing | None = None
@@ -60,38 +74,27 @@ class UpdateWorker:
         )
 
     def submit(
-        self,
-        group: int,
-        start: int,
-        length: int,
-        grad_slot: int,
-        *,
-        step: int,
-        lr: float,
-        betas: tuple[float, float],
-        eps: float,
-        weight_decay: float,
-        grad_scale: float = 1.0,
-        publish: int | None = None,
-        host_sum: ChunkSum | None = None,
+        self, group: int, start: int, length: int, grad_slot: int, **request: Unpack[SubmitArgs]
     ) -> int:
         """Queues AdamW on elements ``[start, start + length)`` of ``group`` (gradient from slot
         ``grad_slot``, multiplied by ``grad_scale``), then publishes ``publish`` for the group if
         given (``length`` 0: publish only); ``host_sum`` first. Returns the request's sequence
-        number at once."""
+        number at once. ``request``: ``SubmitArgs``."""
+        host_sum = request.get("host_sum")
+        beta1, beta2 = request["betas"]
         return self._native.submit(
             group,
             start,
             length,
             grad_slot,
-            step=step,
-            lr=lr,
-            beta1=betas[0],
-            beta2=betas[1],
-            eps=eps,
-            weight_decay=weight_decay,
-            grad_scale=grad_scale,
-            publish=publish,
+            step=request["step"],
+            lr=request["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=request["eps"],
+            weight_decay=request["weight_decay"],
+            grad_scale=request.get("grad_scale", 1.0),
+            publish=request.get("publish"),
             host_sum=None
             if host_sum is None
             else (host_sum.gather_seq, host_sum.norm, host_sum.apply),

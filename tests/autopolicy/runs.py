@@ -15,6 +15,7 @@ from slidedp.autopolicy import auto
 from slidedp.config import TrainConfig, load_config
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.machine import Machine, update_threads
+from slidedp.plan.policy import read_plan
 
 MIB = 2**20
 BATCH, SEQ = 4, 32
@@ -67,3 +68,10 @@ def selection_stages(line: str) -> list[str]:
     (``...; selection 1.2 s (profile 0.4, host 0.1, solve 0.0, ...), break-even ...``)."""
     stages = line.split("; selection ")[1].split(" s (")[1].split(")")[0]
     return [s.split(" ")[0] for s in stages.split(", ")]
+
+
+def written_policy(path: Path) -> dict[str, Any]:
+    """The layout and residency of the plan ``slidedp plan`` wrote at ``path``."""
+    policy = read_plan(path).policy
+    return {"layers": policy.layout, "resident_layers": policy.resident_layers,
+            "resident_embeddings": policy.resident_embeddings}  # fmt: skip

@@ -15,8 +15,9 @@ import pytest
 from autopolicy.runs import BATCH, SEQ, on_a_gpu, profile_row, resolve, run_config, selection_stages
 from engine.tiny import read_metrics
 from host_profile.fake import cache_rate
-from slidedp.autopolicy import auto, validate
+from slidedp.autopolicy import choose, validate
 from slidedp.autopolicy.calibrate import SHORTLIST, calibrate_choice, shortlist
+from slidedp.autopolicy.command import report_path
 from slidedp.autopolicy.select import DEFAULT, Choice, select_layout
 from slidedp.autopolicy.validate import Trial
 from slidedp.cli import main
@@ -158,7 +159,7 @@ def auto_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = _config(tmp_path, 4, policy="auto", policy_validate_steps=0)
     cfg = load_config(path, [])
     cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 1000.0)
-    monkeypatch.setattr(auto, "profile_layer", lambda args: _report())
+    monkeypatch.setattr(choose, "profile_layer", lambda args: _report())
     return path
 
 
@@ -198,7 +199,7 @@ def test_train_with_auto_calibrates_on_the_cpu(
     path = _config(tmp_path, 3, policy="auto", policy_calibrate_steps=2, policy_validate_steps=0)
     cfg = load_config(path, [])
     cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 1000.0)
-    monkeypatch.setattr(auto, "profile_layer", lambda args: _report())
+    monkeypatch.setattr(choose, "profile_layer", lambda args: _report())
     assert main(["train", str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
     said = next(x for x in out if x.startswith("policy   auto calibrate: "))
@@ -229,11 +230,11 @@ def test_plan_reports_the_calibrated_times_it_solved_with(
     path = _config(tmp_path, 4, policy_validate_steps=0)
     on_a_gpu(path, monkeypatch, tmp_path / "cache")
     monkeypatch.setattr(validate, "run_trial", FakeSteps({"F": 1.0, "*": 1.2}))
-    report, policy = tmp_path / "profile.json", tmp_path / "policy.yaml"
+    report, policy = tmp_path / "profile.json", tmp_path / "plan.json"
     report.write_text(json.dumps(_report()))
     argv = ["plan", str(path), "--profile", str(report), "--out", str(policy)]
     assert main(argv) == 0
-    summary = json.loads(policy.with_suffix(".json").read_text())
+    summary = json.loads(report_path(policy).read_text())
     (one,) = summary["calibration"]["candidates"]
     assert (one["policy"], one["time_s"]) == ("N-r0", pytest.approx(0.130))
     times = {c["name"]: c["time_s"] for c in summary["problem"]["candidates"]}
@@ -244,6 +245,6 @@ def test_plan_reports_the_calibrated_times_it_solved_with(
     assert "  calibrated (5 steps each): 1 candidate on a 4-layer model: " in out
 
     assert main([*argv, "--gpu-memory", "40"]) == 0
-    summary = json.loads(policy.with_suffix(".json").read_text())
+    summary = json.loads(report_path(policy).read_text())
     assert summary["calibration"] == {"skipped": "planned for another GPU (--gpu-memory)"}
     assert summary["layout"] == "4xN-r0"

@@ -11,17 +11,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from autopolicy.runs import run_config
+from autopolicy.runs import run_config, written_policy
 from autopolicy.test_validate import ALL_F, CHOICE, FakeTrials, _resolve, start_auto
-from slidedp.autopolicy import auto, selection_cache, validate
+from slidedp.autopolicy import choose, selection_cache, validate
 from slidedp.autopolicy.chunk_choice import MIN_GAIN, ChunkChoice, choose_chunk, with_chunk
+from slidedp.autopolicy.command import report_path
+from slidedp.autopolicy.kept import kept_line, kept_policy
 from slidedp.autopolicy.selection_cache import Selection, read_selection, write_selection
 from slidedp.config import TrainConfig, load_config
 from slidedp.io.checkpoint import STATE_FILE
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.machine import Machine
+from slidedp.plan.policy import layer_chunk_elems, read_plan
+from slidedp.plan.resolve import resolve_plan
 
 NUMEL = 3 << 20
 MIB_1 = 1 << 19  # elements of 1 MiB of BF16
@@ -55,7 +58,7 @@ def _chunk(monkeypatch: pytest.MonkeyPatch, mirror: bool = False) -> ChunkChoice
         assert cfg.runtime.chunk_elems == 0  # the default's config: the chunk left to auto
         return chunk, chunk.describe()
 
-    monkeypatch.setattr(auto, "chunk_stage", stage)
+    monkeypatch.setattr(choose, "probe_chunk", stage)
     return chunk
 
 
@@ -111,19 +114,21 @@ def test_a_chunk_probed_with_other_loads_is_not_applied(
 
 def test_a_cached_selection_brings_its_chunk(auto_run: tuple[Path, TrainConfig]) -> None:
     cfg = auto_run[1]
+    adapter, machine = HFAdapter.from_dir(cfg.model.path), Machine.probe(cfg, measure=False)
+    whole_layer = layer_chunk_elems(adapter)
     facts = {"any": "key"}
     line = "policy   auto: 4xN-r0, 0 GPU-resident; chunk 1 MiB"
-    write_selection(facts, Selection(CHOICE, 0, None, line, 1.0, chunk_elems=MIB_1, grad_slots=24))
-    hit = read_selection(facts, layers=4, routes=[], say=print)
-    assert hit is not None
-    chosen, said = selection_cache.from_cache(cfg, *hit)
-    assert (chosen.runtime.chunk_elems, chosen.runtime.grad_slots) == (MIB_1, 24)
-    assert said.startswith(line)
-    whole = Selection(CHOICE, 0, None, line, 1.0, grad_slots=4)
-    write_selection(facts, whole)
-    hit = read_selection(facts, layers=4, routes=[], say=print)
-    assert hit is not None
-    assert selection_cache.from_cache(cfg, *hit)[0].runtime.chunk_elems == 0
+    for chunk, slots, kept in ((MIB_1, 24, (MIB_1, 24)), (0, 4, (0, 4))):
+        keys = {"layers": CHOICE, "chunk_elems": chunk, "grad_slots": slots, "policy": ""}
+        run = load_config(auto_run[0], [f"runtime.{k}={v}" for k, v in keys.items()])
+        plan = resolve_plan(run, adapter, machine)
+        write_selection(facts, Selection(plan.to_json(), line, 1.0))
+        hit = read_selection(facts, layers=4, routes=[], say=print)
+        assert hit is not None
+        chosen, said = selection_cache.from_cache(cfg, *hit, whole_layer)
+        assert (chosen.runtime.chunk_elems, chosen.runtime.grad_slots) == kept
+        assert chosen.runtime.layers == CHOICE
+        assert said.startswith(line)
 
 
 def test_a_layout_kept_as_the_default_is_still_validated_for_its_chunk(
@@ -132,7 +137,7 @@ def test_a_layout_kept_as_the_default_is_still_validated_for_its_chunk(
     """Where the program keeps the all-F layout, the chunk alone still differs from the
     default: it runs only after a faster validation."""
     _chunk(monkeypatch)
-    monkeypatch.setattr(auto, "profile_layer", lambda args: _all_f_report())
+    monkeypatch.setattr(choose, "profile_layer", lambda args: _all_f_report())
     trials = FakeTrials({"*": 0.9, "F": 1.0})
     monkeypatch.setattr(validate, "run_trial", trials)
     chosen, _ = _resolve(auto_run[1])
@@ -169,11 +174,11 @@ def test_a_resumed_run_keeps_the_chunk_its_checkpoint_ran_with(
     policy = {"layers": "4xF-r0", "resident_layers": 0, "param_route": "replicated",
               "grad_route": "gpu", "chunk_elems": recorded, "grad_slots": 24}  # fmt: skip
     (tmp_path / STATE_FILE).write_text(json.dumps({"policy": policy}))
-    found = auto._kept_policy(tmp_path, 4, 777)
+    found = kept_policy(tmp_path, 4, 777)
     assert found is not None
     assert found.chunk_elems == kept
     cfg = load_config(run_config(tmp_path, 4, {"policy": "auto"}), [])
-    resumed, line = auto._kept_line(cfg, found, [], tmp_path)
+    resumed, line = kept_line(cfg, found, [], tmp_path)
     assert (resumed.runtime.chunk_elems, resumed.runtime.grad_slots) == (kept, 24 if kept else 4)
     assert (f", chunk {kept:,} elements (kept from" in line) == bool(kept)
 
@@ -190,34 +195,36 @@ def test_plan_writes_a_chunk_only_where_validation_ran_it_faster(
     all F) is validated, and its policy file carries the chunk and its ring only when it ran
     faster; for another GPU (--gpu-memory) the chunk stage does not run."""
     from autopolicy.runs import on_a_gpu
-    from slidedp.autopolicy import command
     from slidedp.cli import main
 
     path = run_config(tmp_path, 4, {"policy_calibrate_steps": 0})
     on_a_gpu(path, monkeypatch, tmp_path / "cache")
     chunk = ChunkChoice(MIB_1, 24, 0.5, 1.0, mirror=True, source="measured now")
-    monkeypatch.setattr(command, "chunk_stage", lambda *a, **k: (chunk, chunk.describe()))
+    monkeypatch.setattr(choose, "probe_chunk", lambda *a, **k: (chunk, chunk.describe()))
     monkeypatch.setattr(
-        command,
+        choose,
         "with_chunk",
         lambda cfg, c, *a: with_chunk(cfg, c and dataclasses.replace(c, mirror=False), *a),
     )  # the faked GPU: f32, no mirror
     report = tmp_path / "profile.json"
     report.write_text(json.dumps(_all_f_report()))
-    policy = tmp_path / "policy.yaml"
+    policy = tmp_path / "plan.json"
     argv = ["plan", str(path), "--profile", str(report), "--out", str(policy)]
-    for step_s, written in ((0.5, {"chunk_elems": MIB_1, "grad_slots": 24}), (1.5, {})):
+    whole = layer_chunk_elems(HFAdapter.from_dir(load_config(path, []).model.path))
+    for step_s, written in ((0.5, (MIB_1, 24)), (1.5, (whole, 4))):
         trials = FakeTrials({"F": 1.0, "*": step_s})
         monkeypatch.setattr(validate, "run_trial", trials)
         assert main(argv) == 0
         assert [c.runtime.chunk_elems for c in trials.ran] == [MIB_1, 0]
-        assert (
-            yaml.safe_load(policy.read_text())
-            == {"layers": ALL_F, "resident_layers": 0, "resident_embeddings": False} | written
-        )
-        said = json.loads(policy.with_suffix(".json").read_text())["chunk"]["said"]
-        assert said.startswith("1 MiB" if written else "the whole layer (1 MiB")
+        assert written_policy(policy) == {"layers": ALL_F, "resident_layers": 0,
+                                          "resident_embeddings": False}  # fmt: skip
+        ran = read_plan(policy).policy
+        assert (ran.chunk_elems, ran.grad_slots) == written
+        said = json.loads(report_path(policy).read_text())["chunk"]["said"]
+        assert said.startswith("1 MiB")
+        won = written[0] == MIB_1
+        assert said.endswith("" if won else ", not run: the default won validation")
     capsys.readouterr()
     assert main([*argv, "--gpu-memory", "40"]) == 0
-    summary = json.loads(policy.with_suffix(".json").read_text())
+    summary = json.loads(report_path(policy).read_text())
     assert summary["chunk"]["said"] == "the config's (planned for another GPU: --gpu-memory)"

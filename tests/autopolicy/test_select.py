@@ -12,11 +12,12 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
 
+from autopolicy.runs import written_policy
 from engine.tiny import make_model, read_metrics, write_config, write_data
 from host_profile.fake import cache_rate
-from slidedp.autopolicy import auto, select
+from slidedp.autopolicy import auto, choose, select
+from slidedp.autopolicy.command import report_path
 from slidedp.autopolicy.select import (
     MIN_GAIN,
     activation_budget,
@@ -356,22 +357,22 @@ def test_a_layout_predicted_less_than_min_gain_faster_keeps_the_default(
 
 
 @pytest.mark.e2e
-def test_plan_writes_a_policy_file_that_trains(
+def test_plan_writes_a_plan_whose_policy_trains(
     run: tuple[Path, Any, HFAdapter, Machine], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path, _, _, _ = run
     report = tmp_path / "profile.json"
     report.write_text(json.dumps(_report()))
-    policy = tmp_path / "plans" / "policy.yaml"
+    policy = tmp_path / "plans" / "plan.json"
     argv = ["plan", str(path), "--profile", str(report), "--gpu-memory", "80", "--out", str(policy)]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "chosen:  4xN-r0, 4 GPU-resident + embeddings" in out  # 80 GB: room for all
     assert "default: 4xF-r0" in out
     assert "0.00 GiB offloaded to host memory" in out  # planned on CPU: no host budget
-    assert yaml.safe_load(policy.read_text()) == {"layers": "4xN-r0", "resident_layers": 4,
+    assert written_policy(policy) == {"layers": "4xN-r0", "resident_layers": 4,
                                                   "resident_embeddings": True}  # fmt: skip
-    summary = json.loads(policy.with_suffix(".json").read_text())
+    summary = json.loads(report_path(policy).read_text())
     assert set(summary["timing_s"]) == {"setup_s", "profile_s", "host_s", "solve_s", "check_s"}
     assert summary["host_adamw"]["source"].startswith("measured")  # probed here when missing
     assert main(["train", str(path), f"runtime.policy={policy}"]) == 0
@@ -386,7 +387,7 @@ def test_plan_refuses_a_profile_of_another_shape_and_a_machine_without_a_gpu(
     path, _, _, _ = run
     report = tmp_path / "profile.json"
     report.write_text(json.dumps(_report() | {"batch": 16}))
-    policy = tmp_path / "policy.yaml"
+    policy = tmp_path / "plan.json"
     assert main(["plan", str(path), "--profile", str(report), "--gpu-memory", "80",
                  "--out", str(policy)]) == 2  # fmt: skip
     err = capsys.readouterr().err
@@ -397,13 +398,14 @@ def test_plan_refuses_a_profile_of_another_shape_and_a_machine_without_a_gpu(
     assert not policy.exists()
 
 
-def test_plan_refuses_before_measuring_an_out_that_the_report_would_overwrite(
+def test_plan_refuses_before_measuring_an_out_that_is_not_a_plans_name(
     run: tuple[Path, Any, HFAdapter, Machine], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path, _, _, _ = run
-    out = tmp_path / "policy.json"
-    assert main(["plan", str(path), "--gpu-memory", "80", "--out", str(out)]) == 2
-    assert "name it .yaml" in capsys.readouterr().err
+    for out in (tmp_path / "policy.yaml", tmp_path / "plan.report.json"):
+        assert main(["plan", str(path), "--gpu-memory", "80", "--out", str(out)]) == 2
+        assert "name it PLAN.json" in capsys.readouterr().err
+        assert not out.exists()
     with pytest.raises(SystemExit):
         main(["plan", str(path), "--gpu-memory", "-1"])
     assert "must be a positive size in GiB" in capsys.readouterr().err
@@ -421,11 +423,11 @@ def test_plan_and_auto_take_the_host_lane_from_the_cached_probe(
     cache_rate(update_threads(cfg, machine), None, 3.0)  # this CPU, far slower than the table
     report = tmp_path / "profile.json"
     report.write_text(json.dumps(_report()))
-    policy = tmp_path / "policy.yaml"
+    policy = tmp_path / "plan.json"
     argv = ["plan", str(path), "--profile", str(report), "--gpu-memory", "80", "--out", str(policy)]
     assert main(argv) == 0
     assert "at 3 GB/s AdamW, measured (cached)" in capsys.readouterr().out
-    summary = json.loads(policy.with_suffix(".json").read_text())
+    summary = json.loads(report_path(policy).read_text())
     assert summary["host_adamw"] == {"gbps": 3.0, "source": "measured (cached)"}
     per_layer = host_update_s_per_layer(adapter, 3.0)
     assert summary["problem"]["host"]["update_s_per_layer"] == pytest.approx(per_layer)
@@ -437,7 +439,7 @@ def test_plan_and_auto_take_the_host_lane_from_the_cached_probe(
         seen.append(update_gbps)
         return select_layout(*args, update_gbps=update_gbps, **kwargs)
 
-    monkeypatch.setattr(auto, "cached_profile", lambda args: _report())
+    monkeypatch.setattr(choose, "cached_profile", lambda args: _report())
     monkeypatch.setattr(select, "select_layout", spy)
     chosen = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, policy="auto"))
     _, line = auto.resolve_auto(chosen, adapter, machine, measure=False)

@@ -17,7 +17,8 @@ from autopolicy.runs import resolve
 from autopolicy.test_validate import ALL_F, CHOICE, GIB, FakeTrials, _config, _report
 from engine.tiny import read_metrics
 from host_profile.fake import cache_rate
-from slidedp.autopolicy import auto, select, selection_cache, validate
+from slidedp.autopolicy import choose, select, selection_cache, validate
+from slidedp.autopolicy.command import report_path
 from slidedp.cli import main
 from slidedp.config import TrainConfig, load_config
 from slidedp.models.hf import HFAdapter
@@ -48,7 +49,7 @@ def run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path, Fa
     path = _config(tmp_path, policy="auto")
     cfg = load_config(path, [])
     cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 1000.0)
-    monkeypatch.setattr(auto, "profile_layer", _profile_here)
+    monkeypatch.setattr(choose, "profile_layer", _profile_here)
     trials = FakeTrials({"F": 1.0, "*": 0.5})
     monkeypatch.setattr(validate, "run_trial", trials)
     return path, cache / "slidedp" / "profile", trials
@@ -60,7 +61,7 @@ def _no_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     def ran(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a cached selection measured or solved")
 
-    for module, name in [(auto, "profile_layer"), (machine, "probe_host"),
+    for module, name in [(choose, "profile_layer"), (machine, "probe_host"),
                          (select, "select_layout"), (validate, "run_trial")]:  # fmt: skip
         monkeypatch.setattr(module, name, ran)
 
@@ -78,7 +79,8 @@ def test_a_second_train_takes_the_cached_selection_and_trains_the_same_layout(
     assert len(trials.ran) == 2  # the choice, the default
     (stored,) = cache.glob("selection-*.json")
     record = json.loads(stored.read_text())
-    assert (record["layers"], record["resident_layers"], record["route"]) == (CHOICE, 0, None)
+    policy = record["plan"]["policy"]  # the chosen run's Plan.to_json
+    assert (policy["layers"], policy["resident_layers"]) == (CHOICE, 0)
     assert record["validation"]["winner"] == "chosen"
     assert record["line"] == first
     assert set(record["timing_s"]) == {"profile", "host", "solve", "validation"}
@@ -147,7 +149,9 @@ def test_a_cache_file_that_does_not_read_is_one_line_and_rewritten(
     path, cache, trials = run
     resolve(path)
     (stored,) = cache.glob("selection-*.json")
-    for broken in ("{not json", json.dumps({"facts": {}, "layers": CHOICE}),
+    record = json.loads(stored.read_text())
+    older = {k: v for k, v in record.items() if k != "plan"} | {"layers": CHOICE}  # no plan
+    for broken in ("{not json", json.dumps({"facts": {}, "layers": CHOICE}), json.dumps(older),
                    stored.read_text().replace(CHOICE, "9xN-r0")):  # fmt: skip
         stored.write_text(broken)
         capsys.readouterr()
@@ -157,8 +161,9 @@ def test_a_cache_file_that_does_not_read_is_one_line_and_rewritten(
         assert said[0].startswith(f"policy   auto: the cached selection {stored} does not read (")
         assert said[0].endswith("): selecting again")
         assert "from the cache" not in line
-        assert json.loads(stored.read_text())["layers"] == chosen.runtime.layers == CHOICE
-    assert len(trials.ran) == 2 * 4
+        stored_policy = json.loads(stored.read_text())["plan"]["policy"]
+        assert stored_policy["layers"] == chosen.runtime.layers == CHOICE
+    assert len(trials.ran) == 2 * 5
 
 
 def test_policy_force_selects_again_and_caches_the_new_choice(
@@ -172,7 +177,7 @@ def test_policy_force_selects_again_and_caches_the_new_choice(
     chosen, line = resolve(path, "runtime.policy_force=true")
     assert "from the cache" not in line
     assert chosen.runtime.layers == ALL_F
-    assert json.loads(stored.read_text())["layers"] == ALL_F
+    assert json.loads(stored.read_text())["plan"]["policy"]["layers"] == ALL_F
     chosen, line = resolve(path)
     assert (chosen.runtime.layers, "from the cache" in line) == (ALL_F, True)
     assert len(trials.ran) == 2  # the first selection's
@@ -204,7 +209,8 @@ def test_a_resumed_run_keeps_its_checkpoints_layout_over_the_cache(
     assert main(["train", str(path), "output.save_steps=1"]) == 0
     (stored,) = cache.glob("selection-*.json")
     record = json.loads(stored.read_text())
-    stored.write_text(json.dumps(record | {"layers": ALL_F}))  # the cache now says all F
+    record["plan"]["policy"]["layers"] = ALL_F
+    stored.write_text(json.dumps(record))  # the cache now says all F
     capsys.readouterr()
     assert main(["train", str(path), "train.max_steps=3", "train.resume=auto"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("policy   auto"))
@@ -216,7 +222,6 @@ def test_auto_takes_the_choice_slidedp_plan_made_for_the_same_run(
 ) -> None:
     """A plan for this machine's GPU (its size faked here) from cached measurements is kept in
     the selection cache; ``auto`` of the same run then selects nothing."""
-    from slidedp.autopolicy import command
 
     path, cache, trials = run
     probe = Machine.probe
@@ -225,12 +230,15 @@ def test_auto_takes_the_choice_slidedp_plan_made_for_the_same_run(
         return dataclasses.replace(probe(cfg, *args, **kwargs), gpu_total_bytes=80 * GIB)
 
     monkeypatch.setattr(Machine, "probe", with_gpu)
-    monkeypatch.setattr(command, "profile_layer", _profile_here)
-    policy = tmp_path / "policy.yaml"
+    monkeypatch.setattr(choose, "profile_layer", _profile_here)
+    policy = tmp_path / "plan.json"
     assert main(["plan", str(path), "--out", str(policy)]) == 0
     assert len(trials.ran) == 2
     (stored,) = cache.glob("selection-*.json")
-    summary = json.loads(policy.with_suffix(".json").read_text())
+    summary = json.loads(report_path(policy).read_text())
+    measuring = [(choose, "profile_layer"), (machine, "probe_host"), (select, "select_layout"),
+                 (validate, "run_trial")]  # fmt: skip
+    kept = [getattr(module, name) for module, name in measuring]
     _no_selection(monkeypatch)
     chosen, line = resolve(path)
     assert (chosen.runtime.layers, chosen.runtime.resident_layers) == (
@@ -242,10 +250,13 @@ def test_auto_takes_the_choice_slidedp_plan_made_for_the_same_run(
         "chunk the config's (on CPU no copy to cut); not calibrated "
         "(runtime.policy_calibrate_steps=0); validated (3 steps each): "
     )
-    assert f", chosen by `slidedp plan`; {said}" in line
+    assert ", chosen by `slidedp plan`, host AdamW " in line
+    assert f"; {said}" in line
     assert f"; from the cache {stored} (selected " in line
     # another GPU's plan (--gpu-memory) is not this machine's selection: nothing cached
     stored.unlink()
+    for (module, name), was in zip(measuring, kept, strict=True):
+        monkeypatch.setattr(module, name, was)
     assert main(["plan", str(path), "--out", str(policy), "--gpu-memory", "40"]) == 0
     assert not list(cache.glob("selection-*.json"))
 
@@ -273,7 +284,8 @@ def test_the_launchers_choice_on_several_ranks_is_cached_with_its_routes(
     assert "; validated (3 steps each): " in first
     assert "; routes replicated/gpu, the config's" in first
     (stored,) = cache.glob("selection-*.json")
-    assert json.loads(stored.read_text())["route"] == ["replicated", "gpu"]
+    policy = json.loads(stored.read_text())["plan"]["policy"]
+    assert (policy["param_route"], policy["grad_route"]) == ("replicated", "gpu")
     _no_selection(monkeypatch)
     monkeypatch.setattr(measure, "measure_in_child", None)  # calling it fails the test
     again, line = resolve(path, *ranks)
@@ -312,7 +324,6 @@ def test_plan_and_auto_resolve_the_same_plan(
 ) -> None:
     """`slidedp plan`'s policy file and ``runtime.policy: auto`` selecting afresh from the same
     measurements (``policy_force``: not from the plan's cache entry) give one ``Plan``."""
-    from slidedp.autopolicy import command
 
     path, _, _ = run
     probe = Machine.probe
@@ -321,8 +332,8 @@ def test_plan_and_auto_resolve_the_same_plan(
         return dataclasses.replace(probe(cfg, *args, **kwargs), gpu_total_bytes=80 * GIB)
 
     monkeypatch.setattr(Machine, "probe", with_gpu)
-    monkeypatch.setattr(command, "profile_layer", _profile_here)
-    policy = tmp_path / "policy.yaml"
+    monkeypatch.setattr(choose, "profile_layer", _profile_here)
+    policy = tmp_path / "plan.json"
     assert main(["plan", str(path), "--out", str(policy)]) == 0
     chosen, _ = resolve(path, "runtime.policy_force=true")
     from_file = load_config(path, [f"runtime.policy={policy}"])

@@ -18,10 +18,19 @@ from typing import Any
 import pytest
 import yaml
 
-from autopolicy.runs import BATCH, SEQ, on_a_gpu, profile_row, run_config, selection_stages
+from autopolicy.runs import (
+    BATCH,
+    SEQ,
+    on_a_gpu,
+    profile_row,
+    run_config,
+    selection_stages,
+    written_policy,
+)
 from engine.tiny import read_metrics
 from host_profile.fake import cache_rate
-from slidedp.autopolicy import auto, validate
+from slidedp.autopolicy import auto, choose, validate
+from slidedp.autopolicy.command import report_path
 from slidedp.autopolicy.select import Choice, select_layout
 from slidedp.autopolicy.validate import RESOLVES, Trial, default_config, validate_choice
 from slidedp.cli import main
@@ -78,7 +87,7 @@ def start_auto(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, T
     path = _config(tmp_path, policy="auto")
     cfg = load_config(path, [])
     cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 1000.0)
-    monkeypatch.setattr(auto, "profile_layer", lambda args: _report())
+    monkeypatch.setattr(choose, "profile_layer", lambda args: _report())
     return path, cfg
 
 
@@ -288,9 +297,10 @@ def test_a_trial_on_two_ranks_starts_them_and_takes_rank_0s_step(
 
     def ended(code: int, said: bytes, printed: bytes = b"") -> Callable[..., int]:
         def launch(world: int, argv: list[str], **kwargs: Any) -> int:
-            assert (world, kwargs["module"]) == (2, "slidedp.autopolicy.validate")
-            kwargs["stdout"].write(printed)
-            kwargs["stderr"].write(said)
+            spec = kwargs["spec"]
+            assert (world, spec.module) == (2, "slidedp.autopolicy.validate")
+            spec.stdout.write(printed)
+            spec.stderr.write(said)
             return code
 
         return launch
@@ -321,10 +331,10 @@ def test_plan_reports_the_validated_step_times_selection_time_and_break_even(
     monkeypatch.setattr(validate, "run_trial", FakeTrials({"F": 1.0, "*": 0.5}))
     report = tmp_path / "profile.json"
     report.write_text(json.dumps(_report()))
-    policy = tmp_path / "policy.yaml"
+    policy = tmp_path / "plan.json"
     assert main(["plan", str(path), "--profile", str(report), "--out", str(policy)]) == 0
     out = capsys.readouterr().out
-    summary = json.loads(policy.with_suffix(".json").read_text())
+    summary = json.loads(report_path(policy).read_text())
     stages = ["setup_s", "profile_s", "host_s", "solve_s", "validation_s", "check_s"]
     assert list(summary["timing_s"]) == stages
     assert summary["selection_s"] == pytest.approx(sum(summary["timing_s"].values()))
@@ -332,7 +342,7 @@ def test_plan_reports_the_validated_step_times_selection_time_and_break_even(
     assert (v["winner"], v["steps"], v["speedup"]) == ("chosen", 3, 2.0)
     assert (v["default"]["step_s"], v["trials"][0]["step_s"]) == (1.0, 0.5)
     assert summary["break_even_steps"] == math.ceil(summary["selection_s"] / 0.5)
-    assert yaml.safe_load(policy.read_text())["layers"] == summary["layout"] == CHOICE
+    assert written_policy(policy)["layers"] == summary["layout"] == CHOICE
     assert "  validated (3 steps each): " in out
     assert f"break-even after {summary['break_even_steps']:,} steps" in out
     said = [
@@ -342,9 +352,9 @@ def test_plan_reports_the_validated_step_times_selection_time_and_break_even(
 
     monkeypatch.setattr(validate, "run_trial", FakeTrials({"F": 1.0, "*": 1.2}))
     assert main(["plan", str(path), "--profile", str(report), "--out", str(policy)]) == 0
-    summary = json.loads(policy.with_suffix(".json").read_text())
+    summary = json.loads(report_path(policy).read_text())
     assert (summary["validation"]["winner"], summary["break_even_steps"]) == ("default", None)
-    assert yaml.safe_load(policy.read_text()) == {"layers": ALL_F, "resident_layers": 0,
+    assert written_policy(policy) == {"layers": ALL_F, "resident_layers": 0,
                                                   "resident_embeddings": False}  # fmt: skip
     out = capsys.readouterr().out
     assert "break-even never (the default runs)" in out
@@ -352,7 +362,7 @@ def test_plan_reports_the_validated_step_times_selection_time_and_break_even(
 
     argv = ["plan", str(path), "--profile", str(report), "--out", str(policy), "--gpu-memory", "40"]
     assert main(argv) == 0
-    summary = json.loads(policy.with_suffix(".json").read_text())
+    summary = json.loads(report_path(policy).read_text())
     assert summary["validation"] == {"skipped": "planned for another GPU (--gpu-memory)"}
     assert "validation_s" not in summary["timing_s"]
     assert "break-even unknown (not validated)" in capsys.readouterr().out
@@ -368,7 +378,7 @@ def test_auto_validates_on_the_tiny_model_and_trains_the_winner(
     path = _config(tmp_path, policy="auto")
     cfg = load_config(path, [])
     cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 1000.0)
-    monkeypatch.setattr(auto, "profile_layer", lambda args: _report())  # the program picks N
+    monkeypatch.setattr(choose, "profile_layer", lambda args: _report())  # the program picks N
     assert main(["train", str(path)]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("policy   auto: "))
     assert f"; validated (3 steps each): {CHOICE}, 0 GPU-resident " in line

@@ -24,7 +24,7 @@ def main() -> int:
         rank, local_world = int(os.environ["RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
         dump_node_state(Path(os.environ[DUMP]), rank, local_world)
     else:  # the node's launcher: its ranks run this module instead of slidedp
-        launch.launch = functools.partial(launch.launch, module=MODULE)
+        launch.launch = functools.partial(launch.launch, spec=launch.LaunchSpec(module=MODULE))
     return cli.main()
 
 

@@ -20,11 +20,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from slidedp.autopolicy.clock import Clock
 from slidedp.autopolicy.validate import default_config
 from slidedp.plan.machine import update_threads
 from slidedp.plan.policy import layer_numel
 from slidedp.plan.resolve import resolve_mirror
-from slidedp.profile.chunks import BF16_BYTES, ring_slots
+from slidedp.profile.chunks import BF16_BYTES, cached_chunks, probe_chunks, ring_slots
 
 if TYPE_CHECKING:
     from slidedp.config import RuntimeSection, TrainConfig
@@ -110,3 +113,32 @@ def chunk_skipped(rt: RuntimeSection, machine: Machine) -> str | None:
     if rt.grad_slots != type(rt)().grad_slots:  # the ring a chunk cuts is the default's
         return f"the whole layer (the config sets runtime.grad_slots={rt.grad_slots})"
     return None
+
+
+def probe_chunk(
+    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, *, measure: bool, clock: Clock
+) -> tuple[ChunkChoice | None, str]:
+    """The chunk for a run on GPUs (``autopolicy.chunk_choice``, timed as the stage ``chunks`` of
+    ``clock``) and what to say of it; None where ``chunk_skipped`` says why, or where, not
+    measuring, the probe is not cached. On several GPUs the launcher's child process probes
+    (``autopolicy.measure``) and this reads its report: one rank's stream, measured alone;
+    validation on the ranks has the last word."""
+
+    skipped = chunk_skipped(cfg.runtime, machine)
+    if skipped is not None:
+        return None, skipped
+    with clock.stage("chunks") as notes:
+        numel, threads, mirror = probe_terms(cfg, adapter, machine)
+        device = torch.device("cuda", torch.cuda.current_device()) if measure else None
+        report: dict[str, Any] | None = (
+            probe_chunks(numel, threads, device, mirror=mirror)
+            if device is not None
+            else cached_chunks(threads, machine.gpu_name, numel, mirror)
+        )
+        if report is None:
+            said = "the whole layer (not probed yet: `slidedp train` probes and chooses)"
+            notes.append(said)
+            return None, said
+        choice = choose_chunk(report, grad_slots=cfg.runtime.grad_slots)
+        notes.append(choice.describe())
+    return choice, choice.describe()

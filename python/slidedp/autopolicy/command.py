@@ -1,55 +1,41 @@
-"""``slidedp plan CONFIG.yaml [overrides]``: choose the run's layout, write it as a policy file.
+"""``slidedp plan CONFIG.yaml [overrides]``: choose the run's policy, write the run's plan.
 
-Stages, each timed and said in one line: the layer profile, the host AdamW rate, on a GPU the
-chunk (``chunk_choice``), the integer program (``select``), the calibration (``calibrate``), the
-validation (``validate``; neither for ``--gpu-memory``) and ``slidedp estimate`` of the choice;
-the report adds the selection time and the break-even steps (``clock``). Invariants: the fixed
-default (all ``F``) is a candidate, its accounting printed beside the choice; the plan always
-chooses afresh, and is kept in the selection cache only when made for this machine's GPU.
+The selection is ``autopolicy.choose``, the one pipeline ``runtime.policy: auto`` runs too
+(each stage timed and said in one line); the report adds the selection time and the break-even
+steps (``clock``); neither calibration nor validation runs for ``--gpu-memory``. Invariants:
+the fixed default (all ``F``) is a candidate, its accounting printed beside the choice; the
+plan always chooses afresh, and is kept in the selection cache only when made for this
+machine's GPU.
 
 Example::
 
-    slidedp plan examples/qwen3-4b-1gpu.yaml --out runs/qwen3-4b/policy.yaml
-    slidedp train examples/qwen3-4b-1gpu.yaml runtime.policy=runs/qwen3-4b/policy.yaml
-    slidedp plan tiny.yaml --gpu-memory 80 --device cpu   # plan for an 80 GiB GPU from here
+    slidedp plan examples/qwen3-4b-1gpu.yaml --out runs/qwen3-4b/plan.json
+    slidedp train examples/qwen3-4b-1gpu.yaml --plan runs/qwen3-4b/plan.json
+    slidedp plan tiny.yaml --gpu-memory 80 --out p.json   # for an 80 GiB GPU, from here
+    slidedp train tiny.yaml runtime.policy=p.json          # its policy; this machine the rest
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from slidedp.autopolicy.auto import check_one_process, chunk_stage
-from slidedp.autopolicy.calibrate import Calibration, calibrate_choice, clause, why_not_calibrated
-from slidedp.autopolicy.chunk_choice import with_chunk
+from slidedp.autopolicy.auto import check_one_process
+from slidedp.autopolicy.calibrate import Calibration, clause
+from slidedp.autopolicy.choose import ChooseSpec, SelectionReport, choose
 from slidedp.autopolicy.clock import Clock
-from slidedp.autopolicy.select import MIN_GAIN, Choice, select_layout
-from slidedp.autopolicy.selection_cache import KeyTerms, store_selection
-from slidedp.autopolicy.validate import (
-    Validation,
-    default_config,
-    limit_bytes,
-    needs_validation,
-    runner_for,
-    validate_choice,
-    with_choice,
-)
-from slidedp.config import load_config
+from slidedp.autopolicy.select import MIN_GAIN
+from slidedp.autopolicy.validate import Validation
+from slidedp.config import TrainConfig, load_config
 from slidedp.errors import ConfigError
-from slidedp.estimate import shortages
-from slidedp.estimate_report import estimate_run
-from slidedp.plan.layout import LayerPolicy
-from slidedp.plan.machine import Machine, host_rate, update_threads
+from slidedp.plan.machine import Machine
 from slidedp.plan.policy import resident_text
 from slidedp.preflight import check_model
-from slidedp.profile.layer import FAMILIES, RATIOS, ProfileSpec, profile_layer, profile_spec
+from slidedp.profile.layer import FAMILIES, RATIOS, ProfileSpec, profile_spec
 
 GIB = 2**30
 
@@ -61,11 +47,20 @@ def _gib(text: str) -> float:
     return value
 
 
+def report_path(out: Path) -> Path:
+    """Where the report of the plan ``out`` goes: beside it, ``NAME.report.json``."""
+    return out.with_suffix(".report.json")
+
+
 def _check_out(out: Path) -> None:
-    """Refused before any measuring: a report that would overwrite the policy, a place that
-    cannot be written."""
-    if out.suffix == ".json":
-        raise ConfigError(f"--out {out}: the report goes beside it as .json; name it .yaml")
+    """Refused before any measuring: a plan not named ``.json`` (the policy YAML of older
+    versions is still read as ``runtime.policy``, no longer written), a place that cannot be
+    written."""
+    if out.suffix != ".json" or out.name.endswith(".report.json"):
+        raise ConfigError(
+            f"--out {out}: slidedp plan writes the run's plan as JSON (its report beside it as "
+            ".report.json); name it PLAN.json"
+        )
     parent = next((p for p in (out.parent, *out.parent.parents) if p.exists()), Path("."))
     if out.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
         raise ConfigError(f"--out {out}: cannot write a file there")
@@ -75,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg = parser.add_argument
     arg("config", help="YAML with model, data, train, output (and runtime)")
     arg("overrides", nargs="*", help="section.key=value, e.g. train.global_batch_size=16")
-    arg("--out", default="policy.yaml", help="the policy file to write (the report: .json beside)")
+    arg("--out", default="plan.json", help="the plan to write (its report: .report.json beside)")
     arg("--profile", default=None, help="a `slidedp profile layer --json` report to use")
     arg("--gpu-memory", type=_gib, default=None, metavar="GIB",
         help="plan for a GPU of this size (default: this machine's GPU)")  # fmt: skip
@@ -87,40 +82,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg("--force", action="store_true", help="profile even if cached")
 
 
-def _profile(args: argparse.Namespace, cfg: Any, batch: int) -> dict[str, Any]:
-    if args.profile:
-        try:
-            report: dict[str, Any] = json.loads(Path(args.profile).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(
-                f"--profile {args.profile}: not a readable JSON report ({e})"
-            ) from None
-        rows = report.get("candidates") if isinstance(report, dict) else None
-        needed = {"policy", "pareto", "forward_s", "backward_s", "reload_s", "retained_bytes",
-                  "estimated_retained_bytes", "offloaded_bytes", "estimated_offloaded_bytes",
-                  "transient_bytes", "estimated_transient_bytes"}  # fmt: skip
-        if not isinstance(rows, list) or not all(isinstance(r, dict) and needed <= set(r)
-                                                 for r in rows):  # fmt: skip
-            raise ConfigError(
-                f"--profile {args.profile}: not a `slidedp profile layer --json` report"
-            )
-        if report.get("batch") != batch or report.get("seq_len") != cfg.data.seq_len:
-            raise ConfigError(
-                f"--profile {args.profile} is of B={report.get('batch')} S={report.get('seq_len')}"
-                f", the run is B={batch} S={cfg.data.seq_len}: profile the run's own shape"
-            )
-        return report
-    return profile_layer(_profile_spec(args, cfg))
-
-
-def _profile_spec(args: argparse.Namespace, cfg: Any) -> ProfileSpec:
+def _profile_spec(args: argparse.Namespace, cfg: TrainConfig) -> ProfileSpec:
     given = {"families": args.families, "ratios": args.ratios, "warmup": args.warmup,
              "steps": args.steps, "cache_dir": args.cache_dir, "force": args.force}  # fmt: skip
     return profile_spec(cfg, **given)
 
 
-def main(args: argparse.Namespace) -> int:
+def plan_spec(args: argparse.Namespace, cfg: TrainConfig, clock: Clock) -> ChooseSpec:
+    """``slidedp plan``'s terms of the one selection (``autopolicy.choose``): it always
+    measures and chooses afresh, checks the choice with the estimate, and is cached only when
+    made for this machine's GPU from the cached measurements."""
+    target = int(args.gpu_memory * GIB) if args.gpu_memory else None
+    own = not (args.profile or args.gpu_memory or args.cache_dir)
+    return ChooseSpec(measure=True, write_cache=own, profile=_profile_spec(args, cfg),
+                      profile_file=args.profile, target_bytes=target, check=True,
+                      origin="chosen by `slidedp plan`", clock=clock)  # fmt: skip
 
+
+def main(args: argparse.Namespace) -> int:
     clock = Clock(say=lambda line: print(f"slidedp plan {line}", flush=True))
     with clock.stage("setup"):
         out = Path(args.out)
@@ -129,96 +108,42 @@ def main(args: argparse.Namespace) -> int:
         check_one_process(cfg.runtime, "slidedp plan")
         adapter = check_model(cfg)[0]
         machine = Machine.probe(cfg, measure=False)
-        total = int(args.gpu_memory * GIB) if args.gpu_memory else machine.gpu_total_bytes
-        if total is None:
+        if not args.gpu_memory and machine.gpu_total_bytes is None:
             raise ConfigError("no GPU here to plan for: pass --gpu-memory GIB (the target's size)")
-        batch = profile_spec(cfg).batch
-    with clock.stage("profile") as notes:
-        report = _profile(args, cfg, batch)
-        source = args.profile or report.get("cached") or "measured"
-        notes.append(f"{len(report['candidates'])} candidates, {source}")
-    with clock.stage("host") as notes:
-        host = host_rate(update_threads(cfg, machine), machine, measure=True)
-        notes.append(f"AdamW {host.gbps:.0f} GB/s {host.source}")
-    chunk, chunk_said = None, "the config's (planned for another GPU: --gpu-memory)"
-    if not args.gpu_memory:  # the probe measures this machine's GPU
-        chunk, chunk_said = chunk_stage(default_config(cfg), adapter, machine, measure=True,
-                                        clock=clock)  # fmt: skip
-    other_chunk = chunk is not None and not chunk.is_default
-
-    calibrated: dict[LayerPolicy, float] = {}  # the calibration stage's layer times
-
-    def solve_at(cut_bytes: int = 0) -> Choice:
-        return select_layout(cfg, adapter, machine, report, total_bytes=total,
-                             update_gbps=host.gbps, budget_cut_bytes=cut_bytes,
-                             times_s=calibrated)  # fmt: skip
-
-    with clock.stage("solve") as notes:
-        choice = solved = solve_at()
-        notes.append(f"{choice.layout}, {choice.resident_text}")
-    calibration, not_calibrated = None, _why_not_calibrated(args, cfg, choice)
-    if not_calibrated is None:  # the plan is for this machine's GPU: its trials run here
-        with clock.stage("calibrate") as notes:
-            calibration = calibrate_choice(cfg, choice, steps=cfg.runtime.policy_calibrate_steps,
-                                           runner=runner_for(machine))  # fmt: skip
-            calibrated.update(calibration.times_s())
-            choice = solved = solve_at()
-            notes.append(f"{calibration.describe()}; solved again: {choice.program_layout}")
-    validation, why = None, _why_not_validated(args, cfg, choice, other_chunk=other_chunk)
-    if why is None:  # the plan is for this machine's GPU: its steps can be run here
-        with clock.stage("validation") as notes:
-
-            def configure(base: Any, c: Choice) -> Any:
-                return with_chunk(with_choice(base, c), chunk, adapter, machine)
-
-            validation = validate_choice(default_config(cfg), choice, solve_at,
-                                         steps=cfg.runtime.policy_validate_steps,
-                                         limit_bytes=limit_bytes(machine),
-                                         runner=runner_for(machine),
-                                         configure=configure)  # fmt: skip
-            notes.append(validation.describe())
-        choice = validation.result(solved)
-        if validation.choice is None and other_chunk:  # the default won: whole layers too
-            chunk, chunk_said = None, f"the whole layer ({chunk_said}; the default won validation)"
-    elif other_chunk:  # a chunk runs only where validation ran it faster (autopolicy.chunk_choice)
-        chunk, chunk_said = None, f"the whole layer ({chunk_said}; not applied unvalidated: {why})"
-
-    with clock.stage("check"):
-        target = dataclasses.replace(machine, device="cuda", gpu_total_bytes=total)
-        runtime = dataclasses.replace(cfg.runtime, layers=choice.layout, policy="",
-                                      resident_layers=choice.resident_layers,
-                                      resident_embeddings=choice.resident_embeddings)  # fmt: skip
-        chosen = with_chunk(dataclasses.replace(cfg, runtime=runtime), chunk, adapter, machine)
-        est = estimate_run(chosen, adapter, target)
-        # the step-time model ranks the choice against the default (on a GPU: it needs its peak)
-        est_f = estimate_run(default_config(cfg), adapter, target)
-        model = {"chosen": est.step_model, "default": est_f.step_model}
-    # the GPU budget is the estimate's (a shortage there is a bug); the host's (offload
-    # arenas in RAM) is checked where the plan is for this machine
-    short = [s for s in shortages(est) if s.startswith("GPU") or not args.gpu_memory]
-    if short:
-        raise ConfigError(f"the chosen layout {choice.layout} does not fit: {'; '.join(short)}")
-
+    plan, found = choose(cfg, adapter, machine, plan_spec(args, cfg, clock))
     out.parent.mkdir(parents=True, exist_ok=True)
-    policy = {"layers": choice.layout, "resident_layers": choice.resident_layers,
-              "resident_embeddings": choice.resident_embeddings}  # fmt: skip
-    if chunk is not None and not chunk.is_default:
-        policy |= {"chunk_elems": chunk.chunk_elems, "grad_slots": chunk.grad_slots}
-    out.write_text(yaml.safe_dump(policy, sort_keys=False))
-    summary = {
+    summary = plan_summary(found)
+    out.write_text(json.dumps(plan.to_json(), indent=1) + "\n")  # as OUTPUT/plan.json
+    report_path(out).write_text(json.dumps(summary, indent=1))
+    print(format_summary(summary, out))
+    return 0
+
+
+def plan_summary(found: SelectionReport) -> dict[str, Any]:
+    """The report beside the policy file: the choice, the program, the estimate, each stage."""
+    s = found.state
+    choice, report, host, est = s.shown, s.report, s.host, s.estimate
+    assert choice is not None
+    assert report is not None
+    assert host is not None
+    assert est is not None
+    assert s.step_model is not None
+    clock = s.clock
+    validation = s.validation
+    return {
         "layout": choice.layout,
         "program_layout": choice.program_layout,
         "resident_layers": choice.resident_layers,
         "resident_embeddings": choice.resident_embeddings,
         "kept_default": choice.kept_default,
         "budget_bytes": choice.budget_bytes,
-        "gpu_total_bytes": total,
+        "gpu_total_bytes": s.total_bytes,
         "profile": report.get("cached") or "measured",
         "host_adamw": {"gbps": host.gbps, "source": host.source},
         "chunk": {
-            "chunk_elems": chosen.runtime.chunk_elems,
-            "grad_slots": chosen.runtime.grad_slots,
-            "said": chunk_said,
+            "chunk_elems": found.cfg.runtime.chunk_elems,
+            "grad_slots": found.cfg.runtime.grad_slots,
+            "said": s.chunk_said,
         },
         "problem": choice.problem,
         "solution": choice.solution,
@@ -226,58 +151,18 @@ def main(args: argparse.Namespace) -> int:
         "estimate_gpu_needed_bytes": est.gpu.needed_bytes if est.gpu else None,
         "step_model": {
             k: m and {"step_s": m["step_s"], "regime": m["regime"], "calibration": m["calibration"]}
-            for k, m in model.items()
+            for k, m in s.step_model.items()
         },
-        "calibration": _summary(calibration, not_calibrated),
-        "validation": _summary(validation, why),
+        "calibration": _summary(s.calibration, s.not_calibrated),
+        "validation": _summary(validation, s.not_validated),
         "timing_s": {f"{k}_s": v for k, v in clock.seconds.items()},
         "selection_s": clock.total_s,
         "break_even_steps": validation and validation.break_even_steps(clock.total_s),
     }
-    out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
-    print(format_summary(summary, out))
-    if not (args.profile or args.gpu_memory or args.cache_dir):  # this GPU, cached measurements
-        terms = KeyTerms(resident=True, routes=[], profile=_profile_spec(args, cfg))
-        store_selection(cfg, chosen, adapter, machine, _auto_line(summary), clock, validation,
-                        terms)  # fmt: skip
-    return 0
 
 
 def _resident(s: dict[str, Any]) -> str:
     return resident_text(s["resident_layers"], s["resident_embeddings"])
-
-
-def _auto_line(s: dict[str, Any]) -> str:
-    """The banner line of a ``train`` with ``runtime.policy: auto`` that takes this plan's
-    choice from the selection cache."""
-    return (
-        f"policy   auto: {s['layout']}, {_resident(s)}{_kept(s)}, chosen by "
-        f"`slidedp plan`; chunk {s['chunk']['said']}; {clause(s['calibration'])}; "
-        f"{_validation_line(s).strip()}; "
-        f"{_selection_line(s).strip()}"
-    )
-
-
-def _why_not_validated(
-    args: argparse.Namespace, cfg: Any, choice: Choice, *, other_chunk: bool
-) -> str | None:
-    """Why the plan is not validated by running it (None: it is); ``other_chunk``: the chunk
-    stage chose another chunk than the whole layer."""
-    if not cfg.runtime.policy_validate_steps:
-        return "runtime.policy_validate_steps=0"
-    if args.gpu_memory:
-        return "planned for another GPU (--gpu-memory)"
-    if not needs_validation(choice) and not other_chunk:
-        return "the default chosen: nothing to compare"
-    return None
-
-
-def _why_not_calibrated(args: argparse.Namespace, cfg: Any, choice: Choice) -> str | None:
-    """Why the plan's candidates are not calibrated (None: they are)."""
-    steps = cfg.runtime.policy_calibrate_steps
-    if steps and args.gpu_memory:
-        return "planned for another GPU (--gpu-memory)"
-    return why_not_calibrated(steps, choice)
 
 
 def _summary(stage: Calibration | Validation | None, why: str | None) -> dict[str, Any]:
@@ -360,6 +245,7 @@ def format_summary(s: dict[str, Any], out: Path) -> str:
         f"  {clause(s['calibration'])}",
         _validation_line(s),
         _selection_line(s),
-        f"wrote {out} (train with runtime.policy={out}) and {out.with_suffix('.json')}",
+        f"wrote {out} (train with --plan {out}, or its policy: runtime.policy={out}) and "
+        f"{report_path(out)}",
     ]
     return "\n".join(lines)

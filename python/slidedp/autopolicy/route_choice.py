@@ -14,15 +14,20 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from slidedp.autopolicy.select import MIN_GAIN
 from slidedp.errors import ConfigError
-from slidedp.plan.predict import ROUTES, Route, route_name
+from slidedp.plan.machine import gpu_peak
+from slidedp.plan.predict import ROUTES, Rates, Route, links_for, route_name, route_steps
+from slidedp.plan.timing import layer_times
 
 if TYPE_CHECKING:
     from slidedp.config import TrainConfig
+    from slidedp.models.hf import HFAdapter
+    from slidedp.plan.machine import HostRate, Machine
 
 
 @dataclass(frozen=True)
@@ -85,3 +90,39 @@ def choose_route(steps: dict[Route, float], default: Route) -> RouteChoice:
     if steps[default] < (1 + MIN_GAIN) * steps[best]:
         return RouteChoice(default, steps, default, kept_default=best != default)
     return RouteChoice(best, steps, default, kept_default=False)
+
+
+def routes_for(
+    cfg: TrainConfig,
+    adapter: HFAdapter,
+    machine: Machine,
+    candidates: list[Route],
+    report: dict[str, Any],
+    host: HostRate,
+) -> tuple[TrainConfig, str]:
+    """``cfg`` on the routes ``choose_route`` picks among ``candidates`` for the layer times of
+    ``report`` and the host rates of ``host``, and what it says (the config's routes, and why,
+    where the model cannot predict them)."""
+    rt = cfg.runtime
+    config_route = (rt.param_route, rt.grad_route)
+    peak, _ = gpu_peak(machine.gpu_name)
+    links = links_for(rt.world, adapter, machine) if machine.device == "cuda" else None
+    why = None
+    if machine.device != "cuda":
+        why = "the route model is for GPUs"
+    elif peak is None:
+        why = f"no peak FLOP/s on record for {machine.gpu_name}"
+    elif links is None:
+        why = "the links between the GPUs are not measured"
+    if why is not None or peak is None or links is None:
+        return cfg, f"{route_name(config_route)}, the config's ({why})"
+    rates = Rates(peak, host.gbps, host.cast_gbps, links, layer_times(report))
+    steps = route_steps(cfg, adapter, machine, candidates, rates)
+    choice = choose_route(steps, config_route)
+    fixed = ", fixed by the config" if len(candidates) == 1 else ""
+    said = (
+        f"{choice.describe()}{fixed}; reduce {links.reduce_gbps:.0f}, all_gather "
+        f"{links.gather_gbps:.0f} GB/s measured, copies at the PCIe ceilings"
+    )
+    runtime = dataclasses.replace(rt, param_route=choice.route[0], grad_route=choice.route[1])
+    return dataclasses.replace(cfg, runtime=runtime), said

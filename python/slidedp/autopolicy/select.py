@@ -18,7 +18,7 @@ import collections
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
@@ -39,6 +39,8 @@ from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM, D2H_GBPS, H2D_GBPS
 from slidedp.profile.pareto import layer_time, memory
 
 if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
     from slidedp.config import RuntimeSection, TrainConfig
     from slidedp.models.hf import HFAdapter
     from slidedp.plan.machine import Machine
@@ -281,18 +283,50 @@ def _solved(
                            resident_embedding_update_s(adapter))  # fmt: skip
 
 
+def _default_accounting(
+    problem: dict[str, Any],
+    cands: Candidates,
+    index: dict[int, int],
+    adapter: HFAdapter,
+    budget_bytes: int,
+) -> dict[str, Any]:
+    """The fixed default's accounting in the same program, within its own bytes (it may not
+    fit the budget; ``fits`` says whether it does); a finite bound keeps the program well
+    scaled."""
+    per_kind = collections.Counter(adapter.layer_kinds)
+    fs = [c | {"kind": index[k]} for k, p, c in cands if p == DEFAULT]
+    own = (sum(per_kind[k] * f["retained_bytes"] for k, f in zip(index, fs, strict=True))
+           + max(2 * f["offloaded_bytes"] + f["transient_bytes"] for f in fs))  # fmt: skip
+    unbounded = {"budget_bytes": own + 2**30, "parked_bytes": 0.0}
+    default = solve(problem | {"candidates": fs, "resident": None} | unbounded)
+    default["counts"] = [per_kind[k] if p == DEFAULT else 0 for k, p, _ in cands]
+    default["fits"] = default["memory_bytes"] <= budget_bytes
+    return default
+
+
+class _SolveBounds(TypedDict):
+    total_bytes: int  # the device memory the layout plans for
+    update_gbps: float  # the host AdamW rate
+
+
+class SolveTerms(_SolveBounds, total=False):
+    """``select_layout``'s keywords: the device memory and the host rate (required), whether
+    layers (``resident``, default True) and the embeddings (``embeddings``, default True) may
+    stay GPU-resident, a cut of the activations' budget in bytes (``budget_cut_bytes``,
+    default 0) and calibrated layer times (``times_s``, default None: the profile's)."""
+
+    resident: bool
+    embeddings: bool
+    budget_cut_bytes: int
+    times_s: Mapping[LayerPolicy, float] | None
+
+
 def select_layout(
     cfg: TrainConfig,
     adapter: HFAdapter,
     machine: Machine,
     report: dict[str, Any],
-    *,
-    total_bytes: int,
-    update_gbps: float,
-    resident: bool = True,
-    embeddings: bool = True,
-    budget_cut_bytes: int = 0,
-    times_s: Mapping[LayerPolicy, float] | None = None,
+    **terms: Unpack[SolveTerms],
 ) -> Choice:
     """The fastest placed layout of the profile's candidates within ``total_bytes`` of device
     memory, the host update at ``update_gbps`` counted (after the backward with clipping), and
@@ -302,6 +336,9 @@ def select_layout(
     ``budget_cut_bytes``: taken off the activations' budget (``validate``'s feedback: what
     a validated choice reserved beyond the device).
     ``times_s``: calibrated layer times (``autopolicy.calibrate``) in the profile's place."""
+    total_bytes, update_gbps = terms["total_bytes"], terms["update_gbps"]
+    resident, embeddings = terms.get("resident", True), terms.get("embeddings", True)
+    budget_cut_bytes, times_s = terms.get("budget_cut_bytes", 0), terms.get("times_s")
     cands = profile_candidates(report, times_s)
     kinds = program_kinds(adapter, report, update_gbps)
     index = {k: i for i, k in enumerate(sorted({k for k, _, _ in cands}))}
@@ -345,17 +382,7 @@ def select_layout(
     counts = [(k, p, int(n)) for (k, p, _), n in zip(cands, solution["counts"], strict=True)]
     retained = {(k, p): int(c["retained_bytes"]) for k, p, c in cands}
     layers = place_by_kind(counts, retained, adapter.layer_kinds)
-    per_kind = collections.Counter(adapter.layer_kinds)
-    default_counts = [per_kind[k] if p == DEFAULT else 0 for k, p, _ in cands]
-    # the default's accounting in the same program, within its own bytes (it may not fit the
-    # budget); a finite bound keeps the program well scaled
-    fs = [c | {"kind": index[k]} for k, p, c in cands if p == DEFAULT]
-    own = (sum(per_kind[k] * f["retained_bytes"] for k, f in zip(index, fs, strict=True))
-           + max(2 * f["offloaded_bytes"] + f["transient_bytes"] for f in fs))  # fmt: skip
-    unbounded = {"budget_bytes": own + 2**30, "parked_bytes": 0.0}
-    default = solve(problem | {"candidates": fs, "resident": None} | unbounded)
-    default["counts"] = default_counts
-    default["fits"] = default["memory_bytes"] <= budget.bytes
+    default = _default_accounting(problem, cands, index, adapter, budget.bytes)
     layout = format_layout(layers)
     program = f"{layout}, {resident_text(int(solution['resident_layers']), on_gpu)}"
     choice = Choice(layout, layers, int(solved["budget_bytes"]), solved, solution, default,

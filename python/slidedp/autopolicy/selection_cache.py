@@ -1,6 +1,7 @@
-"""``runtime.policy: auto``'s selection cache: what a selection chose (layout, resident layers,
-chunk, routes) and what it said (validated step times, stage times, break-even), kept as
-``selection-KEY.json`` beside the measurement caches (``profile.cache``).
+"""``runtime.policy: auto``'s selection cache: what a selection chose (the chosen run's
+``Plan.to_json``: layout, resident layers, chunk, routes) and what it said (validated step
+times, stage times, break-even), kept as ``selection-KEY.json`` beside the measurement caches
+(``profile.cache``); an entry of an older format is selected again.
 
 Invariants: the key covers everything that can change the choice (the cached measurement
 reports, ``config.json``, batch, sequence, dtype, clipping, world size, GPU and its memory,
@@ -11,7 +12,7 @@ Free host (or CPU) memory is not in the key: the preflight estimate checks a cac
 Example::
 
     hit = read_selection(facts, layers=28, routes=[], say=print)   # None: select
-    write_selection(facts, Selection("28xF-r0", 0, None, line, 12.3, {"solve": 12.3}))
+    write_selection(facts, Selection(plan.to_json(), line, 12.3, {"solve": 12.3}))
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 from slidedp.autopolicy.chunk_choice import chunk_skipped, probe_terms
 from slidedp.autopolicy.clock import Clock
 from slidedp.errors import ConfigError
-from slidedp.plan.layout import parse_layout
 from slidedp.plan.machine import Machine, update_threads
-from slidedp.plan.policy import layer_numel
+from slidedp.plan.policy import Plan, layer_numel
 from slidedp.plan.predict import Route
+from slidedp.plan.resolve import resolve_plan
 from slidedp.profile.cache import cache_file, cache_key, read_report, write_report
 from slidedp.profile.chunks import cached_chunks
 from slidedp.profile.host import cached_host
@@ -47,8 +48,9 @@ KIND = "selection"
 # what the program counts, by revision: a selection cached before a change to it (2: the host
 # memory the offloaded activations may pin; 3: the resident update's device time, and every
 # rank's process in the host budget of several ranks; 4: the chunk stage; 5: the calibration
-# against the default's spread, a chunk 10% faster) is made afresh, not reused
-PROGRAM_REVISION = 5
+# against the default's spread, a chunk 10% faster; 6: the entry is the chosen run's Plan) is
+# made afresh, not reused
+PROGRAM_REVISION = 6
 # runtime keys that cannot change the choice: what auto writes, the cache's own switch, where
 # the nodes meet, tracing, and the version wait
 KEY_EXEMPT = frozenset({"layers", "offload_ratio", "resident_layers", "resident_embeddings",
@@ -104,20 +106,15 @@ def selection_facts(
 
 @dataclass(frozen=True)
 class Selection:
-    """What a selection chose and said."""
+    """What a selection chose (the chosen run's ``Plan.to_json``) and said."""
 
-    layers: str
-    resident_layers: int
-    route: Route | None  # (param_route, grad_route) on several ranks, else None
+    plan: dict[str, Any]  # the plan of the run with the choice (its policy is the choice)
     line: str  # the banner line the selection printed
     selection_s: float
     timing_s: dict[str, float] = dataclasses.field(default_factory=dict)  # by stage
     validation: dict[str, Any] | None = None  # autopolicy.validate's trials (None: not validated)
     break_even_steps: int | None = None
     selected_at: str = ""  # UTC, as written
-    resident_embeddings: bool = False
-    chunk_elems: int = 0  # the chunk stage's choice (0: the whole layer)
-    grad_slots: int = 0  # the gradient ring that goes with it
 
     def hit_line(self, path: Path) -> str:
         """The banner line of a run that takes this selection from ``path``."""
@@ -135,34 +132,24 @@ def _parse(
     report: dict[str, Any] | None, facts: dict[str, Any], layers: int, routes: list[Route]
 ) -> Selection:
     """The cached selection of ``facts``; raises ``ValueError`` or ``KeyError`` or
-    ``TypeError`` or ``ConfigError`` on anything that does not fit the run."""
+    ``TypeError`` or ``ConfigError`` on anything that does not fit the run (an entry of an
+    older slidedp: not a plan)."""
     if report is None:
         raise ValueError("not a JSON object")
     if report["facts"] != facts:
         raise ValueError("written for another key")
-    layout, resident = report["layers"], report["resident_layers"]
-    if not isinstance(layout, str) or len(parse_layout(layout, layers, 0.0)) != layers:
-        raise ValueError(f"layers {layout!r} do not fit the model's {layers}")
-    if not isinstance(resident, int) or not 0 <= resident <= layers:
-        raise ValueError(f"resident_layers {resident!r}")
-    embeddings = report["resident_embeddings"]
-    if not isinstance(embeddings, bool):
-        raise ValueError(f"resident_embeddings {embeddings!r}")
-    route = report["route"]
-    if route is not None:
-        route = (str(route[0]), str(route[1]))
-    if (route is None) != (not routes) or (route is not None and route not in routes):
+    policy = Plan.from_json(report["plan"], "the entry's plan").policy
+    if len(policy.layers) != layers or not 0 <= policy.resident_layers <= layers:
+        raise ValueError(f"layers {policy.layout!r} do not fit the model's {layers}")
+    route = (policy.param_route, policy.grad_route)
+    if routes and route not in routes:
         raise ValueError(f"route {route!r} is not one auto may take here")
     line, seconds = report["line"], float(report["selection_s"])
     if not isinstance(line, str) or not math.isfinite(seconds):
         raise ValueError("no banner line or selection time")
-    chunk, slots = report["chunk_elems"], report["grad_slots"]
-    counts = isinstance(chunk, int) and isinstance(slots, int) and min(chunk, slots) >= 0
-    if not counts or (chunk and not slots):  # a chunk needs its ring
-        raise ValueError(f"chunk_elems {chunk!r}, grad_slots {slots!r}")
-    return Selection(layout, resident, route, line, seconds, dict(report["timing_s"]),
+    return Selection(report["plan"], line, seconds, dict(report["timing_s"]),
                      report["validation"], report["break_even_steps"],
-                     str(report["selected_at"]), embeddings, chunk, slots)  # fmt: skip
+                     str(report["selected_at"]))  # fmt: skip
 
 
 def read_selection(
@@ -228,17 +215,22 @@ def selection_key(
                            routes=routes)  # fmt: skip
 
 
-def from_cache(cfg: TrainConfig, found: Selection, path: Path) -> tuple[TrainConfig, str]:
-    """``cfg`` with the cached selection ``found`` (read from ``path``) and its banner line."""
+def from_cache(
+    cfg: TrainConfig, found: Selection, path: Path, whole_layer: int
+) -> tuple[TrainConfig, str]:
+    """``cfg`` with the cached selection ``found`` (read from ``path``) and its banner line:
+    its layout and residency, on several ranks its routes, and a chunk other than the whole
+    layer (``whole_layer`` elements) with its gradient ring; the rest stays the config's."""
+    policy = Plan.from_json(found.plan, str(path)).policy
     keys: dict[str, Any] = {
-        "layers": found.layers,
-        "resident_layers": found.resident_layers,
-        "resident_embeddings": found.resident_embeddings,
+        "layers": policy.layout,
+        "resident_layers": policy.resident_layers,
+        "resident_embeddings": policy.resident_embeddings,
     }
-    if found.route is not None:
-        keys |= {"param_route": found.route[0], "grad_route": found.route[1]}
-    if found.chunk_elems:
-        keys |= {"chunk_elems": found.chunk_elems, "grad_slots": found.grad_slots}
+    if cfg.runtime.world > 1:
+        keys |= {"param_route": policy.param_route, "grad_route": policy.grad_route}
+    if policy.chunk_elems != whole_layer:
+        keys |= {"chunk_elems": policy.chunk_elems, "grad_slots": policy.grad_slots}
     return dataclasses.replace(
         cfg, runtime=dataclasses.replace(cfg.runtime, **keys)
     ), found.hit_line(path)
@@ -259,19 +251,14 @@ def store_selection(
     facts = selection_key(cfg, adapter, machine, terms)
     if facts is None:  # a measurement not in the cache (a profile given by hand): no key
         return
-    rt = chosen.runtime
+    plan = resolve_plan(chosen, adapter, machine)
     found = Selection(
-        rt.layers,
-        rt.resident_layers,
-        (rt.param_route, rt.grad_route) if terms.routes else None,
+        plan.to_json(),
         line,
         clock.total_s,
         dict(clock.seconds),
         None if validation is None else validation.summary(),
         None if validation is None else validation.break_even_steps(clock.total_s),
-        resident_embeddings=rt.resident_embeddings,
-        chunk_elems=rt.chunk_elems,
-        grad_slots=rt.grad_slots,
     )
     try:
         write_selection(facts, found)

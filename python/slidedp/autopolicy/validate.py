@@ -140,10 +140,11 @@ def trial_on_ranks(cfg: TrainConfig, steps: int) -> Trial:
         path, out, err = Path(tmp) / "config.yaml", Path(tmp) / "stdout", Path(tmp) / "stderr"
         path.write_text(resolved_yaml(trial_config(cfg, steps, Path(tmp) / "out")))
         with out.open("wb") as stdout, err.open("wb") as stderr:
-            code = rank_launcher.launch(
-                rt.world, [str(path), str(steps)], module="slidedp.autopolicy.validate",
-                name="policy validation", own_session=False, stdout=stdout, stderr=stderr,
-                timeout_s=TIMEOUT_S)  # fmt: skip
+            spec = rank_launcher.LaunchSpec(
+                module="slidedp.autopolicy.validate", name="policy validation",
+                own_session=False, stdout=stdout, stderr=stderr)  # fmt: skip
+            code = rank_launcher.launch(rt.world, [str(path), str(steps)], timeout_s=TIMEOUT_S,
+                                        spec=spec)  # fmt: skip
         printed, said = out.read_text(), err.read_text()
     if code == rank_launcher.EXIT_TIMED_OUT:
         raise _ran_past(cfg)

@@ -26,7 +26,7 @@ from typing import Any
 
 from transformers import AutoConfig
 
-from slidedp.autopolicy.auto import AUTO, chosen_runtime, resolve_auto
+from slidedp.autopolicy.auto import AUTO, resolve_auto
 from slidedp.bench.measure import RunSpec, synthetic_tokens
 from slidedp.config import TrainConfig, config_from_dict
 from slidedp.plan.machine import Machine
@@ -113,6 +113,16 @@ def resolved_config(spec: RunSpec, data: Path, out: Path) -> tuple[TrainConfig, 
     machine = Machine.probe(cfg, measure=False)
     fixed = None if spec.auto_routes else True  # --routes auto, or the route the bench set
     return resolve_auto(cfg, check_model(cfg)[0], machine, measure=True, routes_fixed=fixed)
+
+
+def chosen_runtime(cfg: TrainConfig) -> dict[str, Any]:
+    """The runtime keys that make the ranks run ``cfg``'s resolved policy (the bench's
+    launcher's choice), ``runtime.policy`` cleared."""
+    rt = cfg.runtime
+    return {"policy": "", "layers": rt.layers, "resident_layers": rt.resident_layers,
+            "resident_embeddings": rt.resident_embeddings, "param_route": rt.param_route,
+            "grad_route": rt.grad_route, "chunk_elems": rt.chunk_elems,
+            "grad_slots": rt.grad_slots}  # fmt: skip
 
 
 def choose_for_ranks(spec: RunSpec, spec_path: Path) -> tuple[Path, dict[str, Any]]:

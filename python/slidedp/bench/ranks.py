@@ -27,7 +27,7 @@ from slidedp.bench.measure import RunSpec
 from slidedp.bench.ours import choose_for_ranks
 from slidedp.errors import SlidedpError
 from slidedp.runtime.dist import EXIT_PEER_FAILED, Dist, fail, finish
-from slidedp.runtime.launch import launch
+from slidedp.runtime.launch import LaunchSpec, launch
 
 EXIT_FAILED = 1
 EXIT_OOM = 4  # this rank ran out of memory (its result file says so)
@@ -47,13 +47,12 @@ def launch_ranks(spec: RunSpec, spec_path: Path, result_path: Path) -> int:
         except SlidedpError as e:
             print(f"slidedp bench train: ours on {spec.world} ranks: {e}", file=sys.stderr)
             return EXIT_FAILED
-    code = launch(
-        spec.world,
-        [str(spec_path), str(result_path)],
+    ranks = LaunchSpec(
         module="slidedp.bench.worker",
         name=f"slidedp bench train: {spec.system} on {spec.world} ranks",
         own_session=False,  # the bench kills the process group of its child as one
     )
+    code = launch(spec.world, [str(spec_path), str(result_path)], spec=ranks)
     results = {
         rank: json.loads(path.read_text())
         for rank in range(spec.world)

@@ -22,6 +22,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -333,45 +334,70 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             print(f"slidedp bench train: collectives on {scale.world} ranks ...", file=sys.stderr)
             result, _ = run_child(multi.collectives_spec(spec, scale, config), Path(tmp))
             report["collectives"] = collectives_report(result)
-        runs: list[dict[str, Any]] = []
-        report["runs"] = runs  # filled in as the runs finish
+        sweep = _Sweep(args, systems, configs, peer_sets, timeouts, scale, Path(tmp))
+        report["runs"] = []  # filled in as the runs finish
         for batch in batches:
-            at_batch = []
-            for name in systems:  # a variant runs as its system, with its own name and overrides
-                system, variant = split_variant(name)
-                at_batch.append(
-                    dataclasses.replace(spec, system=system, variant=variant, batch=batch,
-                                        peer=peer_sets.get(name, {}), timeout_s=timeouts[name],
-                                        ours=configs.get(name, ours))
-                )  # fmt: skip
-            if scale is not None:
-                at_batch += multi.scaled_specs(
-                    dataclasses.replace(spec, batch=batch), systems, scale, at_batch
-                )
-            for run in at_batch:
-                print(f"slidedp bench train: {_describe(run)} ...", file=sys.stderr)
-                if args.trace and run.system == "ours":
-                    run = dataclasses.replace(run, ours=_traced(run, args, len(batches)))
-                started = time.monotonic()
-                result, peak_pss_bytes = run_child(run, Path(tmp))
-                runs.append(summarise(result, peak_pss_bytes, model, world=run.world))
-                # the whole process: model build, warm-up and steps (what a device call plans for)
-                runs[-1]["wall_s"] = round(time.monotonic() - started, 1)
-                print(
-                    f"slidedp bench train: {_describe(run)}: {runs[-1]['status']} in "
-                    f"{runs[-1]['wall_s']:.0f} s",
-                    file=sys.stderr,
-                )
-                if scale is not None:
-                    runs[-1] |= multi.run_keys(run)
-                _conclude(report)
-                if args.json:
-                    Path(args.json).write_text(json.dumps(report, indent=1))
+            for run in sweep.specs(spec, batch, ours):
+                sweep.run(run, report, model, len(batches))
         if args.predict:
             report["predictions"] = predict_report(report, Path(tmp))
     if scale is not None:
-        report |= scale_report(runs, scale)
+        report |= scale_report(report["runs"], scale)
     return report
+
+
+@dataclass(frozen=True)
+class _Sweep:
+    """What every run of one ``bench`` shares: its arguments, the systems and their
+    configs, peer sets and time limits, the ranks scale (None: one GPU) and the folder."""
+
+    args: argparse.Namespace
+    systems: list[str]
+    configs: dict[str, dict[str, Any]]
+    peer_sets: dict[str, dict[str, Any]]
+    timeouts: dict[str, float]
+    scale: multi.Scale | None
+    tmp: Path
+
+    def specs(self, spec: RunSpec, batch: int, ours: dict[str, Any]) -> list[RunSpec]:
+        """The runs at ``batch``: every system (a variant as its system, with its own name
+        and overrides), then the scaled ones."""
+        at_batch = []
+        for name in self.systems:
+            system, variant = split_variant(name)
+            at_batch.append(
+                dataclasses.replace(spec, system=system, variant=variant, batch=batch,
+                                    peer=self.peer_sets.get(name, {}),
+                                    timeout_s=self.timeouts[name],
+                                    ours=self.configs.get(name, ours))
+            )  # fmt: skip
+        if self.scale is not None:
+            at_batch += multi.scaled_specs(
+                dataclasses.replace(spec, batch=batch), self.systems, self.scale, at_batch
+            )
+        return at_batch
+
+    def run(self, run: RunSpec, report: dict[str, Any], model: Model, batches: int) -> None:
+        """``run`` in its child process, its result added to ``report`` (and ``--json``)."""
+        args, runs = self.args, report["runs"]
+        print(f"slidedp bench train: {_describe(run)} ...", file=sys.stderr)
+        if args.trace and run.system == "ours":
+            run = dataclasses.replace(run, ours=_traced(run, args, batches))
+        started = time.monotonic()
+        result, peak_pss_bytes = run_child(run, self.tmp)
+        runs.append(summarise(result, peak_pss_bytes, model, world=run.world))
+        # the whole process: model build, warm-up and steps (what a device call plans for)
+        runs[-1]["wall_s"] = round(time.monotonic() - started, 1)
+        print(
+            f"slidedp bench train: {_describe(run)}: {runs[-1]['status']} in "
+            f"{runs[-1]['wall_s']:.0f} s",
+            file=sys.stderr,
+        )
+        if self.scale is not None:
+            runs[-1] |= multi.run_keys(run)
+        _conclude(report)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1))
 
 
 def _conclude(report: dict[str, Any]) -> None:

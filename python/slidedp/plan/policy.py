@@ -134,7 +134,9 @@ def layer_numel(adapter: HFAdapter) -> int:
 
 
 def read_policy_file(path: str) -> dict[str, Any]:
-    """The keys of a policy file, checked (unknown keys, not a mapping: one line)."""
+    """The keys of a policy file, checked (unknown keys, not a mapping: one line); of a plan
+    (``slidedp plan``'s, a run's ``plan.json``), its policy's keys but the BF16 mirror, which
+    follows this machine's memory."""
     try:
         raw = yaml.safe_load(Path(path).read_text())
     except OSError as e:
@@ -143,6 +145,9 @@ def read_policy_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"runtime.policy: {path} is not valid YAML: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"runtime.policy: {path} must be a mapping of policy keys")
+    if "format" in raw:  # a plan
+        keys = Plan.from_json(raw, f"runtime.policy: {path}").runtime_keys()
+        return {k: v for k, v in keys.items() if k in POLICY_FILE_KEYS and k != "bf16_mirror"}
     unknown = sorted(set(raw) - set(POLICY_FILE_KEYS))
     if unknown:
         raise ConfigError(
@@ -298,6 +303,20 @@ class Plan:
             "threads": self.threads,
             "version_timeout_s": self.version_timeout_s,
         }
+
+    def runtime_keys(self) -> dict[str, Any]:
+        """The ``runtime`` keys that resolve to this plan's policy (``runtime.policy``
+        cleared): what a rank started with the plan checks, records and reports it by."""
+        return self.runtime_keys_of(self.policy)
+
+    @staticmethod
+    def runtime_keys_of(p: Policy) -> dict[str, Any]:
+        """``runtime_keys`` of the policy ``p``."""
+        return {"policy": "", "layers": p.layout, "offload_ratio": 0.0,
+                "resident_layers": p.resident_layers, "resident_embeddings": p.resident_embeddings,
+                "param_route": p.param_route, "grad_route": p.grad_route,
+                "chunk_elems": p.chunk_elems, "slots": p.slots, "staging_slots": p.staging_slots,
+                "grad_slots": p.grad_slots, "bf16_mirror": p.mirror}  # fmt: skip
 
     @classmethod
     def from_json(cls, d: dict[str, Any], source: str = "plan.json") -> Plan:

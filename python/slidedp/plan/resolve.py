@@ -4,7 +4,8 @@ One function turns the config (its ``runtime`` keys, a policy file applied), the
 machine into the frozen ``Plan`` the engine executes: device and dtype, the ``Policy``, the
 BF16 mirror (``resolve_mirror``: on where the run with it fits MemAvailable with
 ``MIRROR_HEADROOM_BYTES`` to spare), optimizer settings and host kernel threads.
-``runtime.policy: auto`` is chosen before it and arrives as plain ``runtime`` keys.
+``runtime.policy: auto`` is chosen before it and arrives as plain ``runtime`` keys; a resumed
+run keeps the policy its checkpoint ran with (``kept_plan``).
 Invariant: pure given the machine facts; nothing is measured, allocated or written.
 
 Example::
@@ -15,15 +16,27 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from slidedp.config import TrainConfig
+from slidedp.errors import ConfigError
 from slidedp.estimate import estimate_memory, shortages
+from slidedp.io.checkpoint import STATE_FILE
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.machine import GIB, Machine
-from slidedp.plan.policy import OptimConfig, Plan, Policy, resolve_policy, store_args
+from slidedp.plan.policy import (
+    OptimConfig,
+    Plan,
+    Policy,
+    resident_ranks_message,
+    resolve_policy,
+    store_args,
+)
 from slidedp.profile.host import engine_update_threads
 from slidedp.store import HostStore
 
@@ -98,3 +111,36 @@ def resolve_plan(
         threads=rt.update_threads or engine_update_threads(machine.cores, cuda, rt.world),
         version_timeout_s=rt.version_timeout_s,
     )
+
+
+def checkpoint_plan(checkpoint: Path) -> Plan | None:
+    """The plan a checkpoint's run trained with (``trainer_state.json``), None for a
+    checkpoint written before it was recorded."""
+    try:
+        return Plan.from_json(json.loads((checkpoint / STATE_FILE).read_text())["plan"])
+    except (OSError, ValueError, KeyError, TypeError, ConfigError):
+        return None
+
+
+def kept_plan(
+    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, resume: Path | None
+) -> tuple[TrainConfig, str | None]:
+    """``cfg`` with the policy its checkpoint ``resume`` ran with where the config's differs,
+    and the line that says so (``cfg`` and None where they agree, the checkpoint has no plan,
+    or its policy cannot run here). The mirror and the layer compute stay this machine's: they
+    follow its memory and its device, and change no number of the training."""
+    ran = None if resume is None else checkpoint_plan(resume)
+    if ran is None or resume is None:
+        return cfg, None
+    ours = resolve_plan(cfg, adapter, machine).policy
+    theirs = dataclasses.replace(ran.policy, mirror=ours.mirror, compute=ours.compute)
+    fits = len(theirs.layers) == adapter.num_layers and theirs.resident_layers <= len(theirs.layers)
+    if theirs == ours or not fits:
+        return cfg, None
+    keys = Plan.runtime_keys_of(theirs) | {"bf16_mirror": cfg.runtime.bf16_mirror}
+    runtime = dataclasses.replace(cfg.runtime, **keys)
+    if resident_ranks_message(runtime, runtime.world) is not None:  # refused on several ranks
+        return cfg, None
+    was, now = theirs.to_dict(), ours.to_dict()
+    changed = ", ".join(f"{k} {was[k]} (the config's {now[k]})" for k in was if was[k] != now[k])
+    return dataclasses.replace(cfg, runtime=runtime), f"plan     kept from {resume.name}: {changed}"

@@ -99,6 +99,32 @@ def profile_spec(cfg: TrainConfig, **given: Any) -> ProfileSpec:
     return dataclasses.replace(run, **given)
 
 
+# the columns of a `slidedp profile layer --json` report's candidates the solve reads
+PROFILE_COLUMNS = frozenset({
+    "policy", "pareto", "forward_s", "backward_s", "reload_s", "retained_bytes",
+    "estimated_retained_bytes", "offloaded_bytes", "estimated_offloaded_bytes",
+    "transient_bytes", "estimated_transient_bytes"})  # fmt: skip
+
+
+def read_profile_file(path: str, cfg: TrainConfig, batch: int) -> dict[str, Any]:
+    """A `slidedp profile layer --json` report given by hand, checked against the run's shape."""
+    try:
+        report: dict[str, Any] = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--profile {path}: not a readable JSON report ({e})") from None
+    rows = report.get("candidates") if isinstance(report, dict) else None
+    if not isinstance(rows, list) or not all(
+        isinstance(r, dict) and set(r) >= PROFILE_COLUMNS for r in rows
+    ):
+        raise ConfigError(f"--profile {path}: not a `slidedp profile layer --json` report")
+    if report.get("batch") != batch or report.get("seq_len") != cfg.data.seq_len:
+        raise ConfigError(
+            f"--profile {path} is of B={report.get('batch')} S={report.get('seq_len')}, "
+            f"the run is B={batch} S={cfg.data.seq_len}: profile the run's own shape"
+        )
+    return report
+
+
 @dataclass
 class Candidate:
     policy: str

@@ -64,22 +64,33 @@ class Node:
     master_port: int
 
 
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What the ranks run and where they write: ``python -m MODULE ARGV``, ``name`` heading
+    the failure line; ``own_session``: each rank in its own session, watching its launcher
+    (``watch_launcher``); ``stdout``, ``stderr``: where the ranks write (None: this
+    process's)."""
+
+    module: str = "slidedp"
+    name: str = "slidedp train"
+    own_session: bool = True
+    stdout: IO[bytes] | None = None
+    stderr: IO[bytes] | None = None
+
+
 def launch(
     world: int,
     argv: list[str],
     *,
-    module: str = "slidedp",
-    name: str = "slidedp train",
-    own_session: bool = True,
     node: Node | None = None,
-    stdout: IO[bytes] | None = None,
-    stderr: IO[bytes] | None = None,
     timeout_s: float | None = None,
+    spec: LaunchSpec = LaunchSpec(),
 ) -> int:
-    """Run ``python -m MODULE ARGV`` as ``world`` ranks of this node (``name`` heads the
-    failure line); 0 when every rank succeeded. ``stdout``, ``stderr``: where the ranks write
-    (None: this process's). ``timeout_s``: ranks still running then are killed, and the exit
-    code is ``EXIT_TIMED_OUT``."""
+    """Run ``spec``'s ``python -m MODULE ARGV`` as ``world`` ranks of this node; 0 when every
+    rank succeeded. ``timeout_s``: ranks still running then are killed, and the exit code is
+    ``EXIT_TIMED_OUT``."""
+    module, name, own_session = spec.module, spec.name, spec.own_session
+    stdout, stderr = spec.stdout, spec.stderr
     node = node or Node(1, 0, "127.0.0.1", free_port())
     procs = []
     for local in range(world):

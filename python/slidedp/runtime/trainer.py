@@ -40,7 +40,7 @@ from slidedp.models.hf import HFAdapter
 from slidedp.models.router_loss import check_router_loss_ranks
 from slidedp.plan.device import pick_device, pick_dtype
 from slidedp.plan.machine import Machine
-from slidedp.plan.policy import store_args, write_plan
+from slidedp.plan.policy import Plan, store_args, write_plan
 from slidedp.plan.resolve import resolve_plan
 from slidedp.profile.host import engine_update_threads
 from slidedp.runtime.dist import Dist, all_reduce_sum, check_nodes_agree, start
@@ -62,9 +62,17 @@ if TYPE_CHECKING:
 
 class Trainer:
     def __init__(
-        self, cfg: TrainConfig, *, log: bool = True, checked: Checked | None = None
+        self,
+        cfg: TrainConfig,
+        plan: Plan | None = None,
+        *,
+        log: bool = True,
+        checked: Checked | None = None,
     ) -> None:
-        """``checked``: the preflight's result (``slidedp train``), whose resume decision is
+        """``plan``: the run's plan, decided before (``slidedp train``: the preflight's, or the
+        launcher's ``--plan`` file on every rank), run as it is; None (a direct call, a rank
+        another launcher started): ``resolve_plan`` here, the mirror the store's creator's.
+        ``checked``: the preflight's result (``slidedp train``), whose resume decision is
         taken as is; without it the trainer decides (the same ``plan_resume``)."""
         self.cfg, self.log = cfg, log
         tc, rt = cfg.train, cfg.runtime
@@ -93,7 +101,7 @@ class Trainer:
 
         def create() -> HostStore:  # every rank gets its own range of the slot rings
             # decided once, by the creator: the others attach to what it made
-            policy = resolve_plan(cfg, self.adapter, machine).policy
+            policy = (plan or resolve_plan(cfg, self.adapter, machine)).policy
             args = store_args(policy, bf16=bf16, world=local_world, nodes=world // local_world)
             store = HostStore.create(self.adapter.group_specs(), **args)
             self.source = self._fill_state(store)
@@ -118,10 +126,10 @@ class Trainer:
             else None
         )
         self.lr_at = lr_schedule(tc.lr_scheduler, tc.learning_rate, tc.warmup_steps, tc.max_steps)
-        # every rank's plan: the store's mirror is what the creator decided
-        plan = resolve_plan(cfg, self.adapter, machine, mirror=self.store.has_mirror)
-        threads = rt.update_threads or self._default_host_threads()
-        self.plan = replace(plan, device=self.device, threads=threads)
+        if plan is None:  # every rank resolves: the store's mirror is what its creator decided
+            plan = resolve_plan(cfg, self.adapter, machine, mirror=self.store.has_mirror)
+            plan = replace(plan, threads=rt.update_threads or self._default_host_threads())
+        self.plan = replace(plan, device=self.device)  # this rank's device of the plan's kind
         self.policy = self.plan.policy
         self.engine = Engine(
             self.adapter, self.store, self.plan, ctx=self.ctx, signals=self.signals
@@ -257,7 +265,8 @@ class Trainer:
         tc, data = self.cfg.train, self.cfg.data
         meta = {
             "world_size": 1,  # the state does not depend on it: a resume may use other ranks
-            "policy": self.policy.to_dict(),  # how it ran (a resume may run another policy)
+            "policy": self.policy.to_dict(),  # how it ran
+            "plan": self.plan.to_json(),  # what a resume keeps (plan.resolve.kept_plan)
             "model": {"model_type": self.adapter.config.model_type, "path": self.cfg.model.path},
             "train": {
                 "global_batch_size": tc.global_batch_size,

@@ -1,0 +1,93 @@
+"""The plan carried to the ranks and the trainer: ``slidedp train`` on several ranks decides the
+plan once and passes its JSON to every rank (``--plan``, no ``runtime.*=`` overrides); a run
+given a plan trains it as it is, and ``Trainer`` decides nothing of it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from plan.test_plan_json import _run
+from slidedp.cli import main
+from slidedp.config import RESOLVED_CONFIG, load_config
+from slidedp.io.checkpoint import STATE_FILE
+from slidedp.models.hf import HFAdapter
+from slidedp.plan.machine import Machine
+from slidedp.plan.policy import PLAN_FILE, read_plan, write_plan
+from slidedp.plan.resolve import kept_plan, resolve_plan
+from slidedp.runtime import launch as launching
+from slidedp.runtime import trainer
+
+
+def test_the_launcher_passes_its_plan_and_no_runtime_overrides(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _run(tmp_path)
+    given = ["runtime.ranks=2", "runtime.device=cpu", "runtime.layers=2xN, F"]
+    seen: dict[str, Any] = {}
+
+    def ranks(world: int, argv: list[str], **kwargs: Any) -> int:
+        seen["argv"] = argv
+        seen["plan"] = read_plan(Path(argv[argv.index("--plan") + 1]))
+        return 0
+
+    monkeypatch.setattr(launching, "launch", ranks)
+    assert main(["train", str(path), *given]) == 0
+    argv = seen["argv"]
+    assert argv[:-2] == ["train", str(path), *given]  # the user's words, nothing chosen added
+    assert argv[-2] == "--plan"
+    assert not Path(argv[-1]).exists()  # a file of the launch, gone with it
+    cfg = load_config(path, given)
+    adapter = HFAdapter.from_dir(cfg.model.path)
+    assert seen["plan"] == resolve_plan(cfg, adapter, Machine.probe(cfg, measure=False))
+    assert seen["plan"].policy.layout == "2xN-r0, 1xF-r0"
+
+
+def test_a_run_given_a_plan_trains_it_and_the_trainer_decides_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = _run(tmp_path)  # the config's layout: all F
+    cfg = load_config(path, ["runtime.layers=2xN, F", "runtime.grad_slots=3"])
+    adapter = HFAdapter.from_dir(cfg.model.path)
+    plan = resolve_plan(cfg, adapter, Machine.probe(cfg, measure=False))
+    plan_file = write_plan(dataclasses.replace(plan, threads=1), tmp_path)
+
+    def decided(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the trainer resolved a plan of its own")
+
+    monkeypatch.setattr(trainer, "resolve_plan", decided)
+    assert main(["train", str(path), "--plan", str(plan_file)]) == 0
+    out = Path(cfg.output.dir)
+    ran = read_plan(out / PLAN_FILE)
+    assert ran.policy == plan.policy
+    assert ran.threads == 1  # the plan's, not the trainer's share of the cores
+    runtime = yaml.safe_load((out / RESOLVED_CONFIG).read_text())["runtime"]
+    assert (runtime["layers"], runtime["grad_slots"], runtime["policy"]) == (
+        "2xN-r0, 1xF-r0", 3, "")  # fmt: skip
+
+
+def test_a_resumed_run_keeps_its_checkpoints_plan_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _run(tmp_path, layers="2xN, F")
+    assert main(["train", str(path), "output.save_steps=1"]) == 0
+    out = load_config(path, []).output.dir
+    resumed = ["train.max_steps=3", "train.resume=auto", "runtime.layers=F"]  # another layout
+    capsys.readouterr()
+    assert main(["train", str(path), *resumed]) == 0
+    said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("plan     ")]
+    assert said == ["plan     kept from checkpoint-2: layers 2xN-r0, 1xF-r0 (the config's 3xF-r0)"]
+    assert read_plan(Path(out) / PLAN_FILE).policy.layout == "2xN-r0, 1xF-r0"
+
+    # a checkpoint written before the plan was recorded: the config's plan, nothing said
+    old = tmp_path / "old-checkpoint"
+    old.mkdir()
+    (old / STATE_FILE).write_text(json.dumps({"policy": {"layers": "2xN-r0, 1xF-r0"}}))
+    cfg = load_config(path, ["runtime.layers=F"])
+    adapter = HFAdapter.from_dir(cfg.model.path)
+    assert kept_plan(cfg, adapter, Machine.probe(cfg, measure=False), old) == (cfg, None)
