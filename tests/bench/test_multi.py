@@ -3,7 +3,9 @@ scaling, the route table, the collectives, a failed or out-of-memory rank, bad a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import re
 from pathlib import Path
@@ -36,26 +38,45 @@ def _cli(config: Path, out: Path, *extra: str) -> int:
 
 
 @pytest.mark.e2e
-def test_two_ranks_end_to_end_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_two_ranks_end_to_end_and_predicted_on_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One bench command, checked as two (each of its runs starts processes that import torch:
+    minutes on 2 cores): ours on one rank, then on two ranks by two routes, each traced, and the
+    step-time model's prediction of every run calibrated here (``--predict``, its probes cached
+    in the run's own ``XDG_CACHE_HOME``)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the probes measure here
     config = write_tiny_config(tmp_path / "m")
     out, trace = tmp_path / "report.json", tmp_path / "trace.json"
-    extra = ("--ranks", "2", "--systems", "ours", "--routes", "sharded/gpu", "--trace", str(trace))
-    assert _cli(config, out, *extra) == 0
+    extra = ("--ranks", "2", "--systems", "ours", "--routes", "sharded/gpu,sharded/cpu",
+             "--trace", str(trace), "--predict")  # fmt: skip
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert _cli(config, out, *extra) == 0
     report = json.loads(out.read_text())
-    one, two = report["runs"]
+    _two_ranks_ran_traced_and_scaled(tmp_path, report, printed.getvalue())
+    _every_run_of_ours_is_predicted(tmp_path, report, printed.getvalue())
+
+
+def _two_ranks_ran_traced_and_scaled(tmp: Path, report: dict[str, Any], printed: str) -> None:
+    """Weak scaling, the traces, the route table and the collectives of ``--ranks 2``."""
+    one, two, two_cpu = report["runs"]
     assert (one["world"], one["route"], one["status"]) == (1, None, "ok")
     assert (two["world"], two["route"], two["status"]) == (2, "sharded/gpu", "ok")
+    assert (two_cpu["world"], two_cpu["route"], two_cpu["status"]) == (2, "sharded/cpu", "ok")
     assert one["tokens_per_step"] == 2 * 16
     assert two["tokens_per_step"] == 2 * 2 * 16  # weak scaling: batch 2 on each rank
     assert set(two["exposed_wait_s"]) == {"h2d", "update", "d2h", "offload"}
     assert two["host_pss_peak_gib"] > one["host_pss_peak_gib"]  # both ranks, not the launcher
-    for rank in (0, 1):  # the 2-rank run traced its first measured step, one file per rank
-        spans = json.loads((tmp_path / f"trace-x2-sharded-gpu-rank{rank}.json").read_text())
-        assert {e["name"] for e in spans["traceEvents"] if e["ph"] == "X"} >= {"compute", "h2d"}
-    (row,) = report["scaling"]
+    for rank in (0, 1):  # each 2-rank run traced its first measured step, one file per rank
+        for route in ("sharded-gpu", "sharded-cpu"):
+            spans = json.loads((tmp / f"trace-x2-{route}-rank{rank}.json").read_text())
+            names = {e["name"] for e in spans["traceEvents"] if e["ph"] == "X"}
+            assert names >= {"compute", "h2d"}, route
+    (row,) = report["scaling"]  # of the first route run (the config's does not run here)
     assert row["ours_efficiency"] == two["tokens_per_s"] / (2 * one["tokens_per_s"])
     assert row["fsdp2_efficiency"] is None  # fsdp2 did not run
-    assert [r["route"] for r in report["route_table"]] == ["sharded/gpu"]
+    assert [r["route"] for r in report["route_table"]] == ["sharded/gpu", "sharded/cpu"]
     collectives = report["collectives"]
     assert (collectives["status"], collectives["backend"]) == ("ok", "gloo")
     assert {(r["op"], r["size"]) for r in collectives["rows"]} == {
@@ -65,10 +86,31 @@ def test_two_ranks_end_to_end_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixtu
         assert r["bytes"] == 2 * r["numel"]  # bf16
         assert r["algbw_gbps"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9)
         assert r["time_s"] > 0
-    printed = capsys.readouterr().out
     assert "ours x2 sharded/gpu" in printed
     assert f"efficiency {row['ours_efficiency']:.1%}" in printed
     assert "collectives on 2 ranks (gloo, bfloat16" in printed
+
+
+def _every_run_of_ours_is_predicted(tmp: Path, report: dict[str, Any], printed: str) -> None:
+    """``--predict`` calibrated here: a prediction beside each measured run of ours."""
+    predictions = report["predictions"]
+    assert [(p["world"], p["route"]) for p in predictions] == [
+        (1, None), (2, "sharded/gpu"), (2, "sharded/cpu")
+    ]  # fmt: skip
+    for row, run in zip(predictions, report["runs"], strict=True):
+        assert row["measured_step_s"] == run["step_time_s"]
+        assert 0 < row["predicted_step_s"] < 60
+        assert row["error"] == pytest.approx(row["predicted_step_s"] / row["measured_step_s"] - 1)
+    # the collectives of the same command calibrate the routes; the host probe the copies
+    gather = next(
+        r["algbw_gbps"] for r in report["collectives"]["rows"]
+        if r["op"] == "all_gather" and r["size"] == "layer"
+    )  # fmt: skip
+    for two in predictions[1:]:
+        assert two["links"]["source"] == "measured"
+        assert two["links"]["gather_gbps"] == gather
+    assert list((tmp / "cache").rglob("layer-*.json")), "the layer profile is cached"
+    assert "step-time model (calibrated here" in printed
 
 
 @pytest.mark.e2e

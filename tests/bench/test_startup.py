@@ -11,6 +11,7 @@ from slidedp.bench.child import run_child
 from slidedp.bench.ours import process_age_s
 
 
+@pytest.mark.e2e
 def test_ours_reports_its_time_to_the_first_step_in_parts(tmp_path: Path) -> None:
     result, _ = run_child(tiny_spec(tmp_path / "m", "ours"), tmp_path)
     assert result["status"] == "ok", result

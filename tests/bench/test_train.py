@@ -40,21 +40,33 @@ def _cli(config: Path, out: Path, *extra: str) -> int:
 
 
 @pytest.mark.e2e
-def test_ours_and_reference_end_to_end_on_cpu(
+def test_ours_a_variant_and_the_reference_end_to_end_on_cpu(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """One bench command, checked as three (each run is a worker that imports torch: tens of
+    seconds on 2 cores): ours, its variant ours:n (every layer N) and the reference, ours and
+    ours:n traced; then ``bench predict`` on its report with a probe run apart."""
     config = write_tiny_config(tmp_path / "m")
-    out = tmp_path / "report.json"
     trace = tmp_path / "trace.json"
-    extra = ("--batch", "2", "--systems", "ours,reference", "--trace", str(trace))
-    assert _cli(config, out, *extra) == 0
-    report = json.loads(out.read_text())
-    spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    extra = ("--batch", "2", "--systems", "ours,ours:n,reference",
+             "--set", "ours:n.runtime.layers=N", "--trace", str(trace))  # fmt: skip
+    assert _cli(config, tmp_path / "report.json", *extra) == 0
+    _ours_and_reference_ran(tmp_path, capsys.readouterr().out)
+    _a_variant_of_ours_ran_in_its_own_worker(tmp_path)
+    _bench_predict_reads_probes_run_apart(tmp_path, capsys)
+
+
+def _ours_and_reference_ran(tmp: Path, printed: str) -> None:
+    """The report's keys, each run's figures, the trace of ours, the ratios and the printout."""
+    report = json.loads((tmp / "report.json").read_text())
+    spans = [e for e in json.loads((tmp / "trace.json").read_text())["traceEvents"]
+             if e["ph"] == "X"]  # fmt: skip
     assert {e["name"] for e in spans} >= {"compute", "h2d", "d2h"}, "our measured step traced"
     assert set(report) >= REPORT_KEYS
     assert report["flops_formula"].startswith("6*N_matmul(active) + 6*L*S*d_attn")
-    ours, ref = report["runs"]
-    for run in (ours, ref):
+    ours, n, ref = report["runs"]
+    assert [r["system"] for r in (ours, n, ref)] == ["ours", "ours:n", "reference"]
+    for run in (ours, n, ref):
         assert set(run) >= RUN_KEYS
         assert run["status"] == "ok"
         assert len(run["step_times_s"]) == 1
@@ -72,12 +84,13 @@ def test_ours_and_reference_end_to_end_on_cpu(
             "batch": 2,
             "ours_over_fsdp2": None,
             "ours_over_reference": ours["tokens_per_s"] / ref["tokens_per_s"],
+            "ours:n_over_fsdp2": None,
+            "ours:n_over_reference": n["tokens_per_s"] / ref["tokens_per_s"],
         }
     ]
-    printed = capsys.readouterr().out
     assert "ours/reference" in printed
     assert "exposed wait" in printed
-    assert printed.count("layer compute: eager, not compiled") == 2
+    assert printed.count("layer compute: eager, not compiled") == 3  # each run's line
 
 
 def test_fsdp2_baseline_runs_on_cpu(tmp_path: Path) -> None:
@@ -243,51 +256,27 @@ def test_ours_with_runtime_policy_auto_and_the_reference_run_the_chosen_layout(
     assert list((tmp_path / "cache" / "slidedp" / "profile").glob("layer-*.json"))
 
 
-@pytest.mark.e2e
-def test_predict_calibrates_here_and_predicts_every_run_of_ours(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the probes measure here
-    config = write_tiny_config(tmp_path / "m")
-    out = tmp_path / "report.json"
-    extra = ("--batch", "2", "--systems", "ours", "--ranks", "2", "--routes", "sharded/cpu")
-    assert _cli(config, out, *extra, "--predict") == 0
-    report = json.loads(out.read_text())
-    one, two = report["predictions"]
-    assert (one["world"], one["route"], two["world"], two["route"]) == (1, None, 2, "sharded/cpu")
-    for row, run in zip((one, two), report["runs"], strict=True):
-        assert row["measured_step_s"] == run["step_time_s"]
-        assert 0 < row["predicted_step_s"] < 60
-        assert row["error"] == pytest.approx(row["predicted_step_s"] / row["measured_step_s"] - 1)
-    # the collectives of the same command calibrate the routes; the host probe the copies
-    assert two["links"]["source"] == "measured"
-    assert two["links"]["gather_gbps"] == next(
-        r["algbw_gbps"] for r in report["collectives"]["rows"]
-        if r["op"] == "all_gather" and r["size"] == "layer"
-    )  # fmt: skip
-    assert list((tmp_path / "cache").rglob("layer-*.json")), "the layer profile is cached"
-    printed = capsys.readouterr().out
-    assert "step-time model (calibrated here" in printed
-
-
-@pytest.mark.e2e
-def test_bench_predict_reads_probes_run_apart(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    config = write_tiny_config(tmp_path / "m")
-    report = tmp_path / "report.json"
-    assert _cli(config, report, "--batch", "2", "--systems", "ours") == 0
-    probes = tmp_path / "probes"
+def _bench_predict_reads_probes_run_apart(ran: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench predict`` on the report of an earlier bench run of ours (its row of ours, as
+    ``--systems ours`` writes it) and a layer probe run apart."""
+    apart = ran / "apart"
+    apart.mkdir()
+    config = ran / "m" / "config.json"
+    report = apart / "report.json"
+    earlier = json.loads((ran / "report.json").read_text())
+    earlier["runs"] = [r for r in earlier["runs"] if r["system"] == "ours"]
+    report.write_text(json.dumps(earlier))
+    probes = apart / "probes"
     probes.mkdir()
     args = {
         "shape": str(config), "batch": 2, "seq_len": 16, "families": "F", "ratios": "0",
         "device": "cpu", "dtype": "float32", "warmup": 1, "steps": 2,
-        "cache_dir": str(tmp_path / "cache"), "force": False, "layer_kernels": "auto",
+        "cache_dir": str(apart / "cache"), "force": False, "layer_kernels": "auto",
         "layer_compile": None,
     }  # fmt: skip
     child = [sys.executable, "-m", "slidedp.bench.predict", "layer", json.dumps(args)]
     subprocess.run([*child, str(probes / "layer.json")], check=True)
-    out = tmp_path / "predicted.json"
+    out = apart / "predicted.json"
     cli = ["bench", "predict", str(report), "--probes", str(probes), "--json", str(out)]
     assert main([*cli, "--host-gbps", "40"]) == 0
     (row,) = json.loads(out.read_text())
@@ -392,17 +381,12 @@ def test_ours_variants_are_rows_ratios_and_summaries_of_their_own(
     }  # fmt: skip
 
 
-@pytest.mark.e2e
-def test_a_variant_of_ours_end_to_end_on_cpu(tmp_path: Path) -> None:
+def _a_variant_of_ours_ran_in_its_own_worker(tmp: Path) -> None:
     """ours and ours:n (every layer N: nothing recomputed) in their own workers, each given its
     layout and traced into its own file; on CPU the two layouts train bit for bit alike."""
-    config = write_tiny_config(tmp_path / "m")
-    out, trace = tmp_path / "r.json", tmp_path / "t.json"
-    extra = ("--batch", "2", "--systems", "ours,ours:n", "--set", "ours:n.runtime.layers=N")
-    assert _cli(config, out, *extra, "--trace", str(trace)) == 0
-    ours, n = json.loads(out.read_text())["runs"]
+    ours, n, _ = json.loads((tmp / "report.json").read_text())["runs"]
     assert (ours["system"], n["system"]) == ("ours", "ours:n")
     assert (ours["layout"], n["layout"]) == ("2xF-r0", "2xN-r0")
     assert n["losses"] == ours["losses"]
-    assert trace.exists()
-    assert (tmp_path / "t-n.json").exists()
+    assert (tmp / "trace.json").exists()
+    assert (tmp / "trace-n.json").exists()

@@ -27,6 +27,7 @@ def _checkpoint_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+@pytest.mark.e2e  # a 1-step training makes the checkpoint
 @pytest.mark.parametrize("verb", ["validate", "train"])
 def test_a_disk_without_room_for_the_checkpoints_is_refused_before_anything_is_written(
     capsys: Capsys, config: Path, monkeypatch: pytest.MonkeyPatch, verb: str
@@ -51,6 +52,7 @@ def test_a_disk_without_room_for_the_checkpoints_is_refused_before_anything_is_w
     assert code == 0, err
 
 
+@pytest.mark.e2e
 def test_a_save_that_runs_out_of_space_is_one_line_naming_the_checkpoint_to_resume_from(
     capsys: Capsys, config: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -44,6 +44,7 @@ def _wait_for(path: Path, proc: subprocess.Popen[str], timeout_s: float = 120) -
         time.sleep(0.1)
 
 
+@pytest.mark.e2e
 def test_a_second_run_is_refused_while_the_first_trains_and_a_killed_one_leaves_no_lock(
     capsys: Capsys, config: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -73,6 +74,7 @@ def _must_not_run(*args: object, **kwargs: object) -> object:
     raise AssertionError("the refused run read output.dir")
 
 
+@pytest.mark.e2e
 def test_a_refused_run_leaves_no_lock_file_nor_the_directory_it_created(
     capsys: Capsys, config: Path
 ) -> None:

@@ -64,6 +64,7 @@ def _plain_eval_loss(config: Path, checkpoint: Path) -> float:
     return total / labels
 
 
+@pytest.mark.e2e
 def test_the_eval_loss_is_a_plain_forward_of_the_same_weights(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -98,6 +99,7 @@ def _must_not_run(*args: object, **kwargs: object) -> object:
     raise AssertionError("evaluation ran a training executor")
 
 
+@pytest.mark.e2e
 def test_the_best_checkpoint_is_kept_beside_the_newest(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -123,6 +125,7 @@ def test_the_best_checkpoint_is_kept_beside_the_newest(
     assert json.loads((out / "best").read_text())["checkpoint"] == "checkpoint-5"
 
 
+@pytest.mark.e2e
 def test_two_ranks_give_the_one_rank_eval_loss(tmp_path: Path) -> None:
     one = _config(tmp_path, "one", train={"max_steps": 2}, output={"save_steps": 0})
     two = _config(tmp_path, "two", train={"max_steps": 2}, output={"save_steps": 0},

@@ -48,7 +48,10 @@ def test_our_commands_set_them_and_the_bench_leaves_them_to_its_workers(
     assert os.environ[VARIABLE] == ALLOCATOR_DEFAULT
 
 
-@pytest.mark.parametrize(("system", "expected"), [("reference", None), ("ours", ALLOCATOR_DEFAULT)])
+@pytest.mark.parametrize(
+    ("system", "expected"),
+    [("reference", None), pytest.param("ours", ALLOCATOR_DEFAULT, marks=pytest.mark.e2e)],
+)  # ours trains its steps
 def test_a_bench_worker_sets_them_for_ours_only(
     no_settings: pytest.MonkeyPatch, tmp_path: Path, system: str, expected: str | None
 ) -> None:

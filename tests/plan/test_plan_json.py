@@ -44,6 +44,7 @@ def test_another_format_is_one_line(tmp_path: Path) -> None:
         read_plan(tmp_path / "bad.json")
 
 
+@pytest.mark.e2e
 def test_train_writes_the_plan_it_ran(tmp_path: Path) -> None:
     path = _run(tmp_path, layers="2xN, F")
     assert main(["train", str(path)]) == 0

@@ -16,6 +16,7 @@ from slidedp.errors import ConfigError
 from slidedp.runtime.trackers import TensorBoardTracker
 
 
+@pytest.mark.e2e
 def test_wandb_offline_gets_the_config_the_plan_and_every_record(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
