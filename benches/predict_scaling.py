@@ -15,11 +15,9 @@ layers F."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from slidedp.config import RuntimeSection
+from slidedp.config_runtime import RuntimeSection
 from slidedp.models.hf import HFAdapter
 from slidedp.models.shapes import resolve_shape
 from slidedp.plan.policy import resolve_policy
@@ -33,7 +31,7 @@ ROUTES = (("replicated", "gpu"), ("sharded", "gpu"), ("replicated", "cpu"), ("sh
 
 def step(adapter: HFAdapter, gpus: int, route: tuple[str, str], batch: int) -> float:
     param, grad = route
-    runtime = dataclasses.replace(RuntimeSection(), gpus=gpus, param_route=param, grad_route=grad)
+    runtime = RuntimeSection.from_keys(gpus=gpus, param_route=param, grad_route=grad)
     policy = resolve_policy(runtime, adapter, mirror=True, device=torch.device("cuda"))
     spec = spec_from_shapes(
         adapter, policy, batch=batch, seq_len=1024, peak_flops=PEAK, adamw_gbps=HOST_GBPS,

@@ -60,10 +60,10 @@ def _train(config: str, overrides: list[str], plan_file: str | None = None) -> i
     cfg = load_config(config, overrides)
     plan = None if plan_file is None else read_plan(Path(plan_file))
     if plan is not None:  # checked, recorded and run as the plan says
-        cfg = replace(cfg, runtime=replace(cfg.runtime, **plan.runtime_keys()))
+        cfg = replace(cfg, runtime=cfg.runtime.with_keys(**plan.runtime_keys()))
     ctx = Dist.from_env()
     lock = None
-    if _holds_run_lock(ctx, cfg.runtime.node_rank):
+    if _holds_run_lock(ctx, cfg.runtime.launch.node_rank):
         check_output_dir(cfg)  # never a lock file in a model directory or a file's place
         lock = RunLock.acquire(Path(cfg.output.dir))
     try:
@@ -97,7 +97,8 @@ def _train_locked(
             lock.release(refused=True)
 
     rt = cfg.runtime
-    if ctx is None and (rt.world > 1 or rt.nodes > 1):  # start the ranks (each runs this verb)
+    # start the ranks (each runs this verb)
+    if ctx is None and (rt.launch.world > 1 or rt.launch.nodes > 1):
         from slidedp.runtime.launch import Node, launch
 
         # a refusal is one line, before any rank starts; the plan is decided here, once
@@ -109,11 +110,13 @@ def _train_locked(
             raise
         if checked.policy_line:
             print(checked.policy_line, flush=True)
-        node = Node(rt.nodes, rt.node_rank, rt.master_addr, rt.master_port)
+        node = Node(
+            rt.launch.nodes, rt.launch.node_rank, rt.launch.master_addr, rt.launch.master_port
+        )
         with tempfile.TemporaryDirectory(prefix="slidedp-plan-") as tmp:
             plan_file = write_plan(checked.plan, Path(tmp))
             argv = ["train", config, *overrides, "--plan", str(plan_file)]
-            return launch(rt.world, argv, node=node if rt.nodes > 1 else None)
+            return launch(rt.launch.world, argv, node=node if rt.launch.nodes > 1 else None)
     if ctx is not None and not ctx.main:  # rank 0 prints, checks and writes
         from slidedp.runtime.trainer import Trainer
 

@@ -21,15 +21,16 @@ import dataclasses
 import importlib.util
 import typing
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from slidedp.config_runtime import RuntimeSection, build_runtime
 from slidedp.data.config import DataSection
 from slidedp.errors import ConfigError, collect_problems
 from slidedp.errors import require as _require
-from slidedp.plan.layout import parse_entry
 from slidedp.schema import TextValue, build_section, did_you_mean, load_yaml
 
 
@@ -106,133 +107,6 @@ class TrainSection:
             self.on_nonfinite == "stop" or self.max_grad_norm > 0,
             "train.on_nonfinite=skip needs train.max_grad_norm > 0: without clipping, updates "
             "overlap the backward and part of a step is applied before its norm is known",
-        )
-
-
-@dataclass(kw_only=True)
-class RuntimeSection:
-    slots: int = 2  # decoder-layer slots in the device window (>= 2 for prefetch)
-    # per-layer activation layout (plan.layout): [COUNTx]FAMILY[-rRATIO], ... e.g. "31xF, 5xN"
-    layers: str = "F"
-    offload_ratio: float = 0.0  # ratio of the entries of `layers` that give none (0..1)
-    # "": auto on CUDA unless the config names a layout, fixed on CPU (autopolicy.default);
-    # auto: select; fixed: these keys as they are; else a file whose policy keys replace them
-    # (a plan.json of `slidedp plan` or of a run, or a policy YAML)
-    policy: str = ""
-    # runtime.policy=auto: training steps each of the choice and the fixed default run before
-    # training, the faster one wins (autopolicy.validate; the first step is a warm-up); 0: off
-    policy_validate_steps: int = 3
-    # runtime.policy=auto: training steps of each calibration trial (autopolicy.calibrate: the
-    # shortlisted candidates' layer times measured on a reduced model, then solved again; the median
-    # of all but the first: with 3, one slow step of two moved a candidate's time, and three
-    # calibrations on the H100 read F-r1 at 0.020-0.064 s, benchmarks/2026-11-25-autopolicy-h100.md,
-    # section "The resident update in the program"); 0: off
-    policy_calibrate_steps: int = 5
-    # runtime.policy=auto: select again though a cached selection matches
-    policy_force: bool = False
-    loss_chunk_tokens: int = 1024  # tokens per chunk of the linear + cross-entropy
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    update_threads: int = 0  # host AdamW threads per rank; 0: its share of the cores
-    version_timeout_s: float = 600.0
-    chunk_elems: int = 0  # elements per H2D/D2H chunk (a store slot); 0: one decoder layer
-    staging_slots: int = 2  # BF16 host staging slots (H2D ring)
-    grad_slots: int = 4  # host gradient slots (D2H → AdamW ring; 2 serialize the update lane)
-    # BF16 copy of every parameter on the host, written by AdamW: loads are one DMA, no cast
-    # (+2 B/param host memory); false: cast each chunk into the staging ring on delivery;
-    # null (default): on where the run with it fits the host with 8 GiB to spare
-    # (plan.resolve.resolve_mirror), and always for several ranks on the replicated route, where
-    # every rank would otherwise cast the whole layer again
-    bf16_mirror: bool | None = None
-    ranks: int = 1  # CPU processes (gloo) sharing one host state; `slidedp train` starts them
-    gpus: int = 1  # GPUs (one process each, NCCL) sharing one host state
-    # several machines (runtime.dist): one host state per node; `slidedp train` on each node
-    # starts that node's ranks and joins node 0 at master_addr:master_port (torchrun: unused)
-    nodes: int = 1
-    node_rank: int = 0  # this machine's node, 0..nodes-1 (node 0 hosts the rendezvous)
-    master_addr: str = ""  # node 0's address as the other nodes reach it (nodes > 1)
-    master_port: int = 29500  # a TCP port free on node 0
-    grad_route: Literal["gpu", "cpu"] = "gpu"  # gradients summed on the devices or on the host
-    param_route: Literal["replicated", "sharded"] = "replicated"  # whole layer per rank, or 1/R
-    trace_path: str = ""  # write a Chrome/Perfetto trace of step `trace_step` here ("" = off)
-    trace_step: int = 3  # 0-based step to trace (after warm-up)
-    # decoder-layer kernels (models.fast): liger = Liger Kernel's fused RMSNorm/RoPE/SwiGLU
-    # (the slidedp[fast] extra, CUDA, Llama-family layers); eager = transformers' modules;
-    # auto: liger where it can run, else eager (one banner line says why)
-    kernels: Literal["auto", "eager", "liger"] = "auto"
-    # torch.compile of the decoder layer (one graph shared by every layer); null (default):
-    # on on CUDA where the kernels are eager, off on CPU and with liger (models.fast)
-    compile: bool | None = None
-    # decoder layers kept on the GPU whole (weights, FP32 master, Adam moments; updated there in
-    # one compiled AdamW pass): no H2D, D2H nor host update for them (runtime.resident); one process
-    resident_layers: int = 0
-    # the embedding and the LM head (with the final norm) kept on the GPU the same way: no
-    # host update after the backward for them, the tail every step waits for; one process
-    resident_embeddings: bool = False
-
-    @property
-    def world(self) -> int:
-        """Processes to run: ``ranks`` on CPU, ``gpus`` on CUDA."""
-        return max(self.ranks, self.gpus)
-
-    def __post_init__(self) -> None:
-        _require(self.slots >= 1, f"runtime.slots must be >= 1, got {self.slots}")
-        _require(self.chunk_elems >= 0, "runtime.chunk_elems must be >= 0 (0: one layer)")
-        _require(self.staging_slots >= 1, "runtime.staging_slots must be >= 1")
-        _require(self.grad_slots >= 1, "runtime.grad_slots must be >= 1")
-        _require(self.trace_step >= 0, "runtime.trace_step must be >= 0")
-        _require(
-            self.policy_validate_steps == 0 or self.policy_validate_steps >= 2,
-            "runtime.policy_validate_steps must be 0 (no validation) or >= 2 (a warm-up step, "
-            f"then timed ones), got {self.policy_validate_steps}",
-        )
-        _require(
-            self.policy_calibrate_steps == 0 or self.policy_calibrate_steps >= 2,
-            "runtime.policy_calibrate_steps must be 0 (no calibration) or >= 2 (a warm-up step, "
-            f"then timed ones), got {self.policy_calibrate_steps}",
-        )
-        _require(
-            self.resident_layers >= 0,
-            f"runtime.resident_layers must be >= 0, got {self.resident_layers}",
-        )
-        _require(
-            0.0 <= self.offload_ratio <= 1.0,
-            f"runtime.offload_ratio must be in [0, 1], got {self.offload_ratio}",
-        )
-        for entry in self.layers.split(","):  # the layer count is checked against the model
-            try:
-                parse_entry(entry, 0.0) if entry.strip() else None
-            except ConfigError as e:
-                _require(False, f"runtime.layers: {e}")
-        _require(self.loss_chunk_tokens >= 1, "runtime.loss_chunk_tokens must be >= 1")
-        _require(self.update_threads >= 0, "runtime.update_threads must be >= 0")
-        _require(self.version_timeout_s > 0, "runtime.version_timeout_s must be > 0 seconds")
-        _require(self.ranks >= 1 and self.gpus >= 1, "runtime.ranks and runtime.gpus must be >= 1")
-        _require(
-            self.ranks == 1 or self.gpus == 1,
-            "set runtime.ranks (CPU processes) or runtime.gpus (GPUs), not both",
-        )
-        _require(
-            self.ranks == 1 or self.device == "cpu",
-            "runtime.ranks runs CPU processes: set runtime.device=cpu (or runtime.gpus for GPUs)",
-        )
-        _require(
-            self.gpus == 1 or self.device != "cpu",
-            "runtime.gpus needs CUDA: set runtime.device=cuda (or runtime.ranks for CPU)",
-        )
-        _require(self.nodes >= 1, f"runtime.nodes must be >= 1, got {self.nodes}")
-        _require(
-            self.nodes < 1 or 0 <= self.node_rank < self.nodes,
-            f"runtime.node_rank must be in [0, {self.nodes - 1}] (runtime.nodes={self.nodes}), "
-            f"got {self.node_rank}",
-        )
-        _require(
-            self.nodes <= 1 or bool(self.master_addr.strip()),
-            f"runtime.nodes={self.nodes} needs runtime.master_addr: the address of node 0 "
-            "as every node reaches it",
-        )
-        _require(
-            0 < self.master_port < 65536,
-            f"runtime.master_port must be in [1, 65535], got {self.master_port}",
         )
 
 
@@ -368,7 +242,8 @@ def _build_config(raw: dict[str, Any], problems: list[str]) -> TrainConfig:
         if name not in raw and name in _REQUIRED:
             problems.append(f"missing section '{name}' (required: add '{name}:' with its keys)")
             continue
-        sections[name] = build_section(name, cls, raw.get(name), problems)
+        build = build_runtime if cls is RuntimeSection else partial(build_section, name, cls)
+        sections[name] = build(raw.get(name), problems)
     if problems:
         raise ConfigError(*problems)
     with collect_problems() as found:  # checks across sections, if TrainConfig has any
@@ -401,9 +276,12 @@ def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
             return [plain(v) for v in value]
         return value
 
-    return {
-        f.name: plain(dataclasses.asdict(getattr(cfg, f.name))) for f in dataclasses.fields(cfg)
-    }
+    def flat(section: Any) -> dict[str, Any]:  # runtime's groups: its keys flat, as YAML has them
+        return (
+            section.flat() if isinstance(section, RuntimeSection) else dataclasses.asdict(section)
+        )
+
+    return {f.name: plain(flat(getattr(cfg, f.name))) for f in dataclasses.fields(cfg)}
 
 
 def resolved_yaml(cfg: TrainConfig) -> str:

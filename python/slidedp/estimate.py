@@ -113,7 +113,7 @@ def estimate_memory(
     cuda = machine.device == "cuda"
     elem = 2 if machine.dtype == "bfloat16" else 4
     policy = plan.policy
-    args = store_args(policy, bf16=machine.dtype == "bfloat16", world=cfg.runtime.world)
+    args = store_args(policy, bf16=machine.dtype == "bfloat16", world=cfg.runtime.launch.world)
     layout = HostStore.plan(adapter.group_specs(), **args)
     groups = layout["groups"]
     params = sum(int(p["numel"]) for p in layout["params"])
@@ -124,13 +124,15 @@ def estimate_memory(
         adapter.num_layers,
         cfg.runtime,
     )
-    rows = b // (rt.world * rt.nodes)  # a rank's share of the batch: its activations, its loss
+    rows = b // (
+        rt.launch.world * rt.launch.nodes
+    )  # a rank's share of the batch: its activations, its loss
     tokens = rows * s
     largest_layer = max(groups[adapter.layer_group(i)]["slot_len"] for i in range(layers))
     own = groups[adapter.embed_group]["slot_len"] + groups[adapter.head_group]["slot_len"]
-    slots = rt.slots if policy.resident_layers < layers else 0  # every layer resident: none
+    slots = rt.layout.slots if policy.resident_layers < layers else 0  # every layer resident: none
     window = (slots * largest_layer + own) * elem
-    loss = min(rt.loss_chunk_tokens, tokens) * adapter.vocab_size * 4 * LOSS_F32_COPIES
+    loss = min(rt.layout.loss_chunk_tokens, tokens) * adapter.vocab_size * 4 * LOSS_F32_COPIES
     dtype = torch.bfloat16 if elem == 2 else torch.float32
     kernels = policy.compute.kernels  # Liger's kernels save less for the backward
     acts = layout_memory(adapter, policy.layers, rows, s, dtype, kernels)
@@ -140,11 +142,13 @@ def estimate_memory(
     clipping = cfg.train.max_grad_norm > 0
     resident = _resident_bytes(adapter, plan, clipping)
     working = window + loss + layer + max(checkpoints, parked) + resident
-    arena = acts.offloaded_bytes * rt.world  # each rank of this node pins its own
+    arena = acts.offloaded_bytes * rt.launch.world  # each rank of this node pins its own
     store = int(layout["regions"]["total_bytes"])
     slot_len = int(layout["slot_len"])
     mirror = int(layout["mirror_len"]) * 2  # page-locked like the slots
-    slots_bytes = slot_len * (2 * int(layout["staging_slots"]) + elem * rt.grad_slots) + mirror
+    slots_bytes = (
+        slot_len * (2 * int(layout["staging_slots"]) + elem * rt.layout.grad_slots) + mirror
+    )
     peak = working + ALLOCATOR_BYTES
     gpu = GpuEstimate(window, loss, layer, checkpoints, parked, resident, ALLOCATOR_BYTES, peak,
                       peak + CUDA_CONTEXT_BYTES) if cuda else None  # fmt: skip
@@ -152,9 +156,9 @@ def estimate_memory(
     # shared store (benchmarks/2026-11-22-two-gpus-h200.md, "Host memory, 1 rank vs 2 ranks": a
     # second CPU rank added
     # 1.6 GiB outside the store)
-    process = (CUDA_PROCESS_BYTES if cuda else CPU_PROCESS_BYTES) * rt.world
-    workers = compile_worker_bytes(policy.compute.compile, machine) * rt.world
-    cpu_working = 0 if cuda else working * rt.world  # CPU ranks: each its own, in host RAM
+    process = (CUDA_PROCESS_BYTES if cuda else CPU_PROCESS_BYTES) * rt.launch.world
+    workers = compile_worker_bytes(policy.compute.compile, machine) * rt.launch.world
+    cpu_working = 0 if cuda else working * rt.launch.world  # CPU ranks: each its own, in host RAM
     return MemoryEstimate(
         model=f"{adapter.config.model_type} ({cfg.model.path})",
         params=params,
@@ -180,8 +184,8 @@ def estimate_memory(
         pinned_bytes=slots_bytes + arena if cuda else 0,
         gpu=gpu,
         machine=machine,
-        world=rt.world,
-        route=f"{rt.param_route}/{rt.grad_route}",
+        world=rt.launch.world,
+        route=f"{rt.layout.param_route}/{rt.layout.grad_route}",
         trained_params=trained,
         frozen_saved_bytes=_unfrozen_store_bytes(adapter, args) - store,
     )

@@ -75,7 +75,7 @@ def estimate_run(
     if rates is None:
         return est
     routes = None
-    if cfg.runtime.world > 1:
+    if cfg.runtime.launch.world > 1:
         steps = route_steps(cfg, adapter, machine, list(ROUTES), rates)
         routes = {route_name(r): s for r, s in steps.items()}
     model = predict(plan, adapter, Shape.of_run(cfg), rates)

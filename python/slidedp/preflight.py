@@ -49,7 +49,7 @@ _GIB = 2**30
 
 def check_device(cfg: TrainConfig) -> str:
 
-    device = pick_device(cfg.runtime.device)
+    device = pick_device(cfg.runtime.launch.device)
     return f"device   {device} ({str(pick_dtype(cfg.train.dtype, device)).removeprefix('torch.')})"
 
 
@@ -63,7 +63,7 @@ def check_model(cfg: TrainConfig) -> tuple[HFAdapter, str]:
             "(config.json + *.safetensors)"
         )
     adapter = apply_freeze(HFAdapter.from_dir(path, cfg.model.config_overrides()), cfg.train.freeze)
-    check_router_loss_ranks(adapter, cfg.runtime.world * cfg.runtime.nodes)
+    check_router_loss_ranks(adapter, cfg.runtime.launch.world * cfg.runtime.launch.nodes)
     if cfg.data.packing and "linear_attention" in (
         getattr(adapter.config, "layer_types", None) or []
     ):
@@ -180,19 +180,20 @@ def check_ranks(cfg: TrainConfig) -> str:
     """What several ranks (and nodes) need from the config (each rank checks it again)."""
 
     rt = cfg.runtime
-    check_config(rt.world, rt, cfg.train, nodes=rt.nodes)
-    if rt.nodes == 1:
-        return f"ranks    {rt.world}"
+    check_config(rt.launch.world, rt, cfg.train, nodes=rt.launch.nodes)
+    if rt.launch.nodes == 1:
+        return f"ranks    {rt.launch.world}"
     try:
-        socket.getaddrinfo(rt.master_addr, rt.master_port, type=socket.SOCK_STREAM)
+        socket.getaddrinfo(rt.launch.master_addr, rt.launch.master_port, type=socket.SOCK_STREAM)
     except OSError as e:
         raise ConfigError(
-            f"runtime.master_addr '{rt.master_addr}' does not resolve ({e}): set it to node "
+            f"runtime.master_addr '{rt.launch.master_addr}' does not resolve ({e}): set it to node "
             "0's address as every node reaches it"
         ) from None
     return (
-        f"ranks    {rt.world} per node x {rt.nodes} nodes, this is node {rt.node_rank}; "
-        f"rendezvous at {rt.master_addr}:{rt.master_port}"
+        f"ranks    {rt.launch.world} per node x {rt.launch.nodes} nodes, "
+        f"this is node {rt.launch.node_rank}; "
+        f"rendezvous at {rt.launch.master_addr}:{rt.launch.master_port}"
     )
 
 
@@ -236,7 +237,9 @@ def check_before_training(
 
     device = check_device(cfg)
     adapter, model = check_model(cfg)
-    ranks = [check_ranks(cfg)] if cfg.runtime.world > 1 or cfg.runtime.nodes > 1 else []
+    ranks = (
+        [check_ranks(cfg)] if cfg.runtime.launch.world > 1 or cfg.runtime.launch.nodes > 1 else []
+    )
     resume, resumed = check_resume(cfg, adapter)
     output = check_output_dir(cfg)
     # after every refusal that needs no layout: profiling is GPU work and writes its cache
@@ -262,7 +265,7 @@ def settle_policy(
     default on CUDA) chosen (``autopolicy.auto``), and a resumed run's checkpoint policy kept
     (``plan.resolve.kept_plan``)."""
     cfg, fallback = apply_default_policy(cfg, adapter, machine, resume)
-    selected = cfg.runtime.policy == AUTO
+    selected = cfg.runtime.autopolicy.policy == AUTO
     cfg, chosen = resolve_auto(cfg, adapter, machine, measure=measure, resume=resume)
     cfg, kept = kept_plan(cfg, adapter, machine, resume)
     return cfg, [x for x in (chosen or fallback, kept) if x], selected
@@ -277,7 +280,7 @@ def apply_default_policy(
     rule = default_policy(cfg.runtime, machine.device, int(os.environ.get("WORLD_SIZE", "1")))
     if not rule.implicit:
         return cfg, None
-    selecting = replace(cfg, runtime=replace(cfg.runtime, policy=AUTO))
+    selecting = replace(cfg, runtime=cfg.runtime.with_keys(policy=AUTO))
     if selection_cached(selecting, adapter, machine, resume):
         return selecting, None
     est = estimate_run(cfg, adapter, machine)

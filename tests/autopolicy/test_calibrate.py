@@ -54,10 +54,10 @@ class FakeSteps:
         config = json.loads((Path(cfg.model.path) / "config.json").read_text())
         self.model_layers.append(int(config["num_hidden_layers"]))
         rt = cfg.runtime
-        step_s = self.step_s["F"] if rt.layers == "F" else self.step_s["*"]
+        step_s = self.step_s["F"] if rt.layout.layers == "F" else self.step_s["*"]
         if isinstance(step_s, list):
             step_s = step_s.pop(0)
-        return Trial(rt.layers, rt.resident_layers, step_s, None)
+        return Trial(rt.layout.layers, rt.layout.resident_layers, step_s, None)
 
 
 def _solved(path: Path, *overrides: str) -> tuple[TrainConfig, Choice]:
@@ -93,10 +93,10 @@ def test_the_reduced_model_has_k_layers_and_none_resident(tmp_path: Path) -> Non
     runner = FakeSteps({"F": 1.0, "*": 1.1})
     calibrate_choice(cfg, choice, steps=3, runner=runner)
     assert runner.model_layers == [4, 4, 4]  # the default, the candidate, the default again
-    assert [c.runtime.resident_layers for c in runner.ran] == [0, 0, 0]
-    assert [c.runtime.policy for c in runner.ran] == ["", "", ""]
-    assert [c.runtime.layers for c in runner.ran][::2] == ["F", "F"]
-    trial = parse_layout(runner.ran[1].runtime.layers, 4, 0.0)
+    assert [c.runtime.layout.resident_layers for c in runner.ran] == [0, 0, 0]
+    assert [c.runtime.autopolicy.policy for c in runner.ran] == ["", "", ""]
+    assert [c.runtime.layout.layers for c in runner.ran][::2] == ["F", "F"]
+    trial = parse_layout(runner.ran[1].runtime.layout.layers, 4, 0.0)
     assert (trial.count(N_R0), trial.count(DEFAULT)) == (2, 2)
     # the weights are left out: the trainer initialises them from the config
     assert runner.ran[0].model.path != cfg.model.path
@@ -171,7 +171,7 @@ def test_the_calibrated_times_are_what_the_program_solves_with(
     runner = FakeSteps({"F": 1.0, "*": 1.2})
     monkeypatch.setattr(validate, "run_trial", runner)
     chosen, line = resolve(auto_run)
-    assert chosen.runtime.layers == "4xF-r0"
+    assert chosen.runtime.layout.layers == "4xF-r0"
     assert "; calibrated (5 steps each): 1 candidate on a 4-layer model: N-r0 τ 0.018 → " in line
     assert "0.130 s (2 of 4 layers replaced; the default's step 1.000 ± 0.000 s, τ 0.030 s)" in line
     assert selection_stages(line) == ["profile", "host", "solve", "calibrate"]
@@ -185,7 +185,7 @@ def test_calibration_off_keeps_the_profiled_times(
 
     monkeypatch.setattr(validate, "run_trial", no_trials)
     chosen, line = resolve(auto_run, "runtime.policy_calibrate_steps=0")
-    assert chosen.runtime.layers == "4xN-r0"
+    assert chosen.runtime.layout.layers == "4xN-r0"
     assert "; not calibrated (runtime.policy_calibrate_steps=0); " in line
 
 

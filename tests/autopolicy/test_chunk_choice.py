@@ -55,7 +55,7 @@ def _chunk(monkeypatch: pytest.MonkeyPatch, mirror: bool = False) -> ChunkChoice
     chunk = ChunkChoice(MIB_1, 24, 0.5, 1.0, mirror=mirror, source="measured now")
 
     def stage(cfg: TrainConfig, *args: Any, **kwargs: Any) -> tuple[ChunkChoice, str]:
-        assert cfg.runtime.chunk_elems == 0  # the default's config: the chunk left to auto
+        assert cfg.runtime.layout.chunk_elems == 0  # the default's config: the chunk left to auto
         return chunk, chunk.describe()
 
     monkeypatch.setattr(choose, "probe_chunk", stage)
@@ -73,14 +73,21 @@ def test_auto_validates_the_chunk_with_the_layout_against_whole_layers(
     trials = FakeTrials({ALL_F: 1.0, "F": 1.0, "*": choice_s})
     monkeypatch.setattr(validate, "run_trial", trials)
     chosen, line = _resolve(auto_run[1])
-    ran = [(c.runtime.layers, c.runtime.chunk_elems, c.runtime.grad_slots) for c in trials.ran]
+    ran = [
+        (c.runtime.layout.layers, c.runtime.layout.chunk_elems, c.runtime.layout.grad_slots)
+        for c in trials.ran
+    ]
     assert ran == [(CHOICE, MIB_1, 24), ("F", 0, 4)]  # the default: whole layers
     rt = chosen.runtime
     if wins:
-        assert (rt.layers, rt.chunk_elems, rt.grad_slots) == (CHOICE, MIB_1, 24)
+        assert (rt.layout.layers, rt.layout.chunk_elems, rt.layout.grad_slots) == (
+            CHOICE,
+            MIB_1,
+            24,
+        )
         assert f"; chunk {chunk.describe()};" in line
     else:
-        assert (rt.layers, rt.chunk_elems, rt.grad_slots) == (ALL_F, 0, 4)
+        assert (rt.layout.layers, rt.layout.chunk_elems, rt.layout.grad_slots) == (ALL_F, 0, 4)
         assert "not run: the default won validation;" in line
 
 
@@ -90,10 +97,10 @@ def test_an_unvalidated_chunk_is_not_applied(
     """Repeated probes differ by up to ~10%: without validation the whole layer runs."""
     _chunk(monkeypatch)
     cfg = auto_run[1]
-    runtime = dataclasses.replace(cfg.runtime, policy_validate_steps=0)
+    runtime = cfg.runtime.with_keys(policy_validate_steps=0)
     cfg = dataclasses.replace(cfg, runtime=runtime)
     chosen, line = _resolve(cfg)
-    assert (chosen.runtime.chunk_elems, chosen.runtime.grad_slots) == (0, 4)
+    assert (chosen.runtime.layout.chunk_elems, chosen.runtime.layout.grad_slots) == (0, 4)
     assert "; chunk the whole layer (1 MiB, 24 gradient slots" in line
     assert "not applied unvalidated: runtime.policy_validate_steps=0);" in line
 
@@ -107,8 +114,8 @@ def test_a_chunk_probed_with_other_loads_is_not_applied(
     trials = FakeTrials({ALL_F: 1.0, "F": 1.0, "*": 0.5})
     monkeypatch.setattr(validate, "run_trial", trials)
     chosen, line = _resolve(auto_run[1])
-    assert [c.runtime.chunk_elems for c in trials.ran] == [0, 0]
-    assert (chosen.runtime.layers, chosen.runtime.chunk_elems) == (CHOICE, 0)
+    assert [c.runtime.layout.chunk_elems for c in trials.ran] == [0, 0]
+    assert (chosen.runtime.layout.layers, chosen.runtime.layout.chunk_elems) == (CHOICE, 0)
     assert "not run: the chosen layout loads without the mirror probed;" in line
 
 
@@ -126,8 +133,8 @@ def test_a_cached_selection_brings_its_chunk(auto_run: tuple[Path, TrainConfig])
         hit = read_selection(facts, layers=4, routes=[], say=print)
         assert hit is not None
         chosen, said = selection_cache.from_cache(cfg, *hit, whole_layer)
-        assert (chosen.runtime.chunk_elems, chosen.runtime.grad_slots) == kept
-        assert chosen.runtime.layers == CHOICE
+        assert (chosen.runtime.layout.chunk_elems, chosen.runtime.layout.grad_slots) == kept
+        assert chosen.runtime.layout.layers == CHOICE
         assert said.startswith(line)
 
 
@@ -141,9 +148,9 @@ def test_a_layout_kept_as_the_default_is_still_validated_for_its_chunk(
     trials = FakeTrials({"*": 0.9, "F": 1.0})
     monkeypatch.setattr(validate, "run_trial", trials)
     chosen, _ = _resolve(auto_run[1])
-    assert [(c.runtime.layers, c.runtime.chunk_elems) for c in trials.ran] == [
+    assert [(c.runtime.layout.layers, c.runtime.layout.chunk_elems) for c in trials.ran] == [
         (ALL_F, MIB_1), ("F", 0)]  # fmt: skip
-    assert chosen.runtime.chunk_elems == MIB_1
+    assert chosen.runtime.layout.chunk_elems == MIB_1
 
 
 def _all_f_report() -> dict[str, Any]:
@@ -160,7 +167,7 @@ def test_with_chunk_leaves_whole_layers_alone(auto_run: tuple[Path, TrainConfig]
     assert with_chunk(cfg, ChunkChoice(0, 4, 1.0, 1.0, False, "cached"), adapter, machine) is cfg
     chunk = ChunkChoice(MIB_1, 24, 0.5, 1.0, False, "cached")
     chunked = with_chunk(cfg, chunk, adapter, machine).runtime
-    assert (chunked.chunk_elems, chunked.grad_slots) == (MIB_1, 24)
+    assert (chunked.layout.chunk_elems, chunked.layout.grad_slots) == (MIB_1, 24)
     other_loads = dataclasses.replace(chunk, mirror=True)  # this CPU run has no mirror
     assert with_chunk(cfg, other_loads, adapter, machine) is cfg
 
@@ -179,7 +186,10 @@ def test_a_resumed_run_keeps_the_chunk_its_checkpoint_ran_with(
     assert found.chunk_elems == kept
     cfg = load_config(run_config(tmp_path, 4, {"policy": "auto"}), [])
     resumed, line = kept_line(cfg, found, [], tmp_path)
-    assert (resumed.runtime.chunk_elems, resumed.runtime.grad_slots) == (kept, 24 if kept else 4)
+    assert (resumed.runtime.layout.chunk_elems, resumed.runtime.layout.grad_slots) == (
+        kept,
+        24 if kept else 4,
+    )
     assert (f", chunk {kept:,} elements (kept from" in line) == bool(kept)
 
 
@@ -215,7 +225,7 @@ def test_plan_writes_a_chunk_only_where_validation_ran_it_faster(
         trials = FakeTrials({"F": 1.0, "*": step_s})
         monkeypatch.setattr(validate, "run_trial", trials)
         assert main(argv) == 0
-        assert [c.runtime.chunk_elems for c in trials.ran] == [MIB_1, 0]
+        assert [c.runtime.layout.chunk_elems for c in trials.ran] == [MIB_1, 0]
         assert written_policy(policy) == {"layers": ALL_F, "resident_layers": 0,
                                           "resident_embeddings": False}  # fmt: skip
         ran = read_plan(policy).policy

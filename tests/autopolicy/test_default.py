@@ -18,7 +18,8 @@ from slidedp.autopolicy.default import (
     break_even_steps,
     default_policy,
 )
-from slidedp.config import RuntimeSection, load_config
+from slidedp.config import load_config
+from slidedp.config_runtime import RuntimeSection
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.policy import effective_runtime
 from slidedp.preflight import apply_default_policy
@@ -30,24 +31,26 @@ def test_cuda_selects_unless_the_config_names_a_layout() -> None:
     assert rule.implicit
     for named in ({"layers": "24xSAC.mm, 12xN"}, {"offload_ratio": 1.0},
                   {"resident_layers": 2}, {"resident_embeddings": True}):  # fmt: skip
-        kept = default_policy(RuntimeSection(**named), "cuda")
+        kept = default_policy(RuntimeSection.from_keys(**named), "cuda")
         assert not kept.auto
         assert next(iter(named)) in kept.why
     for policy in ("fixed", "my-policy.yaml"):
-        assert not default_policy(RuntimeSection(policy=policy), "cuda").auto
-    explicit = default_policy(RuntimeSection(policy="auto"), "cpu")
+        assert not default_policy(RuntimeSection.from_keys(policy=policy), "cuda").auto
+    explicit = default_policy(RuntimeSection.from_keys(policy="auto"), "cpu")
     assert explicit.auto
     assert not explicit.implicit
 
 
 def test_cpu_several_nodes_and_torchrun_keep_the_fixed_default() -> None:
     assert not default_policy(RuntimeSection(), "cpu").auto
-    assert not default_policy(RuntimeSection(nodes=2, master_addr="10.0.0.1"), "cuda").auto
+    assert not default_policy(
+        RuntimeSection.from_keys(nodes=2, master_addr="10.0.0.1"), "cuda"
+    ).auto
     assert not default_policy(RuntimeSection(), "cuda", world_size_env=2).auto
 
 
 def test_fixed_runs_the_config_keys() -> None:
-    rt = RuntimeSection(policy="fixed", layers="N")
+    rt = RuntimeSection.from_keys(policy="fixed", layers="N")
     assert effective_runtime(rt) is rt
 
 
@@ -76,7 +79,7 @@ def test_a_short_run_on_cuda_keeps_the_fixed_default(tmp_path: Path) -> None:
     assert kept is cfg
     assert line is not None
     assert "train.max_steps=3" in line
-    named = replace(cfg, runtime=replace(cfg.runtime, layers="N"))
+    named = replace(cfg, runtime=cfg.runtime.with_keys(layers="N"))
     assert apply_default_policy(named, adapter, H100, None) == (named, None)
     cpu = replace(H100, device="cpu", dtype="float32", gpu_name=None, gpu_total_bytes=None)
     assert apply_default_policy(cfg, adapter, cpu, None) == (cfg, None)

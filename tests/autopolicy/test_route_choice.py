@@ -160,12 +160,12 @@ def test_auto_on_two_gpus_chooses_layout_and_routes_from_the_probes(
     monkeypatch.setattr(choose, "cached_profile", lambda args: _profile(adapter))
     chosen, line = auto.resolve_auto(cfg, adapter, _machine(), measure=False)
     rt = chosen.runtime
-    assert rt.policy == ""
-    assert (rt.param_route, rt.grad_route) == route
-    assert rt.resident_layers == 0  # refused with several ranks: never chosen there
-    assert rt.layers != "F"  # the program's placed layout, every layer counted
+    assert rt.autopolicy.policy == ""
+    assert (rt.layout.param_route, rt.layout.grad_route) == route
+    assert rt.layout.resident_layers == 0  # refused with several ranks: never chosen there
+    assert rt.layout.layers != "F"  # the program's placed layout, every layer counted
     assert line is not None
-    assert line.startswith(f"policy   auto: {rt.layers}, 0 GPU-resident")
+    assert line.startswith(f"policy   auto: {rt.layout.layers}, 0 GPU-resident")
     assert f"; routes {route[0]}/{route[1]} (predicted " in line
     assert f"; reduce {links['reduce_gbps']:.0f}, all_gather " in line
     # the cached chunk probe's choice, shown, and not applied until validated on the ranks
@@ -175,20 +175,20 @@ def test_auto_on_two_gpus_chooses_layout_and_routes_from_the_probes(
                          "whole layer; cached); not applied unvalidated: `slidedp train` "
                          "validates it); not calibrated (several ranks: the profiled times); "
                          "not validated here (`slidedp train` validates)")  # fmt: skip
-    assert (rt.chunk_elems, rt.grad_slots) == (0, 4)
+    assert (rt.layout.chunk_elems, rt.layout.grad_slots) == (0, 4)
 
     # the config's own route stays, and validate/estimate without a link probe say why
     fixed, line = auto.resolve_auto(
         _cfg(tmp_path, clipping=True, policy="auto", grad_route="cpu", param_route="sharded"),
         adapter, _machine(), measure=False,
     )  # fmt: skip
-    assert (fixed.runtime.param_route, fixed.runtime.grad_route) == ("sharded", "cpu")
+    assert (fixed.runtime.layout.param_route, fixed.runtime.layout.grad_route) == ("sharded", "cpu")
     assert line is not None
     assert "fixed by the config" in line
     for f in (tmp_path / "cache").rglob("links-*.json"):
         f.unlink()
     unmeasured, line = auto.resolve_auto(cfg, adapter, _machine(), measure=False)
-    assert (unmeasured.runtime.param_route, unmeasured.runtime.grad_route) == DEFAULT
+    assert (unmeasured.runtime.layout.param_route, unmeasured.runtime.layout.grad_route) == DEFAULT
     assert line is not None
     assert (
         "routes replicated/gpu, the config's (the links between the GPUs are not measured)" in line
@@ -202,7 +202,7 @@ def test_without_a_profile_validate_says_train_chooses(
     cfg = _cfg(tmp_path, policy="auto")
     adapter = HFAdapter.from_dir(cfg.model.path)
     chosen, line = auto.resolve_auto(cfg, adapter, _machine(), measure=False)
-    assert (chosen.runtime.policy, chosen.runtime.layers) == ("", "F")
+    assert (chosen.runtime.autopolicy.policy, chosen.runtime.layout.layers) == ("", "F")
     assert line == (
         "policy   auto: the layer is not profiled yet, so the default layout and routes are "
         "checked; `slidedp train` profiles it and chooses"
@@ -219,7 +219,11 @@ def test_a_resumed_run_keeps_its_layout_and_routes(tmp_path: Path) -> None:
     adapter = HFAdapter.from_dir(cfg.model.path)
     chosen, line = auto.resolve_auto(cfg, adapter, _machine(), measure=True, resume=checkpoint)
     rt = chosen.runtime
-    assert (rt.layers, rt.param_route, rt.grad_route) == ("20xF-r0, 8xN-r0", "sharded", "cpu")
+    assert (rt.layout.layers, rt.layout.param_route, rt.layout.grad_route) == (
+        "20xF-r0, 8xN-r0",
+        "sharded",
+        "cpu",
+    )
     assert line == (
         "policy   auto: 20xF-r0, 8xN-r0, 0 GPU-resident, routes sharded/cpu "
         "(kept from checkpoint-4)"
@@ -227,9 +231,12 @@ def test_a_resumed_run_keeps_its_layout_and_routes(tmp_path: Path) -> None:
     # a route the config sets wins over the checkpoint's
     policy |= {"param_route": "replicated", "grad_route": "gpu"}
     (checkpoint / STATE_FILE).write_text(json.dumps({"policy": policy}))
-    own = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, grad_route="cpu"))
+    own = dataclasses.replace(cfg, runtime=cfg.runtime.with_keys(grad_route="cpu"))
     kept, _ = auto.resolve_auto(own, adapter, _machine(), measure=True, resume=checkpoint)
-    assert (kept.runtime.param_route, kept.runtime.grad_route) == ("replicated", "cpu")
+    assert (kept.runtime.layout.param_route, kept.runtime.layout.grad_route) == (
+        "replicated",
+        "cpu",
+    )
 
 
 def test_several_nodes_and_other_launchers_are_refused_with_one_line(
@@ -297,6 +304,6 @@ def test_the_chunk_probe_takes_the_default_runs_mirror_whatever_the_policy(
     assert (numel, threads) == (layer_numel(adapter), update_threads(cfg, _machine()))
     assert mirror  # 1 TiB of RAM: it fits
     assert chunk_skipped(cfg.runtime, _machine()) is None
-    rings = dataclasses.replace(cfg.runtime, grad_slots=8)
+    rings = cfg.runtime.with_keys(grad_slots=8)
     assert chunk_skipped(rings, _machine()) == (
         "the whole layer (the config sets runtime.grad_slots=8)")  # fmt: skip

@@ -268,7 +268,7 @@ def test_the_offloaded_activations_leave_the_mirror_its_host_memory(
         assert budget == pytest.approx(shares * share, abs=1)
         assert offloading == int(shares)
         # a mirror the config asks for is not decided by what fits: no headroom kept for it
-        given = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, bf16_mirror=True))
+        given = dataclasses.replace(cfg, runtime=cfg.runtime.with_keys(bf16_mirror=True))
         headroom = select.offload_host_budget(given, adapter, gpu) - budget
         assert headroom == pytest.approx(MIRROR_HEADROOM_BYTES, abs=1)
     cpu = select_layout(cfg, adapter, machine, report, total_bytes=total, update_gbps=1e3)
@@ -441,7 +441,7 @@ def test_plan_and_auto_take_the_host_lane_from_the_cached_probe(
 
     monkeypatch.setattr(choose, "cached_profile", lambda args: _report())
     monkeypatch.setattr(select, "select_layout", spy)
-    chosen = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, policy="auto"))
+    chosen = dataclasses.replace(cfg, runtime=cfg.runtime.with_keys(policy="auto"))
     _, line = auto.resolve_auto(chosen, adapter, machine, measure=False)
     assert seen == [3.0]
     assert line is not None

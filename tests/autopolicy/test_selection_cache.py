@@ -123,7 +123,7 @@ def test_a_changed_term_selects_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     path, cache, trials = run
-    assert resolve(path)[0].runtime.layers == CHOICE
+    assert resolve(path)[0].runtime.layout.layers == CHOICE
     assert "from the cache" in resolve(path)[1]  # the same key: a hit, no trial
     assert len(trials.ran) == 2
     overrides = []
@@ -162,7 +162,7 @@ def test_a_cache_file_that_does_not_read_is_one_line_and_rewritten(
         assert said[0].endswith("): selecting again")
         assert "from the cache" not in line
         stored_policy = json.loads(stored.read_text())["plan"]["policy"]
-        assert stored_policy["layers"] == chosen.runtime.layers == CHOICE
+        assert stored_policy["layers"] == chosen.runtime.layout.layers == CHOICE
     assert len(trials.ran) == 2 * 5
 
 
@@ -176,10 +176,10 @@ def test_policy_force_selects_again_and_caches_the_new_choice(
     monkeypatch.setattr(validate, "run_trial", FakeTrials({"F": 1.0, "*": 2.0}))
     chosen, line = resolve(path, "runtime.policy_force=true")
     assert "from the cache" not in line
-    assert chosen.runtime.layers == ALL_F
+    assert chosen.runtime.layout.layers == ALL_F
     assert json.loads(stored.read_text())["plan"]["policy"]["layers"] == ALL_F
     chosen, line = resolve(path)
-    assert (chosen.runtime.layers, "from the cache" in line) == (ALL_F, True)
+    assert (chosen.runtime.layout.layers, "from the cache" in line) == (ALL_F, True)
     assert len(trials.ran) == 2  # the first selection's
 
 
@@ -241,7 +241,7 @@ def test_auto_takes_the_choice_slidedp_plan_made_for_the_same_run(
     kept = [getattr(module, name) for module, name in measuring]
     _no_selection(monkeypatch)
     chosen, line = resolve(path)
-    assert (chosen.runtime.layers, chosen.runtime.resident_layers) == (
+    assert (chosen.runtime.layout.layers, chosen.runtime.layout.resident_layers) == (
         summary["layout"],
         summary["resident_layers"],
     )
@@ -279,8 +279,8 @@ def test_the_launchers_choice_on_several_ranks_is_cached_with_its_routes(
     monkeypatch.setattr(measure, "measure_in_child", measured_here)
     monkeypatch.setattr(validate, "trial_on_ranks", trials)
     chosen, first = resolve(path, *ranks)
-    assert [c.runtime.layers for c in trials.ran] == [CHOICE, "F"]  # both on the two ranks
-    assert all(c.runtime.ranks == 2 for c in trials.ran)
+    assert [c.runtime.layout.layers for c in trials.ran] == [CHOICE, "F"]  # both on the two ranks
+    assert all(c.runtime.launch.ranks == 2 for c in trials.ran)
     assert "; validated (3 steps each): " in first
     assert "; routes replicated/gpu, the config's" in first
     (stored,) = cache.glob("selection-*.json")
@@ -291,7 +291,11 @@ def test_the_launchers_choice_on_several_ranks_is_cached_with_its_routes(
     again, line = resolve(path, *ranks)
     assert line.startswith(f"{first}; from the cache {stored} ")
     rt, was = again.runtime, chosen.runtime
-    assert (rt.layers, rt.param_route, rt.grad_route) == (was.layers, "replicated", "gpu")
+    assert (rt.layout.layers, rt.layout.param_route, rt.layout.grad_route) == (
+        was.layout.layers,
+        "replicated",
+        "gpu",
+    )
     assert len(trials.ran) == 2  # the cached choice: no trial again
 
 
@@ -312,9 +316,13 @@ def test_the_launchers_choice_slower_on_the_ranks_leaves_the_default(
     trials = FakeTrials({"F": 1.0, "*": 2.0})
     monkeypatch.setattr(validate, "trial_on_ranks", trials)
     chosen, line = resolve(path, "runtime.ranks=2", "runtime.device=cpu")
-    assert [c.runtime.layers for c in trials.ran] == [CHOICE, "F"]
+    assert [c.runtime.layout.layers for c in trials.ran] == [CHOICE, "F"]
     rt = chosen.runtime
-    assert (rt.layers, rt.param_route, rt.grad_route) == (ALL_F, "replicated", "gpu")
+    assert (rt.layout.layers, rt.layout.param_route, rt.layout.grad_route) == (
+        ALL_F,
+        "replicated",
+        "gpu",
+    )
     assert "; routes replicated/gpu, the config's (validated); " in line
     assert "did not run faster in validation" in line
 
@@ -339,5 +347,5 @@ def test_plan_and_auto_resolve_the_same_plan(
     from_file = load_config(path, [f"runtime.policy={policy}"])
     adapter = HFAdapter.from_dir(chosen.model.path)
     on = Machine.probe(chosen, measure=False)
-    assert chosen.runtime.layers == CHOICE  # the program's pick, validated faster
+    assert chosen.runtime.layout.layers == CHOICE  # the program's pick, validated faster
     assert resolve_plan(chosen, adapter, on) == resolve_plan(from_file, adapter, on)

@@ -71,8 +71,8 @@ class FakeTrials:
     def __call__(self, cfg: TrainConfig, steps: int) -> Trial:
         self.ran.append(cfg)
         rt = cfg.runtime
-        step_s = self.step_s.get(rt.layers, self.step_s["*"])
-        return Trial(rt.layers, rt.resident_layers, step_s, self.reserved)
+        step_s = self.step_s.get(rt.layout.layers, self.step_s["*"])
+        return Trial(rt.layout.layers, rt.layout.resident_layers, step_s, self.reserved)
 
 
 @pytest.fixture
@@ -109,8 +109,8 @@ def test_the_choice_trains_only_when_validated_faster_than_the_default(
     trials = FakeTrials({ALL_F: 1.0, "F": 1.0, "*": choice_s})
     monkeypatch.setattr(validate, "run_trial", trials)
     chosen, line = _resolve(auto_run[1])
-    assert [c.runtime.layers for c in trials.ran] == [CHOICE, "F"]  # the choice, the default
-    assert (chosen.runtime.layers, chosen.runtime.resident_layers) == (runs, 0)
+    assert [c.runtime.layout.layers for c in trials.ran] == [CHOICE, "F"]  # the choice, the default
+    assert (chosen.runtime.layout.layers, chosen.runtime.layout.resident_layers) == (runs, 0)
     assert line.startswith(f"policy   auto: {runs}, 0 GPU-resident")
     said = f"{CHOICE}, 0 GPU-resident {choice_s:.3f} s/step vs the default's 1.000 s"
     assert f"; validated (3 steps each): {said}" in line
@@ -134,10 +134,9 @@ def test_validation_is_off_with_zero_steps_and_refuses_one_step(
 
     monkeypatch.setattr(validate, "run_trial", no_trials)
     path, cfg = auto_run
-    off = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime,
-                                                              policy_validate_steps=0))  # fmt: skip
+    off = dataclasses.replace(cfg, runtime=cfg.runtime.with_keys(policy_validate_steps=0))
     chosen, line = _resolve(off)
-    assert chosen.runtime.layers == CHOICE  # the solver's choice, as before validation
+    assert chosen.runtime.layout.layers == CHOICE  # the solver's choice, as before validation
     assert "; not validated (runtime.policy_validate_steps=0); selection " in line
     assert line.endswith("break-even unknown (not validated)")
     with pytest.raises(Exception, match=r"runtime.policy_validate_steps must be 0 .* or >= 2"):
@@ -178,7 +177,7 @@ def test_a_choice_out_of_memory_is_solved_again_with_a_smaller_budget_at_most_tw
     assert len(cuts) == RESOLVES
     assert found.cuts_bytes == (over, 2 * over)
     # the choice, each re-solve, the default
-    assert [c.runtime.layers for c in trials.ran][1 + RESOLVES :] == ["F"]
+    assert [c.runtime.layout.layers for c in trials.ran][1 + RESOLVES :] == ["F"]
     assert len(trials.ran) == 1 + RESOLVES + 1
     assert found.choice is None
     assert found.winner == found.default
@@ -207,9 +206,9 @@ def test_a_re_solved_choice_that_fits_and_runs_faster_trains(tmp_path: Path) -> 
 
     def runner(cfg: TrainConfig, steps: int) -> Trial:
         rt = cfg.runtime
-        if rt.layers == CHOICE:  # out of memory, 0.5 GiB over the limit
-            return Trial(rt.layers, 0, None, limit + GIB // 2)
-        return Trial(rt.layers, 0, 1.0 if rt.layers == "F" else 0.75, limit - GIB)
+        if rt.layout.layers == CHOICE:  # out of memory, 0.5 GiB over the limit
+            return Trial(rt.layout.layers, 0, None, limit + GIB // 2)
+        return Trial(rt.layout.layers, 0, 1.0 if rt.layout.layers == "F" else 0.75, limit - GIB)
 
     found = validate_choice(default, first, solve, steps=3, limit_bytes=limit, runner=runner)
     assert cuts == [GIB // 2]

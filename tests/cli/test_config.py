@@ -17,6 +17,7 @@ from slidedp.config import (
     resolved_yaml,
     write_resolved_config,
 )
+from slidedp.config_runtime import RUNTIME_GROUP_OF, RuntimeSection
 from slidedp.errors import ConfigError, require
 from slidedp.schema import build_section
 
@@ -206,6 +207,30 @@ def test_resolved_config_has_every_key_and_loads_back_equal(tmp_path: Path) -> N
     assert written == tmp_path / "run" / RESOLVED_CONFIG
     assert config_from_dict(yaml.safe_load(written.read_text())) == cfg
     assert sorted(p.name for p in written.parent.iterdir()) == [RESOLVED_CONFIG]  # no temp left
+
+
+def test_runtime_keys_stay_flat_in_yaml_and_land_in_their_groups(tmp_path: Path) -> None:
+    overrides = ["runtime.gpus=2", "runtime.device=cuda", "runtime.trace_path=/t.json"]
+    cfg = load_config(_yaml(tmp_path, _raw(runtime={"layers": "N", "policy": "fixed"})), overrides)
+    rt = cfg.runtime
+    assert (rt.launch.gpus, rt.launch.device, rt.launch.world) == (2, "cuda", 2)
+    assert (rt.layout.layers, rt.autopolicy.policy, rt.trace.trace_path) == (
+        "N",
+        "fixed",
+        "/t.json",
+    )
+    flat = config_to_dict(cfg)["runtime"]  # resolved_config.yaml and checkpoints: flat keys
+    assert set(flat) == set(RUNTIME_GROUP_OF)
+    assert (flat["gpus"], flat["layers"]) == (2, "N")
+    assert not any(isinstance(v, dict) for v in flat.values())
+    assert RuntimeSection.from_keys(**flat) == rt
+    assert rt.with_keys(gpus=1, layers="F") == RuntimeSection.from_keys(
+        **flat | {"gpus": 1, "layers": "F"}
+    )
+    (problem,) = _problems(_raw(runtime={"launch": {"gpus": 2}}))  # groups are no YAML keys
+    assert problem.startswith("unknown key 'runtime.launch' (valid: bf16_mirror, ")
+    with pytest.raises(TypeError, match="no keys"):
+        rt.with_keys(gpu=2)
 
 
 @dataclass(kw_only=True)

@@ -72,10 +72,10 @@ def test_store_estimate_is_a_created_store_exactly(
     rt = cfg.runtime
     store = HostStore.create(  # as Trainer creates it
         adapter.group_specs(),
-        staging_slots=rt.staging_slots,
+        staging_slots=rt.layout.staging_slots,
         grad_dtype="f32",
-        grad_slots=rt.grad_slots,
-        chunk_elems=rt.chunk_elems or layer_chunk_elems(adapter),
+        grad_slots=rt.layout.grad_slots,
+        chunk_elems=rt.layout.chunk_elems or layer_chunk_elems(adapter),
     )
     assert est.store_bytes == est.shm_bytes == store.total_bytes
     assert plan_store(cfg, adapter, CPU) == store.layout
@@ -150,7 +150,7 @@ def test_the_host_floor_and_the_model_take_this_machines_cached_probe(
     assert probed.step_model["step_s"] > one_pass_s  # every update, in the model too
     assert probed.step_model["calibration"] == "host AdamW measured under DMA (cached)"
     # another thread count is another machine state: the table again
-    threads = replace(cfg, runtime=replace(cfg.runtime, update_threads=8))
+    threads = replace(cfg, runtime=cfg.runtime.with_keys(update_threads=8))
     assert estimate_run(threads, adapter, H100).step.host_gbps == adamw_gbps(8)
 
 
@@ -355,9 +355,9 @@ def test_the_mirror_is_on_by_default_where_it_fits_the_host_with_room(
     assert smaller.mirror_bytes == 0
     assert smaller.store_bytes < est.store_bytes
     # as set, whatever the machine; never in f32; unknown RAM: off
-    on = replace(cfg, runtime=replace(cfg.runtime, bf16_mirror=True))
+    on = replace(cfg, runtime=cfg.runtime.with_keys(bf16_mirror=True))
     assert resolve_mirror(on, adapter, tight)
-    off = replace(cfg, runtime=replace(cfg.runtime, bf16_mirror=False))
+    off = replace(cfg, runtime=cfg.runtime.with_keys(bf16_mirror=False))
     assert not resolve_mirror(off, adapter, host)
     assert not resolve_mirror(on, adapter, replace(host, dtype="float32"))
     assert not resolve_mirror(cfg, adapter, replace(host, mem_available_bytes=None))

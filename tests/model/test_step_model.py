@@ -3,7 +3,6 @@ errors, and a traced H100 step the model must reproduce."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -89,12 +88,11 @@ def test_the_layer_profile_calibrates_the_layers_and_predicts_a_traced_layout() 
     """The H100 layer profile's times replace the FLOPs-rate ones for the profiled policies;
     with them the model predicts the traced `24xSAC.mm, 12xN` step (no clipping, B=16) within
     10% (BENCHMARKS.md: traced 1.512 s)."""
-    import dataclasses
     import functools
 
     import torch
 
-    from slidedp.config import RuntimeSection
+    from slidedp.config_runtime import RuntimeSection
     from slidedp.models.hf import HFAdapter
     from slidedp.models.shapes import resolve_shape
     from slidedp.plan.machine import adamw_gbps, gpu_peak
@@ -104,7 +102,7 @@ def test_the_layer_profile_calibrates_the_layers_and_predicts_a_traced_layout() 
     profile = json.loads((TRACES.parent / "qwen3-4b-h100-profile-layer-b16.json").read_text())
     times = layer_times(profile)
     adapter = HFAdapter(resolve_shape("qwen3-4b"))
-    runtime = dataclasses.replace(RuntimeSection(), layers="24xSAC.mm, 12xN")
+    runtime = RuntimeSection.from_keys(layers="24xSAC.mm, 12xN")
     policy = resolve_policy(runtime, adapter, mirror=True, device=torch.device("cuda"))
     peak, _ = gpu_peak("NVIDIA H100 80GB HBM3")
     assert peak is not None
@@ -123,15 +121,15 @@ def test_the_layer_profile_calibrates_the_layers_and_predicts_a_traced_layout() 
 def _route_step(ranks: Ranks, *, batch: int, clipping: bool) -> dict[str, Any]:
     """Qwen3-1.7B on the 2x H200 host of BENCHMARKS.md ("Two GPUs: ... routes"): its measured
     layer-sized reduce and all-gather, its H2D/D2H, AdamW at 147 GB/s."""
-    from slidedp.config import RuntimeSection
+    from slidedp.config_runtime import RuntimeSection
     from slidedp.models.hf import HFAdapter
     from slidedp.models.shapes import resolve_shape
     from slidedp.plan.policy import resolve_policy
 
     adapter = HFAdapter(resolve_shape("qwen3-1.7b"))
-    runtime = dataclasses.replace(RuntimeSection(), gpus=ranks.count)
-    runtime = dataclasses.replace(runtime, grad_route=ranks.grad_route)
-    runtime = dataclasses.replace(runtime, param_route=ranks.param_route)
+    runtime = RuntimeSection.from_keys(gpus=ranks.count)
+    runtime = runtime.with_keys(grad_route=ranks.grad_route)
+    runtime = runtime.with_keys(param_route=ranks.param_route)
     policy = resolve_policy(runtime, adapter, mirror=True, device=torch.device("cuda"))
     links = Links(h2d_gbps=55, d2h_gbps=54, reduce_gbps=301, gather_gbps=320)
     spec = spec_from_shapes(
@@ -173,7 +171,7 @@ def test_the_routes_in_the_spec_and_the_gpu_route_beats_the_cpu_route() -> None:
 
 
 def test_the_cast_on_delivery_takes_the_probed_cast_rate() -> None:
-    from slidedp.config import RuntimeSection
+    from slidedp.config_runtime import RuntimeSection
     from slidedp.models.hf import HFAdapter
     from slidedp.models.shapes import resolve_shape
     from slidedp.plan.policy import resolve_policy
@@ -194,7 +192,7 @@ def test_gpu_resident_groups_skip_the_host_and_shorten_a_host_bound_step() -> No
     issue #16, twelfth lease: 27 layers and the embeddings resident ran 0.485 s a step against
     the all-host default's 1.014 s in validation). Resident groups have no load, cast, copy nor
     host update; their AdamW is device time; the step is no longer update-bound."""
-    from slidedp.config import RuntimeSection
+    from slidedp.config_runtime import RuntimeSection
     from slidedp.models.hf import HFAdapter
     from slidedp.models.shapes import resolve_shape
     from slidedp.plan.cost import resident_update_s
@@ -203,8 +201,8 @@ def test_gpu_resident_groups_skip_the_host_and_shorten_a_host_bound_step() -> No
     adapter = HFAdapter(resolve_shape("qwen3-1.7b"))
 
     def spec(resident_layers: int, embeddings: bool) -> dict[str, Any]:
-        runtime = dataclasses.replace(
-            RuntimeSection(), resident_layers=resident_layers, resident_embeddings=embeddings
+        runtime = RuntimeSection.from_keys(
+            resident_layers=resident_layers, resident_embeddings=embeddings
         )
         policy = resolve_policy(runtime, adapter, mirror=False, device=torch.device("cuda"))
         return spec_from_shapes(
@@ -232,7 +230,7 @@ def test_gpu_resident_groups_skip_the_host_and_shorten_a_host_bound_step() -> No
     assert layers == 28
     # without clipping at a slow host (40 GB/s): the host lane binds, on streamed groups only
     # (8 resident layers and the embeddings: groups 0..8 and 29 take no ring slot nor update)
-    runtime = dataclasses.replace(RuntimeSection(), resident_layers=8, resident_embeddings=True)
+    runtime = RuntimeSection.from_keys(resident_layers=8, resident_embeddings=True)
     policy = resolve_policy(runtime, adapter, mirror=True, device=torch.device("cuda"))
     free = predict_step(spec_from_shapes(
         adapter, policy, batch=16, seq_len=1024, peak_flops=989e12, adamw_gbps=40,

@@ -248,11 +248,11 @@ def test_the_cross_node_groups_follow_the_policy_files_gradient_route(
 ) -> None:
     """The cpu route sums host memory across nodes: gloo groups, even when only a policy file
     (not the config) chooses it; NCCL would refuse host tensors."""
-    import dataclasses
 
     import torch
 
-    from slidedp.config import RuntimeSection, TrainSection
+    from slidedp.config import TrainSection
+    from slidedp.config_runtime import RuntimeSection
     from slidedp.runtime import dist as rdist
 
     policy = tmp_path / "policy.yaml"
@@ -265,8 +265,8 @@ def test_the_cross_node_groups_follow_the_policy_files_gradient_route(
     monkeypatch.setattr(rdist.Dist, "init", init)
     ctx = rdist.Dist(rank=0, world=2, local_rank=0, local_world=1)
     train = TrainSection(max_steps=1, global_batch_size=2)
-    cases = ((RuntimeSection(policy=str(policy)), True), (RuntimeSection(), False))
+    cases = ((RuntimeSection.from_keys(policy=str(policy)), True), (RuntimeSection(), False))
     for runtime, expected in cases:
-        runtime = dataclasses.replace(runtime, nodes=2, master_addr="127.0.0.1")
+        runtime = runtime.with_keys(nodes=2, master_addr="127.0.0.1")
         rdist.start(ctx, torch.device("cpu"), runtime, train)
         assert seen["host_sum"] is expected

@@ -19,7 +19,8 @@ from slidedp.autopolicy.choose import ChooseSpec, choose
 from slidedp.errors import ConfigError
 
 if TYPE_CHECKING:
-    from slidedp.config import RuntimeSection, TrainConfig
+    from slidedp.config import TrainConfig
+    from slidedp.config_runtime import RuntimeSection
     from slidedp.models.hf import HFAdapter
     from slidedp.plan.machine import Machine
 
@@ -31,7 +32,7 @@ CHOSEN = ("layers", "offload_ratio", "resident_layers", "resident_embeddings")
 def check_one_process(rt: RuntimeSection, what: str) -> None:
     """``slidedp plan`` profiles and budgets one process's share of the batch on one device (a
     launcher such as torchrun says how many processes run in ``WORLD_SIZE``)."""
-    if rt.world > 1 or rt.nodes > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if rt.launch.world > 1 or rt.launch.nodes > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError(
             f"{what} chooses the layout of one process for now: for several ranks or nodes "
             "write runtime.layers by hand (slidedp estimate checks it), or let "
@@ -43,9 +44,10 @@ def check_auto_launch(rt: RuntimeSection) -> None:
     """``auto`` chooses once, before any rank starts (``slidedp train``'s launcher, the bench's):
     a rank started by another launcher (torchrun: ``WORLD_SIZE``) cannot, and several nodes
     would each choose for themselves."""
-    if rt.nodes > 1:
+    if rt.launch.nodes > 1:
         raise ConfigError(
-            f"runtime.policy=auto chooses for the GPUs of one host, not for {rt.nodes} nodes: "
+            "runtime.policy=auto chooses for the GPUs of one host, not for "
+            f"{rt.launch.nodes} nodes: "
             "write runtime.layers and the routes by hand (slidedp estimate checks them)"
         )
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -58,12 +60,12 @@ def check_auto_launch(rt: RuntimeSection) -> None:
 def check_auto_free(rt: RuntimeSection) -> None:
     """The keys ``auto`` chooses must be left to it (detected as differing from the dataclass
     default: a key set to its default value cannot be told from an unset one)."""
-    fixed = [k for k in CHOSEN if getattr(rt, k) != getattr(type(rt)(), k)]
+    fixed = [k for k in CHOSEN if rt.get(k) != type(rt)().get(k)]
     if fixed:
         raise ConfigError(
             f"runtime.policy=auto chooses runtime.layers, their offload and the GPU-resident "
             f"layers and embeddings, which the config "
-            f"sets ({', '.join(f'{k}={getattr(rt, k)}' for k in fixed)}): keep one of them"
+            f"sets ({', '.join(f'{k}={rt.get(k)}' for k in fixed)}): keep one of them"
         )
 
 
@@ -87,7 +89,7 @@ def resolve_auto(
     (``train``) keeps each route key the config sets to another value than its default."""
 
     rt = cfg.runtime
-    if rt.policy != AUTO:
+    if rt.autopolicy.policy != AUTO:
         return cfg, None
     check_auto_launch(rt)
     check_auto_free(rt)

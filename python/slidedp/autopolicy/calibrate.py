@@ -168,7 +168,7 @@ def _profiled_times_s(choice: Choice) -> dict[LayerPolicy, float]:
 
 
 def _with_layers(cfg: TrainConfig, layout: str) -> TrainConfig:
-    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, layers=layout))
+    return dataclasses.replace(cfg, runtime=cfg.runtime.with_keys(layers=layout))
 
 
 def calibrate_choice(

@@ -128,7 +128,7 @@ class Selecting:
 
     @property
     def several(self) -> bool:
-        return self.cfg.runtime.world > 1
+        return self.cfg.runtime.launch.world > 1
 
     @property
     def terms(self) -> KeyTerms:
@@ -187,7 +187,7 @@ def device_total_bytes(machine: Machine, cfg: TrainConfig, adapter: HFAdapter) -
     # several CPU ranks: each holds its own activations in the same RAM
     return (
         machine.mem_available_bytes - (est.ram_bytes - est.cpu_working_bytes)
-    ) // cfg.runtime.world
+    ) // cfg.runtime.launch.world
 
 
 def _say(line: str) -> None:
@@ -208,7 +208,7 @@ def kept(s: Selecting) -> None:
 
 def cached(s: Selecting) -> None:
     """A selection of the same key, cached, is taken as it is."""
-    if not (s.spec.read_cache and s.spec.measure) or s.cfg.runtime.policy_force:
+    if not (s.spec.read_cache and s.spec.measure) or s.cfg.runtime.autopolicy.policy_force:
         return
     facts = selection_key(s.base, s.adapter, s.machine, s.terms)
     hit = facts and read_selection(facts, layers=s.adapter.num_layers, routes=s.candidates,
@@ -272,7 +272,7 @@ def solve(s: Selecting) -> None:
 def calibrate(s: Selecting) -> None:
     """The shortlisted candidates timed on a reduced model, then solved again."""
     assert s.solved is not None
-    steps = s.cfg.runtime.policy_calibrate_steps
+    steps = s.cfg.runtime.autopolicy.policy_calibrate_steps
     s.not_calibrated = why_not_calibrated_here(
         steps, s.solved, elsewhere=s.spec.target_bytes is not None, several=s.several,
         measuring=s.spec.measure)  # fmt: skip
@@ -287,7 +287,7 @@ def calibrate(s: Selecting) -> None:
 
 
 def _route(cfg: TrainConfig) -> Route:
-    return cfg.runtime.param_route, cfg.runtime.grad_route
+    return cfg.runtime.layout.param_route, cfg.runtime.layout.grad_route
 
 
 def validate(s: Selecting) -> None:
@@ -298,13 +298,13 @@ def validate(s: Selecting) -> None:
     other_route = s.several and _route(s.configured(s.base, s.solved)[0]) != _route(s.base)
     differs = needs_validation(s.solved) or other_route or s.other_chunk
     s.not_validated = why_not_validated(
-        rt.policy_validate_steps, elsewhere=s.spec.target_bytes is not None,
+        rt.autopolicy.policy_validate_steps, elsewhere=s.spec.target_bytes is not None,
         measuring=s.spec.measure, differs=differs)  # fmt: skip
     if s.not_validated is None:
         with s.clock.stage("validation") as notes:
             s.validation = validate_choice(
-                s.base, s.solved, s.solve_at, steps=rt.policy_validate_steps,
-                limit_bytes=limit_bytes(s.machine), runner=runner_for(s.machine, rt.world),
+                s.base, s.solved, s.solve_at, steps=rt.autopolicy.policy_validate_steps,
+                limit_bytes=limit_bytes(s.machine), runner=runner_for(s.machine, rt.launch.world),
                 configure=lambda cfg, c: s.configured(cfg, c)[0])  # fmt: skip
             notes.append(s.validation.describe())
     elif s.other_chunk:  # a chunk runs only where validation ran it faster (chunk_choice)
@@ -329,7 +329,7 @@ def result(s: Selecting) -> None:
         if (
             s.chunk is not None
             and s.other_chunk
-            and (s.chosen.runtime.chunk_elems != s.chunk.chunk_elems)
+            and (s.chosen.runtime.layout.chunk_elems != s.chunk.chunk_elems)
         ):
             s.chunk_said += ", not run: the chosen layout loads without the mirror probed"
     s.line = head(s.solved, s.shown, _source(s), s.host, s.clock.seconds["solve"])
@@ -337,7 +337,8 @@ def result(s: Selecting) -> None:
         s.line += f"; routes {s.route_said}"
     summary = s.calibration.summary() if s.calibration else {"skipped": s.not_calibrated}
     s.line += f"; chunk {s.chunk_said}; {clause(summary)}"
-    s.line += f"; {validated(s.validation, s.cfg.runtime.policy_validate_steps, s.not_validated)}"
+    steps = s.cfg.runtime.autopolicy.policy_validate_steps
+    s.line += f"; {validated(s.validation, steps, s.not_validated)}"
     if s.spec.measure:  # from a cache alone (validate, estimate) the seconds say nothing
         s.line += f"; {selection(s.clock, s.validation)}"
 
@@ -387,7 +388,7 @@ STAGES: tuple[Stage, ...] = (kept, cached, measure, profile, host, chunks, solve
 
 def start(cfg: TrainConfig, adapter: HFAdapter, machine: Machine, spec: ChooseSpec) -> Selecting:
     """The state before the first stage."""
-    several = cfg.runtime.world > 1
+    several = cfg.runtime.launch.world > 1
     on_gpu = spec.target_bytes is not None or machine.gpu_total_bytes is not None
     clock = spec.clock or Clock(say=_say_stage if spec.measure else None)
     return Selecting(

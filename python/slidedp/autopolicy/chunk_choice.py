@@ -30,7 +30,8 @@ from slidedp.plan.resolve import resolve_mirror
 from slidedp.profile.chunks import BF16_BYTES, cached_chunks, probe_chunks, ring_slots
 
 if TYPE_CHECKING:
-    from slidedp.config import RuntimeSection, TrainConfig
+    from slidedp.config import TrainConfig
+    from slidedp.config_runtime import RuntimeSection
     from slidedp.models.hf import HFAdapter
     from slidedp.plan.machine import Machine
 
@@ -90,7 +91,7 @@ def with_chunk(
 
     if chunk is None or chunk.is_default or resolve_mirror(cfg, adapter, machine) != chunk.mirror:
         return cfg
-    runtime = dataclasses.replace(cfg.runtime, chunk_elems=chunk.chunk_elems,
+    runtime = cfg.runtime.with_keys(chunk_elems=chunk.chunk_elems,
                                   grad_slots=chunk.grad_slots)  # fmt: skip
     return dataclasses.replace(cfg, runtime=runtime)
 
@@ -108,10 +109,11 @@ def chunk_skipped(rt: RuntimeSection, machine: Machine) -> str | None:
     """Why the chunk stage keeps the config's chunk (None: it chooses one)."""
     if machine.device != "cuda":
         return "the config's (on CPU no copy to cut)"
-    if rt.chunk_elems:
-        return f"{rt.chunk_elems:,} elements, the config's"
-    if rt.grad_slots != type(rt)().grad_slots:  # the ring a chunk cuts is the default's
-        return f"the whole layer (the config sets runtime.grad_slots={rt.grad_slots})"
+    if rt.layout.chunk_elems:
+        return f"{rt.layout.chunk_elems:,} elements, the config's"
+    # the ring a chunk cuts is the default's
+    if rt.layout.grad_slots != type(rt)().layout.grad_slots:
+        return f"the whole layer (the config sets runtime.grad_slots={rt.layout.grad_slots})"
     return None
 
 
@@ -139,6 +141,6 @@ def probe_chunk(
             said = "the whole layer (not probed yet: `slidedp train` probes and chooses)"
             notes.append(said)
             return None, said
-        choice = choose_chunk(report, grad_slots=cfg.runtime.grad_slots)
+        choice = choose_chunk(report, grad_slots=cfg.runtime.layout.grad_slots)
         notes.append(choice.describe())
     return choice, choice.describe()

@@ -141,8 +141,8 @@ def plan_summary(found: SelectionReport) -> dict[str, Any]:
         "profile": report.get("cached") or "measured",
         "host_adamw": {"gbps": host.gbps, "source": host.source},
         "chunk": {
-            "chunk_elems": found.cfg.runtime.chunk_elems,
-            "grad_slots": found.cfg.runtime.grad_slots,
+            "chunk_elems": found.cfg.runtime.layout.chunk_elems,
+            "grad_slots": found.cfg.runtime.layout.grad_slots,
             "said": s.chunk_said,
         },
         "problem": choice.problem,

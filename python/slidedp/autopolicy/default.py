@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from slidedp.config import RuntimeSection
+from slidedp.config_runtime import RuntimeSection
 
 AUTO, FIXED = "auto", "fixed"
 # the keys that name a layout: set, the config's layout runs (auto would refuse them anyway)
@@ -39,18 +39,18 @@ class DefaultPolicy:
 def default_policy(rt: RuntimeSection, device: str, world_size_env: int = 1) -> DefaultPolicy:
     """Whether ``rt`` selects its policy on ``device`` (``"cuda"`` or ``"cpu"``, as resolved),
     ``world_size_env``: torchrun's ``WORLD_SIZE`` (1 where ``slidedp train`` launches)."""
-    if rt.policy == AUTO:
+    if rt.autopolicy.policy == AUTO:
         return DefaultPolicy(True, False, "runtime.policy: auto")
-    if rt.policy == FIXED:
+    if rt.autopolicy.policy == FIXED:
         return DefaultPolicy(False, False, "runtime.policy: fixed")
-    if rt.policy:
-        return DefaultPolicy(False, False, f"the policy file {rt.policy}")
+    if rt.autopolicy.policy:
+        return DefaultPolicy(False, False, f"the policy file {rt.autopolicy.policy}")
     if device != "cuda":
         return DefaultPolicy(False, False, "the fixed default on CPU")
-    named = [k for k in LAYOUT_KEYS if getattr(rt, k) != getattr(RuntimeSection(), k)]
+    named = [k for k in LAYOUT_KEYS if rt.get(k) != RuntimeSection().get(k)]
     if named:
         return DefaultPolicy(False, False, f"the config names the layout ({', '.join(named)})")
-    if rt.nodes > 1 or world_size_env > 1:
+    if rt.launch.nodes > 1 or world_size_env > 1:
         return DefaultPolicy(False, False, "the fixed default: auto chooses on one host")
     return DefaultPolicy(True, True, "AutoPolicy, the default on CUDA (runtime.policy: fixed: off)")
 

@@ -59,7 +59,7 @@ def kept_policy(resume: Path | None, layers: int, whole_layer: int) -> Kept | No
 
 
 def _with(cfg: TrainConfig, **runtime: Any) -> TrainConfig:
-    return dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, **runtime))
+    return dataclasses.replace(cfg, runtime=cfg.runtime.with_keys(**runtime))
 
 
 def kept_line(
@@ -68,16 +68,20 @@ def kept_line(
     """The resumed run keeps its checkpoint's layout and, where auto chooses them, routes; on
     several ranks no layer is GPU-resident (refused there)."""
     rt = cfg.runtime
-    resident = kept.resident_layers if rt.world == 1 else 0
-    embeddings = kept.resident_embeddings and rt.world == 1
+    resident = kept.resident_layers if rt.launch.world == 1 else 0
+    embeddings = kept.resident_embeddings and rt.launch.world == 1
     cfg = _with(cfg, layers=kept.layers, resident_layers=resident, resident_embeddings=embeddings)
     chunk = ""
-    if kept.chunk_elems and not rt.chunk_elems and kept.grad_slots > 0:
+    if kept.chunk_elems and not rt.layout.chunk_elems and kept.grad_slots > 0:
         cfg = _with(cfg, chunk_elems=kept.chunk_elems, grad_slots=kept.grad_slots)
         chunk = f", chunk {kept.chunk_elems:,} elements"
     routes = ""
-    if rt.world > 1:
-        route = kept.route if kept.route in candidates else (rt.param_route, rt.grad_route)
+    if rt.launch.world > 1:
+        route = (
+            kept.route
+            if kept.route in candidates
+            else (rt.layout.param_route, rt.layout.grad_route)
+        )
         cfg = _with(cfg, param_route=route[0], grad_route=route[1])
         routes = f", routes {route_name(route)}"
     line = (

@@ -48,7 +48,7 @@ def measure(cfg: TrainConfig) -> None:
     profile_layer(profile_spec(cfg))
     threads = update_threads(cfg, machine)
     host_rate(threads, machine, measure=True)
-    world = cfg.runtime.world
+    world = cfg.runtime.launch.world
     if machine.device != "cuda":
         return
     adapter = HFAdapter.from_dir(cfg.model.path, cfg.model.config_overrides())
@@ -70,7 +70,7 @@ def measure_in_child(cfg: TrainConfig) -> float:
     its seconds. Its stderr is passed on; a failure is one ``ConfigError`` with its last line."""
 
     start = time.perf_counter()
-    links = ", the chunks, the links between the GPUs" if cfg.runtime.gpus > 1 else ""
+    links = ", the chunks, the links between the GPUs" if cfg.runtime.launch.gpus > 1 else ""
     print(f"policy   auto: measuring the layer, the host{links} in a child process (cached for "
           "the next run) ...", file=sys.stderr, flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="slidedp-auto-") as tmp:

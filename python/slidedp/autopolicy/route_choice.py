@@ -67,16 +67,16 @@ def candidate_routes(cfg: TrainConfig, fixed: bool | None) -> list[Route]:
     default is the user's: a route set to its default value cannot be told from an unset
     one, and auto may then change it)."""
     rt = cfg.runtime
-    config_route = (rt.param_route, rt.grad_route)
+    config_route = (rt.layout.param_route, rt.layout.grad_route)
     if fixed:
         return [config_route]
     defaults = type(rt)()
-    param_free = fixed is False or rt.param_route == defaults.param_route
-    grad_free = fixed is False or rt.grad_route == defaults.grad_route
+    param_free = fixed is False or rt.layout.param_route == defaults.layout.param_route
+    grad_free = fixed is False or rt.layout.grad_route == defaults.layout.grad_route
     return [
         (p, g)
         for p, g in ROUTES
-        if (param_free or p == rt.param_route) and (grad_free or g == rt.grad_route)
+        if (param_free or p == rt.layout.param_route) and (grad_free or g == rt.layout.grad_route)
     ]
 
 
@@ -104,9 +104,9 @@ def routes_for(
     ``report`` and the host rates of ``host``, and what it says (the config's routes, and why,
     where the model cannot predict them)."""
     rt = cfg.runtime
-    config_route = (rt.param_route, rt.grad_route)
+    config_route = (rt.layout.param_route, rt.layout.grad_route)
     peak, _ = gpu_peak(machine.gpu_name)
-    links = links_for(rt.world, adapter, machine) if machine.device == "cuda" else None
+    links = links_for(rt.launch.world, adapter, machine) if machine.device == "cuda" else None
     why = None
     if machine.device != "cuda":
         why = "the route model is for GPUs"
@@ -124,5 +124,5 @@ def routes_for(
         f"{choice.describe()}{fixed}; reduce {links.reduce_gbps:.0f}, all_gather "
         f"{links.gather_gbps:.0f} GB/s measured, copies at the PCIe ceilings"
     )
-    runtime = dataclasses.replace(rt, param_route=choice.route[0], grad_route=choice.route[1])
+    runtime = rt.with_keys(param_route=choice.route[0], grad_route=choice.route[1])
     return dataclasses.replace(cfg, runtime=runtime), said

@@ -41,7 +41,8 @@ from slidedp.profile.pareto import layer_time, memory
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from slidedp.config import RuntimeSection, TrainConfig
+    from slidedp.config import TrainConfig
+    from slidedp.config_runtime import RuntimeSection
     from slidedp.models.hf import HFAdapter
     from slidedp.plan.machine import Machine
 
@@ -124,7 +125,7 @@ def profile_candidates(
 def all_f(rt: RuntimeSection) -> RuntimeSection:
     """``rt`` with the fixed default's policy: every layer ``F``, nothing offloaded, nothing
     GPU-resident."""
-    return replace(rt, layers="F", offload_ratio=0.0, policy="", resident_layers=0,
+    return rt.with_keys(layers="F", offload_ratio=0.0, policy="", resident_layers=0,
                    resident_embeddings=False)  # fmt: skip
 
 
@@ -177,9 +178,9 @@ def offload_host_budget(
     given = mirror_given(replace(cfg, runtime=rt), machine)
 
     def spare(with_mirror: bool, headroom: int) -> float:
-        run = replace(cfg, runtime=replace(rt, bf16_mirror=with_mirror))
+        run = replace(cfg, runtime=rt.with_keys(bf16_mirror=with_mirror))
         ram = estimate_run(run, adapter, machine, step_model=False).ram_bytes
-        return (available - ram - headroom - HOST_SLACK_BYTES) / cfg.runtime.world
+        return (available - ram - headroom - HOST_SLACK_BYTES) / cfg.runtime.launch.world
 
     if given is not None:
         return max(0.0, spare(given, 0))

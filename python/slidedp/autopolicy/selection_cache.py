@@ -82,7 +82,7 @@ def selection_facts(
 ) -> dict[str, Any]:
     """The key's facts: the measurements the choice rests on and the run's terms that enter
     the solve, the validation and the routes (``routes``: the candidates auto chooses among)."""
-    rt = dataclasses.asdict(cfg.runtime)
+    rt = cfg.runtime.flat()
     return {
         "program": PROGRAM_REVISION,
         "profile": _digest(profile),
@@ -91,11 +91,11 @@ def selection_facts(
         "chunks": None if chunks is None else _digest(chunks),
         "model_config": _model_config_digest(cfg),
         "model_overrides": cfg.model.config_overrides(),
-        "batch_per_rank": cfg.train.global_batch_size // cfg.runtime.world,
+        "batch_per_rank": cfg.train.global_batch_size // cfg.runtime.launch.world,
         "seq_len": cfg.data.seq_len,
         "dtype": cfg.train.dtype,
         "clipping": cfg.train.max_grad_norm > 0,
-        "world": cfg.runtime.world,
+        "world": cfg.runtime.launch.world,
         "gpu": profile.get("gpu"),
         "gpu_total_bytes": gpu_total_bytes,
         "resident": resident,
@@ -204,7 +204,7 @@ def selection_key(
         return None
     links = chunks = None
     if routes and gpu is not None:
-        links = cached_links(cfg.runtime.world, gpu, layer_numel(adapter))
+        links = cached_links(cfg.runtime.launch.world, gpu, layer_numel(adapter))
     if gpu is not None and chunk_skipped(cfg.runtime, machine) is None:  # the stage chooses
         numel, _, mirror = probe_terms(cfg, adapter, machine)
         chunks = cached_chunks(threads, gpu, numel, mirror)
@@ -227,13 +227,11 @@ def from_cache(
         "resident_layers": policy.resident_layers,
         "resident_embeddings": policy.resident_embeddings,
     }
-    if cfg.runtime.world > 1:
+    if cfg.runtime.launch.world > 1:
         keys |= {"param_route": policy.param_route, "grad_route": policy.grad_route}
     if policy.chunk_elems != whole_layer:
         keys |= {"chunk_elems": policy.chunk_elems, "grad_slots": policy.grad_slots}
-    return dataclasses.replace(
-        cfg, runtime=dataclasses.replace(cfg.runtime, **keys)
-    ), found.hit_line(path)
+    return dataclasses.replace(cfg, runtime=cfg.runtime.with_keys(**keys)), found.hit_line(path)
 
 
 def store_selection(

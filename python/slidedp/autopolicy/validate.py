@@ -99,7 +99,7 @@ def trial_config(cfg: TrainConfig, steps: int, out_dir: Path) -> TrainConfig:
     train = dataclasses.replace(cfg.train, max_steps=max(cfg.train.max_steps, steps), resume="")
     output = dataclasses.replace(cfg.output, dir=str(out_dir), export=False, tensorboard=False,
                                  save_steps=0)  # fmt: skip
-    runtime = dataclasses.replace(cfg.runtime, policy="", trace_path="")
+    runtime = cfg.runtime.with_keys(policy="", trace_path="")
     return dataclasses.replace(cfg, train=train, output=output, runtime=runtime)
 
 
@@ -109,7 +109,7 @@ def run_trial(cfg: TrainConfig, steps: int, *, on_ranks: bool = False) -> Trial:
     with the scratch directory every rank shares, and running out of device memory is raised
     (it ends this rank, and the launcher stops the others) instead of being the result."""
 
-    cuda = pick_device(cfg.runtime.device).type == "cuda"
+    cuda = pick_device(cfg.runtime.launch.device).type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     rt = cfg.runtime
@@ -125,7 +125,9 @@ def run_trial(cfg: TrainConfig, steps: int, *, on_ranks: bool = False) -> Trial:
                 raise
     gc.collect()  # the trainer's store and window, before the next trial's
     reserved = int(torch.cuda.max_memory_reserved()) if cuda else None
-    return Trial(rt.layers, rt.resident_layers, step_s, reserved, rt.resident_embeddings)
+    return Trial(
+        rt.layout.layers, rt.layout.resident_layers, step_s, reserved, rt.layout.resident_embeddings
+    )
 
 
 def trial_on_ranks(cfg: TrainConfig, steps: int) -> Trial:
@@ -143,18 +145,20 @@ def trial_on_ranks(cfg: TrainConfig, steps: int) -> Trial:
             spec = rank_launcher.LaunchSpec(
                 module="slidedp.autopolicy.validate", name="policy validation",
                 own_session=False, stdout=stdout, stderr=stderr)  # fmt: skip
-            code = rank_launcher.launch(rt.world, [str(path), str(steps)], timeout_s=TIMEOUT_S,
-                                        spec=spec)  # fmt: skip
+            code = rank_launcher.launch(rt.launch.world, [str(path), str(steps)],
+                                        timeout_s=TIMEOUT_S, spec=spec)  # fmt: skip
         printed, said = out.read_text(), err.read_text()
     if code == rank_launcher.EXIT_TIMED_OUT:
         raise _ran_past(cfg)
     if code == EXIT_OUT_OF_MEMORY:
-        return Trial(rt.layers, rt.resident_layers, None, None, rt.resident_embeddings)
+        return Trial(
+            rt.layout.layers, rt.layout.resident_layers, None, None, rt.layout.resident_embeddings
+        )
     sys.stderr.write(said)
     ranks = [Trial(**json.loads(line)) for line in printed.splitlines() if line.startswith("{")]
-    if code != 0 or len(ranks) != rt.world:
+    if code != 0 or len(ranks) != rt.launch.world:
         last = (said.strip().splitlines() or [f"exit code {code}"])[-1]
-        raise ConfigError(f"runtime.policy=auto: validating {rt.layers} failed: {last}")
+        raise ConfigError(f"runtime.policy=auto: validating {rt.layout.layers} failed: {last}")
     steps_s = [t.step_s for t in ranks if t.step_s is not None]
     reserved = [t.reserved_bytes for t in ranks if t.reserved_bytes is not None]
     return dataclasses.replace(ranks[0], step_s=max(steps_s) if steps_s else None,
@@ -163,7 +167,8 @@ def trial_on_ranks(cfg: TrainConfig, steps: int) -> Trial:
 
 def _ran_past(cfg: TrainConfig) -> ConfigError:
     return ConfigError(
-        f"runtime.policy=auto: validating {cfg.runtime.layers} ran past {TIMEOUT_S:.0f} s; set "
+        f"runtime.policy=auto: validating {cfg.runtime.layout.layers} ran past "
+        f"{TIMEOUT_S:.0f} s; set "
         "runtime.policy_validate_steps=0 or write the policy by hand"
     )
 
@@ -185,7 +190,9 @@ def trial_in_child(cfg: TrainConfig, steps: int) -> Trial:
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
-        raise ConfigError(f"runtime.policy=auto: validating {cfg.runtime.layers} failed: {last}")
+        raise ConfigError(
+            f"runtime.policy=auto: validating {cfg.runtime.layout.layers} failed: {last}"
+        )
     return Trial(**json.loads(lines[-1]))
 
 
@@ -275,7 +282,7 @@ def _overshoot(trial: Trial, limit_bytes: int | None, budget_bytes: int) -> int:
 
 def default_config(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` on the fixed default: every layer ``F`` without offload, none GPU-resident."""
-    runtime = dataclasses.replace(cfg.runtime, layers="F", offload_ratio=0.0, policy="",
+    runtime = cfg.runtime.with_keys(layers="F", offload_ratio=0.0, policy="",
                                   resident_layers=0, resident_embeddings=False)  # fmt: skip
     return dataclasses.replace(cfg, runtime=runtime)
 
@@ -304,7 +311,7 @@ def _is_default(choice: Choice) -> bool:
 
 def with_choice(cfg: TrainConfig, choice: Choice) -> TrainConfig:
     """``cfg`` running ``choice``: its layout and what stays GPU-resident."""
-    runtime = dataclasses.replace(cfg.runtime, layers=choice.layout,
+    runtime = cfg.runtime.with_keys(layers=choice.layout,
                                   resident_layers=choice.resident_layers,
                                   resident_embeddings=choice.resident_embeddings)  # fmt: skip
     return dataclasses.replace(cfg, runtime=runtime)

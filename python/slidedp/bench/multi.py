@@ -28,7 +28,8 @@ import torch
 from slidedp.autopolicy.auto import AUTO, check_auto_free
 from slidedp.bench.measure import RunSpec
 from slidedp.bench.peers import PEERS, split_variant
-from slidedp.config import RuntimeSection, TrainSection
+from slidedp.config import TrainSection
+from slidedp.config_runtime import RuntimeSection
 from slidedp.errors import ConfigError
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.policy import layer_numel
@@ -146,7 +147,7 @@ def parse_scale(
     train = dataclasses.replace(TrainSection(**ours["train"]), global_batch_size=world)
     for route in routes:
         given = _route_runtime(ours["runtime"], route)
-        runtime = RuntimeSection(**given)
+        runtime = RuntimeSection.from_keys(**given)
         try:
             if route == AUTO_ROUTE:
                 check_auto_free(runtime)

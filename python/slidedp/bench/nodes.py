@@ -35,7 +35,7 @@ from slidedp.bench.node_runs import (
     run_nodes,
     visible_gpus,
 )
-from slidedp.config import RuntimeSection
+from slidedp.config_runtime import RuntimeSection
 from slidedp.errors import ConfigError
 from slidedp.models.hf import HFAdapter
 from slidedp.models.shapes import resolve_shape

@@ -118,11 +118,9 @@ def resolved_config(spec: RunSpec, data: Path, out: Path) -> tuple[TrainConfig, 
 def chosen_runtime(cfg: TrainConfig) -> dict[str, Any]:
     """The runtime keys that make the ranks run ``cfg``'s resolved policy (the bench's
     launcher's choice), ``runtime.policy`` cleared."""
-    rt = cfg.runtime
-    return {"policy": "", "layers": rt.layers, "resident_layers": rt.resident_layers,
-            "resident_embeddings": rt.resident_embeddings, "param_route": rt.param_route,
-            "grad_route": rt.grad_route, "chunk_elems": rt.chunk_elems,
-            "grad_slots": rt.grad_slots}  # fmt: skip
+    keys = ("layers", "resident_layers", "resident_embeddings", "param_route", "grad_route",
+            "chunk_elems", "grad_slots")  # fmt: skip
+    return {"policy": ""} | {k: cfg.runtime.get(k) for k in keys}
 
 
 def choose_for_ranks(spec: RunSpec, spec_path: Path) -> tuple[Path, dict[str, Any]]:
@@ -138,14 +136,14 @@ def choose_for_ranks(spec: RunSpec, spec_path: Path) -> tuple[Path, dict[str, An
     ours = {**spec.ours, "runtime": {**spec.ours["runtime"], **chosen_runtime(cfg)}}
     path = spec_path.with_name(f"{spec_path.stem}.chosen.json")
     path.write_text(json.dumps(dataclasses.replace(spec, ours=ours).to_json()))
-    return path, {"policy": line, "chosen_route": f"{rt.param_route}/{rt.grad_route}"}
+    return path, {"policy": line, "chosen_route": f"{rt.layout.param_route}/{rt.layout.grad_route}"}
 
 
 def auto_layout(spec: RunSpec) -> str:
     """The layout ``runtime.policy=auto`` chooses for ``spec`` (the reference runs it too)."""
     with tempfile.TemporaryDirectory(prefix="slidedp-bench-") as tmp:
         cfg, _ = resolved_config(spec, Path(tmp) / "tokens.jsonl", Path(tmp) / "out")
-        return cfg.runtime.layers
+        return cfg.runtime.layout.layers
 
 
 def write_tokens(path: Path, spec: RunSpec, vocab_size: int) -> None:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from slidedp.config import RuntimeSection
+from slidedp.config_runtime import RUNTIME_GROUP_OF, RuntimeSection
 from slidedp.errors import ConfigError
 from slidedp.kernels import default_threads
 from slidedp.models.hf import HFAdapter
@@ -41,7 +41,7 @@ from slidedp.profile.host import engine_update_threads, model_gbps, probe_host
 from slidedp.profile.layer import ProfileSpec, profile_layer
 
 if TYPE_CHECKING:
-    from slidedp.config import RuntimeSection
+    from slidedp.config_runtime import RuntimeSection
     from slidedp.plan.timing import Links
 
 PROBE_TIMEOUT_S = 300
@@ -82,7 +82,7 @@ PROBES = {"layer": _layer, "host": _host}
 def _ours_runtime(report: dict[str, Any], run: dict[str, Any]) -> RuntimeSection:
     """The run's ``RuntimeSection``: the report's config of ours with the run's routes."""
 
-    known = {f.name for f in dataclasses.fields(RuntimeSection)}
+    known = set(RUNTIME_GROUP_OF)
     given = {k: v for k, v in report["ours_config"]["runtime"].items() if k in known}
     route = run.get("chosen_route") or run.get("route")  # --routes auto: what auto chose
     if route:
@@ -93,7 +93,7 @@ def _ours_runtime(report: dict[str, Any], run: dict[str, Any]) -> RuntimeSection
                   "resident_embeddings": run.get("resident_embeddings", False)}  # fmt: skip
     if run.get("world", 1) > 1:
         given["gpus"] = run["world"]
-    return RuntimeSection(**given)
+    return RuntimeSection.from_keys(**given)
 
 
 def _links(report: dict[str, Any]) -> Links:
@@ -142,7 +142,7 @@ def predict_report(
             "seq_len": report["seq_len"], "families": families, "ratios": ratios,
             "device": device, "dtype": str(dtype).removeprefix("torch."),
             "warmup": 2, "steps": 5, "cache_dir": None, "force": False,
-            "layer_kernels": rt.kernels, "layer_compile": rt.compile,
+            "layer_kernels": rt.layout.kernels, "layer_compile": rt.layout.compile,
             "world": run.get("world", 1),
         }  # fmt: skip
         path = config_dir / f"layer-b{run['batch']}-{families}-{ratios}.json"

@@ -46,7 +46,7 @@ from slidedp.bench.predict import predict_report, print_predictions
 from slidedp.bench.report import Model, print_report, ratios, summarise
 from slidedp.bench.scaling import collectives_report, print_scale, scale_report
 from slidedp.bench.sweep import print_summary, sweep_summary
-from slidedp.config import ModelSection, load_config
+from slidedp.config import ModelSection, config_to_dict, load_config
 from slidedp.errors import ConfigError, SlidedpError
 from slidedp.models.hf import apply_overrides
 from slidedp.models.shapes import SHAPES, cut_layers, resolve_shape
@@ -83,7 +83,7 @@ def ours_config(overrides: list[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="slidedp-bench-") as tmp:
         path = Path(tmp) / "ours.yaml"
         path.write_text(yaml.safe_dump({**placeholders, **OURS_DEFAULTS}))
-        return dataclasses.asdict(load_config(path, overrides))
+        return config_to_dict(load_config(path, overrides))
 
 
 def ours_configs(overrides: list[str], systems: list[str]) -> dict[str, dict[str, Any]]:

@@ -58,7 +58,7 @@ class Machine:
     def probe(cls, cfg: TrainConfig, shm_dir: Path = SHM_DIR, measure: bool = True) -> Machine:
         """This machine, for the device and dtype ``cfg`` resolves to (as the trainer does);
         ``measure=False`` skips the CPU matmul timing (no step time: the memory checks only)."""
-        device = pick_device(cfg.runtime.device)
+        device = pick_device(cfg.runtime.launch.device)
         dtype = pick_dtype(cfg.train.dtype, device)
         stat = os.statvfs(shm_dir)
         facts: dict[str, Any] = {}
@@ -129,7 +129,7 @@ def update_threads(cfg: TrainConfig, machine: Machine) -> int:
     one rank; with several, the node's cores (the host probe's rate is every rank's update
     together, ``engine_update_threads``)."""
     cuda = machine.device == "cuda"
-    return cfg.runtime.update_threads or engine_update_threads(machine.cores, cuda)
+    return cfg.runtime.layout.update_threads or engine_update_threads(machine.cores, cuda)
 
 
 def host_rate(threads: int, machine: Machine, *, measure: bool = False) -> HostRate:

@@ -31,7 +31,7 @@ from slidedp.models.fast import Compute, resolve_compute
 from slidedp.plan.layout import LayerPolicy, format_layout, parse_layout
 
 if TYPE_CHECKING:
-    from slidedp.config import RuntimeSection
+    from slidedp.config_runtime import RuntimeSection
     from slidedp.models.hf import HFAdapter
 
 PLAN_FILE = "plan.json"  # in output.dir: the plan the run trained with
@@ -158,35 +158,32 @@ def read_policy_file(path: str) -> dict[str, Any]:
 
 def effective_runtime(rt: RuntimeSection) -> RuntimeSection:
     """``rt`` with the policy file's keys applied (``rt`` itself without one)."""
-    if rt.policy in ("", "fixed"):  # fixed: the config's keys, never auto's (autopolicy.default)
+    # fixed: the config's keys, never auto's (autopolicy.default)
+    if rt.autopolicy.policy in ("", "fixed"):
         return rt
-    if rt.policy == "auto":  # preflight.check_before_training replaces it by the choice
+    if rt.autopolicy.policy == "auto":  # preflight.check_before_training replaces it by the choice
         raise ConfigError("runtime.policy=auto is chosen by `slidedp train` (or `slidedp plan`)")
-    from_file = read_policy_file(rt.policy)
+    from_file = read_policy_file(rt.autopolicy.policy)
     defaults = type(rt)()
-    clash = [
-        k
-        for k, v in from_file.items()
-        if getattr(rt, k) != getattr(defaults, k) and getattr(rt, k) != v
-    ]
+    clash = [k for k, v in from_file.items() if rt.get(k) != defaults.get(k) and rt.get(k) != v]
     if clash:
         raise ConfigError(
-            f"runtime.policy {rt.policy} sets {', '.join(clash)}, which the config sets "
+            f"runtime.policy {rt.autopolicy.policy} sets {', '.join(clash)}, which the config sets "
             "differently: keep each key in one place"
         )
     try:
-        return dataclasses.replace(rt, **from_file)
+        return rt.with_keys(**from_file)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"runtime.policy {rt.policy}: {e}") from None
+        raise ConfigError(f"runtime.policy {rt.autopolicy.policy}: {e}") from None
 
 
 def resident_ranks_message(rt: RuntimeSection, world: int) -> str | None:
     """Why GPU-resident layers or embeddings refuse several processes (None: ``rt`` keeps
     none): their gradients would need an all-reduce on the devices and every rank an identical
     device update, not built yet."""
-    if world <= 1 or not (rt.resident_layers or rt.resident_embeddings):
+    if world <= 1 or not (rt.layout.resident_layers or rt.layout.resident_embeddings):
         return None
-    key = (f"runtime.resident_layers={rt.resident_layers}" if rt.resident_layers
+    key = (f"runtime.resident_layers={rt.layout.resident_layers}" if rt.layout.resident_layers
            else "runtime.resident_embeddings=true")  # fmt: skip
     return (
         f"{key} runs on one process only (this run has {world} ranks): GPU-resident "
@@ -232,25 +229,25 @@ def resolve_policy(
     """The policy of ``rt`` (the policy file applied) for ``adapter`` on ``device``;
     ``mirror`` as ``plan.resolve.resolve_mirror`` decided."""
     rt = effective_runtime(rt)
-    layers = parse_layout(rt.layers, adapter.num_layers, rt.offload_ratio)
+    layers = parse_layout(rt.layout.layers, adapter.num_layers, rt.layout.offload_ratio)
     check_layout_fits(layers, adapter)
-    if rt.resident_layers > adapter.num_layers:
+    if rt.layout.resident_layers > adapter.num_layers:
         raise ConfigError(
-            f"runtime.resident_layers={rt.resident_layers} but the model has "
+            f"runtime.resident_layers={rt.layout.resident_layers} but the model has "
             f"{adapter.num_layers} decoder layers: set 0..{adapter.num_layers}"
         )
     return Policy(
-        param_route=rt.param_route,
-        grad_route=rt.grad_route,
-        chunk_elems=rt.chunk_elems or layer_chunk_elems(adapter),
-        slots=rt.slots,
-        staging_slots=rt.staging_slots,
-        grad_slots=rt.grad_slots,
+        param_route=rt.layout.param_route,
+        grad_route=rt.layout.grad_route,
+        chunk_elems=rt.layout.chunk_elems or layer_chunk_elems(adapter),
+        slots=rt.layout.slots,
+        staging_slots=rt.layout.staging_slots,
+        grad_slots=rt.layout.grad_slots,
         mirror=mirror,
         layers=layers,
-        compute=resolve_compute(rt.kernels, rt.compile, device, adapter),
-        resident_layers=rt.resident_layers,
-        resident_embeddings=rt.resident_embeddings,
+        compute=resolve_compute(rt.layout.kernels, rt.layout.compile, device, adapter),
+        resident_layers=rt.layout.resident_layers,
+        resident_embeddings=rt.layout.resident_embeddings,
     )
 
 

@@ -54,7 +54,9 @@ class Shape:
     @classmethod
     def of_run(cls, cfg: TrainConfig) -> Shape:
         rt = cfg.runtime
-        return cls(cfg.train.global_batch_size // rt.world, cfg.data.seq_len, rt.world)
+        return cls(
+            cfg.train.global_batch_size // rt.launch.world, cfg.data.seq_len, rt.launch.world
+        )
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ def rates_for(
         return None
     report = cached_profile(profile_spec(cfg))
     measured = layer_times(report) if report else {}
-    links = links_for(cfg.runtime.world, adapter, machine)
+    links = links_for(cfg.runtime.launch.world, adapter, machine)
     said = [f"host AdamW {host.source}"] if host.source.startswith("measured") else []
     if links is not None:
         said.append("reduce and all_gather between the GPUs (cached)")
@@ -139,10 +141,10 @@ def route_steps(
     rt, steps = cfg.runtime, {}
     for param, grad in routes:
         on_route = dataclasses.replace(
-            cfg, runtime=dataclasses.replace(rt, param_route=param, grad_route=grad)
+            cfg, runtime=rt.with_keys(param_route=param, grad_route=grad)
         )
         try:
-            check_config(rt.world, on_route.runtime, cfg.train)
+            check_config(rt.launch.world, on_route.runtime, cfg.train)
         except ConfigError:
             continue
         plan = resolve_plan(on_route, adapter, machine)

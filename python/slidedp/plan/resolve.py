@@ -50,9 +50,9 @@ def mirror_given(cfg: TrainConfig, machine: Machine) -> bool | None:
     rt = cfg.runtime
     if machine.dtype != "bfloat16":
         return False
-    if rt.bf16_mirror is not None:
-        return rt.bf16_mirror
-    if rt.world > 1 and rt.param_route == "replicated":
+    if rt.layout.bf16_mirror is not None:
+        return rt.layout.bf16_mirror
+    if rt.launch.world > 1 and rt.layout.param_route == "replicated":
         return True
     return None
 
@@ -81,7 +81,7 @@ def plan_policy(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> Polic
 def plan_store(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> dict[str, Any]:
     """The layout of the store ``Trainer`` would create on ``machine`` (same arguments), not
     allocated."""
-    bf16, world = machine.dtype == "bfloat16", cfg.runtime.world
+    bf16, world = machine.dtype == "bfloat16", cfg.runtime.launch.world
     policy = plan_policy(cfg, adapter, machine)
     return HostStore.plan(adapter.group_specs(), **store_args(policy, bf16=bf16, world=world))
 
@@ -106,10 +106,11 @@ def resolve_plan(
             weight_decay=tc.weight_decay,
             max_grad_norm=tc.max_grad_norm,
         ),
-        loss_chunk_tokens=rt.loss_chunk_tokens,
+        loss_chunk_tokens=rt.layout.loss_chunk_tokens,
         # this rank's share of the cores (``engine_update_threads`` says why a share)
-        threads=rt.update_threads or engine_update_threads(machine.cores, cuda, rt.world),
-        version_timeout_s=rt.version_timeout_s,
+        threads=rt.layout.update_threads
+        or engine_update_threads(machine.cores, cuda, rt.launch.world),
+        version_timeout_s=rt.launch.version_timeout_s,
     )
 
 
@@ -137,9 +138,10 @@ def kept_plan(
     fits = len(theirs.layers) == adapter.num_layers and theirs.resident_layers <= len(theirs.layers)
     if theirs == ours or not fits:
         return cfg, None
-    keys = Plan.runtime_keys_of(theirs) | {"bf16_mirror": cfg.runtime.bf16_mirror}
-    runtime = dataclasses.replace(cfg.runtime, **keys)
-    if resident_ranks_message(runtime, runtime.world) is not None:  # refused on several ranks
+    keys = Plan.runtime_keys_of(theirs) | {"bf16_mirror": cfg.runtime.layout.bf16_mirror}
+    runtime = cfg.runtime.with_keys(**keys)
+    # refused on several ranks
+    if resident_ranks_message(runtime, runtime.launch.world) is not None:
         return cfg, None
     was, now = theirs.to_dict(), ours.to_dict()
     changed = ", ".join(f"{k} {was[k]} (the config's {now[k]})" for k in was if was[k] != now[k])

@@ -88,13 +88,13 @@ def profile_spec(cfg: TrainConfig, **given: Any) -> ProfileSpec:
     replaces any field."""
     run = ProfileSpec(
         shape=str(Path(cfg.model.path) / "config.json"),
-        batch=cfg.train.global_batch_size // cfg.runtime.world,
-        world=cfg.runtime.world,
+        batch=cfg.train.global_batch_size // cfg.runtime.launch.world,
+        world=cfg.runtime.launch.world,
         seq_len=cfg.data.seq_len,
-        device=cfg.runtime.device,
+        device=cfg.runtime.launch.device,
         dtype=cfg.train.dtype,
-        layer_kernels=cfg.runtime.kernels,
-        layer_compile=cfg.runtime.compile,
+        layer_kernels=cfg.runtime.layout.kernels,
+        layer_compile=cfg.runtime.layout.compile,
     )
     return dataclasses.replace(run, **given)
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from slidedp.config import RuntimeSection, TrainSection
+from slidedp.config import TrainSection
+from slidedp.config_runtime import RuntimeSection
 from slidedp.data.batch import Batch
 from slidedp.errors import (
     ConfigError,
@@ -245,21 +246,22 @@ def check_config(
 ) -> None:
     """What a run of ``nodes`` nodes of ``local_world`` ranks needs from the config (checked
     before any rank starts, and by each rank against its launch)."""
-    configured = runtime.world
+    configured = runtime.launch.world
     if configured not in (1, local_world):
         raise ConfigError(
             f"launched with {local_world} ranks per node but the config asks for {configured} "
             "(runtime.ranks/runtime.gpus): make them agree"
         )
-    if runtime.nodes not in (1, nodes):
+    if runtime.launch.nodes not in (1, nodes):
         raise ConfigError(
-            f"launched on {nodes} nodes but the config asks for runtime.nodes={runtime.nodes}: "
+            f"launched on {nodes} nodes but the config asks for "
+            f"runtime.nodes={runtime.launch.nodes}: "
             "make them agree"
         )
     world = local_world * nodes
 
     message = resident_ranks_message(
-        runtime if runtime.policy == "auto" else effective_runtime(runtime), world
+        runtime if runtime.autopolicy.policy == "auto" else effective_runtime(runtime), world
     )
     if message is not None:
         raise ConfigError(message)
@@ -279,8 +281,8 @@ def start(
 
     # the route the engine will run: a policy file's grad_route counts (the host sum needs
     # gloo cross groups, NCCL refuses host memory)
-    route = effective_runtime(runtime).grad_route
-    ctx.init(device, runtime.version_timeout_s, host_sum=route == "cpu")
+    route = effective_runtime(runtime).layout.grad_route
+    ctx.init(device, runtime.launch.version_timeout_s, host_sum=route == "cpu")
     return device
 
 

@@ -79,7 +79,7 @@ class Trainer:
         self.ctx = Dist.from_env()  # several ranks: see slidedp.runtime.dist
         world = 1 if self.ctx is None else self.ctx.world
         local_world = 1 if self.ctx is None else self.ctx.local_world  # ranks sharing the store
-        self.device = pick_device(rt.device)
+        self.device = pick_device(rt.launch.device)
         if self.ctx is not None:
             self.device = start(self.ctx, self.device, rt, tc)
             self.log = log and self.ctx.main  # only rank 0 logs and writes
@@ -114,7 +114,7 @@ class Trainer:
         else:  # each node's local rank 0 creates its store, loads the weights; the others attach
             self.source = "shared by local rank 0"
             self.store = self.ctx.share_store(create)
-            signals = signal_specs(local_world, rt.grad_slots)
+            signals = signal_specs(local_world, rt.layout.grad_slots)
             self.signals = self.ctx.share_store(lambda: HostStore.create(signals, 0))
         weights = self.resume.path if self.resume is not None else self.adapter.path
         read_buffers(self.adapter, weight_files(weights) if weights is not None else [])
@@ -128,7 +128,7 @@ class Trainer:
         self.lr_at = lr_schedule(tc.lr_scheduler, tc.learning_rate, tc.warmup_steps, tc.max_steps)
         if plan is None:  # every rank resolves: the store's mirror is what its creator decided
             plan = resolve_plan(cfg, self.adapter, machine, mirror=self.store.has_mirror)
-            plan = replace(plan, threads=rt.update_threads or self._default_host_threads())
+            plan = replace(plan, threads=rt.layout.update_threads or self._default_host_threads())
         self.plan = replace(plan, device=self.device)  # this rank's device of the plan's kind
         self.policy = self.plan.policy
         self.engine = Engine(
@@ -200,7 +200,7 @@ class Trainer:
     def _policy_source(self) -> str:
         """Where a policy file's keys came from (``runtime.policy: FILE``, as `slidedp plan`
         writes it); `runtime.policy: auto` says its own line before the run."""
-        source = self.cfg.runtime.policy
+        source = self.cfg.runtime.autopolicy.policy
         return f" (from the policy file {source})" if source not in ("", "auto", "fixed") else ""
 
     def _step(self, t: int) -> dict[str, Any]:
@@ -210,7 +210,7 @@ class Trainer:
         lr = self.lr_at(t)
         record: dict[str, Any] = {"step": t + 1}
         rt = self.cfg.runtime
-        tracing = bool(rt.trace_path) and t == rt.trace_step
+        tracing = bool(rt.trace.trace_path) and t == rt.trace.trace_step
         if tracing:
             self.engine.start_trace()
         start = time.perf_counter()
@@ -245,7 +245,7 @@ class Trainer:
         p.step = t + 1
         lanes = self.engine.lane_times()
         if tracing:
-            write_trace(Path(rt.trace_path), self.engine.stop_trace(t))
+            write_trace(Path(rt.trace.trace_path), self.engine.stop_trace(t))
         return (
             record
             | {
