@@ -52,7 +52,7 @@ from slidedp.runtime.schedule import lr_schedule
 from slidedp.runtime.stop_signals import StopSignals
 from slidedp.runtime.trace import write_trace
 from slidedp.runtime.trackers import open_trackers
-from slidedp.runtime.train_log import RunFacts, StepLog
+from slidedp.runtime.train_log import LogSteps, RunFacts, StepLog
 from slidedp.runtime.window import fill_mirror
 from slidedp.store import HostStore
 
@@ -396,9 +396,7 @@ class Trainer:
             flops_per_token=functools.cache(
                 functools.partial(model_flops_per_token, self.adapter.config)
             ),
-            total_steps=tc.max_steps,
-            start_step=self.progress.step,
-            log_steps=out.log_steps,
+            steps=LogSteps(total=tc.max_steps, start=self.progress.step, every=out.log_steps),
             peak_flops=facts.peak_flops,
             cuda=self.cuda,
             writer=open_trackers(
