@@ -30,6 +30,7 @@ from transformers import Qwen3Config
 
 from slidedp.bench.node_runs import (
     NCCL_NET_ENV,
+    NodeShape,
     nccl_transports,
     node_launches,
     run_nodes,
@@ -92,12 +93,9 @@ def _train(
     launches = node_launches(
         config,
         out,
-        nodes=nodes,
-        ranks=ranks,
-        device=args.device,
+        NodeShape(nodes, ranks, args.device, visible_gpus() if cuda else ()),
         port=free_port(),
         cores=os.cpu_count() or 1,
-        gpus=visible_gpus() if cuda else (),
         nccl_net=nccl_net,
         nccl_log=nccl_log,
     )
