@@ -21,7 +21,7 @@ from slidedp.config_runtime import RuntimeSection
 from slidedp.models.hf import HFAdapter
 from slidedp.models.shapes import resolve_shape
 from slidedp.plan.policy import resolve_policy
-from slidedp.plan.timing import Links, Ranks, predict_step, spec_from_shapes
+from slidedp.plan.timing import Links, Ranks, Rates, predict_step, spec_from_shapes
 
 PEAK = 989e12
 LINKS = Links(h2d_gbps=55, d2h_gbps=54, reduce_gbps=250, gather_gbps=260, source="assumed")
@@ -34,9 +34,8 @@ def step(adapter: HFAdapter, gpus: int, route: tuple[str, str], batch: int) -> f
     runtime = RuntimeSection.from_keys(gpus=gpus, param_route=param, grad_route=grad)
     policy = resolve_policy(runtime, adapter, mirror=True, device=torch.device("cuda"))
     spec = spec_from_shapes(
-        adapter, policy, batch=batch, seq_len=1024, peak_flops=PEAK, adamw_gbps=HOST_GBPS,
-        clipping=True, offloaded_bytes=[0] * adapter.num_layers,
-        ranks=Ranks(gpus, grad, param), links=LINKS,
+        adapter, policy, batch=batch, seq_len=1024, rates=Rates(PEAK, HOST_GBPS, links=LINKS),
+        clipping=True, offloaded_bytes=[0] * adapter.num_layers, ranks=Ranks(gpus, grad, param),
     )  # fmt: skip
     return float(predict_step(spec)["step_s"])
 

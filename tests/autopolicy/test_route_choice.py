@@ -23,8 +23,8 @@ from slidedp.models.hf import HFAdapter
 from slidedp.models.shapes import resolve_shape
 from slidedp.plan.machine import Machine, update_threads
 from slidedp.plan.policy import layer_numel
-from slidedp.plan.predict import ROUTES, Rates, Route, route_steps
-from slidedp.plan.timing import Links, layer_times
+from slidedp.plan.predict import ROUTES, Route, route_steps
+from slidedp.plan.timing import Links, Rates, layer_times
 from slidedp.profile.cache import cache_file, write_report
 from slidedp.profile.links import links_facts
 

@@ -18,6 +18,7 @@ from cli.util import one_error_line, run
 from slidedp.bench.node_runs import (
     NCCL_NET_ENV,
     NodeLaunch,
+    NodeShape,
     nccl_transports,
     node_launches,
     run_nodes,
@@ -87,9 +88,9 @@ def test_the_cpu_measurement_reports_loss_parity(
 def test_cuda_nodes_each_get_their_gpus_bf16_and_the_nccl_net(tmp_path: Path) -> None:
     config, out = tmp_path / "run.yaml", tmp_path / "many"
     launches = functools.partial(
-        node_launches, config, out, device="cuda", port=29600, cores=32, nccl_log=tmp_path / "nccl"
+        node_launches, config, out, port=29600, cores=32, nccl_log=tmp_path / "nccl"
     )
-    two = launches(nodes=2, ranks=1, gpus=["0", "1"], nccl_net=True)
+    two = launches(NodeShape(2, 1, "cuda", ["0", "1"]), nccl_net=True)
     assert [x.env["CUDA_VISIBLE_DEVICES"] for x in two] == ["0", "1"]
     for n, x in enumerate(two):
         assert x.argv[-1] == f"runtime.node_rank={n}"
@@ -103,28 +104,28 @@ def test_cuda_nodes_each_get_their_gpus_bf16_and_the_nccl_net(tmp_path: Path) ->
         assert x.env["OMP_NUM_THREADS"] == "16"  # cores / nodes
         assert x.env["NCCL_DEBUG_FILE"].startswith(str(tmp_path / "nccl"))
     # one node of both GPUs (the reference run): NCCL left to its own transport
-    (one,) = launches(nodes=1, ranks=2, gpus=["0", "1"])
+    (one,) = launches(NodeShape(1, 2, "cuda", ["0", "1"]))
     assert one.env["CUDA_VISIBLE_DEVICES"] == "0,1"
     assert "runtime.gpus=2" in one.argv
     assert "runtime.update_threads=16" in one.argv  # the same per rank in both runs
     assert not one.env.keys() & NCCL_NET_ENV.keys()
     # of the GPUs this process sees, node n takes its ranks' share
-    four = launches(nodes=2, ranks=2, gpus=["4", "5", "6", "7"])
+    four = launches(NodeShape(2, 2, "cuda", ["4", "5", "6", "7"]))
     assert [x.env["CUDA_VISIBLE_DEVICES"] for x in four] == ["4,5", "6,7"]
     with pytest.raises(ConfigError, match="need 4 GPUs, this process sees 2"):
-        launches(nodes=2, ranks=2, gpus=["0", "1"])
+        launches(NodeShape(2, 2, "cuda", ["0", "1"]))
 
 
 def test_cpu_nodes_keep_f32_the_thread_split_and_no_gpu(tmp_path: Path) -> None:
     config, out = tmp_path / "run.yaml", tmp_path / "many"
-    launches = node_launches(config, out, nodes=2, ranks=2, device="cpu", port=1, cores=16)
+    launches = node_launches(config, out, NodeShape(2, 2, "cpu"), port=1, cores=16)
     for x in launches:
         assert "runtime.ranks=2" in x.argv
         assert "runtime.update_threads=2" in x.argv  # cores / (2 x all ranks)
         assert x.env == {"OMP_NUM_THREADS": "8"}
         assert not any(a.startswith(("runtime.device=", "train.dtype=")) for a in x.argv)
     with pytest.raises(ConfigError, match="needs CUDA"):
-        node_launches(config, out, nodes=2, ranks=1, device="cpu", port=1, cores=2, nccl_net=True)
+        node_launches(config, out, NodeShape(2, 1, "cpu"), port=1, cores=2, nccl_net=True)
 
 
 def test_the_transports_come_from_nccls_log(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from slidedp.io import checkpoint as ckpt
 from slidedp.io import export
 from slidedp.io.checkpoint import (
     Progress,
+    Retention,
     capture_rng,
     export_checkpoint,
     load_tensors,
@@ -182,7 +183,7 @@ def test_rotation_keeps_the_newest_and_nothing_is_written_into_an_existing_check
     adapter, store = _filled(model, seed=1)
     out = tmp_path / "out"
     for step in (10, 20, 30):
-        _save(out, adapter, store, step, total_limit=2)
+        _save(out, adapter, store, step, retention=Retention(total_limit=2))
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-20", "checkpoint-30", "latest"]
     assert resolve_resume("auto", out, adapter) == out / "checkpoint-30"
     before = _tree(out / "checkpoint-30")

@@ -16,6 +16,7 @@ from slidedp.errors import InvalidArgumentError
 from slidedp.plan.timing import (
     Links,
     Ranks,
+    Rates,
     predict_step,
     spec_from_shapes,
     spec_from_trace,
@@ -107,13 +108,13 @@ def test_the_layer_profile_calibrates_the_layers_and_predicts_a_traced_layout() 
     peak, _ = gpu_peak("NVIDIA H100 80GB HBM3")
     assert peak is not None
     shaped = functools.partial(
-        spec_from_shapes, adapter, policy, batch=16, seq_len=1024, peak_flops=peak,
-        adamw_gbps=adamw_gbps(16), clipping=False, offloaded_bytes=[0] * adapter.num_layers,
+        spec_from_shapes, adapter, policy, batch=16, seq_len=1024, clipping=False,
+        offloaded_bytes=[0] * adapter.num_layers,
     )  # fmt: skip
-    spec = shaped(measured=times)
+    spec = shaped(rates=Rates(peak, adamw_gbps(16), measured=times))
     assert spec["forward_s"][0] == times["SAC.mm-r0"][0]
     assert spec["backward_s"][-1] == times["N-r0"][1]
-    uncalibrated = shaped()
+    uncalibrated = shaped(rates=Rates(peak, adamw_gbps(16)))
     assert uncalibrated["backward_s"][-1] != spec["backward_s"][-1]
     assert predict_step(spec)["step_s"] == pytest.approx(1.512, rel=0.10)
 
@@ -133,8 +134,8 @@ def _route_step(ranks: Ranks, *, batch: int, clipping: bool) -> dict[str, Any]:
     policy = resolve_policy(runtime, adapter, mirror=True, device=torch.device("cuda"))
     links = Links(h2d_gbps=55, d2h_gbps=54, reduce_gbps=301, gather_gbps=320)
     spec = spec_from_shapes(
-        adapter, policy, batch=batch, seq_len=1024, peak_flops=989e12, adamw_gbps=147,
-        clipping=clipping, offloaded_bytes=[0] * adapter.num_layers, ranks=ranks, links=links,
+        adapter, policy, batch=batch, seq_len=1024, rates=Rates(989e12, 147, links=links),
+        clipping=clipping, offloaded_bytes=[0] * adapter.num_layers, ranks=ranks,
     )  # fmt: skip
     return spec | {"prediction": predict_step(spec)}
 
@@ -179,10 +180,10 @@ def test_the_cast_on_delivery_takes_the_probed_cast_rate() -> None:
     adapter = HFAdapter(resolve_shape("qwen3-1.7b"))
     policy = resolve_policy(RuntimeSection(), adapter, mirror=False, device=torch.device("cuda"))
     shaped = functools.partial(
-        spec_from_shapes, adapter, policy, batch=16, seq_len=1024, peak_flops=989e12,
-        adamw_gbps=110, clipping=True, offloaded_bytes=[0] * adapter.num_layers,
+        spec_from_shapes, adapter, policy, batch=16, seq_len=1024, clipping=True,
+        offloaded_bytes=[0] * adapter.num_layers,
     )  # fmt: skip
-    table, probed = shaped(), shaped(cast_gbps=26.0)
+    table, probed = shaped(rates=Rates(989e12, 110)), shaped(rates=Rates(989e12, 110, 26.0))
     assert probed["cast_s"][1] == pytest.approx(table["cast_s"][1] * 78.0 / 26.0)
     assert predict_step(probed)["step_s"] > predict_step(table)["step_s"]
 
@@ -206,8 +207,8 @@ def test_gpu_resident_groups_skip_the_host_and_shorten_a_host_bound_step() -> No
         )
         policy = resolve_policy(runtime, adapter, mirror=False, device=torch.device("cuda"))
         return spec_from_shapes(
-            adapter, policy, batch=16, seq_len=1024, peak_flops=989e12, adamw_gbps=116,
-            clipping=True, offloaded_bytes=[0] * adapter.num_layers,
+            adapter, policy, batch=16, seq_len=1024, rates=Rates(989e12, 116), clipping=True,
+            offloaded_bytes=[0] * adapter.num_layers,
         )  # fmt: skip
 
     host, resident = spec(0, False), spec(27, True)
@@ -233,8 +234,8 @@ def test_gpu_resident_groups_skip_the_host_and_shorten_a_host_bound_step() -> No
     runtime = RuntimeSection.from_keys(resident_layers=8, resident_embeddings=True)
     policy = resolve_policy(runtime, adapter, mirror=True, device=torch.device("cuda"))
     free = predict_step(spec_from_shapes(
-        adapter, policy, batch=16, seq_len=1024, peak_flops=989e12, adamw_gbps=40,
-        clipping=False, offloaded_bytes=[0] * layers,
+        adapter, policy, batch=16, seq_len=1024, rates=Rates(989e12, 40), clipping=False,
+        offloaded_bytes=[0] * layers,
     ))  # fmt: skip
     assert free["regime"].startswith("Update-bound")
     on_path = {op.rsplit(" g", 1)[1] for op in free["critical_path"] if " g" in op}

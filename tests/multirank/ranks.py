@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,15 @@ from slidedp.store import StateRegion
 REGIONS: tuple[StateRegion, ...] = ("master", "exp_avg", "exp_avg_sq")  # a node's optimizer state
 
 
+@dataclass(frozen=True)
+class Faults:
+    """What a rank injects: rank ``fail[0]`` raises at step ``fail[1]``, rank ``term[0]`` gets
+    SIGTERM at step ``term[1]`` (rank -1: none)."""
+
+    fail: tuple[int, int]
+    term: tuple[int, int]
+
+
 def _rank(
     config: Path,
     rank: int,
@@ -29,10 +39,10 @@ def _rank(
     local_world: int,
     port: int,
     overrides: list[str],
-    fail: tuple[int, int],
-    term: tuple[int, int],
+    faults: Faults,
     dump: Path | None,
 ) -> None:
+    fail, term = faults.fail, faults.term
     from slidedp.runtime.engine import Engine
 
     step = Engine.step
@@ -102,7 +112,16 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_rank,
-            args=(config, r, world, world // nodes, port, overrides or [], fail, term, dump),
+            args=(
+                config,
+                r,
+                world,
+                world // nodes,
+                port,
+                overrides or [],
+                Faults(fail, term),
+                dump,
+            ),
         )
         for r in range(world)
     ]

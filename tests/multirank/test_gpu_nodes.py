@@ -37,6 +37,7 @@ from multirank.node_dump import DUMP, MODULE
 from multirank.ranks import REGIONS, latest_step
 from slidedp.bench.node_runs import (
     Device,
+    NodeShape,
     nccl_transports,
     node_launches,
     run_nodes,
@@ -68,12 +69,9 @@ def _run(
     launches = node_launches(
         config,
         out,
-        nodes=nodes,
-        ranks=ranks,
-        device=device,
+        NodeShape(nodes, ranks, device, visible_gpus() if device == "cuda" else ()),
         port=free_port(),
         cores=os.cpu_count() or 1,
-        gpus=visible_gpus() if device == "cuda" else (),
         nccl_net=nccl_net,
         nccl_log=nccl_log,
         module=MODULE,

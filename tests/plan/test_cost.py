@@ -3,13 +3,21 @@ executors keep when they really run (CPU, float32, unpadded rows as the estimate
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from engine.test_activations import _layer
 from engine.tiny import tiny_config
+from slidedp.models.freeze import apply_freeze
 from slidedp.models.hf import HFAdapter
-from slidedp.plan.cost import layer_footprint, layout_memory
+from slidedp.plan.cost import (
+    layer_footprint,
+    layout_memory,
+    resident_embedding_bytes,
+    resident_layer_bytes,
+)
 from slidedp.plan.layout import parse_entry, parse_layout
 from slidedp.runtime.activations import LayerRun, executor_for
 
@@ -78,3 +86,35 @@ def test_the_meta_footprint_runs_the_modules_even_when_layers_are_compiled(text:
     _, policy = parse_entry(text, 0.0)
     fp = layer_footprint(adapter, policy, 2, 12, torch.float32)
     assert sum(fp.saved) + fp.cache_bytes > 0
+
+
+@pytest.mark.parametrize("clipping", [True, False])
+def test_resident_state_counts_no_moments_nor_gradient_for_frozen_parameters(
+    clipping: bool,
+) -> None:
+    """``train.freeze``: the store lays out no Adam moments for a frozen parameter and the
+    backward gives it no gradient, so GPU residency costs 8 B/param less for each (4 B the
+    FP32 master still takes), and without clipping its kept gradient (``e`` B/param) too."""
+    trained = HFAdapter(tiny_config("qwen3", tied=False, layers=3))
+    frozen = HFAdapter(tiny_config("qwen3", tied=False, layers=3))
+    apply_freeze(frozen, ["layers.0", "self_attn", "embed_tokens"])
+    dtype = torch.bfloat16
+    grad_bytes = 0 if clipping else dtype.itemsize  # kept to the step's end without clipping
+    saved = 8 + grad_bytes  # per frozen parameter: its two f32 moments and its gradient
+
+    def frozen_numel(group: int) -> int:
+        return sum(math.prod(s.shape) for s in frozen.group_specs()[group].params if s.frozen)
+
+    layers = [frozen_numel(frozen.layer_group(i)) for i in range(frozen.num_layers)]
+    assert layers[0] == trained.group_specs()[trained.layer_group(0)].numel  # all of layer 0
+    assert 0 < layers[1] == layers[2] < layers[0]  # the attention of the others
+    full = resident_layer_bytes(trained, dtype, clipping=clipping)
+    less = resident_layer_bytes(frozen, dtype, clipping=clipping)
+    assert [a - b for a, b in zip(full, less, strict=True)] == [saved * n for n in layers]
+    embed = frozen_numel(frozen.embed_group)
+    assert embed > 0
+    assert (
+        resident_embedding_bytes(trained, dtype, clipping=clipping)
+        - resident_embedding_bytes(frozen, dtype, clipping=clipping)
+        == saved * embed
+    )

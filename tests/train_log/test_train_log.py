@@ -18,7 +18,7 @@ from slidedp.config import OutputSection
 from slidedp.errors import ConfigError
 from slidedp.runtime.flops import FLOPS_FORMULA
 from slidedp.runtime.trackers import TensorBoardTracker
-from slidedp.runtime.train_log import RunFacts, StepLog, host_pss_bytes
+from slidedp.runtime.train_log import LogSteps, RunFacts, StepLog, host_pss_bytes
 
 
 def _flops_per_token(seq_len: int) -> float:
@@ -60,9 +60,11 @@ class _Writer:
         self.closed = True
 
 
-def _log(tmp_path: Path, stream: io.StringIO | None, **kw: Any) -> StepLog:
-    args: dict[str, Any] = {"total_steps": 5, "start_step": 0, "log_steps": 2} | kw
-    return StepLog(tmp_path, flops_per_token=_flops_per_token, stream=stream, **args)
+def _log(
+    tmp_path: Path, stream: io.StringIO | None, *, total: int = 5, start: int = 0, **kw: Any
+) -> StepLog:
+    steps = LogSteps(total=total, start=start, every=kw.pop("every", 2))
+    return StepLog(tmp_path, flops_per_token=_flops_per_token, steps=steps, stream=stream, **kw)
 
 
 def _metrics(tmp_path: Path) -> list[dict[str, Any]]:
@@ -99,7 +101,7 @@ def test_every_step_is_recorded_and_every_log_step_printed_with_interval_average
 
 def test_a_terminal_gets_a_progress_bar_under_the_lines(tmp_path: Path) -> None:
     out = _Terminal()
-    log = _log(tmp_path, out, log_steps=5)
+    log = _log(tmp_path, out, every=5)
     for step in range(1, 6):
         log.step(_record(step))
     log.close()
@@ -112,8 +114,8 @@ def test_a_terminal_gets_a_progress_bar_under_the_lines(tmp_path: Path) -> None:
 
 def test_mfu_uses_the_peak_and_tensorboard_gets_the_scalars(tmp_path: Path) -> None:
     out, writer = io.StringIO(), _Writer()
-    log = _log(tmp_path, out, peak_flops=1e9, writer=TensorBoardTracker(writer), total_steps=2,
-               log_steps=1)  # fmt: skip
+    log = _log(tmp_path, out, peak_flops=1e9, writer=TensorBoardTracker(writer), total=2,
+               every=1)  # fmt: skip
     log.step(_record(1))
     log.step(_record(2, skipped=True, nonfinite="loss", loss=None, grad_norm=None))
     log.close()
@@ -132,7 +134,7 @@ def test_a_resumed_run_keeps_the_records_up_to_its_step(tmp_path: Path) -> None:
     for step in range(1, 5):  # a run that got to step 4, then was resumed from checkpoint-2
         first.step(_record(step, loss=1.0))
     first.close()
-    resumed = _log(tmp_path, None, start_step=2)
+    resumed = _log(tmp_path, None, start=2)
     resumed.step(_record(3, loss=7.0))
     resumed.close()
     assert [(m["step"], m["loss"]) for m in _metrics(tmp_path)] == [(1, 1.0), (2, 1.0), (3, 7.0)]

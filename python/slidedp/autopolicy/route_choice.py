@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 from slidedp.autopolicy.select import MIN_GAIN
 from slidedp.errors import ConfigError
 from slidedp.plan.machine import gpu_peak
-from slidedp.plan.predict import ROUTES, Rates, Route, links_for, route_name, route_steps
-from slidedp.plan.timing import layer_times
+from slidedp.plan.predict import ROUTES, Route, links_for, route_name, route_steps
+from slidedp.plan.timing import Rates, layer_times
 
 if TYPE_CHECKING:
     from slidedp.config import TrainConfig

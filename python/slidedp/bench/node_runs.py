@@ -9,8 +9,9 @@ with ``nccl_net`` NCCL's socket transport, with ``nccl_log`` its INFO log (``ncc
 
 Example::
 
-    launches = node_launches(config, out, nodes=2, ranks=1, device="cuda", port=free_port(),
-                             cores=os.cpu_count() or 1, gpus=visible_gpus(), nccl_net=True)
+    shape = NodeShape(nodes=2, ranks=1, device="cuda", gpus=visible_gpus())
+    launches = node_launches(config, out, shape, port=free_port(), cores=os.cpu_count() or 1,
+                             nccl_net=True)
     run_nodes(launches, timeout_s=600)
 """
 
@@ -65,23 +66,32 @@ def visible_gpus(environ: Mapping[str, str] = os.environ) -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
+@dataclass(frozen=True)
+class NodeShape:
+    """The simulated nodes: ``nodes`` launchers of ``ranks`` ranks each on ``device``; on CUDA
+    ``gpus`` are the GPUs this process sees (``visible_gpus``), node ``n`` takes its share."""
+
+    nodes: int
+    ranks: int
+    device: Device
+    gpus: Sequence[str] = ()
+
+
 def node_launches(
     config: Path,
     out: Path,
+    shape: NodeShape,
     *,
-    nodes: int,
-    ranks: int,
-    device: Device,
     port: int,
     cores: int,
-    gpus: Sequence[str] = (),
     nccl_net: bool = False,
     nccl_log: Path | None = None,
     module: str = "slidedp",
 ) -> list[NodeLaunch]:
-    """``nodes`` launchers of ``ranks`` ranks each for ``slidedp train CONFIG`` writing to
-    ``out`` (rank 0 alone writes there), meeting at ``127.0.0.1:port`` (module docstring).
-    ``module`` runs instead of ``slidedp`` (a test's wrapper of its CLI)."""
+    """``shape``'s launchers for ``slidedp train CONFIG`` writing to ``out`` (rank 0 alone
+    writes there), meeting at ``127.0.0.1:port`` (module docstring). ``module`` runs instead
+    of ``slidedp`` (a test's wrapper of its CLI)."""
+    nodes, ranks, device, gpus = shape.nodes, shape.ranks, shape.device, shape.gpus
     world = nodes * ranks
     if device == "cuda" and len(gpus) < world:
         raise ConfigError(

@@ -30,6 +30,7 @@ from transformers import Qwen3Config
 
 from slidedp.bench.node_runs import (
     NCCL_NET_ENV,
+    NodeShape,
     nccl_transports,
     node_launches,
     run_nodes,
@@ -41,7 +42,7 @@ from slidedp.models.hf import HFAdapter
 from slidedp.models.shapes import resolve_shape
 from slidedp.plan.machine import adamw_gbps, gpu_peak
 from slidedp.plan.policy import resolve_policy
-from slidedp.plan.timing import predict_step, reduce_s, spec_from_shapes
+from slidedp.plan.timing import Rates, predict_step, reduce_s, spec_from_shapes
 from slidedp.runtime.launch import free_port
 
 WARMUP_STEPS = 2
@@ -92,12 +93,9 @@ def _train(
     launches = node_launches(
         config,
         out,
-        nodes=nodes,
-        ranks=ranks,
-        device=args.device,
+        NodeShape(nodes, ranks, args.device, visible_gpus() if cuda else ()),
         port=free_port(),
         cores=os.cpu_count() or 1,
-        gpus=visible_gpus() if cuda else (),
         nccl_net=nccl_net,
         nccl_log=nccl_log,
     )
@@ -161,8 +159,8 @@ def predict(args: argparse.Namespace) -> list[dict[str, Any]]:
         policy,
         batch=args.batch,
         seq_len=args.seq_len,
-        peak_flops=gpu_peak("H100")[0] or 0.0,  # dense bf16, plan.machine.GPU_PEAK_FLOPS
-        adamw_gbps=adamw_gbps(HOST_THREADS),
+        # dense bf16, plan.machine.GPU_PEAK_FLOPS
+        rates=Rates(gpu_peak("H100")[0] or 0.0, adamw_gbps(HOST_THREADS)),
         clipping=True,
         offloaded_bytes=[0] * adapter.num_layers,
     )

@@ -36,7 +36,7 @@ from slidedp.models.shapes import SHAPES, cut_layers, resolve_shape
 from slidedp.plan.cost import layer_footprint
 from slidedp.plan.machine import gpu_peak
 from slidedp.plan.policy import resolve_policy
-from slidedp.plan.timing import CAST_GBPS, Links, Ranks, layer_times, predict_step, spec_from_shapes
+from slidedp.plan.timing import Links, Ranks, Rates, layer_times, predict_step, spec_from_shapes
 from slidedp.profile.host import engine_update_threads, model_gbps, probe_host
 from slidedp.profile.layer import ProfileSpec, profile_layer
 
@@ -154,10 +154,9 @@ def predict_report(
         ranks = Ranks(run.get("world", 1), policy.grad_route, policy.param_route)
         spec = spec_from_shapes(
             adapter, policy, batch=run["batch"], seq_len=report["seq_len"],
-            peak_flops=peak, adamw_gbps=model_gbps(host),
-            cast_gbps=host.get("joint_cast_gbps") or CAST_GBPS,
-            clipping=clipping, offloaded_bytes=offloaded,
-            measured=layer_times(layer), ranks=ranks, links=links,
+            rates=Rates(peak, model_gbps(host), host.get("joint_cast_gbps"), links,
+                        layer_times(layer)),
+            clipping=clipping, offloaded_bytes=offloaded, ranks=ranks,
         )  # fmt: skip
         predicted = predict_step(spec)
         out.append({

@@ -142,6 +142,19 @@ def _write_contents(
     write_manifest(tmp)  # last: sizes and checksums of everything above
 
 
+@dataclass(frozen=True)
+class Retention:
+    """Which checkpoints of the output directory a save keeps: the newest ``total_limit``
+    (0: all). A damaged ``checkpoint-STEP`` listed in ``set_aside`` is renamed
+    ``checkpoint-STEP.damaged`` first (kept for the user, never written into). Checkpoints in
+    ``keep`` (the best one, ``io.best``) are never removed and do not count against
+    ``total_limit``."""
+
+    total_limit: int = 0
+    set_aside: Collection[Path] = ()
+    keep: Collection[Path] = ()
+
+
 def save_checkpoint(
     out_dir: Path,
     adapter: HFAdapter,
@@ -149,16 +162,12 @@ def save_checkpoint(
     progress: Progress,
     meta: dict[str, Any],
     *,
-    total_limit: int = 0,
+    retention: Retention = Retention(),
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    set_aside: Collection[Path] = (),
-    keep: Collection[Path] = (),
 ) -> Path:
     """Write ``out_dir/checkpoint-STEP`` atomically from the (drained) store; point ``latest``
-    at it; keep the newest ``total_limit`` checkpoints (0: all). ``meta`` is recorded as is.
-    A damaged ``checkpoint-STEP`` listed in ``set_aside`` is renamed ``checkpoint-STEP.damaged``
-    first (kept for the user, never written into). Checkpoints in ``keep`` (the best one,
-    ``io.best``) are never removed and do not count against ``total_limit``."""
+    at it; then rotate as ``retention`` says. ``meta`` is recorded as is."""
+    total_limit, set_aside, keep = retention.total_limit, retention.set_aside, retention.keep
     final = out_dir / f"checkpoint-{progress.step}"
     if final.exists() and final in set_aside:
         final.rename(_free_name(final.with_name(f"{final.name}.damaged")))

@@ -221,36 +221,47 @@ def layout_memory(
 def resident_layer_bytes(adapter: HFAdapter, dtype: torch.dtype, *, clipping: bool) -> list[int]:
     """Device bytes each decoder layer holds while GPU-resident (``runtime.resident``), in layer
     order: its weights in the compute dtype (``e`` B per element of its slot layout, as the
-    window's buffers), the FP32 master and both Adam moments (12 B per element of its state
-    layout) and, without clipping, its gradient (``e`` B/param), kept from its backward to the
-    update at the step's end (with clipping every gradient is parked anyway: the estimate's
-    parked term). The GPU update reads the gradient as it is, in one pass with no f32 copy
-    (``resident.adamw_single_pass``)."""
+    window's buffers), the FP32 master (4 B per element of its state layout), both Adam moments
+    of its trained parameters (8 B per element of their layout: a frozen parameter has none)
+    and, without clipping, its trained parameters' gradient (``e`` B/param), kept from its
+    backward to the update at the step's end (with clipping every gradient is parked anyway:
+    the estimate's parked term). The GPU update reads the gradient as it is, in one pass with
+    no f32 copy (``resident.adamw_single_pass``)."""
 
     specs = adapter.group_specs()
     layout = HostStore.plan([specs[adapter.layer_group(i)] for i in range(adapter.num_layers)], 0)
     elem = dtype.itemsize
-    params = layout["params"]
     return [
-        int(g["slot_len"]) * elem + 3 * 4 * int(g["state_len"])
-        + (0 if clipping else elem * sum(int(p["numel"]) for p in
-                                         params[g["params"]["start"] : g["params"]["end"]]))
+        int(g["slot_len"]) * elem + _state_bytes(g)
+        + (0 if clipping else elem * _trained_numel(layout, g))
         for g in layout["groups"]
     ]  # fmt: skip
 
 
+def _state_bytes(group: dict[str, Any]) -> int:
+    """A group's FP32 state as the store lays it out: the master of every parameter, the two
+    moments of its trained ones only (``trained_len``)."""
+    return 4 * int(group["state_len"]) + 2 * 4 * int(group["trained_len"])
+
+
+def _trained_numel(layout: dict[str, Any], group: dict[str, Any]) -> int:
+    """The parameters of ``group`` that train (the others get no gradient)."""
+    params = layout["params"][group["params"]["start"] : group["params"]["end"]]
+    return sum(int(p["numel"]) for p in params if not p["frozen"])
+
+
 def resident_embedding_bytes(adapter: HFAdapter, dtype: torch.dtype, *, clipping: bool) -> int:
-    """Device bytes the embedding and head groups add when GPU-resident: the FP32 master and
-    both Adam moments (12 B per element of their state layout) and, without clipping, the
-    gradient kept to the step's end (``e`` B/param; the update reads it in one pass, with no
-    f32 copy). Their weights are the window's own buffers either way (``estimate``'s window
-    term)."""
+    """Device bytes the embedding and head groups add when GPU-resident: the FP32 master,
+    both Adam moments of their trained parameters (as ``resident_layer_bytes``) and, without
+    clipping, the trained parameters' gradient kept to the step's end (``e`` B/param; the
+    update reads it in one pass, with no f32 copy). Their weights are the window's own buffers
+    either way (``estimate``'s window term)."""
 
     specs = adapter.group_specs()
     layout = HostStore.plan([specs[adapter.embed_group], specs[adapter.head_group]], 0)
-    params = sum(int(p["numel"]) for p in layout["params"])
-    state = sum(int(g["state_len"]) for g in layout["groups"])
-    return 12 * state + (0 if clipping else dtype.itemsize * params)
+    groups = layout["groups"]
+    trained = sum(_trained_numel(layout, g) for g in groups)
+    return sum(_state_bytes(g) for g in groups) + (0 if clipping else dtype.itemsize * trained)
 
 
 # the resident update's pass (``runtime.resident.adamw_tensor``, compiled): bytes it moves per

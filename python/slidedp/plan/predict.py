@@ -23,7 +23,14 @@ from slidedp.plan.cost import layer_footprint
 from slidedp.plan.machine import HostRate, Machine, gpu_peak
 from slidedp.plan.policy import Plan, layer_numel
 from slidedp.plan.resolve import resolve_plan
-from slidedp.plan.timing import CAST_GBPS, Links, Ranks, layer_times, predict_step, spec_from_shapes
+from slidedp.plan.timing import (
+    Links,
+    Ranks,
+    Rates,
+    layer_times,
+    predict_step,
+    spec_from_shapes,
+)
 from slidedp.profile.layer import cached_profile, profile_spec
 from slidedp.profile.links import cached_links
 from slidedp.runtime.dist import check_config
@@ -57,19 +64,6 @@ class Shape:
         return cls(
             cfg.train.global_batch_size // rt.launch.world, cfg.data.seq_len, rt.launch.world
         )
-
-
-@dataclass(frozen=True)
-class Rates:
-    """The rates a prediction takes: the GPU's peak, host AdamW (and the cast on delivery
-    under DMA), the links between GPUs, the layer profile's times by layer policy."""
-
-    peak_flops: float
-    adamw_gbps: float
-    cast_gbps: float | None = None
-    links: Links = dataclasses.field(default_factory=Links)
-    measured: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
-    calibration: tuple[str, ...] = ()  # what of these was measured, for the report's line
 
 
 def links_for(world: int, adapter: HFAdapter, machine: Machine) -> Links | None:
@@ -117,14 +111,10 @@ def predict(plan: Plan, adapter: HFAdapter, shape: Shape, rates: Rates) -> dict[
         policy,
         batch=shape.rows,
         seq_len=shape.seq_len,
-        peak_flops=rates.peak_flops,
-        adamw_gbps=rates.adamw_gbps,
-        cast_gbps=rates.cast_gbps or CAST_GBPS,
+        rates=rates,
         clipping=plan.optim.max_grad_norm > 0,
         offloaded_bytes=offloaded,
-        measured=rates.measured,
         ranks=Ranks(shape.world, policy.grad_route, policy.param_route),
-        links=rates.links,
     )
     covered = sum(str(p) in rates.measured for p in policy.layers)
     parts = [f"layer profile: {covered} of {len(policy.layers)} layers"] * bool(covered)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from slidedp import _native
@@ -157,6 +157,20 @@ class Ranks:
     param_route: Literal["replicated", "sharded"] = "replicated"
 
 
+@dataclass(frozen=True)
+class Rates:
+    """The rates a prediction takes: the GPU's peak, host AdamW (and the cast on delivery
+    under DMA; None: ``CAST_GBPS``), the links between GPUs, the layer profile's times by
+    layer policy."""
+
+    peak_flops: float
+    adamw_gbps: float
+    cast_gbps: float | None = None
+    links: Links = field(default_factory=Links)
+    measured: dict[str, tuple[float, float]] = field(default_factory=dict)
+    calibration: tuple[str, ...] = ()  # what of these was measured, for the report's line
+
+
 def _route_times(
     params: list[int], ranks: Ranks, links: Links, host_gbps: float
 ) -> dict[str, list[float]]:
@@ -199,28 +213,25 @@ def spec_from_shapes(
     *,
     batch: int,
     seq_len: int,
-    peak_flops: float,
-    adamw_gbps: float,
+    rates: Rates,
     clipping: bool,
     offloaded_bytes: list[int],
-    measured: dict[str, tuple[float, float]] | None = None,
     ranks: Ranks | None = None,
-    links: Links | None = None,
-    cast_gbps: float = CAST_GBPS,
 ) -> dict[str, Any]:
-    """A ``StepSpec`` from the model's shapes and the policy, with the module's rates: compute
-    from FLOPs at ``LAYER_EFFICIENCY`` of ``peak_flops``, copies at ``links`` (the PCIe
-    ceilings by default), AdamW at ``adamw_gbps``, the cast on delivery (no mirror) at
-    ``cast_gbps`` (``offloaded_bytes``: per layer,
-    ``plan.cost``). ``measured``: a layer policy's forward and backward (replay included) as
-    the layer profile timed them on this device (``layer_times``); they replace the FLOPs-rate
-    times of the layers with that policy. ``batch``: per rank. ``ranks``: several GPUs of this
-    host (``_route_times``); the host's update lane serves all of them, so ``adamw_gbps`` is
-    the host's rate under all their copies."""
+    """A ``StepSpec`` from the model's shapes and the policy, with ``rates``: compute from
+    FLOPs at ``LAYER_EFFICIENCY`` of ``peak_flops``, copies at ``links`` (the PCIe ceilings by
+    default), AdamW at ``adamw_gbps``, the cast on delivery (no mirror) at ``cast_gbps``
+    (``offloaded_bytes``: per layer, ``plan.cost``). ``measured``: a layer policy's forward and
+    backward (replay included) as the layer profile timed them on this device
+    (``layer_times``); they replace the FLOPs-rate times of the layers with that policy.
+    ``batch``: per rank. ``ranks``: several GPUs of this host (``_route_times``); the host's
+    update lane serves all of them, so ``adamw_gbps`` is the host's rate under all their
+    copies."""
 
-    ranks, links = ranks or Ranks(), links or Links()
+    ranks, links, measured = ranks or Ranks(), rates.links, rates.measured
+    adamw_gbps, cast_gbps = rates.adamw_gbps, rates.cast_gbps or CAST_GBPS
     tokens = batch * seq_len
-    rate = LAYER_EFFICIENCY * peak_flops
+    rate = LAYER_EFFICIENCY * rates.peak_flops
     shapes = layer_shapes(adapter.config, seq_len)
     forward = [
         (2 * s.matmul_params * tokens + 2 * s.q_dim * s.attended * tokens) / rate for s in shapes

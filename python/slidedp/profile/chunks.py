@@ -40,7 +40,7 @@ from slidedp.profile.host import (
 from slidedp.runtime.grad_lane import AdamArgs, GradLane
 from slidedp.runtime.lanes import LaneClock, new_stream
 from slidedp.runtime.transfer import pin, unpin
-from slidedp.runtime.window import Window
+from slidedp.runtime.window import Window, WindowSpec
 from slidedp.store import GroupSpec, HostStore, ParamSpec
 from slidedp.update import UpdateWorker
 
@@ -152,8 +152,8 @@ class _Bench:
         self.grad = torch.full((rows, COLUMNS), GRAD, dtype=dtype, device=device)
         self.window = None
         if self.cuda:
-            self.window = Window(self.store, Kernels(threads), device, torch.bfloat16, [0],
-                                 slots=2, clock=clock, version_timeout_s=TIMEOUT_S)  # fmt: skip
+            window_spec = WindowSpec(torch.bfloat16, [0], slots=2, version_timeout_s=TIMEOUT_S)
+            self.window = Window(self.store, Kernels(threads), device, clock, window_spec)
         self.device, self.version = device, 0
 
     def close(self) -> None:

@@ -157,18 +157,11 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
     return out, time.perf_counter() - start
 
 
-def measure(
-    adapter: HFAdapter,
-    policy: LayerPolicy,
-    batch: int,
-    seq_len: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    warmup: int,
-    steps: int,
-    layer: int = 0,
-) -> Candidate:
-    """``policy`` on decoder layer ``layer`` (a kind's first layer)."""
+def measure(prof: _Profiled, policy: LayerPolicy, args: ProfileSpec, layer: int = 0) -> Candidate:
+    """``policy`` on decoder layer ``layer`` (a kind's first layer), with ``prof``'s model,
+    device and dtype at ``args``' batch and sequence, over ``args``' warmup and timed steps."""
+    adapter, device, dtype = prof.adapter, prof.device, prof.dtype
+    batch, seq_len, warmup, steps = args.batch, args.seq_len, args.warmup, args.steps
     params, x, ctx = layer_inputs(adapter, batch, seq_len, device, dtype, layer)
     executor = executor_for(policy)
     offload = ActivationOffload(device, LaneClock(device))
@@ -352,11 +345,7 @@ def _measure_kind(
     prof: _Profiled, args: ProfileSpec, kind: int, policies: list[LayerPolicy]
 ) -> dict[str, Any]:
     """Kind ``kind``'s report: ``policies`` on its first layer, measured and cached."""
-    adapter, device, dtype = prof.adapter, prof.device, prof.dtype
-    results = [
-        measure(adapter, p, args.batch, args.seq_len, device, dtype, args.warmup, args.steps, kind)
-        for p in policies
-    ]
+    results = [measure(prof, p, args, kind) for p in policies]
     no_replay = [c.backward_s for c in results if c.family == "N" and c.ratio == 0]
     for c in results:
         c.replay_s = c.backward_s - no_replay[0] if no_replay else None

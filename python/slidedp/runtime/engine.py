@@ -41,7 +41,7 @@ from slidedp.runtime.resident import ResidentLayers
 from slidedp.runtime.routes import GpuReduce, HostSum
 from slidedp.runtime.trace import StepTrace
 from slidedp.runtime.transfer import pin, unpin
-from slidedp.runtime.window import DeviceBuffer, Window
+from slidedp.runtime.window import DeviceBuffer, Shard, Window, WindowSpec
 from slidedp.store import HostStore
 from slidedp.update import HostSumRing, UpdateWorker
 
@@ -171,20 +171,22 @@ class Engine:
         staging = self.store.layout["staging_slots"] // world
         layers = [a.layer_group(i) for i in range(a.num_layers)]
         sharded = ctx is not None and plan.policy.param_route == "sharded"
+        spec = WindowSpec(
+            plan.dtype,
+            layers,
+            plan.policy.slots if plan.policy.resident_layers < a.num_layers else 0,  # all resident
+            plan.version_timeout_s,
+            staging_base=rank * staging,
+            staging_count=staging,
+            shard=Shard(rank, world, None if ctx is None else ctx.node_group) if sharded else None,
+        )
         return Window(
             self.store,
             self.kernels,
             self.device,
-            plan.dtype,
-            layers,
-            plan.policy.slots if plan.policy.resident_layers < a.num_layers else 0,  # all resident
             self.clock,
-            plan.version_timeout_s,
+            spec,
             before_wait=lambda group: self.sync.send_ready(group),  # the sync comes next
-            staging_base=rank * staging,
-            staging_count=staging,
-            shard=(rank, world) if sharded else None,
-            group=None if ctx is None else ctx.node_group,
         )
 
     def close(self) -> None:

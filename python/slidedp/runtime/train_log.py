@@ -9,7 +9,7 @@ TFLOP/s, MFU, exposed waits, memory, ETA). Fields in full: docs/logging.md.
 
 Example::
 
-    log = StepLog(out, flops_per_token=fpt, total_steps=100, start_step=0, log_steps=10)
+    log = StepLog(out, flops_per_token=fpt, steps=LogSteps(total=100, start=0, every=10))
     log.step({"step": 1, "loss": 2.3, "tokens": 4096, "seq_len": 512, "step_time_s": 0.2, ...})
     log.close()
 """
@@ -118,6 +118,16 @@ class StepWriter(Protocol):
     def close(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class LogSteps:
+    """The run's steps as the log counts them: ``total`` (the last step's number), ``start``
+    (the step resumed from; 0: a new run) and a line every ``every`` steps."""
+
+    total: int
+    start: int
+    every: int
+
+
 class StepLog:
     """Per-step records in, metrics.jsonl / TensorBoard / stdout out."""
 
@@ -126,16 +136,15 @@ class StepLog:
         out_dir: Path,
         *,
         flops_per_token: Callable[[int], float],
-        total_steps: int,
-        start_step: int,
-        log_steps: int,
+        steps: LogSteps,
         peak_flops: float | None = None,
         cuda: bool = False,
         writer: StepWriter | None = None,
         stream: TextIO | None = None,
     ) -> None:
         self.flops_per_token, self.peak_flops, self.cuda = flops_per_token, peak_flops, cuda
-        self.total_steps, self.start_step, self.log_steps = total_steps, start_step, log_steps
+        self.total_steps, self.start_step = steps.total, steps.start
+        self.log_steps = steps.every
         self.writer, self.stream = writer, stream
         self.tty = stream is not None and stream.isatty()
         self.start_s = time.perf_counter()
@@ -143,11 +152,11 @@ class StepLog:
         self.skipped = 0
         path = out_dir / "metrics.jsonl"
         kept = []
-        if start_step > 0 and path.is_file():  # records of the steps the resumed run keeps
+        if steps.start > 0 and path.is_file():  # records of the steps the resumed run keeps
             kept = [
                 line
                 for line in path.read_text().splitlines()
-                if json.loads(line)["step"] <= start_step
+                if json.loads(line)["step"] <= steps.start
             ]
         self.metrics = path.open("w")
         self.metrics.writelines(line + "\n" for line in kept)

@@ -30,7 +30,13 @@ from slidedp.config import TrainConfig, config_to_dict
 from slidedp.data.build import run_batches
 from slidedp.errors import NonFiniteError, TrainingInterruptedError
 from slidedp.io.best import BestCheckpoint
-from slidedp.io.checkpoint import Progress, export_checkpoint, restore_rng, save_checkpoint
+from slidedp.io.checkpoint import (
+    Progress,
+    Retention,
+    export_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
 from slidedp.io.disk_space import checkpoint_bytes, disk_full_reported
 from slidedp.io.hf_load import fill_master, read_buffers, weight_files
 from slidedp.io.resume import load_resume_point, plan_resume
@@ -52,7 +58,7 @@ from slidedp.runtime.schedule import lr_schedule
 from slidedp.runtime.stop_signals import StopSignals
 from slidedp.runtime.trace import write_trace
 from slidedp.runtime.trackers import open_trackers
-from slidedp.runtime.train_log import RunFacts, StepLog
+from slidedp.runtime.train_log import LogSteps, RunFacts, StepLog
 from slidedp.runtime.window import fill_mirror
 from slidedp.store import HostStore
 
@@ -297,9 +303,11 @@ class Trainer:
                 self.store,
                 self.progress,
                 meta,
-                total_limit=self.cfg.output.save_total_limit,
-                set_aside=() if self.resume is None else self.resume.set_aside,
-                keep=self.best.kept(),
+                retention=Retention(
+                    total_limit=self.cfg.output.save_total_limit,
+                    set_aside=() if self.resume is None else self.resume.set_aside,
+                    keep=self.best.kept(),
+                ),
             )
 
     def run(self) -> list[dict[str, Any]]:
@@ -396,9 +404,7 @@ class Trainer:
             flops_per_token=functools.cache(
                 functools.partial(model_flops_per_token, self.adapter.config)
             ),
-            total_steps=tc.max_steps,
-            start_step=self.progress.step,
-            log_steps=out.log_steps,
+            steps=LogSteps(total=tc.max_steps, start=self.progress.step, every=out.log_steps),
             peak_flops=facts.peak_flops,
             cuda=self.cuda,
             writer=open_trackers(

@@ -13,6 +13,7 @@ it completed, a device slot only after the compute that read it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,6 +50,31 @@ class DeviceBuffer:
         self.in_use = False  # between acquire and release: never a load target
 
 
+@dataclass(frozen=True)
+class Shard:
+    """The sharded route: this rank loads its ``1/world`` share of each group and an
+    all-gather in ``group`` (the node's ranks; None: all) rebuilds it."""
+
+    rank: int
+    world: int
+    group: dist.ProcessGroup | None = None
+
+
+@dataclass(frozen=True)
+class WindowSpec:
+    """What the window holds: ``slots`` buffers of the largest of ``layer_groups`` in
+    ``dtype``; the staging slots ``staging_base .. + staging_count`` of the store (None: all);
+    a group's version is awaited at most ``version_timeout_s``; ``shard``: None (replicated)."""
+
+    dtype: torch.dtype
+    layer_groups: list[int]
+    slots: int
+    version_timeout_s: float
+    staging_base: int = 0
+    staging_count: int | None = None
+    shard: Shard | None = None
+
+
 class Window:
     """Loads parameter groups from the host store into device buffers (slots, embed, head)."""
 
@@ -57,25 +83,16 @@ class Window:
         store: HostStore,
         kernels: Kernels,
         device: torch.device,
-        dtype: torch.dtype,
-        layer_groups: list[int],
-        slots: int,
         clock: LaneClock,
-        version_timeout_s: float,
+        spec: WindowSpec,
         before_wait: Callable[[int], None] | None = None,
-        *,
-        staging_base: int = 0,
-        staging_count: int | None = None,
-        shard: tuple[int, int] | None = None,
-        group: dist.ProcessGroup | None = None,
     ) -> None:
         """``before_wait(group)`` runs before waiting for a group's version (the gradient lane
-        submits that group's queued update there); ``group``: the process group of the
-        sharded route's all-gather (the node's ranks; None: all)."""
-        self.store, self.kernels, self.device, self.dtype = store, kernels, device, dtype
-        self.clock, self.timeout_s, self.before_wait = clock, version_timeout_s, before_wait
+        submits that group's queued update there)."""
+        self.store, self.kernels, self.device, self.dtype = store, kernels, device, spec.dtype
+        self.clock, self.timeout_s, self.before_wait = clock, spec.version_timeout_s, before_wait
         self.cuda = device.type == "cuda"
-        self.staging_base, self.shard, self.group = staging_base, shard, group
+        self.staging_base, self.shard = spec.staging_base, spec.shard
         self.copy_stream = new_stream(device) if self.cuda else None
         groups = store.layout["groups"]
         self._params: dict[int, list[dict[str, Any]]] = {
@@ -83,10 +100,10 @@ class Window:
             for gi, g in enumerate(groups)
         }
         self._slot_len = {gi: int(g["slot_len"]) for gi, g in enumerate(groups)}
-        layer_len = self._padded(max(self._slot_len[g] for g in layer_groups))
-        self.slots = [DeviceBuffer(layer_len, dtype, device) for _ in range(slots)]
+        layer_len = self._padded(max(self._slot_len[g] for g in spec.layer_groups))
+        self.slots = [DeviceBuffer(layer_len, spec.dtype, device) for _ in range(spec.slots)]
         self._next_slot = 0
-        count = store.layout["staging_slots"] if staging_count is None else staging_count
+        count = store.layout["staging_slots"] if spec.staging_count is None else spec.staging_count
         self._staging_events: list[torch.cuda.Event | None] = [None] * count
         self._next_staging = 0
         self._by_group: dict[int, DeviceBuffer] = {}
@@ -99,7 +116,7 @@ class Window:
 
     def _padded(self, numel: int) -> int:
         """Buffer length: a multiple of the ranks when sharded (equal all-gather parts)."""
-        world = 1 if self.shard is None else self.shard[1]
+        world = 1 if self.shard is None else self.shard.world
         return -(-numel // world) * world
 
     def _share(self, group: int) -> tuple[int, int]:
@@ -107,7 +124,7 @@ class Window:
         n = self._slot_len[group]
         if self.shard is None:
             return 0, n
-        rank, world = self.shard
+        rank, world = self.shard.rank, self.shard.world
         part = self._padded(n) // world
         return min(rank * part, n), min((rank + 1) * part, n)
 
@@ -161,10 +178,10 @@ class Window:
     def _all_gather(self, flat: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
         """Every rank's share into every rank's ``flat`` (ordered after this rank's H2D)."""
         assert self.shard is not None
-        rank, world = self.shard
+        rank, world, group = self.shard.rank, self.shard.world, self.shard.group
         parts = list(flat.view(world, -1).unbind(0))
         with on_stream(stream), self.clock.stream("h2d", stream):
-            collective(lambda: dist.all_gather(parts, parts[rank].clone(), group=self.group))
+            collective(lambda: dist.all_gather(parts, parts[rank].clone(), group=group))
 
     def _stage_and_copy(
         self, buf: DeviceBuffer, group: int, stream: torch.cuda.Stream | None, lo: int, hi: int
