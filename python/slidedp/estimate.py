@@ -118,15 +118,9 @@ def estimate_memory(
     groups = layout["groups"]
     params = sum(int(p["numel"]) for p in layout["params"])
     trained = sum(int(p["numel"]) for p in layout["params"] if not p["frozen"])
-    b, s, layers, rt = (
-        cfg.train.global_batch_size,
-        cfg.data.seq_len,
-        adapter.num_layers,
-        cfg.runtime,
-    )
-    rows = b // (
-        rt.launch.world * rt.launch.nodes
-    )  # a rank's share of the batch: its activations, its loss
+    b, s, rt = cfg.train.global_batch_size, cfg.data.seq_len, cfg.runtime
+    layers = adapter.num_layers
+    rows = b // (rt.launch.world * rt.launch.nodes)  # a rank's share: its activations, its loss
     tokens = rows * s
     largest_layer = max(groups[adapter.layer_group(i)]["slot_len"] for i in range(layers))
     own = groups[adapter.embed_group]["slot_len"] + groups[adapter.head_group]["slot_len"]
@@ -153,9 +147,8 @@ def estimate_memory(
     gpu = GpuEstimate(window, loss, layer, checkpoints, parked, resident, ALLOCATOR_BYTES, peak,
                       peak + CUDA_CONTEXT_BYTES) if cuda else None  # fmt: skip
     # every rank is a process of its own, with its own torch (and CUDA) runtime beside the one
-    # shared store (benchmarks/2026-11-22-two-gpus-h200.md, "Host memory, 1 rank vs 2 ranks": a
-    # second CPU rank added
-    # 1.6 GiB outside the store)
+    # shared store (benchmarks/2026-11-22-two-gpus-h200.md, "Host memory, 1 rank vs 2 ranks":
+    # a second CPU rank added 1.6 GiB outside the store)
     process = (CUDA_PROCESS_BYTES if cuda else CPU_PROCESS_BYTES) * rt.launch.world
     workers = compile_worker_bytes(policy.compute.compile, machine) * rt.launch.world
     cpu_working = 0 if cuda else working * rt.launch.world  # CPU ranks: each its own, in host RAM
