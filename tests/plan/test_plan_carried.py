@@ -48,6 +48,7 @@ def test_the_launcher_passes_its_plan_and_no_runtime_overrides(
     assert seen["plan"].policy.layout == "2xN-r0, 1xF-r0"
 
 
+@pytest.mark.e2e
 def test_a_run_given_a_plan_trains_it_and_the_trainer_decides_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -71,6 +72,7 @@ def test_a_run_given_a_plan_trains_it_and_the_trainer_decides_nothing(
         "2xN-r0, 1xF-r0", 3, "")  # fmt: skip
 
 
+@pytest.mark.e2e
 def test_a_resumed_run_keeps_its_checkpoints_plan_and_says_so(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
