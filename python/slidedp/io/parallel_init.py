@@ -75,12 +75,11 @@ class ParallelNormal(TorchFunctionMode):
         scope, draw, self._draws = self._scope, self._draws, self._draws + 1
         # a strided view has no flat chunks: one generator for the whole tensor, still seeded
         flat = tensor.view(-1) if tensor.is_contiguous() else None
-        numel = tensor.numel() if flat is not None else 0
-        starts = range(0, numel, CHUNK) if flat is not None else range(1)
+        starts = range(0, tensor.numel(), CHUNK) if flat is not None else range(1)
 
         def chunk(k: int, start: int) -> None:
             g = torch.Generator().manual_seed(chunk_seed(self.seed, scope, draw, k))
-            with torch.no_grad():  # grad mode is per thread: a parameter is drawn into
+            with torch.no_grad():  # grad mode is per thread; the tensor may be a parameter
                 part = tensor if flat is None else flat[start : start + CHUNK]
                 part.normal_(mean, std, generator=g)
 
