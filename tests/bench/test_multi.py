@@ -294,6 +294,26 @@ def test_route_table_scaling_and_a_failed_route(
     assert "reduce       layer" in printed
 
 
+def test_scaled_first_and_no_collectives(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A time-limited call asks for the runs on N ranks first and no collectives: the same
+    runs in that order, the same figures, no collectives in the report or the print."""
+    calls: list[RunSpec] = []
+    monkeypatch.setattr(bench_train, "run_child", _fake_child(calls))
+    config = write_tiny_config(tmp_path / "m")
+    out = tmp_path / "r.json"
+    extra = ("--ranks", "2", "--systems", "ours,reference", "--scaled-first", "--no-collectives")
+    assert _cli(config, out, *extra, "--set", "train.max_grad_norm=0") == 0
+    ran = [(s.system, s.world) for s in calls]
+    assert ran == [("ours", 2), ("ours", 1), ("reference", 1)]
+    report = json.loads(out.read_text())
+    assert "collectives" not in report
+    (row,) = report["scaling"]
+    assert row["ours_efficiency"] == pytest.approx(1.0)  # 1 -> 2 ranks matched by batch
+    assert "collectives on" not in capsys.readouterr().out
+
+
 def test_a_failed_collectives_run_exits_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = _fake_child([])
 
@@ -323,6 +343,8 @@ def _scale(*argv: str, device: str = "cpu", systems: str = "ours,fsdp2") -> mult
         (["--ranks", "1"], "cpu", "--ranks 1: needs 2 or more"),
         (["--ranks", "2", "--gpus", "2"], "cpu", "--gpus and --ranks: give one"),
         (["--routes", "all"], "cpu", "--routes needs --gpus N"),
+        (["--scaled-first"], "cpu", "--scaled-first needs --gpus N"),
+        (["--no-collectives"], "cpu", "--no-collectives needs --gpus N"),
         (["--ranks", "2", "--routes", "sharded/nvlink"], "cpu",
          "--routes 'sharded/nvlink': use all, or comma-separated PARAM/GRAD routes from "
          "replicated/gpu, replicated/cpu, "

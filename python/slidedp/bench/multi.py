@@ -60,6 +60,8 @@ class Scale:
     world: int
     routes: tuple[Route, ...]  # ours on ``world`` ranks, once per route
     main_route: Route  # the route of the weak-scaling summary: the config's if run
+    first: bool = False  # the runs on ``world`` ranks before the one-GPU runs of each batch
+    collectives: bool = True  # measure the collectives' bandwidths first
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +81,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --gpus/--ranks: ours' routes, PARAM/GRAD comma-separated "
         "(replicated|sharded/gpu|cpu), or all; auto: runtime.policy=auto chooses the layout and "
         "route; default the config's (auto with --set runtime.policy=auto)",
+    )
+    arg(
+        "--scaled-first",
+        action="store_true",
+        help="with --gpus/--ranks: the runs on N ranks before the one-GPU runs of each batch "
+        "(a run cut short by a time limit has its N-rank figures)",
+    )
+    arg(
+        "--no-collectives",
+        action="store_true",
+        help="with --gpus/--ranks: skip the collectives' bandwidths (a minute or more on 4 GPUs)",
     )
 
 
@@ -133,8 +146,14 @@ def parse_scale(
     """The ``--gpus``/``--ranks``/``--routes`` part of the command, or one ``ConfigError``
     line; None without ``--gpus``/``--ranks`` (the single-GPU bench, unchanged)."""
     if args.gpus is None and args.ranks is None:
-        if args.routes is not None:
-            raise ConfigError("--routes needs --gpus N (or --ranks N --device cpu)")
+        flags = {
+            "--routes": args.routes is not None,
+            "--scaled-first": args.scaled_first,
+            "--no-collectives": args.no_collectives,
+        }
+        named = [flag for flag, on in flags.items() if on]
+        if named:
+            raise ConfigError(f"{named[0]} needs --gpus N (or --ranks N --device cpu)")
         return None
     world = _world(args, device)
     if not any(scales(name) for name in systems):
@@ -158,7 +177,7 @@ def parse_scale(
             ) from None
     config_route = (ours["runtime"]["param_route"], ours["runtime"]["grad_route"])
     main_route = config_route if config_route in routes else routes[0]
-    return Scale(world, routes, main_route)
+    return Scale(world, routes, main_route, args.scaled_first, not args.no_collectives)
 
 
 def _route_runtime(runtime: dict[str, Any], route: Route) -> dict[str, Any]:

@@ -176,7 +176,9 @@ def _print_routes(report: dict[str, Any], unit: str) -> None:
 
 
 def _print_collectives(report: dict[str, Any], unit: str) -> None:
-    c, n = report["collectives"], report["world"]
+    c, n = report.get("collectives"), report["world"]
+    if c is None:  # --no-collectives
+        return
     if c["status"] != "ok":
         print(f"collectives on {n} {unit}: {c['status'].upper()} {c.get('error', '')}")
         return

@@ -330,7 +330,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             if "error" in peak:
                 report["peak_error"] = peak["error"]
             model = dataclasses.replace(model, peak_flops=report["peak_flops"])
-        if scale is not None:
+        if scale is not None and scale.collectives:
             print(f"slidedp bench train: collectives on {scale.world} ranks ...", file=sys.stderr)
             result, _ = run_child(multi.collectives_spec(spec, scale, config), Path(tmp))
             report["collectives"] = collectives_report(result)
@@ -371,11 +371,12 @@ class _Sweep:
                                     timeout_s=self.timeouts[name],
                                     ours=self.configs.get(name, ours))
             )  # fmt: skip
-        if self.scale is not None:
-            at_batch += multi.scaled_specs(
-                dataclasses.replace(spec, batch=batch), self.systems, self.scale, at_batch
-            )
-        return at_batch
+        if self.scale is None:
+            return at_batch
+        scaled = multi.scaled_specs(
+            dataclasses.replace(spec, batch=batch), self.systems, self.scale, at_batch
+        )
+        return scaled + at_batch if self.scale.first else at_batch + scaled
 
     def run(self, run: RunSpec, report: dict[str, Any], model: Model, batches: int) -> None:
         """``run`` in its child process, its result added to ``report`` (and ``--json``)."""
