@@ -44,12 +44,13 @@ from slidedp.autopolicy.selection_cache import (
     selection_key,
     store_selection,
 )
+from slidedp.autopolicy.trial_child import TrialChild, runner_for
 from slidedp.autopolicy.validate import (
+    Runner,
     Validation,
     default_config,
     limit_bytes,
     needs_validation,
-    runner_for,
     validate_choice,
     with_choice,
 )
@@ -125,6 +126,7 @@ class Selecting:
     route_said: str = ""
     estimate: Estimate | None = None
     step_model: dict[str, Any] | None = None
+    runner: Runner | None = None  # every trial's (on one GPU: one child process for all)
 
     @property
     def several(self) -> bool:
@@ -141,6 +143,12 @@ class Selecting:
             return self.machine
         gpu = dataclasses.replace(self.machine, device="cuda", gpu_total_bytes=self.total_bytes)
         return gpu
+
+    def trials(self) -> Runner:
+        """The runner of the selection's trials, calibration's and validation's alike."""
+        if self.runner is None:
+            self.runner = runner_for(self.machine, self.cfg.runtime.launch.world)
+        return self.runner
 
     def settle(self, chosen: TrainConfig, line: str) -> None:
         """The choice made before the stages that measure: the rest do not run."""
@@ -279,8 +287,7 @@ def calibrate(s: Selecting) -> None:
     if s.not_calibrated is not None:
         return
     with s.clock.stage("calibrate") as notes:
-        s.calibration = calibrate_choice(s.base, s.solved, steps=steps,
-                                         runner=runner_for(s.machine))  # fmt: skip
+        s.calibration = calibrate_choice(s.base, s.solved, steps=steps, runner=s.trials())
         s.calibrated.update(s.calibration.times_s())
         s.solved = s.solve_at()
         notes.append(f"{s.calibration.describe()}; solved again: {s.solved.program_layout}")
@@ -304,7 +311,7 @@ def validate(s: Selecting) -> None:
         with s.clock.stage("validation") as notes:
             s.validation = validate_choice(
                 s.base, s.solved, s.solve_at, steps=rt.autopolicy.policy_validate_steps,
-                limit_bytes=limit_bytes(s.machine), runner=runner_for(s.machine, rt.launch.world),
+                limit_bytes=limit_bytes(s.machine), runner=s.trials(),
                 configure=lambda cfg, c: s.configured(cfg, c)[0])  # fmt: skip
             notes.append(s.validation.describe())
     elif s.other_chunk:  # a chunk runs only where validation ran it faster (chunk_choice)
@@ -412,10 +419,14 @@ def choose(
     """The plan of ``cfg`` (``runtime.policy: auto``) for ``adapter`` on ``machine`` (with
     ``spec.target_bytes``: a GPU of that size), and what the selection found and said."""
     s = start(cfg, adapter, machine, spec)
-    for stage in STAGES:
-        stage(s)
-        if s.done:
-            break
+    try:
+        for stage in STAGES:
+            stage(s)
+            if s.done:
+                break
+    finally:  # the trials' child process ends with the selection
+        if isinstance(s.runner, TrialChild):
+            s.runner.close()
     assert s.chosen is not None
     assert s.line is not None
     report = SelectionReport(s.chosen, s.line, s)
