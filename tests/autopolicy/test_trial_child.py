@@ -8,10 +8,11 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from autopolicy.runs import resolve, run_config
+from autopolicy.runs import resolve, run_config, selection_stages
 from autopolicy.test_calibrate import FakeSteps, _report
 from host_profile.fake import cache_rate
 from slidedp.autopolicy import choose
@@ -60,6 +61,9 @@ def test_trials_share_one_child_until_one_runs_out_of_memory(faked: Path) -> Non
         return runner(load_config(faked, [f"runtime.layers={layers}"]), 3)
 
     with TrialChild() as runner:
+        runner.start()
+        runner.wait_ready()
+        assert (runner.trials, runner.processes) == (0, 1)
         assert [trial("F"), trial("F-r1")] == [Trial("F", 0, 1.0, 21), Trial("F-r1", 0, 2.0, 21)]
         assert trial("N") == Trial("N", 0, None, 21)  # the third in that process
         assert runner.processes == 1
@@ -101,26 +105,40 @@ class OneRunner(TrialChild):
     def __init__(self) -> None:
         super().__init__()
         self.steps = FakeSteps({"F": 1.0, "*": 0.5})
-        self.closed = False
+        self.events: list[str] = []
 
     def __call__(self, cfg: TrainConfig, steps: int) -> Trial:
+        self.events.append("trial")
         return self.steps(cfg, steps)
 
+    def start(self) -> None:
+        self.events.append("start")
+
+    def wait_ready(self, cfg: TrainConfig | None = None) -> Any:
+        self.events.append("ready")
+
     def close(self) -> None:
-        self.closed = True
+        self.events.append("close")
         super().close()
 
 
 def test_one_runner_serves_calibration_and_validation_and_ends_with_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On one GPU a selection makes one runner (one child process) for every trial: the
-    calibration's on the reduced model, then the validation's on the run's, and closes it."""
+    """On one GPU a selection makes one runner (one child process) for every trial: started
+    before the layer is profiled, ready before the host probe, the calibration's trials on the
+    reduced model, then the validation's on the run's, and closed at the end."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     path = run_config(tmp_path, 6, {"policy": "auto"})
     cfg = load_config(path, [])
     cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 1000.0)
-    monkeypatch.setattr(choose, "profile_layer", lambda args: _report())
+    said: list[str] = []
+
+    def profiled(args: Any) -> dict[str, Any]:
+        said.extend(made[0].events)
+        return _report()
+
+    monkeypatch.setattr(choose, "profile_layer", profiled)
     made: list[OneRunner] = []
 
     def one_runner(machine: Machine, world: int = 1) -> OneRunner:
@@ -130,7 +148,10 @@ def test_one_runner_serves_calibration_and_validation_and_ends_with_them(
     monkeypatch.setattr(choose, "runner_for", one_runner)
     chosen, line = resolve(path)
     (runner,) = made
-    assert runner.closed
+    assert said == ["start"]  # when the profile began
+    assert runner.events == ["start", "ready", *["trial"] * 5, "close"]
+    stages = ["profile", "trials", "host", "solve", "calibrate", "validation"]
+    assert selection_stages(line) == stages  # the wait for the child's imports is timed
     assert runner.steps.model_layers == [4, 4, 4, 6, 6]  # K = 4 layers, then the run's 6
     layouts = [c.runtime.layout.layers for c in runner.steps.ran]
     assert layouts == ["F", "2xF-r0, 2xN-r0", "F", "6xN-r0", "F"]

@@ -5,7 +5,9 @@ called by ``runtime.policy: auto`` (``autopolicy.auto``) and by ``slidedp plan``
 ``STAGES`` run in order over one ``Selecting`` state, each timed by its ``Clock``: the checkpoint's
 choice kept, the selection cache, the measurements in a child process (several GPUs), the layer
 profile, the host probe, the chunk probe, the solve, the calibration, the validation, the choice
-and its banner line, the estimate's check (``slidedp plan``), the cache write. A stage that
+and its banner line, the estimate's check (``slidedp plan``), the cache write. On one GPU the
+trials of calibration and validation share one child process (``trial_child``), started before
+a layer profile that measures and ended with the selection. A stage that
 settles the choice early (kept, cached, not profiled) ends the run of stages.
 Invariant: every entry point selects through this list; nothing else runs trial steps.
 
@@ -239,6 +241,8 @@ def profile(s: Selecting) -> None:
         if s.spec.profile_file:
             s.report = read_profile_file(s.spec.profile_file, s.cfg, spec.batch)
         else:
+            if s.measure_here and cached_profile(spec) is None:
+                _start_trials(s)
             s.report = profile_layer(spec) if s.measure_here else cached_profile(spec)
         if s.report is not None:
             source = s.spec.profile_file or ("cached" if s.report.get("cached") else "measured")
@@ -249,8 +253,23 @@ def profile(s: Selecting) -> None:
                  "`slidedp train` profiles it and chooses")  # fmt: skip
 
 
+def _start_trials(s: Selecting) -> None:
+    """On one GPU, where trials may run: their child process started before the layer is
+    profiled, its imports beside the profile's GPU work (the host probe waits for them)."""
+    rt = s.cfg.runtime.autopolicy
+    if s.spec.target_bytes is None and (rt.policy_calibrate_steps or rt.policy_validate_steps):
+        runner = s.trials()
+        if isinstance(runner, TrialChild):
+            runner.start()
+
+
 def host(s: Selecting) -> None:
-    """The host AdamW rate (probed where it is not cached and this process measures)."""
+    """The host AdamW rate (probed where it is not cached and this process measures), never
+    beside the trials' child process importing."""
+    if isinstance(s.runner, TrialChild):
+        with s.clock.stage("trials") as notes:
+            s.runner.wait_ready()
+            notes.append("their process ready")
     with s.clock.stage("host") as notes:
         s.host = host_rate(update_threads(s.cfg, s.machine), s.machine, measure=s.measure_here)
         notes.append(f"AdamW {s.host.gbps:.0f} GB/s {s.host.source}")

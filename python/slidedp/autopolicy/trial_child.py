@@ -10,8 +10,9 @@ trainer and empties CUDA's cache, so a trial's reserved peak is its own; a trial
 of memory ends the child, and the next trial starts a fresh one (a fragmented allocator never
 times a later trial); a trial past ``validate.TIMEOUT_S`` or a failure is one ``ConfigError``.
 
-Run by ``TrialChild``, not by hand: ``python -m slidedp.autopolicy.trial_child`` reads
-``CONFIG.yaml STEPS`` lines on stdin and answers each with the trial's JSON line.
+Run by ``TrialChild``, not by hand: ``python -m slidedp.autopolicy.trial_child`` says it is
+ready in one line, then reads ``CONFIG.yaml STEPS`` lines on stdin and answers each with the
+trial's JSON line.
 
 Example::
 
@@ -55,6 +56,7 @@ class TrialChild:
         self._child: subprocess.Popen[bytes] | None = None
         self._stderr: IO[bytes] | None = None
         self._said = 0  # bytes of the child's stderr passed on
+        self._ready = False  # the child said it is ready (its imports done)
         self.trials = 0
         self.processes = 0  # child processes started
 
@@ -62,7 +64,7 @@ class TrialChild:
         path = Path(self._dir.name) / f"trial-{self.trials}.yaml"
         self.trials += 1
         path.write_text(resolved_yaml(cfg))
-        child = self._running()
+        child = self.wait_ready(cfg)
         assert child.stdin is not None
         child.stdin.write(f"{path} {steps}\n".encode())
         child.stdin.flush()
@@ -71,8 +73,23 @@ class TrialChild:
             self._stop()
         return trial
 
+    def start(self) -> None:
+        """Start the child now (its imports beside other work), unless it runs."""
+        self._running()
+
+    def wait_ready(self, cfg: TrainConfig | None = None) -> subprocess.Popen[bytes]:
+        """The child, started if it is not, once its imports are done (its first line):
+        from then on it is idle until a trial. ``cfg``: the trial it is for, named if the
+        child fails first."""
+        child = self._running()
+        if not self._ready:
+            self._answer(child, cfg)
+            self._ready = True
+        return child
+
     def _running(self) -> subprocess.Popen[bytes]:
         if self._child is None:
+            self._ready = False
             # appended to (O_APPEND): our reads never move where the child writes
             self._stderr = (Path(self._dir.name) / f"stderr-{self.processes}").open("a+b")
             self._said = 0
@@ -82,23 +99,22 @@ class TrialChild:
             self.processes += 1
         return self._child
 
-    def _answer(self, child: subprocess.Popen[bytes], cfg: TrainConfig) -> str:
+    def _answer(self, child: subprocess.Popen[bytes], cfg: TrainConfig | None) -> str:
         """The child's next line, within ``TIMEOUT_S``; its stderr passed on."""
+        what = "starting the trials" if cfg is None else f"validating {cfg.runtime.layout.layers}"
         assert child.stdout is not None
         deadline, line = time.monotonic() + TIMEOUT_S, b""
         while not line.endswith(b"\n"):
             left = max(0.0, deadline - time.monotonic())
             if not select.select([child.stdout], [], [], left)[0]:
                 self._stop()
-                raise ran_past(cfg)
+                raise ran_past(cfg) if cfg is not None else ConfigError(f"{what} timed out")
             chunk = os.read(child.stdout.fileno(), 1 << 16)
             if not chunk:  # the child ended without an answer
                 code = child.wait()
                 last = (self._pass_stderr().strip().splitlines() or [f"exit code {code}"])[-1]
                 self._stop()
-                raise ConfigError(
-                    f"runtime.policy=auto: validating {cfg.runtime.layout.layers} failed: {last}"
-                )
+                raise ConfigError(f"runtime.policy=auto: {what} failed: {last}")
             line += chunk
         self._pass_stderr()
         return line.decode()
@@ -161,6 +177,7 @@ def serve() -> int:
     die_with_parent()  # a selection killed mid-trial leaves no trial on the GPU
     answers = os.dup(1)
     os.dup2(2, 1)
+    os.write(answers, b'{"ready": true}\n')  # the imports are done
     while line := sys.stdin.readline():
         config, steps = line.split()
         try:
