@@ -20,15 +20,13 @@ from slidedp.bench import multi
 from slidedp.bench import train as bench_train
 from slidedp.bench.child import run_child
 from slidedp.bench.measure import RunSpec
-from slidedp.bench.ours import ours_raw_config, plan_for_ranks, rank_config
+from slidedp.bench.ours import ours_raw_config
 from slidedp.bench.train import ours_config
 from slidedp.cli import build_parser, main
 from slidedp.config import config_from_dict
 from slidedp.errors import ConfigError
 from slidedp.plan.machine import Machine, update_threads
 from slidedp.plan.policy import read_plan
-from slidedp.plan.resolve import resolve_plan
-from slidedp.preflight import check_model
 
 OPS = {"all_gather", "reduce", "all_reduce"}
 
@@ -379,25 +377,3 @@ def test_two_gpus_every_route(tmp_path: Path) -> None:
     assert report["collectives"]["backend"] == "nccl"
     assert {r["size"] for r in report["collectives"]["rows"]} == {"layer", "512 MiB"}
     assert all(r["algbw_gbps"] > 0 for r in report["collectives"]["rows"])
-
-
-def test_the_ranks_run_their_launchers_plan(tmp_path: Path) -> None:
-    """The bench's rank launcher decides the plan once and writes it as ``Plan.to_json``; each
-    rank runs that file's plan (here edited after the launcher wrote it, so a rank deciding for
-    itself would differ), its policy also set as the rank's ``runtime`` keys."""
-    spec = dataclasses.replace(tiny_spec(tmp_path / "m", "ours"), world=2)
-    path, chosen = plan_for_ranks(spec, tmp_path / "x.spec")
-    assert chosen == {}  # nothing to say without runtime.policy=auto
-    ranks = RunSpec.from_json(json.loads(path.read_text()))
-    assert dataclasses.replace(ranks, plan_file="") == spec
-    launcher_cfg = config_from_dict(ours_raw_config(spec, tmp_path / "d", tmp_path / "o"))
-    machine = Machine.probe(launcher_cfg, measure=False)
-    adapter = check_model(launcher_cfg)[0]
-    assert read_plan(Path(ranks.plan_file)) == resolve_plan(launcher_cfg, adapter, machine)
-    raw = json.loads(Path(ranks.plan_file).read_text())
-    raw["policy"] |= {"layers": "2xN-r0", "chunk_elems": 4096}
-    Path(ranks.plan_file).write_text(json.dumps(raw))
-    cfg, plan = rank_config(ranks, tmp_path / "d", tmp_path / "o")
-    assert (plan.policy.layout, plan.policy.chunk_elems) == ("2xN-r0", 4096)
-    assert (cfg.runtime.layout.layers, cfg.runtime.layout.chunk_elems) == ("2xN-r0", 4096)
-    assert resolve_plan(cfg, adapter, machine).policy == plan.policy
