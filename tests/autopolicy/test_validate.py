@@ -238,6 +238,11 @@ def test_nothing_fitting_the_default_included_is_one_line_and_leaves_no_output(
     assert not (tmp_path / "out").exists()
 
 
+def _shm_mappings() -> set[str]:
+    """This process's mappings of shared-memory files (a store is one, in /dev/shm)."""
+    return {x for x in Path("/proc/self/maps").read_text().splitlines() if "/dev/shm/" in x}
+
+
 @pytest.mark.e2e
 def test_a_trial_is_the_engine_and_writes_nothing_in_the_output_dir(tmp_path: Path) -> None:
     """Here and in a child process (as on CUDA, two trials in one): the run's own engine and
@@ -246,7 +251,9 @@ def test_a_trial_is_the_engine_and_writes_nothing_in_the_output_dir(tmp_path: Pa
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
+    mapped = _shm_mappings()
     here = validate.run_trial(cfg, 3)
+    assert _shm_mappings() <= mapped  # its store is gone with it (a child runs many trials)
     assert (here.layout, here.resident_layers, here.reserved_bytes) == ("N", 0, None)
     assert here.step_s is not None
     assert here.step_s > 0
