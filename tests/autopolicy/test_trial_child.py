@@ -72,6 +72,12 @@ def test_trials_share_one_child_until_one_runs_out_of_memory(faked: Path) -> Non
         child = runner._child
         assert child is not None
     assert child.poll() is not None  # closed with the runner
+    importing = TrialChild()
+    importing.start()
+    child = importing._child
+    assert child is not None
+    importing.close()  # killed at once: no trial will come
+    assert child.returncode == -9
 
 
 @pytest.mark.e2e

@@ -108,7 +108,9 @@ class TrialChild:
             left = max(0.0, deadline - time.monotonic())
             if not select.select([child.stdout], [], [], left)[0]:
                 self._stop()
-                raise ran_past(cfg) if cfg is not None else ConfigError(f"{what} timed out")
+                if cfg is not None:
+                    raise ran_past(cfg)
+                raise ConfigError(f"runtime.policy=auto: {what} ran past {TIMEOUT_S:.0f} s")
             chunk = os.read(child.stdout.fileno(), 1 << 16)
             if not chunk:  # the child ended without an answer
                 code = child.wait()
@@ -134,6 +136,8 @@ class TrialChild:
         if child is not None:
             assert child.stdin is not None
             child.stdin.close()
+            if not self._ready:  # still importing: nothing of it to wait for
+                child.kill()
             try:
                 child.wait(timeout=CLOSE_S)
             except subprocess.TimeoutExpired:
@@ -146,7 +150,8 @@ class TrialChild:
             self._stderr = None
 
     def close(self) -> None:
-        """End the child (its input closed, then killed past ``CLOSE_S``), remove the files."""
+        """End the child (its input closed, then killed past ``CLOSE_S``; at once while it
+        imports), remove the files."""
         self._stop()
         self._dir.cleanup()
 
