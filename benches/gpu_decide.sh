@@ -11,9 +11,15 @@
 #   3. the fixed default and runtime.policy=auto in ONE `slidedp bench train` run (ours,
 #      ours:auto) at the same shape, JSON in $OUT/bench.json, to compare with BENCHMARKS.md,
 #      section "AutoPolicy" (H100: 10,183 and 17,656 tokens/s)
+# DECIDE=selection: parts 1 and 2 only, on a machine whose Triton cache is as cold as ours (the
+# selection's time with every trial in one child process: autopolicy/trial_child.py; measured
+# 289 s, calibrate 105.0 and validation 158.9 of it, when each trial had a process of its own:
+# benchmarks/2026-11-28-decide-then-run-h100.md). The trial processes it started are counted
+# in $OUT/trial-processes.txt (1 unless a trial ran out of memory).
 #
 # Here first:  .venv/bin/maturin build --release -o dist/ -q && make liger-wheels
 # Device call: carry ["dist", "wheels"], command `bash benches/gpu_decide.sh`
+#   (the selection alone: `DECIDE=selection bash benches/gpu_decide.sh`)
 OUT=${OUT:-out/gpu-decide}
 source "$(dirname "$0")/gpu_common.sh"
 export XDG_CACHE_HOME=$(mktemp -d)  # an empty profile and selection cache: part 1 is cold
@@ -39,13 +45,21 @@ runtime: {device: cuda}
 YAML
 
 # 3 first (its own cache, so part 1 stays cold): two 4B stores and a selection take ~5 minutes
-XDG_CACHE_HOME=$(mktemp -d) part bench 330 python3 -m slidedp bench train --shape qwen3-4b \
-    --batch 16 --warmup 2 --steps 3 --systems ours,ours:auto --set train.max_grad_norm=1.0 \
-    --set ours:auto.runtime.policy=auto --json "$OUT/bench.json"
+if [[ ${DECIDE:-all} != selection ]]; then
+    XDG_CACHE_HOME=$(mktemp -d) part bench 330 python3 -m slidedp bench train --shape qwen3-4b \
+        --batch 16 --warmup 2 --steps 3 --systems ours,ours:auto --set train.max_grad_norm=1.0 \
+        --set ours:auto.runtime.policy=auto --json "$OUT/bench.json"
+fi
 
 start=$SECONDS
+# the trial processes of the cold selection (each `python -m slidedp.autopolicy.trial_child`)
+(while sleep 0.5; do pgrep -f "slidedp.autopolicy.trial_child"; done >> "$WORK/trial-pids") &
+watcher=$!
 within 200 plan-cold && part plan-cold $((560 - SECONDS)) python3 -m slidedp plan "$WORK/run.yaml" --out "$OUT/policy.yaml"
 echo "plan-cold: $((SECONDS - start)) s wall" | tee -a "$OUT/cold.txt" "$LOG"
+kill $watcher 2>/dev/null
+echo "trial processes: $(sort -u "$WORK/trial-pids" 2>/dev/null | wc -l)" \
+    | tee "$OUT/trial-processes.txt" -a "$LOG"
 
 # every line stamped; the run is killed once its policy line is out and a few lines follow
 # (SIGKILL at the latest: a SIGTERM would save a 48 GB checkpoint)

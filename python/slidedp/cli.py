@@ -52,7 +52,7 @@ def _train(config: str, overrides: list[str], plan_file: str | None = None) -> i
     build everything (model, store, data), save ``resolved_config.yaml``, then train. A run
     refused before that save leaves ``output.dir`` as it was, lock file included.
     ``plan_file``: the plan to run (``Plan.to_json``; the launcher's to its ranks), its policy
-    in place of the config's."""
+    in place of the config's and, on a resume, of the checkpoint's."""
     from slidedp.config import load_config
     from slidedp.preflight import check_output_dir
     from slidedp.runtime.dist import Dist
@@ -66,8 +66,10 @@ def _train(config: str, overrides: list[str], plan_file: str | None = None) -> i
     if _holds_run_lock(ctx, cfg.runtime.launch.node_rank):
         check_output_dir(cfg)  # never a lock file in a model directory or a file's place
         lock = RunLock.acquire(Path(cfg.output.dir))
+    # the user's plan file (a rank of this launcher gets the launcher's: it says nothing of it)
+    source = plan_file if LAUNCHER_PID not in os.environ else None
     try:
-        return _train_locked(config, overrides, cfg, ctx, lock, plan)
+        return _train_locked(config, overrides, cfg, ctx, lock, (plan, source))
     finally:
         if lock is not None:
             lock.release()
@@ -87,10 +89,14 @@ def _train_locked(
     cfg: TrainConfig,
     ctx: Dist | None,
     lock: RunLock | None,
-    plan: Plan | None,
+    given: tuple[Plan | None, str | None],
 ) -> int:
+    """``_train`` once the lock is held; ``given``: the plan to run and the user's file it came
+    from (``--plan``), or None."""
     from slidedp.config import RESOLVED_CONFIG, resolved_yaml, write_resolved_config
     from slidedp.preflight import check_before_training
+
+    plan, source = given
 
     def refused() -> None:
         if lock is not None:
@@ -104,7 +110,7 @@ def _train_locked(
         # a refusal is one line, before any rank starts; the plan is decided here, once
         # (runtime.policy=auto: its measurements in a child process), and every rank runs it
         try:
-            checked = check_before_training(cfg, measure_policy=True, plan=plan)
+            checked = check_before_training(cfg, measure_policy=True, plan=plan, plan_source=source)
         except BaseException:
             refused()
             raise
@@ -125,7 +131,7 @@ def _train_locked(
     print(f"slidedp train: resolved config (saved as {cfg.output.dir}/{RESOLVED_CONFIG}):")
     print(resolved_yaml(cfg), end="", flush=True)
     try:
-        checked = check_before_training(cfg, measure_policy=True, plan=plan)
+        checked = check_before_training(cfg, measure_policy=True, plan=plan, plan_source=source)
         cfg = checked.cfg  # runtime.policy=auto: the chosen layout (saved as it ran)
         if checked.policy_line:
             print(checked.policy_line, flush=True)

@@ -140,7 +140,8 @@ class AutoPolicySpec:
 
     # "": auto on CUDA unless the config names a layout, fixed on CPU (autopolicy.default);
     # auto: select; fixed: these keys as they are; else a file whose policy keys replace them
-    # (a plan.json of `slidedp plan` or of a run, or a policy YAML)
+    # (a plan.json of `slidedp plan` or of a run, or a policy YAML); a resume keeps its
+    # checkpoint's plan unless this is fixed or a file (plan.resolve.kept_plan)
     policy: str = ""
     # runtime.policy=auto: training steps each of the choice and the fixed default run before
     # training, the faster one wins (autopolicy.validate; the first step is a warm-up); 0: off

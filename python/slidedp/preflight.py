@@ -40,7 +40,7 @@ from slidedp.models.router_loss import check_router_loss_ranks
 from slidedp.plan.device import pick_device, pick_dtype
 from slidedp.plan.machine import Machine
 from slidedp.plan.policy import Plan
-from slidedp.plan.resolve import kept_plan, resolve_plan
+from slidedp.plan.resolve import given_plan_line, kept_plan, resolve_plan
 from slidedp.runtime.dist import check_config
 
 SHM_DIR = Path("/dev/shm")
@@ -225,7 +225,11 @@ class Checked:
 
 
 def check_before_training(
-    cfg: TrainConfig, *, measure_policy: bool = False, plan: Plan | None = None
+    cfg: TrainConfig,
+    *,
+    measure_policy: bool = False,
+    plan: Plan | None = None,
+    plan_source: str | None = None,
 ) -> Checked:
     """The checks ``slidedp train`` runs before it allocates or writes anything: all but the
     data, which the trainer reads once and checks as it builds the batches. With
@@ -233,7 +237,8 @@ def check_before_training(
     profile the layer if it is not cached and validate the choice in a few training steps
     beside the default, as ``train`` does; nothing is written into ``output.dir``) and the rest
     checks the choice. ``plan``: the run's plan, decided before (``slidedp train --plan``):
-    ``cfg`` already carries its keys and nothing is chosen again."""
+    ``cfg`` already carries its keys and nothing is chosen again; ``plan_source``: the user's
+    file it came from, which runs on a resume in place of the checkpoint's plan (one line)."""
 
     device = check_device(cfg)
     adapter, model = check_model(cfg)
@@ -248,8 +253,9 @@ def check_before_training(
     if plan is None:
         cfg, said, selected = settle_policy(cfg, adapter, machine, resume_path,
                                             measure=measure_policy)  # fmt: skip
-    else:  # the launcher's plan: nothing is chosen again
-        said, selected = [], False
+    else:  # a plan given: nothing is chosen again
+        given = None if plan_source is None else given_plan_line(plan, plan_source, resume_path)
+        said, selected = [given] if given else [], False
     memory = check_memory(cfg, adapter)  # the host first: a disk is easier to free
     output += f"; {check_checkpoint_space(cfg, adapter, resume)}"
     lines = [device, *ranks, model, *said, resumed, memory, output]

@@ -32,6 +32,7 @@ from host_profile.fake import cache_rate
 from slidedp.autopolicy import auto, choose, validate
 from slidedp.autopolicy.command import report_path
 from slidedp.autopolicy.select import Choice, select_layout
+from slidedp.autopolicy.trial_child import TrialChild, runner_for
 from slidedp.autopolicy.validate import RESOLVES, Trial, default_config, validate_choice
 from slidedp.cli import main
 from slidedp.config import TrainConfig, load_config
@@ -237,22 +238,30 @@ def test_nothing_fitting_the_default_included_is_one_line_and_leaves_no_output(
     assert not (tmp_path / "out").exists()
 
 
+def _shm_mappings() -> set[str]:
+    """This process's mappings of shared-memory files (a store is one, in /dev/shm)."""
+    return {x for x in Path("/proc/self/maps").read_text().splitlines() if "/dev/shm/" in x}
+
+
 @pytest.mark.e2e
 def test_a_trial_is_the_engine_and_writes_nothing_in_the_output_dir(tmp_path: Path) -> None:
-    """Here and in a child process (as on CUDA): the run's own engine and data, the step time
-    the median after a warm-up, the run's output directory as it was."""
+    """Here and in a child process (as on CUDA, two trials in one): the run's own engine and
+    data, the step time the median after a warm-up, the run's output directory as it was."""
     cfg = load_config(_config(tmp_path), ["runtime.layers=N"])
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
+    mapped = _shm_mappings()
     here = validate.run_trial(cfg, 3)
+    assert _shm_mappings() <= mapped  # its store is gone with it (a child runs many trials)
     assert (here.layout, here.resident_layers, here.reserved_bytes) == ("N", 0, None)
     assert here.step_s is not None
     assert here.step_s > 0
-    child = validate.trial_in_child(cfg, 2)
-    assert (child.layout, child.reserved_bytes) == ("N", None)
-    assert child.step_s is not None
-    assert child.step_s > 0
+    with TrialChild() as runner:
+        child = [runner(cfg, 2), runner(load_config(_config(tmp_path), ["runtime.layers=F"]), 2)]
+        assert (runner.trials, runner.processes) == (2, 1)
+    assert [(t.layout, t.reserved_bytes) for t in child] == [("N", None), ("F", None)]
+    assert all(t.step_s is not None and t.step_s > 0 for t in child)
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
 
 
@@ -292,7 +301,7 @@ def test_a_trial_on_two_ranks_starts_them_and_takes_rank_0s_step(
     assert trial.step_s is not None
     assert trial.step_s > 0
     assert list(out.iterdir()) == []
-    assert validate.runner_for(Machine.probe(cfg, measure=False), 2) is validate.trial_on_ranks
+    assert runner_for(Machine.probe(cfg, measure=False), 2) is validate.trial_on_ranks
 
     def ended(code: int, said: bytes, printed: bytes = b"") -> Callable[..., int]:
         def launch(world: int, argv: list[str], **kwargs: Any) -> int:

@@ -26,6 +26,7 @@ from slidedp.cli import build_parser, main
 from slidedp.config import config_from_dict
 from slidedp.errors import ConfigError
 from slidedp.plan.machine import Machine, update_threads
+from slidedp.plan.policy import read_plan
 
 OPS = {"all_gather", "reduce", "all_reduce"}
 
@@ -129,7 +130,7 @@ def test_ours_with_auto_on_two_ranks_chooses_once_in_their_launcher(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``--routes auto``: the ranks' launcher resolves runtime.policy=auto (measuring in a child
-    process), both ranks train its choice, the result says what it chose."""
+    process), both ranks train its plan (a file), the result says what it chose."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     spec = tiny_spec(tmp_path / "m", "ours", ["runtime.policy=auto"])
     spec = dataclasses.replace(spec, world=2, auto_routes=True)
@@ -142,6 +143,8 @@ def test_ours_with_auto_on_two_ranks_chooses_once_in_their_launcher(
     assert "measured in a child process" in result["policy"]
     assert "host AdamW 3 GB/s measured (cached)" in result["policy"]
     assert result["chosen_route"] == "replicated/gpu"  # on CPU ranks: the config's
+    plan = read_plan(tmp_path / f"{spec.name}.plan.json")  # what the launcher chose, as a file
+    assert (result["layout"], plan.policy.grad_route) == (plan.policy.layout, "gpu")
     assert result["tokens_per_step"] == 2 * 2 * 16
     assert len(list((tmp_path / "cache").rglob("layer-*.json"))) == 1
 

@@ -19,7 +19,7 @@ from slidedp.io.checkpoint import STATE_FILE
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.machine import Machine
 from slidedp.plan.policy import PLAN_FILE, read_plan, write_plan
-from slidedp.plan.resolve import kept_plan, resolve_plan
+from slidedp.plan.resolve import given_plan_line, kept_plan, resolve_plan
 from slidedp.runtime import launch as launching
 from slidedp.runtime import trainer
 
@@ -73,23 +73,68 @@ def test_a_run_given_a_plan_trains_it_and_the_trainer_decides_nothing(
 
 
 @pytest.mark.e2e
-def test_a_resumed_run_keeps_its_checkpoints_plan_and_says_so(
+def test_a_resumed_run_keeps_its_checkpoints_plan_unless_told_otherwise(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """A resume keeps its checkpoint's plan over the config's layout; ``runtime.policy=fixed``
+    or ``--plan FILE`` given on the resume runs instead; each says so in one line."""
     path = _run(tmp_path, layers="2xN, F")
     assert main(["train", str(path), "output.save_steps=1"]) == 0
-    out = load_config(path, []).output.dir
-    resumed = ["train.max_steps=3", "train.resume=auto", "runtime.layers=F"]  # another layout
-    capsys.readouterr()
-    assert main(["train", str(path), *resumed]) == 0
-    said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("plan     ")]
-    assert said == ["plan     kept from checkpoint-2: layers 2xN-r0, 1xF-r0 (the config's 3xF-r0)"]
-    assert read_plan(Path(out) / PLAN_FILE).policy.layout == "2xN-r0, 1xF-r0"
+    out = Path(load_config(path, []).output.dir)
+    kept_layout = read_plan(out / PLAN_FILE).policy.layout
+    plan_file = write_plan(read_plan(out / PLAN_FILE), tmp_path)
+    resumed = ["train.resume=auto", "runtime.layers=F"]  # another layout
+    runs = [
+        (["train.max_steps=3"], "plan     kept from checkpoint-2: layers 2xN-r0, 1xF-r0 "
+         "(the config's 3xF-r0); runtime.policy=fixed runs the config's", kept_layout),
+        (["train.max_steps=4", "runtime.policy=fixed"], "plan     runtime.policy fixed runs, not "
+         "checkpoint-3's plan: layers 3xF-r0 (checkpoint-3's 2xN-r0, 1xF-r0)", "3xF-r0"),
+        (["train.max_steps=5", "--plan", str(plan_file)], f"plan     {plan_file} runs, not "
+         "checkpoint-4's plan: layers 2xN-r0, 1xF-r0 (checkpoint-4's 3xF-r0)", kept_layout),
+    ]  # fmt: skip
+    for extra, line, layout in runs:
+        capsys.readouterr()
+        assert main(["train", str(path), *resumed, *extra]) == 0
+        said = [x for x in capsys.readouterr().out.splitlines() if x.startswith("plan     ")]
+        assert said == [line]
+        assert read_plan(out / PLAN_FILE).policy.layout == layout
+
+
+def test_the_checkpoints_plan_is_kept_unless_the_config_names_its_policy(tmp_path: Path) -> None:
+    """``kept_plan`` and ``given_plan_line`` on a checkpoint that ran another layout, without
+    training: kept by default, not kept for ``runtime.policy: fixed`` or a given plan."""
+    path = _run(tmp_path, layers="2xN, F")
+    cfg = load_config(path, [])
+    adapter = HFAdapter.from_dir(cfg.model.path)
+    machine = Machine.probe(cfg, measure=False)
+    ran = resolve_plan(cfg, adapter, machine)
+    checkpoint = tmp_path / "checkpoint-2"
+    checkpoint.mkdir()
+    (checkpoint / STATE_FILE).write_text(json.dumps({"plan": ran.to_json()}))
+    other = load_config(path, ["runtime.layers=F"])
+    kept, line = kept_plan(other, adapter, machine, checkpoint)
+    assert resolve_plan(kept, adapter, machine).policy == ran.policy
+    assert line == (
+        "plan     kept from checkpoint-2: layers 2xN-r0, 1xF-r0 (the config's 3xF-r0); "
+        "runtime.policy=fixed runs the config's"
+    )
+    fixed = load_config(path, ["runtime.layers=F", "runtime.policy=fixed"])
+    assert kept_plan(fixed, adapter, machine, checkpoint) == (
+        fixed,
+        "plan     runtime.policy fixed runs, not checkpoint-2's plan: layers 3xF-r0 "
+        "(checkpoint-2's 2xN-r0, 1xF-r0)",
+    )
+    assert kept_plan(cfg, adapter, machine, checkpoint) == (cfg, None)  # the same plan
+    given = resolve_plan(other, adapter, machine)
+    assert given_plan_line(given, "p.json", checkpoint) == (
+        "plan     p.json runs, not checkpoint-2's plan: layers 3xF-r0 (checkpoint-2's 2xN-r0, "
+        "1xF-r0)")  # fmt: skip
+    assert given_plan_line(ran, "p.json", checkpoint) is None
+    assert given_plan_line(given, "p.json", None) is None
 
     # a checkpoint written before the plan was recorded: the config's plan, nothing said
     old = tmp_path / "old-checkpoint"
     old.mkdir()
     (old / STATE_FILE).write_text(json.dumps({"policy": {"layers": "2xN-r0, 1xF-r0"}}))
-    cfg = load_config(path, ["runtime.layers=F"])
-    adapter = HFAdapter.from_dir(cfg.model.path)
-    assert kept_plan(cfg, adapter, Machine.probe(cfg, measure=False), old) == (cfg, None)
+    assert kept_plan(other, adapter, machine, old) == (other, None)
+    assert given_plan_line(given, "p.json", old) is None

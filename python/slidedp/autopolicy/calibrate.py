@@ -6,11 +6,12 @@ model cut to ``REDUCED_LAYERS`` layers: ``T_0`` all ``F-r0`` (before and after, 
 ``T_j`` with ``k_j`` layers on candidate ``j``, then ``τ_j = τ_0 + (T_j - T_0) / k_j``, and the
 program is solved again (``select_layout(times_s=...)``). Invariants: a candidate moves off its
 profiled time only where ``|T_j - T_0|`` exceeds the two defaults' spread; one that runs out of
-memory keeps it; trials use ``autopolicy.validate``'s runners; only one-kind models calibrate.
+memory keeps it; trials use the selection's runner (``autopolicy.trial_child``); only one-kind
+models calibrate.
 
 Example::
 
-    found = calibrate_choice(default_cfg, choice, steps=3, runner=runner_for(machine))
+    found = calibrate_choice(default_cfg, choice, steps=3, runner=run_trial)
     choice = select_layout(..., times_s=found.times_s())
 """
 

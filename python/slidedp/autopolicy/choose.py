@@ -5,7 +5,9 @@ called by ``runtime.policy: auto`` (``autopolicy.auto``) and by ``slidedp plan``
 ``STAGES`` run in order over one ``Selecting`` state, each timed by its ``Clock``: the checkpoint's
 choice kept, the selection cache, the measurements in a child process (several GPUs), the layer
 profile, the host probe, the chunk probe, the solve, the calibration, the validation, the choice
-and its banner line, the estimate's check (``slidedp plan``), the cache write. A stage that
+and its banner line, the estimate's check (``slidedp plan``), the cache write. On one GPU the
+trials of calibration and validation share one child process (``trial_child``), started before
+a layer profile that measures and ended with the selection. A stage that
 settles the choice early (kept, cached, not profiled) ends the run of stages.
 Invariant: every entry point selects through this list; nothing else runs trial steps.
 
@@ -44,12 +46,13 @@ from slidedp.autopolicy.selection_cache import (
     selection_key,
     store_selection,
 )
+from slidedp.autopolicy.trial_child import TrialChild, runner_for
 from slidedp.autopolicy.validate import (
+    Runner,
     Validation,
     default_config,
     limit_bytes,
     needs_validation,
-    runner_for,
     validate_choice,
     with_choice,
 )
@@ -125,6 +128,7 @@ class Selecting:
     route_said: str = ""
     estimate: Estimate | None = None
     step_model: dict[str, Any] | None = None
+    runner: Runner | None = None  # every trial's (on one GPU: one child process for all)
 
     @property
     def several(self) -> bool:
@@ -141,6 +145,12 @@ class Selecting:
             return self.machine
         gpu = dataclasses.replace(self.machine, device="cuda", gpu_total_bytes=self.total_bytes)
         return gpu
+
+    def trials(self) -> Runner:
+        """The runner of the selection's trials, calibration's and validation's alike."""
+        if self.runner is None:
+            self.runner = runner_for(self.machine, self.cfg.runtime.launch.world)
+        return self.runner
 
     def settle(self, chosen: TrainConfig, line: str) -> None:
         """The choice made before the stages that measure: the rest do not run."""
@@ -231,6 +241,8 @@ def profile(s: Selecting) -> None:
         if s.spec.profile_file:
             s.report = read_profile_file(s.spec.profile_file, s.cfg, spec.batch)
         else:
+            if s.measure_here and cached_profile(spec) is None:
+                _start_trials(s)
             s.report = profile_layer(spec) if s.measure_here else cached_profile(spec)
         if s.report is not None:
             source = s.spec.profile_file or ("cached" if s.report.get("cached") else "measured")
@@ -241,8 +253,23 @@ def profile(s: Selecting) -> None:
                  "`slidedp train` profiles it and chooses")  # fmt: skip
 
 
+def _start_trials(s: Selecting) -> None:
+    """On one GPU, where trials may run: their child process started before the layer is
+    profiled, its imports beside the profile's GPU work (the host probe waits for them)."""
+    rt = s.cfg.runtime.autopolicy
+    if s.spec.target_bytes is None and (rt.policy_calibrate_steps or rt.policy_validate_steps):
+        runner = s.trials()
+        if isinstance(runner, TrialChild):
+            runner.start()
+
+
 def host(s: Selecting) -> None:
-    """The host AdamW rate (probed where it is not cached and this process measures)."""
+    """The host AdamW rate (probed where it is not cached and this process measures), never
+    beside the trials' child process importing."""
+    if isinstance(s.runner, TrialChild):
+        with s.clock.stage("trials") as notes:
+            s.runner.wait_ready()
+            notes.append("their process ready")
     with s.clock.stage("host") as notes:
         s.host = host_rate(update_threads(s.cfg, s.machine), s.machine, measure=s.measure_here)
         notes.append(f"AdamW {s.host.gbps:.0f} GB/s {s.host.source}")
@@ -279,8 +306,7 @@ def calibrate(s: Selecting) -> None:
     if s.not_calibrated is not None:
         return
     with s.clock.stage("calibrate") as notes:
-        s.calibration = calibrate_choice(s.base, s.solved, steps=steps,
-                                         runner=runner_for(s.machine))  # fmt: skip
+        s.calibration = calibrate_choice(s.base, s.solved, steps=steps, runner=s.trials())
         s.calibrated.update(s.calibration.times_s())
         s.solved = s.solve_at()
         notes.append(f"{s.calibration.describe()}; solved again: {s.solved.program_layout}")
@@ -304,7 +330,7 @@ def validate(s: Selecting) -> None:
         with s.clock.stage("validation") as notes:
             s.validation = validate_choice(
                 s.base, s.solved, s.solve_at, steps=rt.autopolicy.policy_validate_steps,
-                limit_bytes=limit_bytes(s.machine), runner=runner_for(s.machine, rt.launch.world),
+                limit_bytes=limit_bytes(s.machine), runner=s.trials(),
                 configure=lambda cfg, c: s.configured(cfg, c)[0])  # fmt: skip
             notes.append(s.validation.describe())
     elif s.other_chunk:  # a chunk runs only where validation ran it faster (chunk_choice)
@@ -412,10 +438,14 @@ def choose(
     """The plan of ``cfg`` (``runtime.policy: auto``) for ``adapter`` on ``machine`` (with
     ``spec.target_bytes``: a GPU of that size), and what the selection found and said."""
     s = start(cfg, adapter, machine, spec)
-    for stage in STAGES:
-        stage(s)
-        if s.done:
-            break
+    try:
+        for stage in STAGES:
+            stage(s)
+            if s.done:
+                break
+    finally:  # the trials' child process ends with the selection
+        if isinstance(s.runner, TrialChild):
+            s.runner.close()
     assert s.chosen is not None
     assert s.line is not None
     report = SelectionReport(s.chosen, s.line, s)

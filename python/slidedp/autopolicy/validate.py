@@ -5,8 +5,9 @@ A trial's step time is the median of its steps after the first; on CUDA its peak
 memory must stay under the device total less ``select.HEADROOM``, else the choice is solved
 again with the budget cut by the overshoot (``RESOLVES`` times at most). Invariants: the choice
 runs only when validated faster; the default wins ties and whenever the choice does not fit. On
-CUDA each trial runs in a child process (``python -m slidedp.autopolicy.validate CONFIG STEPS``)
-so an OOM cannot fragment the training process; on several ranks the slowest rank counts.
+CUDA the trials run in a child process (``autopolicy.trial_child``) so an OOM cannot fragment
+the training process; on several ranks (``python -m slidedp.autopolicy.validate CONFIG STEPS``
+on each) the slowest rank counts.
 
 Example::
 
@@ -21,7 +22,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -45,7 +45,7 @@ from slidedp.plan.layout import format_layout
 from slidedp.plan.policy import resident_text
 from slidedp.runtime import launch as rank_launcher
 from slidedp.runtime.dist import Dist
-from slidedp.runtime.lifetime import die_with_parent, worker_env
+from slidedp.runtime.lifetime import die_with_parent
 from slidedp.runtime.trainer import Trainer
 
 if TYPE_CHECKING:
@@ -110,7 +110,8 @@ def run_trial(cfg: TrainConfig, steps: int, *, on_ranks: bool = False) -> Trial:
     (it ends this rank, and the launcher stops the others) instead of being the result."""
 
     cuda = pick_device(cfg.runtime.launch.device).type == "cuda"
-    if cuda:
+    if cuda:  # the peak of this trial alone (an earlier one's cached blocks released)
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     rt = cfg.runtime
     step_s = None
@@ -149,7 +150,7 @@ def trial_on_ranks(cfg: TrainConfig, steps: int) -> Trial:
                                         timeout_s=TIMEOUT_S, spec=spec)  # fmt: skip
         printed, said = out.read_text(), err.read_text()
     if code == rank_launcher.EXIT_TIMED_OUT:
-        raise _ran_past(cfg)
+        raise ran_past(cfg)
     if code == EXIT_OUT_OF_MEMORY:
         return Trial(
             rt.layout.layers, rt.layout.resident_layers, None, None, rt.layout.resident_embeddings
@@ -165,35 +166,12 @@ def trial_on_ranks(cfg: TrainConfig, steps: int) -> Trial:
                                reserved_bytes=max(reserved) if reserved else None)  # fmt: skip
 
 
-def _ran_past(cfg: TrainConfig) -> ConfigError:
+def ran_past(cfg: TrainConfig) -> ConfigError:
     return ConfigError(
         f"runtime.policy=auto: validating {cfg.runtime.layout.layers} ran past "
         f"{TIMEOUT_S:.0f} s; set "
         "runtime.policy_validate_steps=0 or write the policy by hand"
     )
-
-
-def trial_in_child(cfg: TrainConfig, steps: int) -> Trial:
-    """``run_trial`` in a child process; its stderr is passed on, a failure is one
-    ``ConfigError`` with its last line."""
-
-    with tempfile.TemporaryDirectory(prefix="slidedp-validate-") as tmp:
-        path = Path(tmp) / "config.yaml"
-        path.write_text(resolved_yaml(cfg))
-        command = [sys.executable, "-m", "slidedp.autopolicy.validate", str(path), str(steps)]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S,
-                                  env=worker_env())  # fmt: skip
-        except subprocess.TimeoutExpired:
-            raise _ran_past(cfg) from None
-    sys.stderr.write(done.stderr)
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        last = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
-        raise ConfigError(
-            f"runtime.policy=auto: validating {cfg.runtime.layout.layers} failed: {last}"
-        )
-    return Trial(**json.loads(lines[-1]))
 
 
 @dataclass(frozen=True)
@@ -294,14 +272,6 @@ def limit_bytes(machine: Machine) -> int | None:
     if machine.device != "cuda" or machine.gpu_total_bytes is None:
         return None
     return int(machine.gpu_total_bytes * (1.0 - HEADROOM))
-
-
-def runner_for(machine: Machine, world: int = 1) -> Runner:
-    """Each trial in a child process on CUDA, in this one on CPU (see the module's text); on
-    several ranks, on as many processes (``trial_on_ranks``)."""
-    if world > 1:
-        return trial_on_ranks
-    return trial_in_child if machine.device == "cuda" else run_trial
 
 
 def _is_default(choice: Choice) -> bool:

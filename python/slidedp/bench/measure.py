@@ -46,6 +46,8 @@ class RunSpec:
     variant: str = ""  # LABEL of --systems SYSTEM:LABEL: runs as ``system``, with its own ``peer``
     # ours on several ranks with runtime.policy=auto choosing the routes too (--routes auto)
     auto_routes: bool = False
+    # ours on several ranks: the launcher's plan (``Plan.to_json`` file) every rank runs
+    plan_file: str = ""
 
     @property
     def global_batch(self) -> int:

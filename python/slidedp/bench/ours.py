@@ -4,9 +4,10 @@ The parent passes our whole resolved training config (``RunSpec.ours``, ``--set`
 applied and validated); this sets what the bench owns — model config, data (the same synthetic
 tokens as the baselines, as JSONL), output, steps, batch, device — and reads the step times and
 lane times from the per-step records. On several ranks (``spec.world``, launched by
-``bench.ranks``) each rank builds the trainer, which joins them (``Dist.from_env``); the global
-batch is ``world x batch``, rank 0's records are the result and each rank traces into its own
-file (``-rankR``). ``startup_s`` is the time to the first step, broken down (``startup``).
+``bench.ranks``) their launcher decides the plan (``plan_for_ranks``) and each rank builds
+the trainer with it, which joins them (``Dist.from_env``); the global batch is ``world x
+batch``, rank 0's records are the result and each rank traces into its own file (``-rankR``).
+``startup_s`` is the time to the first step, broken down (``startup``).
 
 Example::
 
@@ -26,10 +27,12 @@ from typing import Any
 
 from transformers import AutoConfig
 
-from slidedp.autopolicy.auto import AUTO, resolve_auto
+from slidedp.autopolicy.auto import resolve_auto
 from slidedp.bench.measure import RunSpec, synthetic_tokens
 from slidedp.config import TrainConfig, config_from_dict
 from slidedp.plan.machine import Machine
+from slidedp.plan.policy import Plan, read_plan
+from slidedp.plan.resolve import resolve_plan
 from slidedp.preflight import check_model
 from slidedp.runtime.dist import Dist
 from slidedp.runtime.lanes import LANES, WAITS
@@ -107,36 +110,39 @@ def ours_raw_config(spec: RunSpec, data: Path, out: Path) -> dict[str, Any]:
 
 def resolved_config(spec: RunSpec, data: Path, out: Path) -> tuple[TrainConfig, str | None]:
     """Our config for this run; with ``runtime.policy=auto`` the layout chosen (and the layer
-    profiled, when not cached) before any timed step, and the line that says so. On several
-    ranks only their launcher chooses (``choose_for_ranks``): the ranks get the choice."""
+    profiled, when not cached) before any timed step, and the line that says so. A rank of
+    several takes its launcher's plan instead (``rank_config``)."""
     cfg = config_from_dict(ours_raw_config(spec, data, out))
     machine = Machine.probe(cfg, measure=False)
     fixed = None if spec.auto_routes else True  # --routes auto, or the route the bench set
     return resolve_auto(cfg, check_model(cfg)[0], machine, measure=True, routes_fixed=fixed)
 
 
-def chosen_runtime(cfg: TrainConfig) -> dict[str, Any]:
-    """The runtime keys that make the ranks run ``cfg``'s resolved policy (the bench's
-    launcher's choice), ``runtime.policy`` cleared."""
-    keys = ("layers", "resident_layers", "resident_embeddings", "param_route", "grad_route",
-            "chunk_elems", "grad_slots")  # fmt: skip
-    return {"policy": ""} | {k: cfg.runtime.get(k) for k in keys}
+def rank_config(spec: RunSpec, data: Path, out: Path) -> tuple[TrainConfig, Plan]:
+    """A rank's config and the plan it runs: its launcher's (``spec.plan_file``, written by
+    ``plan_for_ranks``), its policy set as the config's ``runtime`` keys (as ``slidedp train
+    --plan`` does), nothing chosen again."""
+    plan = read_plan(Path(spec.plan_file))
+    cfg = config_from_dict(ours_raw_config(spec, data, out))
+    return dataclasses.replace(cfg, runtime=cfg.runtime.with_keys(**plan.runtime_keys())), plan
 
 
-def choose_for_ranks(spec: RunSpec, spec_path: Path) -> tuple[Path, dict[str, Any]]:
-    """In the launcher of ``spec``'s ranks: ``runtime.policy=auto`` resolved once (its
-    measurements in a child process, ``autopolicy.measure``), written into a copy of the spec the
-    ranks read (the policy cleared, the chosen keys set), and the result's keys that say what
-    was chosen. ``spec_path`` unchanged and nothing to add without ``auto``."""
-    if spec.ours["runtime"]["policy"] != AUTO:
-        return spec_path, {}
+def plan_for_ranks(spec: RunSpec, spec_path: Path) -> tuple[Path, dict[str, Any]]:
+    """In the launcher of ``spec``'s ranks: the run's plan decided once (``runtime.policy=auto``
+    chosen, its measurements in a child process, ``autopolicy.measure``; ``resolve_plan``),
+    written as JSON beside ``spec_path`` and named in a copy of the spec the ranks read; and
+    the result's keys that say what auto chose (none without ``auto``)."""
     with tempfile.TemporaryDirectory(prefix="slidedp-bench-") as tmp:
         cfg, line = resolved_config(spec, Path(tmp) / "tokens.jsonl", Path(tmp) / "out")
-    rt = cfg.runtime
-    ours = {**spec.ours, "runtime": {**spec.ours["runtime"], **chosen_runtime(cfg)}}
-    path = spec_path.with_name(f"{spec_path.stem}.chosen.json")
-    path.write_text(json.dumps(dataclasses.replace(spec, ours=ours).to_json()))
-    return path, {"policy": line, "chosen_route": f"{rt.layout.param_route}/{rt.layout.grad_route}"}
+    plan = resolve_plan(cfg, check_model(cfg)[0], Machine.probe(cfg, measure=False))
+    plan_path = spec_path.with_name(f"{spec_path.stem}.plan.json")
+    plan_path.write_text(json.dumps(plan.to_json(), indent=1))
+    path = spec_path.with_name(f"{spec_path.stem}.ranks.json")
+    path.write_text(json.dumps(dataclasses.replace(spec, plan_file=str(plan_path)).to_json()))
+    if line is None:
+        return path, {}
+    routes = f"{plan.policy.param_route}/{plan.policy.grad_route}"
+    return path, {"policy": line, "chosen_route": routes}
 
 
 def auto_layout(spec: RunSpec) -> str:
@@ -162,9 +168,14 @@ def run_ours(spec: RunSpec) -> dict[str, Any]:
         data = Path(tmp) / "tokens.jsonl"
         write_tokens(data, spec, vocab_size)
         stamps = {"start": process_age_s()}
-        cfg, chosen = resolved_config(spec, data, Path(tmp) / "out")
+        plan: Plan | None = None
+        if spec.plan_file:  # a rank of several: its launcher's plan
+            cfg, plan = rank_config(spec, data, Path(tmp) / "out")
+            chosen = None
+        else:
+            cfg, chosen = resolved_config(spec, data, Path(tmp) / "out")
         stamps["config"] = process_age_s()
-        trainer = _BenchTrainer(cfg, log=False)
+        trainer = _BenchTrainer(cfg, plan, log=False)
         stamps["trainer"] = process_age_s()
         every = trainer.run()
         records = every[spec.warmup :]

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from slidedp.bench.measure import RunSpec
-from slidedp.bench.ours import choose_for_ranks
+from slidedp.bench.ours import plan_for_ranks
 from slidedp.errors import SlidedpError
 from slidedp.runtime.dist import EXIT_PEER_FAILED, Dist, fail, finish
 from slidedp.runtime.launch import LaunchSpec, launch
@@ -38,12 +38,12 @@ def rank_result_path(result_path: Path, rank: int) -> Path:
 
 
 def launch_ranks(spec: RunSpec, spec_path: Path, result_path: Path) -> int:
-    """Run ``spec`` on ``spec.world`` ranks; writes ``result_path`` unless a rank failed. Ours
-    with ``runtime.policy=auto`` is chosen here, once, and every rank runs the choice."""
+    """Run ``spec`` on ``spec.world`` ranks; writes ``result_path`` unless a rank failed. Our
+    engine's plan is decided here, once (``runtime.policy=auto`` chosen), and every rank runs it."""
     chosen: dict[str, Any] = {}
     if spec.system == "ours":
         try:
-            spec_path, chosen = choose_for_ranks(spec, spec_path)
+            spec_path, chosen = plan_for_ranks(spec, spec_path)
         except SlidedpError as e:
             print(f"slidedp bench train: ours on {spec.world} ranks: {e}", file=sys.stderr)
             return EXIT_FAILED

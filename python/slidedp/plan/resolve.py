@@ -128,7 +128,9 @@ def kept_plan(
 ) -> tuple[TrainConfig, str | None]:
     """``cfg`` with the policy its checkpoint ``resume`` ran with where the config's differs,
     and the line that says so (``cfg`` and None where they agree, the checkpoint has no plan,
-    or its policy cannot run here). The mirror and the layer compute stay this machine's: they
+    or its policy cannot run here). A config that names its policy on purpose
+    (``runtime.policy: fixed`` or a policy file) keeps its own, and the line says the
+    checkpoint's was not kept. The mirror and the layer compute stay this machine's: they
     follow its memory and its device, and change no number of the training."""
     ran = None if resume is None else checkpoint_plan(resume)
     if ran is None or resume is None:
@@ -138,11 +140,36 @@ def kept_plan(
     fits = len(theirs.layers) == adapter.num_layers and theirs.resident_layers <= len(theirs.layers)
     if theirs == ours or not fits:
         return cfg, None
+    named = cfg.runtime.autopolicy.policy
+    if named not in ("", "auto"):  # the user's word on this run: "fixed" or a policy file
+        changes = policy_changes(ours, theirs, f"{resume.name}'s")
+        return cfg, f"plan     runtime.policy {named} runs, not {resume.name}'s plan: {changes}"
     keys = Plan.runtime_keys_of(theirs) | {"bf16_mirror": cfg.runtime.layout.bf16_mirror}
     runtime = cfg.runtime.with_keys(**keys)
     # refused on several ranks
     if resident_ranks_message(runtime, runtime.launch.world) is not None:
         return cfg, None
-    was, now = theirs.to_dict(), ours.to_dict()
-    changed = ", ".join(f"{k} {was[k]} (the config's {now[k]})" for k in was if was[k] != now[k])
-    return dataclasses.replace(cfg, runtime=runtime), f"plan     kept from {resume.name}: {changed}"
+    changes = policy_changes(theirs, ours, "the config's")
+    line = f"plan     kept from {resume.name}: {changes}; runtime.policy=fixed runs the config's"
+    return dataclasses.replace(cfg, runtime=runtime), line
+
+
+def given_plan_line(plan: Plan, source: str, resume: Path | None) -> str | None:
+    """The line a run given ``plan`` (``slidedp train --plan source``) says where it resumes
+    from a checkpoint that ran another policy: the given plan runs, the checkpoint's is not
+    kept (None where they agree or the checkpoint has no plan)."""
+    ran = None if resume is None else checkpoint_plan(resume)
+    if ran is None or resume is None:
+        return None
+    theirs = dataclasses.replace(ran.policy, mirror=plan.policy.mirror, compute=plan.policy.compute)
+    if theirs == plan.policy:
+        return None
+    changes = policy_changes(plan.policy, theirs, f"{resume.name}'s")
+    return f"plan     {source} runs, not {resume.name}'s plan: {changes}"
+
+
+def policy_changes(runs: Policy, other: Policy, whose: str) -> str:
+    """What differs between the policy that ``runs`` and ``other`` (``whose``): ``key value
+    (whose value)``, comma-separated."""
+    now, was = runs.to_dict(), other.to_dict()
+    return ", ".join(f"{k} {now[k]} ({whose} {was[k]})" for k in now if now[k] != was[k])
