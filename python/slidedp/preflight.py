@@ -184,7 +184,7 @@ def check_ranks(cfg: TrainConfig) -> str:
     check_config(rt.launch.world, rt, cfg.train, nodes=rt.launch.nodes)
     if rt.launch.nodes == 1:
         r = rt.launch.context_parallel
-        split = f" ({rt.launch.world // r} groups of {r} splitting each sequence)" if r > 1 else ""
+        split = f", each sequence split over {r} of them" if r > 1 else ""
         return f"ranks    {rt.launch.world}{split}"
     try:
         socket.getaddrinfo(rt.launch.master_addr, rt.launch.master_port, type=socket.SOCK_STREAM)

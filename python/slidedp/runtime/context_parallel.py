@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,10 +157,11 @@ def check_context(cfg: TrainConfig, adapter: HFAdapter) -> None:
 
 def _shape_problem(cfg: TrainConfig, adapter: HFAdapter, r: int) -> str | None:
     """Whether the ranks, the sequence and the heads split into ``r`` equal parts."""
-    launch = cfg.runtime.launch
-    if launch.world % r:
-        return (f"does not divide the {launch.world} ranks (runtime.ranks/runtime.gpus): set "
-                f"runtime.context_parallel to a divisor of {launch.world}")  # fmt: skip
+    # the launch's ranks: the config's, or a torchrun's (which the config may leave at 1)
+    world = max(cfg.runtime.launch.world, int(os.environ.get("WORLD_SIZE", "1")))
+    if world % r:
+        return (f"does not divide the {world} ranks (runtime.ranks/runtime.gpus): set "
+                f"runtime.context_parallel to a divisor of {world}")  # fmt: skip
     if cfg.data.seq_len % r:
         return f"data.seq_len={cfg.data.seq_len} must divide by it: set a multiple of {r}"
     heads = adapter.config.num_attention_heads

@@ -3,7 +3,9 @@
 One process per rank (``runtime.launch`` or ``torchrun``, the usual environment variables). A
 node's local rank 0 creates its host store and loads the weights once; the node's other ranks
 attach. Rank ``r`` of ``R`` computes rows ``[r*B/R, (r+1)*B/R)``; the loss is the mean over the
-whole global batch's label tokens. Invariants: a group's update belongs to local rank
+whole global batch's label tokens. With ``runtime.context_parallel: C`` the groups of C
+consecutive ranks read the same rows (``R/C`` groups), each rank a shard of their tokens
+(``runtime.context_parallel``). Invariants: a group's update belongs to local rank
 ``group % L`` of each node; across nodes the owners all-reduce their node's sum before the
 update, so every node's host state stays identical; a failed rank poisons its node's store and
 peers exit with ``EXIT_PEER_FAILED`` without printing (the failing rank's error shows once).
