@@ -38,6 +38,9 @@ class LaunchSpec:
     master_addr: str = ""  # node 0's address as the other nodes reach it (nodes > 1)
     master_port: int = 29500  # a TCP port free on node 0
     version_timeout_s: float = 600.0
+    # ranks that split every sequence into contiguous shards (attention over the whole sequence
+    # by an all-to-all over heads); data parallelism runs over the ranks / context_parallel groups
+    context_parallel: int = 1
 
     @property
     def world(self) -> int:
@@ -60,6 +63,10 @@ class LaunchSpec:
             "runtime.gpus needs CUDA: set runtime.device=cuda (or runtime.ranks for CPU)",
         )
         _require(self.nodes >= 1, f"runtime.nodes must be >= 1, got {self.nodes}")
+        _require(
+            self.context_parallel >= 1,
+            f"runtime.context_parallel must be >= 1, got {self.context_parallel}",
+        )
         _require(
             self.nodes < 1 or 0 <= self.node_rank < self.nodes,
             f"runtime.node_rank must be in [0, {self.nodes - 1}] (runtime.nodes={self.nodes}), "

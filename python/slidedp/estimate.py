@@ -120,8 +120,10 @@ def estimate_memory(
     trained = sum(int(p["numel"]) for p in layout["params"] if not p["frozen"])
     b, s, rt = cfg.train.global_batch_size, cfg.data.seq_len, cfg.runtime
     layers = adapter.num_layers
-    rows = b // (rt.launch.world * rt.launch.nodes)  # a rank's share: its activations, its loss
-    tokens = rows * s
+    # a rank's share (activations, loss): R context ranks read the same rows, S/R tokens each
+    context = rt.launch.context_parallel  # (Ulysses' S x H/R heads: as many elements)
+    rows, s_rank = b // (rt.launch.world * rt.launch.nodes // context), s // context
+    tokens = rows * s_rank
     largest_layer = max(groups[adapter.layer_group(i)]["slot_len"] for i in range(layers))
     own = groups[adapter.embed_group]["slot_len"] + groups[adapter.head_group]["slot_len"]
     slots = rt.layout.slots if policy.resident_layers < layers else 0  # every layer resident: none
@@ -129,7 +131,7 @@ def estimate_memory(
     loss = min(rt.layout.loss_chunk_tokens, tokens) * adapter.vocab_size * 4 * LOSS_F32_COPIES
     dtype = torch.bfloat16 if elem == 2 else torch.float32
     kernels = policy.compute.kernels  # Liger's kernels save less for the backward
-    acts = layout_memory(adapter, policy.layers, rows, s, dtype, kernels)
+    acts = layout_memory(adapter, policy.layers, rows, s_rank, dtype, kernels)
     layer = acts.transient_bytes
     checkpoints = acts.retained_bytes + acts.prefetch_bytes
     parked = params * elem if cfg.train.max_grad_norm > 0 else 0
@@ -161,7 +163,7 @@ def estimate_memory(
         batch=b,
         seq_len=s,
         layout=policy.layout,
-        layout_rows=_layout_rows(adapter, policy.layers, rows, s, dtype, kernels),
+        layout_rows=_layout_rows(adapter, policy.layers, rows, s_rank, dtype, kernels),
         resident_layers=policy.resident_layers,
         resident_embeddings=policy.resident_embeddings,
         resident_bytes=resident,

@@ -71,7 +71,9 @@ def estimate_run(
     rate = host_rate(update_threads(cfg, machine), machine)
     step = _step_time(cfg, adapter, machine, memory.trained_params, rate)
     est = Estimate(**{f.name: getattr(memory, f.name) for f in fields(memory)}, step=step)
-    rates = rates_for(cfg, adapter, machine, rate) if step_model else None
+    # the step-time model counts no all-to-all yet: a context-parallel run gets memory only
+    modelled = step_model and cfg.runtime.launch.context_parallel == 1
+    rates = rates_for(cfg, adapter, machine, rate) if modelled else None
     if rates is None:
         return est
     routes = None

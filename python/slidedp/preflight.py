@@ -41,6 +41,7 @@ from slidedp.plan.device import pick_device, pick_dtype
 from slidedp.plan.machine import Machine
 from slidedp.plan.policy import Plan
 from slidedp.plan.resolve import given_plan_line, kept_plan, resolve_plan
+from slidedp.runtime.context_parallel import check_context
 from slidedp.runtime.dist import check_config
 
 SHM_DIR = Path("/dev/shm")
@@ -182,7 +183,9 @@ def check_ranks(cfg: TrainConfig) -> str:
     rt = cfg.runtime
     check_config(rt.launch.world, rt, cfg.train, nodes=rt.launch.nodes)
     if rt.launch.nodes == 1:
-        return f"ranks    {rt.launch.world}"
+        r = rt.launch.context_parallel
+        split = f", each sequence split over {r} of them" if r > 1 else ""
+        return f"ranks    {rt.launch.world}{split}"
     try:
         socket.getaddrinfo(rt.launch.master_addr, rt.launch.master_port, type=socket.SOCK_STREAM)
     except OSError as e:
@@ -242,6 +245,7 @@ def check_before_training(
 
     device = check_device(cfg)
     adapter, model = check_model(cfg)
+    check_context(cfg, adapter)  # runtime.context_parallel's shapes and what it refuses
     ranks = (
         [check_ranks(cfg)] if cfg.runtime.launch.world > 1 or cfg.runtime.launch.nodes > 1 else []
     )

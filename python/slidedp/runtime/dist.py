@@ -3,7 +3,9 @@
 One process per rank (``runtime.launch`` or ``torchrun``, the usual environment variables). A
 node's local rank 0 creates its host store and loads the weights once; the node's other ranks
 attach. Rank ``r`` of ``R`` computes rows ``[r*B/R, (r+1)*B/R)``; the loss is the mean over the
-whole global batch's label tokens. Invariants: a group's update belongs to local rank
+whole global batch's label tokens. With ``runtime.context_parallel: C`` the groups of C
+consecutive ranks read the same rows (``R/C`` groups), each rank a shard of their tokens
+(``runtime.context_parallel``). Invariants: a group's update belongs to local rank
 ``group % L`` of each node; across nodes the owners all-reduce their node's sum before the
 update, so every node's host state stays identical; a failed rank poisons its node's store and
 peers exit with ``EXIT_PEER_FAILED`` without printing (the failing rank's error shows once).
@@ -35,6 +37,7 @@ from slidedp.errors import (
     VersionTimeoutError,
 )
 from slidedp.plan.policy import effective_runtime, resident_ranks_message
+from slidedp.runtime.context_parallel import ContextGroup
 from slidedp.store import HostStore
 
 EXIT_PEER_FAILED = 3  # this rank stopped because another one failed (it prints nothing)
@@ -52,6 +55,10 @@ class Dist:
     # (None: one node; the node's collectives then run in the default group)
     node_group: dist.ProcessGroup | None = field(default=None, repr=False)
     cross_group: dist.ProcessGroup | None = field(default=None, repr=False)
+    # runtime.context_parallel: consecutive ranks that split each row's tokens (set before
+    # ``init``); ``init`` joins this rank's context group
+    context_size: int = 1
+    context: ContextGroup | None = field(default=None, repr=False)
 
     @staticmethod
     def from_env() -> Dist | None:
@@ -89,6 +96,11 @@ class Dist:
     def owns(self, group: int) -> bool:
         return self.owner(group) == self.local_rank
 
+    @property
+    def data_world(self) -> int:
+        """Groups that read different rows (ranks / context_parallel)."""
+        return self.world // self.context_size
+
     def node_rank_of(self, local_rank: int) -> int:
         """The global rank of this node's ``local_rank``."""
         return self.node * self.local_world + local_rank
@@ -114,6 +126,11 @@ class Dist:
                 f"{timeout_s:g} s ({str(e).splitlines()[0]}): start every node, check "
                 "runtime.master_addr/master_port and that the port is reachable"
             ) from None
+        if self.context_size > 1:
+            r = self.context_size
+            groups = [list(range(g * r, (g + 1) * r)) for g in range(self.world // r)]
+            mine = self._member_of(groups, timeout, None)
+            self.context = ContextGroup(self.rank % r, r, mine)
         if self.nodes == 1:
             return
         L, N = self.local_world, self.nodes
@@ -153,9 +170,11 @@ class Dist:
             collective(lambda: dist.all_reduce(t, group=self.cross_group))
 
     def rows(self, batch: Batch) -> Batch:
-        """This rank's rows of the global batch (same padded width as the whole batch)."""
-        per = batch.input_ids.shape[0] // self.world
-        part = slice(self.rank * per, (self.rank + 1) * per)
+        """This rank's rows of the global batch (same padded width as the whole batch); the
+        ranks of one context group read the same rows."""
+        per = batch.input_ids.shape[0] // self.data_world
+        group = self.rank // self.context_size
+        part = slice(group * per, (group + 1) * per)
         pos = None if batch.position_ids is None else batch.position_ids[part]
         return Batch(batch.input_ids[part], batch.attention_mask[part], batch.labels[part], pos)
 
@@ -259,16 +278,25 @@ def check_config(
             "make them agree"
         )
     world = local_world * nodes
-
+    context = runtime.launch.context_parallel
+    if world % context:
+        raise ConfigError(
+            f"runtime.context_parallel={context} does not divide the {world} ranks: set it to a "
+            f"divisor of {world}"
+        )
     message = resident_ranks_message(
         runtime if runtime.autopolicy.policy == "auto" else effective_runtime(runtime), world
     )
     if message is not None:
         raise ConfigError(message)
-    if train.global_batch_size % world:
+    groups = world // context  # each context group reads its own rows
+    if train.global_batch_size % groups:
+        what = f"{world} ranks ({nodes} nodes x {local_world})"
+        if context > 1:
+            what = f"{groups} groups of runtime.context_parallel={context} ranks"
         raise ConfigError(
             f"train.global_batch_size={train.global_batch_size} is not divisible by the "
-            f"{world} ranks ({nodes} nodes x {local_world}): set it to a multiple of {world}"
+            f"{what}: set it to a multiple of {groups}"
         )
 
 
@@ -282,6 +310,7 @@ def start(
     # the route the engine will run: a policy file's grad_route counts (the host sum needs
     # gloo cross groups, NCCL refuses host memory)
     route = effective_runtime(runtime).layout.grad_route
+    ctx.context_size = runtime.launch.context_parallel
     ctx.init(device, runtime.launch.version_timeout_s, host_sum=route == "cpu")
     return device
 

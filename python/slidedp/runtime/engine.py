@@ -33,6 +33,7 @@ from slidedp.models.loss import IGNORE_INDEX, shift_labels
 from slidedp.plan.policy import Plan
 from slidedp.runtime.activations import LayerRun, LayerState, executor_for
 from slidedp.runtime.activations.offload import ActivationOffload, offload_count
+from slidedp.runtime.context_parallel import bind_attention, full_sequence_masks, pad_width
 from slidedp.runtime.dist import Dist, all_reduce_sum, all_reduce_tensor
 from slidedp.runtime.grad_lane import GradLane, RankShare
 from slidedp.runtime.grad_sync import GradSync
@@ -131,6 +132,9 @@ class Engine:
         self.head_buf = self._own_buffer(adapter.head_group)
         self.activations = ActivationOffload(device, self.clock)
         self.rotary = adapter.make_rotary(device)
+        self.context = None if ctx is None else ctx.context  # runtime.context_parallel > 1
+        if self.context is not None:
+            bind_attention(adapter.config, self.context)
         self.embed = adapter.make_embed(device)
         self._update_busy_s = 0.0
         self._pinned: list[torch.Tensor] = []
@@ -303,11 +307,16 @@ class Engine:
         """This rank's rows of ``batch`` on the device, the global batch's label count."""
         if self.ctx is not None:
             batch = self.ctx.rows(batch)
-        targets_host = shift_labels(batch.labels)  # [B, S]
+        if self.context is not None:
+            batch = pad_width(batch, self.context.size)
+        targets_host = shift_labels(batch.labels)  # [B, S]: shifted before the rows are split
+        ids_host = batch.input_ids  # [B, S]
+        if self.context is not None:  # this rank's tokens of every row: [B, S/R]
+            ids_host, targets_host = self.context.shard(ids_host), self.context.shard(targets_host)
         n_labels = int((targets_host != IGNORE_INDEX).sum())
         if self.ctx is not None:  # the mean is over the label tokens of the global batch
             n_labels = int(all_reduce_sum([n_labels], self.device)[0])
-        ids = batch.input_ids.to(self.device, non_blocking=True)  # [B, S]
+        ids = ids_host.to(self.device, non_blocking=True)  # [B, S]
         targets = targets_host.to(self.device, non_blocking=True)
         # Packed rows: per-sample positions and no padding mask, so transformers' mask builders
         # keep attention inside each sample (see slidedp.data.batch); else a padding mask.
@@ -318,6 +327,9 @@ class Engine:
         inputs = _Inputs(ids, targets, attn, n_labels, compute)
         if batch.position_ids is not None:
             inputs.ctx["position_ids"] = batch.position_ids.to(self.device)  # [B, S]
+        if self.context is not None:  # the shard's global positions (RoPE)
+            inputs.ctx["position_ids"] = self.context.positions(batch.input_ids.shape[1],
+                                                                self.device)  # fmt: skip
         return inputs
 
     def _embed_forward(self, inputs: _Inputs, v: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,7 +347,9 @@ class Engine:
             inputs.ctx.update(
                 position_ids=position_ids,
                 position_embeddings=a.position_embeddings(self.rotary, x, position_ids),
-                masks=a.layer_masks(x, inputs.attn, position_ids),
+                masks=a.layer_masks(x, inputs.attn, position_ids)
+                if self.context is None  # else every layer attends over the whole rows
+                else full_sequence_masks(a.layer_masks, x, inputs.attn, self.context),
             )
         return x, embed_w
 

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Context parallelism (runtime.context_parallel) on GPUs, one device call per part:
+#   PARTS=parity  2 GPUs at R=2 against 1 GPU, 100 bf16 steps of a tiny Qwen3 (max |Δloss|
+#                 <= 1e-3: tests/multirank/test_gpu_context.py); on nvidia-h100-x2
+#   PARTS=long    Qwen3-8B (seeded init, YaRN factor SEQ/32768) in one sequence of SEQ tokens
+#                 split over GPUS GPUs (R = GPUS), STEPS steps, clipping CLIP; the metrics
+#                 (step time, tokens/s) and `slidedp estimate` of the same config; on
+#                 nvidia-h100-x4 (SEQ=262144 GPUS=4 by default; try SEQ=524288, 1048576)
+# Context-parallel runs use eager layers, no torch.compile and a fixed layout (the keys are set
+# here; the preflight refuses the others).
+# Here first:  rm -f dist/*.whl; .venv/bin/maturin build --release -o dist/ -q
+# Device call: carry ["dist"], command `PARTS=parity bash benches/gpu_context.sh`
+OUT=${OUT:-out/gpu-context}
+LIGER=0 source "$(dirname "$0")/gpu_common.sh"
+SEQ=${SEQ:-262144}
+GPUS=${GPUS:-4}
+
+long_run() {  # Qwen3-8B's config (no weights: seeded init), one row of SEQ random tokens
+    local dir="$OUT/long"
+    mkdir -p "$dir/model"
+    python3 - "$dir" "$SEQ" "$GPUS" "${STEPS:-3}" "${CLIP:-1.0}" <<'PY'
+import json, sys
+from pathlib import Path
+import torch, yaml
+from transformers import Qwen3Config
+from slidedp.models.shapes import SHAPES
+d, seq, gpus, steps = Path(sys.argv[1]), *map(int, sys.argv[2:5])
+clip = float(sys.argv[5])
+Qwen3Config(**SHAPES["qwen3-8b"]).save_pretrained(d / "model")
+gen = torch.Generator().manual_seed(0)
+with (d / "data.jsonl").open("w") as f:
+    for _ in range(steps):
+        f.write(json.dumps({"input_ids": torch.randint(0, 150000, (seq,), generator=gen).tolist()}) + "\n")
+rope = {"rope_type": "yarn", "factor": max(1.0, seq / 32768), "original_max_position_embeddings": 32768}
+config = {
+    "model": {"path": str(d / "model"), "rope_scaling": rope, "max_position_embeddings": seq},
+    "data": {"path": str(d / "data.jsonl"), "seq_len": seq, "pad_id": 0},
+    "train": {"max_steps": steps, "global_batch_size": 1, "max_grad_norm": clip,
+              "dtype": "bfloat16"},
+    "output": {"dir": str(d / "out"), "tensorboard": False, "save_steps": 0},
+    "runtime": {"device": "cuda", "gpus": gpus, "context_parallel": gpus, "kernels": "eager",
+                "compile": False, "policy": "fixed"},
+}
+(d / "run.yaml").write_text(yaml.safe_dump(config))
+PY
+    part estimate 120 python3 -m slidedp estimate "$dir/run.yaml"
+    part "long-$SEQ-r$GPUS" $((560 - SECONDS)) python3 -m slidedp train "$dir/run.yaml"
+    cp "$dir/out/metrics.jsonl" "$OUT/metrics-$SEQ-r$GPUS.jsonl" 2>/dev/null
+}
+
+case ${PARTS:-parity} in
+    parity) part parity 500 python3 -m pytest -q -s -p no:cacheprovider -m multi_gpu \
+                tests/multirank/test_gpu_context.py ;;
+    long) long_run ;;
+esac
+grep -E "max \|dloss\||step +[0-9]|GPU|exit|error" "$LOG" | tail -30

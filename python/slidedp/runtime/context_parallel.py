@@ -1,0 +1,206 @@
+"""Context parallelism: the R ranks of a context group split every sequence of their rows.
+
+Each rank holds a contiguous shard of S/R tokens of every row; norms, MLP, RoPE (at the
+shard's global positions) and the chunked loss run on the shard. Inside attention, Ulysses
+sequence parallelism: an all-to-all over heads gives each rank the whole sequence for H/R
+query heads and Hkv/R key/value heads, the model's own attention function (SDPA) runs causal
+over it, and an all-to-all back returns the shard's tokens for every head (torch's functional
+``all_to_all_single``, differentiable). Bound without touching the decoder layers:
+transformers' ``AttentionInterface`` under ``ULYSSES`` and the config's attention
+implementation. Invariant: each rank's loss is its shard's token loss over the
+global batch's label count, so the gradients summed over every rank are the one-rank gradient.
+
+Example::
+
+    group = ContextGroup(index=rank % 2, size=2, group=pg)
+    bind_attention(adapter.config, group)   # then every layer's attention spans the whole sequence
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed import _functional_collectives as funcol
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from slidedp.config import TrainConfig
+from slidedp.data.batch import IGNORE_INDEX, Batch
+from slidedp.errors import ConfigError
+from slidedp.models.hf import HFAdapter
+from slidedp.plan.device import pick_device
+from slidedp.plan.layout import parse_entry
+
+ULYSSES = "slidedp_ulysses"  # the attention implementation's name in transformers' interface
+# the model types whose context-parallel runs are checked against one rank (CPU parity tests;
+# dense layers only: a mixture of experts' load-balancing loss would need the shards' counts)
+CONTEXT_MODEL_TYPES = ("qwen3", "llama")
+
+
+@dataclass(frozen=True)
+class ContextGroup:
+    """This rank's place in its context group: shard ``index`` of ``size`` of every row."""
+
+    index: int
+    size: int
+    group: dist.ProcessGroup | None = field(default=None, repr=False)
+
+    def shard(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of ``t`` [B, S, ...]: ``[B, S/R, ...]`` (S divides by R)."""
+        per = t.shape[1] // self.size
+        return t[:, self.index * per : (self.index + 1) * per]
+
+    def positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        """The global positions of this rank's shard of a row of ``seq_len`` tokens: [1, S/R]."""
+        per = seq_len // self.size
+        return torch.arange(self.index * per, (self.index + 1) * per, device=device)[None]
+
+
+def pad_width(batch: Batch, multiple: int) -> Batch:
+    """``batch`` right-padded to a width that divides by ``multiple`` (padding: masked tokens
+    without labels; causal attention never lets a token see the padding after it)."""
+    extra = -batch.input_ids.shape[1] % multiple
+    if extra == 0:
+        return batch
+    assert batch.position_ids is None, "packed rows are refused with context parallelism"
+    return Batch(F.pad(batch.input_ids, (0, extra)), F.pad(batch.attention_mask, (0, extra)),
+                 F.pad(batch.labels, (0, extra), value=IGNORE_INDEX))  # fmt: skip
+
+
+def _all_to_all(send: torch.Tensor, group: ContextGroup) -> torch.Tensor:
+    """Block j of dim 0 of ``send`` to rank j of the group; the result's block j came from
+    rank j. Differentiable (its backward is the reverse all-to-all)."""
+    assert group.group is not None, "a context group joined by Dist.init"
+    # an AsyncCollectiveTensor: its first use waits for the exchange
+    return funcol.all_to_all_single(send, None, None, group.group)
+
+
+def heads_to_sequence(x: torch.Tensor, group: ContextGroup) -> torch.Tensor:
+    """[B, H, S/R, D] (every head, this shard's tokens) -> [B, H/R, S, D] (this rank's heads,
+    every token); shard j of the result's sequence came from rank j."""
+    b, h, s, d = x.shape
+    r = group.size
+    send = x.reshape(b, r, h // r, s, d).transpose(0, 1).contiguous()  # [R, B, H/R, S/R, D]
+    got = _all_to_all(send, group)  # [R (whose tokens), B, H/R, S/R, D]
+    return got.permute(1, 2, 0, 3, 4).reshape(b, h // r, r * s, d)
+
+
+def sequence_to_heads(x: torch.Tensor, group: ContextGroup) -> torch.Tensor:
+    """[B, S, H/R, D] (attention's output layout, this rank's heads) -> [B, S/R, H, D] (this
+    shard's tokens, every head in order)."""
+    b, s_full, h, d = x.shape
+    r = group.size
+    send = x.reshape(b, r, s_full // r, h, d).transpose(0, 1).contiguous()  # [R, B, S/R, H/R, D]
+    got = _all_to_all(send, group)  # [R (whose heads), B, S/R, H/R, D]
+    return got.permute(1, 2, 0, 3, 4).reshape(b, s_full // r, r * h, d)
+
+
+def ulysses_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, H, S/R, D]
+    key: torch.Tensor,  # [B, Hkv, S/R, D]
+    value: torch.Tensor,  # [B, Hkv, S/R, D]
+    attention_mask: torch.Tensor | None,  # the whole sequence's mask (ContextGroup callers)
+    *,
+    context: ContextGroup,
+    inner: str,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention over the whole sequence for this rank's heads; returns [B, S/R, H, D] as
+    transformers' attention functions do. ``inner``: the implementation the model had."""
+    q, k, v = (heads_to_sequence(t, context) for t in (query, key, value))
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(inner, sdpa_attention_forward)
+    out, _ = attend(module, q, k, v, attention_mask, **kwargs)  # [B, S, H/R, D]
+    return sequence_to_heads(out, context), None
+
+
+def bind_attention(config: Any, context: ContextGroup) -> None:
+    """Every attention layer of the model of ``config`` (shared by its modules) runs Ulysses
+    over ``context`` from now on, around the attention implementation it had."""
+    inner = config._attn_implementation
+    if inner == ULYSSES:
+        return
+    attend = functools.partial(ulysses_attention, context=context, inner=inner)
+    AttentionInterface.register(ULYSSES, attend)
+    config._attn_implementation = ULYSSES
+
+
+def full_sequence_masks(
+    layer_masks: Any, x: torch.Tensor, attn: torch.Tensor | None, context: ContextGroup
+) -> list[Any]:
+    """Each layer's attention mask over the whole rows (``HFAdapter.layer_masks``), built from
+    this rank's shard ``x`` [B, S/R, H] (only its shape, dtype and device are read)."""
+    seq_len = x.shape[1] * context.size
+    whole = x[:, :1].expand(-1, seq_len, -1)  # [B, S, H], a view: no memory
+    positions = torch.arange(seq_len, device=x.device)[None]  # [1, S]
+    masks: list[Any] = layer_masks(whole, attn, positions)
+    return masks
+
+
+def check_context(cfg: TrainConfig, adapter: HFAdapter) -> None:
+    """``runtime.context_parallel`` against the run (before anything is written): raises one
+    ``ConfigError`` line naming the key at fault; nothing with ``context_parallel: 1``."""
+    r = cfg.runtime.launch.context_parallel
+    if r == 1:
+        return
+    problem = _shape_problem(cfg, adapter, r) or _unproven_problem(cfg, adapter)
+    if problem is not None:
+        raise ConfigError(f"runtime.context_parallel={r}: {problem}")
+
+
+def _shape_problem(cfg: TrainConfig, adapter: HFAdapter, r: int) -> str | None:
+    """Whether the ranks, the sequence and the heads split into ``r`` equal parts."""
+    # the launch's ranks: the config's, or a torchrun's (which the config may leave at 1)
+    world = max(cfg.runtime.launch.world, int(os.environ.get("WORLD_SIZE", "1")))
+    if world % r:
+        return (f"does not divide the {world} ranks (runtime.ranks/runtime.gpus): set "
+                f"runtime.context_parallel to a divisor of {world}")  # fmt: skip
+    if cfg.data.seq_len % r:
+        return f"data.seq_len={cfg.data.seq_len} must divide by it: set a multiple of {r}"
+    heads = adapter.config.num_attention_heads
+    kv_heads = getattr(adapter.config, "num_key_value_heads", None) or heads
+    if heads % r or kv_heads % r:
+        return (
+            f"the model's {heads} query and {kv_heads} key/value heads must each divide by "
+            "it (the all-to-all gives each rank H/R heads): lower runtime.context_parallel"
+        )
+    return None
+
+
+def _unproven_problem(cfg: TrainConfig, adapter: HFAdapter) -> str | None:
+    """The first combination not yet checked against one rank, with its fix."""
+    rt, data, cuda = cfg.runtime, cfg.data, pick_device(cfg.runtime.launch.device).type == "cuda"
+    layout = rt.layout
+    offloaded = layout.offload_ratio > 0 or any(
+        parse_entry(e, 0.0)[1].ratio > 0 for e in layout.layers.split(",") if e.strip()
+    )
+    refusals = [
+        (adapter.config.model_type not in CONTEXT_MODEL_TYPES,
+         f"model type {adapter.config.model_type} is not supported yet "
+         f"(supported: {', '.join(CONTEXT_MODEL_TYPES)}); set runtime.context_parallel=1"),
+        (data.packing, "data.packing=true is not supported yet; set data.packing=false"),
+        (data.has_eval, "held-out evaluation (data.eval_path/eval_fraction) is not supported "
+         "yet; remove it"),
+        (rt.launch.nodes > 1, f"runtime.nodes={rt.launch.nodes}: the context group must be one "
+         "node's ranks; set runtime.nodes=1"),
+        (layout.resident_layers > 0 or layout.resident_embeddings, "GPU-resident layers "
+         "or embeddings: set runtime.resident_layers=0 and runtime.resident_embeddings=false"),
+        (offloaded, "activation offload (runtime.offload_ratio, -rRATIO in runtime.layers) is "
+         "not supported yet; set runtime.offload_ratio=0 and no -r entries"),
+        (bool(cfg.train.freeze), "train.freeze is not supported yet; remove it"),
+        (rt.autopolicy.policy not in ("fixed", "") or (cuda and rt.autopolicy.policy != "fixed"),
+         "runtime.policy must be fixed (AutoPolicy does not count the all-to-all yet); set "
+         "runtime.policy=fixed"),
+        (layout.compile or (cuda and layout.compile is None), "the compiled decoder layer "
+         "(runtime.compile) cannot trace the all-to-all; set runtime.compile=false"),
+        (layout.kernels == "liger" or (cuda and layout.kernels == "auto"), "runtime.kernels="
+         f"{layout.kernels} is not checked yet; set runtime.kernels=eager"),
+    ]  # fmt: skip
+    return next((why for refused, why in refusals if refused), None)
