@@ -123,9 +123,9 @@ class Engine:
         if policy.resident_embeddings:
             groups += [adapter.embed_group, adapter.head_group]
         if groups:
-            assert ctx is None or ctx.world == 1, "refused by dist.check_config"
+            assert self.reduce is not None or ctx is None, "refused by dist.check_config"
             self.resident = ResidentLayers(store, self.window, self.kernels, self.worker,
-                                           groups, device)  # fmt: skip
+                                           groups, device, ctx)  # fmt: skip
         self.sync = GradSync(self.grads, self.reduce, self.optim, ctx, device, self.resident)
         self.embed_buf = self._own_buffer(adapter.embed_group)
         self.head_buf = self._own_buffer(adapter.head_group)
