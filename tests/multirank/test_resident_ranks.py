@@ -24,6 +24,7 @@ from cli.util import one_error_line, run
 from engine.tiny import make_model, read_metrics, write_config, write_data
 from multirank.ranks import run_ranks
 from slidedp.models.hf import HFAdapter
+from slidedp.plan.cost import resident_rank_bytes
 from slidedp.runtime.resident import ResidentLayers
 from slidedp.runtime.window import DeviceBuffer, Window
 from slidedp.update import UpdateWorker
@@ -58,7 +59,8 @@ def _assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]
 def _spy(monkeypatch: pytest.MonkeyPatch, log: Path) -> None:
     """Each rank appends ``RANK what group`` lines to ``log``: ``load`` (the window), ``host``
     (the host update lane, nonzero length), ``device`` (the resident update), ``state`` (the
-    groups whose FP32 state the rank holds, once at the start)."""
+    groups whose FP32 state the rank holds, once at the start) and ``bytes`` (in place of a
+    group: the device bytes it holds for them, the embeddings' weights aside: the window's)."""
 
     def note(what: str, group: int) -> None:
         with log.open("a") as f:  # one short line per write: the ranks' lines never interleave
@@ -87,6 +89,10 @@ def _spy(monkeypatch: pytest.MonkeyPatch, log: Path) -> None:
         for group, g in resident._groups.items():
             if g.state:
                 note("state", group)
+        embeddings = (resident.store.num_groups - 1, 0)  # the head and the embedding
+        layers = [g.weights.flat for n, g in resident._groups.items() if n not in embeddings]
+        weights = sum(w.numel() * w.element_size() for w in layers)
+        note("bytes", resident.state_bytes + weights)
 
     monkeypatch.setattr(Window, "load", spy_load)
     monkeypatch.setattr(UpdateWorker, "submit", spy_submit)
@@ -151,6 +157,10 @@ def test_two_ranks_with_resident_layers_train_bit_for_bit_like_the_all_host_two(
             assert not host_updated[rank] & resident, (name, rank)
             assert state[rank] == owned, (name, rank)  # about half of the state each
             assert device_updated[rank] == owned, (name, rank)
+        if clip > 0:  # the accounting's worst rank (without clipping it adds the gradients)
+            counted = resident_rank_bytes(adapter, torch.float32, clipping=True, layers=k,
+                                          embeddings=embeddings, ranks=2)  # fmt: skip
+            assert max(max(b) for b in _seen(log, "bytes").values()) == counted
         got = read_metrics(out)
         for key in ("loss", "grad_norm", "clip_coef", "lr"):
             assert [r[key] for r in got] == [r[key] for r in expected], (name, key)

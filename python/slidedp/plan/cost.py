@@ -264,6 +264,33 @@ def resident_embedding_bytes(adapter: HFAdapter, dtype: torch.dtype, *, clipping
     return sum(_state_bytes(g) for g in groups) + (0 if clipping else dtype.itemsize * trained)
 
 
+def resident_rank_bytes(
+    adapter: HFAdapter, dtype: torch.dtype, *, clipping: bool, layers: int, embeddings: bool,
+    ranks: int,
+) -> int:  # fmt: skip
+    """The most GPU-resident bytes any of ``ranks`` ranks of a node holds with the first
+    ``layers`` decoder layers (and with ``embeddings`` the embedding and head) resident: every
+    rank keeps every resident layer's weights, a group's FP32 state (and, without clipping, its
+    reduced gradient) only its owner (``Dist.owner``: group ``g`` on local rank ``g % ranks``;
+    ``runtime.resident``). One rank: ``resident_layer_bytes`` of the first ``layers`` plus
+    ``resident_embedding_bytes``."""
+    specs = adapter.group_specs()
+    resident = [adapter.layer_group(i) for i in range(layers)]
+    if embeddings:
+        resident += [adapter.embed_group, adapter.head_group]
+    if not resident:
+        return 0
+    layout = HostStore.plan([specs[g] for g in resident], 0)
+    elem = dtype.itemsize
+    held = [0] * ranks
+    for group, g in zip(resident, layout["groups"], strict=True):
+        if group not in (adapter.embed_group, adapter.head_group):  # theirs: the window's
+            held = [b + int(g["slot_len"]) * elem for b in held]
+        grad = 0 if clipping else elem * _trained_numel(layout, g)
+        held[group % ranks] += _state_bytes(g) + grad
+    return max(held)
+
+
 # the resident update's pass (``runtime.resident.adamw_tensor``, compiled): bytes it moves per
 # parameter (BF16 gradient read; FP32 master and moments read and written; BF16 weight written) and
 # the rate it moved them at on the H100 (benches/resident_update.py: 4.02 B parameters of Qwen3-4B
