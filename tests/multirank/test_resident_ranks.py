@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from cli.util import one_error_line, run
+from engine.test_resident import _poison_gradient
 from engine.tiny import make_model, read_metrics, write_config, write_data
 from multirank.ranks import run_ranks
 from slidedp.models.hf import HFAdapter
@@ -184,6 +185,49 @@ def test_two_ranks_resume_resident_layers_exactly(tmp_path: Path) -> None:
         assert [r[key] for r in got] == [r[key] for r in uninterrupted[3:]], key
     for saved in ("checkpoint-6", "final"):
         _assert_bitwise_equal(_tensors(resumed / saved), _tensors(full / saved))
+
+
+def test_two_nodes_of_two_ranks_with_resident_groups_train_like_the_all_host_run(
+    tmp_path: Path,
+) -> None:
+    """2 simulated nodes of 2 ranks: each node's owners update their groups (the gradient
+    all-reduced across the nodes' owners first), broadcast within their node and write their
+    node's store; bit for bit the all-host run of the same nodes."""
+    model = make_model(tmp_path, "qwen3", tied=False, layers=LAYERS)
+    data = write_data(tmp_path / "data.jsonl", 30)
+    runs = {}
+    kept = ("runtime.resident_layers=2", "runtime.resident_embeddings=true")
+    for name, resident in (("host", ()), ("resident", kept)):
+        out = tmp_path / name
+        config = write_config(tmp_path / f"{name}.yaml", model, data, out, train=TRAIN,
+                              runtime={"ranks": 2, "chunk_elems": 1000},
+                              output={"tensorboard": False, "save_steps": 3})  # fmt: skip
+        overrides = ["train.max_grad_norm=1.0", *resident]
+        assert run_ranks(config, 4, overrides, nodes=2) == [0] * 4
+        runs[name] = out
+    host, resident_run = read_metrics(runs["host"]), read_metrics(runs["resident"])
+    for key in ("loss", "grad_norm", "clip_coef"):
+        assert [r[key] for r in resident_run] == [r[key] for r in host], key
+    for saved in ("checkpoint-3", "final"):
+        _assert_bitwise_equal(_tensors(runs["resident"] / saved), _tensors(runs["host"] / saved))
+
+
+def test_a_non_finite_resident_gradient_skips_the_step_on_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With clipping and ``on_nonfinite=skip`` an infinite gradient in a resident layer skips
+    the step on both ranks (the owner's update gated off, the broadcast sending the unchanged
+    weights): the same records and checkpoint as the all-host run's skip."""
+    model = make_model(tmp_path, "qwen3", tied=True, layers=LAYERS)
+    data = write_data(tmp_path / "data.jsonl", 30)
+    _poison_gradient(monkeypatch, HFAdapter.from_dir(model).layer_group(1), call=1)
+    skip = ("train.max_grad_norm=1.0", "train.on_nonfinite=skip")
+    host = _two_ranks(tmp_path, model, data, "host", *skip)
+    resident = _two_ranks(tmp_path, model, data, "resident", *skip, "runtime.resident_layers=2")
+    records = read_metrics(resident)
+    assert records[1]["skipped"] is True
+    assert [r.get("loss") for r in records] == [r.get("loss") for r in read_metrics(host)]
+    _assert_bitwise_equal(_tensors(resident / "checkpoint-6"), _tensors(host / "checkpoint-6"))
 
 
 def test_resident_layers_on_the_cpu_gradient_route_of_several_ranks_are_refused(
