@@ -181,7 +181,7 @@ class ResidentLayers:
                         self.store.param(p.name).view(-1), mirror[p.slot_at : p.slot_at + p.numel]
                     )
         if self.ctx is not None:
-            collective(lambda: dist.barrier(group=self.ctx.node_group if self.ctx else None))
+            collective(functools.partial(dist.barrier, group=self.ctx.node_group))
 
     @staticmethod
     def _cast_weights(g: _Group, master: torch.Tensor) -> None:
