@@ -18,6 +18,8 @@ from slidedp.plan.cost import (
     resident_embedding_bytes,
     resident_layer_bytes,
     resident_rank_bytes,
+    resident_terms,
+    resident_update_s,
 )
 from slidedp.plan.layout import parse_entry, parse_layout
 from slidedp.runtime.activations import LayerRun, executor_for
@@ -150,3 +152,31 @@ def test_several_ranks_hold_every_resident_weight_and_their_own_groups_state(
     none = resident_rank_bytes(adapter, f32, clipping=clipping, layers=0, embeddings=False,
                                ranks=2)  # fmt: skip
     assert none == 0
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_the_solvers_resident_terms_bound_every_rank(ranks: int) -> None:
+    """On ``ranks`` ranks any K resident layers take at most ``K * bytes_per_layer +
+    reserve_bytes`` on the rank holding the most (``resident_rank_bytes``: the owners take
+    turns), less than one rank holding them all; the embeddings' term is theirs on their
+    owners; each layer's device time is its owner's share of the update plus the broadcast of
+    its weights. One rank: the one-GPU terms."""
+    adapter = HFAdapter(tiny_config("qwen3", tied=False, layers=5))
+    bf16 = torch.bfloat16
+    one = resident_terms(adapter, bf16, clipping=False, ranks=1, gather_gbps=100.0)
+    assert one.bytes_per_layer == max(resident_layer_bytes(adapter, bf16, clipping=False))
+    assert one.embedding_bytes == resident_embedding_bytes(adapter, bf16, clipping=False)
+    assert one.reserve_bytes == 0
+    terms = resident_terms(adapter, bf16, clipping=False, ranks=ranks, gather_gbps=100.0)
+    for k in range(1, adapter.num_layers + 1):
+        held = resident_rank_bytes(adapter, bf16, clipping=False, layers=k, embeddings=False,
+                                   ranks=ranks)  # fmt: skip
+        assert held <= k * terms.bytes_per_layer + terms.reserve_bytes, k
+    assert terms.bytes_per_layer < one.bytes_per_layer  # the state is shared out
+    ends = resident_rank_bytes(adapter, bf16, clipping=False, layers=0, embeddings=True,
+                               ranks=ranks)  # fmt: skip
+    assert terms.embedding_bytes == ends
+    apart = adapter.embed_group % ranks != adapter.head_group % ranks  # (here: 7 groups)
+    assert (ends < one.embedding_bytes) == apart
+    n = adapter.group_specs()[adapter.layer_group(0)].numel
+    assert terms.update_s_per_layer == pytest.approx(resident_update_s(n) / ranks + 2 * n / 100e9)
