@@ -46,6 +46,16 @@ REGIONS: tuple[StateRegion, ...] = ("master", "exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True)
+class Owners:
+    """Several ranks of a node: ``ctx`` says who owns each resident group; the owners
+    broadcast the weights in ``group`` (the node's ranks, ``Dist.new_node_group``), so that
+    the next step's collectives in the default group do not wait for the updates."""
+
+    ctx: Dist
+    group: dist.ProcessGroup
+
+
+@dataclass(frozen=True)
 class _Param:
     name: str
     state_at: int  # offset in the group's state layout
@@ -94,11 +104,11 @@ class ResidentLayers:
         worker: UpdateWorker,
         groups: list[int],
         device: torch.device,
-        ctx: Dist | None = None,
+        owners: Owners | None = None,
     ) -> None:
-        """``ctx``: several ranks (each owns its groups' state), None: one process."""
+        """``owners``: several ranks (each owns its groups' state), None: one process."""
         self.store, self.kernels, self.worker, self.device = store, kernels, worker, device
-        self.ctx = ctx if ctx is not None and ctx.local_world > 1 else None  # peers to share with
+        self.owners = owners
         layout = store.layout
         self._groups: dict[int, _Group] = {}
         for g in sorted(groups):  # forward order: every rank shares the weights in it
@@ -123,7 +133,7 @@ class ResidentLayers:
 
     def owns(self, group: int) -> bool:
         """Whether this rank holds the group's state and updates it."""
-        return self.ctx is None or self.ctx.owns(group)
+        return self.owners is None or self.owners.ctx.owns(group)
 
     def buffer(self, group: int) -> DeviceBuffer:
         """The group's weights, always current (never loaded through the window): ``ready``
@@ -180,8 +190,8 @@ class ResidentLayers:
                     self.kernels.cast_f32_to_bf16(
                         self.store.param(p.name).view(-1), mirror[p.slot_at : p.slot_at + p.numel]
                     )
-        if self.ctx is not None:
-            collective(functools.partial(dist.barrier, group=self.ctx.node_group))
+        if self.owners is not None:
+            collective(functools.partial(dist.barrier, group=self.owners.group))
 
     @staticmethod
     def _cast_weights(g: _Group, master: torch.Tensor) -> None:
@@ -212,7 +222,7 @@ class ResidentLayers:
         step (it broadcasts the owners' weights). ``publish`` (success) or ``discard``
         (failure) follows."""
         self._dirty = True
-        if not self._pending and self.ctx is None:
+        if not self._pending and self.owners is None:
             return
         scale = None
         if self._pending:
@@ -235,17 +245,17 @@ class ResidentLayers:
     def _update_and_share(self, scale: torch.Tensor | None) -> None:
         if scale is not None:
             self._update(scale)
-        if self.ctx is not None:
-            self._share_weights(self.ctx)
+        if self.owners is not None:
+            self._share_weights(self.owners)
 
-    def _share_weights(self, ctx: Dist) -> None:
+    def _share_weights(self, owners: Owners) -> None:
         """Each trained group's weights from its owner to the node's other ranks, in forward
         order (the same on every rank); gated-off updates broadcast the unchanged weights."""
         for g in self._groups.values():
             if not g.trained:
                 continue
-            owner = ctx.node_rank_of(ctx.owner(g.group))
-            collective(functools.partial(dist.broadcast, g.weights.flat, owner, ctx.node_group))
+            owner = owners.ctx.node_rank_of(owners.ctx.owner(g.group))
+            collective(functools.partial(dist.broadcast, g.weights.flat, owner, owners.group))
             if self._stream is not None:
                 self._updated[g.group] = new_event()
                 self._updated[g.group].record(self._stream)
