@@ -1,8 +1,8 @@
 """Golden loss curves: the CPU float32 loss, gradient norm (and a mixture of experts' aux_loss)
 of every step, and a digest of the final parameters, of short trainings of the tiny test models
 (tests/engine/tiny.py) on every gradient and parameter route (2 ranks), every activation family
-(partly offloaded), GPU-resident state and a mixture of experts; compared bit for bit with
-tests/assets/losses/CASE.json.
+(partly offloaded), GPU-resident state (1 and 2 ranks) and a mixture of experts; compared bit
+for bit with tests/assets/losses/CASE.json.
 
     python scripts/loss_golden.py --check              # exit 1, listing (case, step, old, new)
     python scripts/loss_golden.py --regenerate [CASE]  # on purpose: rewrite, list what changed
@@ -81,6 +81,9 @@ CASES = [
     Case("dense-resident", runtime={"resident_layers": 2, "resident_embeddings": True}),
     *(Case(f"dense-2ranks-{g}-{p}", ranks=2, runtime={"grad_route": g, "param_route": p} | CHUNKED)
       for g, p in ROUTES),
+    # each rank owns its resident groups' state: the dense-2ranks-gpu-sharded curve, bit for bit
+    Case("dense-2ranks-resident", ranks=2, runtime={"param_route": "sharded", "resident_layers": 2,
+                                                    "resident_embeddings": True} | CHUNKED),
     Case("moe", arch="qwen3_moe", tied=False, runtime={"layers": "2xF, 1xSAC.attn-r1, 1xN"}),
     Case("moe-2ranks-cpu-sharded", arch="qwen3_moe", tied=False, ranks=2,
          runtime={"grad_route": "cpu", "param_route": "sharded", "chunk_elems": 4000}),

@@ -43,6 +43,16 @@ def test_every_case_has_a_checked_in_curve() -> None:
         assert [s["step"] for s in curve["steps"]] == [1, 2, 3, 4, 5], name
 
 
+def test_resident_groups_on_two_ranks_keep_the_all_host_curve() -> None:
+    """GPU-resident state on 2 ranks (each owner updates its groups) changes no bit of the
+    2-rank all-host run's curve nor of its final parameters."""
+    golden = _script().GOLDEN_DIR
+    resident = json.loads((golden / "dense-2ranks-resident.json").read_text())
+    host = json.loads((golden / "dense-2ranks-gpu-sharded.json").read_text())
+    assert resident["steps"] == host["steps"]
+    assert resident["final_params_sha256"] == host["final_params_sha256"]
+
+
 def test_the_comparison_names_the_step_the_key_and_both_values() -> None:
     differences = _script().differences
     old = _curve([5.5, 5.25, 5.0])

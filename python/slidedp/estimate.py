@@ -27,8 +27,7 @@ from slidedp.models.hf import HFAdapter
 from slidedp.plan.cost import (
     layer_footprint,
     layout_memory,
-    resident_embedding_bytes,
-    resident_layer_bytes,
+    resident_rank_bytes,
 )
 from slidedp.plan.layout import LayerPolicy
 from slidedp.plan.machine import GIB, Machine
@@ -53,7 +52,7 @@ class GpuEstimate:
     layer_bytes: int  # the largest backward transient of one layer (plan.cost)
     checkpoint_bytes: int  # activations retained on the device + the reload prefetch
     parked_grad_bytes: int
-    resident_bytes: int  # the GPU-resident layers (plan.cost.resident_layer_bytes)
+    resident_bytes: int  # the GPU-resident groups, on the rank holding most (plan.cost)
     allocator_bytes: int
     peak_reserved_bytes: int  # what torch.cuda.max_memory_reserved would report
     needed_bytes: int  # peak + CUDA context: compared with the device total
@@ -136,7 +135,7 @@ def estimate_memory(
     checkpoints = acts.retained_bytes + acts.prefetch_bytes
     parked = params * elem if cfg.train.max_grad_norm > 0 else 0
     clipping = cfg.train.max_grad_norm > 0
-    resident = _resident_bytes(adapter, plan, clipping)
+    resident = _resident_bytes(adapter, plan, clipping, rt.launch.world)
     working = window + loss + layer + max(checkpoints, parked) + resident
     arena = acts.offloaded_bytes * rt.launch.world  # each rank of this node pins its own
     store = int(layout["regions"]["total_bytes"])
@@ -193,15 +192,13 @@ def _unfrozen_store_bytes(adapter: HFAdapter, store_args: dict[str, Any]) -> int
     return int(HostStore.plan(unfrozen, **store_args)["regions"]["total_bytes"])
 
 
-def _resident_bytes(adapter: HFAdapter, plan: Plan, clipping: bool) -> int:
-    """The GPU-resident layers' and embeddings' device bytes (``plan.cost``)."""
+def _resident_bytes(adapter: HFAdapter, plan: Plan, clipping: bool, ranks: int) -> int:
+    """The GPU-resident layers' and embeddings' device bytes on the rank that holds the most
+    (``plan.cost.resident_rank_bytes``: each owner holds its groups' FP32 state)."""
     policy = plan.policy
-    resident = sum(
-        resident_layer_bytes(adapter, plan.dtype, clipping=clipping)[: policy.resident_layers]
-    )
-    if policy.resident_embeddings:
-        resident += resident_embedding_bytes(adapter, plan.dtype, clipping=clipping)
-    return resident
+    return resident_rank_bytes(adapter, plan.dtype, clipping=clipping,
+                               layers=policy.resident_layers,
+                               embeddings=policy.resident_embeddings, ranks=ranks)  # fmt: skip
 
 
 def _layout_rows(

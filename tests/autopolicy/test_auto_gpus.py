@@ -18,6 +18,7 @@ import yaml
 from bench.tiny import write_tiny_config
 from engine.tiny import make_model, read_metrics, write_config, write_data
 from slidedp.cli import main
+from slidedp.plan.policy import resident_text
 from slidedp.plan.predict import ROUTES
 
 pytestmark = pytest.mark.e2e  # every test here trains end to end
@@ -49,9 +50,12 @@ def test_auto_on_two_gpus_trains_and_records_the_choice(
     assert "(predicted " in line  # the links were measured: the model predicted each route
     rt = yaml.safe_load((out / "resolved_config.yaml").read_text())["runtime"]
     route = (rt["param_route"], rt["grad_route"])
-    assert (rt["policy"], rt["resident_layers"], rt["gpus"]) == ("", 0, 2)
+    assert (rt["policy"], rt["gpus"]) == ("", 2)
     assert route in ROUTES
-    assert line.startswith(f"policy   auto: {rt['layers']}, 0 GPU-resident")
+    # GPU-resident groups (each rank owns its groups' state) only on the gpu gradient route
+    shown = resident_text(rt["resident_layers"], rt["resident_embeddings"])
+    assert rt["grad_route"] == "gpu" or not (rt["resident_layers"] or rt["resident_embeddings"])
+    assert line.startswith(f"policy   auto: {rt['layers']}, {shown}")
     assert f"; routes {route[0]}/{route[1]} (predicted " in line
     state = json.loads((out / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())
     policy = state["policy"]
@@ -69,7 +73,7 @@ def test_auto_on_two_gpus_trains_and_records_the_choice(
     overrides = [f"train.max_steps={STEPS + 2}", "train.resume=auto"]
     assert main(["train", str(config), *overrides]) == 0
     printed = capfd.readouterr().out
-    kept = f"{rt['layers']}, 0 GPU-resident, routes {route[0]}/{route[1]} (kept from checkpoint-"
+    kept = f"{rt['layers']}, {shown}, routes {route[0]}/{route[1]} (kept from checkpoint-"
     assert f"policy   auto: {kept}" in printed
     assert not list((tmp_path / "cache").rglob("*.json"))
 
@@ -90,7 +94,8 @@ def test_bench_runs_auto_beside_the_fixed_default(
     runs = [(r["world"], r["route"], r["status"]) for r in report["runs"]]
     assert runs == [(1, None, "ok"), (2, "replicated/gpu", "ok"), (2, "auto", "ok")]
     auto = report["runs"][2]
-    assert auto["policy"].startswith(f"policy   auto: {auto['layout']}, 0 GPU-resident")
+    assert auto["policy"].startswith(f"policy   auto: {auto['layout']}, ")
+    assert " GPU-resident" in auto["policy"]
     assert tuple(auto["chosen_route"].split("/")) in ROUTES
     table = [row["route"] for row in report["route_table"]]
     assert table == ["replicated/gpu", f"auto ({auto['chosen_route']})"]

@@ -199,29 +199,22 @@ def tiny_run(tmp_path: Path) -> Path:
     return write_config(tmp_path / "c.yaml", model, data, tmp_path / "out")
 
 
-def test_more_resident_layers_than_the_model_has_or_several_ranks_are_refused(
+def test_more_resident_layers_than_the_model_has_are_refused(
     tiny_run: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    """(Several ranks: tests/multirank/test_resident_ranks.py.)"""
     code, _, err = run(capsys, "validate", str(tiny_run), "runtime.resident_layers=4")
     assert code == 2
     one_error_line(err, "validate", "runtime.resident_layers=4", "3 decoder layers")
     code, _, err = run(capsys, "train", str(tiny_run), "runtime.resident_layers=-1")
     assert code == 2
     one_error_line(err, "train", "runtime.resident_layers must be >= 0")
-    code, _, err = run(capsys, "validate", str(tiny_run), "runtime.resident_layers=1",
-                       "runtime.ranks=2")  # fmt: skip
-    assert code == 2
-    one_error_line(err, "validate", "runs on one process only", "2 ranks")
     policy = tiny_run.parent / "policy.yaml"  # a policy file's key counts the same
     policy.write_text("resident_layers: 2\n")
     code, _, err = run(capsys, "train", str(tiny_run), f"runtime.policy={policy}",
-                       "runtime.ranks=2")  # fmt: skip
+                       "runtime.ranks=2", "runtime.grad_route=cpu")  # fmt: skip
     assert code == 2
-    one_error_line(err, "train", "runtime.resident_layers=2 runs on one process only")
-    code, _, err = run(capsys, "validate", str(tiny_run), "runtime.resident_embeddings=true",
-                       "runtime.ranks=2")  # fmt: skip
-    assert code == 2
-    one_error_line(err, "validate", "runtime.resident_embeddings=true runs on one process only")
+    one_error_line(err, "train", "runtime.resident_layers=2 on 2 ranks needs runtime.grad_route")
     assert not (tiny_run.parent / "out").exists()
 
 

@@ -241,3 +241,42 @@ def test_gpu_resident_groups_skip_the_host_and_shorten_a_host_bound_step() -> No
     on_path = {op.rsplit(" g", 1)[1] for op in free["critical_path"] if " g" in op}
     assert on_path, free["critical_path"]
     assert not on_path & {*map(str, range(9)), "29"}, free["critical_path"]
+
+
+def test_resident_groups_on_four_ranks_are_priced_per_owner_and_broadcast() -> None:
+    """Qwen3-14B on 4 GPUs of a node (gpu route), 8 layers and the embeddings resident: each
+    resident group is still reduced onto its owner (the route's ``reduce_s``), never loaded,
+    copied nor updated on the host; its device update is the owner's (a quarter of the update
+    on each rank, in parallel) plus the broadcast of its bf16 weights at the all-gather's rate.
+    At a host that binds the 4-rank step, keeping them resident shortens it."""
+    from slidedp.config_runtime import RuntimeSection
+    from slidedp.models.hf import HFAdapter
+    from slidedp.models.shapes import resolve_shape
+    from slidedp.plan.cost import resident_update_s
+    from slidedp.plan.policy import resolve_policy
+
+    adapter = HFAdapter(resolve_shape("qwen3-14b"))
+    links = Links(reduce_gbps=300.0, gather_gbps=250.0)
+
+    def spec(resident_layers: int, embeddings: bool) -> dict[str, Any]:
+        runtime = RuntimeSection.from_keys(
+            resident_layers=resident_layers, resident_embeddings=embeddings
+        )
+        policy = resolve_policy(runtime, adapter, mirror=True, device=torch.device("cuda"))
+        return spec_from_shapes(
+            adapter, policy, batch=16, seq_len=1024, rates=Rates(989e12, 83, links=links),
+            clipping=True, offloaded_bytes=[0] * adapter.num_layers, ranks=Ranks(4, "gpu"),
+        )  # fmt: skip
+
+    host, resident = spec(0, False), spec(8, True)
+    layers = adapter.num_layers
+    assert resident["resident"] == [True] * 9 + [False] * (layers - 8) + [True]
+    assert len(resident["reduce_s"]) == layers + 2  # every gradient reduced onto its owner
+    n = adapter.group_specs()[1].numel
+    owner_update_and_broadcast = resident_update_s(n) / 4 + 2 * n / (250.0 * 1e9)
+    assert resident["backward_s"][0] == pytest.approx(
+        host["backward_s"][0] + owner_update_and_broadcast
+    )
+    assert resident["backward_s"][8] == host["backward_s"][8]
+    assert resident["embed_backward_s"] > host["embed_backward_s"]
+    assert predict_step(resident)["step_s"] < predict_step(host)["step_s"]

@@ -17,9 +17,13 @@ from slidedp.plan.cost import (
     layout_memory,
     resident_embedding_bytes,
     resident_layer_bytes,
+    resident_rank_bytes,
+    resident_terms,
+    resident_update_s,
 )
 from slidedp.plan.layout import parse_entry, parse_layout
 from slidedp.runtime.activations import LayerRun, executor_for
+from slidedp.store import HostStore
 
 
 @pytest.mark.parametrize(
@@ -118,3 +122,61 @@ def test_resident_state_counts_no_moments_nor_gradient_for_frozen_parameters(
         - resident_embedding_bytes(frozen, dtype, clipping=clipping)
         == saved * embed
     )
+
+
+@pytest.mark.parametrize("clipping", [True, False])
+def test_several_ranks_hold_every_resident_weight_and_their_own_groups_state(
+    clipping: bool,
+) -> None:
+    """One rank: the resident layers' bytes plus the embeddings'. Two: each holds every
+    resident layer's weights, but the FP32 state (and without clipping the gradient) only of
+    the groups it owns (group g on rank g % 2); the larger of the two is counted."""
+    adapter = HFAdapter(tiny_config("qwen3", tied=False, layers=3))
+    f32 = torch.float32
+    per_layer = resident_layer_bytes(adapter, f32, clipping=clipping)
+    embeddings = resident_embedding_bytes(adapter, f32, clipping=clipping)
+    one = resident_rank_bytes(adapter, f32, clipping=clipping, layers=3, embeddings=True, ranks=1)
+    assert one == sum(per_layer) + embeddings
+    # nothing frozen: f32 weights 4 B per slot element; master and moments 12 B per state
+    # element, the gradient 4 B per parameter
+    groups = HostStore.plan(adapter.group_specs(), 0)["groups"]
+    grad = [0 if clipping else 4 * g.numel for g in adapter.group_specs()]
+    owned = [12 * g["state_len"] + n for g, n in zip(groups, grad, strict=True)]
+    layers = [adapter.layer_group(i) for i in range(3)]
+    held = [4 * sum(groups[g]["slot_len"] for g in layers)] * 2  # every rank: every layer's
+    for g in [*layers, adapter.embed_group, adapter.head_group]:
+        held[g % 2] += owned[g]
+    two = resident_rank_bytes(adapter, f32, clipping=clipping, layers=3, embeddings=True, ranks=2)
+    assert two == max(held)
+    assert two < one  # the state is split
+    none = resident_rank_bytes(adapter, f32, clipping=clipping, layers=0, embeddings=False,
+                               ranks=2)  # fmt: skip
+    assert none == 0
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_the_solvers_resident_terms_bound_every_rank(ranks: int) -> None:
+    """On ``ranks`` ranks any K resident layers take at most ``K * bytes_per_layer +
+    reserve_bytes`` on the rank holding the most (``resident_rank_bytes``: the owners take
+    turns), less than one rank holding them all; the embeddings' term is theirs on their
+    owners; each layer's device time is its owner's share of the update plus the broadcast of
+    its weights. One rank: the one-GPU terms."""
+    adapter = HFAdapter(tiny_config("qwen3", tied=False, layers=5))
+    bf16 = torch.bfloat16
+    one = resident_terms(adapter, bf16, clipping=False, ranks=1, gather_gbps=100.0)
+    assert one.bytes_per_layer == max(resident_layer_bytes(adapter, bf16, clipping=False))
+    assert one.embedding_bytes == resident_embedding_bytes(adapter, bf16, clipping=False)
+    assert one.reserve_bytes == 0
+    terms = resident_terms(adapter, bf16, clipping=False, ranks=ranks, gather_gbps=100.0)
+    for k in range(1, adapter.num_layers + 1):
+        held = resident_rank_bytes(adapter, bf16, clipping=False, layers=k, embeddings=False,
+                                   ranks=ranks)  # fmt: skip
+        assert held <= k * terms.bytes_per_layer + terms.reserve_bytes, k
+    assert terms.bytes_per_layer < one.bytes_per_layer  # the state is shared out
+    ends = resident_rank_bytes(adapter, bf16, clipping=False, layers=0, embeddings=True,
+                               ranks=ranks)  # fmt: skip
+    assert terms.embedding_bytes == ends
+    apart = adapter.embed_group % ranks != adapter.head_group % ranks  # (here: 7 groups)
+    assert (ends < one.embedding_bytes) == apart
+    n = adapter.group_specs()[adapter.layer_group(0)].numel
+    assert terms.update_s_per_layer == pytest.approx(resident_update_s(n) / ranks + 2 * n / 100e9)

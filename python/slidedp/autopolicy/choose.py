@@ -162,7 +162,7 @@ class Selecting:
         return select.select_layout(
             self.base, self.adapter, self.machine, self.report, total_bytes=self.total_bytes,
             update_gbps=self.host.gbps, resident=self.resident, budget_cut_bytes=cut_bytes,
-            times_s=self.calibrated)  # fmt: skip
+            times_s=self.calibrated, ranks=self.cfg.runtime.launch.world)  # fmt: skip
 
     def configured(self, base: TrainConfig, choice: Choice) -> tuple[TrainConfig, str]:
         """``base`` running ``choice`` with the chunk, on several ranks on the routes chosen
@@ -416,6 +416,7 @@ def start(cfg: TrainConfig, adapter: HFAdapter, machine: Machine, spec: ChooseSp
     """The state before the first stage."""
     several = cfg.runtime.launch.world > 1
     on_gpu = spec.target_bytes is not None or machine.gpu_total_bytes is not None
+    routes = candidate_routes(cfg, spec.routes_fixed) if several else []
     clock = spec.clock or Clock(say=_say_stage if spec.measure else None)
     return Selecting(
         cfg=cfg,
@@ -424,10 +425,10 @@ def start(cfg: TrainConfig, adapter: HFAdapter, machine: Machine, spec: ChooseSp
         machine=machine,
         spec=spec,
         clock=clock,
-        candidates=candidate_routes(cfg, spec.routes_fixed) if several else [],
-        # GPU-resident layers where there is one GPU (on CPU they would move nothing; several
-        # ranks refuse them: their gradients are not reduced across ranks)
-        resident=on_gpu and not several,
+        candidates=routes,
+        # GPU-resident layers on GPUs (on CPU they would move nothing); on several, where the
+        # gpu gradient route may run (the cpu route refuses them)
+        resident=on_gpu and (not several or any(grad == "gpu" for _, grad in routes)),
         measure_here=spec.measure,
     )
 

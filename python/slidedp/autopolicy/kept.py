@@ -66,10 +66,15 @@ def kept_line(
     cfg: TrainConfig, kept: Kept, candidates: list[Route], resume: Path
 ) -> tuple[TrainConfig, str]:
     """The resumed run keeps its checkpoint's layout and, where auto chooses them, routes; on
-    several ranks no layer is GPU-resident (refused there)."""
+    several ranks its GPU-resident groups where the gradient route is gpu (the cpu route
+    refuses them)."""
     rt = cfg.runtime
-    resident = kept.resident_layers if rt.launch.world == 1 else 0
-    embeddings = kept.resident_embeddings and rt.launch.world == 1
+    route = (rt.layout.param_route, rt.layout.grad_route)
+    if rt.launch.world > 1 and kept.route in candidates:
+        route = kept.route
+    keeps = rt.launch.world == 1 or route[1] == "gpu"
+    resident = kept.resident_layers if keeps else 0
+    embeddings = kept.resident_embeddings and keeps
     cfg = _with(cfg, layers=kept.layers, resident_layers=resident, resident_embeddings=embeddings)
     chunk = ""
     if kept.chunk_elems and not rt.layout.chunk_elems and kept.grad_slots > 0:
@@ -77,11 +82,6 @@ def kept_line(
         chunk = f", chunk {kept.chunk_elems:,} elements"
     routes = ""
     if rt.launch.world > 1:
-        route = (
-            kept.route
-            if kept.route in candidates
-            else (rt.layout.param_route, rt.layout.grad_route)
-        )
         cfg = _with(cfg, param_route=route[0], grad_route=route[1])
         routes = f", routes {route_name(route)}"
     line = (

@@ -102,9 +102,14 @@ def routes_for(
 ) -> tuple[TrainConfig, str]:
     """``cfg`` on the routes ``choose_route`` picks among ``candidates`` for the layer times of
     ``report`` and the host rates of ``host``, and what it says (the config's routes, and why,
-    where the model cannot predict them)."""
+    where the model cannot predict them). GPU-resident groups take a gpu gradient route (the
+    cpu route refuses them): a cpu route is the same layout with every group on the host."""
     rt = cfg.runtime
     config_route = (rt.layout.param_route, rt.layout.grad_route)
+    resident = bool(rt.layout.resident_layers or rt.layout.resident_embeddings)
+    host_only = dataclasses.replace(
+        cfg, runtime=rt.with_keys(resident_layers=0, resident_embeddings=False)
+    )
     peak, _ = gpu_peak(machine.gpu_name)
     links = links_for(rt.launch.world, adapter, machine) if machine.device == "cuda" else None
     why = None
@@ -115,14 +120,20 @@ def routes_for(
     elif links is None:
         why = "the links between the GPUs are not measured"
     if why is not None or peak is None or links is None:
-        return cfg, f"{route_name(config_route)}, the config's ({why})"
+        kept = host_only if resident and config_route[1] == "cpu" else cfg
+        return kept, f"{route_name(config_route)}, the config's ({why})"
     rates = Rates(peak, host.gbps, host.cast_gbps, links, layer_times(report))
-    steps = route_steps(cfg, adapter, machine, candidates, rates)
+    steps = route_steps(cfg, adapter, machine, candidates, rates)  # resident: gpu routes only
+    if resident:
+        on_host = [route for route in candidates if route[1] == "cpu"]
+        steps |= route_steps(host_only, adapter, machine, on_host, rates)
     choice = choose_route(steps, config_route)
     fixed = ", fixed by the config" if len(candidates) == 1 else ""
+    if resident and choice.route[1] == "cpu":
+        cfg, fixed = host_only, f"{fixed}, the GPU-resident groups on the host there"
     said = (
         f"{choice.describe()}{fixed}; reduce {links.reduce_gbps:.0f}, all_gather "
         f"{links.gather_gbps:.0f} GB/s measured, copies at the PCIe ceilings"
     )
-    runtime = rt.with_keys(param_route=choice.route[0], grad_route=choice.route[1])
+    runtime = cfg.runtime.with_keys(param_route=choice.route[0], grad_route=choice.route[1])
     return dataclasses.replace(cfg, runtime=runtime), said

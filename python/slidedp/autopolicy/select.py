@@ -25,17 +25,12 @@ import torch
 from slidedp import _native
 from slidedp.errors import ConfigError, InvalidArgumentError
 from slidedp.estimate_report import estimate_run
-from slidedp.plan.cost import (
-    resident_bytes_per_layer,
-    resident_embedding_bytes,
-    resident_embedding_update_s,
-    resident_update_s_per_layer,
-)
+from slidedp.plan.cost import ResidentTerms, resident_terms
 from slidedp.plan.device import pick_dtype
 from slidedp.plan.layout import LayerPolicy, format_layout, parse_entry, place_by_kind
 from slidedp.plan.policy import resident_text
 from slidedp.plan.resolve import MIRROR_HEADROOM_BYTES, mirror_given
-from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM, D2H_GBPS, H2D_GBPS
+from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM, D2H_GBPS, H2D_GBPS, NVLINK_GBPS
 from slidedp.profile.pareto import layer_time, memory
 
 if TYPE_CHECKING:
@@ -269,19 +264,14 @@ def solve_residency(
 
 
 def _solved(
-    problem: dict[str, Any],
-    adapter: HFAdapter,
-    dtype: torch.dtype,
-    clipping: bool,
-    embeddings: bool,
+    problem: dict[str, Any], terms: ResidentTerms | None
 ) -> tuple[dict[str, Any], dict[str, Any], bool]:
-    """``problem`` solved, with ``embeddings`` the faster of it and resident embeddings
-    (``solve_residency``): (the problem solved, its solution, whether the embeddings are
-    resident)."""
-    if not embeddings:
+    """``problem`` solved, with ``terms`` (resident embeddings allowed) the faster of it and
+    resident embeddings (``solve_residency``): (the problem solved, its solution, whether the
+    embeddings are resident)."""
+    if terms is None:
         return problem, solve(problem), False
-    return solve_residency(problem, resident_embedding_bytes(adapter, dtype, clipping=clipping),
-                           resident_embedding_update_s(adapter))  # fmt: skip
+    return solve_residency(problem, terms.embedding_bytes, terms.embedding_update_s)
 
 
 def _default_accounting(
@@ -313,11 +303,13 @@ class _SolveBounds(TypedDict):
 class SolveTerms(_SolveBounds, total=False):
     """``select_layout``'s keywords: the device memory and the host rate (required), whether
     layers (``resident``, default True) and the embeddings (``embeddings``, default True) may
-    stay GPU-resident, a cut of the activations' budget in bytes (``budget_cut_bytes``,
-    default 0) and calibrated layer times (``times_s``, default None: the profile's)."""
+    stay GPU-resident (``ranks``: the node's GPUs sharing their state, default 1), a cut of
+    the activations' budget in bytes (``budget_cut_bytes``, default 0) and calibrated layer
+    times (``times_s``, default None: the profile's)."""
 
     resident: bool
     embeddings: bool
+    ranks: int
     budget_cut_bytes: int
     times_s: Mapping[LayerPolicy, float] | None
 
@@ -361,25 +353,26 @@ def select_layout(
         "kinds": kinds,
         "host_budget_bytes": offload_host_budget(cfg, adapter, machine),
     }
-    if resident:
+    kept = None
+    if resident:  # several ranks: the owners' share, and one layer's state in reserve
+        kept = resident_terms(adapter, dtype, clipping=clipping, ranks=terms.get("ranks", 1),
+                              gather_gbps=NVLINK_GBPS)  # fmt: skip
+        problem["budget_bytes"] = max(0.0, problem["budget_bytes"] - kept.reserve_bytes)
         problem["resident"] = {
-            "bytes_per_layer": float(resident_bytes_per_layer(adapter, dtype, clipping=clipping)),
+            "bytes_per_layer": float(kept.bytes_per_layer),
             "max_layers": adapter.num_layers,
-            "update_s_per_layer": resident_update_s_per_layer(adapter),
+            "update_s_per_layer": kept.update_s_per_layer,
         }
+    ends = kept if embeddings else None
     try:
-        solved, solution, on_gpu = _solved(
-            problem, adapter, dtype, clipping, resident and embeddings
-        )
+        solved, solution, on_gpu = _solved(problem, ends)
     except InvalidArgumentError:
         if problem["host_budget_bytes"] is None:
             raise
         # no layout fits the device without offloading more than the mirror leaves room for:
         # the arena takes that room, and the run goes without the mirror (resolve_mirror)
         problem["host_budget_bytes"] = offload_host_budget(cfg, adapter, machine, mirror=False)
-        solved, solution, on_gpu = _solved(
-            problem, adapter, dtype, clipping, resident and embeddings
-        )
+        solved, solution, on_gpu = _solved(problem, ends)
     counts = [(k, p, int(n)) for (k, p, _), n in zip(cands, solution["counts"], strict=True)]
     retained = {(k, p): int(c["retained_bytes"]) for k, p, c in cands}
     layers = place_by_kind(counts, retained, adapter.layer_kinds)

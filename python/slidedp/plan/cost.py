@@ -264,6 +264,33 @@ def resident_embedding_bytes(adapter: HFAdapter, dtype: torch.dtype, *, clipping
     return sum(_state_bytes(g) for g in groups) + (0 if clipping else dtype.itemsize * trained)
 
 
+def resident_rank_bytes(
+    adapter: HFAdapter, dtype: torch.dtype, *, clipping: bool, layers: int, embeddings: bool,
+    ranks: int,
+) -> int:  # fmt: skip
+    """The most GPU-resident bytes any of ``ranks`` ranks of a node holds with the first
+    ``layers`` decoder layers (and with ``embeddings`` the embedding and head) resident: every
+    rank keeps every resident layer's weights, a group's FP32 state (and, without clipping, its
+    reduced gradient) only its owner (``Dist.owner``: group ``g`` on local rank ``g % ranks``;
+    ``runtime.resident``). One rank: ``resident_layer_bytes`` of the first ``layers`` plus
+    ``resident_embedding_bytes``."""
+    specs = adapter.group_specs()
+    resident = [adapter.layer_group(i) for i in range(layers)]
+    if embeddings:
+        resident += [adapter.embed_group, adapter.head_group]
+    if not resident:
+        return 0
+    layout = HostStore.plan([specs[g] for g in resident], 0)
+    elem = dtype.itemsize
+    held = [0] * ranks
+    for group, g in zip(resident, layout["groups"], strict=True):
+        if group not in (adapter.embed_group, adapter.head_group):  # theirs: the window's
+            held = [b + int(g["slot_len"]) * elem for b in held]
+        grad = 0 if clipping else elem * _trained_numel(layout, g)
+        held[group % ranks] += _state_bytes(g) + grad
+    return max(held)
+
+
 # the resident update's pass (``runtime.resident.adamw_tensor``, compiled): bytes it moves per
 # parameter (BF16 gradient read; FP32 master and moments read and written; BF16 weight written) and
 # the rate it moved them at on the H100 (benches/resident_update.py: 4.02 B parameters of Qwen3-4B
@@ -298,3 +325,53 @@ def resident_bytes_per_layer(adapter: HFAdapter, dtype: torch.dtype, *, clipping
     """The solver's ``Resident.bytes_per_layer`` (``crates/slidedp-core/src/solve``): the
     largest decoder layer's resident bytes, so any K layers fit in K times it."""
     return max(resident_layer_bytes(adapter, dtype, clipping=clipping))
+
+
+@dataclass(frozen=True)
+class ResidentTerms:
+    """What the layout solver takes of GPU-resident groups, for one rank of a node's ``ranks``
+    (``resident_terms``): any K resident layers hold at most ``K * bytes_per_layer +
+    reserve_bytes`` on any rank and add ``K * update_s_per_layer`` to its step; the embedding
+    and head, ``embedding_bytes`` and ``embedding_update_s``."""
+
+    bytes_per_layer: int
+    reserve_bytes: int  # off the budget: the owner of one layer more than K / ranks
+    update_s_per_layer: float
+    embedding_bytes: int
+    embedding_update_s: float
+
+
+def resident_terms(
+    adapter: HFAdapter, dtype: torch.dtype, *, clipping: bool, ranks: int, gather_gbps: float
+) -> ResidentTerms:
+    """The solver's resident terms on ``ranks`` ranks of a node (``runtime.resident``: every
+    rank keeps each resident layer's weights; a group's FP32 state, gradient and update are
+    its owner's, group ``g`` on rank ``g % ranks``; the owner broadcasts the weights at
+    ``gather_gbps``). Upper bounds: the owners take turns, so a rank owns at most
+    ``ceil(K / ranks)`` of K layers, ``K / ranks`` plus the reserve's one. One rank: the
+    one-GPU bounds (``resident_bytes_per_layer``, ``resident_embedding_bytes``)."""
+    if ranks == 1:
+        return ResidentTerms(resident_bytes_per_layer(adapter, dtype, clipping=clipping), 0,
+                             resident_update_s_per_layer(adapter),
+                             resident_embedding_bytes(adapter, dtype, clipping=clipping),
+                             resident_embedding_update_s(adapter))  # fmt: skip
+    specs = adapter.group_specs()
+    groups = [adapter.layer_group(i) for i in range(adapter.num_layers)]
+    slots = [int(g["slot_len"]) * dtype.itemsize
+             for g in HostStore.plan([specs[g] for g in groups], 0)["groups"]]  # fmt: skip
+    per_layer = resident_layer_bytes(adapter, dtype, clipping=clipping)
+    owned = max(b - w for b, w in zip(per_layer, slots, strict=True))  # state (+ gradient)
+    numel = max(specs[g].numel for g in groups)
+    ends = [specs[adapter.embed_group].numel, specs[adapter.head_group].numel]
+    one_owner = adapter.embed_group % ranks == adapter.head_group % ranks
+    embedding_bytes = resident_rank_bytes(
+        adapter, dtype, clipping=clipping, layers=0, embeddings=True, ranks=ranks
+    )
+    return ResidentTerms(
+        bytes_per_layer=max(slots) + -(-owned // ranks),
+        reserve_bytes=owned * (ranks - 1) // ranks + 1,
+        update_s_per_layer=resident_update_s(numel) / ranks + 2 * numel / (gather_gbps * 1e9),
+        embedding_bytes=embedding_bytes,
+        embedding_update_s=resident_update_s(sum(ends) if one_owner else max(ends))
+        + 2 * sum(ends) / (gather_gbps * 1e9),
+    )

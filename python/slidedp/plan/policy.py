@@ -178,17 +178,20 @@ def effective_runtime(rt: RuntimeSection) -> RuntimeSection:
 
 
 def resident_ranks_message(rt: RuntimeSection, world: int) -> str | None:
-    """Why GPU-resident layers or embeddings refuse several processes (None: ``rt`` keeps
-    none): their gradients would need an all-reduce on the devices and every rank an identical
-    device update, not built yet."""
+    """Why GPU-resident layers or embeddings refuse several processes (None: they run, or
+    ``rt`` keeps none): the cpu gradient route sums on the host, and a resident group's
+    gradient must be reduced on the devices (``runtime.resident``)."""
     if world <= 1 or not (rt.layout.resident_layers or rt.layout.resident_embeddings):
+        return None
+    if rt.layout.grad_route != "cpu":
         return None
     key = (f"runtime.resident_layers={rt.layout.resident_layers}" if rt.layout.resident_layers
            else "runtime.resident_embeddings=true")  # fmt: skip
     return (
-        f"{key} runs on one process only (this run has {world} ranks): GPU-resident "
-        "gradients are not yet reduced across ranks; set runtime.resident_layers=0 and "
-        "runtime.resident_embeddings=false, or train on one GPU"
+        f"{key} on {world} ranks needs runtime.grad_route=gpu (the cpu route sums gradients "
+        "on the host, GPU-resident ones are reduced on the devices): set "
+        "runtime.grad_route=gpu, or runtime.resident_layers=0 and "
+        "runtime.resident_embeddings=false"
     )
 
 

@@ -264,19 +264,22 @@ def spec_from_shapes(
         "clipping": clipping,
         **_route_times(params, ranks, links, adamw_gbps),
     }
-    if ranks.count == 1:
-        _make_resident(spec, policy, params)
+    _make_resident(spec, policy, params, ranks, links)
     return spec
 
 
-def _make_resident(spec: dict[str, Any], policy: Policy, params: list[int]) -> None:
+def _make_resident(
+    spec: dict[str, Any], policy: Policy, params: list[int], ranks: Ranks, links: Links
+) -> None:
     """The policy's GPU-resident groups (its first layers; the embedding and head with
     ``resident_embeddings``) in ``spec``: flagged, so the model gives them no load, cast,
     gradient copy, host update nor version wait; their AdamW is device time
     (``plan.cost.resident_update_s``), counted in the layer's backward and in the embedding's
     and head's compute (the engine runs it on a stream of its own, after the norm with
-    clipping: counted in the compute lane, the step is overstated by at most that time). One
-    rank only, as the engine (several refuse resident layers)."""
+    clipping: counted in the compute lane, the step is overstated by at most that time).
+    Several ranks: each owner updates its groups (1/R of the update on each rank, in parallel)
+    and broadcasts the bf16 weights, at the all-gather's rate; the gradient's reduction onto
+    the owner is the route's (``reduce_s``)."""
 
     layers = len(spec["forward_s"])
     groups = {1 + i for i in range(layers) if policy.resident(i)}  # a layer's group: i + 1
@@ -285,8 +288,11 @@ def _make_resident(spec: dict[str, Any], policy: Policy, params: list[int]) -> N
     if not groups:
         return
     spec["resident"] = [g in groups for g in range(layers + 2)]
+    r = ranks.count
     for g in groups:
-        device_update_s = resident_update_s(params[g])
+        device_update_s = resident_update_s(params[g]) / r
+        if r > 1:
+            device_update_s += 2 * params[g] / (links.gather_gbps * 1e9)
         if g == 0:
             spec["embed_backward_s"] += device_update_s
         elif g == layers + 1:

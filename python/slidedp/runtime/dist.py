@@ -139,6 +139,14 @@ class Dist:
         self.node_group = self._member_of(nodes, timeout, None)
         self.cross_group = self._member_of(cross, timeout, "gloo" if host_sum else None)
 
+    def new_node_group(self, timeout_s: float) -> dist.ProcessGroup:
+        """Another group of this node's ranks (every rank of every node calls it, in the same
+        order): a communicator of its own, whose collectives never queue behind the default
+        group's (NCCL runs one group's collectives in the order they were issued)."""
+        L = self.local_world
+        nodes = [[n * L + lr for lr in range(L)] for n in range(self.nodes)]
+        return self._member_of(nodes, datetime.timedelta(seconds=timeout_s), None)
+
     def _member_of(
         self, groups: list[list[int]], timeout: datetime.timedelta, backend: str | None
     ) -> dist.ProcessGroup:

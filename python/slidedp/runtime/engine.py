@@ -38,7 +38,7 @@ from slidedp.runtime.dist import Dist, all_reduce_sum, all_reduce_tensor
 from slidedp.runtime.grad_lane import GradLane, RankShare
 from slidedp.runtime.grad_sync import GradSync
 from slidedp.runtime.lanes import LaneClock, new_stream
-from slidedp.runtime.resident import ResidentLayers
+from slidedp.runtime.resident import Owners, ResidentLayers
 from slidedp.runtime.routes import GpuReduce, HostSum
 from slidedp.runtime.trace import StepTrace
 from slidedp.runtime.transfer import pin, unpin
@@ -124,9 +124,12 @@ class Engine:
         if policy.resident_embeddings:
             groups += [adapter.embed_group, adapter.head_group]
         if groups:
-            assert ctx is None or ctx.world == 1, "refused by dist.check_config"
+            assert self.reduce is not None or ctx is None, "refused by dist.check_config"
+            owners = None
+            if ctx is not None and ctx.local_world > 1:  # each owns its groups' state
+                owners = Owners(ctx, ctx.new_node_group(plan.version_timeout_s))
             self.resident = ResidentLayers(store, self.window, self.kernels, self.worker,
-                                           groups, device)  # fmt: skip
+                                           groups, device, owners)  # fmt: skip
         self.sync = GradSync(self.grads, self.reduce, self.optim, ctx, device, self.resident)
         self.embed_buf = self._own_buffer(adapter.embed_group)
         self.head_buf = self._own_buffer(adapter.head_group)

@@ -5,8 +5,9 @@ Without clipping a group's gradient goes to its owner and the host at once (Adam
 backward). With exact clipping the step's gradients are parked on the device with their norms;
 ``finish`` computes ``clip_grad_norm_``'s coefficient and they leave in forward order, a ring's
 worth before each load of the next step (``send_ready``). On the cpu route each is sent twice
-(for the host sum's Σ g², then with the coefficient). GPU-resident groups stay on the device and
-count once in the norm. Invariant: no update of a step starts before its coefficient is known.
+(for the host sum's Σ g², then with the coefficient). GPU-resident groups stay on the device
+(reduced onto their owner) and count once in the norm. Invariant: no update of a step starts
+before its coefficient is known.
 
 Example::
 
@@ -63,13 +64,13 @@ class GradSync:
     def hand_over(self, local: GradTicket, t: int, adam_step: int, lr: float) -> None:
         """A group's gradient is issued: reduced onto its owner (gpu route), then sent now
         (overlap) or parked (clipping); a resident group's stays on the device until ``finish``."""
-        if self.resident is not None and self.resident.holds(local.group):  # one process only
-            self._tickets.append(local)
-            self.resident.keep(local, self._adam(t, adam_step, lr))
-            return
         ticket = local if self.reduce is None else self.reduce.reduce(local)
         if ticket is None:
             return  # another rank owns this group
+        if self.resident is not None and self.resident.holds(local.group):
+            self._tickets.append(ticket)
+            self.resident.keep(ticket, self._adam(t, adam_step, lr))
+            return
         self._tickets.append(ticket)
         adam = self._adam(t, adam_step, lr)
         if self.clipping:

@@ -6,8 +6,16 @@ the global norm once); ``update`` runs at the end of the backward on a stream of
 the clip coefficient as a device tensor and gated on the norm being finite, so it never waits on
 the host. CUDA: one compiled elementwise pass per tensor (``adamw_single_pass``), rounding like
 torch's fused AdamW; CPU (tests): the engine's host AdamW kernel, bit for bit the all-host run.
-Invariant: the host store stays authoritative (``write_back`` before checkpoints and exports,
-``load`` at start and resume); versions advance through the update worker's queue.
+Several ranks (gpu gradient route): a group's FP32 master and moments live on its owner
+(``Dist.owner``, as a streamed group's update) alone, so each rank holds about 1/R of the state;
+every rank keeps the full weights. The gradient is reduced onto the owner (``routes.GpuReduce``,
+the streamed groups' collective), whose norms join the clip norm exactly as a streamed group's;
+after the update the owner broadcasts the new weights to the node's ranks. Ownership is per
+group, not a flat 1/R of each: a parameter split across ranks would split its norm too, and the
+clip norm would no longer be the all-host run's bit for bit.
+Invariant: the host store stays authoritative (``write_back`` before checkpoints and exports:
+each owner writes its groups into the node's one store; ``load`` at start and resume); versions
+advance through the update worker's queue.
 
 Example::
 
@@ -23,9 +31,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from slidedp.errors import NonFiniteError
 from slidedp.kernels import Kernels
+from slidedp.runtime.dist import Dist, collective
 from slidedp.runtime.grad_lane import AdamArgs, GradTicket
 from slidedp.runtime.lanes import new_event, new_stream
 from slidedp.runtime.window import DeviceBuffer, Window
@@ -33,6 +43,16 @@ from slidedp.store import HostStore, StateRegion
 from slidedp.update import UpdateWorker
 
 REGIONS: tuple[StateRegion, ...] = ("master", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class Owners:
+    """Several ranks of a node: ``ctx`` says who owns each resident group; the owners
+    broadcast the weights in ``group`` (the node's ranks, ``Dist.new_node_group``), so that
+    the next step's collectives in the default group do not wait for the updates."""
+
+    ctx: Dist
+    group: dist.ProcessGroup
 
 
 @dataclass(frozen=True)
@@ -49,7 +69,8 @@ class _Param:
 class _Group:
     group: int
     params: list[_Param]
-    # region -> f32 on the device: [state_len] master, [trained_len] moments
+    # region -> f32 on the device: [state_len] master, [trained_len] moments (empty: another
+    # rank owns the group)
     state: dict[StateRegion, torch.Tensor]
     weights: DeviceBuffer  # the compute-dtype weights, slot layout
 
@@ -83,15 +104,19 @@ class ResidentLayers:
         worker: UpdateWorker,
         groups: list[int],
         device: torch.device,
+        owners: Owners | None = None,
     ) -> None:
+        """``owners``: several ranks (each owns its groups' state), None: one process."""
         self.store, self.kernels, self.worker, self.device = store, kernels, worker, device
+        self.owners = owners
         layout = store.layout
         self._groups: dict[int, _Group] = {}
-        for g in groups:
+        for g in sorted(groups):  # forward order: every rank shares the weights in it
             params = group_params(layout, g)
             spec = layout["groups"][g]
-            state = {r: torch.zeros(spec["state_len" if r == "master" else "trained_len"],
-                                    device=device) for r in REGIONS}  # fmt: skip
+            lengths = {r: spec["state_len" if r == "master" else "trained_len"] for r in REGIONS}
+            owned = self.owns(g)
+            state = {r: torch.zeros(n, device=device) for r, n in lengths.items() if owned}
             weights = window.own_buffer(g)
             weights.group = g
             self._groups[g] = _Group(g, params, state, weights)
@@ -100,10 +125,15 @@ class ResidentLayers:
         self._norms = torch.zeros(0)  # the issued gradients' norms without clipping, forward order
         self._stream = new_stream(device) if device.type == "cuda" else None
         self._updated: dict[int, torch.cuda.Event] = {}  # group -> its update's end, not waited
+        self._dirty = False  # updated since the last load or write-back (alike on every rank)
         self.load()
 
     def holds(self, group: int) -> bool:
         return group in self._groups
+
+    def owns(self, group: int) -> bool:
+        """Whether this rank holds the group's state and updates it."""
+        return self.owners is None or self.owners.ctx.owns(group)
 
     def buffer(self, group: int) -> DeviceBuffer:
         """The group's weights, always current (never loaded through the window): ``ready``
@@ -134,15 +164,24 @@ class ResidentLayers:
         """Copy the resident groups' state out of the store (start, resume)."""
         self._settle()
         for g in self._groups.values():
-            for region in REGIONS:
+            for region in REGIONS if g.state else ():
                 g.state[region].copy_(self.store.group_state(g.group, region))
-            self._cast_weights(g)
+            master = g.state["master"] if g.state else self.store.group_state(g.group, "master")
+            self._cast_weights(g, master)
+        self._dirty = False
 
     def write_back(self) -> None:
         """Copy the resident state into the store (and its BF16 mirror, which then equals an
-        all-host run's): a checkpoint or an export of the store is then the all-host one."""
+        all-host run's): a checkpoint or an export of the store is then the all-host one.
+        Several ranks: each owner writes its groups, then the node's ranks meet (a collective:
+        every rank drains at the same points), so the checkpoint that follows has them all."""
         self._settle()
+        if not self._dirty:
+            return
+        self._dirty = False
         for g in self._groups.values():
+            if not g.state:
+                continue
             for region in REGIONS:
                 self.store.group_state(g.group, region).copy_(g.state[region])
             if self.store.has_mirror:
@@ -151,10 +190,16 @@ class ResidentLayers:
                     self.kernels.cast_f32_to_bf16(
                         self.store.param(p.name).view(-1), mirror[p.slot_at : p.slot_at + p.numel]
                     )
+        if self.owners is not None:
+            collective(functools.partial(dist.barrier, group=self.owners.group))
 
-    def _cast_weights(self, g: _Group) -> None:
+    @staticmethod
+    def _cast_weights(g: _Group, master: torch.Tensor) -> None:
+        """The weights from ``master`` (the group's f32 state layout, here or in the store)."""
         for p in g.params:
-            g.weights.flat[p.slot_at : p.slot_at + p.numel].copy_(g.view("master", p))
+            g.weights.flat[p.slot_at : p.slot_at + p.numel].copy_(
+                master[p.state_at : p.state_at + p.numel]
+            )
 
     def keep(self, ticket: GradTicket, adam: AdamArgs) -> None:
         """A resident group's gradient from the backward, kept until ``update``."""
@@ -173,24 +218,47 @@ class ResidentLayers:
         gradient's norm is finite: the caller checks afterwards (the host waits for the
         backward then) and on failure nothing was applied, so the issue can run before that
         wait and its launches overlap the backward. On CUDA it runs on the update stream,
-        after everything issued on the current one. ``publish`` (success) or ``discard``
+        after everything issued on the current one. Several ranks: every rank calls it each
+        step (it broadcasts the owners' weights). ``publish`` (success) or ``discard``
         (failure) follows."""
-        if not self._pending:
+        self._dirty = True
+        if not self._pending and self.owners is None:
             return
-        # forward order: the next forward's first layers wait the least
-        self._pending.sort(key=lambda kept: kept[0].group)
-        if finite is None:  # check_finite names the group from these
-            self._norms = torch.stack([torch.linalg.vector_norm(torch.stack(tk.norms))
-                                       for tk, _ in self._pending])  # fmt: skip
-            finite = torch.isfinite(self._norms).all()
-        scale = torch.stack([coef.float(), finite.float()])  # what adamw_tensor gates on
+        scale = None
+        if self._pending:
+            # forward order: the next forward's first layers wait the least
+            self._pending.sort(key=lambda kept: kept[0].group)
+            if finite is None:  # check_finite names the group from these
+                self._norms = torch.stack([torch.linalg.vector_norm(torch.stack(tk.norms))
+                                           for tk, _ in self._pending])  # fmt: skip
+                finite = torch.isfinite(self._norms).all()
+            scale = torch.stack([coef.float(), finite.float()])  # what adamw_tensor gates on
         if self._stream is None:
-            self._update(scale)
+            self._update_and_share(scale)
             return
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        scale.record_stream(self._stream)
+        if scale is not None:
+            scale.record_stream(self._stream)
         with torch.cuda.stream(self._stream):
+            self._update_and_share(scale)
+
+    def _update_and_share(self, scale: torch.Tensor | None) -> None:
+        if scale is not None:
             self._update(scale)
+        if self.owners is not None:
+            self._share_weights(self.owners)
+
+    def _share_weights(self, owners: Owners) -> None:
+        """Each trained group's weights from its owner to the node's other ranks, in forward
+        order (the same on every rank); gated-off updates broadcast the unchanged weights."""
+        for g in self._groups.values():
+            if not g.trained:
+                continue
+            owner = owners.ctx.node_rank_of(owners.ctx.owner(g.group))
+            collective(functools.partial(dist.broadcast, g.weights.flat, owner, owners.group))
+            if self._stream is not None:
+                self._updated[g.group] = new_event()
+                self._updated[g.group].record(self._stream)
 
     def _update(self, scale: torch.Tensor) -> None:
         hyper: dict[AdamArgs, dict[bool, torch.Tensor]] = {}  # one copy per distinct args
@@ -210,7 +278,7 @@ class ResidentLayers:
                 self._updated[g.group].record(self._stream)
             elif apply:
                 self._host_adamw(g, grads, replace(args, grad_scale=float(scale[0])))
-                self._cast_weights(g)
+                self._cast_weights(g, g.state["master"])
             self._issued.append((ticket.group, adam.version))
             ticket.grads.clear()
         self._pending.clear()
