@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from engine.tiny import read_metrics, write_config
 from slidedp.cli import main
 from slidedp.store import StateRegion
 
@@ -136,6 +137,34 @@ def run_ranks(
             p.join()
     assert all(c is not None for c in codes), f"a rank hung: {codes}"
     return [int(c) for c in codes if c is not None]
+
+
+def one_and_two_ranks(
+    tmp_path: Path, model: Path, data: Path, train: dict[str, Any], runtime: dict[str, Any]
+) -> tuple[Path, Path]:
+    """The output directories of one training on 1 rank x B (in this process) and on 2 forked
+    ranks x B/2 (``runtime`` plus ``ranks: 2``), same model, data and config, no TensorBoard."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    output = {"tensorboard": False}
+    c1 = write_config(tmp_path / "1.yaml", model, data, one, train=train, runtime=runtime,
+                      output=output)  # fmt: skip
+    c2 = write_config(tmp_path / "2.yaml", model, data, two, train=train,
+                      runtime=runtime | {"ranks": 2}, output=output)  # fmt: skip
+    assert main(["train", str(c1)]) == 0
+    assert run_ranks(c2, 2) == [0, 0]
+    return one, two
+
+
+def assert_same_series(one: Path, two: Path, keys: tuple[str, ...], rtol: float) -> None:
+    """Each metric of ``keys`` (``loss``, ``grad_norm`` ...) of every step of run ``two`` is
+    run ``one``'s within ``rtol`` relative."""
+    m1, m2 = read_metrics(one), read_metrics(two)
+    for key in keys:
+        a, b = (torch.tensor([m[key] for m in ms], dtype=torch.float64) for ms in (m1, m2))
+        try:
+            torch.testing.assert_close(b, a, rtol=rtol, atol=0)
+        except AssertionError as e:
+            raise AssertionError(f"{key}: {e}") from None
 
 
 def start_train(config: Path) -> subprocess.Popen[str]:
