@@ -94,7 +94,8 @@ def test_two_bf16_ranks_with_the_mirror_train_like_casting_on_delivery(
     tmp_path: Path, param_route: str
 ) -> None:
     """Several ranks read the one BF16 mirror that the owners' updates write (nothing is cast on
-    either route): bit for bit the run that casts each chunk on delivery."""
+    either route): bit for bit the run that casts each chunk on delivery. Forked ranks: what is
+    under test is the ranks' reads, not their launch (tests/multirank/test_stop.py starts it)."""
     model = make_model(tmp_path, "qwen3", tied=True, layers=3)
     data = write_data(tmp_path / "data.jsonl", 24)
     train = {"max_steps": 4, "global_batch_size": 4, "max_grad_norm": 2.4, "dtype": "bfloat16"}
@@ -104,7 +105,7 @@ def test_two_bf16_ranks_with_the_mirror_train_like_casting_on_delivery(
         runtime = {"ranks": 2, "param_route": param_route, "bf16_mirror": mirror}
         config = write_config(tmp_path / f"{mirror}.yaml", model, data, out, train=train,
                               runtime=runtime, output={"tensorboard": False})  # fmt: skip
-        assert main(["train", str(config)]) == 0
+        assert run_ranks(config, 2) == [0, 0]
         losses.append([(m["loss"], m["grad_norm"]) for m in read_metrics(out)])
     assert losses[0] == losses[1]
     assert len(losses[0]) == 4
