@@ -3,6 +3,7 @@ environment (fork skips re-importing torch, so a 2-rank run costs seconds, not t
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing as mp
 import os
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,6 +177,30 @@ def start_train(config: Path) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and every process under it, parents first (none once they are gone)."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+    return [pid, *(p for c in children for p in _tree(int(c)))]
+
+
+@contextlib.contextmanager
+def reaped(*procs: subprocess.Popen[str]) -> Iterator[None]:
+    """Each launch of ``procs`` and the processes under it are killed at exit, however the test
+    ends: a failed assertion must not leave a 10,000-step launch training on the machine."""
+    try:
+        yield
+    finally:
+        pids = [p for proc in procs for p in _tree(proc.pid)]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for proc in procs:
+            proc.wait()
 
 
 def wait_for_steps(proc: subprocess.Popen[str], out: Path, steps: int) -> list[int]:
