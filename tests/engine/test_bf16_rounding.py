@@ -34,8 +34,8 @@ def test_bf16_strays_from_float32_no_more_than_fsdp2(tmp_path: Path, arch: str) 
     exact = fsdp2_losses(model_dir, data, train, device="cpu", param_dtype=torch.float32)
     ref = fsdp2_losses(model_dir, data, train, device="cpu")
     ours = our_losses(tmp_path, model_dir, data, train, "bf16", device="cpu")
-    ours_f32 = our_losses(tmp_path, model_dir, data, train_config(STEPS, "float32"), "f32",
-                          device="cpu")  # fmt: skip
-    assert mean_abs(ours_f32, exact) < 1e-5  # the same exact trajectory (test_parity's terms)
+    # That our float32 run is this exact trajectory (a fourth training here once) is
+    # tests/engine/test_parity.py's (qwen3_moe) and test_hetero_layers.py's (gemma4_text) proof
+    # against the plain PyTorch loop, FSDP2's float32 model being transformers' own.
     assert mean_abs(ours, exact) > 1e-5, "ours must really run bf16 for this test to mean much"
     assert mean_abs(ours, exact) <= ROUNDING_RATIO * mean_abs(ref, exact)

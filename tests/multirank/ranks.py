@@ -3,6 +3,7 @@ environment (fork skips re-importing torch, so a 2-rank run costs seconds, not t
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing as mp
 import os
@@ -11,12 +12,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine.tiny import read_metrics, write_config
 from slidedp.cli import main
 from slidedp.store import StateRegion
 
@@ -138,6 +141,34 @@ def run_ranks(
     return [int(c) for c in codes if c is not None]
 
 
+def one_and_two_ranks(
+    tmp_path: Path, model: Path, data: Path, train: dict[str, Any], runtime: dict[str, Any]
+) -> tuple[Path, Path]:
+    """The output directories of one training on 1 rank x B (in this process) and on 2 forked
+    ranks x B/2 (``runtime`` plus ``ranks: 2``), same model, data and config, no TensorBoard."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    output = {"tensorboard": False}
+    c1 = write_config(tmp_path / "1.yaml", model, data, one, train=train, runtime=runtime,
+                      output=output)  # fmt: skip
+    c2 = write_config(tmp_path / "2.yaml", model, data, two, train=train,
+                      runtime=runtime | {"ranks": 2}, output=output)  # fmt: skip
+    assert main(["train", str(c1)]) == 0
+    assert run_ranks(c2, 2) == [0, 0]
+    return one, two
+
+
+def assert_same_series(one: Path, two: Path, keys: tuple[str, ...], rtol: float) -> None:
+    """Each metric of ``keys`` (``loss``, ``grad_norm`` ...) of every step of run ``two`` is
+    run ``one``'s within ``rtol`` relative."""
+    m1, m2 = read_metrics(one), read_metrics(two)
+    for key in keys:
+        a, b = (torch.tensor([m[key] for m in ms], dtype=torch.float64) for ms in (m1, m2))
+        try:
+            torch.testing.assert_close(b, a, rtol=rtol, atol=0)
+        except AssertionError as e:
+            raise AssertionError(f"{key}: {e}") from None
+
+
 def start_train(config: Path) -> subprocess.Popen[str]:
     """``slidedp train CONFIG`` as a real launch (it starts the ranks); stderr kept."""
     return subprocess.Popen(
@@ -146,6 +177,30 @@ def start_train(config: Path) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and every process under it, parents first (none once they are gone)."""
+    try:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        return []
+    return [pid, *(p for c in children for p in _tree(int(c)))]
+
+
+@contextlib.contextmanager
+def reaped(*procs: subprocess.Popen[str]) -> Iterator[None]:
+    """Each launch of ``procs`` and the processes under it are killed at exit, however the test
+    ends: a failed assertion must not leave a 10,000-step launch training on the machine."""
+    try:
+        yield
+    finally:
+        pids = [p for proc in procs for p in _tree(proc.pid)]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for proc in procs:
+            proc.wait()
 
 
 def wait_for_steps(proc: subprocess.Popen[str], out: Path, steps: int) -> list[int]:

@@ -15,7 +15,7 @@ import pytest
 
 from cli.util import one_error_line, run
 from engine.tiny import make_model, write_config, write_data
-from multirank.ranks import run_ranks
+from multirank.ranks import reaped, run_ranks
 from slidedp.runtime.dist import EXIT_PEER_FAILED
 
 pytestmark = pytest.mark.e2e  # every test here trains end to end
@@ -53,22 +53,23 @@ def test_a_killed_rank_stops_the_launch(tmp_path: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
-    metrics = tmp_path / "out" / "metrics.jsonl"
-    deadline = time.monotonic() + 60
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        assert proc.poll() is None, "the launch ended before training"
-        assert time.monotonic() < deadline, "training did not start"
-        time.sleep(0.1)
-    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-    assert len(children) == 2
-    os.kill(int(children[1]), signal.SIGKILL)  # rank 1, mid-run
-    killed = time.monotonic()
-    _, err = proc.communicate(timeout=30)
-    assert time.monotonic() - killed < 30
-    assert proc.returncode != 0
-    assert "rank 1 was killed by SIGKILL" in err, err
-    for pid in children:  # no rank left behind
-        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
+    with reaped(proc):
+        metrics = tmp_path / "out" / "metrics.jsonl"
+        deadline = time.monotonic() + 60
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None, "the launch ended before training"
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.1)
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert len(children) == 2
+        os.kill(int(children[1]), signal.SIGKILL)  # rank 1, mid-run
+        killed = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        assert time.monotonic() - killed < 30
+        assert proc.returncode != 0
+        assert "rank 1 was killed by SIGKILL" in err, err
+        for pid in children:  # no rank left behind
+            assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
 
 
 def _lr_failing_on(monkeypatch: pytest.MonkeyPatch, rank: str, step: int) -> None:

@@ -19,11 +19,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-from engine.tiny import final_param_delta, make_model, read_metrics, write_config, write_data
-from multirank.ranks import run_ranks
-from slidedp.cli import main
+from engine.tiny import final_param_delta, make_model, read_metrics, write_data
+from multirank.ranks import assert_same_series, one_and_two_ranks
 
 pytestmark = pytest.mark.e2e  # every test here trains end to end
 
@@ -45,18 +43,10 @@ def test_two_ranks_match_one(
     train = {"max_steps": 6, "global_batch_size": 4, "learning_rate": lr,
              "max_grad_norm": max_grad_norm, "warmup_steps": 2}  # fmt: skip
     runtime = {"grad_route": grad_route, "param_route": param_route, "chunk_elems": 4000}
-    output = {"tensorboard": False}
-    one, two = tmp_path / "one", tmp_path / "two"
-    c1 = write_config(tmp_path / "1.yaml", model, data, one, runtime=runtime, train=train,
-                      output=output)  # fmt: skip
-    c2 = write_config(tmp_path / "2.yaml", model, data, two, runtime=runtime | {"ranks": 2},
-                      train=train, output=output)  # fmt: skip
-    assert main(["train", str(c1)]) == 0
-    assert run_ranks(c2, 2) == [0, 0]
+    one, two = one_and_two_ranks(tmp_path, model, data, train, runtime)
     m1, m2 = read_metrics(one), read_metrics(two)
-    for key in ("loss", "grad_norm", *(("aux_loss",) if "aux_loss" in m1[0] else ())):
-        a, b = (torch.tensor([m[key] for m in ms], dtype=torch.float64) for ms in (m1, m2))
-        torch.testing.assert_close(b, a, rtol=LOSS_RTOL, atol=0)
+    keys = ("loss", "grad_norm", *(("aux_loss",) if "aux_loss" in m1[0] else ()))
+    assert_same_series(one, two, keys, LOSS_RTOL)
     clipped = [m["clip_coef"] < 1.0 for m in m2]
     assert any(clipped), "clipping must bind in some steps"
     assert not all(clipped), "and leave others unclipped"
