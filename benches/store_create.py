@@ -5,7 +5,9 @@ Each repetition creates a store of ``--gb`` GB (three FP32 arrays of one paramet
 ``--shm-dir`` from that many part files filled in parallel ("auto": one per core, each at least
 1 GiB), then frees it; part counts alternate within a repetition so that they share conditions.
 Prints one JSON object: cores, the load average, and per part count the seconds and GB/s of
-every repetition (GB = 1e9 bytes).
+every repetition (GB = 1e9 bytes). ``--mirror`` adds, once, a store with the BF16 mirror: the
+seconds to write its master (torch's fill, every core) and then ``fill_mirror``'s (the trainer
+runs it after the weights' fill, before any rank attaches).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import json
 import os
 import time
 
+from slidedp.kernels import Kernels
+from slidedp.runtime.window import fill_mirror
 from slidedp.store import GroupSpec, HostStore, ParamSpec
 
 
@@ -31,12 +35,29 @@ def create_seconds(values: int, parts: int | None, shm_dir: str) -> tuple[float,
     return seconds, nbytes, made
 
 
+def mirror_seconds(values: int, shm_dir: str) -> dict[str, float]:
+    """Seconds to create a store with the BF16 mirror, to fill its master, then its mirror."""
+    groups = [GroupSpec("g", [ParamSpec("w", (values,))])]
+    start = time.perf_counter()
+    store = HostStore.create(groups, staging_slots=0, shm_dir=shm_dir, bf16_mirror=True)
+    created = time.perf_counter()
+    store.master("w").fill_(0.5)
+    filled = time.perf_counter()
+    fill_mirror(store, Kernels())
+    done = time.perf_counter()
+    assert store.mirror_group(0)[:values].eq(0.5).all()
+    times = {"create_s": created - start, "master_fill_s": filled - created}
+    times["fill_mirror_s"] = done - filled
+    return {k: round(v, 3) for k, v in times.items()}
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--gb", type=float, default=4.0, help="store size in GB (1e9 bytes)")
     p.add_argument("--parts", default="1,auto", help="comma-separated part counts or 'auto'")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--shm-dir", default="/dev/shm")
+    p.add_argument("--mirror", action="store_true", help="also time fill_mirror, once")
     args = p.parse_args()
     values = int(args.gb * 1e9 / 12)  # master, exp_avg, exp_avg_sq: 4 bytes each
     labels = args.parts.split(",")
@@ -48,7 +69,10 @@ def main() -> int:
             runs[label].append(
                 {"s": round(seconds, 3), "gb_s": round(nbytes / seconds / 1e9, 2), "parts": made}
             )
-    report = {"gb": args.gb, "cores": os.cpu_count(), "loadavg": os.getloadavg(), "runs": runs}
+    report: dict[str, object] = {"gb": args.gb, "cores": os.cpu_count(), "runs": runs}
+    if args.mirror:  # the same FP32 bytes plus the mirror's BF16 (values * 2 bytes)
+        report["mirror"] = mirror_seconds(values, args.shm_dir)
+    report["loadavg"] = os.getloadavg()
     print(json.dumps(report))
     return 0
 
