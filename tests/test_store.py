@@ -128,6 +128,26 @@ def test_a_second_process_attaches_sees_writes_and_waits_for_versions() -> None:
     assert out.strip() == "5"
 
 
+def test_a_store_of_several_parts_is_one_array_in_another_process() -> None:
+    store = HostStore.create([GroupSpec("g", [ParamSpec("w", (3 * 2**20,))])], 0, parts=5)
+    fds = store.name.split("-")[2].split(".")
+    assert len(fds) == 5, store.name
+    master = store.master("w")
+    assert master.eq(0).all()
+    master.copy_(torch.arange(master.numel(), dtype=torch.float32))  # spans every part
+    child = _python(
+        f"""
+        import torch
+        from slidedp.store import HostStore
+        w = HostStore.attach({store.name!r}).master("w")
+        print(bool(w.eq(torch.arange(w.numel(), dtype=torch.float32)).all()), flush=True)
+        """
+    )
+    out, err = child.communicate(timeout=60)
+    assert child.returncode == 0, err
+    assert out.strip() == "True"
+
+
 def test_nothing_is_left_in_shm_after_every_user_is_killed() -> None:
     size_mib = 96
     before_free = os.statvfs(SHM).f_bavail * os.statvfs(SHM).f_frsize

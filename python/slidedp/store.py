@@ -123,12 +123,14 @@ class HostStore:
         grad_slots: int = 0,
         chunk_elems: int | None = None,
         bf16_mirror: bool = False,
+        parts: int | None = None,
     ) -> HostStore:
         """A new zero-filled store with ``grad_slots`` gradient slots in ``grad_dtype``; slots
         hold ``chunk_elems`` elements (None: the largest group whole); ``bf16_mirror``: a BF16
-        copy of every parameter, written by the update worker (``mirror_group``)."""
+        copy of every parameter, written by the update worker (``mirror_group``). The memory is
+        ``parts`` files zero-filled in parallel (None: one per core, each at least 1 GiB)."""
         spec = _spec_json(groups, staging_slots, grad_dtype, grad_slots, chunk_elems, bf16_mirror)
-        return cls(_native.HostStore.create(spec, shm_dir))
+        return cls(_native.HostStore.create(spec, shm_dir, parts))
 
     @classmethod
     def plan(

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use pyo3::prelude::*;
 use slidedp_core::Error;
-use slidedp_core::store::{HostStore, Region, StoreSpec};
+use slidedp_core::store::{HostStore, PartCount, Region, StoreSpec};
 
 use crate::gate::{gate, timeout_from_secs, to_py_err};
 
@@ -26,12 +26,22 @@ pub struct PyHostStore {
 
 #[pymethods]
 impl PyHostStore {
-    /// Creates a store from a JSON `StoreSpec` in `shm_dir` (e.g. "/dev/shm").
+    /// Creates a store from a JSON `StoreSpec` in `shm_dir` (e.g. "/dev/shm") out of `parts`
+    /// files filled in parallel (None: one per core, each at least 1 GiB).
     #[staticmethod]
-    fn create(py: Python<'_>, spec_json: &str, shm_dir: &str) -> PyResult<Self> {
+    #[pyo3(signature = (spec_json, shm_dir, parts=None))]
+    fn create(
+        py: Python<'_>,
+        spec_json: &str,
+        shm_dir: &str,
+        parts: Option<usize>,
+    ) -> PyResult<Self> {
         let spec: StoreSpec = serde_json::from_str(spec_json)
             .map_err(|e| to_py_err(py, &Error::InvalidLayout(e.to_string())))?;
-        let inner = gate(py, || HostStore::create(&spec, Path::new(shm_dir)))?;
+        let parts = parts.map_or(PartCount::Auto, PartCount::Exactly);
+        let inner = gate(py, || {
+            HostStore::create_in_parts(&spec, Path::new(shm_dir), parts)
+        })?;
         Ok(Self {
             inner: Arc::new(inner),
         })

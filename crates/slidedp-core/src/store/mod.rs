@@ -22,6 +22,7 @@ use std::sync::atomic::AtomicU32;
 use std::time::Duration;
 
 pub use layout::{Dtype, GroupSpec, ParamSpec, StoreLayout, StoreSpec};
+pub use shm::PartCount;
 use shm::SharedRegion;
 use versions::VersionGates;
 
@@ -86,10 +87,16 @@ pub struct HostStore {
 }
 
 impl HostStore {
-    /// Creates a zero-filled store for `spec` in `shm_dir` (normally `/dev/shm`).
+    /// Creates a zero-filled store for `spec` in `shm_dir` (normally `/dev/shm`), its memory
+    /// filled by every core ([`PartCount::Auto`]).
     pub fn create(spec: &StoreSpec, shm_dir: &Path) -> Result<Self> {
+        Self::create_in_parts(spec, shm_dir, PartCount::Auto)
+    }
+
+    /// [`HostStore::create`] from `parts` files, each filled by its own thread.
+    pub fn create_in_parts(spec: &StoreSpec, shm_dir: &Path, parts: PartCount) -> Result<Self> {
         let (spec_json, layout) = resolve_with_header(spec)?;
-        let region = SharedRegion::create(shm_dir, layout.regions.total_bytes)?;
+        let region = SharedRegion::create(shm_dir, layout.regions.total_bytes, parts)?;
         let nonce = random_u64();
         // SAFETY: the region is at least `total_bytes` long, page-aligned, zero-filled and not yet
         // visible to any other process (nobody knows its name); the spec bytes fit by layout
@@ -110,10 +117,11 @@ impl HostStore {
                 spec_json.len(),
             );
         }
+        let fds: Vec<String> = region.raw_fds().iter().map(i32::to_string).collect();
         let name = format!(
             "slidedp-{}-{}-{nonce:016x}",
             std::process::id(),
-            region.raw_fd()
+            fds.join(".")
         );
         Ok(Self {
             region,
@@ -134,21 +142,21 @@ impl HostStore {
             name: name.to_owned(),
             reason: reason.to_owned(),
         };
+        let form = "expected a name of the form slidedp-PID-FD[.FD...]-NONCE";
         let parts: Vec<&str> = name.split('-').collect();
-        let [prefix, pid, fd, nonce] = parts.as_slice() else {
-            return Err(bad("expected a name of the form slidedp-PID-FD-NONCE"));
+        let [prefix, pid, fds, nonce] = parts.as_slice() else {
+            return Err(bad(form));
         };
-        let (Ok(pid), Ok(fd), Ok(nonce)) = (
-            pid.parse::<u32>(),
-            fd.parse::<i32>(),
-            u64::from_str_radix(nonce, 16),
-        ) else {
-            return Err(bad("expected a name of the form slidedp-PID-FD-NONCE"));
+        let fds: std::result::Result<Vec<i32>, _> = fds.split('.').map(str::parse).collect();
+        let (Ok(pid), Ok(fds), Ok(nonce)) =
+            (pid.parse::<u32>(), fds, u64::from_str_radix(nonce, 16))
+        else {
+            return Err(bad(form));
         };
         if *prefix != "slidedp" {
-            return Err(bad("expected a name of the form slidedp-PID-FD-NONCE"));
+            return Err(bad(form));
         }
-        let region = SharedRegion::attach(pid, fd).map_err(|e| bad(&e.to_string()))?;
+        let region = SharedRegion::attach(pid, &fds).map_err(|e| bad(&e.to_string()))?;
         if region.len_bytes() < HEADER_FIXED_BYTES {
             return Err(bad("the file is too small to be a store"));
         }
