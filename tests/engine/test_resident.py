@@ -17,10 +17,16 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from cli.util import one_error_line, run
-from engine.tiny import make_model, read_metrics, write_config, write_data
+from engine.tiny import (
+    assert_bitwise_equal,
+    make_model,
+    read_metrics,
+    saved_tensors,
+    write_config,
+    write_data,
+)
 from estimate.machines import H100
 from slidedp.cli import main
 from slidedp.config import load_config
@@ -63,21 +69,6 @@ TRAIN = {
 }
 # the grad norms of these runs lie in 1.6 .. 3.7 (test_parity): 1.0 clips every step
 CLIP = {"off": 0.0, "on": 1.0}
-
-
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every safetensors file under ``path``, by file and name."""
-    out = {}
-    for f in sorted(path.rglob("*.safetensors")):
-        for name, t in load_file(f).items():
-            out[f"{f.relative_to(path)}:{name}"] = t
-    return out
-
-
-def _assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name].view(torch.int32), b[name].view(torch.int32)), name
 
 
 class _Spy:
@@ -153,8 +144,10 @@ def test_resident_layers_train_bit_for_bit_like_the_all_host_run(
         got = read_metrics(out)
         for key in ("loss", "grad_norm", "clip_coef", "lr"):
             assert [r[key] for r in got] == [r[key] for r in expected], (name, key)
-        _assert_bitwise_equal(_tensors(out / "final"), _tensors(host / "final"))
-        _assert_bitwise_equal(_tensors(out / "checkpoint-8"), _tensors(host / "checkpoint-8"))
+        assert_bitwise_equal(saved_tensors(out / "final"), saved_tensors(host / "final"))
+        assert_bitwise_equal(
+            saved_tensors(out / "checkpoint-8"), saved_tensors(host / "checkpoint-8")
+        )
         state = json.loads((out / "checkpoint-8" / "trainer_state.json").read_text())
         assert state["policy"]["resident_layers"] == k
         assert state["policy"]["resident_embeddings"] == with_embeddings
@@ -174,7 +167,7 @@ def test_a_checkpoint_with_resident_layers_is_the_all_host_one_and_resumes_exact
     resident = ("runtime.resident_layers=2", "runtime.resident_embeddings=true")
     full = _train(tmp_path, model, data, "full", *saves, *resident, max_grad_norm=1.0)
     # mid-run: the resident layers were written back into the store before the save
-    _assert_bitwise_equal(_tensors(full / "checkpoint-4"), _tensors(host / "checkpoint-4"))
+    assert_bitwise_equal(saved_tensors(full / "checkpoint-4"), saved_tensors(host / "checkpoint-4"))
     config = write_config(tmp_path / "resumed.yaml", model, data, tmp_path / "resumed",
                           train=TRAIN | {"max_grad_norm": 1.0})  # fmt: skip
     cfg = load_config(config, [f"train.resume={full / 'checkpoint-4'}", *resident])
@@ -186,10 +179,12 @@ def test_a_checkpoint_with_resident_layers_is_the_all_host_one_and_resumes_exact
     uninterrupted = read_metrics(full)[4:]
     for key in ("loss", "grad_norm", "clip_coef"):
         assert [r[key] for r in records] == [r[key] for r in uninterrupted], key
-    _assert_bitwise_equal(
-        _tensors(tmp_path / "resumed" / "checkpoint-8"), _tensors(full / "checkpoint-8")
+    assert_bitwise_equal(
+        saved_tensors(tmp_path / "resumed" / "checkpoint-8"), saved_tensors(full / "checkpoint-8")
     )
-    _assert_bitwise_equal(_tensors(tmp_path / "resumed" / "final"), _tensors(host / "final"))
+    assert_bitwise_equal(
+        saved_tensors(tmp_path / "resumed" / "final"), saved_tensors(host / "final")
+    )
 
 
 @pytest.fixture
@@ -457,6 +452,7 @@ def test_a_non_finite_resident_gradient_stops_or_skips_as_in_the_all_host_run(
         runs[k] = Trainer(cfg, log=False).run()
         assert runs[k][1]["skipped"] is True
     assert [r.get("loss") for r in runs[2]] == [r.get("loss") for r in runs[0]]
-    _assert_bitwise_equal(
-        _tensors(tmp_path / "k2" / "checkpoint-3"), _tensors(tmp_path / "k0" / "checkpoint-3")
+    assert_bitwise_equal(
+        saved_tensors(tmp_path / "k2" / "checkpoint-3"),
+        saved_tensors(tmp_path / "k0" / "checkpoint-3"),
     )

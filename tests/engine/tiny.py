@@ -256,3 +256,19 @@ def reference_train(
         ref.grad_norms.append(float(norm))
     ref.params = {n: p.detach().clone() for n, p in model.state_dict().items()}
     return ref
+
+
+def saved_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every safetensors file under ``path``, by file and name."""
+    out = {}
+    for f in sorted(path.rglob("*.safetensors")):
+        for name, t in load_file(f).items():
+            out[f"{f.relative_to(path)}:{name}"] = t
+    return out
+
+
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """The same names, and every tensor the same bits (compared as 32-bit words)."""
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name].view(torch.int32), b[name].view(torch.int32)), name

@@ -18,11 +18,17 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from cli.util import one_error_line, run
 from engine.test_resident import _poison_gradient
-from engine.tiny import make_model, read_metrics, write_config, write_data
+from engine.tiny import (
+    assert_bitwise_equal,
+    make_model,
+    read_metrics,
+    saved_tensors,
+    write_config,
+    write_data,
+)
 from multirank.ranks import run_ranks
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.cost import resident_rank_bytes
@@ -40,21 +46,6 @@ TRAIN = {
     "weight_decay": 0.1,
     "warmup_steps": 2,
 }
-
-
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every safetensors file under ``path``, by file and name."""
-    out = {}
-    for f in sorted(path.rglob("*.safetensors")):
-        for name, t in load_file(f).items():
-            out[f"{f.relative_to(path)}:{name}"] = t
-    return out
-
-
-def _assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name].view(torch.int32), b[name].view(torch.int32)), name
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch, log: Path) -> None:
@@ -166,7 +157,7 @@ def test_two_ranks_with_resident_layers_train_bit_for_bit_like_the_all_host_two(
         for key in ("loss", "grad_norm", "clip_coef", "lr"):
             assert [r[key] for r in got] == [r[key] for r in expected], (name, key)
         for saved in ("checkpoint-3", "checkpoint-6", "final"):  # weights and both moments
-            _assert_bitwise_equal(_tensors(out / saved), _tensors(host / saved))
+            assert_bitwise_equal(saved_tensors(out / saved), saved_tensors(host / saved))
 
 
 def test_two_ranks_resume_resident_layers_exactly(tmp_path: Path) -> None:
@@ -184,7 +175,7 @@ def test_two_ranks_resume_resident_layers_exactly(tmp_path: Path) -> None:
     for key in ("loss", "grad_norm", "clip_coef"):
         assert [r[key] for r in got] == [r[key] for r in uninterrupted[3:]], key
     for saved in ("checkpoint-6", "final"):
-        _assert_bitwise_equal(_tensors(resumed / saved), _tensors(full / saved))
+        assert_bitwise_equal(saved_tensors(resumed / saved), saved_tensors(full / saved))
 
 
 def test_two_nodes_of_two_ranks_with_resident_groups_train_like_the_all_host_run(
@@ -209,7 +200,9 @@ def test_two_nodes_of_two_ranks_with_resident_groups_train_like_the_all_host_run
     for key in ("loss", "grad_norm", "clip_coef"):
         assert [r[key] for r in resident_run] == [r[key] for r in host], key
     for saved in ("checkpoint-3", "final"):
-        _assert_bitwise_equal(_tensors(runs["resident"] / saved), _tensors(runs["host"] / saved))
+        assert_bitwise_equal(
+            saved_tensors(runs["resident"] / saved), saved_tensors(runs["host"] / saved)
+        )
 
 
 def test_a_non_finite_resident_gradient_skips_the_step_on_every_rank(
@@ -227,7 +220,9 @@ def test_a_non_finite_resident_gradient_skips_the_step_on_every_rank(
     records = read_metrics(resident)
     assert records[1]["skipped"] is True
     assert [r.get("loss") for r in records] == [r.get("loss") for r in read_metrics(host)]
-    _assert_bitwise_equal(_tensors(resident / "checkpoint-6"), _tensors(host / "checkpoint-6"))
+    assert_bitwise_equal(
+        saved_tensors(resident / "checkpoint-6"), saved_tensors(host / "checkpoint-6")
+    )
 
 
 def test_resident_layers_on_the_cpu_gradient_route_of_several_ranks_are_refused(
