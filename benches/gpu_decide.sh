@@ -55,7 +55,7 @@ start=$SECONDS
 # the trial processes of the cold selection (each `python -m slidedp.autopolicy.trial_child`)
 (while sleep 0.5; do pgrep -f "slidedp.autopolicy.trial_child"; done >> "$WORK/trial-pids") &
 watcher=$!
-within 200 plan-cold && part plan-cold $((560 - SECONDS)) python3 -m slidedp plan "$WORK/run.yaml" --out "$OUT/policy.yaml"
+within 200 plan-cold && part plan-cold $((560 - SECONDS)) python3 -m slidedp plan "$WORK/run.yaml" --out "$OUT/plan.json"
 echo "plan-cold: $((SECONDS - start)) s wall" | tee -a "$OUT/cold.txt" "$LOG"
 kill $watcher 2>/dev/null
 echo "trial processes: $(sort -u "$WORK/trial-pids" 2>/dev/null | wc -l)" \

@@ -26,7 +26,8 @@ STEPS = 100
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 def test_two_gpus_splitting_each_sequence_track_one(tmp_path: Path) -> None:
     model = make_model(tmp_path, "qwen3", tied=True, layers=4)
-    data = write_data(tmp_path / "data.jsonl", STEPS * 4, min_len=100, max_len=256)
+    # rows up to the tiny model's max_position_embeddings (128)
+    data = write_data(tmp_path / "data.jsonl", STEPS * 4, min_len=64, max_len=128)
     train = {"max_steps": STEPS, "global_batch_size": 4, "learning_rate": 1e-4,
              "max_grad_norm": 1.0, "dtype": "bfloat16"}  # fmt: skip
     # what context parallelism is checked with: eager layers, not compiled, a fixed layout
@@ -36,7 +37,7 @@ def test_two_gpus_splitting_each_sequence_track_one(tmp_path: Path) -> None:
         out = tmp_path / f"g{gpus}"
         split = {"gpus": gpus, "context_parallel": gpus}
         config = write_config(tmp_path / f"{gpus}.yaml", model, data, out, train=train,
-                              data={"seq_len": 256}, runtime=runtime | split,
+                              data={"seq_len": 128}, runtime=runtime | split,
                               output={"tensorboard": False})  # fmt: skip
         assert main(["train", str(config)]) == 0
         losses.append(torch.tensor([m["loss"] for m in read_metrics(out)]))

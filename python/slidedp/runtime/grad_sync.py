@@ -106,7 +106,9 @@ class GradSync:
             owned = float(torch.stack(all_norms).double().square().sum()) if all_norms else 0.0
         # every node's owners hold the same (all-nodes) sums: add up one node's
         node = self.ctx.node_group
-        return torch.tensor(math.sqrt(all_reduce_sum([owned], self.device, node)[0]))
+        # on the device, as the local norm: the resident update and its gate read it there
+        norm = math.sqrt(all_reduce_sum([owned], self.device, node)[0])
+        return torch.tensor(norm, device=self.device)
 
     def finish(self, t: int) -> tuple[float, float]:
         """``(global norm, clip coefficient)``; with clipping, the parked gradients get the
