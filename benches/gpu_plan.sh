@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `slidedp plan` on the GPU: plan a Qwen3-1.7B run on this GPU (every stage: layer
 # profile, host probe, chunk probe, solve, calibration, validation, the estimate's check), then
-# train a few steps with the policy file it wrote, and a second `train` with
+# train a few steps with the plan it wrote, and a second `train` with
 # runtime.policy=auto, which must take the plan's choice from the selection cache (no profile,
 # probe nor trial). One device call of under 10 minutes on an H100; each part has a timeout.
 #
@@ -39,11 +39,11 @@ EOF
 # PLANS=N plans N times (the calibration's spread), PLAN_SETS its overrides, TRAIN=0 no train
 for n in $(seq "${PLANS:-1}"); do
     part "plan-$n" "${PLAN_LIMIT:-330}" python3 -m slidedp plan "$WORK/run.yaml" \
-        --out "$OUT/policy-$n.yaml" ${PLAN_SETS:-}
+        --out "$OUT/plan-$n.json" ${PLAN_SETS:-}
 done
-cp "$OUT/policy-1.yaml" "$OUT/policy.yaml" 2>/dev/null
+cp "$OUT/plan-1.json" "$OUT/plan.json" 2>/dev/null
 [[ ${TRAIN:-1} == 0 ]] && { grep -E "^slidedp plan (calibrate|validation)|exit" "$LOG"; exit 0; }
-part train-policy 120 python3 -m slidedp train "$WORK/run.yaml" runtime.policy="$OUT/policy.yaml" \
+part train-policy 120 python3 -m slidedp train --plan "$OUT/plan.json" "$WORK/run.yaml" \
     output.dir="$WORK/out-policy"
 rm -rf "$WORK/out-policy"/checkpoint-*
 part train-auto-cached 120 python3 -m slidedp train "$WORK/run.yaml" runtime.policy=auto \
