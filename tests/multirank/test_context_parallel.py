@@ -10,12 +10,14 @@ and grad norms, 1e-5 absolute on parameters. R=4 sums four shards' gradients: th
 reordering once more (measured: losses within 7.7e-8 relative, parameters 1.2e-7 absolute).
 Real errors exceed them (measured on the llama
 case): a shard's RoPE positions not offset moves the losses by 9.6e-5 relative, a label lost at
-each shard boundary by 1.1e-3.
+each shard boundary by 1.1e-3; packed samples attending across their boundaries (causal masks
+over the whole rows instead of per sample) by 5.8e-3 (packed case: 5.6e-8 when right).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,6 +29,7 @@ from slidedp.cli import main
 
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
+MAX_GRAD_NORM_PACKED = 1.95
 
 TRAIN = {
     "max_steps": 5,
@@ -79,13 +82,30 @@ def test_context_parallel_matches_one_rank(
     kv_heads = 4 if context == 4 else None  # the key/value heads must divide by R
     model = make_model(tmp_path, arch, tied=False, layers=4, kv_heads=kv_heads)
     data = write_data(tmp_path / "data.jsonl", 24, min_len=10, max_len=31)
-    output = {"tensorboard": False}
+    _train_pair(tmp_path, model, data, (ranks, context), {"train": train, "runtime": runtime})
+
+
+@pytest.mark.e2e
+def test_packed_rows_match_one_rank(tmp_path: Path) -> None:
+    """Packed rows (2 to 7 samples each, attention kept inside every sample, the shard
+    boundary inside a sample) at R=2: the one-rank packed run's losses, norms, parameters."""
+    model = make_model(tmp_path, "qwen3", tied=False, layers=4)
+    data = write_data(tmp_path / "data.jsonl", 64, min_len=4, max_len=14)
+    train = TRAIN | {"max_grad_norm": MAX_GRAD_NORM_PACKED}
+    _train_pair(tmp_path, model, data, (2, 2), {"train": train, "data": {"packing": True}})
+
+
+def _train_pair(
+    tmp_path: Path, model: Path, data: Path, split: tuple[int, int], sections: dict[str, Any]
+) -> None:
+    """The config ``sections`` on one rank, then on ``split`` = (ranks, context_parallel);
+    ``_compare``'d."""
     one, many = tmp_path / "one", tmp_path / "many"
-    c1 = write_config(tmp_path / "1.yaml", model, data, one, train=train, runtime=runtime,
-                      output=output)  # fmt: skip
-    cp = runtime | {"ranks": ranks, "context_parallel": context}
-    c2 = write_config(tmp_path / "2.yaml", model, data, many, train=train, runtime=cp,
-                      output=output)  # fmt: skip
+    common = {"output": {"tensorboard": False}} | sections
+    c1 = write_config(tmp_path / "1.yaml", model, data, one, **common)
+    ranks, context = split
+    cp = common.get("runtime", {}) | {"ranks": ranks, "context_parallel": context}
+    c2 = write_config(tmp_path / "2.yaml", model, data, many, **(common | {"runtime": cp}))
     assert main(["train", str(c1)]) == 0
     assert run_ranks(c2, ranks) == [0] * ranks
     _compare(one, many, model)
