@@ -43,8 +43,9 @@ from slidedp.plan.layout import parse_entry
 ULYSSES = "slidedp_ulysses"  # the attention implementation's name in transformers' interface
 ROW_POSITIONS = "row_position_ids"  # the layers' shared inputs: the whole rows' positions
 # the model types whose context-parallel runs are checked against one rank (CPU parity tests;
-# dense layers only: a mixture of experts' load-balancing loss would need the shards' counts)
-CONTEXT_MODEL_TYPES = ("qwen3", "llama")
+# Qwen3-MoE's routers and experts run on the shard, its load-balancing loss sums the token
+# statistics of every rank's shard as over data ranks: models.router_loss)
+CONTEXT_MODEL_TYPES = ("qwen3", "llama", "qwen3_moe")
 
 
 @dataclass(frozen=True)
