@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Context parallelism (runtime.context_parallel) on GPUs, one device call per part:
 #   PARTS=parity  2 GPUs at R=2 against 1 GPU, 100 bf16 steps of a tiny Qwen3 (max |Δloss|
-#                 <= 1e-3: tests/multirank/test_gpu_context.py); on nvidia-h100-x2
+#                 <= 1e-3: tests/multirank/test_gpu_context.py), with padded rows, packed rows
+#                 and a tiny Qwen3-MoE; on nvidia-h100-x2. On a 4-GPU kind also R=4 against 1
+#                 GPU. K=EXPR picks cases (pytest -k: dense, packed, moe, r4).
 #   PARTS=long    Qwen3-8B (seeded init, YaRN factor SEQ/32768) in one sequence of SEQ tokens
 #                 split over GPUS GPUs (R = GPUS), STEPS steps, clipping CLIP; the metrics
 #                 (step time, tokens/s) and `slidedp estimate` of the same config; on
@@ -49,8 +51,8 @@ PY
 }
 
 case ${PARTS:-parity} in
-    parity) part parity 500 python3 -m pytest -q -s -p no:cacheprovider -m multi_gpu \
-                tests/multirank/test_gpu_context.py ;;
+    parity) part parity 540 python3 -m pytest -q -s -p no:cacheprovider -m multi_gpu \
+                tests/multirank/test_gpu_context.py ${K:+-k "$K"} ;;
     long) long_run ;;
 esac
 grep -E "max \|dloss\||step +[0-9]|GPU|exit|error" "$LOG" | tail -30

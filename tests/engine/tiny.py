@@ -98,8 +98,11 @@ MORE_CONFIGS: dict[str, tuple[type[PretrainedConfig], dict[str, Any]]] = {
 VOCAB = 256
 
 
-def tiny_config(arch: str, *, tied: bool, layers: int) -> PretrainedConfig:
-    """A tiny config of ``arch`` (``CONFIGS`` or ``MORE_CONFIGS``) with ``layers`` layers."""
+def tiny_config(
+    arch: str, *, tied: bool, layers: int, kv_heads: int | None = None
+) -> PretrainedConfig:
+    """A tiny config of ``arch`` (``CONFIGS`` or ``MORE_CONFIGS``) with ``layers`` layers and
+    ``kv_heads`` key/value heads (default 2 of the 4 query heads; 4: a split in 4 by heads)."""
     cls, extra = MORE_CONFIGS.get(arch, (CONFIGS.get(arch), {}))
     assert cls is not None, f"no tiny config for {arch}"
     if "layer_types" in extra:  # the pattern repeated over the layers
@@ -107,6 +110,8 @@ def tiny_config(arch: str, *, tied: bool, layers: int) -> PretrainedConfig:
         extra = extra | {"layer_types": [kinds[i % len(kinds)] for i in range(layers)]}
     sizes = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
              "head_dim": 16, "intermediate_size": 128}  # fmt: skip
+    if kv_heads is not None:
+        sizes["num_key_value_heads"] = kv_heads
     return cls(  # type: ignore[call-arg]
         num_hidden_layers=layers,
         vocab_size=VOCAB,
@@ -117,19 +122,28 @@ def tiny_config(arch: str, *, tied: bool, layers: int) -> PretrainedConfig:
 
 
 def make_model(
-    root: Path, arch: str, *, tied: bool, layers: int = 2, seed: int = 0, per_expert: bool = False
+    root: Path,
+    arch: str,
+    *,
+    tied: bool,
+    layers: int = 2,
+    seed: int = 0,
+    per_expert: bool = False,
+    kv_heads: int | None = None,
 ) -> Path:
     """A random tiny model saved with ``save_pretrained`` (safetensors) under ``root/arch``. A
     mixture of experts is saved with its fused expert parameters, as the model holds them, or
     with ``per_expert`` as ``save_pretrained`` writes it: one tensor per expert, the hub's
-    layout (``slidedp.io.hub_experts``); transformers and slidedp load both."""
-    config = tiny_config(arch, tied=tied, layers=layers)
+    layout (``slidedp.io.hub_experts``); transformers and slidedp load both. ``kv_heads``:
+    ``tiny_config``'s."""
+    config = tiny_config(arch, tied=tied, layers=layers, kv_heads=kv_heads)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     for name, buffer in model.named_buffers():
         if name.endswith("layer_scalar"):  # Gemma 4's: not 1, so that loading it matters
             buffer.fill_(0.5 + 0.25 * int(name.split(".")[2]))
-    path = root / f"{arch}-{'tied' if tied else 'untied'}-{layers}{'-hub' * per_expert}"
+    kv = "" if kv_heads is None else f"-kv{kv_heads}"
+    path = root / f"{arch}-{'tied' if tied else 'untied'}-{layers}{'-hub' * per_expert}{kv}"
     model.save_pretrained(path)
     if hasattr(config, "router_aux_loss_coef") and not per_expert:
         # save_pretrained wrote the hub's layout; over it, the model's own fused parameters

@@ -6,14 +6,20 @@ the same SDPA call on the gathered heads, but each layer's gradient is the sum o
 (a different order than one rank's sum over all tokens), the loss and label count are summed
 over ranks, and the global norm is taken over owners; AdamW's m/sqrt(v) amplifies those f32
 roundings as in tests/multirank/test_parity.py, whose bounds we keep: 1e-5 relative on losses
-and grad norms, 1e-5 absolute on parameters. Real errors exceed them (measured on the llama
+and grad norms, 1e-5 absolute on parameters. R=4 sums four shards' gradients: the same
+reordering once more (measured: losses within 7.7e-8 relative, parameters 1.2e-7 absolute).
+Real errors exceed them (measured on the llama
 case): a shard's RoPE positions not offset moves the losses by 9.6e-5 relative, a label lost at
-each shard boundary by 1.1e-3.
+each shard boundary by 1.1e-3; packed samples attending across their boundaries (causal masks
+over the whole rows instead of per sample) by 5.8e-3 (packed case: 5.6e-8 when right); a
+mixture of experts' load-balancing loss taken on each shard alone, not from every shard's token
+statistics, by 1.0e-4 (MoE case: 7.6e-8, its aux_loss compared too, equal to the bit).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,6 +31,7 @@ from slidedp.cli import main
 
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 1e-5
+MAX_GRAD_NORM_PACKED = 1.95
 
 TRAIN = {
     "max_steps": 5,
@@ -37,7 +44,7 @@ TRAIN = {
 def _compare(one: Path, many: Path, model: Path) -> None:
     """Losses, grad norms and final parameters of ``many`` against ``one``."""
     m1, m2 = read_metrics(one), read_metrics(many)
-    for key in ("loss", "grad_norm"):
+    for key in ("loss", "grad_norm", "aux_loss")[: 2 + ("aux_loss" in m1[0])]:
         a = torch.tensor([m[key] for m in m1], dtype=torch.float64)
         b = torch.tensor([m[key] for m in m2], dtype=torch.float64)
         torch.testing.assert_close(b, a, rtol=LOSS_RTOL, atol=0)
@@ -55,28 +62,54 @@ def _compare(one: Path, many: Path, model: Path) -> None:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize(
-    ("arch", "ranks", "runtime", "max_grad_norm"),
+    ("arch", "ranks", "context", "runtime", "max_grad_norm"),
     [  # each norm binds in some steps of its model's run, not in all
-        ("qwen3", 2, {"layers": "1xF, 1xN, 1xS1010100, 1xSAC.mm"}, 2.2),
-        ("llama", 2, {"grad_route": "cpu", "param_route": "sharded"}, 2.0),
-        ("qwen3", 4, {}, 2.2),  # 2 groups of 2: data parallelism over the context groups
+        ("qwen3", 2, 2, {"layers": "1xF, 1xN, 1xS1010100, 1xSAC.mm"}, 2.2),
+        ("llama", 2, 2, {"grad_route": "cpu", "param_route": "sharded"}, 2.0),
+        ("qwen3", 4, 2, {}, 2.2),  # 2 groups of 2: data parallelism over the context groups
+        ("qwen3", 4, 4, {}, 2.2),  # one group of 4 (the model's 4 key/value heads split in 4)
+        ("qwen3_moe", 2, 2, {}, 2.2),  # routers and experts on the shard, aux loss summed
     ],
 )
 def test_context_parallel_matches_one_rank(
-    tmp_path: Path, arch: str, ranks: int, runtime: dict[str, str], max_grad_norm: float
+    tmp_path: Path,
+    arch: str,
+    ranks: int,
+    context: int,
+    runtime: dict[str, str],
+    max_grad_norm: float,
 ) -> None:
-    """R=2 on 2 ranks (every activation family; llama on the cpu and sharded routes) and R=2 x
-    2 data-parallel groups on 4 ranks: one rank's losses, norms and parameters."""
+    """R=2 on 2 ranks (every activation family; llama on the cpu and sharded routes; a mixture
+    of experts), R=2 x 2 data-parallel groups and R=4 on 4 ranks: one rank's losses, norms and
+    parameters."""
     train = TRAIN | {"max_grad_norm": max_grad_norm}
-    model = make_model(tmp_path, arch, tied=False, layers=4)
+    kv_heads = 4 if context == 4 else None  # the key/value heads must divide by R
+    model = make_model(tmp_path, arch, tied=False, layers=4, kv_heads=kv_heads)
     data = write_data(tmp_path / "data.jsonl", 24, min_len=10, max_len=31)
-    output = {"tensorboard": False}
+    _train_pair(tmp_path, model, data, (ranks, context), {"train": train, "runtime": runtime})
+
+
+@pytest.mark.e2e
+def test_packed_rows_match_one_rank(tmp_path: Path) -> None:
+    """Packed rows (2 to 7 samples each, attention kept inside every sample, the shard
+    boundary inside a sample) at R=2: the one-rank packed run's losses, norms, parameters."""
+    model = make_model(tmp_path, "qwen3", tied=False, layers=4)
+    data = write_data(tmp_path / "data.jsonl", 64, min_len=4, max_len=14)
+    train = TRAIN | {"max_grad_norm": MAX_GRAD_NORM_PACKED}
+    _train_pair(tmp_path, model, data, (2, 2), {"train": train, "data": {"packing": True}})
+
+
+def _train_pair(
+    tmp_path: Path, model: Path, data: Path, split: tuple[int, int], sections: dict[str, Any]
+) -> None:
+    """The config ``sections`` on one rank, then on ``split`` = (ranks, context_parallel);
+    ``_compare``'d."""
     one, many = tmp_path / "one", tmp_path / "many"
-    c1 = write_config(tmp_path / "1.yaml", model, data, one, train=train, runtime=runtime,
-                      output=output)  # fmt: skip
-    cp = runtime | {"ranks": ranks, "context_parallel": 2}
-    c2 = write_config(tmp_path / "2.yaml", model, data, many, train=train, runtime=cp,
-                      output=output)  # fmt: skip
+    common = {"output": {"tensorboard": False}} | sections
+    c1 = write_config(tmp_path / "1.yaml", model, data, one, **common)
+    ranks, context = split
+    cp = common.get("runtime", {}) | {"ranks": ranks, "context_parallel": context}
+    c2 = write_config(tmp_path / "2.yaml", model, data, many, **(common | {"runtime": cp}))
     assert main(["train", str(c1)]) == 0
     assert run_ranks(c2, ranks) == [0] * ranks
     _compare(one, many, model)

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import torch
 
+from engine.tiny import tiny_config
 from slidedp.data.batch import IGNORE_INDEX, Batch
+from slidedp.models.hf import HFAdapter
 from slidedp.models.loss import shift_labels
-from slidedp.runtime.context_parallel import ContextGroup, pad_width
+from slidedp.runtime.context_parallel import (
+    ContextGroup,
+    bind_attention,
+    full_sequence_masks,
+    pad_width,
+)
 
 
 def _groups(r: int) -> list[ContextGroup]:
@@ -19,8 +26,27 @@ def test_shards_tile_the_row_and_positions_are_global() -> None:
         shards = [g.shard(x) for g in _groups(r)]
         assert all(s.shape == (2, 12 // r) for s in shards)
         assert torch.equal(torch.cat(shards, dim=1), x)
-        positions = torch.cat([g.positions(12, torch.device("cpu")) for g in _groups(r)], dim=1)
-        assert torch.equal(positions, torch.arange(12)[None])
+
+
+def test_positions_are_global_or_per_sample_and_masks_span_the_rows() -> None:
+    """The shards' RoPE positions tile the row's (global, or per packed sample); every shard
+    reads the whole rows' positions for the masks."""
+    ids = torch.ones(2, 12, dtype=torch.long)
+    packed = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3], list(range(12))])
+    cpu = torch.device("cpu")
+    for position_ids in (None, packed):
+        batch = Batch(ids, torch.ones_like(ids), ids, position_ids)
+        rows = torch.arange(12)[None] if position_ids is None else position_ids
+        for r in (1, 2, 4):
+            split = [g.layer_inputs(batch, cpu) for g in _groups(r)]
+            shards = torch.cat([shared["position_ids"] for _, shared in split], dim=1)
+            assert torch.equal(shards, rows)
+            assert all(torch.equal(shared["row_position_ids"], rows) for _, shared in split)
+            masks = [a for a, _ in split]  # the router loss's: packed rows have none
+            if position_ids is not None:
+                assert masks == [None] * r
+            else:
+                assert torch.equal(torch.cat(masks, dim=1), batch.attention_mask)  # type: ignore[arg-type]
 
 
 def test_labels_are_shifted_across_shard_boundaries() -> None:
@@ -42,3 +68,30 @@ def test_pad_width_adds_masked_unlabelled_tokens() -> None:
     assert torch.equal(padded.labels[:, 5:], torch.full((2, 3), IGNORE_INDEX))
     assert torch.equal(padded.labels[:, :5], batch.labels)
     assert pad_width(batch, 5) is batch
+
+
+def test_pad_width_continues_a_packed_rows_tail_segment() -> None:
+    """A full packed row gets a padding segment from 0; a row with a tail continues it."""
+    ids = torch.ones(2, 5, dtype=torch.long)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
+    positions = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 0, 1]])
+    padded = pad_width(Batch(ids, mask, ids, positions), 4)
+    assert padded.position_ids is not None
+    assert torch.equal(padded.position_ids, torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2],
+                                                          [0, 1, 2, 0, 1, 2, 3, 4]]))  # fmt: skip
+
+
+def test_packed_masks_keep_samples_apart_over_the_whole_row() -> None:
+    """Under Ulysses each rank attends over the whole row: its masks are the one-rank masks of
+    the whole row (a token sees earlier tokens of its own sample only), not causal over it."""
+    adapter = HFAdapter(tiny_config("qwen3", tied=False, layers=2))
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0]])  # samples of 3, 4 and 1 tokens
+    x = torch.zeros(1, 4, 64)  # one shard of R=2
+    one_rank = adapter.layer_masks(torch.zeros(1, 8, 64), None, positions)
+    bind_attention(adapter.config, ContextGroup(0, 2))
+    masks = full_sequence_masks(adapter.layer_masks, x, {"row_position_ids": positions})
+    sample = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2])
+    allowed = (sample[:, None] == sample[None]) & torch.ones(8, 8, dtype=torch.bool).tril()
+    for mask, want in zip(masks, one_rank, strict=True):
+        assert torch.equal(mask, want)
+        assert torch.equal(mask[0, 0], allowed)

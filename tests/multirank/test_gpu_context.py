@@ -1,7 +1,8 @@
-"""2 GPUs splitting every sequence (``runtime.context_parallel: 2``, NCCL all-to-all) against
-1 GPU reading the rows whole, bf16, 100 steps.
+"""2 (or 4) GPUs splitting every sequence (``runtime.context_parallel``, NCCL all-to-all)
+against 1 GPU reading the rows whole, bf16, 100 steps: dense, packed rows, a mixture of experts.
 
-Run on a 2-GPU machine: ``pytest -m multi_gpu tests/multirank/test_gpu_context.py -s``.
+Run on a 2-GPU machine (the R=4 case needs 4):
+``pytest -m multi_gpu tests/multirank/test_gpu_context.py -s``.
 Tolerance: the engine's bf16 bound (max |Δloss| <= 1e-3, tests/multirank/test_gpu_ranks.py):
 both runs compute in bf16; the split run's attention is the same SDPA call on the gathered
 heads, its gradient the sum of two shards' in another order.
@@ -23,24 +24,40 @@ STEPS = 100
 
 
 @pytest.mark.multi_gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
-def test_two_gpus_splitting_each_sequence_track_one(tmp_path: Path) -> None:
-    model = make_model(tmp_path, "qwen3", tied=True, layers=4)
-    # rows up to the tiny model's max_position_embeddings (128)
-    data = write_data(tmp_path / "data.jsonl", STEPS * 4, min_len=64, max_len=128)
+@pytest.mark.parametrize(
+    ("arch", "gpus", "data_keys"),
+    [
+        ("qwen3", 2, {}),
+        ("qwen3", 2, {"packing": True}),  # several samples per row, masked apart (SDPA's mask)
+        ("qwen3_moe", 2, {}),  # routers and experts on the shard (GPU histc counts)
+        ("qwen3", 4, {}),  # R=4: the tiny model with 4 key/value heads
+    ],
+    ids=["dense", "packed", "moe", "r4"],
+)
+def test_gpus_splitting_each_sequence_track_one(
+    tmp_path: Path, arch: str, gpus: int, data_keys: dict[str, bool]
+) -> None:
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} CUDA GPUs")
+    model = make_model(tmp_path, arch, tied=True, layers=4, kv_heads=4 if gpus == 4 else None)
+    # rows up to the tiny model's max_position_embeddings (128); packed: samples shorter than
+    # a row, so that rows hold several
+    short = data_keys.get("packing", False)
+    data = write_data(tmp_path / "data.jsonl", STEPS * 4 * (4 if short else 1),
+                      min_len=30 if short else 64, max_len=120 if short else 128)  # fmt: skip
     train = {"max_steps": STEPS, "global_batch_size": 4, "learning_rate": 1e-4,
              "max_grad_norm": 1.0, "dtype": "bfloat16"}  # fmt: skip
     # what context parallelism is checked with: eager layers, not compiled, a fixed layout
     runtime = {"device": "cuda", "kernels": "eager", "compile": False, "policy": "fixed"}
     losses = []
-    for gpus in (1, 2):
-        out = tmp_path / f"g{gpus}"
-        split = {"gpus": gpus, "context_parallel": gpus}
-        config = write_config(tmp_path / f"{gpus}.yaml", model, data, out, train=train,
-                              data={"seq_len": 128}, runtime=runtime | split,
+    for n in (1, gpus):
+        out = tmp_path / f"g{n}"
+        split = {"gpus": n, "context_parallel": n}
+        config = write_config(tmp_path / f"{n}.yaml", model, data, out, train=train,
+                              data={"seq_len": 128} | data_keys, runtime=runtime | split,
                               output={"tensorboard": False})  # fmt: skip
         assert main(["train", str(config)]) == 0
         losses.append(torch.tensor([m["loss"] for m in read_metrics(out)]))
     delta = (losses[0] - losses[1]).abs().max().item()
-    print(f"context_parallel=2: max |dloss| {delta:.2e} over {STEPS} steps")
+    print(f"{arch} {data_keys} context_parallel={gpus}: max |dloss| {delta:.2e} over {STEPS} steps")
     assert delta <= 1e-3

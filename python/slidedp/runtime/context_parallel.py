@@ -1,10 +1,11 @@
 """Context parallelism: the R ranks of a context group split every sequence of their rows.
 
 Each rank holds a contiguous shard of S/R tokens of every row; norms, MLP, RoPE (at the
-shard's global positions) and the chunked loss run on the shard. Inside attention, Ulysses
-sequence parallelism: an all-to-all over heads gives each rank the whole sequence for H/R
-query heads and Hkv/R key/value heads, the model's own attention function (SDPA) runs causal
-over it, and an all-to-all back returns the shard's tokens for every head (torch's functional
+shard's global positions, or per sample in packed rows) and the chunked loss run on the
+shard. Inside attention, Ulysses sequence parallelism: an all-to-all over heads gives each rank
+the whole sequence for H/R query heads and Hkv/R key/value heads, the model's own attention
+function (SDPA) runs over it with the whole rows' mask (causal, or per packed sample), and an
+all-to-all back returns the shard's tokens for every head (torch's functional
 ``all_to_all_single``, differentiable). Bound without touching the decoder layers:
 transformers' ``AttentionInterface`` under ``ULYSSES`` and the config's attention
 implementation. Invariant: each rank's loss is its shard's token loss over the
@@ -29,6 +30,7 @@ import torch.nn.functional as F
 from torch.distributed import _functional_collectives as funcol
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from slidedp.config import TrainConfig
@@ -39,9 +41,11 @@ from slidedp.plan.device import pick_device
 from slidedp.plan.layout import parse_entry
 
 ULYSSES = "slidedp_ulysses"  # the attention implementation's name in transformers' interface
+ROW_POSITIONS = "row_position_ids"  # the layers' shared inputs: the whole rows' positions
 # the model types whose context-parallel runs are checked against one rank (CPU parity tests;
-# dense layers only: a mixture of experts' load-balancing loss would need the shards' counts)
-CONTEXT_MODEL_TYPES = ("qwen3", "llama")
+# Qwen3-MoE's routers and experts run on the shard, its load-balancing loss sums the token
+# statistics of every rank's shard as over data ranks: models.router_loss)
+CONTEXT_MODEL_TYPES = ("qwen3", "llama", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -57,21 +61,33 @@ class ContextGroup:
         per = t.shape[1] // self.size
         return t[:, self.index * per : (self.index + 1) * per]
 
-    def positions(self, seq_len: int, device: torch.device) -> torch.Tensor:
-        """The global positions of this rank's shard of a row of ``seq_len`` tokens: [1, S/R]."""
-        per = seq_len // self.size
-        return torch.arange(self.index * per, (self.index + 1) * per, device=device)[None]
+    def layer_inputs(
+        self, batch: Batch, device: torch.device
+    ) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+        """This shard's padding mask [B, S/R] (None: packed rows) and what the layers read:
+        the shard's ``position_ids`` for RoPE ([1, S/R] global, or [B, S/R] per packed sample)
+        and the whole rows' positions (``ROW_POSITIONS``: [1, S] or [B, S]) for the masks."""
+        width = batch.input_ids.shape[1]
+        rows = torch.arange(width)[None] if batch.position_ids is None else batch.position_ids
+        attn = None if batch.position_ids is not None else self.shard(batch.attention_mask)
+        shared = {"position_ids": self.shard(rows).to(device), ROW_POSITIONS: rows.to(device)}
+        return None if attn is None else attn.to(device), shared
 
 
 def pad_width(batch: Batch, multiple: int) -> Batch:
     """``batch`` right-padded to a width that divides by ``multiple`` (padding: masked tokens
-    without labels; causal attention never lets a token see the padding after it)."""
-    extra = -batch.input_ids.shape[1] % multiple
+    without labels; causal attention never lets a token see the padding after it). Packed
+    rows' padding continues their tail segment, counted from 0 after the row's tokens."""
+    width = batch.input_ids.shape[1]
+    extra = -width % multiple
     if extra == 0:
         return batch
-    assert batch.position_ids is None, "packed rows are refused with context parallelism"
+    positions = None
+    if batch.position_ids is not None:  # the tail's positions, as slidedp.data.batches counts
+        tail = torch.arange(width, width + extra) - batch.attention_mask.sum(1, keepdim=True)
+        positions = torch.cat([batch.position_ids, tail], dim=1)  # [B, S + extra]
     return Batch(F.pad(batch.input_ids, (0, extra)), F.pad(batch.attention_mask, (0, extra)),
-                 F.pad(batch.labels, (0, extra), value=IGNORE_INDEX))  # fmt: skip
+                 F.pad(batch.labels, (0, extra), value=IGNORE_INDEX), positions)  # fmt: skip
 
 
 def _all_to_all(send: torch.Tensor, group: ContextGroup) -> torch.Tensor:
@@ -129,18 +145,22 @@ def bind_attention(config: Any, context: ContextGroup) -> None:
         return
     attend = functools.partial(ulysses_attention, context=context, inner=inner)
     AttentionInterface.register(ULYSSES, attend)
+    # the masks of the whole rows as the inner implementation builds them (transformers
+    # builds none for an implementation it has no mask function for)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ULYSSES, ALL_MASK_ATTENTION_FUNCTIONS[inner])
     config._attn_implementation = ULYSSES
 
 
-def full_sequence_masks(
-    layer_masks: Any, x: torch.Tensor, attn: torch.Tensor | None, context: ContextGroup
-) -> list[Any]:
-    """Each layer's attention mask over the whole rows (``HFAdapter.layer_masks``), built from
-    this rank's shard ``x`` [B, S/R, H] (only its shape, dtype and device are read)."""
-    seq_len = x.shape[1] * context.size
-    whole = x[:, :1].expand(-1, seq_len, -1)  # [B, S, H], a view: no memory
-    positions = torch.arange(seq_len, device=x.device)[None]  # [1, S]
-    masks: list[Any] = layer_masks(whole, attn, positions)
+def full_sequence_masks(layer_masks: Any, x: torch.Tensor, shared: dict[str, Any]) -> list[Any]:
+    """Each layer's attention mask over the whole rows (``HFAdapter.layer_masks``) from their
+    positions (``shared[ROW_POSITIONS]``, ``ContextGroup.layer_inputs``) and this rank's shard
+    ``x`` [B, S/R, H] (only its shape, dtype and device are read). No padding mask: padded
+    rows are right-padded, and causal attention keeps every token off the padding after it
+    (so SDPA runs causal without an S x S mask); packed rows keep each sample apart by their
+    per-sample positions, as on one rank."""
+    positions = shared[ROW_POSITIONS]
+    whole = x[:, :1].expand(-1, positions.shape[1], -1)  # [B, S, H], a view: no memory
+    masks: list[Any] = layer_masks(whole, None, positions)
     return masks
 
 
@@ -185,7 +205,6 @@ def _unproven_problem(cfg: TrainConfig, adapter: HFAdapter) -> str | None:
         (adapter.config.model_type not in CONTEXT_MODEL_TYPES,
          f"model type {adapter.config.model_type} is not supported yet "
          f"(supported: {', '.join(CONTEXT_MODEL_TYPES)}); set runtime.context_parallel=1"),
-        (data.packing, "data.packing=true is not supported yet; set data.packing=false"),
         (data.has_eval, "held-out evaluation (data.eval_path/eval_fraction) is not supported "
          "yet; remove it"),
         (rt.launch.nodes > 1, f"runtime.nodes={rt.launch.nodes}: the context group must be one "

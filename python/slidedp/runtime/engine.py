@@ -69,7 +69,7 @@ class _Inputs:
 
     ids: torch.Tensor  # [B, S]
     targets: torch.Tensor  # [B, S] shifted labels
-    attn: torch.Tensor | None  # [B, S] padding mask; None for packed rows
+    attn: torch.Tensor | None  # [B, S] padding mask (a context shard's [B, S/R]); None: packed
     n_labels: int  # label tokens of the global batch
     compute: torch.cuda.Stream | None
     ctx: dict[str, Any] = field(default_factory=dict)
@@ -330,9 +330,9 @@ class Engine:
         inputs = _Inputs(ids, targets, attn, n_labels, compute)
         if batch.position_ids is not None:
             inputs.ctx["position_ids"] = batch.position_ids.to(self.device)  # [B, S]
-        if self.context is not None:  # the shard's global positions (RoPE)
-            inputs.ctx["position_ids"] = self.context.positions(batch.input_ids.shape[1],
-                                                                self.device)  # fmt: skip
+        if self.context is not None:  # the shard's mask and positions, the whole rows' too
+            inputs.attn, shared = self.context.layer_inputs(batch, self.device)
+            inputs.ctx.update(shared)
         return inputs
 
     def _embed_forward(self, inputs: _Inputs, v: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -352,7 +352,7 @@ class Engine:
                 position_embeddings=a.position_embeddings(self.rotary, x, position_ids),
                 masks=a.layer_masks(x, inputs.attn, position_ids)
                 if self.context is None  # else every layer attends over the whole rows
-                else full_sequence_masks(a.layer_masks, x, inputs.attn, self.context),
+                else full_sequence_masks(a.layer_masks, x, inputs.ctx),
             )
         return x, embed_w
 
