@@ -1,21 +1,13 @@
 """One host store for the trials of a selection in one process (``TrialStores``).
 
-Most of a trial's setup is its host store: /dev/shm allocated and zero-filled, the model's
-weights initialised or loaded into it, the BF16 mirror cast (for Qwen3-4B 64 GB, tens of
-seconds). The store's layout follows the model, the chunk, the slot rings and the mirror, not the
-layer policy nor what stays GPU-resident, so the trials of one stage (calibration's on the
-reduced model, validation's on the run's) can share one. ``TrialStores.trainer`` hands a trial's
-trainer the held store where its layout, model and seed are the held one's (every version set
-back to 0: the trial's steps start at 0), else drops it and holds the one the trainer creates.
-
-Why a trial's step time is the same on a held store: it runs the same batches at the same steps
-with the same plan; only the values differ (the weights by an earlier trial's few updates, the
-Adam moments not zero), and no step's time depends on them: AdamW is the same elementwise pass
-over every element, a dense layer's matmuls never look at the values, and a fresh trial's timed
-steps (after the first) already run on updated weights and non-zero moments. So the moments and
-Adam's step are not reset. The plan (the BF16 mirror) is resolved as a fresh process would see
-the machine: the held store's bytes counted free (it is dropped before a store of another
-layout is created). Invariant: one process, one rank; a trial that fails drops the store.
+Most of a trial's setup is its host store: /dev/shm allocated and zero-filled, the weights
+initialised or loaded into it, the BF16 mirror cast (Qwen3-4B: 64 GB). Its layout follows the
+model, the chunk, the slot rings and the mirror, not the layer policy nor what stays
+GPU-resident, so the trials of one stage (calibration's reduced model, validation's run) share
+one: ``TrialStores.trainer`` hands a trial's trainer the held store where its layout, model and
+seed agree (every version back to 0), else drops it and holds the one the trainer creates.
+Invariants: a trial's step time is that of a fresh store (``trainer`` says why); one process,
+one rank; a trial that fails drops the store.
 
 Example::
 
@@ -58,6 +50,12 @@ class TrialStores:
         )
         plan = resolve_plan(cfg, adapter, self._machine(cfg))
         key = self._key_of(cfg, adapter, plan)
+        # The held store gives the same step time: the trial runs the same batches at the same
+        # steps with the same plan; only values differ (the weights by an earlier trial's few
+        # updates, the Adam moments not zero) and no step's time depends on them: AdamW is the
+        # same elementwise pass over every element, a dense layer's matmuls never look at the
+        # values, and a fresh trial's timed steps (after the first) already run on updated
+        # weights and non-zero moments. So neither the moments nor Adam's step are reset.
         if key == self._key and self._store is not None:
             store = self._store
             for group in range(store.num_groups):  # the engine starts at step 0
@@ -80,7 +78,8 @@ class TrialStores:
         gc.collect()  # its mapping, before another is made
 
     def _machine(self, cfg: TrainConfig) -> Machine:
-        """The machine a fresh trial process would see: the held store's bytes free."""
+        """The machine a fresh trial process would see: the held store's bytes free (the BF16
+        mirror is decided on it; the held store is dropped before another is created)."""
         machine = Machine.probe(cfg, measure=False)
         held = 0 if self._store is None else self._store.total_bytes
         available = machine.mem_available_bytes
