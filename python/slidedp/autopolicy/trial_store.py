@@ -54,8 +54,9 @@ class TrialStores:
         # steps with the same plan; only values differ (the weights by an earlier trial's few
         # updates, the Adam moments not zero) and no step's time depends on them: AdamW is the
         # same elementwise pass over every element, a dense layer's matmuls never look at the
-        # values, and a fresh trial's timed steps (after the first) already run on updated
-        # weights and non-zero moments. So neither the moments nor Adam's step are reset.
+        # values (a mixture of experts routes by its weights, which a few updates barely move),
+        # and a fresh trial's timed steps (after the first) already run on updated weights and
+        # non-zero moments. So neither the moments nor Adam's step are reset.
         if key == self._key and self._store is not None:
             store = self._store
             for group in range(store.num_groups):  # the engine starts at step 0
