@@ -32,7 +32,7 @@ from slidedp.errors import ConfigError
 
 ran = []
 
-def fake(cfg, steps):
+def fake(cfg, steps, **kwargs):
     layers = cfg.runtime.layout.layers
     if layers == "1xN, F":
         raise RuntimeError("the trial broke")

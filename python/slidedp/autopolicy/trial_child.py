@@ -4,11 +4,13 @@ On one GPU every calibration and validation trial runs outside the choosing proc
 must not fragment the allocator of the run that trains), but not each in a process of its own:
 the interpreter, the imports, the CUDA context and the kernels compiled by the first trial
 (Liger's Triton kernels, the compiled layers) are paid once per selection instead of once
-per trial. Each trial is still ``validate.run_trial`` on a fresh trainer, and its step time
-the median after the warm-up step, as before. Invariants: between trials the child frees the
-trainer and empties CUDA's cache, so a trial's reserved peak is its own; a trial that runs out
-of memory ends the child, and the next trial starts a fresh one (a fragmented allocator never
-times a later trial); a trial past ``validate.TIMEOUT_S`` or a failure is one ``ConfigError``.
+per trial, and so is the host store where the trials' layouts agree (``trial_store``: a
+trial's setup is mostly its store). Each trial is still ``validate.run_trial`` on a fresh
+trainer, and its step time the median after the warm-up step, as before. Invariants: between
+trials the child frees the trainer and empties CUDA's cache, so a trial's reserved peak is its
+own; a trial that runs out of memory ends the child, and the next trial starts a fresh one (a
+fragmented allocator never times a later trial); a trial past ``validate.TIMEOUT_S`` or a
+failure is one ``ConfigError``.
 
 Run by ``TrialChild``, not by hand: ``python -m slidedp.autopolicy.trial_child`` says it is
 ready in one line, then reads ``CONFIG.yaml STEPS`` lines on stdin and answers each with the
@@ -35,6 +37,7 @@ from types import TracebackType
 from typing import IO, TYPE_CHECKING
 
 from slidedp.autopolicy import validate
+from slidedp.autopolicy.trial_store import TrialStores
 from slidedp.autopolicy.validate import EXIT_BAD_INPUT, TIMEOUT_S, Runner, Trial, ran_past
 from slidedp.config import load_config, resolved_yaml
 from slidedp.errors import ConfigError, SlidedpError
@@ -183,10 +186,11 @@ def serve() -> int:
     answers = os.dup(1)
     os.dup2(2, 1)
     os.write(answers, b'{"ready": true}\n')  # the imports are done
+    stores = TrialStores()
     while line := sys.stdin.readline():
         config, steps = line.split()
         try:
-            trial = validate.run_trial(load_config(config), int(steps))
+            trial = validate.run_trial(load_config(config), int(steps), stores=stores)
         except SlidedpError as e:
             print(" ".join(str(e).split()), file=sys.stderr)
             return EXIT_BAD_INPUT

@@ -50,6 +50,7 @@ from slidedp.runtime.trainer import Trainer
 
 if TYPE_CHECKING:
     from slidedp.autopolicy.select import Choice
+    from slidedp.autopolicy.trial_store import TrialStores
     from slidedp.config import TrainConfig
     from slidedp.plan.machine import Machine
 
@@ -103,11 +104,14 @@ def trial_config(cfg: TrainConfig, steps: int, out_dir: Path) -> TrainConfig:
     return dataclasses.replace(cfg, train=train, output=output, runtime=runtime)
 
 
-def run_trial(cfg: TrainConfig, steps: int, *, on_ranks: bool = False) -> Trial:
+def run_trial(
+    cfg: TrainConfig, steps: int, *, on_ranks: bool = False, stores: TrialStores | None = None
+) -> Trial:
     """``steps`` training steps of ``cfg`` in this process (``Trainer.timed_steps``).
     ``on_ranks``: one of several ranks (``trial_on_ranks``): ``cfg`` is already the trial's,
     with the scratch directory every rank shares, and running out of device memory is raised
-    (it ends this rank, and the launcher stops the others) instead of being the result."""
+    (it ends this rank, and the launcher stops the others) instead of being the result.
+    ``stores``: the host store held between one process's trials (``trial_store``)."""
 
     cuda = pick_device(cfg.runtime.launch.device).type == "cuda"
     if cuda:  # the peak of this trial alone (an earlier one's cached blocks released)
@@ -117,10 +121,14 @@ def run_trial(cfg: TrainConfig, steps: int, *, on_ranks: bool = False) -> Trial:
     step_s = None
     with tempfile.TemporaryDirectory(prefix="slidedp-validate-") as tmp:
         trial = cfg if on_ranks else trial_config(cfg, steps, Path(tmp))
-        try:
-            times = Trainer(trial, log=False).timed_steps(steps)
+        try:  # one expression: no name keeps the trainer past the gc below
+            times = (
+                Trainer(trial, log=False) if stores is None else stores.trainer(trial)
+            ).timed_steps(steps)
             step_s = statistics.median(times[1:])
         except Exception as e:  # only running out of device memory is a result
+            if stores is not None:  # the store is mid-step
+                stores.drop()
             oom = is_out_of_memory(e) and not isinstance(e, OutOfSharedMemoryError)
             if on_ranks or not oom:
                 raise

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from slidedp.config import TrainConfig, config_to_dict
+from slidedp.data.batches import Batches
 from slidedp.data.build import run_batches
 from slidedp.errors import NonFiniteError, TrainingInterruptedError
 from slidedp.io.best import BestCheckpoint
@@ -74,12 +75,15 @@ class Trainer:
         *,
         log: bool = True,
         checked: Checked | None = None,
+        store: HostStore | None = None,
     ) -> None:
         """``plan``: the run's plan, decided before (``slidedp train``: the preflight's, or the
         launcher's ``--plan`` file on every rank), run as it is; None (a direct call, a rank
         another launcher started): ``resolve_plan`` here, the mirror the store's creator's.
         ``checked``: the preflight's result (``slidedp train``), whose resume decision is
-        taken as is; without it the trainer decides (the same ``plan_resume``)."""
+        taken as is; without it the trainer decides (the same ``plan_resume``). ``store``: one
+        process's store of ``plan``'s layout that an earlier trainer filled (the policy
+        selector's trials, ``autopolicy.trial_store``), run as it is: nothing created or filled."""
         self.cfg, self.log = cfg, log
         tc, rt = cfg.train, cfg.runtime
         self.ctx = Dist.from_env()  # several ranks: see slidedp.runtime.dist
@@ -115,7 +119,9 @@ class Trainer:
             return store
 
         self.signals: HostStore | None = None
-        if self.ctx is None:
+        if store is not None:  # one rank (the docstring's contract)
+            self.store, self.source = store, "an earlier trial's store"
+        elif self.ctx is None:
             self.store = create()
         else:  # each node's local rank 0 creates its store, loads the weights; the others attach
             self.source = "shared by local rank 0"
@@ -124,13 +130,7 @@ class Trainer:
             self.signals = self.ctx.share_store(lambda: HostStore.create(signals, 0))
         weights = self.resume.path if self.resume is not None else self.adapter.path
         read_buffers(self.adapter, weight_files(weights) if weights is not None else [])
-        # reads and checks all the data before any GPU work
-        self.data = run_batches(cfg, self.adapter.config, self.adapter.vocab_size)
-        held_out = (
-            run_batches(cfg, self.adapter.config, self.adapter.vocab_size, part="eval")
-            if cfg.data.has_eval
-            else None
-        )
+        self.data, held_out = self._read_data()  # all of it, checked, before any GPU work
         self.lr_at = lr_schedule(tc.lr_scheduler, tc.learning_rate, tc.warmup_steps, tc.max_steps)
         if plan is None:  # every rank resolves: the store's mirror is what its creator decided
             plan = resolve_plan(cfg, self.adapter, machine, mirror=self.store.has_mirror)
@@ -147,6 +147,14 @@ class Trainer:
         if self.resume is not None:
             self.engine.start_at(self.progress.step)
             restore_rng(self.resume.rng)  # last: building the trainer draws random numbers
+
+    def _read_data(self) -> tuple[Batches, Batches | None]:
+        """The training batches and the held-out ones (None: no held-out data)."""
+        cfg, model = self.cfg, self.adapter
+        data = run_batches(cfg, model.config, model.vocab_size)
+        if not cfg.data.has_eval:
+            return data, None
+        return data, run_batches(cfg, model.config, model.vocab_size, part="eval")
 
     def _start_facts(self) -> dict[str, str]:
         """What every node must start from alike (``dist.check_nodes_agree``)."""
