@@ -20,9 +20,8 @@ from slidedp.config_runtime import RuntimeSection
 AUTO, FIXED = "auto", "fixed"
 # the keys that name a layout: set, the config's layout runs (auto would refuse them anyway)
 LAYOUT_KEYS = ("layers", "offload_ratio", "resident_layers", "resident_embeddings")
-# a cold selection's time for the break-even's prediction: the target for Qwen3-4B on one H100
-# (155-306 s measured before it was made cheaper: benchmarks/2026-11-25-autopolicy-h100.md, section
-# "`slidedp plan` on the GPU")
+# a cold selection's time for the break-even's prediction: Qwen3-4B's on one H200 measured
+# 104.7 s plus the process's start (benchmarks/2026-11-28-decide-then-run-h200.md)
 COLD_SELECTION_S = 120.0
 # the speed-up the prediction assumes: the smallest one validation accepts in practice is
 # 1.1x (autopolicy.select.MIN_GAIN); Qwen3-4B B=16 with clipping measured 1.73x
