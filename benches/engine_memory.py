@@ -96,8 +96,7 @@ def main() -> int:
                 | trainer.engine.lane_times()
             )
         trainer.engine.drain()
-        params = trainer.store.layout["params"]
-        numel = sum(q["numel"] for q in params)
+        numel = sum(q.numel for q in trainer.store.layout.params)
         result = {
             "shape": args.shape,
             "batch": args.batch,

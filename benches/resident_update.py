@@ -52,11 +52,11 @@ def model_groups(shape: str, device: torch.device) -> list[tuple[_Group, Grads]]
         specs = HFAdapter.from_dir(tmp).group_specs()
     layout = HostStore.plan(specs, 0)
     groups = []
-    for i, spec in enumerate(layout["groups"]):
+    for i, spec in enumerate(layout.groups):
         params = group_params(layout, i)
-        state = {r: torch.zeros(spec["state_len"], device=device) for r in REGIONS}
+        state = {r: torch.zeros(spec.state_len, device=device) for r in REGIONS}
         state["master"].normal_(0.0, 0.02)
-        weights = DeviceBuffer(spec["slot_len"], torch.bfloat16, device)
+        weights = DeviceBuffer(spec.slot_len, torch.bfloat16, device)
         grads = {p.name: torch.randn(p.numel, device=device).bfloat16() for p in params}
         groups.append((_Group(i, params, state, weights), grads))
     return groups

@@ -48,14 +48,14 @@ def test_torch_views_are_the_mapping_itself() -> None:
     assert store.address <= address < store.address + store.total_bytes
     w = store.master("layers.1.w")
     assert w.shape == (64, 33)
-    offset = store.layout["params"][2]["state_offset"]
+    offset = store.layout.params[2].state_offset
     assert w.data_ptr() == address + 4 * offset
     assert w.data_ptr() % 64 == 0
     w.fill_(3.0)
     assert store.group_state(1, "master")[: 64 * 33].eq(3.0).all()
     slot = store.staging_slot(1)
     assert slot.dtype == torch.bfloat16
-    assert slot.numel() == store.layout["slot_len"]
+    assert slot.numel() == store.layout.slot_len
     with pytest.raises(errors.UnknownParameterError, match="nope"):
         store.master("nope")
 
@@ -66,7 +66,7 @@ def test_gradient_and_staging_slots_are_chunk_sized_not_model_sized() -> None:
     )
     grad = store.region("grad")
     assert grad.dtype == torch.bfloat16
-    assert store.layout["slot_len"] == 1024  # rounded up to a 64-byte line of bf16
+    assert store.layout.slot_len == 1024  # rounded up to a 64-byte line of bf16
     assert grad.numel() == 3 * 1024 < store.region("master").numel()
     assert store.grad_slot(2).numel() == 1024
     assert store.grad_slot(2).data_ptr() == grad.data_ptr() + 2 * 1024 * 2
@@ -74,8 +74,8 @@ def test_gradient_and_staging_slots_are_chunk_sized_not_model_sized() -> None:
         store.grad_slot(3)
     whole = HostStore.create(_groups(2), staging_slots=1)
     assert whole.region("grad").numel() == 0
-    biggest = max(max(g["slot_len"], g["state_len"]) for g in whole.layout["groups"])
-    assert whole.layout["slot_len"] == biggest, "default: the largest group fits one slot"
+    biggest = max(max(g.slot_len, g.state_len) for g in whole.layout.groups)
+    assert whole.layout.slot_len == biggest, "default: the largest group fits one slot"
 
 
 def test_the_bf16_mirror_holds_every_group_in_slot_layout_back_to_back() -> None:
@@ -83,20 +83,20 @@ def test_the_bf16_mirror_holds_every_group_in_slot_layout_back_to_back() -> None
     assert not plain.has_mirror
     assert plain.region("mirror").numel() == 0
     store = HostStore.create(_groups(3), staging_slots=0, bf16_mirror=True)
-    groups = store.layout["groups"]
+    groups = store.layout.groups
     assert store.region("mirror").dtype == torch.bfloat16
-    assert store.region("mirror").numel() == sum(g["slot_len"] for g in groups)
-    assert [g["mirror_offset"] for g in groups] == [
+    assert store.region("mirror").numel() == sum(g.slot_len for g in groups)
+    assert [g.mirror_offset for g in groups] == [
         0,
-        groups[0]["slot_len"],
-        2 * groups[0]["slot_len"],
+        groups[0].slot_len,
+        2 * groups[0].slot_len,
     ]
     assert (
         store.mirror_group(2).data_ptr()
-        == store.region("mirror").data_ptr() + 4 * groups[0]["slot_len"]
+        == store.region("mirror").data_ptr() + 4 * groups[0].slot_len
     )
     planned = HostStore.plan(_groups(3), staging_slots=0, bf16_mirror=True)
-    assert planned["regions"]["total_bytes"] == store.total_bytes
+    assert planned.regions.total_bytes == store.total_bytes
 
 
 def test_views_keep_the_mapping_alive() -> None:

@@ -40,18 +40,18 @@ def _submit_group(
     store: HostStore, worker: UpdateWorker, group: int, grads: dict[str, torch.Tensor], step: int
 ) -> None:
     """Feed one group's gradient through the two-slot ring, chunk by chunk."""
-    g = store.layout["groups"][group]
-    flat = torch.full((g["state_len"],), float("nan"))  # padding must never be read
-    for p in store.layout["params"][g["params"]["start"] : g["params"]["end"]]:
-        at = p["state_offset"] - g["state_offset"]
-        flat[at : at + p["numel"]] = grads[p["name"]].view(-1).float()
-    n, start = store.layout["slot_len"], 0
-    while start < g["state_len"]:
-        length = min(n, g["state_len"] - start)
+    g = store.layout.groups[group]
+    flat = torch.full((g.state_len,), float("nan"))  # padding must never be read
+    for p in store.layout.params[g.params.start : g.params.end]:
+        at = p.state_offset - g.state_offset
+        flat[at : at + p.numel] = grads[p.name].view(-1).float()
+    n, start = store.layout.slot_len, 0
+    while start < g.state_len:
+        length = min(n, g.state_len - start)
         k = (start // n) % 2
         worker.drain(timeout_s=30)  # the ring's slot k is free (simplest backpressure)
         store.grad_slot(k)[:length].copy_(flat[start : start + length])
-        last = start + length == g["state_len"]
+        last = start + length == g.state_len
         worker.submit(
             group,
             start,
@@ -69,7 +69,7 @@ def _submit_group(
 def test_worker_equals_torch_adamw_with_hf_decay_groups(grad_dtype: str) -> None:
     store = _store(grad_dtype)
     gen = torch.Generator().manual_seed(0)
-    names = [p["name"] for p in store.layout["params"]]
+    names = [p.name for p in store.layout.params]
     for name in names:
         store.master(name).copy_(torch.randn(store.master(name).shape, generator=gen))
     ref = {n: torch.nn.Parameter(store.master(n).clone()) for n in names}

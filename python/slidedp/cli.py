@@ -192,7 +192,7 @@ def _estimate(
         print(f"longest sequence at B={b} on this machine: {found.seq_len:,} tokens "
               f"(next: {found.limit})")  # fmt: skip
     if explain and not as_json:
-        path = est.step_model["critical_path"] if est.step_model else []
+        path = est.step_model.critical_path if est.step_model else ()
         print("critical path of a step (model): " + (" -> ".join(path) or "n/a (no GPU model)"))
     return 0
 

@@ -114,17 +114,17 @@ def estimate_memory(
     policy = plan.policy
     args = store_args(policy, bf16=machine.dtype == "bfloat16", world=cfg.runtime.launch.world)
     layout = HostStore.plan(adapter.group_specs(), **args)
-    groups = layout["groups"]
-    params = sum(int(p["numel"]) for p in layout["params"])
-    trained = sum(int(p["numel"]) for p in layout["params"] if not p["frozen"])
+    groups = layout.groups
+    params = sum(int(p.numel) for p in layout.params)
+    trained = sum(int(p.numel) for p in layout.params if not p.frozen)
     b, s, rt = cfg.train.global_batch_size, cfg.data.seq_len, cfg.runtime
     layers = adapter.num_layers
     # a rank's share (activations, loss): R context ranks read the same rows, S/R tokens each
     context = rt.launch.context_parallel  # (Ulysses' S x H/R heads: as many elements)
     rows, s_rank = b // (rt.launch.world * rt.launch.nodes // context), s // context
     tokens = rows * s_rank
-    largest_layer = max(groups[adapter.layer_group(i)]["slot_len"] for i in range(layers))
-    own = groups[adapter.embed_group]["slot_len"] + groups[adapter.head_group]["slot_len"]
+    largest_layer = max(groups[adapter.layer_group(i)].slot_len for i in range(layers))
+    own = groups[adapter.embed_group].slot_len + groups[adapter.head_group].slot_len
     slots = rt.layout.slots if policy.resident_layers < layers else 0  # every layer resident: none
     window = (slots * largest_layer + own) * elem
     loss = min(rt.layout.loss_chunk_tokens, tokens) * adapter.vocab_size * 4 * LOSS_F32_COPIES
@@ -138,12 +138,10 @@ def estimate_memory(
     resident = _resident_bytes(adapter, plan, clipping, rt.launch.world)
     working = window + loss + layer + max(checkpoints, parked) + resident
     arena = acts.offloaded_bytes * rt.launch.world  # each rank of this node pins its own
-    store = int(layout["regions"]["total_bytes"])
-    slot_len = int(layout["slot_len"])
-    mirror = int(layout["mirror_len"]) * 2  # page-locked like the slots
-    slots_bytes = (
-        slot_len * (2 * int(layout["staging_slots"]) + elem * rt.layout.grad_slots) + mirror
-    )
+    store = int(layout.regions.total_bytes)
+    slot_len = int(layout.slot_len)
+    mirror = int(layout.mirror_len) * 2  # page-locked like the slots
+    slots_bytes = slot_len * (2 * int(layout.staging_slots) + elem * rt.layout.grad_slots) + mirror
     peak = working + ALLOCATOR_BYTES
     gpu = GpuEstimate(window, loss, layer, checkpoints, parked, resident, ALLOCATOR_BYTES, peak,
                       peak + CUDA_CONTEXT_BYTES) if cuda else None  # fmt: skip
@@ -189,7 +187,7 @@ def _unfrozen_store_bytes(adapter: HFAdapter, store_args: dict[str, Any]) -> int
     """The store's bytes with nothing frozen (what ``train.freeze`` saves is the difference)."""
     unfrozen = [replace(g, params=[replace(p, frozen=False) for p in g.params])
                 for g in adapter.group_specs()]  # fmt: skip
-    return int(HostStore.plan(unfrozen, **store_args)["regions"]["total_bytes"])
+    return int(HostStore.plan(unfrozen, **store_args).regions.total_bytes)
 
 
 def _resident_bytes(adapter: HFAdapter, plan: Plan, clipping: bool, ranks: int) -> int:

@@ -16,13 +16,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
-from typing import Any
 
 from slidedp.config import TrainConfig
 from slidedp.estimate import MemoryEstimate, estimate_memory, gib, shortages
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.machine import HostRate, Machine, gpu_peak, host_rate, update_threads
-from slidedp.plan.predict import ROUTES, Shape, predict, rates_for, route_name, route_steps
+from slidedp.plan.predict import (
+    ROUTES,
+    CalibratedPrediction,
+    Shape,
+    predict,
+    rates_for,
+    route_name,
+    route_steps,
+)
 from slidedp.plan.resolve import resolve_plan
 from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM
 from slidedp.runtime.flops import model_flops_per_token
@@ -57,7 +64,7 @@ class Estimate(MemoryEstimate):
     predicted step."""
 
     step: StepTimeEstimate = field(kw_only=True)
-    step_model: dict[str, Any] | None = field(default=None, kw_only=True)
+    step_model: CalibratedPrediction | None = field(default=None, kw_only=True)
     route_steps: dict[str, float] | None = field(default=None, kw_only=True)
 
 
@@ -162,8 +169,8 @@ def _step_rows(est: Estimate, row: Callable[..., None]) -> None:
         )
     if est.step_model is not None:
         m_ = est.step_model
-        exposed = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in m_["exposed_s"].items())
-        row(f"  model ({m_['calibration']})", f"{m_['step_s']:.2f} s", f"{m_['regime']}")
+        exposed = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in m_.exposed_s.items())
+        row(f"  model ({m_.calibration})", f"{m_.step_s:.2f} s", f"{m_.regime}")
         if exposed:
             row("    compute waits for", "", exposed)
     if est.route_steps:

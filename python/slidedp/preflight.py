@@ -303,7 +303,7 @@ def apply_default_policy(
     if selection_cached(selecting, adapter, machine, resume):
         return selecting, None
     est = estimate_run(cfg, adapter, machine)
-    step_s = est.step_model["step_s"] if est.step_model else None
+    step_s = est.step_model.step_s if est.step_model else None
     fallback = break_even_fallback(cfg.train.max_steps, step_s)
     return (cfg, fallback) if fallback else (selecting, None)
 

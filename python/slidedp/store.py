@@ -25,6 +25,7 @@ import torch
 
 from slidedp import _native
 from slidedp.errors import UnknownParameterError
+from slidedp.store_layout import Dtype, StoreLayout
 
 StateRegion = Literal["master", "exp_avg", "exp_avg_sq"]
 _TORCH_DTYPES = {"bf16": torch.bfloat16, "f32": torch.float32}
@@ -54,27 +55,22 @@ class GroupSpec:
         return sum(math.prod(p.shape) for p in self.params)
 
 
-def _spec_json(
-    groups: Sequence[GroupSpec],
-    staging_slots: int,
-    grad_dtype: Literal["bf16", "f32"] | None,
-    grad_slots: int,
-    chunk_elems: int | None,
-    bf16_mirror: bool,
-) -> str:
-    """The Rust ``StoreSpec`` as JSON."""
-    spec = {
-        "groups": [
-            {"name": g.name, "params": [asdict(p) | {"shape": list(p.shape)} for p in g.params]}
-            for g in groups
-        ],
-        "staging_slots": staging_slots,
-        "chunk_elems": chunk_elems,
-        "grad_slots": grad_slots,
-        "grad_dtype": grad_dtype,
-        "bf16_mirror": bf16_mirror,
-    }
-    return json.dumps(spec)
+@dataclass(frozen=True, kw_only=True)
+class StoreSpec:
+    """What the store is asked to hold (``slidedp_core::store::layout::StoreSpec``): the
+    groups, ``staging_slots`` and ``grad_slots`` (in ``grad_dtype``) of ``chunk_elems``
+    elements each (None: the largest group whole), and whether a BF16 mirror."""
+
+    groups: Sequence[GroupSpec]
+    staging_slots: int
+    chunk_elems: int | None = None
+    grad_slots: int = 0
+    grad_dtype: Dtype | None = None
+    bf16_mirror: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        groups = [{"name": g.name, "params": [asdict(p) for p in g.params]} for g in self.groups]
+        return asdict(self) | {"groups": groups}
 
 
 class _MappedMemory:
@@ -97,16 +93,16 @@ def _bytes_view(owner: object, address: int, nbytes: int) -> torch.Tensor:
 class HostStore:
     """FP32 master weights, Adam moments (of the trained parameters only), BF16 staging slots,
     gradient slots and (optionally) a BF16 mirror of every parameter in one shared mapping.
-    Slots hold one transfer chunk (``layout["slot_len"]`` elements) each. Inside a group the
+    Slots hold one transfer chunk (``layout.slot_len`` elements) each. Inside a group the
     trained parameters come first: its first ``trained_len`` state elements, the range of its
     gradient and of its moments (at ``moment_offset``)."""
 
     def __init__(self, native: _native.HostStore) -> None:
         self._native = native
-        self.layout: dict[str, Any] = json.loads(native.layout_json())
-        self._params = {p["name"]: p for p in self.layout["params"]}
+        self.layout = StoreLayout.from_json(json.loads(native.layout_json()))
+        self._params = {p.name: p for p in self.layout.params}
         self._regions: dict[str, torch.Tensor] = {}
-        grad_dtype = _TORCH_DTYPES[self.layout["grad_dtype"] or "f32"]
+        grad_dtype = _TORCH_DTYPES[self.layout.grad_dtype or "f32"]
         dtypes = {"staging": torch.bfloat16, "mirror": torch.bfloat16, "grad": grad_dtype}
         for region in ("master", "exp_avg", "exp_avg_sq", "grad", "staging", "mirror"):
             address, nbytes = native.region(region)
@@ -129,8 +125,15 @@ class HostStore:
         hold ``chunk_elems`` elements (None: the largest group whole); ``bf16_mirror``: a BF16
         copy of every parameter, written by the update worker (``mirror_group``). The memory is
         ``parts`` files zero-filled in parallel (None: one per core, each at least 1 GiB)."""
-        spec = _spec_json(groups, staging_slots, grad_dtype, grad_slots, chunk_elems, bf16_mirror)
-        return cls(_native.HostStore.create(spec, shm_dir, parts))
+        spec = StoreSpec(
+            groups=groups,
+            staging_slots=staging_slots,
+            chunk_elems=chunk_elems,
+            grad_slots=grad_slots,
+            grad_dtype=grad_dtype,
+            bf16_mirror=bf16_mirror,
+        )
+        return cls(_native.HostStore.create(json.dumps(spec.to_json()), shm_dir, parts))
 
     @classmethod
     def plan(
@@ -141,12 +144,18 @@ class HostStore:
         grad_slots: int = 0,
         chunk_elems: int | None = None,
         bf16_mirror: bool = False,
-    ) -> dict[str, Any]:
-        """The layout ``create`` would give these arguments (``["regions"]["total_bytes"]`` is
-        the store's exact size), computed without allocating anything."""
-        spec = _spec_json(groups, staging_slots, grad_dtype, grad_slots, chunk_elems, bf16_mirror)
-        layout: dict[str, Any] = json.loads(_native.store_layout(spec))
-        return layout
+    ) -> StoreLayout:
+        """The layout ``create`` would give these arguments (``regions.total_bytes`` is the
+        store's exact size), computed without allocating anything."""
+        spec = StoreSpec(
+            groups=groups,
+            staging_slots=staging_slots,
+            chunk_elems=chunk_elems,
+            grad_slots=grad_slots,
+            grad_dtype=grad_dtype,
+            bf16_mirror=bf16_mirror,
+        )
+        return StoreLayout.from_json(json.loads(_native.store_layout(json.dumps(spec.to_json()))))
 
     @classmethod
     def attach(cls, name: str) -> HostStore:
@@ -166,7 +175,7 @@ class HostStore:
 
     @property
     def num_groups(self) -> int:
-        return len(self.layout["groups"])
+        return len(self.layout.groups)
 
     def region(self, region: StateRegion | Literal["staging", "grad", "mirror"]) -> torch.Tensor:
         """A whole region as a flat tensor: float32, bfloat16 for "staging" and "mirror" (empty
@@ -179,14 +188,14 @@ class HostStore:
             p = self._params[name]
         except KeyError:
             raise UnknownParameterError(f"parameter '{name}' is not in the store layout") from None
-        at = p["state_offset"] if region == "master" else p["moment_offset"]
+        at = p.state_offset if region == "master" else p.moment_offset
         if at is None:
             raise UnknownParameterError(f"parameter '{name}' is frozen: it has no {region}")
-        return self._regions[region][at : at + p["numel"]].view(p["shape"])
+        return self._regions[region][at : at + p.numel].view(p.shape)
 
     def frozen(self, name: str) -> bool:
         """Whether parameter ``name`` is frozen (never updated, no moments)."""
-        return bool(self._params[name]["frozen"])
+        return self._params[name].frozen
 
     def master(self, name: str) -> torch.Tensor:
         return self.param(name, "master")
@@ -195,32 +204,32 @@ class HostStore:
         """A group's contiguous range of one state region, padding included (padding stays 0):
         its master weights (``state_len``), or its trained parameters' moments
         (``trained_len``)."""
-        g = self.layout["groups"][group]
+        g = self.layout.groups[group]
         if region == "master":
-            return self._regions[region][g["state_offset"] : g["state_offset"] + g["state_len"]]
-        return self._regions[region][g["moment_offset"] : g["moment_offset"] + g["trained_len"]]
+            return self._regions[region][g.state_offset : g.state_offset + g.state_len]
+        return self._regions[region][g.moment_offset : g.moment_offset + g.trained_len]
 
     @property
     def has_mirror(self) -> bool:
-        return int(self.layout["mirror_len"]) > 0
+        return self.layout.mirror_len > 0
 
     def mirror_group(self, group: int) -> torch.Tensor:
         """A group's BF16 mirror: its slot layout (params at ``slot_offset``, padding zero)."""
         assert self.has_mirror, "the store was created without a BF16 mirror"
-        g = self.layout["groups"][group]
-        return self._regions["mirror"][g["mirror_offset"] : g["mirror_offset"] + g["slot_len"]]
+        g = self.layout.groups[group]
+        return self._regions["mirror"][g.mirror_offset : g.mirror_offset + g.slot_len]
 
     def staging_slot(self, slot: int) -> torch.Tensor:
         """One BF16 staging slot (``slot_len`` elements): a chunk of a group's slot layout."""
-        return self._slot("staging", slot, self.layout["staging_slots"])
+        return self._slot("staging", slot, self.layout.staging_slots)
 
     def grad_slot(self, slot: int) -> torch.Tensor:
         """One gradient slot (``slot_len`` elements of ``grad_dtype``): a chunk of a group's
         state layout, read by the update worker."""
-        return self._slot("grad", slot, self.layout["grad_slots"])
+        return self._slot("grad", slot, self.layout.grad_slots)
 
     def _slot(self, region: str, slot: int, count: int) -> torch.Tensor:
-        n = self.layout["slot_len"]
+        n = self.layout.slot_len
         if not 0 <= slot < count:
             raise IndexError(f"{region} slot {slot} of {count}")
         return self._regions[region][slot * n : (slot + 1) * n]

@@ -18,6 +18,7 @@ from host_profile.fake import cache_rate
 from slidedp.autopolicy import choose, validate
 from slidedp.autopolicy.calibrate import SHORTLIST, calibrate_choice, shortlist
 from slidedp.autopolicy.command import report_path
+from slidedp.autopolicy.program import Candidate, Layout, Problem
 from slidedp.autopolicy.select import DEFAULT, Choice, select_layout
 from slidedp.autopolicy.validate import Trial
 from slidedp.cli import main
@@ -132,8 +133,11 @@ def test_a_candidate_within_the_defaults_spread_keeps_its_profiled_time(tmp_path
 
 def test_the_shortlist_is_the_used_candidates_but_the_default_most_used_first() -> None:
     names = ["F-r0", "N-r0", "SAC.mm-r0", "F-r1", "S0000100-r0.5", "N-r1"]
-    problem = {"candidates": [{"name": n} for n in names], "kinds": [], "layers": 20}
-    choice = Choice("", (), 0, problem, {"counts": [5, 1, 4, 0, 7, 3]}, {})
+    cands = tuple(Candidate(name=n, time_s=0.0, retained_bytes=0.0) for n in names)
+    problem = Problem(layers=20, budget_bytes=0.0, candidates=cands)
+    solution = Layout(counts=(5, 1, 4, 0, 7, 3), resident_layers=0, step_s=0.0, compute_s=0.0,
+                      host_s=0.0, memory_bytes=0.0, offloaded_bytes=0.0)  # fmt: skip
+    choice = Choice("", (), 0, problem, solution, solution, True)
     assert len(shortlist(choice)) == SHORTLIST == 3
     assert [str(p) for p in shortlist(choice)] == ["S0000100-r0.5", "SAC.mm-r0", "N-r1"]
 

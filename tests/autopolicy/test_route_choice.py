@@ -275,8 +275,8 @@ def test_estimate_on_two_gpus_predicts_with_the_cached_links(
         _cache_probes(cfg, adapter, links)
         model = estimate_run(cfg, adapter, _machine()).step_model
         assert model is not None
-        assert "reduce and all_gather between the GPUs (cached)" in model["calibration"]
-        steps[name] = model["step_s"]
+        assert "reduce and all_gather between the GPUs (cached)" in model.calibration
+        steps[name] = model.step_s
     assert steps["slow"] > 1.3 * steps["fast"]  # the gpu route's reduce at 5 GB/s
 
 

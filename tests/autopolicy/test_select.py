@@ -18,6 +18,7 @@ from engine.tiny import make_model, read_metrics, write_config, write_data
 from host_profile.fake import cache_rate
 from slidedp.autopolicy import auto, choose, select
 from slidedp.autopolicy.command import report_path
+from slidedp.autopolicy.program import Problem, solve
 from slidedp.autopolicy.select import (
     MIN_GAIN,
     activation_budget,
@@ -83,9 +84,10 @@ def run(tmp_path: Path) -> tuple[Path, Any, HFAdapter, Machine]:
     return path, cfg, HFAdapter.from_dir(model), Machine.probe(cfg, measure=False)
 
 
-def _brute_force(problem: dict[str, Any]) -> float:
+def _brute_force(program: Problem) -> float:
     """The best step of every count vector and resident count that fits (the program's
     accounting)."""
+    problem = program.to_json()
     cands, best = problem["candidates"], float("inf")
     per_layer = problem["host"]["update_s_per_layer"]
     resident = problem.get("resident") or {"bytes_per_layer": 0.0, "max_layers": 0}
@@ -132,17 +134,17 @@ def test_the_choice_is_the_brute_force_optimum_within_the_budget(
     total = int(base + (extra_mib * MIB - free) / 0.94)
     choice = select_layout(cfg, adapter, machine, _report(), total_bytes=total, update_gbps=10.0,
                            resident=False)  # fmt: skip
-    names = [c["name"] for c in choice.problem["candidates"]]
+    names = [c.name for c in choice.problem.candidates]
     assert names == ["F-r0", "F-r1", "SAC.mm-r0", "N-r0"]
     assert choice.budget_bytes == pytest.approx(extra_mib * MIB, abs=MIB)
-    assert choice.solution["step_s"] == pytest.approx(_brute_force(choice.problem), rel=1e-9)
-    assert choice.solution["memory_bytes"] <= choice.budget_bytes
+    assert choice.solution.step_s == pytest.approx(_brute_force(choice.problem), rel=1e-9)
+    assert choice.solution.memory_bytes <= choice.budget_bytes
     layers = parse_layout(choice.layout, LAYERS, 0.0)
     assert len(layers) == LAYERS
-    assert choice.default["step_s"] >= choice.solution["step_s"]
+    assert choice.default.step_s >= choice.solution.step_s
     host = (host_update_s_per_layer(adapter, 10.0) * LAYERS
             + host_tail_s(adapter, 10.0, torch.bfloat16))  # fmt: skip
-    assert choice.solution["host_s"] == pytest.approx(host)
+    assert choice.solution.host_s == pytest.approx(host)
     if extra_mib >= 4 * 300 + 4:
         assert choice.layout == "4xN-r0"
     if extra_mib == 5:  # the transient and no more: offloaded F (retains nothing)
@@ -167,19 +169,20 @@ def test_gpu_resident_layers_are_the_brute_force_optimum_within_the_budget(
     extra = 5 * MIB + resident_layers * w + w // 4
     choice = select_layout(cfg, adapter, machine, _report(), update_gbps=0.01,
                            total_bytes=int(base + (extra - free) / 0.94))  # fmt: skip
-    assert choice.problem["resident"]["bytes_per_layer"] == w
+    assert choice.problem.resident is not None
+    assert choice.problem.resident.bytes_per_layer == w
     problem, sol = choice.problem, choice.solution
     # what is left beside the chosen activations, in both of the program's memory rows
-    activations = sol["memory_bytes"] - sol["resident_layers"] * w
-    transient = max(c["transient_bytes"] for c, n in zip(problem["candidates"], sol["counts"],
+    activations = sol.memory_bytes - sol.resident_layers * w
+    transient = max(c.transient_bytes for c, n in zip(problem.candidates, sol.counts,
                                                           strict=True) if n)  # fmt: skip
-    left = problem["budget_bytes"] - max(activations, transient + problem["parked_bytes"])
+    left = problem.budget_bytes - max(activations, transient + problem.parked_bytes)
     assert choice.resident_layers == min(LAYERS, int(left // w))
     assert choice.resident_layers >= min(LAYERS, resident_layers)  # the room was used
-    assert sol["step_s"] == pytest.approx(_brute_force(problem), rel=1e-9)
+    assert sol.step_s == pytest.approx(_brute_force(problem), rel=1e-9)
     host = host_update_s_per_layer(adapter, 0.01) * (LAYERS - choice.resident_layers)
     tail = 0.0 if choice.resident_embeddings else host_tail_s(adapter, 0.01, torch.bfloat16)
-    assert sol["host_s"] == pytest.approx(host + tail)
+    assert sol.host_s == pytest.approx(host + tail)
 
 
 @pytest.mark.parametrize("room", [True, False])
@@ -203,26 +206,28 @@ def test_resident_embeddings_are_chosen_where_they_fit_and_shorten_the_step(
                            total_bytes=int(base + (extra - free) / 0.94))  # fmt: skip
     assert (choice.resident_layers, choice.resident_embeddings) == (LAYERS, room)
     assert choice.program_layout.endswith("4 GPU-resident" + (" + embeddings" if room else ""))
-    assert choice.problem["host"]["tail_s"] == (
+    assert choice.problem.host is not None
+    assert choice.problem.resident is not None
+    assert choice.problem.host.tail_s == (
         0.0 if room else host_tail_s(adapter, 0.01, torch.bfloat16)
     )
     # their update, and each resident layer's, is device time: 28 B/param at the H100's rate
     rate = RESIDENT_UPDATE_GBPS * 1e9 / RESIDENT_UPDATE_BYTES_PER_PARAM
     layer = sum(p.numel() for p in adapter.layer_module(0).parameters())
-    assert choice.problem["resident"]["update_s_per_layer"] == pytest.approx(layer / rate)
+    assert choice.problem.resident.update_s_per_layer == pytest.approx(layer / rate)
     specs = adapter.group_specs()
     embeddings = specs[adapter.embed_group].numel + specs[adapter.head_group].numel
-    assert choice.problem.get("fixed_s", 0.0) == pytest.approx(embeddings / rate if room else 0)
-    assert choice.solution["compute_s"] == pytest.approx(
-        choice.problem.get("fixed_s", 0.0) + LAYERS * layer / rate
-        + sum(c["time_s"] * n for c, n in zip(choice.problem["candidates"],
-                                             choice.solution["counts"], strict=True))
+    assert choice.problem.fixed_s == pytest.approx(embeddings / rate if room else 0)
+    assert choice.solution.compute_s == pytest.approx(
+        choice.problem.fixed_s + LAYERS * layer / rate
+        + sum(c.time_s * n for c, n in zip(choice.problem.candidates,
+                                             choice.solution.counts, strict=True))
     )  # fmt: skip
     host = select_layout(cfg, adapter, machine, _report(), update_gbps=0.01, embeddings=False,
                          total_bytes=int(base + (extra - free) / 0.94)).problem  # fmt: skip
     on_gpu = select.with_resident_embeddings(host, e, resident_embedding_update_s(adapter))
     steps = [_brute_force(host), _brute_force(on_gpu)]
-    assert choice.solution["step_s"] == pytest.approx(min(steps), rel=1e-9)
+    assert choice.solution.step_s == pytest.approx(min(steps), rel=1e-9)
     assert (steps[1] < steps[0]) == room
 
 
@@ -258,10 +263,10 @@ def test_the_offloaded_activations_leave_the_mirror_its_host_memory(
     total = int(total + (2 * share + 8 * MIB - free) / 0.94)
     choice = select_layout(cfg, adapter, gpu, report, total_bytes=total, update_gbps=1e3,
                            resident=False)  # fmt: skip
-    budget = choice.problem["host_budget_bytes"]
-    offloading = choice.solution["counts"][-1]
-    assert choice.solution["offloaded_bytes"] == offloading * share
-    assert choice.solution["step_s"] == pytest.approx(_brute_force(choice.problem), rel=1e-9)
+    budget = choice.problem.host_budget_bytes
+    offloading = choice.solution.counts[-1]
+    assert choice.solution.offloaded_bytes == offloading * share
+    assert choice.solution.step_s == pytest.approx(_brute_force(choice.problem), rel=1e-9)
     if shares is None:
         assert offloading == LAYERS
     else:
@@ -269,10 +274,13 @@ def test_the_offloaded_activations_leave_the_mirror_its_host_memory(
         assert offloading == int(shares)
         # a mirror the config asks for is not decided by what fits: no headroom kept for it
         given = dataclasses.replace(cfg, runtime=cfg.runtime.with_keys(bf16_mirror=True))
-        headroom = select.offload_host_budget(given, adapter, gpu) - budget
+        kept = select.offload_host_budget(given, adapter, gpu)
+        assert kept is not None
+        assert budget is not None
+        headroom = kept - budget
         assert headroom == pytest.approx(MIRROR_HEADROOM_BYTES, abs=1)
     cpu = select_layout(cfg, adapter, machine, report, total_bytes=total, update_gbps=1e3)
-    assert cpu.problem["host_budget_bytes"] is None  # on CPU the activations are host memory
+    assert cpu.problem.host_budget_bytes is None  # on CPU the activations are host memory
 
 
 def test_where_only_offloading_fits_the_device_the_arena_takes_the_mirrors_room(
@@ -301,7 +309,7 @@ def test_where_only_offloading_fits_the_device_the_arena_takes_the_mirrors_room(
                            resident=False)  # fmt: skip
     assert choice.layout == "4xN-r1"
     without = select.offload_host_budget(cfg, adapter, gpu, mirror=False)
-    assert choice.problem["host_budget_bytes"] == without
+    assert choice.problem.host_budget_bytes == without
     assert without is not None
     assert without > 4 * share  # the mirror's headroom and its own bytes
 
@@ -331,10 +339,10 @@ def test_embeddings_that_leave_no_layout_room_stay_on_the_host(
     choice = select_layout(cfg, adapter, machine, _report(), update_gbps=0.01,
                            total_bytes=10 * GIB)  # fmt: skip
     problem = choice.problem
-    solved, solution, embeddings = select.solve_residency(problem, int(problem["budget_bytes"]),
+    solved, solution, embeddings = select.solve_residency(problem, int(problem.budget_bytes),
                                                           0.0)  # fmt: skip
     assert (solved, embeddings) == (problem, False)
-    assert solution == select.solve(problem)
+    assert solution == solve(problem)
 
 
 def test_a_layout_predicted_less_than_min_gain_faster_keeps_the_default(

@@ -19,6 +19,7 @@ import yaml
 
 from autopolicy.test_select import _row
 from engine.tiny import make_model, read_metrics, write_config, write_data
+from slidedp.autopolicy.program import Problem
 from slidedp.autopolicy.select import activation_budget, select_layout
 from slidedp.cli import main
 from slidedp.config import load_config
@@ -69,9 +70,10 @@ def _compositions(cands: list[int], layers: int) -> list[dict[int, int]]:
             if sum(n) == layers]  # fmt: skip
 
 
-def _brute_force(problem: dict[str, Any]) -> float:
+def _brute_force(program: Problem) -> float:
     """The best step of every count vector of every kind and every resident count that fits
     (the program's accounting: a resident layer saves the cheapest kind's update)."""
+    problem = program.to_json()
     cands, kinds, host = problem["candidates"], problem["kinds"], problem["host"]
     resident = problem.get("resident") or {"bytes_per_layer": 0.0, "max_layers": 0}
     w, budget = resident["bytes_per_layer"], problem["budget_bytes"]
@@ -118,10 +120,13 @@ def test_each_kind_takes_its_own_candidates_at_the_brute_force_optimum(
     choice = select_layout(cfg, adapter, machine, _report(), total_bytes=total,
                            update_gbps=0.05 if resident else 10.0, resident=resident)  # fmt: skip
     problem, sol = choice.problem, choice.solution
-    assert [(k["name"], k["layers"]) for k in problem["kinds"]] == [("layer 0", 2), ("layer 2", 2)]
-    assert problem["kinds"][0]["update_s_per_layer"] < problem["kinds"][1]["update_s_per_layer"]
-    assert sol["step_s"] == pytest.approx(_brute_force(problem), rel=1e-9)
-    assert sol["memory_bytes"] <= choice.budget_bytes
+    assert [(k.name, k.layers) for k in problem.kinds] == [("layer 0", 2), ("layer 2", 2)]
+    updates = [k.update_s_per_layer for k in problem.kinds]
+    assert updates[0] is not None
+    assert updates[1] is not None
+    assert updates[0] < updates[1]
+    assert sol.step_s == pytest.approx(_brute_force(problem), rel=1e-9)
+    assert sol.memory_bytes <= choice.budget_bytes
     # the layout's text parses back to the placed per-layer policies, each of its kind's
     layers = parse_layout(choice.layout, LAYERS, 0.0)
     assert layers == choice.layers
@@ -132,16 +137,16 @@ def test_each_kind_takes_its_own_candidates_at_the_brute_force_optimum(
             (k, str(p)) for k, p in zip(adapter.layer_kinds, layers, strict=True)
         )
         index = {0: 0, 1: 2}
-        cands = zip(problem["candidates"], sol["counts"], strict=True)
-        counted = {(index[c["kind"]], c["name"].split(": ")[1]): n for c, n in cands if n}
+        cands = zip(problem.candidates, sol.counts, strict=True)
+        counted = {(index[c.kind], c.name.split(": ")[1]): n for c, n in cands if n}
         assert placed == counted
     if extra_mib == 9.0:  # the transient, the full layers' F and no more: sliding ones offload
         assert [str(p) for p in layers] == ["F-r1", "F-r1", "F-r0", "F-r0"]
     if extra_mib == 3000 and not resident:  # room for every layer's fastest
         assert [str(p) for p in layers] == ["N-r0"] * LAYERS
     default = {"layer 0: F-r0": 2, "layer 2: F-r0": 2}
-    assert choice.default["counts"] == [default.get(c["name"], 0) for c in problem["candidates"]]
-    assert choice.default["step_s"] >= sol["step_s"]
+    assert choice.default.counts == tuple(default.get(c.name, 0) for c in problem.candidates)
+    assert choice.default.step_s >= sol.step_s
 
 
 def test_a_profile_of_another_models_kinds_is_refused(run: tuple[Any, HFAdapter, Machine]) -> None:

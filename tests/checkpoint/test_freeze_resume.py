@@ -27,12 +27,12 @@ def test_a_frozen_parameter_has_master_weights_and_no_moments() -> None:
     unfrozen = HostStore.plan([GroupSpec(g.name, [ParamSpec(p.name, p.shape) for p in g.params])
                                for g in groups], 1, "f32", 1)  # fmt: skip
     layout = store.layout
-    assert layout["moment_len"] == 16  # "n" alone, one cache line of f32
-    assert layout["state_len"] == unfrozen["state_len"]
-    assert unfrozen["moment_len"] == unfrozen["state_len"] == 80 + 32 + 16
+    assert layout.moment_len == 16  # "n" alone, one cache line of f32
+    assert layout.state_len == unfrozen.state_len
+    assert unfrozen.moment_len == unfrozen.state_len == 80 + 32 + 16
     assert store.region("exp_avg").numel() == store.region("exp_avg_sq").numel() == 16
-    assert [p["name"] for p in layout["params"]] == ["e", "n", "w"]  # trained first in a group
-    assert layout["groups"][1]["trained_len"] == 16
+    assert [p.name for p in layout.params] == ["e", "n", "w"]  # trained first in a group
+    assert layout.groups[1].trained_len == 16
     store.param("n", "exp_avg").fill_(1.0)
     store.master("w").fill_(2.0)
     assert store.group_state(1, "exp_avg").sum().item() == 8.0

@@ -245,17 +245,17 @@ def test_the_estimate_counts_resident_layers_and_refuses_what_does_not_fit(
         # BF16 gradient held to the step's end when not clipping (else among the parked ones)
         expected = 0
         for i in range(k):
-            g = layout["groups"][adapter.layer_group(i)]
-            params = layout["params"][g["params"]["start"] : g["params"]["end"]]
-            grad = 0 if clip == "on" else 2 * sum(p["numel"] for p in params)
-            expected += 2 * g["slot_len"] + 12 * g["state_len"] + grad
+            g = layout.groups[adapter.layer_group(i)]
+            params = layout.params[g.params.start : g.params.end]
+            grad = 0 if clip == "on" else 2 * sum(p.numel for p in params)
+            expected += 2 * g.slot_len + 12 * g.state_len + grad
         assert est.gpu is not None
         assert est.gpu.resident_bytes == expected
         assert est.resident_layers == k
         per_layer = resident_bytes_per_layer(adapter, torch.bfloat16, clipping=clip == "on")
         assert expected == k * per_layer  # the solver's bound: here every layer is alike
         # every layer resident: the window has no layer slots
-        slots = 2 * 2 * max(layout["groups"][adapter.layer_group(i)]["slot_len"]
+        slots = 2 * 2 * max(layout.groups[adapter.layer_group(i)].slot_len
                             for i in range(LAYERS)) if k == LAYERS else 0  # fmt: skip
         assert est.gpu.needed_bytes - host.gpu.needed_bytes == expected - slots
     # a GPU that holds the all-host run but not 2 resident layers: refused with the numbers

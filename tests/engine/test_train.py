@@ -184,16 +184,16 @@ def test_the_bf16_mirror_trains_bit_for_bit_like_casting_on_delivery(
         runs[mirror] = (trainer, [(r["loss"], r["grad_norm"]) for r in trainer.run()])
     (cast, cast_log), (mirrored, mirror_log) = runs[False], runs[True]
     assert not cast.store.has_mirror
-    assert cast.store.layout["staging_slots"] > 0
+    assert cast.store.layout.staging_slots > 0
     assert mirrored.store.has_mirror
-    assert mirrored.store.layout["staging_slots"] == 0
+    assert mirrored.store.layout.staging_slots == 0
     assert mirror_log == cast_log
     layout = mirrored.store.layout
-    for p in layout["params"]:
-        master = mirrored.store.param(p["name"])
-        assert torch.equal(master, cast.store.param(p["name"])), p["name"]
-        copy = mirrored.store.mirror_group(p["group"])[p["slot_offset"] :][: p["numel"]]
-        assert torch.equal(copy, master.view(-1).to(torch.bfloat16)), p["name"]
+    for p in layout.params:
+        master = mirrored.store.param(p.name)
+        assert torch.equal(master, cast.store.param(p.name)), p.name
+        copy = mirrored.store.mirror_group(p.group)[p.slot_offset :][: p.numel]
+        assert torch.equal(copy, master.view(-1).to(torch.bfloat16)), p.name
 
 
 @pytest.mark.parametrize("available_gib", [64, 1])

@@ -7,7 +7,6 @@ import json
 import resource
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -28,6 +27,7 @@ from slidedp.plan.cost import layer_footprint
 from slidedp.plan.layout import LayerPolicy
 from slidedp.plan.machine import GIB, Machine, adamw_gbps, update_threads
 from slidedp.plan.policy import layer_chunk_elems
+from slidedp.plan.predict import CalibratedPrediction
 from slidedp.plan.resolve import plan_store, resolve_mirror
 from slidedp.runtime.flops import model_flops_per_token
 from slidedp.store import HostStore
@@ -99,8 +99,8 @@ def test_tiny_cpu_terms_follow_the_formulas(
     assert layer.offloaded_bytes == b * s * h * 4  # the input, offloaded
     assert layer.retained_bytes == 0
     layout = plan_store(cfg, adapter, CPU)
-    slot = max(layout["groups"][g]["slot_len"] for g in (1, 2))
-    window = (2 * slot + layout["groups"][0]["slot_len"] + layout["groups"][3]["slot_len"]) * 4
+    slot = max(layout.groups[g].slot_len for g in (1, 2))
+    window = (2 * slot + layout.groups[0].slot_len + layout.groups[3].slot_len) * 4
     # clipping parks f32 gradients, r=1: no inputs kept
     working = window + loss + layer.transient_bytes + params * 4
     assert est.offload_arena_bytes == arena
@@ -136,7 +136,7 @@ def test_the_host_floor_and_the_model_take_this_machines_cached_probe(
     not_probed = "from the table (not measured on this machine: slidedp profile host)"
     assert not_probed in format_estimate(table)
     assert table.step_model is not None
-    assert "host AdamW" not in table.step_model["calibration"]
+    assert "host AdamW" not in table.step_model.calibration
 
     # an absurd rate under DMA (the alone rate is not what the model takes beside a GPU)
     cache_rate(16, H100.gpu_name, 9999.0, joint_gbps=1.0)
@@ -147,8 +147,8 @@ def test_the_host_floor_and_the_model_take_this_machines_cached_probe(
     assert probed.step.bound == "host (AdamW traffic)"
     assert "at 1 GB/s (16 threads), measured under DMA (cached)" in format_estimate(probed)
     assert probed.step_model is not None
-    assert probed.step_model["step_s"] > one_pass_s  # every update, in the model too
-    assert probed.step_model["calibration"] == "host AdamW measured under DMA (cached)"
+    assert probed.step_model.step_s > one_pass_s  # every update, in the model too
+    assert probed.step_model.calibration == "host AdamW measured under DMA (cached)"
     # another thread count is another machine state: the table again
     threads = replace(cfg, runtime=cfg.runtime.with_keys(update_threads=8))
     assert estimate_run(threads, adapter, H100).step.host_gbps == adamw_gbps(8)
@@ -368,7 +368,7 @@ def test_on_a_gpu_the_step_time_model_predicts_a_step_and_its_regime(
 ) -> None:
     adapter = HFAdapter.from_dir(qwen3_4b)
 
-    def model(*overrides: str) -> dict[str, Any]:
+    def model(*overrides: str) -> CalibratedPrediction:
         cfg = _cfg(tmp_path, qwen3_4b, "data.seq_len=1024", *overrides)
         est = estimate_run(cfg, adapter, H100)
         assert est.step_model is not None
@@ -380,10 +380,10 @@ def test_on_a_gpu_the_step_time_model_predicts_a_step_and_its_regime(
     layout = model("train.global_batch_size=16", "train.max_grad_norm=0", "runtime.layers=N")
     # measured (BENCHMARKS.md, H100): 1.72 s, 2.17 s, 1.06 s; the model is uncalibrated and
     # predicts 8-16% short, but orders them and names what binds each
-    assert 1.4 < free["step_s"] < 1.8
-    assert clipped["step_s"] > free["step_s"] + 0.15  # the updates wait for the norm
-    assert str(small["regime"]).startswith("Update-bound")  # one AdamW pass binds B=4
-    assert layout["step_s"] < free["step_s"] - 0.2  # no replay in any layer
+    assert 1.4 < free.step_s < 1.8
+    assert clipped.step_s > free.step_s + 0.15  # the updates wait for the norm
+    assert str(small.regime).startswith("Update-bound")  # one AdamW pass binds B=4
+    assert layout.step_s < free.step_s - 0.2  # no replay in any layer
     assert estimate_run(_cfg(tmp_path, qwen3_4b), adapter, CPU).step_model is None
 
 
@@ -437,7 +437,7 @@ def test_for_several_gpus_the_model_predicts_each_route(tmp_path: Path, qwen3_4b
         "replicated/gpu", "sharded/gpu", "replicated/cpu", "sharded/cpu"
     }  # fmt: skip
     assert est.step_model is not None
-    assert est.route_steps["replicated/gpu"] == est.step_model["step_s"]  # this run's route
+    assert est.route_steps["replicated/gpu"] == est.step_model.step_s  # this run's route
     # the cpu route copies f32 gradients from every GPU and sums them on the host
     assert est.route_steps["replicated/cpu"] > est.route_steps["replicated/gpu"]
     # each GPU computes its B/4 = 16 rows: the one-GPU run at B=16 is the same compute
@@ -445,7 +445,7 @@ def test_for_several_gpus_the_model_predicts_each_route(tmp_path: Path, qwen3_4b
                             "train.global_batch_size=16"), adapter, H100)  # fmt: skip
     assert one.route_steps is None
     assert one.step_model is not None
-    assert est.step_model["busy_s"]["compute"] == pytest.approx(one.step_model["busy_s"]["compute"])
+    assert est.step_model.busy_s["compute"] == pytest.approx(one.step_model.busy_s["compute"])
     table = format_estimate(est)
     assert "model on each route (4 GPUs, a prediction: this machine has 1)" in table
     assert "replicated/gpu (this run's)" in table
@@ -463,7 +463,7 @@ def test_without_the_mirror_the_model_casts_at_the_probed_rate(
         cache_rate(16, H100.gpu_name, 150.0, joint_gbps=110.0, cast_gbps=cast_gbps)
         model = estimate_run(cfg, adapter, H100).step_model
         assert model is not None
-        return float(model["busy_s"]["host"])
+        return model.busy_s["host"]
 
     # the host thread casts every load (6 B/param): a quarter of the rate, four times the time
     assert host_busy(5.0) == pytest.approx(4 * host_busy(20.0), rel=1e-6)

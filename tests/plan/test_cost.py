@@ -139,11 +139,11 @@ def test_several_ranks_hold_every_resident_weight_and_their_own_groups_state(
     assert one == sum(per_layer) + embeddings
     # nothing frozen: f32 weights 4 B per slot element; master and moments 12 B per state
     # element, the gradient 4 B per parameter
-    groups = HostStore.plan(adapter.group_specs(), 0)["groups"]
+    groups = HostStore.plan(adapter.group_specs(), 0).groups
     grad = [0 if clipping else 4 * g.numel for g in adapter.group_specs()]
-    owned = [12 * g["state_len"] + n for g, n in zip(groups, grad, strict=True)]
+    owned = [12 * g.state_len + n for g, n in zip(groups, grad, strict=True)]
     layers = [adapter.layer_group(i) for i in range(3)]
-    held = [4 * sum(groups[g]["slot_len"] for g in layers)] * 2  # every rank: every layer's
+    held = [4 * sum(groups[g].slot_len for g in layers)] * 2  # every rank: every layer's
     for g in [*layers, adapter.embed_group, adapter.head_group]:
         held[g % 2] += owned[g]
     two = resident_rank_bytes(adapter, f32, clipping=clipping, layers=3, embeddings=True, ranks=2)

@@ -11,3 +11,10 @@ use crate::gate::json_call;
 pub fn predict_step(py: Python<'_>, spec_json: &str) -> PyResult<String> {
     json_call(py, spec_json, |spec: &StepSpec| predict(spec))
 }
+
+/// A JSON `StepSpec` as the model reads it, written back (every field, defaults filled): the
+/// Python record of the spec is checked against it.
+#[pyfunction]
+pub fn step_spec_echo(py: Python<'_>, spec_json: &str) -> PyResult<String> {
+    json_call(py, spec_json, |spec: &StepSpec| Ok(spec.clone()))
+}

@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use slidedp_core::Error;
 use slidedp_core::store::{HostStore, PartCount, Region, StoreSpec};
 
-use crate::gate::{gate, timeout_from_secs, to_py_err};
+use crate::gate::{gate, json_call, timeout_from_secs, to_py_err};
 
 /// The resolved layout JSON (`regions.total_bytes` included) that `HostStore.create` would give
 /// `spec_json`, computed without allocating: what `slidedp estimate` sizes a run with.
@@ -17,6 +17,13 @@ pub fn store_layout(py: Python<'_>, spec_json: &str) -> PyResult<String> {
         .map_err(|e| to_py_err(py, &Error::InvalidLayout(e.to_string())))?;
     let layout = gate(py, || HostStore::plan(&spec))?;
     serde_json::to_string(&layout).map_err(|e| to_py_err(py, &Error::InvalidLayout(e.to_string())))
+}
+
+/// A JSON `StoreSpec` as the store reads it, written back (every field, defaults filled): the
+/// Python record of the spec is checked against it.
+#[pyfunction]
+pub fn store_spec_echo(py: Python<'_>, spec_json: &str) -> PyResult<String> {
+    json_call(py, spec_json, |spec: &StoreSpec| Ok(spec.clone()))
 }
 
 #[pyclass(frozen, name = "HostStore", module = "slidedp._native")]

@@ -29,6 +29,7 @@ from slidedp.models.shapes import cut_layers, resolve_shape
 from slidedp.plan.layout import LayerPolicy, format_layout, parse_entry, place
 
 if TYPE_CHECKING:
+    from slidedp.autopolicy.program import Candidate
     from slidedp.autopolicy.select import Choice
     from slidedp.config import TrainConfig
 
@@ -46,16 +47,16 @@ def calibrated_time_s(
     return max(0.0, default_time_s + (step_s - default_step_s) / replaced)
 
 
-def _policy(candidate: dict[str, Any]) -> LayerPolicy:
-    return parse_entry(candidate["name"], 0.0)[1]
+def _policy(candidate: Candidate) -> LayerPolicy:
+    return parse_entry(candidate.name, 0.0)[1]
 
 
 def shortlist(choice: Choice) -> list[LayerPolicy]:
     """The candidates the solver's solution uses, the default left out, most layers first,
     ``SHORTLIST`` at most."""
 
-    counts = zip(choice.problem["candidates"], choice.solution["counts"], strict=True)
-    used = sorted(((int(n), _policy(c)) for c, n in counts if int(n) > 0),
+    counts = zip(choice.problem.candidates, choice.solution.counts, strict=True)
+    used = sorted(((n, _policy(c)) for c, n in counts if n > 0),
                   key=lambda np: -np[0])  # fmt: skip
     return [p for _, p in used if p != DEFAULT][:SHORTLIST]
 
@@ -64,7 +65,7 @@ def why_not_calibrated(steps: int, choice: Choice) -> str | None:
     """Why the choice is not calibrated (None: it is), for a run that can run trials."""
     if not steps:
         return "runtime.policy_calibrate_steps=0"
-    if choice.problem["kinds"]:
+    if choice.problem.kinds:
         return "layers of several kinds"
     if not shortlist(choice):
         return "the solver chose only the default: nothing to calibrate"
@@ -159,13 +160,13 @@ def _trial_layout(policy: LayerPolicy, replaced: int, layers: int, choice: Choic
     """``replaced`` layers on ``policy``, the rest on the default, placed as the run places
     them (``plan.layout.place``)."""
 
-    retained = {_policy(c): int(c["retained_bytes"]) for c in choice.problem["candidates"]}
+    retained = {_policy(c): int(c.retained_bytes) for c in choice.problem.candidates}
     counts = [(policy, replaced), (DEFAULT, layers - replaced)]
     return format_layout(place([(p, n) for p, n in counts if n > 0], retained))
 
 
 def _profiled_times_s(choice: Choice) -> dict[LayerPolicy, float]:
-    return {_policy(c): float(c["time_s"]) for c in choice.problem["candidates"]}
+    return {_policy(c): c.time_s for c in choice.problem.candidates}
 
 
 def _with_layers(cfg: TrainConfig, layout: str) -> TrainConfig:
@@ -178,7 +179,7 @@ def calibrate_choice(
     """The shortlisted candidates of ``choice`` (solved with the profiled times of ``cfg``'s
     run) calibrated by ``runner`` on the reduced model, ``steps`` steps each trial."""
 
-    layers = min(REDUCED_LAYERS, int(choice.problem["layers"]))
+    layers = min(REDUCED_LAYERS, choice.problem.layers)
     replaced = max(1, layers // 2)
     profiled = _profiled_times_s(choice)
     tau_0 = profiled[DEFAULT]

@@ -62,7 +62,7 @@ from slidedp.estimate_report import Estimate, estimate_run
 from slidedp.plan.layout import LayerPolicy
 from slidedp.plan.machine import HostRate, Machine, host_rate, update_threads
 from slidedp.plan.policy import Plan, layer_chunk_elems
-from slidedp.plan.predict import Route, route_name
+from slidedp.plan.predict import CalibratedPrediction, Route, route_name
 from slidedp.plan.resolve import resolve_plan
 from slidedp.profile.layer import (
     ProfileSpec,
@@ -130,7 +130,8 @@ class Selecting:
     other_chunk: bool = False  # the chunk stage chose another chunk than the whole layer
     route_said: str = ""
     estimate: Estimate | None = None
-    step_model: dict[str, Any] | None = None
+    # the step-time model of the chosen run and of the default ("chosen", "default")
+    step_model: dict[str, CalibratedPrediction | None] | None = None
     runner: Runner | None = None  # every trial's (on one GPU: one child process for all)
 
     @property

@@ -145,12 +145,12 @@ def plan_summary(found: SelectionReport) -> dict[str, Any]:
             "grad_slots": found.cfg.runtime.layout.grad_slots,
             "said": s.chunk_said,
         },
-        "problem": choice.problem,
-        "solution": choice.solution,
-        "default": choice.default,
+        "problem": choice.problem.to_json(),
+        "solution": choice.solution.to_json(),
+        "default": choice.default.to_json() | {"fits": choice.default_fits},
         "estimate_gpu_needed_bytes": est.gpu.needed_bytes if est.gpu else None,
         "step_model": {
-            k: m and {"step_s": m["step_s"], "regime": m["regime"], "calibration": m["calibration"]}
+            k: m and {"step_s": m.step_s, "regime": m.regime, "calibration": m.calibration}
             for k, m in s.step_model.items()
         },
         "calibration": _summary(s.calibration, s.not_calibrated),

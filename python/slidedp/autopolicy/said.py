@@ -69,9 +69,9 @@ def head(choice: Choice, shown: Choice, source: str, host: HostRate, solve_s: fl
         verdict = f", predicted {shown.gain:.2f}x the default all-F layout"
     return (
         f"policy   auto: {shown.layout}, {shown.resident_text}{verdict} "
-        f"(layers and host update {shown.solution['step_s']:.3f} vs "
-        f"{shown.default['step_s']:.3f} s, "
-        f"activations {shown.solution['memory_bytes'] / 2**30:.2f} of "
+        f"(layers and host update {shown.solution.step_s:.3f} vs "
+        f"{shown.default.step_s:.3f} s, "
+        f"activations {shown.solution.memory_bytes / 2**30:.2f} of "
         f"{shown.budget_bytes / 2**30:.2f} GiB; {source}, host AdamW {host.gbps:.0f} GB/s "
         f"{host.source}, solved in {solve_s:.2f} s)"
     )

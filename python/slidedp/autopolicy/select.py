@@ -9,20 +9,19 @@ Example::
 
     report = profile_layer(args)                   # measured or cached
     choice = select_layout(cfg, adapter, machine, report)
-    print(choice.layout, choice.solution["step_s"])
+    print(choice.layout, choice.solution.step_s)
 """
 
 from __future__ import annotations
 
 import collections
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 
-from slidedp import _native
+from slidedp.autopolicy.program import Candidate, HostLane, Kind, Layout, Problem, Resident, solve
 from slidedp.errors import ConfigError, InvalidArgumentError
 from slidedp.estimate_report import estimate_run
 from slidedp.plan.cost import ResidentTerms, resident_terms
@@ -62,9 +61,10 @@ class Choice:
     layout: str  # runtime.layers' text form, placed
     layers: tuple[LayerPolicy, ...]
     budget_bytes: int  # device bytes the layout's activations may use
-    problem: dict[str, Any]  # the integer program, as solved
-    solution: dict[str, Any]  # slidedp_core::solve::Layout
-    default: dict[str, Any]  # the fixed default's accounting in the same program, and "fits"
+    problem: Problem  # the integer program, as solved
+    solution: Layout
+    default: Layout  # the fixed default's accounting in the same program
+    default_fits: bool  # whether the fixed default fits the budget
     program_layout: str = ""  # the program's own layout, placed, and its resident layers
     resident_layers: int = 0  # runtime.resident_layers: the first ones stay on the GPU
     resident_embeddings: bool = False  # runtime.resident_embeddings: so do embedding and head
@@ -77,10 +77,11 @@ class Choice:
     @property
     def gain(self) -> float:
         """The program's layout's predicted speed over the default's."""
-        return float(self.default["step_s"] / self.solution["step_s"])
+        return self.default.step_s / self.solution.step_s
 
 
-Candidates = list[tuple[int, LayerPolicy, dict[str, Any]]]
+# the program's candidates with their kind of layer (its first layer's index) and policy
+Candidates = list[tuple[int, LayerPolicy, Candidate]]
 
 
 def profile_candidates(
@@ -91,7 +92,7 @@ def profile_candidates(
     program's ``Candidate`` records (their ``kind`` set by ``select_layout``). ``times_s``:
     layer times that replace the profile's (``autopolicy.calibrate``'s, of one kind of layer)."""
     kinds = sorted(int(k) for k in report.get("kinds") or {"0": 1})
-    out: dict[tuple[int, LayerPolicy], dict[str, Any]] = {}
+    out: dict[tuple[int, LayerPolicy], Candidate] = {}
     for c in report["candidates"]:
         _, policy = parse_entry(c["policy"], 0.0)
         kind = int(c.get("kind", 0))
@@ -100,14 +101,14 @@ def profile_candidates(
         # the larger of the measured and the cost model's bytes: the estimate that checks
         # the run counts the cost model's, the device holds the measured ones
         transient = max(c["transient_bytes"] or 0, c["estimated_transient_bytes"])
-        out[kind, policy] = {
-            "name": str(policy) if len(kinds) == 1 else f"layer {kind}: {policy}",
-            "time_s": (times_s or {}).get(policy, layer_time(c)),
-            "forward_s": max(float(c["forward_s"]), float(c["reload_s"])),
-            "retained_bytes": float(max(memory(c), c["estimated_retained_bytes"])),
-            "offloaded_bytes": float(max(c["offloaded_bytes"], c["estimated_offloaded_bytes"])),
-            "transient_bytes": float(transient),
-        }
+        out[kind, policy] = Candidate(
+            name=str(policy) if len(kinds) == 1 else f"layer {kind}: {policy}",
+            time_s=(times_s or {}).get(policy, layer_time(c)),
+            forward_s=max(float(c["forward_s"]), float(c["reload_s"])),
+            retained_bytes=float(max(memory(c), c["estimated_retained_bytes"])),
+            offloaded_bytes=float(max(c["offloaded_bytes"], c["estimated_offloaded_bytes"])),
+            transient_bytes=float(transient),
+        )
     missing = [k for k in kinds if (k, DEFAULT) not in out]
     if missing:
         raise ConfigError(
@@ -198,7 +199,7 @@ def host_update_s_of_layer(adapter: HFAdapter, layer: int, gbps: float) -> float
     return ADAMW_BYTES_PER_PARAM * params / (gbps * 1e9)
 
 
-def program_kinds(adapter: HFAdapter, report: dict[str, Any], gbps: float) -> list[dict[str, Any]]:
+def program_kinds(adapter: HFAdapter, report: dict[str, Any], gbps: float) -> tuple[Kind, ...]:
     """The program's ``Kind`` records (none for one kind of layer), in the order of
     ``profile_candidates``; the profile must be of the model's own kinds."""
     layers = collections.Counter(adapter.layer_kinds)
@@ -209,10 +210,10 @@ def program_kinds(adapter: HFAdapter, report: dict[str, Any], gbps: float) -> li
             f"layers {sorted(layers)}: profile this model (slidedp profile layer)"
         )
     if len(layers) == 1:
-        return []
-    return [{"name": f"layer {k}", "layers": layers[k],
-             "update_s_per_layer": host_update_s_of_layer(adapter, k, gbps)}
-            for k in profiled]  # fmt: skip
+        return ()
+    return tuple(Kind(name=f"layer {k}", layers=layers[k],
+                      update_s_per_layer=host_update_s_of_layer(adapter, k, gbps))
+                 for k in profiled)  # fmt: skip
 
 
 def host_tail_s(adapter: HFAdapter, gbps: float, dtype: torch.dtype) -> float:
@@ -229,26 +230,22 @@ def host_tail_s(adapter: HFAdapter, gbps: float, dtype: torch.dtype) -> float:
     return update_s + copied / (D2H_GBPS * 1e9) + copied / (H2D_GBPS * 1e9)
 
 
-def solve(problem: dict[str, Any]) -> dict[str, Any]:
-    result: dict[str, Any] = json.loads(_native.solve_layout(json.dumps(problem)))
-    return result
-
-
 def with_resident_embeddings(
-    problem: dict[str, Any], embedding_bytes: int, embedding_update_s: float
-) -> dict[str, Any]:
+    problem: Problem, embedding_bytes: int, embedding_update_s: float
+) -> Problem:
     """``problem`` with the embedding and head GPU-resident: their bytes off the budget, their
     host update (the lane's tail after the backward) off the host lane, and their device
     update (``embedding_update_s``) on the compute lane."""
-    budget = max(0.0, problem["budget_bytes"] - embedding_bytes)
-    fixed = problem.get("fixed_s", 0.0) + embedding_update_s
-    return problem | {"budget_bytes": budget, "host": problem["host"] | {"tail_s": 0.0},
-                      "fixed_s": fixed}  # fmt: skip
+    assert problem.host is not None  # select_layout's programs always have their host lane
+    budget = max(0.0, problem.budget_bytes - embedding_bytes)
+    fixed = problem.fixed_s + embedding_update_s
+    return replace(problem, budget_bytes=budget, host=replace(problem.host, tail_s=0.0),
+                   fixed_s=fixed)  # fmt: skip
 
 
 def solve_residency(
-    problem: dict[str, Any], embedding_bytes: int, embedding_update_s: float
-) -> tuple[dict[str, Any], dict[str, Any], bool]:
+    problem: Problem, embedding_bytes: int, embedding_update_s: float
+) -> tuple[Problem, Layout, bool]:
     """The faster of ``problem`` solved as it is and with resident embeddings (``problem``
     must have its ``resident`` term): (the problem solved, its solution, whether the embeddings
     are resident). Where they leave no layout room, the embeddings stay on the host."""
@@ -258,14 +255,12 @@ def solve_residency(
         resident = solve(alternative)
     except InvalidArgumentError:  # no layout fits beside them
         return problem, solution, False
-    if resident["step_s"] < solution["step_s"]:
+    if resident.step_s < solution.step_s:
         return alternative, resident, True
     return problem, solution, False
 
 
-def _solved(
-    problem: dict[str, Any], terms: ResidentTerms | None
-) -> tuple[dict[str, Any], dict[str, Any], bool]:
+def _solved(problem: Problem, terms: ResidentTerms | None) -> tuple[Problem, Layout, bool]:
     """``problem`` solved, with ``terms`` (resident embeddings allowed) the faster of it and
     resident embeddings (``solve_residency``): (the problem solved, its solution, whether the
     embeddings are resident)."""
@@ -275,24 +270,18 @@ def _solved(
 
 
 def _default_accounting(
-    problem: dict[str, Any],
-    cands: Candidates,
-    index: dict[int, int],
-    adapter: HFAdapter,
-    budget_bytes: int,
-) -> dict[str, Any]:
+    problem: Problem, cands: Candidates, index: dict[int, int], adapter: HFAdapter
+) -> Layout:
     """The fixed default's accounting in the same program, within its own bytes (it may not
-    fit the budget; ``fits`` says whether it does); a finite bound keeps the program well
-    scaled."""
+    fit the budget), its counts of the program's candidates; a finite bound keeps the
+    program well scaled."""
     per_kind = collections.Counter(adapter.layer_kinds)
-    fs = [c | {"kind": index[k]} for k, p, c in cands if p == DEFAULT]
-    own = (sum(per_kind[k] * f["retained_bytes"] for k, f in zip(index, fs, strict=True))
-           + max(2 * f["offloaded_bytes"] + f["transient_bytes"] for f in fs))  # fmt: skip
-    unbounded = {"budget_bytes": own + 2**30, "parked_bytes": 0.0}
-    default = solve(problem | {"candidates": fs, "resident": None} | unbounded)
-    default["counts"] = [per_kind[k] if p == DEFAULT else 0 for k, p, _ in cands]
-    default["fits"] = default["memory_bytes"] <= budget_bytes
-    return default
+    fs = tuple(replace(c, kind=index[k]) for k, p, c in cands if p == DEFAULT)
+    own = (sum(per_kind[k] * f.retained_bytes for k, f in zip(index, fs, strict=True))
+           + max(2 * f.offloaded_bytes + f.transient_bytes for f in fs))  # fmt: skip
+    default = solve(replace(problem, candidates=fs, resident=None, budget_bytes=own + 2**30,
+                            parked_bytes=0.0))  # fmt: skip
+    return replace(default, counts=tuple(per_kind[k] if p == DEFAULT else 0 for k, p, _ in cands))
 
 
 class _SolveBounds(TypedDict):
@@ -340,52 +329,55 @@ def select_layout(
         budget = replace(budget, bytes=max(0, budget.bytes - budget_cut_bytes))
     clipping = cfg.train.max_grad_norm > 0
     dtype = pick_dtype(cfg.train.dtype, torch.device("cuda"))
-    problem: dict[str, Any] = {
-        "layers": adapter.num_layers,
-        "budget_bytes": float(budget.bytes),
-        "parked_bytes": float(budget.parked_bytes),
-        "candidates": [c | {"kind": index[k]} for k, _, c in cands],
-        "host": {
-            "update_s_per_layer": host_update_s_per_layer(adapter, update_gbps),
-            "serial": clipping,
-            "tail_s": host_tail_s(adapter, update_gbps, dtype),
-        },
-        "kinds": kinds,
-        "host_budget_bytes": offload_host_budget(cfg, adapter, machine),
-    }
+    problem = Problem(
+        layers=adapter.num_layers,
+        budget_bytes=float(budget.bytes),
+        parked_bytes=float(budget.parked_bytes),
+        candidates=tuple(replace(c, kind=index[k]) for k, _, c in cands),
+        host=HostLane(
+            update_s_per_layer=host_update_s_per_layer(adapter, update_gbps),
+            serial=clipping,
+            tail_s=host_tail_s(adapter, update_gbps, dtype),
+        ),
+        kinds=kinds,
+        host_budget_bytes=offload_host_budget(cfg, adapter, machine),
+    )
     kept = None
     if resident:  # several ranks: the owners' share, and one layer's state in reserve
         kept = resident_terms(adapter, dtype, clipping=clipping, ranks=terms.get("ranks", 1),
                               gather_gbps=NVLINK_GBPS)  # fmt: skip
-        problem["budget_bytes"] = max(0.0, problem["budget_bytes"] - kept.reserve_bytes)
-        problem["resident"] = {
-            "bytes_per_layer": float(kept.bytes_per_layer),
-            "max_layers": adapter.num_layers,
-            "update_s_per_layer": kept.update_s_per_layer,
-        }
+        problem = replace(
+            problem,
+            budget_bytes=max(0.0, problem.budget_bytes - kept.reserve_bytes),
+            resident=Resident(bytes_per_layer=float(kept.bytes_per_layer),
+                              max_layers=adapter.num_layers,
+                              update_s_per_layer=kept.update_s_per_layer),
+        )  # fmt: skip
     ends = kept if embeddings else None
     try:
         solved, solution, on_gpu = _solved(problem, ends)
     except InvalidArgumentError:
-        if problem["host_budget_bytes"] is None:
+        if problem.host_budget_bytes is None:
             raise
         # no layout fits the device without offloading more than the mirror leaves room for:
         # the arena takes that room, and the run goes without the mirror (resolve_mirror)
-        problem["host_budget_bytes"] = offload_host_budget(cfg, adapter, machine, mirror=False)
+        without = offload_host_budget(cfg, adapter, machine, mirror=False)
+        problem = replace(problem, host_budget_bytes=without)
         solved, solution, on_gpu = _solved(problem, ends)
-    counts = [(k, p, int(n)) for (k, p, _), n in zip(cands, solution["counts"], strict=True)]
-    retained = {(k, p): int(c["retained_bytes"]) for k, p, c in cands}
+    counts = [(k, p, int(n)) for (k, p, _), n in zip(cands, solution.counts, strict=True)]
+    retained = {(k, p): int(c.retained_bytes) for k, p, c in cands}
     layers = place_by_kind(counts, retained, adapter.layer_kinds)
-    default = _default_accounting(problem, cands, index, adapter, budget.bytes)
+    default = _default_accounting(problem, cands, index, adapter)
+    fits = default.memory_bytes <= budget.bytes
     layout = format_layout(layers)
-    program = f"{layout}, {resident_text(int(solution['resident_layers']), on_gpu)}"
-    choice = Choice(layout, layers, int(solved["budget_bytes"]), solved, solution, default,
-                    program, resident_layers=int(solution["resident_layers"]),
+    program = f"{layout}, {resident_text(solution.resident_layers, on_gpu)}"
+    choice = Choice(layout, layers, int(solved.budget_bytes), solved, solution, default, fits,
+                    program, resident_layers=solution.resident_layers,
                     resident_embeddings=on_gpu)  # fmt: skip
     all_f = (DEFAULT,) * adapter.num_layers
     if (
         (layers, choice.resident_layers, on_gpu) != (all_f, 0, False)
-        and default["fits"]
+        and fits
         and (choice.gain < 1 + MIN_GAIN)
     ):
         return replace(choice, layout=format_layout(all_f), layers=all_f, resident_layers=0,

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from slidedp.errors import ConfigError
-from slidedp.plan.timing import predict_step, spec_from_trace, traced_step_s
+from slidedp.plan.step_spec import predict_step
+from slidedp.plan.timing import spec_from_trace, traced_step_s
 
 
 def compare(path: Path, slots: int, grad_slots: int) -> dict[str, Any]:
@@ -25,13 +26,13 @@ def compare(path: Path, slots: int, grad_slots: int) -> dict[str, Any]:
     traced = traced_step_s(trace)
     return {
         "trace": str(path),
-        "clipping": spec["clipping"],
+        "clipping": spec.clipping,
         "traced_step_s": traced,
-        "predicted_step_s": predicted["step_s"],
-        "error": predicted["step_s"] / traced - 1,
-        "exposed_s": predicted["exposed_s"],
-        "regime": predicted["regime"],
-        "critical_path": predicted["critical_path"],
+        "predicted_step_s": predicted.step_s,
+        "error": predicted.step_s / traced - 1,
+        "exposed_s": predicted.exposed_s,
+        "regime": predicted.regime,
+        "critical_path": list(predicted.critical_path),
     }
 
 

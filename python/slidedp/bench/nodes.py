@@ -21,6 +21,7 @@ import json
 import os
 import statistics
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,8 @@ from slidedp.models.hf import HFAdapter
 from slidedp.models.shapes import resolve_shape
 from slidedp.plan.machine import adamw_gbps, gpu_peak
 from slidedp.plan.policy import resolve_policy
-from slidedp.plan.timing import Rates, predict_step, reduce_s, spec_from_shapes
+from slidedp.plan.step_spec import predict_step
+from slidedp.plan.timing import Rates, reduce_s, spec_from_shapes
 from slidedp.runtime.launch import free_port
 
 WARMUP_STEPS = 2
@@ -172,7 +174,8 @@ def predict(args: argparse.Namespace) -> list[dict[str, Any]]:
         )
         row: dict[str, Any] = {"nodes": nodes, "reduce_layer_s": reduce[1]}
         for blocks in (True, False):
-            step = predict_step(spec | {"reduce_s": reduce, "reduce_blocks": blocks})["step_s"]
+            across = replace(spec, reduce_s=tuple(reduce), reduce_blocks=blocks)
+            step = predict_step(across).step_s
             row["blocking_s" if blocks else "overlapped_s"] = step
         rows.append(row)
     return rows

@@ -36,7 +36,8 @@ from slidedp.models.shapes import SHAPES, cut_layers, resolve_shape
 from slidedp.plan.cost import layer_footprint
 from slidedp.plan.machine import gpu_peak
 from slidedp.plan.policy import resolve_policy
-from slidedp.plan.timing import Links, Ranks, Rates, layer_times, predict_step, spec_from_shapes
+from slidedp.plan.step_spec import predict_step
+from slidedp.plan.timing import Links, Ranks, Rates, layer_times, spec_from_shapes
 from slidedp.profile.host import engine_update_threads, model_gbps, probe_host
 from slidedp.profile.layer import ProfileSpec, profile_layer
 
@@ -161,10 +162,10 @@ def predict_report(
         predicted = predict_step(spec)
         out.append({
             "batch": run["batch"], "world": run.get("world", 1), "route": run.get("route"),
-            "measured_step_s": run["step_time_s"], "predicted_step_s": predicted["step_s"],
-            "error": predicted["step_s"] / run["step_time_s"] - 1,
+            "measured_step_s": run["step_time_s"], "predicted_step_s": predicted.step_s,
+            "error": predicted.step_s / run["step_time_s"] - 1,
             "measured_exposed_s": run.get("exposed_wait_s", {}),
-            "predicted_exposed_s": predicted["exposed_s"], "regime": predicted["regime"],
+            "predicted_exposed_s": predicted.exposed_s, "regime": predicted.regime,
             "adamw_gbps": model_gbps(host), "links": dataclasses.asdict(links),
         })  # fmt: skip
     return out

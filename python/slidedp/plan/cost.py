@@ -36,6 +36,7 @@ from slidedp.runtime.activations.offload import offload_count
 from slidedp.runtime.activations.segment import SegmentExecutor
 from slidedp.runtime.activations.segments import SEGMENTS, run_segments
 from slidedp.store import HostStore
+from slidedp.store_layout import GroupLayout, StoreLayout
 
 # The backward's peak over a replay's saved tensors: the gradients alive at the same time, as a
 # share of those saved bytes. Fitted so that full checkpointing reproduces the GPU peaks measured
@@ -232,22 +233,21 @@ def resident_layer_bytes(adapter: HFAdapter, dtype: torch.dtype, *, clipping: bo
     layout = HostStore.plan([specs[adapter.layer_group(i)] for i in range(adapter.num_layers)], 0)
     elem = dtype.itemsize
     return [
-        int(g["slot_len"]) * elem + _state_bytes(g)
+        int(g.slot_len) * elem + _state_bytes(g)
         + (0 if clipping else elem * _trained_numel(layout, g))
-        for g in layout["groups"]
+        for g in layout.groups
     ]  # fmt: skip
 
 
-def _state_bytes(group: dict[str, Any]) -> int:
+def _state_bytes(group: GroupLayout) -> int:
     """A group's FP32 state as the store lays it out: the master of every parameter, the two
     moments of its trained ones only (``trained_len``)."""
-    return 4 * int(group["state_len"]) + 2 * 4 * int(group["trained_len"])
+    return 4 * int(group.state_len) + 2 * 4 * int(group.trained_len)
 
 
-def _trained_numel(layout: dict[str, Any], group: dict[str, Any]) -> int:
+def _trained_numel(layout: StoreLayout, group: GroupLayout) -> int:
     """The parameters of ``group`` that train (the others get no gradient)."""
-    params = layout["params"][group["params"]["start"] : group["params"]["end"]]
-    return sum(int(p["numel"]) for p in params if not p["frozen"])
+    return sum(p.numel for p in layout.group_params(group) if not p.frozen)
 
 
 def resident_embedding_bytes(adapter: HFAdapter, dtype: torch.dtype, *, clipping: bool) -> int:
@@ -259,7 +259,7 @@ def resident_embedding_bytes(adapter: HFAdapter, dtype: torch.dtype, *, clipping
 
     specs = adapter.group_specs()
     layout = HostStore.plan([specs[adapter.embed_group], specs[adapter.head_group]], 0)
-    groups = layout["groups"]
+    groups = layout.groups
     trained = sum(_trained_numel(layout, g) for g in groups)
     return sum(_state_bytes(g) for g in groups) + (0 if clipping else dtype.itemsize * trained)
 
@@ -283,9 +283,9 @@ def resident_rank_bytes(
     layout = HostStore.plan([specs[g] for g in resident], 0)
     elem = dtype.itemsize
     held = [0] * ranks
-    for group, g in zip(resident, layout["groups"], strict=True):
+    for group, g in zip(resident, layout.groups, strict=True):
         if group not in (adapter.embed_group, adapter.head_group):  # theirs: the window's
-            held = [b + int(g["slot_len"]) * elem for b in held]
+            held = [b + int(g.slot_len) * elem for b in held]
         grad = 0 if clipping else elem * _trained_numel(layout, g)
         held[group % ranks] += _state_bytes(g) + grad
     return max(held)
@@ -357,8 +357,8 @@ def resident_terms(
                              resident_embedding_update_s(adapter))  # fmt: skip
     specs = adapter.group_specs()
     groups = [adapter.layer_group(i) for i in range(adapter.num_layers)]
-    slots = [int(g["slot_len"]) * dtype.itemsize
-             for g in HostStore.plan([specs[g] for g in groups], 0)["groups"]]  # fmt: skip
+    slots = [int(g.slot_len) * dtype.itemsize
+             for g in HostStore.plan([specs[g] for g in groups], 0).groups]  # fmt: skip
     per_layer = resident_layer_bytes(adapter, dtype, clipping=clipping)
     owned = max(b - w for b, w in zip(per_layer, slots, strict=True))  # state (+ gradient)
     numel = max(specs[g].numel for g in groups)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from slidedp.config import TrainConfig
 from slidedp.errors import ConfigError
@@ -23,14 +23,8 @@ from slidedp.plan.cost import layer_footprint
 from slidedp.plan.machine import HostRate, Machine, gpu_peak
 from slidedp.plan.policy import Plan, layer_numel
 from slidedp.plan.resolve import resolve_plan
-from slidedp.plan.timing import (
-    Links,
-    Ranks,
-    Rates,
-    layer_times,
-    predict_step,
-    spec_from_shapes,
-)
+from slidedp.plan.step_spec import Prediction, predict_step
+from slidedp.plan.timing import Links, Ranks, Rates, layer_times, spec_from_shapes
 from slidedp.profile.layer import cached_profile, profile_spec
 from slidedp.profile.links import cached_links
 from slidedp.runtime.dist import check_config
@@ -48,6 +42,14 @@ ROUTES: tuple[Route, ...] = (
 
 def route_name(route: Route) -> str:
     return f"{route[0]}/{route[1]}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CalibratedPrediction(Prediction):
+    """The step-time model's prediction and which of its rates were measured
+    (``calibration``, for the reports)."""
+
+    calibration: str
 
 
 @dataclass(frozen=True)
@@ -96,10 +98,9 @@ def rates_for(
     return Rates(peak, host.gbps, host.cast_gbps, links or Links(), measured, tuple(said))
 
 
-def predict(plan: Plan, adapter: HFAdapter, shape: Shape, rates: Rates) -> dict[str, Any]:
-    """The step-time model's prediction of ``plan`` (``predict_step``: ``step_s``, ``busy_s``
-    and ``exposed_s`` by lane, ``critical_path``, ``regime``) plus ``calibration``: which of
-    the rates were measured."""
+def predict(plan: Plan, adapter: HFAdapter, shape: Shape, rates: Rates) -> CalibratedPrediction:
+    """The step-time model's prediction of ``plan`` (``predict_step``) and which of the rates
+    were measured."""
     policy = plan.policy
     offloaded = [
         layer_footprint(adapter, p, shape.rows, shape.seq_len, plan.dtype, i,
@@ -119,7 +120,7 @@ def predict(plan: Plan, adapter: HFAdapter, shape: Shape, rates: Rates) -> dict[
     covered = sum(str(p) in rates.measured for p in policy.layers)
     parts = [f"layer profile: {covered} of {len(policy.layers)} layers"] * bool(covered)
     calibration = ", ".join([*parts, *rates.calibration]) or "uncalibrated rates"
-    return predict_step(spec) | {"calibration": calibration}
+    return CalibratedPrediction(**vars(predict_step(spec)), calibration=calibration)
 
 
 def route_steps(
@@ -141,5 +142,5 @@ def route_steps(
         if shortages(estimate_memory(on_route, adapter, machine, plan)):
             continue
         step = predict(plan, adapter, Shape.of_run(on_route), rates)
-        steps[(param, grad)] = float(step["step_s"])
+        steps[(param, grad)] = step.step_s
     return steps

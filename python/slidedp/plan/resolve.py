@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -39,6 +38,7 @@ from slidedp.plan.policy import (
 )
 from slidedp.profile.host import engine_update_threads
 from slidedp.store import HostStore
+from slidedp.store_layout import StoreLayout
 
 # RAM an automatic BF16 mirror leaves free beyond the run (page cache, the data, other processes)
 MIRROR_HEADROOM_BYTES = 8 * GIB
@@ -78,7 +78,7 @@ def plan_policy(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> Polic
     return resolve_plan(cfg, adapter, machine).policy
 
 
-def plan_store(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> dict[str, Any]:
+def plan_store(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> StoreLayout:
     """The layout of the store ``Trainer`` would create on ``machine`` (same arguments), not
     allocated."""
     bf16, world = machine.dtype == "bfloat16", cfg.runtime.launch.world

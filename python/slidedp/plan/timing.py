@@ -1,39 +1,33 @@
-"""The step-time model from Python: ``predict_step`` (the Rust model, ``slidedp_core::model``)
-and the service times of a traced step (``spec_from_trace``), so the model can be checked
-against what the engine did: ``slidedp bench model TRACE.json ...`` schedules the traced
-operations' own durations through the model's dependencies (window slots, the gradient ring,
-version gates, the clipping schedule) and compares the predicted step with the traced one.
+"""The step-time model's inputs (``plan.step_spec.StepSpec``; the Rust model,
+``slidedp_core::model``, predicts from them through ``predict_step``): a step's service times
+from the model's shapes and the rates (``spec_from_shapes``), or a traced step's
+(``spec_from_trace``), so the model can be checked against what the engine did:
+``slidedp bench model TRACE.json ...`` schedules the traced operations' own durations through
+the model's dependencies (window slots, the gradient ring, version gates, the clipping
+schedule) and compares the predicted step with the traced one.
 
 Example::
 
     spec = spec_from_trace(json.loads(Path("trace.json").read_text()), slots=2, grad_slots=4)
-    predict_step(spec)["step_s"]
+    predict_step(spec).step_s                     # plan.step_spec
 """
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from slidedp import _native
 from slidedp.errors import ConfigError
 from slidedp.models.shape import layer_shapes
 from slidedp.plan.cost import resident_update_s
+from slidedp.plan.step_spec import StepSpec
 
 if TYPE_CHECKING:
     from slidedp.models.hf import HFAdapter
     from slidedp.plan.policy import Policy
 
 PREP, H2D, COMPUTE, OFFLOAD, D2H, UPDATE = 1, 2, 3, 4, 5, 6  # the trace's lanes (trace.py)
-
-
-def predict_step(spec: dict[str, Any]) -> dict[str, Any]:
-    """The model's prediction for ``spec`` (``StepSpec``'s fields): ``step_s``, ``busy_s`` and
-    ``exposed_s`` by lane, ``critical_path``, ``regime``."""
-    result: dict[str, Any] = json.loads(_native.predict_step(json.dumps(spec)))
-    return result
 
 
 def _spans(trace: dict[str, Any], tid: int) -> list[dict[str, Any]]:
@@ -53,7 +47,7 @@ def traced_step_s(trace: dict[str, Any]) -> float:
 
 def spec_from_trace(
     trace: dict[str, Any], *, slots: int, grad_slots: int, clipping: bool | None = None
-) -> dict[str, Any]:
+) -> StepSpec:
     """A ``StepSpec`` whose service times are the traced step's spans: compute per operation
     (embedding forward, layers, head, layers backward, embedding backward), the forward's load
     of each group (a backward reload takes as long), each group's AdamW; the gradient copies'
@@ -81,22 +75,22 @@ def spec_from_trace(
     if clipping is None:
         clipping = bool(updates) and updates[0]["name"] != "head"
     acts = len(offload) >= 2 * layers
-    return {
-        "forward_s": compute[1 : layers + 1],
-        "backward_s": compute[layers + 2 : 2 * layers + 2][::-1],  # traced last layer first
-        "embed_forward_s": compute[0],
-        "head_s": compute[layers + 1],
-        "embed_backward_s": compute[-1],
-        "load_s": loads,
-        "grad_copy_s": [d2h * u / total_update for u in update_s],
-        "update_s": update_s,
-        "cast_s": [prep * x / loaded for x in loads] if prep > 0 else [],
-        "offload_s": offload[:layers] if acts else [],
-        "reload_s": offload[layers : 2 * layers][::-1] if acts else [],
-        "slots": slots,
-        "grad_slots": grad_slots,
-        "clipping": clipping,
-    }
+    return StepSpec(
+        forward_s=tuple(compute[1 : layers + 1]),
+        backward_s=tuple(compute[layers + 2 : 2 * layers + 2][::-1]),  # traced last layer first
+        embed_forward_s=compute[0],
+        head_s=compute[layers + 1],
+        embed_backward_s=compute[-1],
+        load_s=tuple(loads),
+        grad_copy_s=tuple(d2h * u / total_update for u in update_s),
+        update_s=tuple(update_s),
+        cast_s=tuple(prep * x / loaded for x in loads) if prep > 0 else (),
+        offload_s=tuple(offload[:layers]) if acts else (),
+        reload_s=tuple(offload[layers : 2 * layers][::-1]) if acts else (),
+        slots=slots,
+        grad_slots=grad_slots,
+        clipping=clipping,
+    )
 
 
 # Service rates for a prediction before anything runs (labelled as assumptions where they are):
@@ -171,9 +165,15 @@ class Rates:
     calibration: tuple[str, ...] = ()  # what of these was measured, for the report's line
 
 
-def _route_times(
-    params: list[int], ranks: Ranks, links: Links, host_gbps: float
-) -> dict[str, list[float]]:
+@dataclass(frozen=True)
+class _RouteTimes:
+    load_s: tuple[float, ...]
+    reduce_s: tuple[float, ...] = ()
+    host_sum_s: tuple[float, ...] = ()
+    grad_copy_s: tuple[float, ...] | None = None  # None: the device's gradient in bf16
+
+
+def _route_times(params: list[int], ranks: Ranks, links: Links, host_gbps: float) -> _RouteTimes:
     """One rank's view of the routes, per group: the load (sharded: its share, then the
     all-gather on the same copy stream), the gradient's reduction onto its owner (gpu route,
     a synchronous collective), and on the cpu route every rank's gradient copy into its f32
@@ -184,27 +184,21 @@ def _route_times(
     the host's DRAM that all ranks' AdamW share (``StepSpec.host_sum_s``)."""
     r = ranks.count
     sharded = r > 1 and ranks.param_route == "sharded"
-    load = [
+    load = tuple(
         2 * n / r / (links.h2d_gbps * 1e9) + 2 * n / (links.gather_gbps * 1e9)
         if sharded
         else 2 * n / (links.h2d_gbps * 1e9)
         for n in params
-    ]
+    )
     if r == 1:
-        return {"load_s": load, "reduce_s": [], "host_sum_s": []}
+        return _RouteTimes(load)
     if ranks.grad_route == "gpu":
-        return {
-            "load_s": load,
-            "reduce_s": [2 * n / (links.reduce_gbps * 1e9) for n in params],
-            "host_sum_s": [],
-        }
-    host_sum = [(r + 2) * 4 * n / (host_gbps * 1e9) for n in params]
-    return {
-        "load_s": load,
-        "reduce_s": [],
-        "host_sum_s": host_sum,
-        "grad_copy_s": [4 * n / (links.d2h_gbps * 1e9) for n in params],
-    }
+        return _RouteTimes(load, reduce_s=tuple(2 * n / (links.reduce_gbps * 1e9) for n in params))
+    return _RouteTimes(
+        load,
+        host_sum_s=tuple((r + 2) * 4 * n / (host_gbps * 1e9) for n in params),
+        grad_copy_s=tuple(4 * n / (links.d2h_gbps * 1e9) for n in params),
+    )
 
 
 def spec_from_shapes(
@@ -217,7 +211,7 @@ def spec_from_shapes(
     clipping: bool,
     offloaded_bytes: list[int],
     ranks: Ranks | None = None,
-) -> dict[str, Any]:
+) -> StepSpec:
     """A ``StepSpec`` from the model's shapes and the policy, with ``rates``: compute from
     FLOPs at ``LAYER_EFFICIENCY`` of ``peak_flops``, copies at ``links`` (the PCIe ceilings by
     default), AdamW at ``adamw_gbps``, the cast on delivery (no mirror) at ``cast_gbps``
@@ -246,31 +240,35 @@ def spec_from_shapes(
     head = 6 * adapter.vocab_size * adapter.hidden_size * tokens / rate
     grad_bytes = 2  # the compute dtype (bf16) on the device, then to the host
     cast_share = ranks.count if ranks.param_route == "sharded" else 1  # each casts its shard
-    spec = {
-        "forward_s": forward,
-        "backward_s": backward,
-        "embed_forward_s": 0.0,
-        "head_s": head,
-        "embed_backward_s": 0.0,
-        "grad_copy_s": [grad_bytes * n / (links.d2h_gbps * 1e9) for n in params],
-        "update_s": [ADAMW_BYTES_PER_PARAM * n / (adamw_gbps * 1e9) for n in params],
-        "cast_s": []
+    routes = _route_times(params, ranks, links, adamw_gbps)
+    spec = StepSpec(
+        forward_s=tuple(forward),
+        backward_s=tuple(backward),
+        embed_forward_s=0.0,
+        head_s=head,
+        embed_backward_s=0.0,
+        load_s=routes.load_s,
+        grad_copy_s=tuple(grad_bytes * n / (links.d2h_gbps * 1e9) for n in params)
+        if routes.grad_copy_s is None
+        else routes.grad_copy_s,
+        update_s=tuple(ADAMW_BYTES_PER_PARAM * n / (adamw_gbps * 1e9) for n in params),
+        cast_s=()
         if policy.mirror
-        else [CAST_BYTES_PER_PARAM * n / cast_share / (cast_gbps * 1e9) for n in params],
-        "offload_s": [b / (links.d2h_gbps * 1e9) for b in offloaded_bytes],
-        "reload_s": [b / (links.h2d_gbps * 1e9) for b in offloaded_bytes],
-        "slots": policy.slots,
-        "grad_slots": policy.grad_slots,
-        "clipping": clipping,
-        **_route_times(params, ranks, links, adamw_gbps),
-    }
-    _make_resident(spec, policy, params, ranks, links)
-    return spec
+        else tuple(CAST_BYTES_PER_PARAM * n / cast_share / (cast_gbps * 1e9) for n in params),
+        offload_s=tuple(b / (links.d2h_gbps * 1e9) for b in offloaded_bytes),
+        reload_s=tuple(b / (links.h2d_gbps * 1e9) for b in offloaded_bytes),
+        reduce_s=routes.reduce_s,
+        host_sum_s=routes.host_sum_s,
+        slots=policy.slots,
+        grad_slots=policy.grad_slots,
+        clipping=clipping,
+    )
+    return _make_resident(spec, policy, params, ranks, links)
 
 
 def _make_resident(
-    spec: dict[str, Any], policy: Policy, params: list[int], ranks: Ranks, links: Links
-) -> None:
+    spec: StepSpec, policy: Policy, params: list[int], ranks: Ranks, links: Links
+) -> StepSpec:
     """The policy's GPU-resident groups (its first layers; the embedding and head with
     ``resident_embeddings``) in ``spec``: flagged, so the model gives them no load, cast,
     gradient copy, host update nor version wait; their AdamW is device time
@@ -281,24 +279,27 @@ def _make_resident(
     and broadcasts the bf16 weights, at the all-gather's rate; the gradient's reduction onto
     the owner is the route's (``reduce_s``)."""
 
-    layers = len(spec["forward_s"])
+    layers = spec.layers
     groups = {1 + i for i in range(layers) if policy.resident(i)}  # a layer's group: i + 1
     if policy.resident_embeddings:
         groups |= {0, layers + 1}
     if not groups:
-        return
-    spec["resident"] = [g in groups for g in range(layers + 2)]
+        return spec
     r = ranks.count
+    backward_s, embed_backward_s, head_s = list(spec.backward_s), spec.embed_backward_s, spec.head_s
     for g in groups:
         device_update_s = resident_update_s(params[g]) / r
         if r > 1:
             device_update_s += 2 * params[g] / (links.gather_gbps * 1e9)
         if g == 0:
-            spec["embed_backward_s"] += device_update_s
+            embed_backward_s += device_update_s
         elif g == layers + 1:
-            spec["head_s"] += device_update_s
+            head_s += device_update_s
         else:
-            spec["backward_s"][g - 1] += device_update_s
+            backward_s[g - 1] += device_update_s
+    return replace(spec, resident=tuple(g in groups for g in range(layers + 2)),
+                   backward_s=tuple(backward_s), embed_backward_s=embed_backward_s,
+                   head_s=head_s)  # fmt: skip
 
 
 def reduce_s(

@@ -8,15 +8,17 @@ parameters of a chunk, never over elements.
 
 Example::
 
-    for start, length in chunks(group["slot_len"], store.layout["slot_len"]):
+    for start, length in chunks(group.slot_len, store.layout.slot_len):
         for p, lo, hi in pieces(params, "slot_offset", 0, start, length):
             ...  # elements [lo, hi) of parameter p sit at [p.slot_offset + lo - start, ...)
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Literal
+
+from slidedp.store_layout import ParamLayout
 
 
 def chunks(total: int, size: int) -> list[tuple[int, int]]:
@@ -25,12 +27,16 @@ def chunks(total: int, size: int) -> list[tuple[int, int]]:
 
 
 def pieces(
-    params: list[dict[str, Any]], key: str, base: int, start: int, length: int
-) -> Iterator[tuple[dict[str, Any], int, int]]:
+    params: Sequence[ParamLayout],
+    key: Literal["slot_offset", "state_offset"],
+    base: int,
+    start: int,
+    length: int,
+) -> Iterator[tuple[ParamLayout, int, int]]:
     """``(param, lo, hi)``: elements ``[lo, hi)`` of ``param`` lie in the chunk ``[start, start +
-    length)`` of the layout whose offsets are ``param[key] - base``."""
+    length)`` of the layout whose offsets are ``param.<key> - base``."""
     for p in params:
-        at = p[key] - base
-        lo, hi = max(start, at), min(start + length, at + p["numel"])
+        at = (p.slot_offset if key == "slot_offset" else p.state_offset) - base
+        lo, hi = max(start, at), min(start + length, at + p.numel)
         if lo < hi:
             yield p, lo - at, hi - at

@@ -112,7 +112,7 @@ class Engine:
         self.trained = Trained.of(adapter)
         apply_compute(adapter, policy.compute)
         rank, world = (0, 1) if ctx is None else (ctx.local_rank, ctx.local_world)
-        self.grad_slots = store.layout["grad_slots"] // world  # this rank's share of each ring
+        self.grad_slots = store.layout.grad_slots // world  # this rank's share of each ring
         self.clock = LaneClock(device)
         self.kernels = Kernels(plan.threads)
         self.grads, self.worker, self.reduce = self._grad_lane(signals, rank, world)
@@ -175,7 +175,7 @@ class Engine:
     def _window(self, rank: int, world: int) -> Window:
         """The device window of the streamed layers (this rank's share of the staging slots)."""
         a, plan, ctx = self.adapter, self.plan, self.ctx
-        staging = self.store.layout["staging_slots"] // world
+        staging = self.store.layout.staging_slots // world
         layers = [a.layer_group(i) for i in range(a.num_layers)]
         sharded = ctx is not None and plan.policy.param_route == "sharded"
         spec = WindowSpec(

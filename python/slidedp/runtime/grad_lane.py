@@ -100,13 +100,13 @@ class GradLane:
         self.timeout_s, self.group_name = timeout_s, group_name
         self.host_sum, self.owns = share.host_sum, share.owns
         layout = store.layout
-        self._slot_len = int(layout["slot_len"])
-        self._groups = layout["groups"]
-        self._params = layout["params"]
+        self._slot_len = int(layout.slot_len)
+        self._groups = layout.groups
+        self._params = layout.params
         self._queue: deque[_Chunk] = deque()
         self._queued_slots: set[int] = set()
         self._slot_base = share.slot_base
-        count = int(layout["grad_slots"]) if share.slot_count is None else share.slot_count
+        count = int(layout.grad_slots) if share.slot_count is None else share.slot_count
         self.slot_count = count  # this rank's gradient slots
         # per local slot: ("update", worker seq) or ("sum", chunk seq) of its last reader
         self._slot_reader: list[tuple[str, int] | None] = [None] * count
@@ -139,8 +139,8 @@ class GradLane:
         """Issue the D2H of ``ticket``'s gradient (its trained parameters'), chunk by chunk, and
         queue the updates."""
         g = self._groups[ticket.group]
-        params = self._params[g["params"]["start"] : g["params"]["end"]]
-        parts = chunks(int(g["trained_len"]), self._slot_len)  # frozen parameters lie past it
+        params = self._params[g.params.start : g.params.end]
+        parts = chunks(int(g.trained_len), self._slot_len)  # frozen parameters lie past it
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())  # after the backward
         norm = self._norm_to_host(ticket) if check_finite else None
@@ -156,9 +156,9 @@ class GradLane:
                 # of 16) are zeroed: the cpu route sums and squares whole chunks, and a slot's
                 # gaps hold values of the chunk it carried before
                 end = 0
-                for p, lo, hi in pieces(params, "state_offset", g["state_offset"], start, length):
-                    src = ticket.grads[p["name"]].view(-1)[lo:hi]
-                    at = p["state_offset"] - g["state_offset"] + lo - start
+                for p, lo, hi in pieces(params, "state_offset", g.state_offset, start, length):
+                    src = ticket.grads[p.name].view(-1)[lo:hi]
+                    at = p.state_offset - g.state_offset + lo - start
                     slot[end:at].zero_()
                     slot[at : at + hi - lo].copy_(src, non_blocking=self.stream is not None)
                     chunk.keep.append(src)

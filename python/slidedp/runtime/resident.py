@@ -28,7 +28,6 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +39,7 @@ from slidedp.runtime.grad_lane import AdamArgs, GradTicket
 from slidedp.runtime.lanes import new_event, new_stream
 from slidedp.runtime.window import DeviceBuffer, Window
 from slidedp.store import HostStore, StateRegion
+from slidedp.store_layout import StoreLayout
 from slidedp.update import UpdateWorker
 
 REGIONS: tuple[StateRegion, ...] = ("master", "exp_avg", "exp_avg_sq")
@@ -82,14 +82,14 @@ class _Group:
         return self.state[region][p.state_at : p.state_at + p.numel]
 
 
-def group_params(layout: dict[str, Any], group: int) -> list[_Param]:
+def group_params(layout: StoreLayout, group: int) -> list[_Param]:
     """``group``'s parameters in a store layout (``HostStore.plan`` or ``store.layout``): their
     offsets in the group's state and slot layouts."""
-    spec = layout["groups"][group]
+    spec = layout.groups[group]
     return [
-        _Param(p["name"], p["state_offset"] - spec["state_offset"], p["slot_offset"], p["numel"],
-               len(p["shape"]) >= 2, bool(p["frozen"]))
-        for p in layout["params"][spec["params"]["start"] : spec["params"]["end"]]
+        _Param(p.name, p.state_offset - spec.state_offset, p.slot_offset, p.numel,
+               len(p.shape) >= 2, bool(p.frozen))
+        for p in layout.params[spec.params.start : spec.params.end]
     ]  # fmt: skip
 
 
@@ -113,8 +113,8 @@ class ResidentLayers:
         self._groups: dict[int, _Group] = {}
         for g in sorted(groups):  # forward order: every rank shares the weights in it
             params = group_params(layout, g)
-            spec = layout["groups"][g]
-            lengths = {r: spec["state_len" if r == "master" else "trained_len"] for r in REGIONS}
+            spec = layout.groups[g]
+            lengths = {r: spec.state_len if r == "master" else spec.trained_len for r in REGIONS}
             owned = self.owns(g)
             state = {r: torch.zeros(n, device=device) for r, n in lengths.items() if owned}
             weights = window.own_buffer(g)
@@ -293,7 +293,7 @@ class ResidentLayers:
         for (group, _), norm in zip(self._issued, self._norms.tolist(), strict=True):
             if not math.isfinite(norm):
                 self.discard()
-                name = self.store.layout["groups"][group]["name"]
+                name = self.store.layout.groups[group].name
                 raise NonFiniteError(  # the streamed groups' updates overlapped the backward
                     f"step {step}: the gradient of '{name}' is not finite ({norm}); no resident "
                     "layer's update of this step was applied",

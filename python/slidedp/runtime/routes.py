@@ -91,7 +91,7 @@ class HostSum:
             with self.clock.host("wait_update"):  # the wait for its peers' chunks, then the sum
                 self.worker.gather(self.kernels, seq, slot, length)
             ctx = self.ctx
-            slots = self.store.layout["grad_slots"] // ctx.local_world
+            slots = self.store.layout.grad_slots // ctx.local_world
             dst = self.store.grad_slot(ctx.local_rank * slots + slot)[:length]
             with self.clock.host("nodes"):
                 ctx.across_nodes(dst)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,6 +23,7 @@ from slidedp.runtime.chunking import chunks, pieces
 from slidedp.runtime.dist import collective
 from slidedp.runtime.lanes import LaneClock, new_event, new_stream, on_stream
 from slidedp.store import HostStore
+from slidedp.store_layout import ParamLayout
 
 
 def fill_mirror(store: HostStore, kernels: Kernels) -> None:
@@ -31,11 +31,11 @@ def fill_mirror(store: HostStore, kernels: Kernels) -> None:
     update worker keeps it current from then on). Padding stays zero."""
     if not store.has_mirror:
         return
-    for group, g in enumerate(store.layout["groups"]):
+    for group, g in enumerate(store.layout.groups):
         mirror = store.mirror_group(group)
-        for p in store.layout["params"][g["params"]["start"] : g["params"]["end"]]:
-            out = mirror[p["slot_offset"] : p["slot_offset"] + p["numel"]]
-            kernels.cast_f32_to_bf16(store.param(p["name"]).view(-1), out)
+        for p in store.layout.params[g.params.start : g.params.end]:
+            out = mirror[p.slot_offset : p.slot_offset + p.numel]
+            kernels.cast_f32_to_bf16(store.param(p.name).view(-1), out)
 
 
 class DeviceBuffer:
@@ -94,16 +94,15 @@ class Window:
         self.cuda = device.type == "cuda"
         self.staging_base, self.shard = spec.staging_base, spec.shard
         self.copy_stream = new_stream(device) if self.cuda else None
-        groups = store.layout["groups"]
-        self._params: dict[int, list[dict[str, Any]]] = {
-            gi: store.layout["params"][g["params"]["start"] : g["params"]["end"]]
-            for gi, g in enumerate(groups)
+        groups = store.layout.groups
+        self._params: dict[int, tuple[ParamLayout, ...]] = {
+            gi: store.layout.group_params(g) for gi, g in enumerate(groups)
         }
-        self._slot_len = {gi: int(g["slot_len"]) for gi, g in enumerate(groups)}
+        self._slot_len = {gi: int(g.slot_len) for gi, g in enumerate(groups)}
         layer_len = self._padded(max(self._slot_len[g] for g in spec.layer_groups))
         self.slots = [DeviceBuffer(layer_len, spec.dtype, device) for _ in range(spec.slots)]
         self._next_slot = 0
-        count = store.layout["staging_slots"] if spec.staging_count is None else spec.staging_count
+        count = store.layout.staging_slots if spec.staging_count is None else spec.staging_count
         self._staging_events: list[torch.cuda.Event | None] = [None] * count
         self._next_staging = 0
         self._by_group: dict[int, DeviceBuffer] = {}
@@ -132,7 +131,7 @@ class Window:
         """Full parameter name → shaped view of ``buf`` (which must hold ``group``)."""
         assert buf.group == group, f"buffer holds group {buf.group}, not {group}"
         return {
-            p["name"]: buf.flat[p["slot_offset"] : p["slot_offset"] + p["numel"]].view(p["shape"])
+            p.name: buf.flat[p.slot_offset : p.slot_offset + p.numel].view(p.shape)
             for p in self._params[group]
         }
 
@@ -166,8 +165,8 @@ class Window:
         else:  # f32 compute: straight from the master weights, no staging
             with on_stream(stream), self.clock.stream("h2d", stream):
                 for p, a, b in pieces(self._params[group], "slot_offset", 0, lo, hi - lo):
-                    dst = buf.flat[p["slot_offset"] + a : p["slot_offset"] + b]
-                    dst.copy_(self.store.param(p["name"]).view(-1)[a:b], non_blocking=True)
+                    dst = buf.flat[p.slot_offset + a : p.slot_offset + b]
+                    dst.copy_(self.store.param(p.name).view(-1)[a:b], non_blocking=True)
         if self.shard is not None:
             self._all_gather(buf.flat[: self._padded(self._slot_len[group])], stream)
         if stream is not None:
@@ -188,13 +187,13 @@ class Window:
     ) -> None:
         """Per chunk of ``[lo, hi)``: cast into a staging slot (host), then H2D it."""
         params = self._params[group]
-        for offset, length in chunks(hi - lo, self.store.layout["slot_len"]):
+        for offset, length in chunks(hi - lo, self.store.layout.slot_len):
             start = lo + offset
             k, staging = self._staging_slot()
             with self.clock.host("prep"):
                 for p, a, b in pieces(params, "slot_offset", 0, start, length):
-                    at = p["slot_offset"] + a - start
-                    src = self.store.param(p["name"]).view(-1)[a:b]
+                    at = p.slot_offset + a - start
+                    src = self.store.param(p.name).view(-1)[a:b]
                     self.kernels.cast_f32_to_bf16(src, staging[at : at + b - a])
             with on_stream(stream), self.clock.stream("h2d", stream):
                 buf.flat[start : start + length].copy_(staging[:length], non_blocking=True)

@@ -19,7 +19,10 @@ use super::dag::{Dag, Lane};
 use crate::{Error, Result};
 
 /// Service times of one step's operations, seconds (per group: embedding, layers, head).
+/// Unknown fields are refused: a field misnamed on either side of the JSON seam
+/// (`slidedp.plan.step_spec`) is an error, not a default.
 #[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct StepSpec {
     /// Forward compute per decoder layer.
     pub forward_s: Vec<f64>,

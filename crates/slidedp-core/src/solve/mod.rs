@@ -54,6 +54,7 @@ const GIB: f64 = (1u64 << 30) as f64;
 
 /// One activation candidate of a decoder layer, as measured by the layer profiler.
 #[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Candidate {
     pub name: String,
     /// Its forward + backward (replay included, copies overlapped) in the engine, seconds.
@@ -77,6 +78,7 @@ pub struct Candidate {
 /// A kind of decoder layer (same class and parameter shapes): how many layers are of it and
 /// their host update each.
 #[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Kind {
     pub name: String,
     pub layers: u32,
@@ -89,6 +91,7 @@ pub struct Kind {
 /// resident layer takes the cheapest kind's update off the lane: resident layers are the first
 /// ones in layer order, whatever their kind, and that saving holds for any of them.
 #[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct HostLane {
     pub update_s_per_layer: f64,
     /// With gradient clipping the update waits for the global norm: it follows the backward.
@@ -102,6 +105,7 @@ pub struct HostLane {
 /// moments when updated there) and how many may be resident. With kinds, the largest kind's
 /// bytes: the first `r` layers in layer order, of whatever kinds, fit in `r` times it.
 #[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Resident {
     pub bytes_per_layer: f64,
     pub max_layers: u32,
@@ -111,7 +115,10 @@ pub struct Resident {
     pub update_s_per_layer: f64,
 }
 
+/// The program, as Python builds it (`slidedp.autopolicy.program`). It and its parts refuse
+/// unknown fields: a field misnamed on either side of the JSON seam is an error, not a default.
 #[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Problem {
     pub layers: u32,
     /// Device bytes for activations (and resident layers): the GPU's total less everything the

@@ -49,6 +49,7 @@ impl Dtype {
 
 /// One named tensor of the model, as the caller describes it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ParamSpec {
     pub name: String,
     pub shape: Vec<usize>,
@@ -60,13 +61,16 @@ pub struct ParamSpec {
 
 /// A named group of parameters updated and versioned together (a decoder layer, say).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct GroupSpec {
     pub name: String,
     pub params: Vec<ParamSpec>,
 }
 
-/// What the caller asks the store to hold.
+/// What the caller asks the store to hold (`slidedp.store.StoreSpec`). It and its parts refuse
+/// unknown fields: a field misnamed on either side of the JSON seam is an error, not a default.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct StoreSpec {
     pub groups: Vec<GroupSpec>,
     /// Number of BF16 staging slots of `chunk_elems` elements each.
