@@ -95,4 +95,4 @@ class TrialStores:
         """What a trial's store holds: its layout, and where its weights came from."""
         args = store_args(plan.policy, bf16=plan.dtype == torch.bfloat16, world=1)
         layout = HostStore.plan(adapter.group_specs(), **args)
-        return json.dumps([layout, repr(cfg.model), cfg.train.seed], sort_keys=True)
+        return json.dumps([layout.to_json(), repr(cfg.model), cfg.train.seed], sort_keys=True)
