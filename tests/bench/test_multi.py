@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from bench.tiny import tiny_spec, write_tiny_config
-from host_profile.fake import cache_rate
 from slidedp.bench import multi
 from slidedp.bench import train as bench_train
 from slidedp.bench.child import run_child
@@ -23,10 +22,7 @@ from slidedp.bench.measure import RunSpec
 from slidedp.bench.ours import ours_raw_config
 from slidedp.bench.train import ours_config
 from slidedp.cli import build_parser, main
-from slidedp.config import config_from_dict
 from slidedp.errors import ConfigError
-from slidedp.plan.machine import Machine, update_threads
-from slidedp.plan.policy import read_plan
 
 OPS = {"all_gather", "reduce", "all_reduce"}
 
@@ -122,30 +118,6 @@ def test_fsdp2_on_two_ranks_on_cpu(tmp_path: Path) -> None:
     assert len(result["step_times_s"]) == 2
     assert all(5.0 < loss < 6.0 for loss in result["losses"])  # about ln(256)
     assert peak_pss_bytes > 0
-
-
-@pytest.mark.e2e
-def test_ours_with_auto_on_two_ranks_chooses_once_in_their_launcher(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``--routes auto``: the ranks' launcher resolves runtime.policy=auto (measuring in a child
-    process), both ranks train its plan (a file), the result says what it chose."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    spec = tiny_spec(tmp_path / "m", "ours", ["runtime.policy=auto"])
-    spec = dataclasses.replace(spec, world=2, auto_routes=True)
-    assert spec.name == "ours-b2-x2-auto"
-    cfg = config_from_dict(ours_raw_config(spec, tmp_path / "d.jsonl", tmp_path / "o"))
-    cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 3.0)  # no probe
-    result, _ = run_child(spec, tmp_path)
-    assert result["status"] == "ok", result
-    assert result["policy"].startswith(f"policy   auto: {result['layout']}, 0 GPU-resident")
-    assert "measured in a child process" in result["policy"]
-    assert "host AdamW 3 GB/s measured (cached)" in result["policy"]
-    assert result["chosen_route"] == "replicated/gpu"  # on CPU ranks: the config's
-    plan = read_plan(tmp_path / f"{spec.name}.plan.json")  # what the launcher chose, as a file
-    assert (result["layout"], plan.policy.grad_route) == (plan.policy.layout, "gpu")
-    assert result["tokens_per_step"] == 2 * 2 * 16
-    assert len(list((tmp_path / "cache").rglob("layer-*.json"))) == 1
 
 
 def test_routes_auto_beside_the_fixed_default(tmp_path: Path) -> None:
