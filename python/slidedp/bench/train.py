@@ -269,6 +269,18 @@ def _params(config: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def _model_report(config: Any, params: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The report's ``model``: its type, size and the ``model.*`` overrides applied."""
+    return {
+        "type": config.model_type,
+        "layers": int(config.num_hidden_layers),
+        "hidden": int(config.hidden_size),
+        "params": params,
+        "matmul_params": matmul_params(config),
+        "overrides": overrides,
+    }
+
+
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run every (batch, system), each in its own subprocess; the report."""
 
@@ -287,14 +299,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     model = Model(model_flops_per_token(config, args.seq), None, _params(config))
     report: dict[str, Any] = {
         "shape": args.shape,
-        "model": {
-            "type": config.model_type,
-            "layers": int(config.num_hidden_layers),
-            "hidden": int(config.hidden_size),
-            "params": model.params,
-            "matmul_params": matmul_params(config),
-            "overrides": model_overrides,
-        },
+        "model": _model_report(config, model.params, model_overrides),
         "seq_len": args.seq,
         "device": device,
         "device_name": "cpu",
