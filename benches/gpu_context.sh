@@ -8,6 +8,10 @@
 #                 split over GPUS GPUs (R = GPUS), STEPS steps, clipping CLIP; the metrics
 #                 (step time, tokens/s) and `slidedp estimate` of the same config; on
 #                 nvidia-h100-x4 (SEQ=262144 GPUS=4 by default; try SEQ=524288, 1048576)
+#   PARTS=bench   `slidedp bench train --context-parallel GPUS` of SHAPE (qwen3-8b; YaRN factor
+#                 SEQ/32768) at one sequence of SEQ tokens a step over GPUS GPUs, first, then
+#                 the compute-only reference on one GPU at SEQ, or the longest SEQ/2^k that fits
+#                 (REF_SEQ=S: at S), projected by FLOP/s; $OUT/bench-SHAPE-SEQ-rGPUS.json
 # Context-parallel runs use eager layers, no torch.compile and a fixed layout (the keys are set
 # here; the preflight refuses the others).
 # Here first:  rm -f dist/*.whl; .venv/bin/maturin build --release -o dist/ -q
@@ -50,9 +54,19 @@ PY
     cp "$dir/out/metrics.jsonl" "$OUT/metrics-$SEQ-r$GPUS.jsonl" 2>/dev/null
 }
 
+bench_run() {  # slidedp bench train with context parallelism (the bench sets its keys)
+    local shape=${SHAPE:-qwen3-8b} factor=$((SEQ > 32768 ? SEQ / 32768 : 1))
+    part "bench-$shape-$SEQ-r$GPUS" 560 python3 -m slidedp bench train --shape "$shape" \
+        --seq "$SEQ" --batch 1 --gpus "$GPUS" --context-parallel "$GPUS" ${REF_SEQ:+--ref-seq "$REF_SEQ"} \
+        --systems ours,reference --scaled-first --no-collectives --warmup 1 --steps 2 \
+        --set "model.rope_scaling={rope_type: yarn, factor: $factor, original_max_position_embeddings: 32768}" \
+        --set "model.max_position_embeddings=$SEQ" --json "$OUT/bench-$shape-$SEQ-r$GPUS.json"
+}
+
 case ${PARTS:-parity} in
     parity) part parity 540 python3 -m pytest -q -s -p no:cacheprovider -m multi_gpu \
                 tests/multirank/test_gpu_context.py ${K:+-k "$K"} ;;
     long) long_run ;;
+    bench) bench_run ;;
 esac
-grep -E "max \|dloss\||step +[0-9]|GPU|exit|error" "$LOG" | tail -30
+grep -E "max \|dloss\||step +[0-9]|GPU|exit|error|reference|context|ours x" "$LOG" | tail -30

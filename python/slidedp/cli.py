@@ -185,12 +185,12 @@ def _estimate(
     report = est.to_json()
     if longest:
         found = longest_sequence(cfg, adapter, machine)
-        report["longest_seq"] = {"seq_len": found.seq_len, "limit": found.limit}
+        report["longest_seq"] = {"seq_len": found.seq_len, "limit": found.limit,
+                                 "context_parallel": found.context_parallel}  # fmt: skip
     print(json.dumps(report, indent=2) if as_json else format_estimate(est))
     if longest and not as_json:
-        b = cfg.train.global_batch_size
-        print(f"longest sequence at B={b} on this machine: {found.seq_len:,} tokens "
-              f"(next: {found.limit})")  # fmt: skip
+        unit = "GPUs" if machine.device == "cuda" else "ranks"
+        print(found.describe(cfg.train.global_batch_size, unit))
     if explain and not as_json:
         path = est.step_model.critical_path if est.step_model else ()
         print("critical path of a step (model): " + (" -> ".join(path) or "n/a (no GPU model)"))
@@ -248,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument(
         "--longest-seq",
         action="store_true",
-        help="the longest data.seq_len (multiple of 1024) this run fits on this machine",
+        help="the longest data.seq_len (multiple of 1024) this run fits on this machine; with "
+        "runtime.context_parallel R, each sequence split over R GPUs",
     )
     export = verbs.add_parser("export", parents=[debug], help="checkpoint -> HF model directory")
     export.add_argument("checkpoint", help="OUTPUT/checkpoint-STEP, or OUTPUT (its latest)")

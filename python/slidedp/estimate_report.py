@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 
@@ -121,6 +122,14 @@ def _step_time(
 class Longest:
     seq_len: int  # 0: not even one step of ``step_tokens`` fits
     limit: str  # what the next longer sequence lacks, or the model's position limit
+    context_parallel: int = 1  # ranks that split each sequence (each holds seq_len / R)
+
+    def describe(self, batch: int, unit: str = "GPUs") -> str:
+        """The line ``slidedp estimate --longest-seq`` prints (``unit``: GPUs or CPU ranks)."""
+        r = self.context_parallel
+        split = "" if r == 1 else f", each split over {r} {unit} ({self.seq_len // r:,} on each)"
+        return (f"longest sequence at B={batch} on this machine: {self.seq_len:,} tokens{split} "
+                f"(next: {self.limit})")  # fmt: skip
 
 
 def longest_sequence(
@@ -128,7 +137,11 @@ def longest_sequence(
 ) -> Longest:
     """The longest ``data.seq_len``, a multiple of ``step_tokens`` up to the model's
     ``max_position_embeddings``, at which the run (its batch, layout, clipping) fits
-    ``machine``: a bisection over the estimate, whose memory grows with the sequence."""
+    ``machine``: a bisection over the estimate, whose memory grows with the sequence. With
+    ``runtime.context_parallel: R`` each rank's activations are those of S/R tokens (the
+    estimate counts them so) and S is a multiple of R too."""
+    r = cfg.runtime.launch.context_parallel
+    step_tokens = math.lcm(step_tokens, r)
 
     def short(tokens: int) -> list[str]:
         data = replace(cfg.data, seq_len=tokens)
@@ -138,13 +151,12 @@ def longest_sequence(
     cap = getattr(adapter.config, "max_position_embeddings", None) or 2**22
     lo, hi = 0, cap // step_tokens  # lo fits (0: trivially), hi + 1 is past the cap
     if not short(hi * step_tokens):
-        return Longest(hi * step_tokens, f"the model's max_position_embeddings {cap:,}")
+        return Longest(hi * step_tokens, f"the model's max_position_embeddings {cap:,}", r)
     while hi - lo > 1:  # lo fits, hi does not
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if not short(mid * step_tokens) else (lo, mid)
-    return Longest(
-        lo * step_tokens, f"{hi * step_tokens:,} tokens: " + "; ".join(short(hi * step_tokens))
-    )
+    lacks = "; ".join(short(hi * step_tokens))
+    return Longest(lo * step_tokens, f"{hi * step_tokens:,} tokens: {lacks}", r)
 
 
 def _resident_what(est: Estimate) -> str:

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from transformers import Qwen3Config
 
-from engine.tiny import write_config, write_data
+from engine.tiny import make_model, write_config, write_data
 from estimate.machines import H100
+from slidedp.cli import main
 from slidedp.config import TrainConfig, load_config
-from slidedp.estimate_report import estimate_run
+from slidedp.estimate import shortages
+from slidedp.estimate_report import estimate_run, longest_sequence
 from slidedp.models.hf import HFAdapter
 from slidedp.models.shapes import SHAPES
+from slidedp.plan.machine import GIB
 
 
 @pytest.fixture(scope="module")
@@ -48,3 +53,47 @@ def test_four_ranks_splitting_a_sequence_each_hold_a_quarter(
     for part in ("layer_bytes", "checkpoint_bytes", "loss_bytes"):
         assert getattr(split.gpu, part) == getattr(quarter.gpu, part), part
     assert split.gpu.checkpoint_bytes * 4 == whole.gpu.checkpoint_bytes
+
+
+def test_the_longest_sequence_split_over_four_gpus(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Qwen3-8B at B=1 on four H100s (a host of 4 GPUs: 500 GiB), positions up to 4M: split
+    over R=4 GPUs the longest sequence
+    is about 4 x one GPU's (each rank's activations are those of S/4 tokens, the weights'
+    window and the loss's chunk the same), it fits the same memory model and the next
+    multiple of 1024 does not; the report names R."""
+    model = tmp_path / "qwen3-8b-4m"
+    Qwen3Config(**{**SHAPES["qwen3-8b"], "max_position_embeddings": 2**22}).save_pretrained(model)
+    adapter = HFAdapter.from_dir(model)
+    one = _cfg(tmp_path, model, "train.global_batch_size=1")
+    four = _cfg(tmp_path, model, "train.global_batch_size=1", "runtime.gpus=4",
+                "runtime.context_parallel=4")  # fmt: skip
+    node = replace(H100, shm_free_bytes=400 * GIB, mem_available_bytes=500 * GIB, gpu_count=4)
+    alone, split = longest_sequence(one, adapter, node), longest_sequence(four, adapter, node)
+    assert (alone.context_parallel, split.context_parallel) == (1, 4)
+    assert 0 < alone.seq_len < split.seq_len < 2**22
+    # each rank holds S/4 tokens where one GPU holds S: within one 1024-token step of 4 x
+    assert abs(split.seq_len - 4 * alone.seq_len) <= 4 * 1024
+
+    def fits(cfg: TrainConfig, tokens: int) -> bool:
+        data = replace(cfg.data, seq_len=tokens)
+        return not shortages(estimate_run(replace(cfg, data=data), adapter, node))
+
+    assert fits(four, split.seq_len)
+    assert not fits(four, split.seq_len + 1024)
+    assert split.limit.startswith(f"{split.seq_len + 1024:,} tokens: GPU ")
+    assert not fits(one, split.seq_len)  # what one GPU cannot hold
+    line = split.describe(1)
+    assert line.startswith(f"longest sequence at B=1 on this machine: {split.seq_len:,} tokens, ")
+    assert f"each split over 4 GPUs ({split.seq_len // 4:,} on each)" in line
+    # the command on this machine, a tiny Qwen3 on 2 CPU ranks (a second model: quick)
+    tiny = make_model(tmp_path, "qwen3", tied=True)
+    config = str(write_config(tmp_path / "t.yaml", tiny, tmp_path / "data.jsonl", tmp_path / "o"))
+    given = ["train.global_batch_size=1", "runtime.context_parallel=2", "runtime.device=cpu",
+             "runtime.ranks=2", "model.max_position_embeddings=4096", "--longest-seq"]  # fmt: skip
+    assert main(["estimate", config, *given, "--json"]) == 0
+    printed = capsys.readouterr().out
+    assert json.loads(printed[printed.index("{") :])["longest_seq"]["context_parallel"] == 2
+    assert main(["estimate", config, *given]) == 0
+    assert "tokens, each split over 2 ranks (" in capsys.readouterr().out

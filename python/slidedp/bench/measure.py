@@ -30,7 +30,7 @@ class RunSpec:
 
     system: str  # ours | reference | fsdp2 | a peer (bench.peers) | collectives | peak
     config_dir: str  # holds the model's config.json (random init from it)
-    batch: int  # sequences per rank and step: the global batch is batch x world
+    batch: int  # sequences per rank and step: the global batch is batch x world / context
     seq_len: int
     warmup: int  # steps run first and discarded
     steps: int  # steps measured
@@ -48,10 +48,13 @@ class RunSpec:
     auto_routes: bool = False
     # ours on several ranks: the launcher's plan (``Plan.to_json`` file) every rank runs
     plan_file: str = ""
+    # ours on several ranks: ranks that split each row (runtime.context_parallel); ``batch``
+    # is then each group's rows
+    context: int = 1
 
     @property
     def global_batch(self) -> int:
-        return self.batch * self.world
+        return self.batch * self.world // self.context
 
     @property
     def full_system(self) -> str:
@@ -69,6 +72,8 @@ class RunSpec:
             elif self.system == "ours":
                 runtime = self.ours["runtime"]
                 name += f"-{runtime['param_route']}-{runtime['grad_route']}"
+            if self.context > 1:
+                name += f"-cp{self.context}"
         return name
 
     def to_json(self) -> dict[str, Any]:

@@ -62,6 +62,7 @@ class Scale:
     main_route: Route  # the route of the weak-scaling summary: the config's if run
     first: bool = False  # the runs on ``world`` ranks before the one-GPU runs of each batch
     collectives: bool = True  # measure the collectives' bandwidths first
+    context: int = 1  # ours' ranks that split each row (--context-parallel; bench.context)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -197,9 +198,11 @@ def scaled_specs(
     specs = []
     if "ours" in systems:
         for route in scale.routes:
-            ours = {**single.ours, "runtime": _route_runtime(single.ours["runtime"], route)}
+            runtime = _route_runtime(single.ours["runtime"], route)
+            ours = {**single.ours, "runtime": {**runtime, "context_parallel": scale.context}}
             specs.append(dataclasses.replace(single, system="ours", world=scale.world, ours=ours,
-                                             auto_routes=route == AUTO_ROUTE))  # fmt: skip
+                                             auto_routes=route == AUTO_ROUTE,
+                                             context=scale.context))  # fmt: skip
     if "fsdp2" in systems:
         specs.append(dataclasses.replace(single, system="fsdp2", world=scale.world))
     for run in at_batch:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from slidedp.autopolicy.auto import AUTO
+from slidedp.autopolicy.default import FIXED
 from slidedp.bench.measure import RunSpec, synthetic_tokens, timed_steps
 from slidedp.bench.ours import auto_layout
 from slidedp.models.fast import Compute, apply_compute, resolve_compute
@@ -118,7 +119,7 @@ def run_reference(spec: RunSpec) -> dict[str, Any]:
     rt = spec.ours["runtime"]
     if rt["policy"] == AUTO:  # the layout ours chose
         rt = rt | {"layers": auto_layout(spec), "policy": ""}
-    elif rt["policy"]:  # the policy file's keys replace the runtime's
+    elif rt["policy"] not in ("", FIXED):  # the policy file's keys replace the runtime's
         rt = rt | read_policy_file(rt["policy"])
     layers = parse_layout(rt["layers"], adapter.num_layers, default_ratio=0.0)
     compute = resolve_compute(rt["kernels"], rt["compile"], device, adapter)

@@ -140,6 +140,8 @@ def print_report(report: dict[str, Any]) -> None:
         if "exposed_wait_s" in r:
             waits = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in r["exposed_wait_s"].items())
             print(f"{'':{width + 6}} exposed wait, ms/step: {waits}")
+        if r.get("seq_len", report["seq_len"]) != report["seq_len"]:  # the reference's S'
+            print(f"{'':{width + 6}} at S={r['seq_len']}, not --seq")
         if "kernels" in r:
             print(f"{'':{width + 6}} layer compute: {r['kernels']}")
         if "policy" in r:  # runtime.policy=auto: what it chose

@@ -3,12 +3,13 @@ the route table of ours and the collectives' bandwidths, from the measured runs.
 
 Weak-scaling efficiency at per-rank batch B: tokens/s on N ranks over N x tokens/s on one rank
 (100%: N ranks do N times the work in the same time). The reference runs on one GPU only; its
-N-GPU figure is projected (N x) and labelled so. Ratios on N ranks divide ours' tokens/s by
-FSDP2's, each peer's (and variant's) and the projected reference's.
+N-GPU figure is projected, N x its FLOP/s over the FLOPs per token at S (N x its tokens/s where
+it ran at S; ``bench.context``: where it did not), and labelled so. Ratios on N ranks divide
+ours' tokens/s by FSDP2's, each peer's (and variant's) and the projected reference's.
 
 Example::
 
-    report |= scale_report(runs, scale)   # runs: summarised, each with "world" and "route"
+    report |= scale_report(runs, scale, flops_per_token, seq)  # runs: with "world", "route"
     print_scale(report)
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from slidedp.bench.context import reference_projection
 from slidedp.bench.multi import Scale, route_name
 
 Run = dict[str, Any]
@@ -38,8 +40,9 @@ def _tokens_per_s(runs: list[Run], batch: int, system: str, world: int, route: s
     return None
 
 
-def scaling(runs: list[Run], scale: Scale) -> list[Run]:
-    """Per batch: tokens/s on 1 and N ranks, efficiencies, the projection and the ratios."""
+def scaling(runs: list[Run], scale: Scale, flops_per_token: float, seq: int) -> list[Run]:
+    """Per batch: tokens/s on 1 and N ranks, efficiencies, the reference's projection (its
+    FLOP/s over ``flops_per_token``, at ``seq``) and the ratios."""
     n, route = scale.world, route_name(scale.main_route)
     rows = []
     for batch in sorted({r["batch"] for r in runs}):
@@ -47,13 +50,14 @@ def scaling(runs: list[Run], scale: Scale) -> list[Run]:
         ours_n = _tokens_per_s(runs, batch, "ours", n, route)
         fsdp2_1 = _tokens_per_s(runs, batch, "fsdp2", 1, None)
         fsdp2_n = _tokens_per_s(runs, batch, "fsdp2", n, None)
-        reference = _tokens_per_s(runs, batch, "reference", 1, None)
-        projected = None if reference is None else n * reference
+        reference = reference_projection(runs, batch, n, flops_per_token, seq)
+        projected = reference["reference_projected_tokens_per_s"]
         rows.append({
-            "batch": batch, "world": n, "global_batch": n * batch, "route": route,
+            "batch": batch, "world": n, "global_batch": n * batch // scale.context,
+            "route": route, "context_parallel": scale.context,
             "ours_1_tokens_per_s": ours_1, "ours_n_tokens_per_s": ours_n,
             "fsdp2_1_tokens_per_s": fsdp2_1, "fsdp2_n_tokens_per_s": fsdp2_n,
-            "reference_projected_tokens_per_s": projected,
+            **reference,
             "ours_efficiency": efficiency(ours_1, ours_n, n),
             "fsdp2_efficiency": efficiency(fsdp2_1, fsdp2_n, n),
             "ours_over_fsdp2": _ratio(ours_n, fsdp2_n),
@@ -100,12 +104,13 @@ def route_table(runs: list[Run], scale: Scale) -> list[Run]:
     return rows
 
 
-def scale_report(runs: list[Run], scale: Scale) -> dict[str, Any]:
-    """The report's keys of a run with ``--gpus``/``--ranks`` (the collectives come apart)."""
+def scale_report(runs: list[Run], scale: Scale, flops_per_token: float, seq: int) -> dict[str, Any]:
+    """The report's keys of a run with ``--gpus``/``--ranks`` (the collectives come apart);
+    ``flops_per_token`` at ``seq``, the bench's length (the reference's projection)."""
     return {
         "world": scale.world,
         "routes": [route_name(r) for r in scale.routes],
-        "scaling": scaling(runs, scale),
+        "scaling": scaling(runs, scale, flops_per_token, seq),
         "route_table": route_table(runs, scale),
     }
 
@@ -122,10 +127,11 @@ def _fmt(value: float | None, spec: str, width: int = 0) -> str:
 
 def _print_scaling(report: dict[str, Any], unit: str) -> None:
     for row in report["scaling"]:
-        n, batch = row["world"], row["batch"]
+        n, batch, r = row["world"], row["batch"], row.get("context_parallel", 1)
+        per = "rank" if r == 1 else f"group of {r} (each sequence split over {r} {unit})"
         print(
-            f"weak scaling 1 -> {n} {unit}, batch {batch} per rank (global {row['global_batch']}), "
-            f"ours on {row['route']}, tokens/s:"
+            f"weak scaling 1 -> {n} {unit}, batch {batch} per {per} (global "
+            f"{row['global_batch']}), ours on {row['route']}, tokens/s:"
         )
         for system in ("ours", "fsdp2"):
             one, many = row[f"{system}_1_tokens_per_s"], row[f"{system}_n_tokens_per_s"]
@@ -141,7 +147,7 @@ def _print_scaling(report: dict[str, Any], unit: str) -> None:
                 f"efficiency {_fmt(peer['efficiency'], '.1%')}"
             )
         projected = _fmt(row["reference_projected_tokens_per_s"], ".1f")
-        print(f"  {'reference':<10} {n}: {projected} (projected: {n} x its tokens/s on 1)")
+        print(f"  {'reference':<10} {n}: {projected} (projected, {row['reference_projection']})")
         over_peers = "".join(
             f"ours/{name} {_fmt(peer['ours_over'], '.2f')}x, " for name, peer in peers.items()
         )

@@ -9,7 +9,8 @@ Run (on the GPU machine)::
 Each system runs in its own subprocess (``bench.child``); ``--set`` overrides ours,
 ``--peer-set SYSTEM[:LABEL].KEY=VALUE`` a peer or its variant. Reports tokens/s, model TFLOP/s,
 MFU, peak GPU reserved and host PSS, ratios ours/other (``bench.report``, ``bench.sweep``);
-``--gpus N`` adds weak scaling (``bench.multi``, ``bench.scaling``). Invariants: OOM, TIMEOUT and
+``--gpus N`` adds weak scaling (``bench.multi``, ``bench.scaling``), with ``--context-parallel R``
+ours splitting each sequence over R of them (``bench.context``). Invariants: OOM, TIMEOUT and
 UNAVAILABLE are reported, any other failure exits 1 after the report; ``--json`` is rewritten
 after every run (docs/benchmarks.md).
 """
@@ -30,7 +31,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
-from slidedp.bench import multi
+from slidedp.bench import context, multi
 from slidedp.bench.child import run_child
 from slidedp.bench.measure import RunSpec
 from slidedp.bench.peers import (
@@ -65,7 +66,7 @@ OURS_DEFAULTS: dict[str, Any] = {
 }
 BENCH_OWNED = frozenset(
     ("model.path", "data", "output", "train.max_steps", "train.global_batch_size", "runtime.device",
-     "runtime.ranks", "runtime.gpus")
+     "runtime.ranks", "runtime.gpus", "runtime.context_parallel")
 )  # fmt: skip
 
 
@@ -77,7 +78,7 @@ def ours_config(overrides: list[str]) -> dict[str, Any]:
         if key in BENCH_OWNED or key.partition(".")[0] in BENCH_OWNED:
             raise ConfigError(
                 f"--set {item}: '{key}' is set by the bench (use --shape, --batch/--sweep, "
-                "--seq, --steps, --device, --gpus/--ranks)"
+                "--seq, --steps, --device, --gpus/--ranks, --context-parallel)"
             )
     placeholders = {"model": {"path": "-"}, "data": {"path": "-"}, "output": {"dir": "-"}}
     with tempfile.TemporaryDirectory(prefix="slidedp-bench-") as tmp:
@@ -189,6 +190,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "run here after the runs (bench.predict)",
     )
     multi.add_arguments(parser)
+    context.add_arguments(parser)
 
 
 def _parse(args: argparse.Namespace) -> tuple[list[int], list[str], str]:
@@ -267,6 +269,18 @@ def _params(config: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def _model_report(config: Any, params: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The report's ``model``: its type, size and the ``model.*`` overrides applied."""
+    return {
+        "type": config.model_type,
+        "layers": int(config.num_hidden_layers),
+        "hidden": int(config.hidden_size),
+        "params": params,
+        "matmul_params": matmul_params(config),
+        "overrides": overrides,
+    }
+
+
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run every (batch, system), each in its own subprocess; the report."""
 
@@ -274,22 +288,18 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.png:
         require_matplotlib()
     configs = ours_configs(args.overrides, systems)
+    if args.context_parallel is not None:
+        configs = context.with_context_keys(args.overrides, configs)
     ours = configs["ours"]
     peer_sets = peer_overrides(parse_peer_sets(args.peer_sets, systems), systems)
     timeouts = system_timeouts(args.system_timeout, systems)
     scale = multi.parse_scale(args, systems, device, ours)  # None: one GPU only
     config, model_overrides = shape_config(args.shape, args.layers, ours)
+    split = context.parse_context(args, scale, ours, config, device)  # None: no --context-parallel
     model = Model(model_flops_per_token(config, args.seq), None, _params(config))
     report: dict[str, Any] = {
         "shape": args.shape,
-        "model": {
-            "type": config.model_type,
-            "layers": int(config.num_hidden_layers),
-            "hidden": int(config.hidden_size),
-            "params": model.params,
-            "matmul_params": matmul_params(config),
-            "overrides": model_overrides,
-        },
+        "model": _model_report(config, model.params, model_overrides),
         "seq_len": args.seq,
         "device": device,
         "device_name": "cpu",
@@ -309,6 +319,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "peer_sets": peer_sets,
         "system_timeout_s": timeouts,
     }
+    if split is not None and scale is not None:
+        scale = dataclasses.replace(scale, context=split.size)
+        report["context_parallel"] = context.context_report(split, scale.world)
     with tempfile.TemporaryDirectory(prefix="slidedp-bench-") as tmp:
         config.to_json_file(Path(tmp) / "config.json")
         spec = RunSpec(
@@ -334,22 +347,26 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             print(f"slidedp bench train: collectives on {scale.world} ranks ...", file=sys.stderr)
             result, _ = run_child(multi.collectives_spec(spec, scale, config), Path(tmp))
             report["collectives"] = collectives_report(result)
-        sweep = _Sweep(args, systems, configs, peer_sets, timeouts, scale, Path(tmp))
+        sweep = _Sweep(args, systems, configs, peer_sets, timeouts, scale, split, Path(tmp))
         report["runs"] = []  # filled in as the runs finish
         for batch in batches:
             for run in sweep.specs(spec, batch, ours):
-                sweep.run(run, report, model, len(batches))
+                if run.system == "reference" and split is not None:
+                    sweep.run_reference(run, report, model, len(batches))
+                else:
+                    sweep.run(run, report, model, len(batches))
         if args.predict:
             report["predictions"] = predict_report(report, Path(tmp))
     if scale is not None:
-        report |= scale_report(report["runs"], scale)
+        report |= scale_report(report["runs"], scale, model.flops_per_token, args.seq)
     return report
 
 
 @dataclass(frozen=True)
 class _Sweep:
     """What every run of one ``bench`` shares: its arguments, the systems and their
-    configs, peer sets and time limits, the ranks scale (None: one GPU) and the folder."""
+    configs, peer sets and time limits, the ranks scale (None: one GPU), the context
+    parallelism (None: none) and the folder."""
 
     args: argparse.Namespace
     systems: list[str]
@@ -357,14 +374,18 @@ class _Sweep:
     peer_sets: dict[str, dict[str, Any]]
     timeouts: dict[str, float]
     scale: multi.Scale | None
+    split: context.ContextBench | None  # --context-parallel
     tmp: Path
 
     def specs(self, spec: RunSpec, batch: int, ours: dict[str, Any]) -> list[RunSpec]:
         """The runs at ``batch``: every system (a variant as its system, with its own name
-        and overrides), then the scaled ones."""
+        and overrides), then the scaled ones; with ``--context-parallel`` ours on the ranks
+        only."""
         at_batch = []
         for name in self.systems:
             system, variant = split_variant(name)
+            if system == "ours" and self.split is not None:
+                continue
             at_batch.append(
                 dataclasses.replace(spec, system=system, variant=variant, batch=batch,
                                     peer=self.peer_sets.get(name, {}),
@@ -386,7 +407,10 @@ class _Sweep:
             run = dataclasses.replace(run, ours=_traced(run, args, batches))
         started = time.monotonic()
         result, peak_pss_bytes = run_child(run, self.tmp)
+        if self.split is not None:
+            model = self.split.model_at(model, run.seq_len)
         runs.append(summarise(result, peak_pss_bytes, model, world=run.world))
+        runs[-1]["seq_len"] = run.seq_len
         # the whole process: model build, warm-up and steps (what a device call plans for)
         runs[-1]["wall_s"] = round(time.monotonic() - started, 1)
         print(
@@ -400,11 +424,21 @@ class _Sweep:
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1))
 
+    def run_reference(self, run: RunSpec, report: dict[str, Any], model: Model, n: int) -> None:
+        """The reference at ``--seq``, or where it ran out of memory at the next length of
+        ``split.reference_lengths`` (``--ref-seq``: at that one)."""
+        assert self.split is not None, "only with --context-parallel"
+        for seq_len in self.split.reference_lengths():
+            self.run(dataclasses.replace(run, seq_len=seq_len), report, model, n)
+            if report["runs"][-1]["status"] != "oom":
+                return
+
 
 def _conclude(report: dict[str, Any]) -> None:
-    """The report's ratios and sweep summary from its runs so far."""
-    report["ratios"] = ratios([r for r in report["runs"] if r.get("world", 1) == 1])
-    report["summary"] = sweep_summary(report["runs"])
+    """The report's ratios (on one GPU, at ``--seq``) and sweep summary from its runs so far."""
+    at_seq = [r for r in report["runs"] if r.get("seq_len", report["seq_len"]) == report["seq_len"]]
+    report["ratios"] = ratios([r for r in at_seq if r.get("world", 1) == 1])
+    report["summary"] = sweep_summary(at_seq)
 
 
 def _describe(run: RunSpec) -> str:
@@ -434,6 +468,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"slidedp bench train: error: {e}", file=sys.stderr)
         return 2
     print_report(report)
+    context.print_context(report)
     print_summary(report["summary"])
     if "scaling" in report:
         print_scale(report)
