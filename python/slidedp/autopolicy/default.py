@@ -20,8 +20,9 @@ from slidedp.config_runtime import RuntimeSection
 AUTO, FIXED = "auto", "fixed"
 # the keys that name a layout: set, the config's layout runs (auto would refuse them anyway)
 LAYOUT_KEYS = ("layers", "offload_ratio", "resident_layers", "resident_embeddings")
-# a cold selection's time for the break-even's prediction: Qwen3-4B's on one H200 measured
-# 104.7 s plus the process's start (benchmarks/2026-11-28-decide-then-run-h200.md)
+# a cold selection's time for the break-even's prediction: the target for Qwen3-4B on one GPU
+# (measured on an H200: 104.7 s, 127 s with the process's start and imports:
+# benchmarks/2026-11-28-decide-then-run-h200.md)
 COLD_SELECTION_S = 120.0
 # the speed-up the prediction assumes: the smallest one validation accepts in practice is
 # 1.1x (autopolicy.select.MIN_GAIN); Qwen3-4B B=16 with clipping measured 1.73x
