@@ -3,7 +3,8 @@
 #   PARTS=parity  2 GPUs at R=2 against 1 GPU, 100 bf16 steps of a tiny Qwen3 (max |Δloss|
 #                 <= 1e-3: tests/multirank/test_gpu_context.py), with padded rows, packed rows
 #                 and a tiny Qwen3-MoE; on nvidia-h100-x2. On a 4-GPU kind also R=4 against 1
-#                 GPU. K=EXPR picks cases (pytest -k: dense, packed, moe, r4).
+#                 GPU. K=EXPR picks cases (pytest -k: dense, packed, moe, r4, ring; K=ring:
+#                 ring attention, dense and packed rows, R=2 on a model with 2 key/value heads).
 #   PARTS=long    Qwen3-8B (seeded init, YaRN factor SEQ/32768) in one sequence of SEQ tokens
 #                 split over GPUS GPUs (R = GPUS), STEPS steps, clipping CLIP; the metrics
 #                 (step time, tokens/s) and `slidedp estimate` of the same config; on

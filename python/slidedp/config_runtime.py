@@ -41,6 +41,10 @@ class LaunchSpec:
     # ranks that split every sequence into contiguous shards (attention over the whole sequence
     # by an all-to-all over heads); data parallelism runs over the ranks / context_parallel groups
     context_parallel: int = 1
+    # how attention spans the shards: ulysses = an all-to-all over heads (the query and
+    # key/value heads must divide by context_parallel); ring = each rank keeps its queries and
+    # gathers the key/value shards before it (any heads); auto: ulysses where the heads divide
+    context_attention: Literal["auto", "ulysses", "ring"] = "auto"
 
     @property
     def world(self) -> int:

@@ -14,6 +14,10 @@ each shard boundary by 1.1e-3; packed samples attending across their boundaries 
 over the whole rows instead of per sample) by 5.8e-3 (packed case: 5.6e-8 when right); a
 mixture of experts' load-balancing loss taken on each shard alone, not from every shard's token
 statistics, by 1.0e-4 (MoE case: 7.6e-8, its aux_loss compared too, equal to the bit).
+Ring attention (each shard's queries over the gathered keys) reorders SDPA's sums over keys
+too: R=4 within 1.3e-7 relative (parameters 1.4e-7), R=2 x 2 groups 1.1e-7 (1.2e-7), packed
+1.0e-7 (9.7e-8) of one rank and 5.1e-8 (1.2e-7) of Ulysses; ring mask blocks plain causal over
+the rows instead of each shard's block of the per-sample mask move the packed losses by 5.8e-3.
 """
 
 from __future__ import annotations
@@ -60,16 +64,21 @@ def _compare(one: Path, many: Path, model: Path) -> None:
     assert moved > 100 * PARAM_ATOL, "training must move the parameters for this to mean much"
 
 
+RING = {"context_attention": "ring"}
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize(
-    ("arch", "ranks", "context", "runtime", "max_grad_norm"),
-    [  # each norm binds in some steps of its model's run, not in all
-        ("qwen3", 2, 2, {"layers": "1xF, 1xN, 1xS1010100, 1xSAC.mm"}, 2.2),
-        ("llama", 2, 2, {"grad_route": "cpu", "param_route": "sharded"}, 2.0),
-        ("qwen3", 4, 2, {}, 2.2),  # 2 groups of 2: data parallelism over the context groups
-        ("qwen3", 4, 4, {}, 2.2),  # one group of 4 (the model's 4 key/value heads split in 4)
-        ("qwen3_moe", 2, 2, {}, 2.2),  # routers and experts on the shard, aux loss summed
+    ("arch", "ranks", "context", "runtime", "kv_heads"),
+    [
+        ("qwen3", 2, 2, {"layers": "1xF, 1xN, 1xS1010100, 1xSAC.mm"}, None),
+        ("llama", 2, 2, {"grad_route": "cpu", "param_route": "sharded"}, None),
+        ("qwen3", 4, 2, RING, None),  # 2 ring groups of 2: data parallelism over the groups
+        ("qwen3", 4, 4, {}, 4),  # one group of 4 (Ulysses: the 4 key/value heads split in 4)
+        ("qwen3", 4, 4, {}, None),  # ring (auto): the tiny model's 2 key/value heads in 4 ranks
+        ("qwen3_moe", 2, 2, {}, None),  # routers and experts on the shard, aux loss summed
     ],
+    ids=["families", "llama-routes", "ring-dp", "ulysses-r4", "ring-r4", "moe"],
 )
 def test_context_parallel_matches_one_rank(
     tmp_path: Path,
@@ -77,13 +86,13 @@ def test_context_parallel_matches_one_rank(
     ranks: int,
     context: int,
     runtime: dict[str, str],
-    max_grad_norm: float,
+    kv_heads: int | None,
 ) -> None:
     """R=2 on 2 ranks (every activation family; llama on the cpu and sharded routes; a mixture
-    of experts), R=2 x 2 data-parallel groups and R=4 on 4 ranks: one rank's losses, norms and
-    parameters."""
-    train = TRAIN | {"max_grad_norm": max_grad_norm}
-    kv_heads = 4 if context == 4 else None  # the key/value heads must divide by R
+    of experts), R=2 x 2 data-parallel groups (ring) and R=4 on 4 ranks (Ulysses, and ring
+    where the key/value heads do not divide by 4): one rank's losses, norms and parameters."""
+    # each norm binds in some steps of its model's run, not in all
+    train = TRAIN | {"max_grad_norm": 2.0 if arch == "llama" else 2.2}
     model = make_model(tmp_path, arch, tied=False, layers=4, kv_heads=kv_heads)
     data = write_data(tmp_path / "data.jsonl", 24, min_len=10, max_len=31)
     _train_pair(tmp_path, model, data, (ranks, context), {"train": train, "runtime": runtime})
@@ -92,24 +101,31 @@ def test_context_parallel_matches_one_rank(
 @pytest.mark.e2e
 def test_packed_rows_match_one_rank(tmp_path: Path) -> None:
     """Packed rows (2 to 7 samples each, attention kept inside every sample, the shard
-    boundary inside a sample) at R=2: the one-rank packed run's losses, norms, parameters."""
+    boundary inside a sample) at R=2, Ulysses then ring (the mask blocks of each shard): the
+    one-rank packed run's losses, norms, parameters, and the two schemes' alike."""
     model = make_model(tmp_path, "qwen3", tied=False, layers=4)
     data = write_data(tmp_path / "data.jsonl", 64, min_len=4, max_len=14)
     train = TRAIN | {"max_grad_norm": MAX_GRAD_NORM_PACKED}
-    _train_pair(tmp_path, model, data, (2, 2), {"train": train, "data": {"packing": True}})
+    sections = {"train": train, "data": {"packing": True}}
+    ulysses = _train_pair(tmp_path, model, data, (2, 2), sections)
+    ring = _train_pair(tmp_path, model, data, (2, 2), sections | {"runtime": RING})
+    _compare(ulysses, ring, model)
 
 
 def _train_pair(
     tmp_path: Path, model: Path, data: Path, split: tuple[int, int], sections: dict[str, Any]
-) -> None:
-    """The config ``sections`` on one rank, then on ``split`` = (ranks, context_parallel);
-    ``_compare``'d."""
-    one, many = tmp_path / "one", tmp_path / "many"
+) -> Path:
+    """The config ``sections`` on one rank (once per ``tmp_path``), then on ``split`` =
+    (ranks, context_parallel); ``_compare``'d. Returns the split run's output directory."""
+    one = tmp_path / "one"
     common = {"output": {"tensorboard": False}} | sections
-    c1 = write_config(tmp_path / "1.yaml", model, data, one, **common)
     ranks, context = split
     cp = common.get("runtime", {}) | {"ranks": ranks, "context_parallel": context}
+    many = tmp_path / f"many-{cp.get('context_attention', 'auto')}"
+    c1 = write_config(tmp_path / "1.yaml", model, data, one, **common)
     c2 = write_config(tmp_path / "2.yaml", model, data, many, **(common | {"runtime": cp}))
-    assert main(["train", str(c1)]) == 0
+    if not one.exists():
+        assert main(["train", str(c1)]) == 0
     assert run_ranks(c2, ranks) == [0] * ranks
     _compare(one, many, model)
+    return many

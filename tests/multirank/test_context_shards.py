@@ -9,7 +9,9 @@ from slidedp.data.batch import IGNORE_INDEX, Batch
 from slidedp.models.hf import HFAdapter
 from slidedp.models.loss import shift_labels
 from slidedp.runtime.context_parallel import (
+    RING,
     ContextGroup,
+    attention_scheme,
     bind_attention,
     full_sequence_masks,
     pad_width,
@@ -95,3 +97,32 @@ def test_packed_masks_keep_samples_apart_over_the_whole_row() -> None:
     for mask, want in zip(masks, one_rank, strict=True):
         assert torch.equal(mask, want)
         assert torch.equal(mask[0, 0], allowed)
+
+
+def test_auto_picks_ulysses_where_the_heads_divide_else_ring() -> None:
+    config = tiny_config("qwen3", tied=False, layers=2)  # 4 query, 2 key/value heads
+    assert attention_scheme(config, ContextGroup(0, 2)) == "ulysses"
+    assert attention_scheme(config, ContextGroup(0, 4)) == "ring"
+    assert attention_scheme(config, ContextGroup(0, 2, attention="ring")) == "ring"
+
+
+def test_ring_masks_are_each_shards_block_of_the_whole_rows_masks() -> None:
+    """Under ring each rank's mask is the block of the one-rank mask for its queries over the
+    keys up to its shard's end (no later key is visible in a causal model); a plain causal row
+    gives None (SDPA's lower-right causal mask over that block)."""
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 0, 1, 2, 3, 4, 5]])  # packed
+    one_rank = HFAdapter(tiny_config("qwen3", tied=False, layers=2)).layer_masks(
+        torch.zeros(2, 8, 64), None, positions
+    )[0]  # [B, 1, S, S]
+    for index in range(4):
+        adapter = HFAdapter(tiny_config("qwen3", tied=False, layers=2))
+        bind_attention(adapter.config, ContextGroup(index, 4))  # 2 key/value heads: ring
+        assert adapter.config._attn_implementation == RING
+        x = torch.zeros(2, 2, 64)
+        shared = {"row_position_ids": positions}
+        mask = full_sequence_masks(adapter.layer_masks, x, shared)[0]
+        rows, end = slice(2 * index, 2 * index + 2), 2 * index + 2
+        assert torch.equal(mask, one_rank[:, :, rows, :end])
+        assert not one_rank[:, :, rows, end:].any()
+        causal = {"row_position_ids": torch.arange(8)[None]}
+        assert full_sequence_masks(adapter.layer_masks, x, causal) == [None, None]

@@ -5,7 +5,8 @@ Run on a 2-GPU machine (the R=4 case needs 4):
 ``pytest -m multi_gpu tests/multirank/test_gpu_context.py -s``.
 Tolerance: the engine's bf16 bound (max |Δloss| <= 1e-3, tests/multirank/test_gpu_ranks.py):
 both runs compute in bf16; the split run's attention is the same SDPA call on the gathered
-heads, its gradient the sum of two shards' in another order.
+heads (Ulysses) or on each shard's queries over the gathered keys (ring), its gradient the sum
+of two shards' in another order.
 """
 
 from __future__ import annotations
@@ -25,21 +26,24 @@ STEPS = 100
 
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize(
-    ("arch", "gpus", "data_keys"),
+    ("arch", "gpus", "data_keys", "attention"),
     [
-        ("qwen3", 2, {}),
-        ("qwen3", 2, {"packing": True}),  # several samples per row, masked apart (SDPA's mask)
-        ("qwen3_moe", 2, {}),  # routers and experts on the shard (GPU histc counts)
-        ("qwen3", 4, {}),  # R=4: the tiny model with 4 key/value heads
+        ("qwen3", 2, {}, "auto"),
+        ("qwen3", 2, {"packing": True}, "auto"),  # several samples per row, masked apart
+        ("qwen3_moe", 2, {}, "auto"),  # routers and experts on the shard (GPU histc counts)
+        ("qwen3", 4, {}, "ulysses"),  # R=4: the tiny model with 4 key/value heads
+        ("qwen3", 2, {}, "ring"),  # ring: causal over the gathered keys (lower-right SDPA)
+        ("qwen3", 2, {"packing": True}, "ring"),  # ring: each shard's block of the mask
     ],
-    ids=["dense", "packed", "moe", "r4"],
+    ids=["dense", "packed", "moe", "r4", "ring", "ring-packed"],
 )
 def test_gpus_splitting_each_sequence_track_one(
-    tmp_path: Path, arch: str, gpus: int, data_keys: dict[str, bool]
+    tmp_path: Path, arch: str, gpus: int, data_keys: dict[str, bool], attention: str
 ) -> None:
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} CUDA GPUs")
-    model = make_model(tmp_path, arch, tied=True, layers=4, kv_heads=4 if gpus == 4 else None)
+    kv_heads = 4 if attention == "ulysses" else None  # the tiny model's 2 otherwise
+    model = make_model(tmp_path, arch, tied=True, layers=4, kv_heads=kv_heads)
     # rows up to the tiny model's max_position_embeddings (128); packed: samples shorter than
     # a row, so that rows hold several
     short = data_keys.get("packing", False)
@@ -48,7 +52,8 @@ def test_gpus_splitting_each_sequence_track_one(
     train = {"max_steps": STEPS, "global_batch_size": 4, "learning_rate": 1e-4,
              "max_grad_norm": 1.0, "dtype": "bfloat16"}  # fmt: skip
     # what context parallelism is checked with: eager layers, not compiled, a fixed layout
-    runtime = {"device": "cuda", "kernels": "eager", "compile": False, "policy": "fixed"}
+    runtime = {"device": "cuda", "kernels": "eager", "compile": False, "policy": "fixed",
+               "context_attention": attention}  # fmt: skip
     losses = []
     for n in (1, gpus):
         out = tmp_path / f"g{n}"
@@ -59,5 +64,6 @@ def test_gpus_splitting_each_sequence_track_one(
         assert main(["train", str(config)]) == 0
         losses.append(torch.tensor([m["loss"] for m in read_metrics(out)]))
     delta = (losses[0] - losses[1]).abs().max().item()
-    print(f"{arch} {data_keys} context_parallel={gpus}: max |dloss| {delta:.2e} over {STEPS} steps")
+    print(f"{arch} {data_keys} context_parallel={gpus} {attention}: max |dloss| {delta:.2e} "
+          f"over {STEPS} steps")  # fmt: skip
     assert delta <= 1e-3

@@ -2,14 +2,13 @@
 
 Each rank holds a contiguous shard of S/R tokens of every row; norms, MLP, RoPE (at the
 shard's global positions, or per sample in packed rows) and the chunked loss run on the
-shard. Inside attention, Ulysses sequence parallelism: an all-to-all over heads gives each rank
-the whole sequence for H/R query heads and Hkv/R key/value heads, the model's own attention
-function (SDPA) runs over it with the whole rows' mask (causal, or per packed sample), and an
-all-to-all back returns the shard's tokens for every head (torch's functional
-``all_to_all_single``, differentiable). Bound without touching the decoder layers:
-transformers' ``AttentionInterface`` under ``ULYSSES`` and the config's attention
-implementation. Invariant: each rank's loss is its shard's token loss over the
-global batch's label count, so the gradients summed over every rank are the one-rank gradient.
+shard. Attention spans the whole rows by one of two schemes (``attention_scheme``): Ulysses,
+an all-to-all over heads (H/R query and Hkv/R key/value heads per rank, the whole sequence,
+the model's own attention function and mask), or ring, each rank's queries over the gathered
+key/value shards before them (any heads; ``ring_attention``). Bound without touching the
+decoder layers: transformers' attention and mask interfaces under ``ULYSSES`` or ``RING``.
+Invariant: each rank's loss is its shard's token loss over the global batch's label count,
+so the gradients summed over every rank are the one-rank gradient.
 
 Example::
 
@@ -22,15 +21,20 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import _functional_collectives as funcol
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    _ignore_causal_mask_sdpa,
+    sdpa_mask,
+)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from slidedp.config import TrainConfig
@@ -40,7 +44,8 @@ from slidedp.models.hf import HFAdapter
 from slidedp.plan.device import pick_device
 from slidedp.plan.layout import parse_entry
 
-ULYSSES = "slidedp_ulysses"  # the attention implementation's name in transformers' interface
+ULYSSES = "slidedp_ulysses"  # the attention implementations' names in transformers' interfaces
+RING = "slidedp_ring"
 ROW_POSITIONS = "row_position_ids"  # the layers' shared inputs: the whole rows' positions
 # the model types whose context-parallel runs are checked against one rank (CPU parity tests;
 # Qwen3-MoE's routers and experts run on the shard, its load-balancing loss sums the token
@@ -55,6 +60,7 @@ class ContextGroup:
     index: int
     size: int
     group: dist.ProcessGroup | None = field(default=None, repr=False)
+    attention: Literal["auto", "ulysses", "ring"] = "auto"  # runtime.context_attention
 
     def shard(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of ``t`` [B, S, ...]: ``[B, S/R, ...]`` (S divides by R)."""
@@ -137,11 +143,95 @@ def ulysses_attention(
     return sequence_to_heads(out, context), None
 
 
+def gather_sequence(x: torch.Tensor, group: ContextGroup) -> torch.Tensor:
+    """[B, Hkv, S/R, D] (this shard's tokens) -> [B, Hkv, S, D] (every shard's, in order).
+    Differentiable: the backward sums each shard's gradient over the ranks back to its own."""
+    assert group.group is not None, "a context group joined by Dist.init"
+    b, h, s, d = x.shape
+    got: torch.Tensor = funcol.all_gather_single_autograd(x.contiguous(), 0, group.group)
+    # [R * B, Hkv, S/R, D], shard j's block j
+    return got.view(group.size, b, h, s, d).permute(1, 2, 0, 3, 4).reshape(b, h, -1, d)
+
+
+def ring_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [B, H, S/R, D]
+    key: torch.Tensor,  # [B, Hkv, S/R, D]
+    value: torch.Tensor,  # [B, Hkv, S/R, D]
+    attention_mask: torch.Tensor | None,  # ring_block_mask's block; None: causal
+    *,
+    context: ContextGroup,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """This shard's queries over the keys of every shard up to its own (a causal model's
+    later keys are never visible); returns [B, S/R, H, D] as transformers' functions do.
+    Memory: the gathered keys and values, [B, H, (index + 1) S/R, D] each after the
+    key/value heads are repeated for SDPA (as transformers' SDPA does under a mask)."""
+    s = query.shape[2]
+    visible = (context.index + 1) * s
+    k, v = (gather_sequence(t, context)[:, :, :visible] for t in (key, value))
+    groups = query.shape[1] // key.shape[1]
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    # no mask: causal over the whole rows, the block's diagonal ends at the last key
+    mask = causal_lower_right(s, visible) if attention_mask is None else attention_mask
+    out: torch.Tensor = F.scaled_dot_product_attention(
+        query, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling
+    )  # [B, H, S/R, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def ring_block_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    *,
+    context: ContextGroup,
+    mask_function: Any,
+    local_size: int | None = None,
+    allow_is_causal_skip: bool = True,
+    **kwargs: Any,
+) -> torch.Tensor | None:
+    """The mask block [B, 1, S/R, (index + 1) S/R] of this shard's queries over the keys up
+    to its end, evaluated from the model's ``mask_function`` of the whole rows (causal,
+    packed samples, sliding window; transformers' ``sdpa_mask`` at the block's offsets), or
+    None where the whole rows' mask is plain causal (SDPA's own causal mask, as sdpa skips)."""
+    whole = kwargs.get("attention_mask")  # [B, S] padding mask, or None
+    if allow_is_causal_skip and _ignore_causal_mask_sdpa(whole, q_length, kv_length, 0, 0,
+                                                         local_size):  # fmt: skip
+        return None
+    s = q_length // context.size
+    return sdpa_mask(
+        batch_size, s, (context.index + 1) * s, q_offset=context.index * s,
+        mask_function=mask_function, attention_mask=whole, allow_is_causal_skip=False,
+        use_vmap=kwargs.get("use_vmap", False), device=kwargs.get("device", "cpu"),
+    )  # fmt: skip
+
+
+def attention_scheme(config: Any, context: ContextGroup) -> Literal["ulysses", "ring"]:
+    """The scheme ``context.attention`` asks for; ``auto``: Ulysses where the model's query
+    and key/value heads divide by the group's size (balanced work, no gathered keys), else
+    ring."""
+    if context.attention != "auto":
+        return context.attention
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return "ulysses" if heads % context.size == 0 == kv_heads % context.size else "ring"
+
+
 def bind_attention(config: Any, context: ContextGroup) -> None:
-    """Every attention layer of the model of ``config`` (shared by its modules) runs Ulysses
-    over ``context`` from now on, around the attention implementation it had."""
+    """Every attention layer of the model of ``config`` (shared by its modules) runs the
+    group's scheme over ``context`` from now on (Ulysses around the attention implementation
+    it had, ring with SDPA)."""
     inner = config._attn_implementation
-    if inner == ULYSSES:
+    if inner in (ULYSSES, RING):
+        return
+    if attention_scheme(config, context) == "ring":
+        AttentionInterface.register(RING, functools.partial(ring_attention, context=context))
+        ALL_MASK_ATTENTION_FUNCTIONS.register(RING, functools.partial(ring_block_mask,
+                                                                      context=context))  # fmt: skip
+        config._attn_implementation = RING
         return
     attend = functools.partial(ulysses_attention, context=context, inner=inner)
     AttentionInterface.register(ULYSSES, attend)
@@ -157,7 +247,7 @@ def full_sequence_masks(layer_masks: Any, x: torch.Tensor, shared: dict[str, Any
     ``x`` [B, S/R, H] (only its shape, dtype and device are read). No padding mask: padded
     rows are right-padded, and causal attention keeps every token off the padding after it
     (so SDPA runs causal without an S x S mask); packed rows keep each sample apart by their
-    per-sample positions, as on one rank."""
+    per-sample positions, as on one rank. Under ring, each is this shard's block of it."""
     positions = shared[ROW_POSITIONS]
     whole = x[:, :1].expand(-1, positions.shape[1], -1)  # [B, S, H], a view: no memory
     masks: list[Any] = layer_masks(whole, None, positions)
@@ -186,10 +276,11 @@ def _shape_problem(cfg: TrainConfig, adapter: HFAdapter, r: int) -> str | None:
         return f"data.seq_len={cfg.data.seq_len} must divide by it: set a multiple of {r}"
     heads = adapter.config.num_attention_heads
     kv_heads = getattr(adapter.config, "num_key_value_heads", None) or heads
-    if heads % r or kv_heads % r:
+    if cfg.runtime.launch.context_attention == "ulysses" and (heads % r or kv_heads % r):
         return (
             f"the model's {heads} query and {kv_heads} key/value heads must each divide by "
-            "it (the all-to-all gives each rank H/R heads): lower runtime.context_parallel"
+            "it under runtime.context_attention=ulysses (the all-to-all gives each rank H/R "
+            "heads): set runtime.context_attention=ring (or auto), or lower it"
         )
     return None
 

@@ -22,6 +22,7 @@ import datetime
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -58,6 +59,7 @@ class Dist:
     # runtime.context_parallel: consecutive ranks that split each row's tokens (set before
     # ``init``); ``init`` joins this rank's context group
     context_size: int = 1
+    context_attention: Literal["auto", "ulysses", "ring"] = "auto"  # runtime.context_attention
     context: ContextGroup | None = field(default=None, repr=False)
 
     @staticmethod
@@ -130,7 +132,7 @@ class Dist:
             r = self.context_size
             groups = [list(range(g * r, (g + 1) * r)) for g in range(self.world // r)]
             mine = self._member_of(groups, timeout, None)
-            self.context = ContextGroup(self.rank % r, r, mine)
+            self.context = ContextGroup(self.rank % r, r, mine, self.context_attention)
         if self.nodes == 1:
             return
         L, N = self.local_world, self.nodes
@@ -319,6 +321,7 @@ def start(
     # gloo cross groups, NCCL refuses host memory)
     route = effective_runtime(runtime).layout.grad_route
     ctx.context_size = runtime.launch.context_parallel
+    ctx.context_attention = runtime.launch.context_attention
     ctx.init(device, runtime.launch.version_timeout_s, host_sum=route == "cpu")
     return device
 
