@@ -143,14 +143,16 @@ def ulysses_attention(
     return sequence_to_heads(out, context), None
 
 
-def gather_sequence(x: torch.Tensor, group: ContextGroup) -> torch.Tensor:
-    """[B, Hkv, S/R, D] (this shard's tokens) -> [B, Hkv, S, D] (every shard's, in order).
-    Differentiable: the backward sums each shard's gradient over the ranks back to its own."""
+def gather_sequence(x: torch.Tensor, group: ContextGroup, shards: int) -> torch.Tensor:
+    """[B, Hkv, S/R, D] (this shard's tokens) -> [B, Hkv, shards * S/R, D] (the first
+    ``shards`` shards' tokens, in order). Differentiable: the backward sums each shard's
+    gradient over the ranks back to its own."""
     assert group.group is not None, "a context group joined by Dist.init"
     b, h, s, d = x.shape
     got: torch.Tensor = funcol.all_gather_single_autograd(x.contiguous(), 0, group.group)
-    # [R * B, Hkv, S/R, D], shard j's block j
-    return got.view(group.size, b, h, s, d).permute(1, 2, 0, 3, 4).reshape(b, h, -1, d)
+    # [R * B, Hkv, S/R, D], shard j's block j; the later shards are dropped before the copy
+    first = got.view(group.size, b, h, s, d)[:shards]
+    return first.permute(1, 2, 0, 3, 4).reshape(b, h, shards * s, d)
 
 
 def ring_attention(
@@ -171,7 +173,7 @@ def ring_attention(
     key/value heads are repeated for SDPA (as transformers' SDPA does under a mask)."""
     s = query.shape[2]
     visible = (context.index + 1) * s
-    k, v = (gather_sequence(t, context)[:, :, :visible] for t in (key, value))
+    k, v = (gather_sequence(t, context, context.index + 1) for t in (key, value))
     groups = query.shape[1] // key.shape[1]
     k, v = repeat_kv(k, groups), repeat_kv(v, groups)
     # no mask: causal over the whole rows, the block's diagonal ends at the last key
