@@ -4,7 +4,7 @@
 #                 <= 1e-3: tests/multirank/test_gpu_context.py), with padded rows, packed rows
 #                 and a tiny Qwen3-MoE; on nvidia-h100-x2. On a 4-GPU kind also R=4 against 1
 #                 GPU. K=EXPR picks cases (pytest -k: dense, packed, moe, r4, ring; K=ring:
-#                 ring attention, dense and packed rows, R=2 on a model with 2 key/value heads).
+#                 ring attention, dense and packed rows at R=2, and R=4 on a 4-GPU kind).
 #   PARTS=long    Qwen3-8B (seeded init, YaRN factor SEQ/32768) in one sequence of SEQ tokens
 #                 split over GPUS GPUs (R = GPUS), STEPS steps, clipping CLIP; the metrics
 #                 (step time, tokens/s) and `slidedp estimate` of the same config; on
@@ -13,6 +13,7 @@
 #                 SEQ/32768) at one sequence of SEQ tokens a step over GPUS GPUs, first, then
 #                 the compute-only reference on one GPU at SEQ, or the longest SEQ/2^k that fits
 #                 (REF_SEQ=S: at S), projected by FLOP/s; $OUT/bench-SHAPE-SEQ-rGPUS.json
+# ATTN=ring|ulysses sets runtime.context_attention in the long and bench parts (auto otherwise).
 # Context-parallel runs use eager layers, no torch.compile and a fixed layout (the keys are set
 # here; the preflight refuses the others).
 # Here first:  rm -f dist/*.whl; .venv/bin/maturin build --release -o dist/ -q
@@ -25,14 +26,14 @@ GPUS=${GPUS:-4}
 long_run() {  # Qwen3-8B's config (no weights: seeded init), one row of SEQ random tokens
     local dir="$OUT/long"
     mkdir -p "$dir/model"
-    python3 - "$dir" "$SEQ" "$GPUS" "${STEPS:-3}" "${CLIP:-1.0}" <<'PY'
+    python3 - "$dir" "$SEQ" "$GPUS" "${STEPS:-3}" "${CLIP:-1.0}" "${ATTN:-auto}" <<'PY'
 import json, sys
 from pathlib import Path
 import torch, yaml
 from transformers import Qwen3Config
 from slidedp.models.shapes import SHAPES
 d, seq, gpus, steps = Path(sys.argv[1]), *map(int, sys.argv[2:5])
-clip = float(sys.argv[5])
+clip, attention = float(sys.argv[5]), sys.argv[6]
 Qwen3Config(**SHAPES["qwen3-8b"]).save_pretrained(d / "model")
 gen = torch.Generator().manual_seed(0)
 with (d / "data.jsonl").open("w") as f:
@@ -46,7 +47,7 @@ config = {
               "dtype": "bfloat16"},
     "output": {"dir": str(d / "out"), "tensorboard": False, "save_steps": 0},
     "runtime": {"device": "cuda", "gpus": gpus, "context_parallel": gpus, "kernels": "eager",
-                "compile": False, "policy": "fixed"},
+                "compile": False, "policy": "fixed", "context_attention": attention},
 }
 (d / "run.yaml").write_text(yaml.safe_dump(config))
 PY
@@ -61,7 +62,8 @@ bench_run() {  # slidedp bench train with context parallelism (the bench sets it
         --seq "$SEQ" --batch 1 --gpus "$GPUS" --context-parallel "$GPUS" ${REF_SEQ:+--ref-seq "$REF_SEQ"} \
         --systems ours,reference --scaled-first --no-collectives --warmup 1 --steps 2 \
         --set "model.rope_scaling={rope_type: yarn, factor: $factor, original_max_position_embeddings: 32768}" \
-        --set "model.max_position_embeddings=$SEQ" --json "$OUT/bench-$shape-$SEQ-r$GPUS.json"
+        --set "model.max_position_embeddings=$SEQ" ${ATTN:+--set "runtime.context_attention=$ATTN"} \
+        --json "$OUT/bench-$shape-$SEQ-r$GPUS.json"
 }
 
 case ${PARTS:-parity} in

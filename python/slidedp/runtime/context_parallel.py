@@ -168,9 +168,12 @@ def ring_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """This shard's queries over the keys of every shard up to its own (a causal model's
-    later keys are never visible); returns [B, S/R, H, D] as transformers' functions do.
-    Memory: the gathered keys and values, [B, H, (index + 1) S/R, D] each after the
-    key/value heads are repeated for SDPA (as transformers' SDPA does under a mask)."""
+    later keys are never visible), by torch's SDPA whatever the model's implementation;
+    returns [B, S/R, H, D] as transformers' functions do. The key/value shards reach every
+    rank in one all-gather (ring attention's all-gather rotation, as in Llama 3's context
+    parallelism: one SDPA call, no per-block merge). Memory: the gathered keys and values,
+    [B, H, (index + 1) S/R, D] each once the key/value heads are repeated for SDPA (as
+    transformers' SDPA does under a mask)."""
     s = query.shape[2]
     visible = (context.index + 1) * s
     k, v = (gather_sequence(t, context, context.index + 1) for t in (key, value))
@@ -200,6 +203,7 @@ def ring_block_mask(
     packed samples, sliding window; transformers' ``sdpa_mask`` at the block's offsets), or
     None where the whole rows' mask is plain causal (SDPA's own causal mask, as sdpa skips)."""
     whole = kwargs.get("attention_mask")  # [B, S] padding mask, or None
+    # transformers' own test of whether sdpa may skip the mask (private: no public twin)
     if allow_is_causal_skip and _ignore_causal_mask_sdpa(whole, q_length, kv_length, 0, 0,
                                                          local_size):  # fmt: skip
         return None
