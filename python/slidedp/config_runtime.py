@@ -38,8 +38,8 @@ class LaunchSpec:
     master_addr: str = ""  # node 0's address as the other nodes reach it (nodes > 1)
     master_port: int = 29500  # a TCP port free on node 0
     version_timeout_s: float = 600.0
-    # ranks that split every sequence into contiguous shards (attention over the whole sequence
-    # by an all-to-all over heads); data parallelism runs over the ranks / context_parallel groups
+    # ranks that split every sequence into contiguous shards (attention over the whole sequence:
+    # context_attention); data parallelism runs over the ranks / context_parallel groups
     context_parallel: int = 1
     # how attention spans the shards: ulysses = an all-to-all over heads (the query and
     # key/value heads must divide by context_parallel); ring = each rank keeps its queries and
