@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.tiny import tiny_config
@@ -106,23 +107,34 @@ def test_auto_picks_ulysses_where_the_heads_divide_else_ring() -> None:
     assert attention_scheme(config, ContextGroup(0, 2, attention="ring")) == "ring"
 
 
-def test_ring_masks_are_each_shards_block_of_the_whole_rows_masks() -> None:
-    """Under ring each rank's mask is the block of the one-rank mask for its queries over the
-    keys up to its shard's end (no later key is visible in a causal model); a plain causal row
-    gives None (SDPA's lower-right causal mask over that block)."""
-    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 0, 1, 2, 3, 4, 5]])  # packed
-    one_rank = HFAdapter(tiny_config("qwen3", tied=False, layers=2)).layer_masks(
-        torch.zeros(2, 8, 64), None, positions
-    )[0]  # [B, 1, S, S]
-    for index in range(4):
-        adapter = HFAdapter(tiny_config("qwen3", tied=False, layers=2))
-        bind_attention(adapter.config, ContextGroup(index, 4))  # 2 key/value heads: ring
-        assert adapter.config._attn_implementation == RING
-        x = torch.zeros(2, 2, 64)
-        shared = {"row_position_ids": positions}
-        mask = full_sequence_masks(adapter.layer_masks, x, shared)[0]
-        rows, end = slice(2 * index, 2 * index + 2), 2 * index + 2
-        assert torch.equal(mask, one_rank[:, :, rows, :end])
-        assert not one_rank[:, :, rows, end:].any()
-        causal = {"row_position_ids": torch.arange(8)[None]}
-        assert full_sequence_masks(adapter.layer_masks, x, causal) == [None, None]
+def _sliding_qwen3(window: int | None) -> HFAdapter:
+    """The tiny Qwen3 with a sliding-window layer (``window`` tokens) before a full one."""
+    config = tiny_config("qwen3", tied=False, layers=2)
+    if window is not None:
+        config.sliding_window, config.layer_types = window, ["sliding_attention", "full_attention"]
+    return HFAdapter(config)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_ring_masks_are_each_shards_block_of_the_whole_rows_masks(window: int | None) -> None:
+    """Under ring each rank's masks are the blocks of the one-rank masks for its queries over
+    the keys up to its shard's end (no later key is visible in a causal model), packed or
+    within a sliding window; a plain causal row of full attention gives None (SDPA's
+    lower-right causal mask over that block)."""
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 0, 1, 2, 3, 4, 5]])
+    for positions in (packed, torch.arange(8)[None]):
+        one_rank = _sliding_qwen3(window).layer_masks(torch.zeros(2, 8, 64), None, positions)
+        for index in range(4):
+            adapter = _sliding_qwen3(window)
+            bind_attention(adapter.config, ContextGroup(index, 4))  # 2 key/value heads: ring
+            assert adapter.config._attn_implementation == RING
+            shared = {"row_position_ids": positions}
+            masks = full_sequence_masks(adapter.layer_masks, torch.zeros(2, 2, 64), shared)
+            rows, end = slice(2 * index, 2 * index + 2), 2 * index + 2
+            for mask, whole in zip(masks, one_rank, strict=True):
+                if whole is None:  # plain causal on one rank too
+                    assert mask is None
+                    continue
+                assert torch.equal(mask, whole.expand(2, -1, -1, -1)[:, :, rows, :end])
+                assert not whole[:, :, rows, end:].any()
+        assert window is not None or positions is packed or one_rank == [None, None]
