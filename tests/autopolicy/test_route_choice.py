@@ -154,9 +154,6 @@ def test_auto_on_two_gpus_chooses_layout_and_routes_from_the_probes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, links: dict[str, float], route: Any
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    # the program's choice with GPU-resident groups on several GPUs allowed (the switch is
-    # off in the product until measured there: test_auto_on_two_gpus_keeps_layers_on_the_host)
-    monkeypatch.setattr(choose, "RESIDENT_ON_SEVERAL_GPUS", True)
     cfg = _cfg(tmp_path, clipping=True, policy="auto")
     adapter = HFAdapter.from_dir(cfg.model.path)
     _cache_probes(cfg, adapter, links)
@@ -314,22 +311,3 @@ def test_the_chunk_probe_takes_the_default_runs_mirror_whatever_the_policy(
     rings = cfg.runtime.with_keys(grad_slots=8)
     assert chunk_skipped(rings, _machine()) == (
         "the whole layer (the config sets runtime.grad_slots=8)")  # fmt: skip
-
-
-@pytest.mark.e2e
-def test_auto_on_two_gpus_keeps_layers_on_the_host(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With the switch off (the product's setting), auto on several GPUs keeps no layer and
-    no embedding GPU-resident, whatever the program would gain."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    assert not choose.RESIDENT_ON_SEVERAL_GPUS
-    cfg = _cfg(tmp_path, clipping=True, policy="auto")
-    adapter = HFAdapter.from_dir(cfg.model.path)
-    _cache_probes(cfg, adapter, FAST)
-    monkeypatch.setattr(choose, "cached_profile", lambda args: _profile(adapter))
-    chosen, line = auto.resolve_auto(cfg, adapter, _machine(), measure=False)
-    layout = chosen.runtime.layout
-    assert (layout.resident_layers, layout.resident_embeddings) == (0, False)
-    assert line is not None
-    assert ", 0 GPU-resident" in line

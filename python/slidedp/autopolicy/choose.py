@@ -77,10 +77,6 @@ if TYPE_CHECKING:
     from slidedp.config import TrainConfig
     from slidedp.models.hf import HFAdapter
 
-# AutoPolicy may keep layers GPU-resident on several GPUs (see ``start``): off until measured
-RESIDENT_ON_SEVERAL_GPUS = False
-
-
 @dataclass(frozen=True)
 class ChooseSpec:
     """How one selection runs: what ``slidedp plan`` and ``runtime.policy: auto`` set apart."""
@@ -430,12 +426,9 @@ def start(cfg: TrainConfig, adapter: HFAdapter, machine: Machine, spec: ChooseSp
         spec=spec,
         clock=clock,
         candidates=routes,
-        # GPU-resident layers on one GPU (on CPU they would move nothing). On several GPUs
-        # they run when the config asks (runtime.resident_layers, gpu route) but the choice
-        # keeps every layer on the host until their CUDA path is measured against the all-host
-        # run there; RESIDENT_ON_SEVERAL_GPUS is that switch (its pricing is in place)
-        resident=on_gpu
-        and (not several or (RESIDENT_ON_SEVERAL_GPUS and any(g == "gpu" for _, g in routes))),
+        # GPU-resident layers on GPUs only (on CPU they would move nothing); on several GPUs
+        # only where a gpu gradient route is a candidate (the cpu route refuses them)
+        resident=on_gpu and (not several or any(g == "gpu" for _, g in routes)),
         measure_here=spec.measure,
     )
 
