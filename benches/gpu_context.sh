@@ -3,8 +3,8 @@
 #   PARTS=parity  2 GPUs at R=2 against 1 GPU, 100 bf16 steps of a tiny Qwen3 (max |Δloss|
 #                 <= 1e-3: tests/multirank/test_gpu_context.py), with padded rows, packed rows
 #                 and a tiny Qwen3-MoE; on nvidia-h100-x2. On a 4-GPU kind also R=4 against 1
-#                 GPU. K=EXPR picks cases (pytest -k: dense, packed, moe, r4, ring; K=ring:
-#                 ring attention, dense and packed rows at R=2, and R=4 on a 4-GPU kind).
+#                 GPU. K=EXPR picks cases (pytest -k: dense, packed, moe, r4, allgather; K=allgather:
+#                 all-gather attention, dense and packed rows at R=2, and R=4 on a 4-GPU kind).
 #   PARTS=long    Qwen3-8B (seeded init, YaRN factor SEQ/32768) in one sequence of SEQ tokens
 #                 split over GPUS GPUs (R = GPUS), STEPS steps, clipping CLIP; the metrics
 #                 (step time, tokens/s) and `slidedp estimate` of the same config; on
@@ -13,7 +13,7 @@
 #                 SEQ/32768) at one sequence of SEQ tokens a step over GPUS GPUs, first, then
 #                 the compute-only reference on one GPU at SEQ, or the longest SEQ/2^k that fits
 #                 (REF_SEQ=S: at S), projected by FLOP/s; $OUT/bench-SHAPE-SEQ-rGPUS.json
-# ATTN=ring|ulysses sets runtime.context_attention in the long and bench parts (auto otherwise).
+# ATTN=allgather|ulysses sets runtime.context_attention in the long and bench parts (auto otherwise).
 # Context-parallel runs use eager layers, no torch.compile and a fixed layout (the keys are set
 # here; the preflight refuses the others).
 # Here first:  rm -f dist/*.whl; .venv/bin/maturin build --release -o dist/ -q

@@ -42,9 +42,9 @@ class LaunchSpec:
     # context_attention); data parallelism runs over the ranks / context_parallel groups
     context_parallel: int = 1
     # how attention spans the shards: ulysses = an all-to-all over heads (the query and
-    # key/value heads must divide by context_parallel); ring = each rank keeps its queries and
+    # key/value heads must divide by context_parallel); allgather = each rank keeps its queries and
     # gathers the key/value shards before it (any heads); auto: ulysses where the heads divide
-    context_attention: Literal["auto", "ulysses", "ring"] = "auto"
+    context_attention: Literal["auto", "ulysses", "allgather"] = "auto"
 
     @property
     def world(self) -> int:

@@ -41,7 +41,7 @@ REFUSED = [
     ({"runtime": {"ranks": 3, "context_parallel": 2}}, ("does not divide the 3 ranks",)),
     ({"runtime": {"ranks": 3, "context_parallel": 3}}, ("data.seq_len=32 must divide",)),
     ({"runtime": {"ranks": 4, "context_parallel": 4, "context_attention": "ulysses"}},
-     ("4 query and 2 key/value heads", "runtime.context_attention=ring")),
+     ("4 query and 2 key/value heads", "runtime.context_attention=allgather")),
     ({"runtime": {"ranks": 2, "context_parallel": 2, "offload_ratio": 0.5}},
      ("runtime.offload_ratio",)),
     ({"runtime": {"ranks": 2, "context_parallel": 2, "layers": "F-r1"}}, ("-rRATIO",)),

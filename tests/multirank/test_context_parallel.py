@@ -14,9 +14,9 @@ each shard boundary by 1.1e-3; packed samples attending across their boundaries 
 over the whole rows instead of per sample) by 5.8e-3 (packed case: 5.6e-8 when right); a
 mixture of experts' load-balancing loss taken on each shard alone, not from every shard's token
 statistics, by 1.0e-4 (MoE case: 7.6e-8, its aux_loss compared too, equal to the bit).
-Ring attention (each shard's queries over the gathered keys) reorders SDPA's sums over keys
+All-gather attention (each shard's queries over the gathered keys) reorders SDPA's sums over keys
 too: R=4 within 1.3e-7 relative (parameters 1.4e-7), R=2 x 2 groups 1.1e-7 (1.2e-7), packed
-1.0e-7 (9.7e-8) of one rank and 5.1e-8 (1.2e-7) of Ulysses; ring mask blocks plain causal over
+1.0e-7 (9.7e-8) of one rank and 5.1e-8 (1.2e-7) of Ulysses; allgather mask blocks plain causal over
 the rows instead of each shard's block of the per-sample mask move the packed losses by 5.8e-3.
 """
 
@@ -64,7 +64,7 @@ def _compare(one: Path, many: Path, model: Path) -> None:
     assert moved > 100 * PARAM_ATOL, "training must move the parameters for this to mean much"
 
 
-RING = {"context_attention": "ring"}
+GATHER = {"context_attention": "allgather"}
 
 
 @pytest.mark.e2e
@@ -73,12 +73,18 @@ RING = {"context_attention": "ring"}
     [
         ("qwen3", 2, 2, {"layers": "1xF, 1xN, 1xS1010100, 1xSAC.mm"}, None),
         ("llama", 2, 2, {"grad_route": "cpu", "param_route": "sharded"}, None),
-        ("qwen3", 4, 2, RING, None),  # 2 ring groups of 2: data parallelism over the groups
+        ("qwen3", 4, 2, GATHER, None),  # 2 allgather groups of 2: data parallelism over the groups
         ("qwen3", 4, 4, {}, 4),  # one group of 4 (Ulysses: the 4 key/value heads split in 4)
-        ("qwen3", 4, 4, {}, None),  # ring (auto): the tiny model's 2 key/value heads in 4 ranks
+        (
+            "qwen3",
+            4,
+            4,
+            {},
+            None,
+        ),  # allgather (auto): the tiny model's 2 key/value heads in 4 ranks
         ("qwen3_moe", 2, 2, {}, None),  # routers and experts on the shard, aux loss summed
     ],
-    ids=["families", "llama-routes", "ring-dp", "ulysses-r4", "ring-r4", "moe"],
+    ids=["families", "llama-routes", "allgather-dp", "ulysses-r4", "allgather-r4", "moe"],
 )
 def test_context_parallel_matches_one_rank(
     tmp_path: Path,
@@ -89,7 +95,7 @@ def test_context_parallel_matches_one_rank(
     kv_heads: int | None,
 ) -> None:
     """R=2 on 2 ranks (every activation family; llama on the cpu and sharded routes; a mixture
-    of experts), R=2 x 2 data-parallel groups (ring) and R=4 on 4 ranks (Ulysses, and ring
+    of experts), R=2 x 2 data-parallel groups (allgather) and R=4 on 4 ranks (Ulysses, and allgather
     where the key/value heads do not divide by 4): one rank's losses, norms and parameters."""
     # each norm binds in some steps of its model's run, not in all
     train = TRAIN | {"max_grad_norm": 2.0 if arch == "llama" else 2.2}
@@ -101,15 +107,15 @@ def test_context_parallel_matches_one_rank(
 @pytest.mark.e2e
 def test_packed_rows_match_one_rank(tmp_path: Path) -> None:
     """Packed rows (2 to 7 samples each, attention kept inside every sample, the shard
-    boundary inside a sample) at R=2, Ulysses then ring (the mask blocks of each shard): the
+    boundary inside a sample) at R=2, Ulysses then allgather (the mask blocks of each shard): the
     one-rank packed run's losses, norms, parameters, and the two schemes' alike."""
     model = make_model(tmp_path, "qwen3", tied=False, layers=4)
     data = write_data(tmp_path / "data.jsonl", 64, min_len=4, max_len=14)
     train = TRAIN | {"max_grad_norm": MAX_GRAD_NORM_PACKED}
     sections = {"train": train, "data": {"packing": True}}
     ulysses = _train_pair(tmp_path, model, data, (2, 2), sections)
-    ring = _train_pair(tmp_path, model, data, (2, 2), sections | {"runtime": RING})
-    _compare(ulysses, ring, model)
+    allgather = _train_pair(tmp_path, model, data, (2, 2), sections | {"runtime": GATHER})
+    _compare(ulysses, allgather, model)
 
 
 def _train_pair(

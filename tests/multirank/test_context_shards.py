@@ -10,7 +10,7 @@ from slidedp.data.batch import IGNORE_INDEX, Batch
 from slidedp.models.hf import HFAdapter
 from slidedp.models.loss import shift_labels
 from slidedp.runtime.context_parallel import (
-    RING,
+    GATHER,
     ContextGroup,
     attention_scheme,
     bind_attention,
@@ -100,11 +100,11 @@ def test_packed_masks_keep_samples_apart_over_the_whole_row() -> None:
         assert torch.equal(mask[0, 0], allowed)
 
 
-def test_auto_picks_ulysses_where_the_heads_divide_else_ring() -> None:
+def test_auto_picks_ulysses_where_the_heads_divide_else_allgather() -> None:
     config = tiny_config("qwen3", tied=False, layers=2)  # 4 query, 2 key/value heads
     assert attention_scheme(config, ContextGroup(0, 2)) == "ulysses"
-    assert attention_scheme(config, ContextGroup(0, 4)) == "ring"
-    assert attention_scheme(config, ContextGroup(0, 2, attention="ring")) == "ring"
+    assert attention_scheme(config, ContextGroup(0, 4)) == "allgather"
+    assert attention_scheme(config, ContextGroup(0, 2, attention="allgather")) == "allgather"
 
 
 def _sliding_qwen3(window: int | None) -> HFAdapter:
@@ -116,8 +116,8 @@ def _sliding_qwen3(window: int | None) -> HFAdapter:
 
 
 @pytest.mark.parametrize("window", [None, 3])
-def test_ring_masks_are_each_shards_block_of_the_whole_rows_masks(window: int | None) -> None:
-    """Under ring each rank's masks are the blocks of the one-rank masks for its queries over
+def test_allgather_masks_are_each_shards_block_of_the_whole_rows_masks(window: int | None) -> None:
+    """Under allgather each rank's masks are the blocks of the one-rank masks for its queries over
     the keys up to its shard's end (no later key is visible in a causal model), packed or
     within a sliding window; a plain causal row of full attention gives None (SDPA's
     lower-right causal mask over that block)."""
@@ -126,8 +126,8 @@ def test_ring_masks_are_each_shards_block_of_the_whole_rows_masks(window: int | 
         one_rank = _sliding_qwen3(window).layer_masks(torch.zeros(2, 8, 64), None, positions)
         for index in range(4):
             adapter = _sliding_qwen3(window)
-            bind_attention(adapter.config, ContextGroup(index, 4))  # 2 key/value heads: ring
-            assert adapter.config._attn_implementation == RING
+            bind_attention(adapter.config, ContextGroup(index, 4))  # 2 key/value heads: allgather
+            assert adapter.config._attn_implementation == GATHER
             shared = {"row_position_ids": positions}
             masks = full_sequence_masks(adapter.layer_masks, torch.zeros(2, 2, 64), shared)
             rows, end = slice(2 * index, 2 * index + 2), 2 * index + 2

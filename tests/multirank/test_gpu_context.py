@@ -1,12 +1,12 @@
 """2 (or 4) GPUs splitting every sequence (``runtime.context_parallel``: NCCL all-to-all, or
-all-gather under ring attention) against 1 GPU reading the rows whole, bf16, 100 steps: dense,
-packed rows, a mixture of experts; Ulysses and ring.
+all-gather of key/value shards) against 1 GPU reading the rows whole, bf16, 100 steps: dense,
+packed rows, a mixture of experts; Ulysses and allgather.
 
 Run on a 2-GPU machine (the R=4 cases need 4):
 ``pytest -m multi_gpu tests/multirank/test_gpu_context.py -s``.
 Tolerance: the engine's bf16 bound (max |Δloss| <= 1e-3, tests/multirank/test_gpu_ranks.py):
 both runs compute in bf16; the split run's attention is the same SDPA call on the gathered
-heads (Ulysses) or on each shard's queries over the gathered keys (ring), its gradient the sum
+heads (Ulysses) or on each shard's queries over the gathered keys (allgather), its gradient the sum
 of two shards' in another order.
 """
 
@@ -33,11 +33,16 @@ STEPS = 100
         ("qwen3", 2, {"packing": True}, "auto"),  # several samples per row, masked apart
         ("qwen3_moe", 2, {}, "auto"),  # routers and experts on the shard (GPU histc counts)
         ("qwen3", 4, {}, "ulysses"),  # R=4: the tiny model with 4 key/value heads
-        ("qwen3", 2, {}, "ring"),  # ring: causal over the gathered keys (lower-right SDPA)
-        ("qwen3", 2, {"packing": True}, "ring"),  # ring: each shard's block of the mask
-        ("qwen3", 4, {}, "ring"),  # ring at R=4: the tiny model's 2 key/value heads
+        (
+            "qwen3",
+            2,
+            {},
+            "allgather",
+        ),  # allgather: causal over the gathered keys (lower-right SDPA)
+        ("qwen3", 2, {"packing": True}, "allgather"),  # allgather: each shard's block of the mask
+        ("qwen3", 4, {}, "allgather"),  # allgather at R=4: the tiny model's 2 key/value heads
     ],
-    ids=["dense", "packed", "moe", "r4", "ring", "ring-packed", "ring-r4"],
+    ids=["dense", "packed", "moe", "r4", "allgather", "allgather-packed", "allgather-r4"],
 )
 def test_gpus_splitting_each_sequence_track_one(
     tmp_path: Path, arch: str, gpus: int, data_keys: dict[str, bool], attention: str

@@ -4,9 +4,9 @@ Each rank holds a contiguous shard of S/R tokens of every row; norms, MLP, RoPE 
 shard's global positions, or per sample in packed rows) and the chunked loss run on the
 shard. Attention spans the whole rows by one of two schemes (``attention_scheme``): Ulysses,
 an all-to-all over heads (H/R query and Hkv/R key/value heads per rank, the whole sequence,
-the model's own attention function and mask), or ring, each rank's queries over the gathered
-key/value shards before them (any heads; ``ring_attention``). Bound without touching the
-decoder layers: transformers' attention and mask interfaces under ``ULYSSES`` or ``RING``.
+the model's own attention function and mask), or allgather, each rank's queries over the gathered
+key/value shards before them (any heads; ``gathered_attention``). Bound without touching the
+decoder layers: transformers' attention and mask interfaces under ``ULYSSES`` or ``GATHER``.
 Invariant: each rank's loss is its shard's token loss over the global batch's label count,
 so the gradients summed over every rank are the one-rank gradient.
 
@@ -45,7 +45,7 @@ from slidedp.plan.device import pick_device
 from slidedp.plan.layout import parse_entry
 
 ULYSSES = "slidedp_ulysses"  # the attention implementations' names in transformers' interfaces
-RING = "slidedp_ring"
+GATHER = "slidedp_kv_gather"
 ROW_POSITIONS = "row_position_ids"  # the layers' shared inputs: the whole rows' positions
 # the model types whose context-parallel runs are checked against one rank (CPU parity tests;
 # Qwen3-MoE's routers and experts run on the shard, its load-balancing loss sums the token
@@ -60,7 +60,7 @@ class ContextGroup:
     index: int
     size: int
     group: dist.ProcessGroup | None = field(default=None, repr=False)
-    attention: Literal["auto", "ulysses", "ring"] = "auto"  # runtime.context_attention
+    attention: Literal["auto", "ulysses", "allgather"] = "auto"  # runtime.context_attention
 
     def shard(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of ``t`` [B, S, ...]: ``[B, S/R, ...]`` (S divides by R)."""
@@ -155,12 +155,12 @@ def gather_sequence(x: torch.Tensor, group: ContextGroup, shards: int) -> torch.
     return first.permute(1, 2, 0, 3, 4).reshape(b, h, shards * s, d)
 
 
-def ring_attention(
+def gathered_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # [B, H, S/R, D]
     key: torch.Tensor,  # [B, Hkv, S/R, D]
     value: torch.Tensor,  # [B, Hkv, S/R, D]
-    attention_mask: torch.Tensor | None,  # ring_block_mask's block; None: causal
+    attention_mask: torch.Tensor | None,  # gathered_block_mask's block; None: causal
     *,
     context: ContextGroup,
     dropout: float = 0.0,
@@ -170,7 +170,7 @@ def ring_attention(
     """This shard's queries over the keys of every shard up to its own (a causal model's
     later keys are never visible), by torch's SDPA whatever the model's implementation;
     returns [B, S/R, H, D] as transformers' functions do. The key/value shards reach every
-    rank in one all-gather (ring attention's all-gather rotation, as in Llama 3's context
+    rank in one all-gather (as in Llama 3's all-gather-based context
     parallelism: one SDPA call, no per-block merge). Memory: the gathered keys and values,
     [B, H, (index + 1) S/R, D] each once the key/value heads are repeated for SDPA (as
     transformers' SDPA does under a mask)."""
@@ -187,7 +187,7 @@ def ring_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def ring_block_mask(
+def gathered_block_mask(
     batch_size: int,
     q_length: int,
     kv_length: int,
@@ -215,29 +215,29 @@ def ring_block_mask(
     )  # fmt: skip
 
 
-def attention_scheme(config: Any, context: ContextGroup) -> Literal["ulysses", "ring"]:
+def attention_scheme(config: Any, context: ContextGroup) -> Literal["ulysses", "allgather"]:
     """The scheme ``context.attention`` asks for; ``auto``: Ulysses where the model's query
     and key/value heads divide by the group's size (balanced work, no gathered keys), else
-    ring."""
+    allgather."""
     if context.attention != "auto":
         return context.attention
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return "ulysses" if heads % context.size == 0 == kv_heads % context.size else "ring"
+    return "ulysses" if heads % context.size == 0 == kv_heads % context.size else "allgather"
 
 
 def bind_attention(config: Any, context: ContextGroup) -> None:
     """Every attention layer of the model of ``config`` (shared by its modules) runs the
     group's scheme over ``context`` from now on (Ulysses around the attention implementation
-    it had, ring with SDPA)."""
+    it had, allgather with SDPA)."""
     inner = config._attn_implementation
-    if inner in (ULYSSES, RING):
+    if inner in (ULYSSES, GATHER):
         return
-    if attention_scheme(config, context) == "ring":
-        AttentionInterface.register(RING, functools.partial(ring_attention, context=context))
-        ALL_MASK_ATTENTION_FUNCTIONS.register(RING, functools.partial(ring_block_mask,
+    if attention_scheme(config, context) == "allgather":
+        AttentionInterface.register(GATHER, functools.partial(gathered_attention, context=context))
+        ALL_MASK_ATTENTION_FUNCTIONS.register(GATHER, functools.partial(gathered_block_mask,
                                                                       context=context))  # fmt: skip
-        config._attn_implementation = RING
+        config._attn_implementation = GATHER
         return
     attend = functools.partial(ulysses_attention, context=context, inner=inner)
     AttentionInterface.register(ULYSSES, attend)
@@ -253,7 +253,7 @@ def full_sequence_masks(layer_masks: Any, x: torch.Tensor, shared: dict[str, Any
     ``x`` [B, S/R, H] (only its shape, dtype and device are read). No padding mask: padded
     rows are right-padded, and causal attention keeps every token off the padding after it
     (so SDPA runs causal without an S x S mask); packed rows keep each sample apart by their
-    per-sample positions, as on one rank. Under ring, each is this shard's block of it."""
+    per-sample positions, as on one rank. Under allgather, each is this shard's block of it."""
     positions = shared[ROW_POSITIONS]
     whole = x[:, :1].expand(-1, positions.shape[1], -1)  # [B, S, H], a view: no memory
     masks: list[Any] = layer_masks(whole, None, positions)
@@ -286,7 +286,7 @@ def _shape_problem(cfg: TrainConfig, adapter: HFAdapter, r: int) -> str | None:
         return (
             f"the model's {heads} query and {kv_heads} key/value heads must each divide by "
             "it under runtime.context_attention=ulysses (the all-to-all gives each rank H/R "
-            "heads): set runtime.context_attention=ring (or auto), or lower it"
+            "heads): set runtime.context_attention=allgather (or auto), or lower it"
         )
     return None
 

@@ -59,7 +59,7 @@ class Dist:
     # runtime.context_parallel: consecutive ranks that split each row's tokens (set before
     # ``init``); ``init`` joins this rank's context group
     context_size: int = 1
-    context_attention: Literal["auto", "ulysses", "ring"] = "auto"  # runtime.context_attention
+    context_attention: Literal["auto", "ulysses", "allgather"] = "auto"  # runtime.context_attention
     context: ContextGroup | None = field(default=None, repr=False)
 
     @staticmethod
