@@ -77,6 +77,7 @@ if TYPE_CHECKING:
     from slidedp.config import TrainConfig
     from slidedp.models.hf import HFAdapter
 
+
 @dataclass(frozen=True)
 class ChooseSpec:
     """How one selection runs: what ``slidedp plan`` and ``runtime.policy: auto`` set apart."""
