@@ -51,6 +51,11 @@ ROW_POSITIONS = "row_position_ids"  # the layers' shared inputs: the whole rows'
 # Qwen3-MoE's routers and experts run on the shard, its load-balancing loss sums the token
 # statistics of every rank's shard as over data ranks: models.router_loss)
 CONTEXT_MODEL_TYPES = ("qwen3", "llama", "qwen3_moe")
+# the differentiable all-gather under its newer torch name (torch 2.11 lacks it),
+# else the older name (deprecated where the newer exists)
+_ALL_GATHER_AUTOGRAD = (
+    getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+)
 
 
 @dataclass(frozen=True)
@@ -149,7 +154,7 @@ def gather_sequence(x: torch.Tensor, group: ContextGroup, shards: int) -> torch.
     gradient over the ranks back to its own."""
     assert group.group is not None, "a context group joined by Dist.init"
     b, h, s, d = x.shape
-    got: torch.Tensor = funcol.all_gather_single_autograd(x.contiguous(), 0, group.group)
+    got: torch.Tensor = _ALL_GATHER_AUTOGRAD(x.contiguous(), 0, group.group)
     # [R * B, Hkv, S/R, D], shard j's block j; the later shards are dropped before the copy
     first = got.view(group.size, b, h, s, d)[:shards]
     return first.permute(1, 2, 0, 3, 4).reshape(b, h, shards * s, d)
