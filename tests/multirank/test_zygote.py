@@ -1,0 +1,49 @@
+"""Ranks forked from a zygote are what ``subprocess.Popen`` would have started: the launcher's
+children, with their environment, working directory, session, output and exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+# A launcher in a fresh interpreter (a pytest worker has computed: it must not fork a zygote).
+LAUNCHER = """
+import json, os, sys
+from slidedp.runtime.zygote import Zygote, can_fork
+
+assert can_fork()
+with open(sys.argv[1], "wb") as out, Zygote.forked() as zygote:
+    ranks = [zygote.start("multirank.zygote_rank", [code], os.environ | {"RANK": str(i)},
+                          own_session=i == 0, output=(out, None))
+             for i, code in enumerate(["0", "3", "kill"])]
+    zygote.close()
+    zygote_left = os.path.exists(f"/proc/{zygote.pid}")
+    codes = [rank.wait() for rank in ranks]
+print(json.dumps({"pid": os.getpid(), "sid": os.getsid(0), "codes": codes,
+                  "zygote_left": zygote_left, "pids": [rank.pid for rank in ranks]}))
+"""
+
+
+def test_forked_ranks_are_the_launcher_s_children_with_their_own_settings(tmp_path: Path) -> None:
+    tests = str(Path(__file__).parents[1])
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    work = tmp_path / "work"
+    work.mkdir()
+    out = tmp_path / "ranks.jsonl"
+    done = subprocess.run([sys.executable, "-c", LAUNCHER, str(out)], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
+    launcher = json.loads(done.stdout)
+    assert launcher["codes"] == [0, 3, -signal.SIGKILL]
+    assert not launcher["zygote_left"]  # exited and reaped: no zombie either
+    seen = sorted((json.loads(line) for line in out.read_text().splitlines()),
+                  key=lambda rank: rank["rank"])  # fmt: skip
+    assert [rank["rank"] for rank in seen] == ["0", "1", "2"]
+    assert [rank["pid"] for rank in seen] == launcher["pids"]
+    assert all(rank["ppid"] == launcher["pid"] for rank in seen)  # adopted before they run
+    assert all(rank["cwd"] == str(work) for rank in seen)
+    assert [rank["sid"] == rank["pid"] for rank in seen] == [True, False, False]
+    assert all(rank["sid"] == launcher["sid"] for rank in seen[1:])
