@@ -10,6 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from slidedp.runtime import zygote
+
 # A launcher in a fresh interpreter (a pytest worker has computed: it must not fork a zygote).
 LAUNCHER = """
 import json, os, sys
@@ -47,3 +51,17 @@ def test_forked_ranks_are_the_launcher_s_children_with_their_own_settings(tmp_pa
     assert all(rank["cwd"] == str(work) for rank in seen)
     assert [rank["sid"] == rank["pid"] for rank in seen] == [True, False, False]
     assert all(rank["sid"] == launcher["sid"] for rank in seen[1:])
+
+
+def test_no_zygote_once_a_thread_runs_or_the_cuda_driver_is_loaded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Either makes a forked copy unsafe: the ranks then start as fresh interpreters."""
+    monkeypatch.setattr("slidedp.runtime.zygote.threading.active_count", lambda: 1)
+    monkeypatch.setattr(zygote, "CUDA_DRIVER", "no-such-library.so")
+    assert zygote.can_fork()
+    monkeypatch.setattr(zygote, "CUDA_DRIVER", "libc.so")  # mapped in every process, as a driver
+    assert not zygote.can_fork()
+    monkeypatch.setattr(zygote, "CUDA_DRIVER", "no-such-library.so")
+    monkeypatch.setattr("slidedp.runtime.zygote.threading.active_count", lambda: 2)
+    assert not zygote.can_fork()

@@ -33,6 +33,7 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
+from pathlib import Path
 from typing import IO, Any, NoReturn
 
 import torch
@@ -41,13 +42,18 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 PR_SET_CHILD_SUBREAPER = 36
 MESSAGE_BYTES = 1 << 20  # one request: module, argv, environment
 CLOSE_S = 10.0  # a closed zygote has this long to exit before it is killed
+CUDA_DRIVER = "libcuda.so"  # mapped once any CUDA call ran in this process
 
 
 def can_fork() -> bool:
-    """Whether this process may fork a zygote now: Linux, no thread started from Python, CUDA
-    not initialized. (OpenMP's pool cannot be seen: the caller must not have computed.)"""
+    """Whether this process may fork a zygote now: Linux, no thread started from Python, no
+    CUDA driver loaded (a driver initialized before a fork is unusable in the child, and
+    ``torch.cuda.is_available()`` initializes it without torch saying so). OpenMP's pool
+    cannot be seen: the caller must not have computed."""
+    if sys.platform != "linux" or threading.active_count() != 1:
+        return False
     cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-    return sys.platform == "linux" and threading.active_count() == 1 and not cuda
+    return not cuda and CUDA_DRIVER not in Path("/proc/self/maps").read_text()
 
 
 def _prctl(option: int, value: int) -> None:
