@@ -16,7 +16,7 @@ from slidedp.runtime import zygote
 
 # A launcher in a fresh interpreter (a pytest worker has computed: it must not fork a zygote).
 LAUNCHER = """
-import json, os, sys
+import json, os, signal, sys
 from slidedp.runtime.zygote import Zygote, can_fork
 
 assert can_fork()
@@ -28,6 +28,7 @@ with open(sys.argv[1], "wb") as out, Zygote.forked() as zygote:
     zygote_left = os.path.exists(f"/proc/{zygote.pid}")
     codes = [rank.wait() for rank in ranks]
 print(json.dumps({"pid": os.getpid(), "sid": os.getsid(0), "codes": codes,
+                  "sigint": str(signal.getsignal(signal.SIGINT)),
                   "zygote_left": zygote_left, "pids": [rank.pid for rank in ranks]}))
 """
 
@@ -51,6 +52,8 @@ def test_forked_ranks_are_the_launcher_s_children_with_their_own_settings(tmp_pa
     assert all(rank["cwd"] == str(work) for rank in seen)
     assert [rank["sid"] == rank["pid"] for rank in seen] == [True, False, False]
     assert all(rank["sid"] == launcher["sid"] for rank in seen[1:])
+    # Ctrl-C as a fresh interpreter takes it: the zygote's own (ignored) is not inherited
+    assert all(rank["sigint"] == launcher["sigint"] for rank in seen)
 
 
 def test_no_zygote_once_a_thread_runs_or_the_cuda_driver_is_loaded(

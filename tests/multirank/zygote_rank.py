@@ -11,7 +11,8 @@ import sys
 
 def main() -> int:
     seen = {"argv": sys.argv[1:], "rank": os.environ.get("RANK"), "pid": os.getpid(),
-            "ppid": os.getppid(), "sid": os.getsid(0), "cwd": os.getcwd()}  # fmt: skip
+            "ppid": os.getppid(), "sid": os.getsid(0), "cwd": os.getcwd(),
+            "sigint": str(signal.getsignal(signal.SIGINT))}  # fmt: skip
     print(json.dumps(seen), flush=True)
     if sys.argv[1] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)

@@ -161,13 +161,15 @@ def _serve(channel: socket.socket, launcher: int) -> NoReturn:
     code = 0
     try:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's to handle
+        # Ctrl-C is the launcher's to handle; a rank gets the launcher's own disposition back
+        interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
         while os.getppid() == launcher:
             message, fds, _, _ = socket.recv_fds(channel, MESSAGE_BYTES, 2)
             if not message:
                 break
             try:
-                reply: dict[str, Any] = {"pid": _fork_rank(channel, json.loads(message), fds)}
+                pid = _fork_rank(channel, json.loads(message), fds, interrupt)
+                reply: dict[str, Any] = {"pid": pid}
             except OSError as e:
                 reply = {"error": str(e)}
             finally:
@@ -180,7 +182,9 @@ def _serve(channel: socket.socket, launcher: int) -> NoReturn:
     os._exit(code)
 
 
-def _fork_rank(channel: socket.socket, request: dict[str, Any], fds: list[int]) -> int:
+def _fork_rank(
+    channel: socket.socket, request: dict[str, Any], fds: list[int], interrupt: Any
+) -> int:
     """Fork the middle process, which forks the rank, says its pid and exits; the pid once the
     rank is the launcher's child."""
     said, say = os.pipe()
@@ -193,7 +197,7 @@ def _fork_rank(channel: socket.socket, request: dict[str, Any], fds: list[int]) 
             rank = os.fork()
             if rank == 0:
                 os.close(say)
-                _run_rank(channel, request, fds, middle=me)
+                _run_rank(channel, request, fds, middle=me, interrupt=interrupt)
             os.write(say, str(rank).encode())
             code = 0
         finally:
@@ -208,10 +212,11 @@ def _fork_rank(channel: socket.socket, request: dict[str, Any], fds: list[int]) 
 
 
 def _run_rank(
-    channel: socket.socket, request: dict[str, Any], fds: list[int], middle: int
+    channel: socket.socket, request: dict[str, Any], fds: list[int], middle: int, interrupt: Any
 ) -> NoReturn:
     """Become ``python -m MODULE ARGV``: its exit code, signal or traceback as a fresh
-    interpreter's, with the exit handlers and non-daemon threads waited for."""
+    interpreter's, with the exit handlers and non-daemon threads waited for; ``interrupt``:
+    the launcher's SIGINT handler when the zygote was forked."""
     code = 1
     try:
         channel.close()
@@ -223,7 +228,7 @@ def _run_rank(
         os.dup2(fds[1], 2)
         for fd in fds:
             os.close(fd)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, interrupt)  # ignored if the launcher's was, as exec keeps
         os.chdir(request["cwd"])
         os.environ.clear()  # putenv/unsetenv too: C code reads the rank's
         os.environ.update(request["env"])
