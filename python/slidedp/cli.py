@@ -15,6 +15,7 @@ one line per problem) and exit code 2; any other exception is one line with a hi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -41,18 +42,23 @@ from slidedp.profile import host as profile_host
 from slidedp.profile import layer as profile_layer
 from slidedp.runtime.dist import Dist
 from slidedp.runtime.launch import LAUNCHER_PID
+from slidedp.runtime.zygote import Zygote, can_fork
 
 EXIT_BAD_INPUT = 2
 EXIT_UNEXPECTED = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 
 
-def _train(config: str, overrides: list[str], plan_file: str | None = None) -> int:
+def _train(
+    config: str, overrides: list[str], plan_file: str | None = None, *, own_process: bool = False
+) -> int:
     """Resolve and print the config, lock ``output.dir`` (``io.run_lock``), check the inputs,
     build everything (model, store, data), save ``resolved_config.yaml``, then train. A run
     refused before that save leaves ``output.dir`` as it was, lock file included.
     ``plan_file``: the plan to run (``Plan.to_json``; the launcher's to its ranks), its policy
-    in place of the config's and, on a resume, of the checkpoint's."""
+    in place of the config's and, on a resume, of the checkpoint's. ``own_process``: this
+    process runs this command alone (``main`` without argv), so a launcher's ranks may be
+    forked from a copy of it (``runtime.zygote``) taken before it computes anything."""
     from slidedp.config import load_config
     from slidedp.preflight import check_output_dir
     from slidedp.runtime.dist import Dist
@@ -62,17 +68,21 @@ def _train(config: str, overrides: list[str], plan_file: str | None = None) -> i
     if plan is not None:  # checked, recorded and run as the plan says
         cfg = replace(cfg, runtime=cfg.runtime.with_keys(**plan.runtime_keys()))
     ctx = Dist.from_env()
-    lock = None
-    if _holds_run_lock(ctx, cfg.runtime.launch.node_rank):
-        check_output_dir(cfg)  # never a lock file in a model directory or a file's place
-        lock = RunLock.acquire(Path(cfg.output.dir))
-    # the user's plan file (a rank of this launcher gets the launcher's: it says nothing of it)
-    source = plan_file if LAUNCHER_PID not in os.environ else None
-    try:
-        return _train_locked(config, overrides, cfg, ctx, lock, (plan, source))
-    finally:
-        if lock is not None:
-            lock.release()
+    launches = ctx is None and (cfg.runtime.launch.world > 1 or cfg.runtime.launch.nodes > 1)
+    with contextlib.ExitStack() as stack:
+        forks = launches and own_process and can_fork()
+        zygote = stack.enter_context(Zygote.forked()) if forks else None  # before the lock
+        lock = None
+        if _holds_run_lock(ctx, cfg.runtime.launch.node_rank):
+            check_output_dir(cfg)  # never a lock file in a model directory or a file's place
+            lock = RunLock.acquire(Path(cfg.output.dir))
+        # the user's plan file (a rank of this launcher gets the launcher's: it says nothing of it)
+        source = plan_file if LAUNCHER_PID not in os.environ else None
+        try:
+            return _train_locked(config, overrides, cfg, (ctx, zygote), lock, (plan, source))
+        finally:
+            if lock is not None:
+                lock.release()
 
 
 def _holds_run_lock(ctx: Dist | None, node_rank: int) -> bool:
@@ -87,16 +97,18 @@ def _train_locked(
     config: str,
     overrides: list[str],
     cfg: TrainConfig,
-    ctx: Dist | None,
+    process: tuple[Dist | None, Zygote | None],
     lock: RunLock | None,
     given: tuple[Plan | None, str | None],
 ) -> int:
-    """``_train`` once the lock is held; ``given``: the plan to run and the user's file it came
-    from (``--plan``), or None."""
+    """``_train`` once the lock is held; ``process``: this rank (None: no launcher started
+    this process) and the zygote to fork ranks from, or None; ``given``: the plan to run and
+    the user's file it came from (``--plan``), or None."""
     from slidedp.config import RESOLVED_CONFIG, resolved_yaml, write_resolved_config
     from slidedp.preflight import check_before_training
 
     plan, source = given
+    ctx, zygote = process
 
     def refused() -> None:
         if lock is not None:
@@ -122,7 +134,8 @@ def _train_locked(
         with tempfile.TemporaryDirectory(prefix="slidedp-plan-") as tmp:
             plan_file = write_plan(checked.plan, Path(tmp))
             argv = ["train", config, *overrides, "--plan", str(plan_file)]
-            return launch(rt.launch.world, argv, node=node if rt.launch.nodes > 1 else None)
+            several_nodes = node if rt.launch.nodes > 1 else None
+            return launch(rt.launch.world, argv, node=several_nodes, zygote=zygote)
     if ctx is not None and not ctx.main:  # rank 0 prints, checks and writes
         from slidedp.runtime.trainer import Trainer
 
@@ -285,11 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, own_process: bool = False) -> int:
+    """Run the verb; ``own_process``: see ``_train``."""
     if args.verb == "env":
         return _env(args.json)
     if args.verb == "train":
-        return _train(args.config, args.overrides, args.plan)
+        return _train(args.config, args.overrides, args.plan, own_process=own_process)
     if args.verb == "validate":
         return _validate(args.config, args.overrides)
     if args.verb == "estimate":
@@ -412,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ and args.verb == "train":  # one rank of several: see runtime.dist
         return _rank(args, prefix)
     try:
-        return _run(args)
+        return _run(args, own_process=argv is None)
     except (KeyboardInterrupt, Exception) as e:
         return _report(e, args, prefix)
 

@@ -7,7 +7,8 @@ numbered node by node (``RANK = node_rank * L + local_rank``) and meet at node 0
 ``GRACE_S`` later is killed; the exit code is the first failing rank's, with one line naming it.
 SIGTERM/SIGINT are forwarded (SIGHUP as SIGTERM): the ranks agree on a step, rank 0 saves, all
 exit 2; a second signal kills them. With ``own_session`` a rank whose launcher died sends itself
-SIGTERM (``watch_launcher``).
+SIGTERM (``watch_launcher``). Given a ``Zygote``, the ranks are forked from a copy of the
+launcher taken after its imports instead of started as fresh interpreters.
 
 Example::
 
@@ -26,9 +27,10 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, Protocol
 
 from slidedp.runtime.dist import EXIT_PEER_FAILED, EXIT_STOPPED_WITH_PEERS
+from slidedp.runtime.zygote import Zygote
 
 GRACE_S = 10.0  # survivors of a failure get this long to exit on their own
 FORWARDED = {
@@ -64,6 +66,21 @@ class Node:
     master_port: int
 
 
+class Rank(Protocol):
+    """A rank process as the watch loop drives it (``subprocess.Popen``, ``ForkedRank``)."""
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def kill(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class LaunchSpec:
     """What the ranks run and where they write: ``python -m MODULE ARGV``, ``name`` heading
@@ -85,14 +102,16 @@ def launch(
     node: Node | None = None,
     timeout_s: float | None = None,
     spec: LaunchSpec = LaunchSpec(),
+    zygote: Zygote | None = None,
 ) -> int:
     """Run ``spec``'s ``python -m MODULE ARGV`` as ``world`` ranks of this node; 0 when every
     rank succeeded. ``timeout_s``: ranks still running then are killed, and the exit code is
-    ``EXIT_TIMED_OUT``."""
+    ``EXIT_TIMED_OUT``. ``zygote``: the ranks are forked from it (None: fresh interpreters),
+    which is closed once they run."""
     module, name, own_session = spec.module, spec.name, spec.own_session
     stdout, stderr = spec.stdout, spec.stderr
     node = node or Node(1, 0, "127.0.0.1", free_port())
-    procs = []
+    procs: list[Rank] = []
     for local in range(world):
         env = os.environ | {
             "RANK": str(node.node_rank * world + local),
@@ -105,9 +124,15 @@ def launch(
         }
         if own_session:
             env[LAUNCHER_PID] = str(os.getpid())
+        if zygote is not None:
+            procs.append(zygote.start(module, argv, env, own_session=own_session,
+                                           output=(stdout, stderr)))  # fmt: skip
+            continue
         command = [sys.executable, "-m", module, *argv]
         procs.append(subprocess.Popen(command, env=env, start_new_session=own_session,
                                       stdout=stdout, stderr=stderr))  # fmt: skip
+    if zygote is not None:  # its work is done: the launcher's children are the ranks alone
+        zygote.close()
     end = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         with _forwarding(procs):
@@ -145,7 +170,7 @@ def launch(
     return 1 if code < 0 else code
 
 
-def _watch(procs: list[subprocess.Popen[bytes]], end: float | None) -> tuple[int, int] | None:
+def _watch(procs: list[Rank], end: float | None) -> tuple[int, int] | None:
     """Wait for every rank; (rank, exit code) of the first failure, None when all succeeded.
     Ranks still running ``GRACE_S`` after a failure are killed, and at ``end`` (a monotonic
     time; None: never) every rank still running, the first failure then ``EXIT_TIMED_OUT``."""
@@ -173,7 +198,7 @@ def _watch(procs: list[subprocess.Popen[bytes]], end: float | None) -> tuple[int
 
 
 @contextlib.contextmanager
-def _forwarding(procs: list[subprocess.Popen[bytes]]) -> Iterator[None]:
+def _forwarding(procs: list[Rank]) -> Iterator[None]:
     """While inside, the first stop signal to the launcher goes to every rank still running
     (``FORWARDED``); a second one kills them."""
     received: list[int] = []

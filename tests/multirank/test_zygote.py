@@ -1,0 +1,70 @@
+"""Ranks forked from a zygote are what ``subprocess.Popen`` would have started: the launcher's
+children, with their environment, working directory, session, output and exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slidedp.runtime import zygote
+
+# A launcher in a fresh interpreter (a pytest worker has computed: it must not fork a zygote).
+LAUNCHER = """
+import json, os, signal, sys
+from slidedp.runtime.zygote import Zygote, can_fork
+
+assert can_fork()
+with open(sys.argv[1], "wb") as out, Zygote.forked() as zygote:
+    ranks = [zygote.start("multirank.zygote_rank", [code], os.environ | {"RANK": str(i)},
+                          own_session=i == 0, output=(out, None))
+             for i, code in enumerate(["0", "3", "kill"])]
+    zygote.close()
+    zygote_left = os.path.exists(f"/proc/{zygote.pid}")
+    codes = [rank.wait() for rank in ranks]
+print(json.dumps({"pid": os.getpid(), "sid": os.getsid(0), "codes": codes,
+                  "sigint": str(signal.getsignal(signal.SIGINT)),
+                  "zygote_left": zygote_left, "pids": [rank.pid for rank in ranks]}))
+"""
+
+
+def test_forked_ranks_are_the_launcher_s_children_with_their_own_settings(tmp_path: Path) -> None:
+    tests = str(Path(__file__).parents[1])
+    env = os.environ | {"PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    work = tmp_path / "work"
+    work.mkdir()
+    out = tmp_path / "ranks.jsonl"
+    done = subprocess.run([sys.executable, "-c", LAUNCHER, str(out)], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
+    launcher = json.loads(done.stdout)
+    assert launcher["codes"] == [0, 3, -signal.SIGKILL]
+    assert not launcher["zygote_left"]  # exited and reaped: no zombie either
+    seen = sorted((json.loads(line) for line in out.read_text().splitlines()),
+                  key=lambda rank: rank["rank"])  # fmt: skip
+    assert [rank["rank"] for rank in seen] == ["0", "1", "2"]
+    assert [rank["pid"] for rank in seen] == launcher["pids"]
+    assert all(rank["ppid"] == launcher["pid"] for rank in seen)  # adopted before they run
+    assert all(rank["cwd"] == str(work) for rank in seen)
+    assert [rank["sid"] == rank["pid"] for rank in seen] == [True, False, False]
+    assert all(rank["sid"] == launcher["sid"] for rank in seen[1:])
+    # Ctrl-C as a fresh interpreter takes it: the zygote's own (ignored) is not inherited
+    assert all(rank["sigint"] == launcher["sigint"] for rank in seen)
+
+
+def test_no_zygote_once_a_thread_runs_or_the_cuda_driver_is_loaded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Either makes a forked copy unsafe: the ranks then start as fresh interpreters."""
+    monkeypatch.setattr("slidedp.runtime.zygote.threading.active_count", lambda: 1)
+    monkeypatch.setattr(zygote, "CUDA_DRIVER", "no-such-library.so")
+    assert zygote.can_fork()
+    monkeypatch.setattr(zygote, "CUDA_DRIVER", "libc.so")  # mapped in every process, as a driver
+    assert not zygote.can_fork()
+    monkeypatch.setattr(zygote, "CUDA_DRIVER", "no-such-library.so")
+    monkeypatch.setattr("slidedp.runtime.zygote.threading.active_count", lambda: 2)
+    assert not zygote.can_fork()
