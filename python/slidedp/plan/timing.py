@@ -235,6 +235,30 @@ def _route_times(params: list[int], ranks: Ranks, links: Links, host_gbps: float
     )
 
 
+def context_extra_s(
+    shape: LayerShape,
+    policy: LayerPolicy,
+    *,
+    rows: int,
+    seq_len: int,
+    context: int,
+    peak_flops: float,
+    gbps: float,
+) -> tuple[float, float]:
+    """What a context-parallel rank's layer of ``shape`` under ``policy`` takes beyond one
+    GPU's layer at its shard's shape (``rows`` x S/R tokens, as ``profile_spec`` profiles it):
+    (forward, forward + backward) seconds. Its heads attend over the whole ``seq_len`` rather
+    than the shard (the quadratic term's difference at the FLOPs rate, the backward's replay
+    as ``REPLAY_SHARE`` counts it), and its all-to-alls (``all_to_all_s``, at ``gbps``)."""
+    tokens = rows * (seq_len // context)
+    whole = shape.attended
+    shard = min(whole, seq_len // context)  # a sliding window caps both
+    forward = 2 * shape.q_dim * (whole - shard) * tokens / (LAYER_EFFICIENCY * peak_flops)
+    (a2a_forward,), (a2a_backward,) = all_to_all_s([shape], (policy,), tokens=tokens, gbps=gbps)
+    total = (3 + REPLAY_SHARE[policy.family]) * forward + a2a_forward + a2a_backward
+    return forward + a2a_forward, total
+
+
 def spec_from_shapes(
     adapter: HFAdapter,
     policy: Policy,
