@@ -7,12 +7,15 @@
 #                 all-gather attention, dense and packed rows at R=2, and R=4 on a 4-GPU kind).
 #   PARTS=long    Qwen3-8B (seeded init, YaRN factor SEQ/32768) in one sequence of SEQ tokens
 #                 split over GPUS GPUs (R = GPUS), STEPS steps, clipping CLIP; the metrics
-#                 (step time, tokens/s) and `slidedp estimate` of the same config; on
+#                 (step time, tokens/s) and `slidedp estimate` of the same config (memory, the
+#                 step-time model's predicted step and its all-to-all share); on
 #                 nvidia-h100-x4 (SEQ=262144 GPUS=4 by default; try SEQ=524288, 1048576)
 #   PARTS=bench   `slidedp bench train --context-parallel GPUS` of SHAPE (qwen3-8b; YaRN factor
 #                 SEQ/32768) at one sequence of SEQ tokens a step over GPUS GPUs, first, then
 #                 the compute-only reference on one GPU at SEQ, or the longest SEQ/2^k that fits
-#                 (REF_SEQ=S: at S), projected by FLOP/s; $OUT/bench-SHAPE-SEQ-rGPUS.json
+#                 (REF_SEQ=S: at S), projected by FLOP/s; $OUT/bench-SHAPE-SEQ-rGPUS.json;
+#                 first `slidedp estimate` of PARTS=long's config (qwen3-8b, clipping CLIP):
+#                 the predicted step beside the bench's measured one
 # ATTN=allgather|ulysses sets runtime.context_attention in the long and bench parts (auto otherwise).
 # Context-parallel runs use eager layers, no torch.compile and a fixed layout (the keys are set
 # here; the preflight refuses the others).
@@ -23,8 +26,8 @@ LIGER=0 source "$(dirname "$0")/gpu_common.sh"
 SEQ=${SEQ:-262144}
 GPUS=${GPUS:-4}
 
-long_run() {  # Qwen3-8B's config (no weights: seeded init), one row of SEQ random tokens
-    local dir="$OUT/long"
+write_run() {  # Qwen3-8B's config (no weights: seeded init), one row of SEQ random tokens
+    local dir="$1"
     mkdir -p "$dir/model"
     python3 - "$dir" "$SEQ" "$GPUS" "${STEPS:-3}" "${CLIP:-1.0}" "${ATTN:-auto}" <<'PY'
 import json, sys
@@ -51,6 +54,11 @@ config = {
 }
 (d / "run.yaml").write_text(yaml.safe_dump(config))
 PY
+}
+
+long_run() {
+    local dir="$OUT/long"
+    write_run "$dir"
     part estimate 120 python3 -m slidedp estimate "$dir/run.yaml"
     part "long-$SEQ-r$GPUS" $((560 - SECONDS)) python3 -m slidedp train "$dir/run.yaml"
     cp "$dir/out/metrics.jsonl" "$OUT/metrics-$SEQ-r$GPUS.jsonl" 2>/dev/null
@@ -58,6 +66,8 @@ PY
 
 bench_run() {  # slidedp bench train with context parallelism (the bench sets its keys)
     local shape=${SHAPE:-qwen3-8b} factor=$((SEQ > 32768 ? SEQ / 32768 : 1))
+    write_run "$OUT/long"  # the prediction: the step-time model of the same run
+    part estimate 120 python3 -m slidedp estimate "$OUT/long/run.yaml"
     part "bench-$shape-$SEQ-r$GPUS" 560 python3 -m slidedp bench train --shape "$shape" \
         --seq "$SEQ" --batch 1 --gpus "$GPUS" --context-parallel "$GPUS" ${REF_SEQ:+--ref-seq "$REF_SEQ"} \
         --systems ours,reference --scaled-first --no-collectives --warmup 1 --steps 2 \
@@ -72,4 +82,5 @@ case ${PARTS:-parity} in
     long) long_run ;;
     bench) bench_run ;;
 esac
-grep -E "max \|dloss\||step +[0-9]|GPU|exit|error|reference|context|ours x" "$LOG" | tail -30
+grep -E "max \|dloss\||step +[0-9]|GPU|exit|error|reference|context|ours x|model \(|all-to-all" \
+    "$LOG" | tail -30

@@ -79,9 +79,7 @@ def estimate_run(
     rate = host_rate(update_threads(cfg, machine), machine)
     step = _step_time(cfg, adapter, machine, memory.trained_params, rate)
     est = Estimate(**{f.name: getattr(memory, f.name) for f in fields(memory)}, step=step)
-    # the step-time model counts no all-to-all yet: a context-parallel run gets memory only
-    modelled = step_model and cfg.runtime.launch.context_parallel == 1
-    rates = rates_for(cfg, adapter, machine, rate) if modelled else None
+    rates = rates_for(cfg, adapter, machine, rate) if step_model else None
     if rates is None:
         return est
     routes = None
@@ -185,6 +183,9 @@ def _step_rows(est: Estimate, row: Callable[..., None]) -> None:
         row(f"  model ({m_.calibration})", f"{m_.step_s:.2f} s", f"{m_.regime}")
         if exposed:
             row("    compute waits for", "", exposed)
+        if a2a := m_.busy_s.get("all_to_all"):
+            row("    all-to-all (context parallel)", f"{a2a:.2f} s",
+                f"{a2a / m_.step_s:.0%} of the step")  # fmt: skip
     if est.route_steps:
         gpus = f"{est.world} GPUs" + (
             f", a prediction: this machine has {m.gpu_count}" if est.world > m.gpu_count else ""

@@ -227,15 +227,6 @@ class Checked:
         return None if self.resume is None else self.resume.warning
 
 
-def check_context_planned(cfg: TrainConfig, adapter: HFAdapter, *, planned: bool) -> None:
-    """``runtime.context_parallel``'s shapes and what it refuses (``check_context``). A run of a
-    given plan (``planned``: decided before, its ``runtime.policy`` cleared) selects nothing:
-    its policy is checked as fixed, not as the CUDA default (AutoPolicy)."""
-    if planned:
-        cfg = replace(cfg, runtime=cfg.runtime.with_keys(policy="fixed"))
-    check_context(cfg, adapter)
-
-
 def check_before_training(
     cfg: TrainConfig,
     *,
@@ -254,7 +245,7 @@ def check_before_training(
 
     device = check_device(cfg)
     adapter, model = check_model(cfg)
-    check_context_planned(cfg, adapter, planned=plan is not None)
+    check_context(cfg, adapter)
     ranks = (
         [check_ranks(cfg)] if cfg.runtime.launch.world > 1 or cfg.runtime.launch.nodes > 1 else []
     )

@@ -49,8 +49,6 @@ REFUSED = [
      ("runtime.compile=false",)),
     ({"runtime": {"ranks": 2, "context_parallel": 2, "kernels": "liger"}},
      ("runtime.kernels=eager",)),
-    ({"runtime": {"ranks": 2, "context_parallel": 2, "policy": "auto"}},
-     ("runtime.policy=fixed",)),
     ({"runtime": {"ranks": 2, "context_parallel": 2}, "data": {"eval_fraction": 0.25}},
      ("data.eval_path/eval_fraction",)),
     ({"runtime": {"ranks": 2, "context_parallel": 2}, "train": {"freeze": ["embed"]}},

@@ -1,6 +1,6 @@
-"""A rank started with the launcher's plan (``train --plan``: ``runtime.policy`` cleared) runs
-context parallelism on CUDA: the cleared key is not read as the CUDA default (AutoPolicy),
-which ``runtime.context_parallel`` refuses while the config still has a policy to settle."""
+"""A context-parallel run on CUDA may leave its policy to AutoPolicy (the CUDA default, or
+``runtime.policy: auto``): the selection prices the all-to-alls (``autopolicy.select``), so
+``runtime.context_parallel`` no longer refuses it; a launcher's plan (the key cleared) runs."""
 
 from __future__ import annotations
 
@@ -13,14 +13,13 @@ import torch
 import slidedp.runtime.context_parallel as context_parallel
 from engine.tiny import make_model, write_config, write_data
 from slidedp.config import load_config
-from slidedp.errors import ConfigError
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.machine import Machine
 from slidedp.plan.resolve import resolve_plan
-from slidedp.preflight import check_context_planned
+from slidedp.runtime.context_parallel import check_context
 
 
-def test_a_given_plan_runs_context_parallel_on_cuda(
+def test_context_parallel_on_cuda_leaves_its_policy_to_autopolicy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = make_model(tmp_path, "qwen3", tied=False)
@@ -35,6 +34,6 @@ def test_a_given_plan_runs_context_parallel_on_cuda(
     ranked = replace(cfg, runtime=cfg.runtime.with_keys(**plan.runtime_keys()))
     assert ranked.runtime.autopolicy.policy == ""
     monkeypatch.setattr(context_parallel, "pick_device", lambda _: torch.device("cuda"))
-    with pytest.raises(ConfigError, match=r"runtime\.policy must be fixed"):
-        check_context_planned(ranked, adapter, planned=False)  # still to settle: refused
-    check_context_planned(ranked, adapter, planned=True)
+    for policy in ("", "auto", "fixed"):
+        check_context(replace(cfg, runtime=cfg.runtime.with_keys(policy=policy)), adapter)
+    check_context(ranked, adapter)

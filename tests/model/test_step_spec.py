@@ -33,7 +33,8 @@ def _least() -> StepSpec:
 
 def _every_field() -> StepSpec:
     """Every optional field away from its default (two ranks on the cpu route, offloaded
-    activations, no mirror, the embedding and first layer resident)."""
+    activations, no mirror, the embedding and first layer resident, context parallelism's
+    all-to-alls)."""
     return dataclasses.replace(
         _least(),
         cast_s=(0.05,) * GROUPS,
@@ -43,6 +44,8 @@ def _every_field() -> StepSpec:
         reduce_blocks=False,
         host_sum_s=(0.02,) * GROUPS,
         resident=(True, True, False, False, False),
+        all_to_all_forward_s=(0.03,) * LAYERS,
+        all_to_all_backward_s=(0.07,) * LAYERS,
     )
 
 
@@ -67,7 +70,7 @@ def test_the_defaults_are_the_rust_structs_defaults() -> None:
     assert StepSpec.from_json(_echo(sparse)) == least
 
 
-@pytest.mark.parametrize("name", ["head_s", "reduce_blocks", "resident"])
+@pytest.mark.parametrize("name", ["head_s", "reduce_blocks", "resident", "all_to_all_forward_s"])
 def test_a_misnamed_field_is_refused_not_defaulted(name: str) -> None:
     sent = _every_field().to_json()
     sent[name + "_renamed"] = sent.pop(name)
@@ -82,4 +85,5 @@ def test_a_prediction_has_the_rust_predictions_fields() -> None:
     predicted = predict_step(spec)
     assert predicted == Prediction.from_json(raw)
     assert predicted.step_s > 0
-    assert set(predicted.busy_s) <= {"host", "h2d", "compute", "d2h", "update", "offload", "reduce"}
+    lanes = {"host", "h2d", "compute", "d2h", "update", "offload", "reduce", "all_to_all"}
+    assert set(predicted.busy_s) <= lanes

@@ -24,12 +24,22 @@ import torch
 from slidedp.autopolicy.program import Candidate, HostLane, Kind, Layout, Problem, Resident, solve
 from slidedp.errors import ConfigError, InvalidArgumentError
 from slidedp.estimate_report import estimate_run
+from slidedp.models.shape import layer_shapes
 from slidedp.plan.cost import ResidentTerms, resident_terms
 from slidedp.plan.device import pick_dtype
 from slidedp.plan.layout import LayerPolicy, format_layout, parse_entry, place_by_kind
+from slidedp.plan.machine import gpu_peak
 from slidedp.plan.policy import resident_text
+from slidedp.plan.predict import links_for
 from slidedp.plan.resolve import MIRROR_HEADROOM_BYTES, mirror_given
-from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM, D2H_GBPS, H2D_GBPS, NVLINK_GBPS
+from slidedp.plan.timing import (
+    ADAMW_BYTES_PER_PARAM,
+    D2H_GBPS,
+    H2D_GBPS,
+    NVLINK_GBPS,
+    Links,
+    context_extra_s,
+)
 from slidedp.profile.pareto import layer_time, memory
 
 if TYPE_CHECKING:
@@ -116,6 +126,41 @@ def profile_candidates(
             "kind: re-profile"
         )
     return [(k, p, c) for (k, p), c in sorted(out.items(), key=lambda kv: kv[0][0])]
+
+
+def context_candidates(
+    cands: Candidates, cfg: TrainConfig, adapter: HFAdapter, machine: Machine
+) -> Candidates:
+    """``cands`` of a ``runtime.context_parallel: R`` run (R > 1; else as they are): those
+    that offload nothing (context parallelism offloads no activation), each one's times with
+    what the profile of the rank's shard (``profile_spec``) leaves out: attention over the
+    whole sequence and the all-to-alls (``plan.timing.context_extra_s``; the link probe's
+    all_gather rate where cached, else the node's assumed NVLink), so the program prices
+    them and sees each shard's activation bytes."""
+    launch = cfg.runtime.launch
+    r = launch.context_parallel
+    if r == 1:
+        return cands
+    peak = gpu_peak(machine.gpu_name)[0] or machine.cpu_flops
+    if peak is None:
+        raise ConfigError(
+            f"runtime.policy=auto with runtime.context_parallel={r}: no FLOP rate is known for "
+            f"this device ({machine.gpu_name}) to price attention over the whole sequence; set "
+            "runtime.policy=fixed"
+        )
+    gbps = (links_for(launch.world, adapter, machine) or Links()).gather_gbps
+    shapes = layer_shapes(adapter.config, cfg.data.seq_len)
+    rows = cfg.train.global_batch_size // (launch.world // r)
+    out = []
+    for kind, policy, c in cands:
+        if policy.ratio > 0:
+            continue
+        forward_s, time_s = context_extra_s(shapes[kind], policy, rows=rows,
+                                            seq_len=cfg.data.seq_len, context=r,
+                                            peak_flops=peak, gbps=gbps)  # fmt: skip
+        out.append((kind, policy, replace(c, time_s=c.time_s + time_s,
+                                          forward_s=c.forward_s + forward_s)))  # fmt: skip
+    return out
 
 
 def all_f(rt: RuntimeSection) -> RuntimeSection:
@@ -303,6 +348,15 @@ class SolveTerms(_SolveBounds, total=False):
     times_s: Mapping[LayerPolicy, float] | None
 
 
+def _residency(cfg: TrainConfig, terms: SolveTerms) -> tuple[bool, bool]:
+    """Whether layers and the embeddings may stay GPU-resident: as ``terms`` say, never with
+    context parallelism, which keeps every group on the host (and offloads nothing: its
+    candidates are ``context_candidates``)."""
+    if cfg.runtime.launch.context_parallel > 1:
+        return False, False
+    return terms.get("resident", True), terms.get("embeddings", True)
+
+
 def select_layout(
     cfg: TrainConfig,
     adapter: HFAdapter,
@@ -316,12 +370,12 @@ def select_layout(
     their update off the host lane), and with ``embeddings`` too whether the embedding and head
     do (``solve_residency``); the offloaded activations within ``offload_host_budget``.
     ``budget_cut_bytes``: taken off the activations' budget (``validate``'s feedback: what
-    a validated choice reserved beyond the device).
+    a validated choice reserved beyond the device). Context parallelism: ``_residency``.
     ``times_s``: calibrated layer times (``autopolicy.calibrate``) in the profile's place."""
     total_bytes, update_gbps = terms["total_bytes"], terms["update_gbps"]
-    resident, embeddings = terms.get("resident", True), terms.get("embeddings", True)
+    resident, embeddings = _residency(cfg, terms)
     budget_cut_bytes, times_s = terms.get("budget_cut_bytes", 0), terms.get("times_s")
-    cands = profile_candidates(report, times_s)
+    cands = context_candidates(profile_candidates(report, times_s), cfg, adapter, machine)
     kinds = program_kinds(adapter, report, update_gbps)
     index = {k: i for i, k in enumerate(sorted({k for k, _, _ in cands}))}
     budget = activation_budget(cfg, adapter, machine, total_bytes)

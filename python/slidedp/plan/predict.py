@@ -3,7 +3,8 @@
 
 ``rates_for`` gathers what the machine measured and cached (the GPU's peak from
 ``plan.machine.gpu_peak``, the layer profile, the host AdamW rate, the links between GPUs);
-``route_steps`` predicts one layout on each parameter/gradient route of several GPUs. The
+``route_steps`` predicts one layout on each parameter/gradient route of several GPUs. A
+context-parallel run (``Shape.context``) is predicted per rank with its all-to-alls. The
 estimate's report, ``slidedp plan`` and ``runtime.policy: auto`` all predict through here.
 
 Invariant: reads caches only; nothing is measured here.
@@ -54,18 +55,19 @@ class CalibratedPrediction(Prediction):
 
 @dataclass(frozen=True)
 class Shape:
-    """One rank's share of a step: rows of ``seq_len`` tokens, ``world`` ranks of this host."""
+    """One rank's share of a step: rows of ``seq_len`` tokens, ``world`` ranks of this host,
+    ``context`` of them splitting every row (each computes ``seq_len / context`` tokens)."""
 
     rows: int
     seq_len: int
     world: int = 1
+    context: int = 1
 
     @classmethod
     def of_run(cls, cfg: TrainConfig) -> Shape:
-        rt = cfg.runtime
-        return cls(
-            cfg.train.global_batch_size // rt.launch.world, cfg.data.seq_len, rt.launch.world
-        )
+        launch = cfg.runtime.launch
+        rows = cfg.train.global_batch_size // (launch.world // launch.context_parallel)
+        return cls(rows, cfg.data.seq_len, launch.world, launch.context_parallel)
 
 
 def links_for(world: int, adapter: HFAdapter, machine: Machine) -> Links | None:
@@ -101,9 +103,9 @@ def rates_for(
 def predict(plan: Plan, adapter: HFAdapter, shape: Shape, rates: Rates) -> CalibratedPrediction:
     """The step-time model's prediction of ``plan`` (``predict_step``) and which of the rates
     were measured."""
-    policy = plan.policy
+    policy, shard = plan.policy, shape.seq_len // shape.context
     offloaded = [
-        layer_footprint(adapter, p, shape.rows, shape.seq_len, plan.dtype, i,
+        layer_footprint(adapter, p, shape.rows, shard, plan.dtype, i,
                         policy.compute.kernels).offloaded_bytes
         for i, p in enumerate(policy.layers)
     ]  # fmt: skip
@@ -115,10 +117,14 @@ def predict(plan: Plan, adapter: HFAdapter, shape: Shape, rates: Rates) -> Calib
         rates=rates,
         clipping=plan.optim.max_grad_norm > 0,
         offloaded_bytes=offloaded,
-        ranks=Ranks(shape.world, policy.grad_route, policy.param_route),
+        ranks=Ranks(shape.world, policy.grad_route, policy.param_route, shape.context),
     )
-    covered = sum(str(p) in rates.measured for p in policy.layers)
+    # context parallel: FLOP rates for the layers (spec_from_shapes), the all-to-all's link
+    covered = sum(str(p) in rates.measured for p in policy.layers) if shape.context == 1 else 0
     parts = [f"layer profile: {covered} of {len(policy.layers)} layers"] * bool(covered)
+    if shape.context > 1:
+        links = rates.links
+        parts.append(f"all-to-all at the all_gather's {links.gather_gbps:.0f} GB/s, {links.source}")
     calibration = ", ".join([*parts, *rates.calibration]) or "uncalibrated rates"
     return CalibratedPrediction(**vars(predict_step(spec)), calibration=calibration)
 

@@ -28,7 +28,7 @@ class StepSpec:
     """Service times of one step's operations, seconds; per group (``L + 2``: embedding,
     layers, head) or per decoder layer (``L``). ``slidedp_core::model::StepSpec`` documents
     each field; an empty optional list means none (no cast, offload, reduction, host sum,
-    resident group)."""
+    resident group, all-to-all)."""
 
     forward_s: tuple[float, ...]  # per layer
     backward_s: tuple[float, ...]  # per layer, the replay included
@@ -45,6 +45,8 @@ class StepSpec:
     reduce_blocks: bool = True  # the compute stream waits for each reduction
     host_sum_s: tuple[float, ...] = ()  # per group: the cpu route's sum of the ranks' copies
     resident: tuple[bool, ...] = ()  # per group: GPU-resident
+    all_to_all_forward_s: tuple[float, ...] = ()  # per layer: context parallelism's exchanges
+    all_to_all_backward_s: tuple[float, ...] = ()  # per layer: the backward's and replay's
     slots: int
     grad_slots: int
     clipping: bool

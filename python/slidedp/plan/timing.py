@@ -25,6 +25,8 @@ from slidedp.plan.step_spec import StepSpec
 
 if TYPE_CHECKING:
     from slidedp.models.hf import HFAdapter
+    from slidedp.models.shape import LayerShape
+    from slidedp.plan.layout import LayerPolicy
     from slidedp.plan.policy import Policy
 
 PREP, H2D, COMPUTE, OFFLOAD, D2H, UPDATE = 1, 2, 3, 4, 5, 6  # the trace's lanes (trace.py)
@@ -144,11 +146,44 @@ class Links:
 @dataclass(frozen=True)
 class Ranks:
     """The GPUs of one host that train together, and their routes (``runtime.grad_route``,
-    ``runtime.param_route``)."""
+    ``runtime.param_route``); ``context`` of them split each sequence
+    (``runtime.context_parallel``)."""
 
     count: int = 1
     grad_route: Literal["gpu", "cpu"] = "gpu"
     param_route: Literal["replicated", "sharded"] = "replicated"
+    context: int = 1
+
+
+def replays_exchange(policy: LayerPolicy) -> bool:
+    """Whether a layer's backward runs its attention's all-to-alls again: every family that
+    replays the attention (``F`` the whole layer; ``S`` its attention span, whose backward
+    needs q, k, v over the whole sequence and the output projection's input; ``SAC.mm`` and
+    ``SAC.attn`` keep no exchange's output), not ``N`` nor ``SAC.noact`` (it keeps every
+    operator's output but the activations', the exchanges' among them)."""
+    return policy.family != "N" and str(policy) != "SAC.noact"
+
+
+def all_to_all_s(
+    shapes: list[LayerShape],
+    layers: tuple[LayerPolicy, ...],
+    *,
+    tokens: int,
+    gbps: float,
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per decoder layer, one rank's all-to-alls of Ulysses context parallelism
+    (``runtime.context_parallel``): (forward, backward) seconds. ``tokens``: the rank's, rows
+    x S/R. The forward sends q, k and v to the ranks of their heads and takes the attention's
+    output back: ``tokens x (2 q_dim + 2 kv_dim)`` elements of the rank's buffers; the
+    backward sends their gradients the other way (as many), and again the forward's where the
+    layer replays them (``replays_exchange``). Time: the buffers over ``gbps``, an
+    ``all_gather``'s algorithm bandwidth (nccl-tests count the bus bandwidth of both as
+    algbw x (R-1)/R: each rank sends (R-1)/R of its buffer, receives as much). Ring
+    attention would exchange by an all-gather of the key/value shards instead: its own term."""
+    elem_bytes = 2  # the bf16 activations (a GPU run's compute dtype)
+    forward = [tokens * (2 * s.q_dim + 2 * s.kv_dim) * elem_bytes / (gbps * 1e9) for s in shapes]
+    backward = [f * (2 if replays_exchange(p) else 1) for f, p in zip(forward, layers, strict=True)]
+    return tuple(forward), tuple(backward)
 
 
 @dataclass(frozen=True)
@@ -201,6 +236,30 @@ def _route_times(params: list[int], ranks: Ranks, links: Links, host_gbps: float
     )
 
 
+def context_extra_s(
+    shape: LayerShape,
+    policy: LayerPolicy,
+    *,
+    rows: int,
+    seq_len: int,
+    context: int,
+    peak_flops: float,
+    gbps: float,
+) -> tuple[float, float]:
+    """What a context-parallel rank's layer of ``shape`` under ``policy`` takes beyond one
+    GPU's layer at its shard's shape (``rows`` x S/R tokens, as ``profile_spec`` profiles it):
+    (forward, forward + backward) seconds. Its heads attend over the whole ``seq_len`` rather
+    than the shard (the quadratic term's difference at the FLOPs rate, the backward's replay
+    as ``REPLAY_SHARE`` counts it), and its all-to-alls (``all_to_all_s``, at ``gbps``)."""
+    tokens = rows * (seq_len // context)
+    whole = shape.attended
+    shard = min(whole, seq_len // context)  # a sliding window caps both
+    forward = 2 * shape.q_dim * (whole - shard) * tokens / (LAYER_EFFICIENCY * peak_flops)
+    (a2a_forward,), (a2a_backward,) = all_to_all_s([shape], (policy,), tokens=tokens, gbps=gbps)
+    total = (3 + REPLAY_SHARE[policy.family]) * forward + a2a_forward + a2a_backward
+    return forward + a2a_forward, total
+
+
 def spec_from_shapes(
     adapter: HFAdapter,
     policy: Policy,
@@ -220,13 +279,17 @@ def spec_from_shapes(
     (``layer_times``); they replace the FLOPs-rate times of the layers with that policy.
     ``batch``: per rank. ``ranks``: several GPUs of this host (``_route_times``); the host's
     update lane serves all of them, so ``adamw_gbps`` is the host's rate under all their
-    copies."""
+    copies. ``ranks.context`` R > 1: each rank computes S/R tokens of every row and 1/R of
+    attention's quadratic term (its heads over the whole sequence), plus the all-to-alls
+    (``all_to_all_s``, at ``links.gather_gbps``); the profile's times are of one GPU's whole
+    layer, so the FLOPs rate stands for them."""
 
-    ranks, links, measured = ranks or Ranks(), rates.links, rates.measured
+    ranks, links = ranks or Ranks(), rates.links
+    measured = rates.measured if ranks.context == 1 else {}
     adamw_gbps, cast_gbps = rates.adamw_gbps, rates.cast_gbps or CAST_GBPS
-    tokens = batch * seq_len
+    tokens = batch * seq_len // ranks.context
     rate = LAYER_EFFICIENCY * rates.peak_flops
-    shapes = layer_shapes(adapter.config, seq_len)
+    shapes = layer_shapes(adapter.config, seq_len)  # attended: over the whole sequence
     forward = [
         (2 * s.matmul_params * tokens + 2 * s.q_dim * s.attended * tokens) / rate for s in shapes
     ]
@@ -236,6 +299,8 @@ def spec_from_shapes(
     for i, p in enumerate(policy.layers):
         if measured and str(p) in measured:
             forward[i], backward[i] = measured[str(p)]
+    exchange = ((), ()) if ranks.context == 1 else all_to_all_s(
+        shapes, policy.layers, tokens=tokens, gbps=links.gather_gbps)  # fmt: skip
     params = [g.numel for g in adapter.group_specs()]
     head = 6 * adapter.vocab_size * adapter.hidden_size * tokens / rate
     grad_bytes = 2  # the compute dtype (bf16) on the device, then to the host
@@ -259,6 +324,8 @@ def spec_from_shapes(
         reload_s=tuple(b / (links.h2d_gbps * 1e9) for b in offloaded_bytes),
         reduce_s=routes.reduce_s,
         host_sum_s=routes.host_sum_s,
+        all_to_all_forward_s=exchange[0],
+        all_to_all_backward_s=exchange[1],
         slots=policy.slots,
         grad_slots=policy.grad_slots,
         clipping=clipping,

@@ -85,12 +85,15 @@ class ProfileSpec:
 def profile_spec(cfg: TrainConfig, **given: Any) -> ProfileSpec:
     """The profile of the run's own model, batch per rank and sequence, on its device and
     dtype, with its layer compute (``runtime.kernels``, ``runtime.compile``); ``given``
-    replaces any field."""
+    replaces any field. With ``runtime.context_parallel: R`` a rank's shard: the rows of its
+    group, S/R tokens each (its activations' bytes; ``autopolicy.select`` adds the attention
+    over the whole sequence and the all-to-alls to the times)."""
+    launch = cfg.runtime.launch
     run = ProfileSpec(
         shape=str(Path(cfg.model.path) / "config.json"),
-        batch=cfg.train.global_batch_size // cfg.runtime.launch.world,
-        world=cfg.runtime.launch.world,
-        seq_len=cfg.data.seq_len,
+        batch=cfg.train.global_batch_size // (launch.world // launch.context_parallel),
+        world=launch.world,
+        seq_len=cfg.data.seq_len // launch.context_parallel,
         device=cfg.runtime.launch.device,
         dtype=cfg.train.dtype,
         layer_kernels=cfg.runtime.layout.kernels,

@@ -316,9 +316,6 @@ def _unproven_problem(cfg: TrainConfig, adapter: HFAdapter) -> str | None:
         (offloaded, "activation offload (runtime.offload_ratio, -rRATIO in runtime.layers) is "
          "not supported yet; set runtime.offload_ratio=0 and no -r entries"),
         (bool(cfg.train.freeze), "train.freeze is not supported yet; remove it"),
-        (rt.autopolicy.policy not in ("fixed", "") or (cuda and rt.autopolicy.policy != "fixed"),
-         "runtime.policy must be fixed (AutoPolicy does not count the all-to-all yet); set "
-         "runtime.policy=fixed"),
         (layout.compile or (cuda and layout.compile is None), "the compiled decoder layer "
          "(runtime.compile) cannot trace the all-to-all; set runtime.compile=false"),
         (layout.kernels == "liger" or (cuda and layout.kernels == "auto"), "runtime.kernels="

@@ -22,9 +22,11 @@ pub enum Lane {
     Offload,
     /// The gradient's reduction across ranks and nodes (NCCL on its own stream).
     Reduce,
+    /// Context parallelism's all-to-all over heads inside a layer (the compute waits for it).
+    AllToAll,
 }
 
-pub const LANES: [Lane; 7] = [
+pub const LANES: [Lane; 8] = [
     Lane::Host,
     Lane::H2d,
     Lane::Compute,
@@ -32,6 +34,7 @@ pub const LANES: [Lane; 7] = [
     Lane::Update,
     Lane::Offload,
     Lane::Reduce,
+    Lane::AllToAll,
 ];
 
 #[derive(Clone, Debug)]

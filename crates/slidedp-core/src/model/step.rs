@@ -11,7 +11,8 @@
 //! `grad_slots`, then AdamW); with clipping every gradient waits for the end of the backward
 //! and leaves in forward order, the host sending a ring's worth ahead of each load of the next
 //! step. A step ends when the host has the norm (the backward's end, and without clipping the
-//! last gradient copy).
+//! last gradient copy). With context parallelism each layer's forward and backward are
+//! followed by their all-to-alls, which the next compute waits for.
 
 use serde::{Deserialize, Serialize};
 
@@ -66,6 +67,13 @@ pub struct StepSpec {
     /// its next forward waits for no host version; one rank only.
     #[serde(default)]
     pub resident: Vec<bool>,
+    /// Per decoder layer (empty: no context parallelism): the all-to-alls of its forward, and
+    /// of its backward with the replay's again. They run inside the layer's compute, which
+    /// waits for each: the model puts them after it on their own lane, before the next compute.
+    #[serde(default)]
+    pub all_to_all_forward_s: Vec<f64>,
+    #[serde(default)]
+    pub all_to_all_backward_s: Vec<f64>,
     pub slots: usize,
     pub grad_slots: usize,
     pub clipping: bool,
@@ -84,7 +92,8 @@ impl StepSpec {
     /// may be empty: no offload); times are finite and not negative; a gradient ring slot.
     pub fn check(&self) -> Result<()> {
         let layers = self.layers();
-        let lists: [(&str, &Vec<f64>, usize); 10] = [
+        let per_layer = |list: &Vec<f64>| if list.is_empty() { 0 } else { layers };
+        let lists: [(&str, &Vec<f64>, usize); 12] = [
             (
                 "host_sum_s",
                 &self.host_sum_s,
@@ -127,6 +136,16 @@ impl StepSpec {
                 if self.reload_s.is_empty() { 0 } else { layers },
             ),
             ("forward_s", &self.forward_s, layers),
+            (
+                "all_to_all_forward_s",
+                &self.all_to_all_forward_s,
+                per_layer(&self.all_to_all_forward_s),
+            ),
+            (
+                "all_to_all_backward_s",
+                &self.all_to_all_backward_s,
+                per_layer(&self.all_to_all_backward_s),
+            ),
         ];
         for (name, list, want) in lists {
             if list.len() != want {
@@ -197,9 +216,20 @@ struct Builder<'a> {
     backward_end: Option<usize>,
     /// A blocking reduction the next compute operation waits for.
     blocking: Option<usize>,
+    /// A layer's all-to-all the next compute operation waits for.
+    exchange: Option<usize>,
 }
 
 impl Builder<'_> {
+    /// Layer `l`'s all-to-alls after its compute `after` (`seconds` of them; none: nothing),
+    /// which the next compute waits for.
+    fn exchange(&mut self, name: String, seconds: Option<&f64>, after: usize) {
+        if let Some(&seconds) = seconds {
+            let op = self.dag.add(name, Lane::AllToAll, seconds, &[after]);
+            self.exchange = Some(op);
+        }
+    }
+
     /// A gradient to the host: a send into a full ring first waits (on the host) for the
     /// update that used the slot; then the copy, then AdamW.
     fn send(&mut self, group: usize, after: &[usize]) {
@@ -335,13 +365,17 @@ impl Builder<'_> {
                 }
                 loads[next] = self.load(format!("t{t} load g{next}"), next, &deps);
             }
+            let mut deps: Vec<usize> = loads[l].into_iter().collect();
+            deps.extend(self.exchange.take());
             let fwd = self.dag.add(
                 format!("t{t} fwd L{l}"),
                 Lane::Compute,
                 spec.forward_s[l - 1],
-                loads[l].as_slice(),
+                &deps,
             );
             slot_users.push(fwd);
+            let a2a = spec.all_to_all_forward_s.get(l - 1);
+            self.exchange(format!("t{t} all_to_all fwd L{l}"), a2a, fwd);
             if single {
                 loads[next] = self.load(format!("t{t} load g{next}"), next, &[fwd]);
             }
@@ -354,12 +388,11 @@ impl Builder<'_> {
                 );
             }
         }
-        let head = self.dag.add(
-            format!("t{t} head"),
-            Lane::Compute,
-            spec.head_s,
-            loads[layers + 1].as_slice(),
-        );
+        let mut deps: Vec<usize> = loads[layers + 1].into_iter().collect();
+        deps.extend(self.exchange.take());
+        let head = self
+            .dag
+            .add(format!("t{t} head"), Lane::Compute, spec.head_s, &deps);
         self.hand_over(layers + 1, head);
         for l in (1..=layers).rev() {
             let mut deps = vec![];
@@ -377,6 +410,7 @@ impl Builder<'_> {
                 ));
             }
             deps.extend(self.blocking.take());
+            deps.extend(self.exchange.take());
             let bwd = self.dag.add(
                 format!("t{t} bwd L{l}"),
                 Lane::Compute,
@@ -384,9 +418,12 @@ impl Builder<'_> {
                 &deps,
             );
             slot_users.push(bwd);
+            let a2a = spec.all_to_all_backward_s.get(l - 1);
+            self.exchange(format!("t{t} all_to_all bwd L{l}"), a2a, bwd);
             self.hand_over(l, bwd);
         }
-        let after: Vec<usize> = self.blocking.take().into_iter().collect();
+        let mut after: Vec<usize> = self.blocking.take().into_iter().collect();
+        after.extend(self.exchange.take());
         let embed = self.dag.add(
             format!("t{t} embed bwd"),
             Lane::Compute,
@@ -426,6 +463,7 @@ pub fn build(spec: &StepSpec, steps: usize) -> Steps {
         parked: Vec::new(),
         backward_end: None,
         blocking: None,
+        exchange: None,
     };
     let mut ends = Vec::new();
     let mut spans = Vec::new();

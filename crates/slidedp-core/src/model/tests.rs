@@ -44,9 +44,40 @@ fn spec(layers: usize, clipping: bool, update_s: f64) -> StepSpec {
         reduce_blocks: true,
         host_sum_s: vec![],
         resident: vec![],
+        all_to_all_forward_s: vec![],
+        all_to_all_backward_s: vec![],
         slots: 2,
         grad_slots: 4,
         clipping,
+    }
+}
+
+#[test]
+fn the_all_to_alls_lengthen_a_gpu_bound_step_by_their_sum() {
+    // 4 layers, fast host and copies: GPU-bound. Each layer's forward all-to-alls (0.1 s)
+    // and backward ones (0.3 s) sit between computes: the step grows by 4 x 0.4 s, on their
+    // own lane, and the compute waits that long for it; less at most the base step's 0.02 s
+    // tail between steps (the embedding's copy and update), which the last one now hides.
+    for clipping in [false, true] {
+        let gpu_bound = || StepSpec {
+            load_s: vec![0.01; 6],
+            grad_copy_s: vec![0.01; 6],
+            ..spec(4, clipping, 0.01)
+        };
+        let base = predict_ok(&gpu_bound());
+        let mut context = gpu_bound();
+        context.all_to_all_forward_s = vec![0.1; 4];
+        context.all_to_all_backward_s = vec![0.3; 4];
+        let split = predict_ok(&context);
+        let added = split.step_s - base.step_s;
+        assert!((1.58..=1.6 + 1e-9).contains(&added), "{base:?} {split:?}");
+        assert!((split.busy_s[&Lane::AllToAll] - 1.6).abs() < 1e-9);
+        assert!(
+            (split.exposed_s[&Lane::AllToAll] - 1.6).abs() < 1e-9,
+            "{split:?}"
+        );
+        context.all_to_all_backward_s = vec![0.3; 3];
+        assert!(predict(&context).is_err());
     }
 }
 
