@@ -168,9 +168,7 @@ def gathered_attention(
     attention_mask: torch.Tensor | None,  # gathered_block_mask's block; None: causal
     *,
     context: ContextGroup,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    **kwargs: Any,
+    **kwargs: Any,  # transformers' ``dropout`` (0 by default) and ``scaling`` (None: 1/sqrt(D))
 ) -> tuple[torch.Tensor, None]:
     """This shard's queries over the keys of every shard up to its own (a causal model's
     later keys are never visible), by torch's SDPA whatever the model's implementation;
@@ -187,7 +185,12 @@ def gathered_attention(
     # no mask: causal over the whole rows, the block's diagonal ends at the last key
     mask = causal_lower_right(s, visible) if attention_mask is None else attention_mask
     out: torch.Tensor = F.scaled_dot_product_attention(
-        query, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling
+        query,
+        k,
+        v,
+        attn_mask=mask,
+        dropout_p=kwargs.get("dropout", 0.0),
+        scale=kwargs.get("scaling"),
     )  # [B, H, S/R, D]
     return out.transpose(1, 2).contiguous(), None
 
