@@ -91,6 +91,24 @@ def test_auto_profiles_once_chooses_and_trains_as_the_chosen_layout(
     assert main(["train", str(by_hand)]) == 0
     losses = [m["loss"] for m in read_metrics(tmp_path / "auto")]
     assert losses == [m["loss"] for m in read_metrics(tmp_path / "by_hand")]
+    _a_resumed_auto_run_keeps_the_layout_its_checkpoint_ran_with(tmp_path, path, capsys)
+
+
+def _a_resumed_auto_run_keeps_the_layout_its_checkpoint_ran_with(
+    tmp_path: Path, path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The auto run resumed from its last checkpoint (a training of its own once: the same
+    choice, checkpointed at its end)."""
+    chosen = yaml.safe_load((tmp_path / "auto" / "resolved_config.yaml").read_text())
+    # the cache is gone: a fresh choice would profile again; the resumed run keeps its layout
+    for f in (tmp_path / "slidedp" / "profile").glob("*.json"):
+        f.unlink()
+    capsys.readouterr()
+    assert main(["train", str(path), "train.max_steps=3", "train.resume=auto"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("policy   auto"))
+    layout = chosen["runtime"]["layers"]
+    assert line.startswith(f"policy   auto: {layout}, 0 GPU-resident (kept from checkpoint-2)")
+    assert not list((tmp_path / "slidedp" / "profile").glob("*.json"))
 
 
 @pytest.mark.e2e
@@ -167,22 +185,3 @@ def test_the_profile_is_keyed_by_the_runs_layer_compute(tmp_path: Path) -> None:
     # the run's world size is in the key too (one rank's batch of another split is another run)
     assert eager.facts["world"] == 1
     assert _profiled(profile_spec(cfg, world=2)).cache != eager.cache
-
-
-@pytest.mark.e2e
-def test_a_resumed_auto_run_keeps_the_layout_its_checkpoint_ran_with(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    path = _config(tmp_path, "auto", policy="auto")
-    out = tmp_path / "auto"
-    assert main(["train", str(path), "output.save_steps=1"]) == 0
-    chosen = yaml.safe_load((out / "resolved_config.yaml").read_text())["runtime"]["layers"]
-    # the cache is gone: a fresh choice would profile again; the resumed run keeps its layout
-    for f in (tmp_path / "slidedp" / "profile").glob("*.json"):
-        f.unlink()
-    capsys.readouterr()
-    assert main(["train", str(path), "train.max_steps=3", "train.resume=auto"]) == 0
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("policy   auto"))
-    assert line.startswith(f"policy   auto: {chosen}, 0 GPU-resident (kept from checkpoint-2)")
-    assert not list((tmp_path / "slidedp" / "profile").glob("*.json"))

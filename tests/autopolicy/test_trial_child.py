@@ -56,7 +56,13 @@ def faked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.mark.e2e
-def test_trials_share_one_child_until_one_runs_out_of_memory(faked: Path) -> None:
+def test_trials_share_one_child_until_one_runs_out_of_memory_or_fails(
+    faked: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Trials follow each other in one child until one runs out of memory; a failure or a
+    refused config is one line and ends its child too; each next trial starts a fresh one.
+    One test, not two: each child imports the whole stack (the longest part of the test)."""
+
     def trial(layers: str) -> Trial:
         return runner(load_config(faked, [f"runtime.layers={layers}"]), 3)
 
@@ -67,8 +73,17 @@ def test_trials_share_one_child_until_one_runs_out_of_memory(faked: Path) -> Non
         assert [trial("F"), trial("F-r1")] == [Trial("F", 0, 1.0, 21), Trial("F-r1", 0, 2.0, 21)]
         assert trial("N") == Trial("N", 0, None, 21)  # the third in that process
         assert runner.processes == 1
-        assert trial("F").step_s == 1.0  # the first of a fresh process
-        assert (runner.trials, runner.processes) == (4, 2)
+        capfd.readouterr()
+        with pytest.raises(ConfigError, match=r"validating 1xN, F failed: RuntimeError: "
+                                              r"the trial broke$"):  # fmt: skip
+            trial("1xN, F")  # the first of a fresh process
+        assert runner.processes == 2
+        assert "Traceback" in capfd.readouterr().err  # the child's stderr passed on
+        with pytest.raises(ConfigError, match=r"failed: a bad config, said in one line$"):
+            trial("1xF, N")
+        assert runner.processes == 3  # the failure ended its child
+        assert trial("F").step_s == 1.0  # the first of a fresh process: the refusal ended one
+        assert (runner.trials, runner.processes) == (6, 4)
         child = runner._child
         assert child is not None
     assert child.poll() is not None  # closed with the runner
@@ -78,21 +93,6 @@ def test_trials_share_one_child_until_one_runs_out_of_memory(faked: Path) -> Non
     assert child is not None
     importing.close()  # killed at once: no trial will come
     assert child.returncode == -9
-
-
-@pytest.mark.e2e
-def test_a_failed_trial_is_one_line_and_the_next_starts_afresh(
-    faked: Path, capfd: pytest.CaptureFixture[str]
-) -> None:
-    with TrialChild() as runner:
-        with pytest.raises(ConfigError, match=r"validating 1xN, F failed: RuntimeError: "
-                                              r"the trial broke$"):  # fmt: skip
-            runner(load_config(faked, ["runtime.layers=1xN, F"]), 2)
-        assert "Traceback" in capfd.readouterr().err  # the child's stderr passed on
-        with pytest.raises(ConfigError, match=r"failed: a bad config, said in one line$"):
-            runner(load_config(faked, ["runtime.layers=1xF, N"]), 2)
-        assert runner(load_config(faked, []), 2).step_s == 1.0
-        assert runner.processes == 3
 
 
 def test_the_runner_of_each_machine(tmp_path: Path) -> None:

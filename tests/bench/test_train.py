@@ -43,15 +43,21 @@ def _cli(config: Path, out: Path, *extra: str) -> int:
 def test_ours_a_variant_and_the_reference_end_to_end_on_cpu(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """One bench command, checked as three (each run is a worker that imports torch: tens of
+    """One bench command, checked as five (each run is a worker that imports torch: tens of
     seconds on 2 cores): ours, its variant ours:n (every layer N) and the reference, ours and
-    ours:n traced; then ``bench predict`` on its report with a probe run apart."""
+    ours:n traced, under a host limit that touches none; ours' time to its first step in its
+    parts; then ``bench predict`` on its report with a probe run apart. (The startup and the
+    untouched limit were each a worker of their own once: the same runs' figures.)"""
     config = write_tiny_config(tmp_path / "m")
     trace = tmp_path / "trace.json"
     extra = ("--batch", "2", "--systems", "ours,ours:n,reference",
-             "--set", "ours:n.runtime.layers=N", "--trace", str(trace))  # fmt: skip
+             "--set", "ours:n.runtime.layers=N", "--trace", str(trace),
+             "--host-limit", "64")  # fmt: skip
     assert _cli(config, tmp_path / "report.json", *extra) == 0
-    _ours_and_reference_ran(tmp_path, capsys.readouterr().out)
+    printed = capsys.readouterr().out
+    _ours_and_reference_ran(tmp_path, printed)
+    _a_host_limit_above_every_run_touches_none(tmp_path, printed)
+    _ours_reports_its_time_to_the_first_step_in_parts(tmp_path)
     _a_variant_of_ours_ran_in_its_own_worker(tmp_path)
     _bench_predict_reads_probes_run_apart(tmp_path, capsys)
 
@@ -91,6 +97,33 @@ def _ours_and_reference_ran(tmp: Path, printed: str) -> None:
     assert "ours/reference" in printed
     assert "exposed wait" in printed
     assert printed.count("layer compute: eager, not compiled") == 3  # each run's line
+
+
+def _a_host_limit_above_every_run_touches_none(tmp: Path, printed: str) -> None:
+    """``--host-limit 64``: reported, and under it every run is untouched (an oom would exit 0
+    too: its status says)."""
+    report = json.loads((tmp / "report.json").read_text())
+    assert report["host_limit_gib"] == 64
+    assert [r["status"] for r in report["runs"]] == ["ok"] * 3
+    assert "limits (a smaller machine than this one): host 64 GiB" in printed
+
+
+def _ours_reports_its_time_to_the_first_step_in_parts(tmp: Path) -> None:
+    """The run of ours says how long it took to reach its first step, part by part."""
+    ours = json.loads((tmp / "report.json").read_text())["runs"][0]
+    s = ours["startup_s"]
+    assert set(s) == {"process_s", "config_s", "trainer_init_s", "fill_state_s", "pin_s",
+                      "other_init_s", "first_step_s", "to_first_step_s"}  # fmt: skip
+    assert all(v >= 0 for v in s.values()), s
+    assert s["process_s"] > 0.5  # the interpreter and torch's import count
+    assert s["fill_state_s"] > 0  # the tiny model initialised and copied into the store
+    assert s["pin_s"] == 0  # nothing to page-lock without CUDA
+    # the parts add up (each rounded to the millisecond)
+    whole = s["trainer_init_s"] - s["fill_state_s"] - s["pin_s"]
+    assert s["other_init_s"] == pytest.approx(whole, abs=3e-3)
+    before = s["process_s"] + s["config_s"] + s["trainer_init_s"] + s["first_step_s"]
+    assert s["to_first_step_s"] == pytest.approx(before, abs=4e-3)
+    assert s["first_step_s"] > 0
 
 
 def test_fsdp2_baseline_runs_on_cpu(tmp_path: Path) -> None:
