@@ -34,15 +34,16 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 # Every CPU test, the golden loss curves (scripts/loss_golden.py) among them, over every core
-# (pytest-xdist; PYTEST_WORKERS=0 runs them in this process), in one session: the end-to-end ones
-# (the `e2e` marker) first, so that the unit tests fill the workers' tail (tests/conftest.py).
-# Each pytest worker keeps to its share of the cores, and so do the ranks and thread pools its
-# tests start: two at once do not oversubscribe a 2-core machine.
+# (pytest-xdist; PYTEST_WORKERS=0 runs them in this process): the unit tests, then the end-to-end
+# ones (the `e2e` marker). Each pytest worker keeps to its share of the cores, and so do the ranks
+# and thread pools its tests start (tests/conftest.py): two at once do not oversubscribe a 2-core
+# machine.
 PYTEST_WORKERS ?= auto
 CPU_TESTS := not gpu and not multi_gpu and not slow
 test: build lint
 	cargo test --quiet
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal -m '$(CPU_TESTS)'
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal -m '$(CPU_TESTS) and not e2e'
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal -m '$(CPU_TESTS) and e2e'
 
 # The edit loop: unit tests only, no end-to-end training (the `e2e` marker), no lint nor cargo.
 test-fast: build

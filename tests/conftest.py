@@ -29,12 +29,6 @@ from slidedp.kernels import Kernels  # noqa: E402
 pytest_plugins = ("tier_guard", "pytester")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """End-to-end tests first (in their collected order), then the unit tests: in one xdist
-    session the long trainings start early and the short tests fill the workers' tail."""
-    items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
-
-
 @pytest.fixture(params=Kernels.supported_isas())
 def isa(request: pytest.FixtureRequest) -> str:
     """Every instruction-set path this CPU can run (AVX-512 only on the GPU host)."""
