@@ -20,14 +20,6 @@ from slidedp.models.shapes import SHAPES
 from slidedp.plan.machine import GIB
 
 
-@pytest.fixture(scope="module")
-def qwen3_8b(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The published Qwen3-8B config only: the adapter builds it on the meta device."""
-    path = tmp_path_factory.mktemp("models") / "qwen3-8b"
-    Qwen3Config(**SHAPES["qwen3-8b"]).save_pretrained(path)
-    return path
-
-
 def _cfg(tmp_path: Path, model: Path, *overrides: str) -> TrainConfig:
     data = write_data(tmp_path / "data.jsonl", 8)
     path = write_config(tmp_path / "c.yaml", model, data, tmp_path / "out")

@@ -6,25 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from transformers import Qwen3Config
 
 from engine.tiny import write_config, write_data
 from estimate.machines import H100
 from slidedp.config import TrainConfig, load_config
 from slidedp.estimate_report import Estimate, estimate_run, format_estimate
 from slidedp.models.hf import HFAdapter
-from slidedp.models.shapes import SHAPES
 from slidedp.plan.timing import NVLINK_GBPS
 
 SEQ = 65536
-
-
-@pytest.fixture(scope="module")
-def qwen3_8b(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The published Qwen3-8B config only: the adapter builds it on the meta device."""
-    path = tmp_path_factory.mktemp("models") / "qwen3-8b"
-    Qwen3Config(**SHAPES["qwen3-8b"]).save_pretrained(path)
-    return path
 
 
 def _cfg(tmp_path: Path, model: Path, *overrides: str) -> TrainConfig:
