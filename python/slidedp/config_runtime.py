@@ -51,6 +51,11 @@ class LaunchSpec:
         """Processes to run: ``ranks`` on CPU, ``gpus`` on CUDA."""
         return max(self.ranks, self.gpus)
 
+    @property
+    def data_world(self) -> int:
+        """Rank groups that read different rows: ``world`` / ``context_parallel``."""
+        return self.world // self.context_parallel
+
     def __post_init__(self) -> None:
         _require(self.version_timeout_s > 0, "runtime.version_timeout_s must be > 0 seconds")
         _require(self.ranks >= 1 and self.gpus >= 1, "runtime.ranks and runtime.gpus must be >= 1")

@@ -150,7 +150,7 @@ def context_candidates(
         )
     gbps = (links_for(launch.world, adapter, machine) or Links()).gather_gbps
     shapes = layer_shapes(adapter.config, cfg.data.seq_len)
-    rows = cfg.train.global_batch_size // (launch.world // r)
+    rows = cfg.train.global_batch_size // launch.data_world
     out = []
     for kind, policy, c in cands:
         if policy.ratio > 0:

@@ -66,7 +66,7 @@ class Shape:
     @classmethod
     def of_run(cls, cfg: TrainConfig) -> Shape:
         launch = cfg.runtime.launch
-        rows = cfg.train.global_batch_size // (launch.world // launch.context_parallel)
+        rows = cfg.train.global_batch_size // launch.data_world
         return cls(rows, cfg.data.seq_len, launch.world, launch.context_parallel)
 
 

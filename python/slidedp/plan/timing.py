@@ -178,8 +178,9 @@ def all_to_all_s(
     backward sends their gradients the other way (as many), and again the forward's where the
     layer replays them (``replays_exchange``). Time: the buffers over ``gbps``, an
     ``all_gather``'s algorithm bandwidth (nccl-tests count the bus bandwidth of both as
-    algbw x (R-1)/R: each rank sends (R-1)/R of its buffer, receives as much). Ring
-    attention would exchange by an all-gather of the key/value shards instead: its own term."""
+    algbw x (R-1)/R: each rank sends (R-1)/R of its buffer, receives as much). The
+    ``allgather`` scheme (``runtime.context_attention``) gathers the key/value shards instead:
+    priced by this term too, not modelled on its own."""
     elem_bytes = 2  # the bf16 activations (a GPU run's compute dtype)
     forward = [tokens * (2 * s.q_dim + 2 * s.kv_dim) * elem_bytes / (gbps * 1e9) for s in shapes]
     backward = [f * (2 if replays_exchange(p) else 1) for f, p in zip(forward, layers, strict=True)]

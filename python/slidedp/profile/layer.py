@@ -91,7 +91,7 @@ def profile_spec(cfg: TrainConfig, **given: Any) -> ProfileSpec:
     launch = cfg.runtime.launch
     run = ProfileSpec(
         shape=str(Path(cfg.model.path) / "config.json"),
-        batch=cfg.train.global_batch_size // (launch.world // launch.context_parallel),
+        batch=cfg.train.global_batch_size // launch.data_world,
         world=launch.world,
         seq_len=cfg.data.seq_len // launch.context_parallel,
         device=cfg.runtime.launch.device,
