@@ -63,8 +63,24 @@ def test_no_zygote_once_a_thread_runs_or_the_cuda_driver_is_loaded(
     monkeypatch.setattr("slidedp.runtime.zygote.threading.active_count", lambda: 1)
     monkeypatch.setattr(zygote, "CUDA_DRIVER", "no-such-library.so")
     assert zygote.can_fork()
-    monkeypatch.setattr(zygote, "CUDA_DRIVER", "libc.so")  # mapped in every process, as a driver
+    # mapped in every process, as a driver; no libc.so.1 to probe: assumed initialized
+    monkeypatch.setattr(zygote, "CUDA_DRIVER", "libc.so")
     assert not zygote.can_fork()
     monkeypatch.setattr(zygote, "CUDA_DRIVER", "no-such-library.so")
     monkeypatch.setattr("slidedp.runtime.zygote.threading.active_count", lambda: 2)
     assert not zygote.can_fork()
+
+
+@pytest.mark.gpu
+def test_the_imports_leave_the_cuda_driver_uninitialized_and_cuda_init_is_seen() -> None:
+    """On a CUDA machine importing torch maps the driver: the zygote is still safe until
+    ``cuInit`` (here through ``torch.cuda.is_available``, which torch does not record)."""
+    probe = (
+        "import slidedp.cli, torch\n"
+        "from slidedp.runtime.zygote import can_fork, cuda_driver_initialized\n"
+        "before = can_fork()\n"
+        "assert torch.cuda.is_available()\n"
+        "print(before, can_fork(), cuda_driver_initialized())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["True", "False", "True"]

@@ -42,18 +42,32 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 PR_SET_CHILD_SUBREAPER = 36
 MESSAGE_BYTES = 1 << 20  # one request: module, argv, environment
 CLOSE_S = 10.0  # a closed zygote has this long to exit before it is killed
-CUDA_DRIVER = "libcuda.so"  # mapped once any CUDA call ran in this process
+CUDA_DRIVER = "libcuda.so"  # mapped by importing torch on a CUDA machine; initialized by cuInit
+CUDA_ERROR_NOT_INITIALIZED = 3  # cuda.h
 
 
 def can_fork() -> bool:
-    """Whether this process may fork a zygote now: Linux, no thread started from Python, no
-    CUDA driver loaded (a driver initialized before a fork is unusable in the child, and
-    ``torch.cuda.is_available()`` initializes it without torch saying so). OpenMP's pool
+    """Whether this process may fork a zygote now: Linux, no thread started from Python, the
+    CUDA driver not initialized (a driver initialized before a fork is unusable in the child,
+    and ``torch.cuda.is_available()`` initializes it without torch saying so). OpenMP's pool
     cannot be seen: the caller must not have computed."""
     if sys.platform != "linux" or threading.active_count() != 1:
         return False
-    cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-    return not cuda and CUDA_DRIVER not in Path("/proc/self/maps").read_text()
+    return not torch.cuda.is_initialized() and not cuda_driver_initialized()  # type: ignore[no-untyped-call]
+
+
+def cuda_driver_initialized() -> bool:
+    """Whether ``cuInit`` ran in this process. Importing torch maps the driver library without
+    initializing it (safe to fork); before ``cuInit`` every driver call answers
+    CUDA_ERROR_NOT_INITIALIZED, so a device count is the probe. Not mapped: not initialized."""
+    if CUDA_DRIVER not in Path("/proc/self/maps").read_text():
+        return False
+    try:  # the mapped library itself (RTLD_NOLOAD: never loads a second copy)
+        driver = ctypes.CDLL(f"{CUDA_DRIVER}.1", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return True  # mapped under another name: assume the worst
+    count = ctypes.c_int()
+    return bool(driver.cuDeviceGetCount(ctypes.byref(count)) != CUDA_ERROR_NOT_INITIALIZED)
 
 
 def _prctl(option: int, value: int) -> None:
