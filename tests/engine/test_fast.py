@@ -14,6 +14,7 @@ MLP and the rotary function were replaced; its numerics are checked on the GPU
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,8 @@ def test_liger_replaces_every_norm_and_the_swiglu(monkeypatch: pytest.MonkeyPatc
     calls = _liger_recorders(monkeypatch)
     adapter = _adapter()
     fast.apply_compute(adapter, fast.Compute("liger", ""))
+    # Liger's warnings of its missing other backends would reach stderr once per rank
+    assert logging.getLogger(fast.LIGER_REGISTRY_LOG).getEffectiveLevel() == logging.ERROR
     norms: list[Any] = [m for m in adapter.skeleton.modules() if type(m).__name__ == "Qwen3RMSNorm"]
     assert len(norms) == 2 * 4 + 1  # per layer: input, post-attention, q, k; the final norm
     assert all(m.casting_mode == "llama" and m.offset == 0.0 for m in norms)

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 LIGER_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 LIGER_OPS = "RMSNorm, RoPE, SwiGLU"
 COMPILE_BACKEND = "inductor"
+LIGER_REGISTRY_LOG = "liger_kernel.backends.registry"
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,9 @@ def _apply_liger(adapter: HFAdapter) -> None:
     from liger_kernel.transformers.rope import liger_rotary_pos_emb  # noqa: PLC0415  optional: the fast extra
     from liger_kernel.transformers.swiglu import LigerSwiGLUMLP  # noqa: PLC0415  optional: the fast extra
 
+    # at an op's first call Liger imports its other backends (CuTe DSL, Ascend) and warns, in
+    # every rank, of each one missing: the Triton kernels patched in here need none of them
+    logging.getLogger(LIGER_REGISTRY_LOG).setLevel(logging.ERROR)
     modeling: Any = importlib.import_module(type(adapter.base).__module__)
     _patch_rms_norm(adapter.norm_module(), LigerRMSNorm.forward)
     for layer in range(adapter.num_layers):
