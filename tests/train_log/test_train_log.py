@@ -129,6 +129,19 @@ def test_mfu_uses_the_peak_and_tensorboard_gets_the_scalars(tmp_path: Path) -> N
     assert "1 skipped | this step skipped (non-finite loss)" in out.getvalue().splitlines()[-1]
 
 
+def test_mfu_of_a_context_parallel_run_sums_the_peaks_of_the_sequence_s_gpus(
+    tmp_path: Path,
+) -> None:
+    """A record's tokens are one sequence split over R GPUs: R GPUs' peaks computed them."""
+    out = io.StringIO()
+    log = _log(tmp_path, out, peak_flops=1e9, batch_gpus=2, total=1, every=1)
+    log.step(_record(1))
+    log.close()
+    expected = (1e6 + 1e3 * 20) * 100 / 0.5 / 1e9 / 2
+    assert _metrics(tmp_path)[0]["mfu"] == pytest.approx(expected)
+    assert f"MFU {100 * expected:.1f}%" in out.getvalue()
+
+
 def test_a_resumed_run_keeps_the_records_up_to_its_step(tmp_path: Path) -> None:
     first = _log(tmp_path, None)
     for step in range(1, 5):  # a run that got to step 4, then was resumed from checkpoint-2
@@ -145,7 +158,7 @@ def test_the_banner_names_what_a_run_needs() -> None:
         model="qwen3 (/models/q)",
         params=123_456,
         layers=2,
-        ranks=1,
+        ranks=2,
         global_batch_size=8,
         seq_len=512,
         start_step=10,
@@ -161,11 +174,12 @@ def test_the_banner_names_what_a_run_needs() -> None:
         isa="avx512",
         threads=16,
         peak_flops=900e12,
+        context_parallel=2,
     )
     text = "\n".join(facts.lines())
     for part in (
         "123,456 parameters",
-        "1 rank(s)",
+        "2 rank(s)",
         "8 x 512 = 4,096 tokens per step",
         "steps 11..100 of 100 (resumed from run/checkpoint-10)",
         "store 3.00 GiB",
@@ -174,7 +188,7 @@ def test_the_banner_names_what_a_run_needs() -> None:
         "avx512 path, 16 thread(s)",
         "layer compute: eager, not compiled, attention SDPA",
         FLOPS_FORMULA,
-        "900 TFLOP/s (measured bf16 GEMM)",
+        "900 TFLOP/s (measured bf16 GEMM) per GPU, x 2 GPUs computing each sequence",
     ):
         assert part in text, part
 

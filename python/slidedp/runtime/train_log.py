@@ -84,6 +84,7 @@ class RunFacts:
     threads: int
     peak_flops: float | None
     nodes: int = 1  # one host store each
+    context_parallel: int = 1  # GPUs sharing each sequence: MFU divides by their summed peak
 
     def lines(self) -> list[str]:
         peak = (
@@ -91,6 +92,8 @@ class RunFacts:
             if self.peak_flops is None
             else f"MFU = model FLOP/s / {self.peak_flops / 1e12:.0f} TFLOP/s (measured bf16 GEMM)"
         )
+        if self.peak_flops is not None and self.context_parallel > 1:
+            peak += f" per GPU, x {self.context_parallel} GPUs computing each sequence"
         nodes = f" on {self.nodes} nodes (a host store each)" if self.nodes > 1 else ""
         steps = f"steps {self.start_step + 1}..{self.max_steps} of {self.max_steps}"
         resumed = f" (resumed from {self.resumed_from})" if self.resumed_from else ""
@@ -141,8 +144,12 @@ class StepLog:
         cuda: bool = False,
         writer: StepWriter | None = None,
         stream: TextIO | None = None,
+        batch_gpus: int = 1,
     ) -> None:
-        self.flops_per_token, self.peak_flops, self.cuda = flops_per_token, peak_flops, cuda
+        """``peak_flops``: one GPU's; ``batch_gpus``: the GPUs that compute each record's tokens
+        together (a context-parallel group splits one batch), whose peaks MFU sums."""
+        self.flops_per_token, self.cuda = flops_per_token, cuda
+        self.peak_flops = None if peak_flops is None else peak_flops * batch_gpus
         self.total_steps, self.start_step = steps.total, steps.start
         self.log_steps = steps.every
         self.writer, self.stream = writer, stream

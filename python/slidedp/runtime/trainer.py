@@ -209,6 +209,7 @@ class Trainer:
             threads=self.engine.kernels.threads,
             peak_flops=device_peak_flops(self.device),
             nodes=1 if self.ctx is None else self.ctx.nodes,
+            context_parallel=self.cfg.runtime.launch.context_parallel,
         )
 
     def _policy_source(self) -> str:
@@ -414,6 +415,7 @@ class Trainer:
             ),
             steps=LogSteps(total=tc.max_steps, start=self.progress.step, every=out.log_steps),
             peak_flops=facts.peak_flops,
+            batch_gpus=facts.context_parallel,
             cuda=self.cuda,
             writer=open_trackers(
                 out.trackers(),
