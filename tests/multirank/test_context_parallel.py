@@ -65,6 +65,7 @@ def _compare(one: Path, many: Path, model: Path) -> None:
 
 
 GATHER = {"context_attention": "allgather"}
+OFFLOADED = "1xF-r1, 1xN-r0.5, 1xS1010100-r0.5, 1xSAC.mm-r1"  # every family, part or all offloaded
 
 
 @pytest.mark.e2e
@@ -72,6 +73,9 @@ GATHER = {"context_attention": "allgather"}
     ("arch", "ranks", "context", "runtime", "kv_heads"),
     [
         ("qwen3", 2, 2, {"layers": "1xF, 1xN, 1xS1010100, 1xSAC.mm"}, None),
+        # each family's saved tensors of the shard offloaded (a part, or all of them)
+        ("qwen3", 2, 2, {"layers": OFFLOADED}, None),
+        ("qwen3", 2, 2, GATHER | {"layers": OFFLOADED}, None),  # the gathered keys/values too
         ("llama", 2, 2, {"grad_route": "cpu", "param_route": "sharded"}, None),
         ("qwen3", 4, 2, GATHER, None),  # 2 allgather groups of 2: data parallelism over the groups
         ("qwen3", 4, 4, {}, 4),  # one group of 4 (Ulysses: the 4 key/value heads split in 4)
@@ -84,7 +88,16 @@ GATHER = {"context_attention": "allgather"}
         ),  # allgather (auto): the tiny model's 2 key/value heads in 4 ranks
         ("qwen3_moe", 2, 2, {}, None),  # routers and experts on the shard, aux loss summed
     ],
-    ids=["families", "llama-routes", "allgather-dp", "ulysses-r4", "allgather-r4", "moe"],
+    ids=[
+        "families",
+        "offload",
+        "offload-allgather",
+        "llama-routes",
+        "allgather-dp",
+        "ulysses-r4",
+        "allgather-r4",
+        "moe",
+    ],
 )
 def test_context_parallel_matches_one_rank(
     tmp_path: Path,
