@@ -18,6 +18,8 @@ All-gather attention (each shard's queries over the gathered keys) reorders SDPA
 too: R=4 within 1.3e-7 relative (parameters 1.4e-7), R=2 x 2 groups 1.1e-7 (1.2e-7), packed
 1.0e-7 (9.7e-8) of one rank and 5.1e-8 (1.2e-7) of Ulysses; allgather mask blocks plain causal over
 the rows instead of each shard's block of the per-sample mask move the packed losses by 5.8e-3.
+Offloading a shard's saved tensors (a copy to the host and back) and GPU residency (on CPU
+ranks the host AdamW kernel on the owner, bit for bit the host update) add no rounding.
 """
 
 from __future__ import annotations
@@ -87,6 +89,9 @@ OFFLOADED = "1xF-r1, 1xN-r0.5, 1xS1010100-r0.5, 1xSAC.mm-r1"  # every family, pa
             None,
         ),  # allgather (auto): the tiny model's 2 key/value heads in 4 ranks
         ("qwen3_moe", 2, 2, {}, None),  # routers and experts on the shard, aux loss summed
+        # 2 resident layers and the embeddings in 2 groups of 2: each resident gradient summed
+        # onto its owner over the context and the data ranks, as a streamed group's
+        ("qwen3", 4, 2, {"resident_layers": 2, "resident_embeddings": True}, None),
     ],
     ids=[
         "families",
@@ -97,6 +102,7 @@ OFFLOADED = "1xF-r1, 1xN-r0.5, 1xS1010100-r0.5, 1xSAC.mm-r1"  # every family, pa
         "ulysses-r4",
         "allgather-r4",
         "moe",
+        "resident",
     ],
 )
 def test_context_parallel_matches_one_rank(
@@ -107,9 +113,10 @@ def test_context_parallel_matches_one_rank(
     runtime: dict[str, str],
     kv_heads: int | None,
 ) -> None:
-    """R=2 on 2 ranks (every activation family; llama on the cpu and sharded routes; a mixture
-    of experts), R=2 x 2 data-parallel groups (allgather) and R=4 on 4 ranks (Ulysses, and allgather
-    where the key/value heads do not divide by 4): one rank's losses, norms and parameters."""
+    """R=2 on 2 ranks (every activation family, also offloaded; llama on the cpu and sharded
+    routes; a mixture of experts), R=2 x 2 data-parallel groups (allgather; resident layers and
+    embeddings) and R=4 on 4 ranks (Ulysses, and allgather where the key/value heads do not
+    divide by 4): one rank's losses, norms and parameters."""
     # each norm binds in some steps of its model's run, not in all
     train = TRAIN | {"max_grad_norm": 2.0 if arch == "llama" else 2.2}
     model = make_model(tmp_path, arch, tied=False, layers=4, kv_heads=kv_heads)

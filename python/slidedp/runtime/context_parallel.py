@@ -310,8 +310,6 @@ def _unproven_problem(cfg: TrainConfig, adapter: HFAdapter) -> str | None:
          "yet; remove it"),
         (rt.launch.nodes > 1, f"runtime.nodes={rt.launch.nodes}: the context group must be one "
          "node's ranks; set runtime.nodes=1"),
-        (layout.resident_layers > 0 or layout.resident_embeddings, "GPU-resident layers "
-         "or embeddings: set runtime.resident_layers=0 and runtime.resident_embeddings=false"),
         (bool(cfg.train.freeze), "train.freeze is not supported yet; remove it"),
         (layout.compile or (cuda and layout.compile is None), "the compiled decoder layer "
          "(runtime.compile) cannot trace the all-to-all; set runtime.compile=false"),
