@@ -50,9 +50,10 @@ TRAIN = {
 def _compare(one: Path, many: Path, model: Path) -> None:
     """Losses, grad norms and final parameters of ``many`` against ``one``."""
     m1, m2 = read_metrics(one), read_metrics(many)
-    for key in ("loss", "grad_norm", "aux_loss")[: 2 + ("aux_loss" in m1[0])]:
-        a = torch.tensor([m[key] for m in m1], dtype=torch.float64)
-        b = torch.tensor([m[key] for m in m2], dtype=torch.float64)
+    for key in ("loss", "grad_norm", "aux_loss", "eval_loss"):
+        a = torch.tensor([m[key] for m in m1 if key in m], dtype=torch.float64)
+        b = torch.tensor([m[key] for m in m2 if key in m], dtype=torch.float64)
+        assert key not in m1[0] or len(a) > 0
         torch.testing.assert_close(b, a, rtol=LOSS_RTOL, atol=0)
     clipped = [m["clip_coef"] < 1.0 for m in m2]
     assert any(clipped), "clipping must bind in some steps"
@@ -136,6 +137,26 @@ def test_packed_rows_match_one_rank(tmp_path: Path) -> None:
     ulysses = _train_pair(tmp_path, model, data, (2, 2), sections)
     allgather = _train_pair(tmp_path, model, data, (2, 2), sections | {"runtime": GATHER})
     _compare(ulysses, allgather, model)
+
+
+@pytest.mark.e2e
+def test_frozen_and_evaluated_run_matches_one_rank(tmp_path: Path) -> None:
+    """``train.freeze`` (the embedding, layer 0, every key projection: under allgather the
+    gathered keys then send no gradient back) and held-out evaluation every 2 steps at R=2:
+    one rank's losses, norms, eval losses (each rank's shard summed) and parameters; the frozen
+    parameters as they came in."""
+    model = make_model(tmp_path, "qwen3", tied=False, layers=4)
+    data = write_data(tmp_path / "data.jsonl", 32, min_len=10, max_len=31)
+    frozen = ["embed_tokens", "layers.0", "*.self_attn.k_proj.*"]
+    train = TRAIN | {"max_grad_norm": 1.6, "freeze": frozen, "eval_steps": 2}  # binds twice
+    sections = {"train": train, "data": {"eval_fraction": 0.25}, "runtime": GATHER}
+    many = _train_pair(tmp_path, model, data, (2, 2), sections)
+    assert [m["step"] for m in read_metrics(many) if "eval_loss" in m] == [2, 4, 5]
+    start = load_file(next(model.glob("*.safetensors")))
+    final = load_file(many / "final" / "model.safetensors")
+    held = [n for n in start if n == "model.embed_tokens.weight" or ".layers.0." in n
+            or ".k_proj." in n]  # fmt: skip
+    assert len(held) > 4 and all(torch.equal(final[n], start[n]) for n in held)
 
 
 def _train_pair(

@@ -300,17 +300,14 @@ def _shape_problem(cfg: TrainConfig, adapter: HFAdapter, r: int) -> str | None:
 
 def _unproven_problem(cfg: TrainConfig, adapter: HFAdapter) -> str | None:
     """The first combination not yet checked against one rank, with its fix."""
-    rt, data, cuda = cfg.runtime, cfg.data, pick_device(cfg.runtime.launch.device).type == "cuda"
+    rt, cuda = cfg.runtime, pick_device(cfg.runtime.launch.device).type == "cuda"
     layout = rt.layout
     refusals = [
         (adapter.config.model_type not in CONTEXT_MODEL_TYPES,
          f"model type {adapter.config.model_type} is not supported yet "
          f"(supported: {', '.join(CONTEXT_MODEL_TYPES)}); set runtime.context_parallel=1"),
-        (data.has_eval, "held-out evaluation (data.eval_path/eval_fraction) is not supported "
-         "yet; remove it"),
         (rt.launch.nodes > 1, f"runtime.nodes={rt.launch.nodes}: the context group must be one "
          "node's ranks; set runtime.nodes=1"),
-        (bool(cfg.train.freeze), "train.freeze is not supported yet; remove it"),
         (layout.compile or (cuda and layout.compile is None), "the compiled decoder layer "
          "(runtime.compile) cannot trace the all-to-all; set runtime.compile=false"),
         (layout.kernels == "liger" or (cuda and layout.kernels == "auto"), "runtime.kernels="
