@@ -18,6 +18,8 @@ All-gather attention (each shard's queries over the gathered keys) reorders SDPA
 too: R=4 within 1.3e-7 relative (parameters 1.4e-7), R=2 x 2 groups 1.1e-7 (1.2e-7), packed
 1.0e-7 (9.7e-8) of one rank and 5.1e-8 (1.2e-7) of Ulysses; allgather mask blocks plain causal over
 the rows instead of each shard's block of the per-sample mask move the packed losses by 5.8e-3.
+Offloading a shard's saved tensors (a copy to the host and back) and GPU residency (on CPU
+ranks the host AdamW kernel on the owner, bit for bit the host update) add no rounding.
 """
 
 from __future__ import annotations
@@ -48,9 +50,10 @@ TRAIN = {
 def _compare(one: Path, many: Path, model: Path) -> None:
     """Losses, grad norms and final parameters of ``many`` against ``one``."""
     m1, m2 = read_metrics(one), read_metrics(many)
-    for key in ("loss", "grad_norm", "aux_loss")[: 2 + ("aux_loss" in m1[0])]:
-        a = torch.tensor([m[key] for m in m1], dtype=torch.float64)
-        b = torch.tensor([m[key] for m in m2], dtype=torch.float64)
+    for key in ("loss", "grad_norm", "aux_loss", "eval_loss"):
+        a = torch.tensor([m[key] for m in m1 if key in m], dtype=torch.float64)
+        b = torch.tensor([m[key] for m in m2 if key in m], dtype=torch.float64)
+        assert key not in m1[0] or len(a) > 0
         torch.testing.assert_close(b, a, rtol=LOSS_RTOL, atol=0)
     clipped = [m["clip_coef"] < 1.0 for m in m2]
     assert any(clipped), "clipping must bind in some steps"
@@ -65,6 +68,7 @@ def _compare(one: Path, many: Path, model: Path) -> None:
 
 
 GATHER = {"context_attention": "allgather"}
+OFFLOADED = "1xF-r1, 1xN-r0.5, 1xS1010100-r0.5, 1xSAC.mm-r1"  # every family, part or all offloaded
 
 
 @pytest.mark.e2e
@@ -72,6 +76,9 @@ GATHER = {"context_attention": "allgather"}
     ("arch", "ranks", "context", "runtime", "kv_heads"),
     [
         ("qwen3", 2, 2, {"layers": "1xF, 1xN, 1xS1010100, 1xSAC.mm"}, None),
+        # each family's saved tensors of the shard offloaded (a part, or all of them)
+        ("qwen3", 2, 2, {"layers": OFFLOADED}, None),
+        ("qwen3", 2, 2, GATHER | {"layers": OFFLOADED}, None),  # the gathered keys/values too
         ("llama", 2, 2, {"grad_route": "cpu", "param_route": "sharded"}, None),
         ("qwen3", 4, 2, GATHER, None),  # 2 allgather groups of 2: data parallelism over the groups
         ("qwen3", 4, 4, {}, 4),  # one group of 4 (Ulysses: the 4 key/value heads split in 4)
@@ -83,8 +90,21 @@ GATHER = {"context_attention": "allgather"}
             None,
         ),  # allgather (auto): the tiny model's 2 key/value heads in 4 ranks
         ("qwen3_moe", 2, 2, {}, None),  # routers and experts on the shard, aux loss summed
+        # 2 resident layers and the embeddings in 2 groups of 2: each resident gradient summed
+        # onto its owner over the context and the data ranks, as a streamed group's
+        ("qwen3", 4, 2, {"resident_layers": 2, "resident_embeddings": True}, None),
     ],
-    ids=["families", "llama-routes", "allgather-dp", "ulysses-r4", "allgather-r4", "moe"],
+    ids=[
+        "families",
+        "offload",
+        "offload-allgather",
+        "llama-routes",
+        "allgather-dp",
+        "ulysses-r4",
+        "allgather-r4",
+        "moe",
+        "resident",
+    ],
 )
 def test_context_parallel_matches_one_rank(
     tmp_path: Path,
@@ -94,9 +114,10 @@ def test_context_parallel_matches_one_rank(
     runtime: dict[str, str],
     kv_heads: int | None,
 ) -> None:
-    """R=2 on 2 ranks (every activation family; llama on the cpu and sharded routes; a mixture
-    of experts), R=2 x 2 data-parallel groups (allgather) and R=4 on 4 ranks (Ulysses, and allgather
-    where the key/value heads do not divide by 4): one rank's losses, norms and parameters."""
+    """R=2 on 2 ranks (every activation family, also offloaded; llama on the cpu and sharded
+    routes; a mixture of experts), R=2 x 2 data-parallel groups (allgather; resident layers and
+    embeddings) and R=4 on 4 ranks (Ulysses, and allgather where the key/value heads do not
+    divide by 4): one rank's losses, norms and parameters."""
     # each norm binds in some steps of its model's run, not in all
     train = TRAIN | {"max_grad_norm": 2.0 if arch == "llama" else 2.2}
     model = make_model(tmp_path, arch, tied=False, layers=4, kv_heads=kv_heads)
@@ -116,6 +137,26 @@ def test_packed_rows_match_one_rank(tmp_path: Path) -> None:
     ulysses = _train_pair(tmp_path, model, data, (2, 2), sections)
     allgather = _train_pair(tmp_path, model, data, (2, 2), sections | {"runtime": GATHER})
     _compare(ulysses, allgather, model)
+
+
+@pytest.mark.e2e
+def test_frozen_and_evaluated_run_matches_one_rank(tmp_path: Path) -> None:
+    """``train.freeze`` (the embedding, layer 0, every key projection: under allgather the
+    gathered keys then send no gradient back) and held-out evaluation every 2 steps at R=2:
+    one rank's losses, norms, eval losses (each rank's shard summed) and parameters; the frozen
+    parameters as they came in."""
+    model = make_model(tmp_path, "qwen3", tied=False, layers=4)
+    data = write_data(tmp_path / "data.jsonl", 32, min_len=10, max_len=31)
+    frozen = ["embed_tokens", "layers.0", "*.self_attn.k_proj.*"]
+    train = TRAIN | {"max_grad_norm": 1.6, "freeze": frozen, "eval_steps": 2}  # binds twice
+    sections = {"train": train, "data": {"eval_fraction": 0.25}, "runtime": GATHER}
+    many = _train_pair(tmp_path, model, data, (2, 2), sections)
+    assert [m["step"] for m in read_metrics(many) if "eval_loss" in m] == [2, 4, 5]
+    start = load_file(next(model.glob("*.safetensors")))
+    final = load_file(many / "final" / "model.safetensors")
+    held = [n for n in start if n == "model.embed_tokens.weight" or ".layers.0." in n
+            or ".k_proj." in n]  # fmt: skip
+    assert len(held) > 4 and all(torch.equal(final[n], start[n]) for n in held)
 
 
 def _train_pair(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.attention.bias import CausalBias, CausalVariant
 
 from engine.tiny import tiny_config
 from slidedp.data.batch import IGNORE_INDEX, Batch
@@ -119,8 +120,8 @@ def _sliding_qwen3(window: int | None) -> HFAdapter:
 def test_allgather_masks_are_each_shards_block_of_the_whole_rows_masks(window: int | None) -> None:
     """Under allgather each rank's masks are the blocks of the one-rank masks for its queries over
     the keys up to its shard's end (no later key is visible in a causal model), packed or
-    within a sliding window; a plain causal row of full attention gives None (SDPA's
-    lower-right causal mask over that block)."""
+    within a sliding window; a plain causal row of full attention gives SDPA's lower-right
+    causal bias over that block."""
     packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 0, 1, 2, 3, 4, 5]])
     for positions in (packed, torch.arange(8)[None]):
         one_rank = _sliding_qwen3(window).layer_masks(torch.zeros(2, 8, 64), None, positions)
@@ -132,8 +133,10 @@ def test_allgather_masks_are_each_shards_block_of_the_whole_rows_masks(window: i
             masks = full_sequence_masks(adapter.layer_masks, torch.zeros(2, 2, 64), shared)
             rows, end = slice(2 * index, 2 * index + 2), 2 * index + 2
             for mask, whole in zip(masks, one_rank, strict=True):
-                if whole is None:  # plain causal on one rank too
-                    assert mask is None
+                if whole is None:  # plain causal on one rank too: the block's causal bias
+                    assert isinstance(mask, CausalBias)
+                    assert mask.variant == CausalVariant.LOWER_RIGHT
+                    assert (mask.seq_len_q, mask.seq_len_kv) == (2, end)
                     continue
                 assert torch.equal(mask, whole.expand(2, -1, -1, -1)[:, :, rows, :end])
                 assert not whole[:, :, rows, end:].any()

@@ -1,6 +1,7 @@
 """2 (or 4) GPUs splitting every sequence (``runtime.context_parallel``: NCCL all-to-all, or
 all-gather of key/value shards) against 1 GPU reading the rows whole, bf16, 100 steps: dense,
-packed rows, a mixture of experts; Ulysses and allgather.
+packed rows, a mixture of experts; Ulysses and allgather; activation offload (every family)
+and GPU-resident layers and embeddings (the one-GPU run with the same layout).
 
 Run on a 2-GPU machine (the R=4 cases need 4):
 ``pytest -m multi_gpu tests/multirank/test_gpu_context.py -s``.
@@ -25,27 +26,47 @@ pytestmark = pytest.mark.e2e  # every test here trains end to end
 STEPS = 100
 
 
+# every family, part or all of its saved tensors offloaded to pinned host memory
+OFFLOADED = {"layers": "1xF-r1, 1xN-r0.5, 1xS1010100-r0.5, 1xSAC.mm-r1"}
+RESIDENT = {"resident_layers": 2, "resident_embeddings": True}  # updated on the GPU
+
+
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize(
-    ("arch", "gpus", "data_keys", "attention"),
+    ("arch", "gpus", "data_keys", "attention", "layout"),
     [
-        ("qwen3", 2, {}, "auto"),
-        ("qwen3", 2, {"packing": True}, "auto"),  # several samples per row, masked apart
-        ("qwen3_moe", 2, {}, "auto"),  # routers and experts on the shard (GPU histc counts)
-        ("qwen3", 4, {}, "ulysses"),  # R=4: the tiny model with 4 key/value heads
-        (
-            "qwen3",
-            2,
-            {},
-            "allgather",
-        ),  # allgather: causal over the gathered keys (lower-right SDPA)
-        ("qwen3", 2, {"packing": True}, "allgather"),  # allgather: each shard's block of the mask
-        ("qwen3", 4, {}, "allgather"),  # allgather at R=4: the tiny model's 2 key/value heads
+        ("qwen3", 2, {}, "auto", {}),
+        ("qwen3", 2, {"packing": True}, "auto", {}),  # several samples per row, masked apart
+        ("qwen3_moe", 2, {}, "auto", {}),  # routers and experts on the shard (GPU histc counts)
+        ("qwen3", 4, {}, "ulysses", {}),  # R=4: the tiny model with 4 key/value heads
+        # allgather: causal over the gathered keys (lower-right SDPA)
+        ("qwen3", 2, {}, "allgather", {}),
+        ("qwen3", 2, {"packing": True}, "allgather", {}),  # each shard's block of the mask
+        ("qwen3", 4, {}, "allgather", {}),  # allgather at R=4: the tiny model's 2 key/value heads
+        ("qwen3", 2, {}, "auto", OFFLOADED),  # the shard's saved tensors through the host
+        ("qwen3", 2, {}, "allgather", OFFLOADED),  # the gathered keys/values' too
+        ("qwen3", 2, {}, "auto", RESIDENT),  # resident gradients reduced onto their owner
     ],
-    ids=["dense", "packed", "moe", "r4", "allgather", "allgather-packed", "allgather-r4"],
+    ids=[
+        "dense",
+        "packed",
+        "moe",
+        "r4",
+        "allgather",
+        "allgather-packed",
+        "allgather-r4",
+        "offload",
+        "allgather-offload",
+        "resident",
+    ],
 )
 def test_gpus_splitting_each_sequence_track_one(
-    tmp_path: Path, arch: str, gpus: int, data_keys: dict[str, bool], attention: str
+    tmp_path: Path,
+    arch: str,
+    gpus: int,
+    data_keys: dict[str, bool],
+    attention: str,
+    layout: dict[str, object],
 ) -> None:
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"needs {gpus} CUDA GPUs")
@@ -60,7 +81,7 @@ def test_gpus_splitting_each_sequence_track_one(
              "max_grad_norm": 1.0, "dtype": "bfloat16"}  # fmt: skip
     # what context parallelism is checked with: eager layers, not compiled, a fixed layout
     runtime = {"device": "cuda", "kernels": "eager", "compile": False, "policy": "fixed",
-               "context_attention": attention}  # fmt: skip
+               "context_attention": attention} | layout  # fmt: skip
     losses = []
     for n in (1, gpus):
         out = tmp_path / f"g{n}"
@@ -71,6 +92,6 @@ def test_gpus_splitting_each_sequence_track_one(
         assert main(["train", str(config)]) == 0
         losses.append(torch.tensor([m["loss"] for m in read_metrics(out)]))
     delta = (losses[0] - losses[1]).abs().max().item()
-    print(f"{arch} {data_keys} context_parallel={gpus} {attention}: max |dloss| {delta:.2e} "
-          f"over {STEPS} steps")  # fmt: skip
+    print(f"{arch} {data_keys} {layout} context_parallel={gpus} {attention}: max |dloss| "
+          f"{delta:.2e} over {STEPS} steps")  # fmt: skip
     assert delta <= 1e-3

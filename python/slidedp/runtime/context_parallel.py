@@ -42,7 +42,6 @@ from slidedp.data.batch import IGNORE_INDEX, Batch
 from slidedp.errors import ConfigError
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.device import pick_device
-from slidedp.plan.layout import parse_entry
 
 ULYSSES = "slidedp_ulysses"  # the attention implementations' names in transformers' interfaces
 GATHER = "slidedp_kv_gather"
@@ -165,7 +164,7 @@ def gathered_attention(
     query: torch.Tensor,  # [B, H, S/R, D]
     key: torch.Tensor,  # [B, Hkv, S/R, D]
     value: torch.Tensor,  # [B, Hkv, S/R, D]
-    attention_mask: torch.Tensor | None,  # gathered_block_mask's block; None: causal
+    attention_mask: torch.Tensor,  # gathered_block_mask's block
     *,
     context: ContextGroup,
     **kwargs: Any,  # transformers' ``dropout`` (0 by default) and ``scaling`` (None: 1/sqrt(D))
@@ -177,18 +176,14 @@ def gathered_attention(
     parallelism: one SDPA call, no per-block merge). Memory: the gathered keys and values,
     [B, H, (index + 1) S/R, D] each once the key/value heads are repeated for SDPA (as
     transformers' SDPA does under a mask)."""
-    s = query.shape[2]
-    visible = (context.index + 1) * s
     k, v = (gather_sequence(t, context, context.index + 1) for t in (key, value))
     groups = query.shape[1] // key.shape[1]
     k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-    # no mask: causal over the whole rows, the block's diagonal ends at the last key
-    mask = causal_lower_right(s, visible) if attention_mask is None else attention_mask
     out: torch.Tensor = F.scaled_dot_product_attention(
         query,
         k,
         v,
-        attn_mask=mask,
+        attn_mask=attention_mask,
         dropout_p=kwargs.get("dropout", 0.0),
         scale=kwargs.get("scaling"),
     )  # [B, H, S/R, D]
@@ -205,22 +200,26 @@ def gathered_block_mask(
     local_size: int | None = None,
     allow_is_causal_skip: bool = True,
     **kwargs: Any,
-) -> torch.Tensor | None:
+) -> torch.Tensor:
     """The mask block [B, 1, S/R, (index + 1) S/R] of this shard's queries over the keys up
     to its end, evaluated from the model's ``mask_function`` of the whole rows (causal,
     packed samples, sliding window; transformers' ``sdpa_mask`` at the block's offsets), or
-    None where the whole rows' mask is plain causal (SDPA's own causal mask, as sdpa skips)."""
+    where the whole rows' mask is plain causal (as sdpa skips) torch's lower-right causal
+    bias of the block (no memory: the diagonal ends at the last key). Built here, before the
+    layers: a tensor subclass made inside a selective-checkpoint region fails to construct."""
     whole = kwargs.get("attention_mask")  # [B, S] padding mask, or None
+    s = q_length // context.size
     # transformers' own test of whether sdpa may skip the mask (private: no public twin)
     if allow_is_causal_skip and _ignore_causal_mask_sdpa(whole, q_length, kv_length, 0, 0,
                                                          local_size):  # fmt: skip
-        return None
-    s = q_length // context.size
-    return sdpa_mask(
+        return causal_lower_right(s, (context.index + 1) * s)
+    block = sdpa_mask(
         batch_size, s, (context.index + 1) * s, q_offset=context.index * s,
         mask_function=mask_function, attention_mask=whole, allow_is_causal_skip=False,
         use_vmap=kwargs.get("use_vmap", False), device=kwargs.get("device", "cpu"),
     )  # fmt: skip
+    assert block is not None, "sdpa_mask skips nothing when told not to"
+    return block
 
 
 def attention_scheme(config: Any, context: ContextGroup) -> Literal["ulysses", "allgather"]:
@@ -301,24 +300,14 @@ def _shape_problem(cfg: TrainConfig, adapter: HFAdapter, r: int) -> str | None:
 
 def _unproven_problem(cfg: TrainConfig, adapter: HFAdapter) -> str | None:
     """The first combination not yet checked against one rank, with its fix."""
-    rt, data, cuda = cfg.runtime, cfg.data, pick_device(cfg.runtime.launch.device).type == "cuda"
+    rt, cuda = cfg.runtime, pick_device(cfg.runtime.launch.device).type == "cuda"
     layout = rt.layout
-    offloaded = layout.offload_ratio > 0 or any(
-        parse_entry(e, 0.0)[1].ratio > 0 for e in layout.layers.split(",") if e.strip()
-    )
     refusals = [
         (adapter.config.model_type not in CONTEXT_MODEL_TYPES,
          f"model type {adapter.config.model_type} is not supported yet "
          f"(supported: {', '.join(CONTEXT_MODEL_TYPES)}); set runtime.context_parallel=1"),
-        (data.has_eval, "held-out evaluation (data.eval_path/eval_fraction) is not supported "
-         "yet; remove it"),
         (rt.launch.nodes > 1, f"runtime.nodes={rt.launch.nodes}: the context group must be one "
          "node's ranks; set runtime.nodes=1"),
-        (layout.resident_layers > 0 or layout.resident_embeddings, "GPU-resident layers "
-         "or embeddings: set runtime.resident_layers=0 and runtime.resident_embeddings=false"),
-        (offloaded, "activation offload (runtime.offload_ratio, -rRATIO in runtime.layers) is "
-         "not supported yet; set runtime.offload_ratio=0 and no -r entries"),
-        (bool(cfg.train.freeze), "train.freeze is not supported yet; remove it"),
         (layout.compile or (cuda and layout.compile is None), "the compiled decoder layer "
          "(runtime.compile) cannot trace the all-to-all; set runtime.compile=false"),
         (layout.kernels == "liger" or (cuda and layout.kernels == "auto"), "runtime.kernels="

@@ -306,8 +306,9 @@ class Engine:
         return StepResult(loss=loss, grad_norm=grad_norm, clip_coef=coef,
                           label_tokens=inputs.n_labels, aux_loss=aux_loss)  # fmt: skip
 
-    def _inputs(self, batch: Batch) -> _Inputs:
-        """This rank's rows of ``batch`` on the device, the global batch's label count."""
+    def _inputs(self, batch: Batch, *, global_labels: bool = True) -> _Inputs:
+        """This rank's rows of ``batch`` on the device (its shard of them under context
+        parallelism), the global batch's label count (``global_labels=False``: this rank's)."""
         if self.ctx is not None:
             batch = self.ctx.rows(batch)
         if self.context is not None:
@@ -317,7 +318,7 @@ class Engine:
         if self.context is not None:  # this rank's tokens of every row: [B, S/R]
             ids_host, targets_host = self.context.shard(ids_host), self.context.shard(targets_host)
         n_labels = int((targets_host != IGNORE_INDEX).sum())
-        if self.ctx is not None:  # the mean is over the label tokens of the global batch
+        if self.ctx is not None and global_labels:  # the mean is over the global batch's
             n_labels = int(all_reduce_sum([n_labels], self.device)[0])
         ids = ids_host.to(self.device, non_blocking=True)  # [B, S]
         targets = targets_host.to(self.device, non_blocking=True)

@@ -4,7 +4,8 @@ The held-out rows (``data.eval_path`` or ``data.eval_fraction``) are visited onc
 ``train.global_batch_size`` rows a batch, streamed through the training window at the current
 parameter version under ``no_grad``, the head's cross-entropy in chunks. Invariants: nothing is
 saved, sent backward or updated; with several ranks one all-reduce sums losses and label
-counts, so the mean is over every label token of the held-out set, as on one rank.
+counts, so the mean is over every label token of the held-out set, as on one rank (under
+context parallelism each rank's sums are its shard's).
 
 Example::
 
@@ -24,8 +25,8 @@ import torch.nn.functional as F
 
 from slidedp.data.batch import Batch
 from slidedp.data.batches import Batches
-from slidedp.models.hf import EMBED, LM_HEAD, NORM, bind_params
-from slidedp.models.loss import IGNORE_INDEX, shift_labels
+from slidedp.models.hf import LM_HEAD, NORM, bind_params
+from slidedp.models.loss import IGNORE_INDEX
 from slidedp.runtime.activations import LayerRun
 from slidedp.runtime.dist import all_reduce_sum
 from slidedp.runtime.engine import Engine
@@ -84,8 +85,7 @@ class Evaluator:
         loss_sum, labels, tokens = 0.0, 0, 0
         with torch.no_grad():
             for batch, real in eval_batches(self.data):
-                part = batch if engine.ctx is None else engine.ctx.rows(batch)
-                batch_loss, batch_labels = self._forward(part, version)
+                batch_loss, batch_labels = self._forward(batch, version)
                 loss_sum, labels = loss_sum + batch_loss, labels + batch_labels
                 tokens += int(batch.attention_mask[:real].sum())  # the global batch's
         if engine.ctx is not None:  # every rank's sums: the mean over every label token
@@ -103,27 +103,14 @@ class Evaluator:
         }
 
     def _forward(self, batch: Batch, v: int) -> tuple[float, int]:
-        """(Σ token losses, label tokens) of ``batch`` [b, S], streamed through the window."""
+        """(Σ token losses, label tokens) of this rank's rows of ``batch`` (its shard of them
+        under context parallelism), streamed through the window; the inputs, embedding and
+        masks as a training step's (``Engine._inputs``, ``Engine._embed_forward``)."""
         e = self.engine
-        a, win, device = e.adapter, e.window, e.device
-        targets = shift_labels(batch.labels).to(device)  # [b, S]
-        ids = batch.input_ids.to(device)  # [b, S]
-        attn = None if batch.position_ids is not None else batch.attention_mask.to(device)
-        e._load_own(e.embed_buf, a.embed_group, v)
-        win.acquire(e.embed_buf)
-        embed_w = win.views(e.embed_buf, a.embed_group)[EMBED]  # [V, H]
-        compute = torch.cuda.current_stream() if device.type == "cuda" else None
-        with e.clock.stream("compute", compute):
-            x = a.embed(e.embed, ids, embed_w)  # [b, S, H]
-            if batch.position_ids is not None:
-                position_ids = batch.position_ids.to(device)  # [b, S]
-            else:
-                position_ids = torch.arange(x.shape[1], device=device).unsqueeze(0)  # [1, S]
-            ctx = {
-                "position_ids": position_ids,
-                "position_embeddings": a.position_embeddings(e.rotary, x, position_ids),
-                "masks": a.layer_masks(x, attn, position_ids),
-            }
+        a, win = e.adapter, e.window
+        inputs = e._inputs(batch, global_labels=False)
+        x, embed_w = e._embed_forward(inputs, v)  # [b, S, H]; inputs.ctx: the layers' inputs
+        compute, ctx = inputs.compute, inputs.ctx
         streamed = e.plan.policy.resident_layers
         for layer in range(a.num_layers):
             buf = e._layer_buffer(layer, v)
@@ -141,7 +128,7 @@ class Evaluator:
             norm = a.norm_module()
             bind_params(norm, {"weight": head[NORM]})
             head_w = embed_w if a.tied else head[LM_HEAD]
-            loss = lm_loss_sum(norm(x), head_w, targets, e.chunk_tokens, a.softcap)
+            loss = lm_loss_sum(norm(x), head_w, inputs.targets, e.chunk_tokens, a.softcap)
         win.release(e.head_buf)
         win.release(e.embed_buf)
-        return float(loss), int((targets != IGNORE_INDEX).sum())
+        return float(loss), inputs.n_labels
