@@ -4,9 +4,10 @@
 #                 <= 1e-3: tests/multirank/test_gpu_context.py), with padded rows, packed rows
 #                 and a tiny Qwen3-MoE; on nvidia-h100-x2. On a 4-GPU kind also R=4 against 1
 #                 GPU. K=EXPR picks cases (pytest -k: dense, packed, moe, r4, allgather, offload,
-#                 resident; K=allgather: all-gather attention, dense and packed rows at R=2, and
+#                 resident, frozen; K=allgather: all-gather attention, dense and packed rows at R=2, and
 #                 R=4 on a 4-GPU kind; K=offload: every family's saved tensors offloaded, under
-#                 Ulysses and allgather; K=resident: 2 resident layers and the embeddings).
+#                 Ulysses and allgather; K=resident: 2 resident layers and the embeddings;
+#                 K=frozen: train.freeze with held-out evaluation, eval losses compared too).
 #   PARTS=long    Qwen3-8B (seeded init, YaRN factor SEQ/32768) in one sequence of SEQ tokens
 #                 split over GPUS GPUs (R = GPUS), STEPS steps, clipping CLIP; the metrics
 #                 (step time, tokens/s) and `slidedp estimate` of the same config (memory, the

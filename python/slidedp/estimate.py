@@ -24,6 +24,7 @@ import torch
 from slidedp.config import TrainConfig
 from slidedp.errors import OutOfDeviceMemoryError, OutOfSharedMemoryError
 from slidedp.models.hf import HFAdapter
+from slidedp.plan.context_cost import ContextShape, exchange_bytes
 from slidedp.plan.cost import (
     layer_footprint,
     layout_memory,
@@ -32,6 +33,7 @@ from slidedp.plan.cost import (
 from slidedp.plan.layout import LayerPolicy
 from slidedp.plan.machine import GIB, Machine
 from slidedp.plan.policy import Plan, store_args
+from slidedp.runtime.context_parallel import ContextGroup, attention_scheme
 from slidedp.store import HostStore
 
 CUDA_PROCESS_BYTES = int(1.6 * GIB)
@@ -120,8 +122,10 @@ def estimate_memory(
     b, s, rt = cfg.train.global_batch_size, cfg.data.seq_len, cfg.runtime
     layers = adapter.num_layers
     # a rank's share (activations, loss): R context ranks read the same rows, S/R tokens each
-    context = rt.launch.context_parallel  # (Ulysses' S x H/R heads: as many elements)
+    # (attention's own: plan.context_cost)
+    context = rt.launch.context_parallel
     rows, s_rank = b // (rt.launch.world * rt.launch.nodes // context), s // context
+    shape = context_shape(cfg, adapter)
     tokens = rows * s_rank
     largest_layer = max(groups[adapter.layer_group(i)].slot_len for i in range(layers))
     own = groups[adapter.embed_group].slot_len + groups[adapter.head_group].slot_len
@@ -130,8 +134,8 @@ def estimate_memory(
     loss = min(rt.layout.loss_chunk_tokens, tokens) * adapter.vocab_size * 4 * LOSS_F32_COPIES
     dtype = torch.bfloat16 if elem == 2 else torch.float32
     kernels = policy.compute.kernels  # Liger's kernels save less for the backward
-    acts = layout_memory(adapter, policy.layers, rows, s_rank, dtype, kernels)
-    layer = acts.transient_bytes
+    acts = layout_memory(adapter, policy.layers, rows, s_rank, dtype, kernels, shape)
+    layer = acts.transient_bytes + exchange_bytes(adapter, rows, s_rank, elem, shape)
     checkpoints = acts.retained_bytes + acts.prefetch_bytes
     parked = params * elem if cfg.train.max_grad_norm > 0 else 0
     clipping = cfg.train.max_grad_norm > 0
@@ -160,7 +164,7 @@ def estimate_memory(
         batch=b,
         seq_len=s,
         layout=policy.layout,
-        layout_rows=_layout_rows(adapter, policy.layers, rows, s_rank, dtype, kernels),
+        layout_rows=_layout_rows(adapter, policy.layers, (rows, s_rank), dtype, kernels, shape),
         resident_layers=policy.resident_layers,
         resident_embeddings=policy.resident_embeddings,
         resident_bytes=resident,
@@ -199,14 +203,24 @@ def _resident_bytes(adapter: HFAdapter, plan: Plan, clipping: bool, ranks: int) 
                                embeddings=policy.resident_embeddings, ranks=ranks)  # fmt: skip
 
 
+def context_shape(cfg: TrainConfig, adapter: HFAdapter) -> ContextShape | None:
+    """``runtime.context_parallel`` and the attention scheme it runs (None: 1)."""
+    r = cfg.runtime.launch.context_parallel
+    if r == 1:
+        return None
+    group = ContextGroup(0, r, attention=cfg.runtime.launch.context_attention)
+    return ContextShape(r, attention_scheme(adapter.config, group))
+
+
 def _layout_rows(
     adapter: HFAdapter,
     layers: tuple[LayerPolicy, ...],
-    b: int,
-    s: int,
+    tokens: tuple[int, int],  # rows, sequence length (a context shard's)
     dtype: torch.dtype,
     kernels: str,
+    context: ContextShape | None,
 ) -> list[dict[str, Any]]:
+    b, s = tokens
     counts: dict[tuple[LayerPolicy, int], int] = {}  # (policy, kind of layer): layers
     for i, p in enumerate(layers):
         key = (p, adapter.layer_kinds[i])
@@ -214,7 +228,7 @@ def _layout_rows(
     several_kinds = len(set(adapter.layer_kinds)) > 1
     rows = []
     for (p, kind), n in counts.items():
-        fp = layer_footprint(adapter, p, b, s, dtype, kind, kernels)
+        fp = layer_footprint(adapter, p, b, s, dtype, kind, kernels, context)
         rows.append(
             {
                 "policy": f"{p} (like layer {kind})" if several_kinds else str(p),

@@ -131,8 +131,8 @@ def profile_candidates(
 def context_candidates(
     cands: Candidates, cfg: TrainConfig, adapter: HFAdapter, machine: Machine
 ) -> Candidates:
-    """``cands`` of a ``runtime.context_parallel: R`` run (R > 1; else as they are): those
-    that offload nothing (context parallelism offloads no activation), each one's times with
+    """``cands`` of a ``runtime.context_parallel: R`` run (R > 1; else as they are), offloaded
+    ones too (a rank offloads its shard's saved tensors), each one's times with
     what the profile of the rank's shard (``profile_spec``) leaves out: attention over the
     whole sequence and the all-to-alls (``plan.timing.context_extra_s``; the link probe's
     all_gather rate where cached, else the node's assumed NVLink), so the program prices
@@ -153,8 +153,6 @@ def context_candidates(
     rows = cfg.train.global_batch_size // launch.data_world
     out = []
     for kind, policy, c in cands:
-        if policy.ratio > 0:
-            continue
         forward_s, time_s = context_extra_s(shapes[kind], policy, rows=rows,
                                             seq_len=cfg.data.seq_len, context=r,
                                             peak_flops=peak, gbps=gbps)  # fmt: skip
@@ -348,15 +346,6 @@ class SolveTerms(_SolveBounds, total=False):
     times_s: Mapping[LayerPolicy, float] | None
 
 
-def _residency(cfg: TrainConfig, terms: SolveTerms) -> tuple[bool, bool]:
-    """Whether layers and the embeddings may stay GPU-resident: as ``terms`` say, never with
-    context parallelism, which keeps every group on the host (and offloads nothing: its
-    candidates are ``context_candidates``)."""
-    if cfg.runtime.launch.context_parallel > 1:
-        return False, False
-    return terms.get("resident", True), terms.get("embeddings", True)
-
-
 def select_layout(
     cfg: TrainConfig,
     adapter: HFAdapter,
@@ -370,10 +359,10 @@ def select_layout(
     their update off the host lane), and with ``embeddings`` too whether the embedding and head
     do (``solve_residency``); the offloaded activations within ``offload_host_budget``.
     ``budget_cut_bytes``: taken off the activations' budget (``validate``'s feedback: what
-    a validated choice reserved beyond the device). Context parallelism: ``_residency``.
+    a validated choice reserved beyond the device).
     ``times_s``: calibrated layer times (``autopolicy.calibrate``) in the profile's place."""
     total_bytes, update_gbps = terms["total_bytes"], terms["update_gbps"]
-    resident, embeddings = _residency(cfg, terms)
+    resident, embeddings = terms.get("resident", True), terms.get("embeddings", True)
     budget_cut_bytes, times_s = terms.get("budget_cut_bytes", 0), terms.get("times_s")
     cands = context_candidates(profile_candidates(report, times_s), cfg, adapter, machine)
     kinds = program_kinds(adapter, report, update_gbps)

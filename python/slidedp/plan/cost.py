@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from slidedp.models.fast import liger_saved_tensors
 from slidedp.models.hf import HFAdapter
+from slidedp.plan.context_cost import ContextShape, gathered_keys
 from slidedp.plan.layout import LayerPolicy
 from slidedp.runtime.activations import LayerRun, executor_for
 from slidedp.runtime.activations.base import ParamAliases, leaves
@@ -158,12 +159,15 @@ def layer_footprint(
     dtype: torch.dtype,
     layer: int = 0,
     kernels: str = "eager",
+    context: ContextShape | None = None,
 ) -> LayerFootprint:
     """Decoder layer ``layer``'s memory under ``policy`` for ``batch`` rows of ``seq_len``
     tokens (measured once per kind of layer: ``HFAdapter.layer_kinds``) with the layer
-    ``kernels`` the run uses (``Compute.kernels``: Liger's save less for the backward)."""
+    ``kernels`` the run uses (``Compute.kernels``: Liger's save less for the backward);
+    ``context``: ``seq_len`` is a context shard's, its attention as the scheme's worst rank's
+    (``plan.context_cost``)."""
     kind = adapter.layer_kinds[layer]
-    return _kind_footprint(adapter, policy, batch, seq_len, dtype, kind, kernels)
+    return _kind_footprint(adapter, policy, batch, seq_len, dtype, kind, kernels, context)
 
 
 @functools.cache
@@ -175,10 +179,11 @@ def _kind_footprint(
     dtype: torch.dtype,
     layer: int,
     kernels: str,
+    context: ContextShape | None,
 ) -> LayerFootprint:
 
     liger = liger_saved_tensors(adapter, layer) if kernels == "liger" else contextlib.nullcontext()
-    with _FlashOnMeta(), liger:
+    with _FlashOnMeta(), liger, gathered_keys(adapter, context):
         run, x = _meta_run(adapter, layer, batch, seq_len, dtype)
         _, state = executor_for(policy, measure=True).forward(run, x)
         replay = _replay_bytes(policy, run, x)
@@ -205,8 +210,9 @@ def layout_memory(
     seq_len: int,
     dtype: torch.dtype,
     kernels: str = "eager",
+    context: ContextShape | None = None,
 ) -> LayoutMemory:
-    fps = [layer_footprint(adapter, p, batch, seq_len, dtype, i, kernels)
+    fps = [layer_footprint(adapter, p, batch, seq_len, dtype, i, kernels, context)
            for i, p in enumerate(layers)]  # fmt: skip
     return LayoutMemory(
         retained_bytes=sum(f.retained_bytes for f in fps),
