@@ -1,8 +1,9 @@
 """The fast tier stays fast: a test without the ``e2e`` marker that trains fails, naming the fix.
 
 Training here means ``Trainer.run`` or ``Trainer.timed_steps`` in this process (forked ranks
-inherit the check), or a child process of ``python -m slidedp train|bench`` or of one of
-slidedp's worker modules (ranks, trials, probes, bench workers), or the golden-curve script.
+inherit the check), or a child process (started or forked from a zygote) of ``python -m
+slidedp train|bench`` or of one of slidedp's worker modules (ranks, trials, probes, bench
+workers), or the golden-curve script.
 The call raises ``EndToEndOutsideItsTier`` and the test fails at teardown with one line, even
 where the code under test caught the error. Loaded by ``tests/conftest.py``.
 """
@@ -71,6 +72,16 @@ def _popen(guard: Guard, original: Callable[..., None]) -> Callable[..., None]:
     return guarded
 
 
+def _forked(guard: Guard, original: Callable[..., Any]) -> Callable[..., Any]:
+    def guarded(self: Any, module: str, argv: list[str], *args: Any, **kwargs: Any) -> Any:
+        what = trains(["python", "-m", module, *argv])
+        if what is not None:
+            guard.check(what)
+        return original(self, module, argv, *args, **kwargs)
+
+    return guarded
+
+
 GUARD = Guard()
 
 
@@ -78,12 +89,14 @@ def pytest_configure(config: pytest.Config) -> None:
     import subprocess
 
     from slidedp.runtime.trainer import Trainer
+    from slidedp.runtime.zygote import Zygote
 
     mp = pytest.MonkeyPatch()
     config.add_cleanup(mp.undo)
     mp.setattr(Trainer, "run", _wrap(GUARD, "Trainer.run", Trainer.run))
     mp.setattr(Trainer, "timed_steps", _wrap(GUARD, "Trainer.timed_steps", Trainer.timed_steps))
     mp.setattr(subprocess.Popen, "__init__", _popen(GUARD, subprocess.Popen.__init__))
+    mp.setattr(Zygote, "start", _forked(GUARD, Zygote.start))
 
 
 @pytest.hookimpl(wrapper=True)

@@ -42,11 +42,15 @@ from slidedp.profile import host as profile_host
 from slidedp.profile import layer as profile_layer
 from slidedp.runtime.dist import Dist
 from slidedp.runtime.launch import LAUNCHER_PID
-from slidedp.runtime.zygote import Zygote, can_fork
+from slidedp.runtime.zygote import Children, can_fork, children_forked
 
 EXIT_BAD_INPUT = 2
 EXIT_UNEXPECTED = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
+# The bench verbs whose children (workers, probes, nodes) fork from one zygote, and what a
+# spawned zygote imports before its first fork (a forked one has this process's imports)
+FORKING_BENCHES = {"train", "nodes", "predict"}
+CHILD_IMPORTS = ("slidedp.cli", "slidedp.bench.worker")
 
 
 def _train(
@@ -56,9 +60,10 @@ def _train(
     build everything (model, store, data), save ``resolved_config.yaml``, then train. A run
     refused before that save leaves ``output.dir`` as it was, lock file included.
     ``plan_file``: the plan to run (``Plan.to_json``; the launcher's to its ranks), its policy
-    in place of the config's and, on a resume, of the checkpoint's. ``own_process``: this
-    process runs this command alone (``main`` without argv), so a launcher's ranks may be
-    forked from a copy of it (``runtime.zygote``) taken before it computes anything."""
+    in place of the config's and, on a resume, of the checkpoint's. A launcher's children
+    (AutoPolicy's measurements and trials, the ranks) fork from one zygote (``runtime.zygote``)
+    taken before it computes anything: a copy of this process when ``own_process`` (it runs
+    this command alone: ``main`` without argv), else a spawned interpreter."""
     from slidedp.config import load_config
     from slidedp.preflight import check_output_dir
     from slidedp.runtime.dist import Dist
@@ -70,8 +75,12 @@ def _train(
     ctx = Dist.from_env()
     launches = ctx is None and (cfg.runtime.launch.world > 1 or cfg.runtime.launch.nodes > 1)
     with contextlib.ExitStack() as stack:
-        forks = launches and own_process and can_fork()
-        zygote = stack.enter_context(Zygote.forked()) if forks else None  # before the lock
+        # before the lock and any computing: a launcher's children (AutoPolicy's measurements
+        # and trials, the ranks) fork from it, and one GPU's trial child where it costs a fork
+        children = children_forked(CHILD_IMPORTS, own_process=own_process)
+        one_gpu = ctx is None and own_process and cfg.runtime.launch.device != "cpu"
+        forks = launches or (one_gpu and can_fork())
+        forked = stack.enter_context(children) if forks else None
         lock = None
         if _holds_run_lock(ctx, cfg.runtime.launch.node_rank):
             check_output_dir(cfg)  # never a lock file in a model directory or a file's place
@@ -79,7 +88,7 @@ def _train(
         # the user's plan file (a rank of this launcher gets the launcher's: it says nothing of it)
         source = plan_file if LAUNCHER_PID not in os.environ else None
         try:
-            return _train_locked(config, overrides, cfg, (ctx, zygote), lock, (plan, source))
+            return _train_locked(config, overrides, cfg, (ctx, forked), lock, (plan, source))
         finally:
             if lock is not None:
                 lock.release()
@@ -97,18 +106,19 @@ def _train_locked(
     config: str,
     overrides: list[str],
     cfg: TrainConfig,
-    process: tuple[Dist | None, Zygote | None],
+    process: tuple[Dist | None, Children | None],
     lock: RunLock | None,
     given: tuple[Plan | None, str | None],
 ) -> int:
     """``_train`` once the lock is held; ``process``: this rank (None: no launcher started
-    this process) and the zygote to fork ranks from, or None; ``given``: the plan to run and
+    this process) and where its children fork from (``runtime.zygote.Children``), or None;
+    ``given``: the plan to run and
     the user's file it came from (``--plan``), or None."""
     from slidedp.config import RESOLVED_CONFIG, resolved_yaml, write_resolved_config
     from slidedp.preflight import check_before_training
 
     plan, source = given
-    ctx, zygote = process
+    ctx, children = process
 
     def refused() -> None:
         if lock is not None:
@@ -135,6 +145,7 @@ def _train_locked(
             plan_file = write_plan(checked.plan, Path(tmp))
             argv = ["train", config, *overrides, "--plan", str(plan_file)]
             several_nodes = node if rt.launch.nodes > 1 else None
+            zygote = None if children is None else children.zygote()
             return launch(rt.launch.world, argv, node=several_nodes, zygote=zygote)
     if ctx is not None and not ctx.main:  # rank 0 prints, checks and writes
         from slidedp.runtime.trainer import Trainer
@@ -145,6 +156,8 @@ def _train_locked(
     print(resolved_yaml(cfg), end="", flush=True)
     try:
         checked = check_before_training(cfg, measure_policy=True, plan=plan, plan_source=source)
+        if children is not None:  # AutoPolicy's trials are done: nothing else forks
+            children.close()
         cfg = checked.cfg  # runtime.policy=auto: the chosen layout (saved as it ran)
         if checked.policy_line:
             print(checked.policy_line, flush=True)
@@ -329,7 +342,10 @@ def _run(args: argparse.Namespace, own_process: bool = False) -> int:
         "nodes": bench_nodes.main,
         "predict": bench_predict.main,
     }
-    return bench_main[args.bench](args)
+    if args.bench not in FORKING_BENCHES:
+        return bench_main[args.bench](args)
+    with children_forked(CHILD_IMPORTS, own_process=own_process):  # before the bench computes
+        return bench_main[args.bench](args)
 
 
 def _one_line(error: BaseException) -> str:

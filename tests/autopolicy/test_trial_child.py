@@ -21,6 +21,7 @@ from slidedp.autopolicy.validate import Trial, run_trial
 from slidedp.config import TrainConfig, load_config
 from slidedp.errors import ConfigError
 from slidedp.plan.machine import Machine, update_threads
+from slidedp.runtime.zygote import children_forked
 
 # in the child: step_s counts the trials this process ran; layers "N" runs out of memory,
 # "1xN, F" fails, "1xF, N" is refused as bad input
@@ -61,12 +62,14 @@ def test_trials_share_one_child_until_one_runs_out_of_memory_or_fails(
 ) -> None:
     """Trials follow each other in one child until one runs out of memory; a failure or a
     refused config is one line and ends its child too; each next trial starts a fresh one.
-    One test, not two: each child imports the whole stack (the longest part of the test)."""
+    The children fork from one zygote as a launcher's do (its imports, the fake included, are
+    paid once); tests/autopolicy/test_auto.py's launcher shows them forked from its own."""
 
     def trial(layers: str) -> Trial:
         return runner(load_config(faked, [f"runtime.layers={layers}"]), 3)
 
-    with TrialChild() as runner:
+    children = children_forked(("slidedp.autopolicy.trial_child",), own_process=False)
+    with children, TrialChild() as runner:
         runner.start()
         runner.wait_ready()
         assert (runner.trials, runner.processes) == (0, 1)
@@ -87,7 +90,7 @@ def test_trials_share_one_child_until_one_runs_out_of_memory_or_fails(
         child = runner._child
         assert child is not None
     assert child.poll() is not None  # closed with the runner
-    importing = TrialChild()
+    importing = TrialChild()  # a fresh interpreter, outside the zygote
     importing.start()
     child = importing._child
     assert child is not None

@@ -18,6 +18,7 @@ from bench.tiny import tiny_spec, write_tiny_config
 from slidedp.bench import child
 from slidedp.bench.measure import process_tree
 from slidedp.runtime import lifetime
+from slidedp.runtime.zygote import process_name
 
 SLEEPER = "import time; print('armed', flush=True); time.sleep(120)"
 ARMED_SLEEPER = (
@@ -112,8 +113,12 @@ def test_a_killed_bench_leaves_no_worker(tmp_path: Path) -> None:
 
 
 def _is_worker(pid: int) -> bool:
+    """A fresh worker by its command line, a forked one by its name (its command line is the
+    bench's)."""
     try:
-        return child.WORKER.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+        proc = Path(f"/proc/{pid}")
+        named = (proc / "comm").read_text().strip() == process_name(child.WORKER)
+        return named or child.WORKER.encode() in (proc / "cmdline").read_bytes()
     except OSError:
         return False
 

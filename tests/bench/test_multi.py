@@ -143,20 +143,21 @@ def test_routes_auto_beside_the_fixed_default(tmp_path: Path) -> None:
         multi.parse_scale(build_parser().parse_args(args), ["ours"], "cpu", layers)
 
 
+# Read when the step runs, not at import: a rank forked from its launcher's zygote shares the
+# imports (this file included) made before its RANK was set.
 INJECT = """
 import os
-if os.environ.get("RANK") == "1":  # rank 1 of a launch raises in step 1
-    import torch
-    from slidedp.runtime.engine import Engine
+import torch
+from slidedp.runtime.engine import Engine
 
-    step = Engine.step
+step = Engine.step
 
-    def failing(self, t, *args, **kwargs):
-        if t == 1:
-            raise {error}
-        return step(self, t, *args, **kwargs)
+def failing(self, t, *args, **kwargs):
+    if t == 1 and os.environ.get("RANK") == "1":  # rank 1 of a launch raises in step 1
+        raise {error}
+    return step(self, t, *args, **kwargs)
 
-    Engine.step = failing
+Engine.step = failing
 """
 
 

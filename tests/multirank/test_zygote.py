@@ -8,9 +8,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from slidedp.runtime import zygote
 
@@ -54,6 +56,48 @@ def test_forked_ranks_are_the_launcher_s_children_with_their_own_settings(tmp_pa
     assert all(rank["sid"] == launcher["sid"] for rank in seen[1:])
     # Ctrl-C as a fresh interpreter takes it: the zygote's own (ignored) is not inherited
     assert all(rank["sigint"] == launcher["sigint"] for rank in seen)
+
+
+def test_a_process_that_computed_forks_its_children_from_a_spawned_zygote(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pytest worker has computed: its children fork from a fresh interpreter's imports
+    (spawned at the first child), are still its children, talk through pipes, time out as
+    ``Popen.wait`` does and count the zygote's imports in their age."""
+    assert float(torch.ones(8).sum()) == 8.0  # this process computed: no forked zygote
+    tests = str(Path(__file__).parents[1])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    before = _my_children()
+    with zygote.children_forked(("multirank.zygote_rank",), own_process=False) as children:
+        assert _my_children() == before  # nothing spawned before a child is asked for
+        stdin_read, stdin_write = os.pipe()
+        stdout_read, stdout_write = os.pipe()
+        child = zygote.start_child("multirank.zygote_rank", ["echo"], dict(os.environ),
+                                   stdio=(stdin_read, stdout_write, None))  # fmt: skip
+        spawned = children.zygote()
+        assert spawned.process is not None
+        assert _my_children() == before | {spawned.pid, child.pid}
+        os.close(stdin_read)
+        os.close(stdout_write)
+        os.write(stdin_write, b"asked\n")
+        os.close(stdin_write)
+        with os.fdopen(stdout_read) as stdout:
+            seen, answer = stdout.read().splitlines()
+        assert child.wait(60) == 0
+        sleeper = zygote.start_child("multirank.zygote_rank", ["sleep"], dict(os.environ))
+        with pytest.raises(subprocess.TimeoutExpired):
+            sleeper.wait(0.1)
+        sleeper.kill()
+        assert sleeper.wait() == -signal.SIGKILL
+    assert answer == "asked"
+    assert json.loads(seen)["ppid"] == os.getpid()
+    assert json.loads(seen)["age_s"] > 1.0  # the zygote imported torch: seconds, not a fork's
+    assert spawned.process.returncode == 0  # closed and reaped
+
+
+def _my_children() -> set[int]:
+    listed = Path(f"/proc/self/task/{threading.get_native_id()}/children").read_text()
+    return {int(pid) for pid in listed.split()}
 
 
 def test_no_zygote_once_a_thread_runs_or_the_cuda_driver_is_loaded(

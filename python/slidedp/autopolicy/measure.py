@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,7 @@ from slidedp.plan.policy import layer_numel
 from slidedp.profile.chunks import probe_chunks
 from slidedp.profile.layer import profile_layer, profile_spec
 from slidedp.profile.links import probe_links
+from slidedp.runtime.zygote import start_child
 
 if TYPE_CHECKING:
     from slidedp.config import TrainConfig
@@ -66,8 +68,9 @@ def measure(cfg: TrainConfig) -> None:
 
 
 def measure_in_child(cfg: TrainConfig) -> float:
-    """``measure(cfg)`` in a child process (the environment inherited: NCCL's settings too);
-    its seconds. Its stderr is passed on; a failure is one ``ConfigError`` with its last line."""
+    """``measure(cfg)`` in a child process (the environment inherited: NCCL's settings too;
+    ``runtime.zygote.start_child``: forked from the launcher's zygote); its seconds. Its stderr
+    is passed on; a failure is one ``ConfigError`` with its last line."""
 
     start = time.perf_counter()
     links = ", the chunks, the links between the GPUs" if cfg.runtime.launch.gpus > 1 else ""
@@ -76,18 +79,24 @@ def measure_in_child(cfg: TrainConfig) -> float:
     with tempfile.TemporaryDirectory(prefix="slidedp-auto-") as tmp:
         path = Path(tmp) / "config.yaml"
         path.write_text(resolved_yaml(cfg))
-        command = [sys.executable, "-m", "slidedp.autopolicy.measure", str(path)]
-        try:
-            done = subprocess.run(command, stderr=subprocess.PIPE, text=True, timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            raise ConfigError(
-                f"runtime.policy=auto: its measurements ran past {TIMEOUT_S:.0f} s; measure "
-                "once with `slidedp profile layer` and `slidedp profile host`, or write the "
-                "policy by hand"
-            ) from None
-    sys.stderr.write(done.stderr)
-    if done.returncode != 0:
-        lines = done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
+        with (Path(tmp) / "stderr").open("w+") as stderr:  # a file: it never blocks the child
+            child = start_child("slidedp.autopolicy.measure", [str(path)], dict(os.environ),
+                                stdio=(None, None, stderr))  # fmt: skip
+            try:
+                code = child.wait(TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+                raise ConfigError(
+                    f"runtime.policy=auto: its measurements ran past {TIMEOUT_S:.0f} s; measure "
+                    "once with `slidedp profile layer` and `slidedp profile host`, or write the "
+                    "policy by hand"
+                ) from None
+            stderr.seek(0)
+            said = stderr.read()
+    sys.stderr.write(said)
+    if code != 0:
+        lines = said.strip().splitlines() or [f"exit code {code}"]
         raise ConfigError(f"runtime.policy=auto: its measurements failed: {lines[-1]}")
     return time.perf_counter() - start
 

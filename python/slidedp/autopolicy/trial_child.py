@@ -42,12 +42,14 @@ from slidedp.autopolicy.validate import EXIT_BAD_INPUT, TIMEOUT_S, Runner, Trial
 from slidedp.config import load_config, resolved_yaml
 from slidedp.errors import ConfigError, SlidedpError
 from slidedp.runtime.lifetime import die_with_parent, worker_env
+from slidedp.runtime.zygote import ForkedRank, start_child
 
 if TYPE_CHECKING:
     from slidedp.config import TrainConfig
     from slidedp.plan.machine import Machine
 
 CLOSE_S = 30.0  # an idle child given this long to exit once its input is closed
+Child = ForkedRank | subprocess.Popen[bytes]
 
 
 class TrialChild:
@@ -56,7 +58,8 @@ class TrialChild:
 
     def __init__(self) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="slidedp-trials-")
-        self._child: subprocess.Popen[bytes] | None = None
+        self._child: ForkedRank | subprocess.Popen[bytes] | None = None
+        self._pipes: tuple[IO[bytes], IO[bytes]] | None = None  # to its stdin, from its stdout
         self._stderr: IO[bytes] | None = None
         self._said = 0  # bytes of the child's stderr passed on
         self._ready = False  # the child said it is ready (its imports done)
@@ -67,10 +70,9 @@ class TrialChild:
         path = Path(self._dir.name) / f"trial-{self.trials}.yaml"
         self.trials += 1
         path.write_text(resolved_yaml(cfg))
-        child = self.wait_ready(cfg)
-        assert child.stdin is not None
-        child.stdin.write(f"{path} {steps}\n".encode())
-        child.stdin.flush()
+        child, (to_child, _) = self.wait_ready(cfg)
+        to_child.write(f"{path} {steps}\n".encode())
+        to_child.flush()
         trial = Trial(**json.loads(self._answer(child, cfg)))
         if trial.step_s is None:  # out of memory: the child has ended
             self._stop()
@@ -80,41 +82,48 @@ class TrialChild:
         """Start the child now (its imports beside other work), unless it runs."""
         self._running()
 
-    def wait_ready(self, cfg: TrainConfig | None = None) -> subprocess.Popen[bytes]:
-        """The child, started if it is not, once its imports are done (its first line):
-        from then on it is idle until a trial. ``cfg``: the trial it is for, named if the
-        child fails first."""
-        child = self._running()
+    def wait_ready(self, cfg: TrainConfig | None = None) -> tuple[Child, tuple[IO[bytes], ...]]:
+        """The child and its pipes (to its stdin, from its stdout), started if it is not, once
+        its imports are done (its first line): from then on it is idle until a trial.
+        ``cfg``: the trial it is for, named if the child fails first."""
+        child, pipes = self._running()
         if not self._ready:
             self._answer(child, cfg)
             self._ready = True
-        return child
+        return child, pipes
 
-    def _running(self) -> subprocess.Popen[bytes]:
-        if self._child is None:
+    def _running(self) -> tuple[Child, tuple[IO[bytes], IO[bytes]]]:
+        """The child (``runtime.zygote.start_child``: forked from the launcher's zygote, or a
+        fresh interpreter) and its pipes."""
+        if self._child is None or self._pipes is None:
             self._ready = False
             # appended to (O_APPEND): our reads never move where the child writes
             self._stderr = (Path(self._dir.name) / f"stderr-{self.processes}").open("a+b")
             self._said = 0
-            command = [sys.executable, "-m", "slidedp.autopolicy.trial_child"]
-            self._child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                           stderr=self._stderr, env=worker_env())  # fmt: skip
+            its_stdin, to_child = os.pipe()
+            from_child, its_stdout = os.pipe()
+            self._child = start_child("slidedp.autopolicy.trial_child", [], worker_env(),
+                                      stdio=(its_stdin, its_stdout, self._stderr))  # fmt: skip
+            os.close(its_stdin)
+            os.close(its_stdout)
+            self._pipes = (os.fdopen(to_child, "wb"), os.fdopen(from_child, "rb"))
             self.processes += 1
-        return self._child
+        return self._child, self._pipes
 
-    def _answer(self, child: subprocess.Popen[bytes], cfg: TrainConfig | None) -> str:
+    def _answer(self, child: Child, cfg: TrainConfig | None) -> str:
         """The child's next line, within ``TIMEOUT_S``; its stderr passed on."""
         what = "starting the trials" if cfg is None else f"validating {cfg.runtime.layout.layers}"
-        assert child.stdout is not None
+        assert self._pipes is not None
+        from_child = self._pipes[1]
         deadline, line = time.monotonic() + TIMEOUT_S, b""
         while not line.endswith(b"\n"):
             left = max(0.0, deadline - time.monotonic())
-            if not select.select([child.stdout], [], [], left)[0]:
+            if not select.select([from_child], [], [], left)[0]:
                 self._stop()
                 if cfg is not None:
                     raise ran_past(cfg)
                 raise ConfigError(f"runtime.policy=auto: {what} ran past {TIMEOUT_S:.0f} s")
-            chunk = os.read(child.stdout.fileno(), 1 << 16)
+            chunk = os.read(from_child.fileno(), 1 << 16)
             if not chunk:  # the child ended without an answer
                 code = child.wait()
                 last = (self._pass_stderr().strip().splitlines() or [f"exit code {code}"])[-1]
@@ -136,9 +145,9 @@ class TrialChild:
 
     def _stop(self) -> None:
         child, self._child = self._child, None
-        if child is not None:
-            assert child.stdin is not None
-            child.stdin.close()
+        pipes, self._pipes = self._pipes, None
+        if child is not None and pipes is not None:
+            pipes[0].close()
             if not self._ready:  # still importing: nothing of it to wait for
                 child.kill()
             try:
@@ -146,8 +155,7 @@ class TrialChild:
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
-            if child.stdout is not None:
-                child.stdout.close()
+            pipes[1].close()
         if self._stderr is not None:
             self._stderr.close()
             self._stderr = None

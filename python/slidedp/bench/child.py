@@ -1,4 +1,6 @@
-"""A ``slidedp.bench.worker`` subprocess run by ``slidedp bench train``, with its host memory.
+"""A ``slidedp.bench.worker`` child of ``slidedp bench train``, with its host memory: forked from
+the bench's zygote (``runtime.zygote.start_child``; its imports already done, its age and PSS
+counted as a fresh interpreter's), else a fresh interpreter.
 
 A thread samples the PSS of the child's process tree every ``PSS_SAMPLE_S`` and keeps the peak
 (over all ranks of a multi-rank run). A non-zero exit is a result with ``status`` ``error`` (or
@@ -18,7 +20,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -29,6 +30,7 @@ from slidedp.bench.measure import RunSpec, process_pss_bytes, tree_pss_bytes
 from slidedp.bench.report import GIB
 from slidedp.envinfo import meminfo_bytes
 from slidedp.runtime.lifetime import GROUP_EXIT_S, stop_group, worker_env
+from slidedp.runtime.zygote import start_child
 
 PSS_SAMPLE_S = 0.25
 # A SIGKILL at this share of the host's memory is the kernel's OOM killer: the last samples
@@ -55,14 +57,10 @@ class ChildRun:
 
     def run(self) -> tuple[int, dict[str, Any] | None, str]:
         """(exit code, result or None, stderr text)."""
-        command = [sys.executable, "-m", WORKER]
-        with self.stderr_path.open("w") as stderr:
-            proc = subprocess.Popen(  # its own process group: the tree can be killed as one
-                [*command, str(self.spec_path), str(self.result_path)],
-                stderr=stderr,
-                start_new_session=True,
-                env=worker_env(),
-            )
+        argv = [str(self.spec_path), str(self.result_path)]
+        with self.stderr_path.open("w") as stderr:  # its own session: the tree killed as one
+            proc = start_child(WORKER, argv, worker_env(), own_session=True,
+                               stdio=(None, None, stderr))  # fmt: skip
             done = threading.Event()
             sampler = threading.Thread(target=self._sample, args=(proc.pid, done), daemon=True)
             sampler.start()

@@ -109,15 +109,18 @@ def timed_steps(
 
 
 def process_pss_bytes(pid: int) -> int:
-    """PSS of one process (0 if it is gone or unreadable)."""
+    """PSS of one process, its anonymous memory counted whole (0 if it is gone or unreadable):
+    a process forked from a zygote shares the pages of its imports copy-on-write, which a fresh
+    interpreter would hold alone (for one, ``Anonymous`` is ``Pss_Anon``); files and shared
+    memory (the ranks' store) stay split between the processes that map them."""
     try:
         text = Path(f"/proc/{pid}/smaps_rollup").read_text()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
         return 0
-    for line in text.splitlines():
-        if line.startswith("Pss:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    kib = {
+        k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in text.splitlines()[1:])
+    }
+    return (kib.get("Pss", 0) - kib.get("Pss_Anon", 0) + kib.get("Anonymous", 0)) * 1024
 
 
 def process_tree(pid: int) -> list[int]:

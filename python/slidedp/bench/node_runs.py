@@ -25,11 +25,12 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import IO, Literal
 
 import torch
 
 from slidedp.errors import ConfigError
+from slidedp.runtime.zygote import ForkedRank, start_child
 
 # NCCL between processes of one host as between machines: no CUDA P2P (NVLink), no shared
 # memory, no InfiniBand: its socket transport, on the loopback interface. NCCL then takes the
@@ -142,12 +143,9 @@ def run_nodes(launches: Sequence[NodeLaunch], timeout_s: float) -> None:
         launch.stderr.parent.mkdir(parents=True, exist_ok=True)
         if "NCCL_DEBUG_FILE" in launch.env:
             Path(launch.env["NCCL_DEBUG_FILE"]).parent.mkdir(parents=True, exist_ok=True)
-        with launch.stderr.open("w") as err:  # a file, not a pipe: a node never blocks on it
-            procs.append(
-                subprocess.Popen(
-                    launch.argv, env=os.environ | launch.env, stdout=subprocess.DEVNULL, stderr=err
-                )
-            )
+        # files, not pipes: a node never blocks on them
+        with launch.stderr.open("w") as err, open(os.devnull, "w") as quiet:
+            procs.append(_start(launch, os.environ | launch.env, (quiet, err)))
     deadline = time.monotonic() + timeout_s
     try:
         for p in procs:
@@ -163,6 +161,17 @@ def run_nodes(launches: Sequence[NodeLaunch], timeout_s: float) -> None:
     if any(p.returncode for p in procs):
         codes = [p.returncode for p in procs]
         raise ConfigError(f"the {len(procs)}-node run failed {codes}: {_errors(launches)}")
+
+
+def _start(
+    launch: NodeLaunch, env: dict[str, str], output: tuple[IO[str], IO[str]]
+) -> ForkedRank | subprocess.Popen[bytes]:
+    """A node's ``python -m MODULE ARGV`` through ``runtime.zygote.start_child`` (forked from
+    the bench's zygote); any other command as it is."""
+    python, flag, *rest = launch.argv
+    if (python, flag) == (sys.executable, "-m") and rest:
+        return start_child(rest[0], rest[1:], env, stdio=(None, *output))
+    return subprocess.Popen(launch.argv, env=env, stdout=output[0], stderr=output[1])
 
 
 def _errors(launches: Sequence[NodeLaunch]) -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -37,6 +36,7 @@ from slidedp.preflight import check_model
 from slidedp.runtime.dist import Dist
 from slidedp.runtime.lanes import LANES, WAITS
 from slidedp.runtime.trainer import Trainer
+from slidedp.runtime.zygote import process_age_s
 from slidedp.store import HostStore
 
 
@@ -60,19 +60,12 @@ class _BenchTrainer(Trainer):
         return self.out_dir
 
 
-def process_age_s() -> float:
-    """Seconds since this process started (``/proc``: the kernel's start time, so the
-    interpreter's start and the imports count)."""
-    start_ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
-    uptime_s = float(Path("/proc/uptime").read_text().split()[0])
-    return uptime_s - start_ticks / os.sysconf("SC_CLK_TCK")
-
-
 def startup(
     stamps: dict[str, float], trainer: _BenchTrainer, first_step_s: float
 ) -> dict[str, float]:
     """The time to the first step of one run, in its parts (seconds): the process until the
-    run starts (interpreter, imports, tokens written), the config (with ``runtime.policy:
+    run starts (interpreter, imports, tokens written; a worker forked from the bench's zygote
+    counts the zygote's imports as its own, ``process_age_s``), the config (with ``runtime.policy:
     auto``: its choice), the trainer's build (the model, the store created and filled, the
     data, the engine: ``fill_state_s`` and ``pin_s`` of it, the rest ``other_init_s``), the
     first step (the layers' compile included) and the sum, ``to_first_step_s``."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -40,6 +41,7 @@ from slidedp.plan.step_spec import predict_step
 from slidedp.plan.timing import Links, Ranks, Rates, layer_times, spec_from_shapes
 from slidedp.profile.host import engine_update_threads, model_gbps, probe_host
 from slidedp.profile.layer import ProfileSpec, profile_layer
+from slidedp.runtime.zygote import start_child
 
 if TYPE_CHECKING:
     from slidedp.config_runtime import RuntimeSection
@@ -50,15 +52,20 @@ PROBE_TIMEOUT_S = 300
 
 def _probe(kind: str, args: dict[str, Any], out: Path) -> dict[str, Any]:
     """The ``kind`` probe (``PROBES``) with ``args`` in a child process; its report."""
-    done = subprocess.run(
-        [sys.executable, "-m", "slidedp.bench.predict", kind, json.dumps(args), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=PROBE_TIMEOUT_S,
-        check=False,
-    )
-    if done.returncode != 0:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+    stderr_path = out.with_name(f"{out.name}.stderr")
+    # files, not pipes: the probe never blocks on them; what it prints is not its report
+    with stderr_path.open("w") as stderr, open(os.devnull, "w") as stdout:
+        probe = start_child("slidedp.bench.predict", [kind, json.dumps(args), str(out)],
+                            dict(os.environ), stdio=(None, stdout, stderr))  # fmt: skip
+        try:
+            code = probe.wait(PROBE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            probe.kill()
+            probe.wait()
+            past = f"ran past {PROBE_TIMEOUT_S} s"
+            raise ConfigError(f"the {kind} probe for --predict {past}") from None
+    if code != 0:
+        tail = (stderr_path.read_text().strip().splitlines() or ["no output"])[-1]
         raise ConfigError(f"the {kind} probe for --predict failed: {tail}")
     report: dict[str, Any] = json.loads(out.read_text())
     return report

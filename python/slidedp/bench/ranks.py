@@ -28,6 +28,7 @@ from slidedp.bench.ours import plan_for_ranks
 from slidedp.errors import SlidedpError
 from slidedp.runtime.dist import EXIT_PEER_FAILED, Dist, fail, finish
 from slidedp.runtime.launch import LaunchSpec, launch
+from slidedp.runtime.zygote import Zygote
 
 EXIT_FAILED = 1
 EXIT_OOM = 4  # this rank ran out of memory (its result file says so)
@@ -37,9 +38,12 @@ def rank_result_path(result_path: Path, rank: int) -> Path:
     return result_path.with_name(f"{result_path.stem}.rank{rank}.json")
 
 
-def launch_ranks(spec: RunSpec, spec_path: Path, result_path: Path) -> int:
-    """Run ``spec`` on ``spec.world`` ranks; writes ``result_path`` unless a rank failed. Our
-    engine's plan is decided here, once (``runtime.policy=auto`` chosen), and every rank runs it."""
+def launch_ranks(
+    spec: RunSpec, spec_path: Path, result_path: Path, zygote: Zygote | None = None
+) -> int:
+    """Run ``spec`` on ``spec.world`` ranks, forked from ``zygote`` (None: fresh interpreters);
+    writes ``result_path`` unless a rank failed. Our engine's plan is decided here, once
+    (``runtime.policy=auto`` chosen), and every rank runs it."""
     chosen: dict[str, Any] = {}
     if spec.system == "ours":
         try:
@@ -52,7 +56,7 @@ def launch_ranks(spec: RunSpec, spec_path: Path, result_path: Path) -> int:
         name=f"slidedp bench train: {spec.system} on {spec.world} ranks",
         own_session=False,  # the bench kills the process group of its child as one
     )
-    code = launch(spec.world, [str(spec_path), str(result_path)], spec=ranks)
+    code = launch(spec.world, [str(spec_path), str(result_path)], spec=ranks, zygote=zygote)
     results = {
         rank: json.loads(path.read_text())
         for rank in range(spec.world)

@@ -37,6 +37,9 @@ from slidedp.plan.device import allocator_settings, prefer_expandable_segments
 from slidedp.runtime.dist import Dist
 from slidedp.runtime.flops import device_peak_flops
 from slidedp.runtime.lifetime import die_with_parent
+from slidedp.runtime.zygote import Zygote
+
+RANK_IMPORTS = ("slidedp.bench.worker",)  # what a spawned zygote imports for the ranks
 
 
 def _ours(spec: RunSpec) -> dict[str, Any]:
@@ -129,8 +132,9 @@ def main(argv: list[str]) -> int:
         prefer_expandable_segments()
     if spec.world > 1:
         ctx = Dist.from_env()
-        if ctx is None:
-            return launch_ranks(spec, Path(spec_path), Path(result_path))
+        if ctx is None:  # the launcher: its ranks fork from a copy of it taken before it plans
+            with Zygote.started(RANK_IMPORTS, own_process=True) as zygote:
+                return launch_ranks(spec, Path(spec_path), Path(result_path), zygote)
         return run_rank(run, spec, ctx, Path(result_path))
     Path(result_path).write_text(json.dumps(run(spec)))
     return 0

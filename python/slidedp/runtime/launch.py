@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import IO, Protocol
 
 from slidedp.runtime.dist import EXIT_PEER_FAILED, EXIT_STOPPED_WITH_PEERS
-from slidedp.runtime.zygote import Zygote
+from slidedp.runtime.zygote import Zygote, children_zygote
 
 GRACE_S = 10.0  # survivors of a failure get this long to exit on their own
 FORWARDED = {
@@ -106,12 +106,14 @@ def launch(
 ) -> int:
     """Run ``spec``'s ``python -m MODULE ARGV`` as ``world`` ranks of this node; 0 when every
     rank succeeded. ``timeout_s``: ranks still running then are killed, and the exit code is
-    ``EXIT_TIMED_OUT``. ``zygote``: the ranks are forked from it (None: fresh interpreters),
-    which is closed once they run."""
+    ``EXIT_TIMED_OUT``. ``zygote``: the ranks are forked from it, which is closed once they
+    run (None: from the zygote of ``runtime.zygote.children_forked`` inside one, else fresh
+    interpreters)."""
     module, name, own_session = spec.module, spec.name, spec.own_session
     stdout, stderr = spec.stdout, spec.stderr
     node = node or Node(1, 0, "127.0.0.1", free_port())
     procs: list[Rank] = []
+    forking = zygote or children_zygote()
     for local in range(world):
         env = os.environ | {
             "RANK": str(node.node_rank * world + local),
@@ -124,9 +126,9 @@ def launch(
         }
         if own_session:
             env[LAUNCHER_PID] = str(os.getpid())
-        if zygote is not None:
-            procs.append(zygote.start(module, argv, env, own_session=own_session,
-                                           output=(stdout, stderr)))  # fmt: skip
+        if forking is not None:
+            procs.append(forking.start(module, argv, env, own_session=own_session,
+                                       output=(stdout, stderr)))  # fmt: skip
             continue
         command = [sys.executable, "-m", module, *argv]
         procs.append(subprocess.Popen(command, env=env, start_new_session=own_session,

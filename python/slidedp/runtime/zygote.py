@@ -1,19 +1,19 @@
-"""A copy of the launcher taken right after its imports, forking the ranks of ``launch``: a rank
-starts with torch and transformers imported (a fresh interpreter spends ~10 CPU-s on them).
+"""A copy of a command's process taken right after its imports, forking its children (the ranks
+of ``launch``; ``start_child``: the bench's workers and probes, AutoPolicy's measurements and
+trials) with torch and transformers imported (a fresh interpreter spends ~8 CPU-s on them).
 
-``Zygote.forked()`` must be entered before this process computes anything (``can_fork``): GNU
-OpenMP's pool, CUDA and the threads a computation starts do not survive a fork. A rank is forked
-twice (zygote -> a short-lived middle process -> rank) and adopted by the launcher, which is made
-a child subreaper: the rank is the launcher's child as a ``subprocess.Popen`` rank is (its
-``os.getppid()``, ``waitpid``, signals). Its environment, working directory, session and stdout/
-stderr are set before its module runs, so what is read after the imports (``RANK``,
-``CUDA_VISIBLE_DEVICES``, the thread counts given to torch) takes effect; what a library read
-while importing is the launcher's, whose environment the ranks' extends. No zygote outlives its
-launcher (``PR_SET_PDEATHSIG``); ``close`` (at the latest on leaving ``forked``) reaps it.
+``Zygote.forked()`` needs a process that computed nothing yet (``can_fork``: GNU OpenMP, CUDA
+and threads do not survive a fork); one that computed spawns it (``Zygote.spawned``: a fresh
+interpreter importing ``preload``). A child is forked twice (zygote -> middle -> child) and
+adopted by the launcher (a child subreaper while it starts one): its child as a ``Popen`` is.
+Its environment, directory, session, stdio and name (``process_name``: its command line is the
+zygote's) are set before its module runs; what a library
+read while importing is the zygote's. ``process_age_s`` counts the inherited imports. No zygote
+outlives its launcher (``PR_SET_PDEATHSIG``); ``close`` (at the latest on leaving) reaps it.
 
 Example::
 
-    with Zygote.forked() as zygote:  # nothing computed yet
+    with Zygote.started(("slidedp.cli",), own_process=True) as zygote:  # forked if can_fork()
         rank = zygote.start("slidedp", ["train", "run.yaml"], env, own_session=True)
         code = rank.wait()
 """
@@ -23,27 +23,48 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import importlib
 import json
 import os
 import runpy
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Iterator
+from contextvars import ContextVar
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
 import torch
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PR_SET_NAME = 15
 PR_SET_CHILD_SUBREAPER = 36
 MESSAGE_BYTES = 1 << 20  # one request: module, argv, environment
 CLOSE_S = 10.0  # a closed zygote has this long to exit before it is killed
 CUDA_DRIVER = "libcuda.so"  # mapped by importing torch on a CUDA machine; initialized by cuInit
 CUDA_ERROR_NOT_INITIALIZED = 3  # cuda.h
+POLL_S = 0.01
+Stream = IO[bytes] | IO[str] | int | None  # a child's stdin, stdout or stderr (None: ours)
+_inherited_s = 0.0  # in a forked child: how long its zygote's state took to build (imports)
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (``/proc``: the kernel's start time, so the
+    interpreter's start and the imports count), plus, in a child forked from a zygote, the
+    time its zygote's imports took (which a fresh interpreter would have spent itself)."""
+    start_ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
+    uptime_s = float(Path("/proc/uptime").read_text().split()[0])
+    return uptime_s - start_ticks / os.sysconf("SC_CLK_TCK") + _inherited_s
+
+
+def process_name(module: str) -> str:
+    """The name (``/proc/PID/comm``, 15 bytes) of a child forked to run ``module``."""
+    return module[-15:]
 
 
 def can_fork() -> bool:
@@ -92,10 +113,16 @@ class ForkedRank:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
-    def wait(self) -> int:
-        if self.returncode is None:
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code; past ``timeout`` seconds ``subprocess.TimeoutExpired``."""
+        if timeout is None and self.returncode is None:
             self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
-        return self.returncode
+        deadline = time.monotonic() + (timeout or 0.0)
+        while (code := self.poll()) is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            time.sleep(POLL_S)
+        return code
 
     def send_signal(self, sig: int) -> None:
         if self.returncode is None:  # never a reaped pid, which the kernel may give again
@@ -106,23 +133,52 @@ class ForkedRank:
 
 
 class Zygote:
-    """The forked copy (``pid``), asked for ranks over ``channel``."""
+    """The forked (or spawned: ``process``) copy ``pid``, asked for children over ``channel``."""
 
-    def __init__(self, pid: int, channel: socket.socket) -> None:
-        self.pid, self.channel = pid, channel
+    def __init__(
+        self, pid: int, channel: socket.socket, process: subprocess.Popen[bytes] | None = None
+    ) -> None:
+        self.pid, self.channel, self.process = pid, channel, process
+
+    @classmethod
+    @contextlib.contextmanager
+    def started(cls, preload: tuple[str, ...], *, own_process: bool) -> Iterator[Zygote]:
+        """``forked`` when ``own_process`` (this process runs one command and has computed
+        nothing: OpenMP's pool cannot be seen) and ``can_fork``, else ``spawned(preload)``."""
+        forks = own_process and can_fork()
+        with cls.forked() if forks else cls.spawned(preload) as zygote:
+            yield zygote
+
+    @classmethod
+    @contextlib.contextmanager
+    def spawned(cls, preload: tuple[str, ...]) -> Iterator[Zygote]:
+        """A zygote in a fresh interpreter that imports the modules ``preload`` (while this
+        process goes on) before it forks its first child; on leaving, it exits and is reaped."""
+        ours, its = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        serve = f"from {__name__} import serve_spawned; serve_spawned()"
+        command = [sys.executable, "-c", serve, str(its.fileno()), *preload]
+        with _subreaper():  # while it is spawned: its descendants may be adopted by this process
+            process = subprocess.Popen(command, pass_fds=[its.fileno()])
+        its.close()
+        zygote = cls(process.pid, ours, process)
+        try:
+            yield zygote
+        finally:
+            zygote.close()
 
     @classmethod
     @contextlib.contextmanager
     def forked(cls) -> Iterator[Zygote]:
         """A zygote while inside; on leaving, it exits and is reaped."""
-        _prctl(PR_SET_CHILD_SUBREAPER, 1)  # the ranks' middle process exits: they come to us
         ours, its = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         sys.stdout.flush()  # nothing buffered is written twice
         sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            ours.close()
-            _serve(its, launcher=os.getppid())
+        built_s = process_age_s()
+        with _subreaper():  # while it is forked: its descendants may be adopted by this process
+            pid = os.fork()
+            if pid == 0:
+                ours.close()
+                _serve(its, launcher=os.getppid(), built_s=built_s)
         its.close()
         zygote = cls(pid, ours)
         try:
@@ -135,8 +191,14 @@ class Zygote:
         if self.channel.fileno() == -1:
             return
         self.channel.close()  # the zygote reads the end of its requests and exits
-        _reap(self.pid, CLOSE_S)
-        _prctl(PR_SET_CHILD_SUBREAPER, 0)
+        if self.process is None:
+            _reap(self.pid, CLOSE_S)
+        else:
+            try:
+                self.process.wait(CLOSE_S)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
 
     def start(
         self,
@@ -145,19 +207,118 @@ class Zygote:
         env: dict[str, str],
         *,
         own_session: bool,
-        output: tuple[IO[bytes] | None, IO[bytes] | None] = (None, None),
+        output: tuple[Stream, Stream] = (None, None),
+        stdin: Stream = None,
     ) -> ForkedRank:
-        """``python -m MODULE ARGV`` with ``env``, in its own session or not, writing to
-        ``output`` (stdout, stderr; None: this process's)."""
+        """``python -m MODULE ARGV`` with ``env``, in its own session or not, reading ``stdin``
+        and writing to ``output`` (stdout, stderr): files or descriptors, None: this
+        process's."""
         request = {"module": module, "argv": argv, "env": env, "cwd": os.getcwd(),
                    "own_session": own_session}  # fmt: skip
-        fds = [1 if output[0] is None else output[0].fileno(),
-               2 if output[1] is None else output[1].fileno()]  # fmt: skip
-        socket.send_fds(self.channel, [json.dumps(request).encode()], fds)
-        reply = json.loads(self.channel.recv(MESSAGE_BYTES) or b'{"error": "zygote gone"}')
+        fds = [_fd(given, default) for default, given in enumerate((stdin, *output))]
+        with _subreaper():  # the middle process exits: the child comes to us, before the reply
+            socket.send_fds(self.channel, [json.dumps(request).encode()], fds)
+            reply = json.loads(self.channel.recv(MESSAGE_BYTES) or b'{"error": "zygote gone"}')
         if "error" in reply:
             raise OSError(f"could not fork a rank of {module}: {reply['error']}")
         return ForkedRank(int(reply["pid"]))
+
+
+class Children:
+    """The zygote of ``children_forked``: forked when it was entered, else spawned at the first
+    child (a command refused before it starts one pays no interpreter)."""
+
+    def __init__(self, preload: tuple[str, ...], stack: contextlib.ExitStack) -> None:
+        self.preload, self._stack = preload, stack
+        self._zygote: Zygote | None = None
+
+    def fork_now(self) -> None:
+        self._zygote = self._stack.enter_context(Zygote.forked())
+
+    def zygote(self) -> Zygote:
+        """The zygote, spawned now if there is none."""
+        if self._zygote is None:
+            self._zygote = self._stack.enter_context(Zygote.spawned(self.preload))
+        return self._zygote
+
+    def close(self) -> None:
+        """Let the zygote, if there is one, exit: no child starts from it after."""
+        if self._zygote is not None:
+            self._zygote.close()
+
+
+_children: ContextVar[Children | None] = ContextVar("children", default=None)
+
+
+@contextlib.contextmanager
+def children_forked(preload: tuple[str, ...], *, own_process: bool) -> Iterator[Children]:
+    """Within (this thread and context), ``start_child`` forks from one zygote: a copy of this
+    process taken now when ``own_process`` (as ``Zygote.started``), else one spawned importing
+    ``preload`` when the first child starts."""
+    with contextlib.ExitStack() as stack:
+        children = Children(preload, stack)
+        if own_process and can_fork():
+            children.fork_now()
+        token = _children.set(children)
+        try:
+            yield children
+        finally:
+            _children.reset(token)
+
+
+def children_zygote() -> Zygote | None:
+    """The zygote of the ``children_forked`` this runs inside (spawned now if it must be)."""
+    children = _children.get()
+    return None if children is None else children.zygote()
+
+
+def start_child(
+    module: str,
+    argv: list[str],
+    env: dict[str, str],
+    *,
+    own_session: bool = False,
+    stdio: tuple[Stream, Stream, Stream] = (None, None, None),
+    zygote: Zygote | None = None,
+) -> ForkedRank | subprocess.Popen[bytes]:
+    """``python -m MODULE ARGV`` with ``env``, reading and writing ``stdio`` (stdin, stdout,
+    stderr; None: this process's): forked from ``zygote``, else from the one of
+    ``children_forked`` inside one, else a fresh interpreter."""
+    zygote = zygote or children_zygote()
+    if zygote is None:
+        stdin, stdout, stderr = stdio
+        return subprocess.Popen([sys.executable, "-m", module, *argv], env=env,
+                                start_new_session=own_session, stdin=stdin, stdout=stdout,
+                                stderr=stderr)  # fmt: skip
+    return zygote.start(module, argv, env, own_session=own_session, output=stdio[1:],
+                        stdin=stdio[0])  # fmt: skip
+
+
+@contextlib.contextmanager
+def _subreaper() -> Iterator[None]:
+    """This process adopts the orphans of its descendants while inside, and only then: an orphan
+    adopted later (a killed child's own children) would stay its zombie, never waited for."""
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    try:
+        yield
+    finally:
+        _prctl(PR_SET_CHILD_SUBREAPER, 0)
+
+
+def _fd(given: Stream, default: int) -> int:
+    if given is None:
+        return default
+    return given if isinstance(given, int) else given.fileno()
+
+
+def serve_spawned() -> NoReturn:
+    """A spawned zygote's life (``python -c ... FD MODULE...``): import the modules, serve."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the launcher's, while importing too
+    for module in sys.argv[2:]:
+        importlib.import_module(module)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the children's: a fresh one's
+    channel = socket.socket(fileno=int(sys.argv[1]))
+    _serve(channel, launcher=os.getppid(), built_s=process_age_s())
 
 
 def _reap(pid: int, timeout_s: float) -> None:
@@ -170,15 +331,18 @@ def _reap(pid: int, timeout_s: float) -> None:
         time.sleep(0.01)
 
 
-def _serve(channel: socket.socket, launcher: int) -> NoReturn:
-    """The zygote: one rank per request until the launcher closes the channel or exits."""
+def _serve(channel: socket.socket, launcher: int, built_s: float) -> NoReturn:
+    """The zygote: one rank per request until the launcher closes the channel or exits;
+    ``built_s``: the age of the state it forks (its ranks' ``process_age_s`` starts there)."""
+    global _inherited_s
+    _inherited_s = built_s
     code = 0
     try:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         # Ctrl-C is the launcher's to handle; a rank gets the launcher's own disposition back
         interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
         while os.getppid() == launcher:
-            message, fds, _, _ = socket.recv_fds(channel, MESSAGE_BYTES, 2)
+            message, fds, _, _ = socket.recv_fds(channel, MESSAGE_BYTES, 3)
             if not message:
                 break
             try:
@@ -238,12 +402,14 @@ def _run_rank(
             time.sleep(0.001)
         if request["own_session"]:
             os.setsid()
-        os.dup2(fds[0], 1)
-        os.dup2(fds[1], 2)
+        for target, fd in enumerate(fds):  # stdin, stdout, stderr
+            os.dup2(fd, target)
         for fd in fds:
             os.close(fd)
         signal.signal(signal.SIGINT, interrupt)  # ignored if the launcher's was, as exec keeps
         os.chdir(request["cwd"])
+        name = process_name(request["module"]).encode()
+        ctypes.CDLL(None).prctl(PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
         os.environ.clear()  # putenv/unsetenv too: C code reads the rank's
         os.environ.update(request["env"])
         sys.argv = [request["module"], *request["argv"]]
