@@ -113,11 +113,16 @@ def test_a_dead_launcher_makes_the_ranks_checkpoint_and_exit(tmp_path: Path) -> 
 def test_a_repeated_sigterm_is_absorbed_and_a_second_sigint_interrupts() -> None:
     """A scheduler's SIGTERM reaches a rank directly and again through its launcher: the
     second must not kill the rank mid-save. A second Ctrl-C still interrupts at once."""
-    with StopSignals() as stop:
-        os.kill(os.getpid(), signal.SIGTERM)
-        os.kill(os.getpid(), signal.SIGTERM)  # the default action would end the test process
-        assert stop.received == signal.SIGTERM
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    # Ctrl-C as an interpreter starts with it (a test worker's own may have been set otherwise)
+    interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with StopSignals() as stop:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)  # the default action would end the test process
+            assert stop.received == signal.SIGTERM
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGINT, interrupt)
