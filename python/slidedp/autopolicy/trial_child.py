@@ -42,14 +42,13 @@ from slidedp.autopolicy.validate import EXIT_BAD_INPUT, TIMEOUT_S, Runner, Trial
 from slidedp.config import load_config, resolved_yaml
 from slidedp.errors import ConfigError, SlidedpError
 from slidedp.runtime.lifetime import die_with_parent, worker_env
-from slidedp.runtime.zygote import ForkedRank, start_child
+from slidedp.runtime.zygote import Child, start_child
 
 if TYPE_CHECKING:
     from slidedp.config import TrainConfig
     from slidedp.plan.machine import Machine
 
 CLOSE_S = 30.0  # an idle child given this long to exit once its input is closed
-Child = ForkedRank | subprocess.Popen[bytes]
 
 
 class TrialChild:
@@ -58,7 +57,7 @@ class TrialChild:
 
     def __init__(self) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="slidedp-trials-")
-        self._child: ForkedRank | subprocess.Popen[bytes] | None = None
+        self._child: Child | None = None
         self._pipes: tuple[IO[bytes], IO[bytes]] | None = None  # to its stdin, from its stdout
         self._stderr: IO[bytes] | None = None
         self._said = 0  # bytes of the child's stderr passed on

@@ -29,6 +29,14 @@ GROUP_EXIT_S = 60.0  # a killed group's processes have this long to be gone
 POLL_S = 0.05
 
 
+def prctl(option: int, value: int | ctypes.c_char_p) -> None:
+    """``prctl(option, value)`` of this process (<linux/prctl.h>); ``OSError`` on failure."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(option, value, 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"prctl({option}): {os.strerror(errno)}")
+
+
 def worker_env() -> dict[str, str]:
     """This process's environment, naming this process as the parent of the worker started
     with it."""
@@ -44,10 +52,7 @@ def die_with_parent() -> None:
     parent = os.environ.get(PARENT_PID)
     if parent is None:
         return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"prctl(PR_SET_PDEATHSIG): {os.strerror(errno)}")
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != int(parent):  # gone before the signal was armed: nobody will send it
         os.kill(os.getpid(), signal.SIGKILL)
     os.environ[PARENT_PID] = str(os.getpid())  # the ranks this worker launches die with it

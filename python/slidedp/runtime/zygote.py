@@ -41,8 +41,9 @@ from typing import IO, Any, NoReturn
 
 import torch
 
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-PR_SET_NAME = 15
+from slidedp.runtime.lifetime import PR_SET_PDEATHSIG, prctl
+
+PR_SET_NAME = 15  # <linux/prctl.h>
 PR_SET_CHILD_SUBREAPER = 36
 MESSAGE_BYTES = 1 << 20  # one request: module, argv, environment
 CLOSE_S = 10.0  # a closed zygote has this long to exit before it is killed
@@ -91,13 +92,6 @@ def cuda_driver_initialized() -> bool:
     return bool(driver.cuDeviceGetCount(ctypes.byref(count)) != CUDA_ERROR_NOT_INITIALIZED)
 
 
-def _prctl(option: int, value: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(option, value, 0, 0, 0) != 0:
-        errno = ctypes.get_errno()
-        raise OSError(errno, f"prctl({option}): {os.strerror(errno)}")
-
-
 class ForkedRank:
     """A rank forked by a zygote, driven as a ``subprocess.Popen``: ``returncode`` is None while
     it runs, then its exit code (negative: the signal that killed it)."""
@@ -130,6 +124,9 @@ class ForkedRank:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+Child = ForkedRank | subprocess.Popen[bytes]  # a child forked from a zygote, or a fresh one
 
 
 class Zygote:
@@ -280,7 +277,7 @@ def start_child(
     own_session: bool = False,
     stdio: tuple[Stream, Stream, Stream] = (None, None, None),
     zygote: Zygote | None = None,
-) -> ForkedRank | subprocess.Popen[bytes]:
+) -> Child:
     """``python -m MODULE ARGV`` with ``env``, reading and writing ``stdio`` (stdin, stdout,
     stderr; None: this process's): forked from ``zygote``, else from the one of
     ``children_forked`` inside one, else a fresh interpreter."""
@@ -298,11 +295,11 @@ def start_child(
 def _subreaper() -> Iterator[None]:
     """This process adopts the orphans of its descendants while inside, and only then: an orphan
     adopted later (a killed child's own children) would stay its zombie, never waited for."""
-    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
     try:
         yield
     finally:
-        _prctl(PR_SET_CHILD_SUBREAPER, 0)
+        prctl(PR_SET_CHILD_SUBREAPER, 0)
 
 
 def _fd(given: Stream, default: int) -> int:
@@ -338,7 +335,7 @@ def _serve(channel: socket.socket, launcher: int, built_s: float) -> NoReturn:
     _inherited_s = built_s
     code = 0
     try:
-        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         # Ctrl-C is the launcher's to handle; a rank gets the launcher's own disposition back
         interrupt = signal.signal(signal.SIGINT, signal.SIG_IGN)
         while os.getppid() == launcher:
@@ -409,7 +406,7 @@ def _run_rank(
         signal.signal(signal.SIGINT, interrupt)  # ignored if the launcher's was, as exec keeps
         os.chdir(request["cwd"])
         name = process_name(request["module"]).encode()
-        ctypes.CDLL(None).prctl(PR_SET_NAME, ctypes.c_char_p(name), 0, 0, 0)
+        prctl(PR_SET_NAME, ctypes.c_char_p(name))
         os.environ.clear()  # putenv/unsetenv too: C code reads the rank's
         os.environ.update(request["env"])
         sys.argv = [request["module"], *request["argv"]]
