@@ -8,7 +8,8 @@
 #                 R=4 on a 4-GPU kind; K=offload: every family's saved tensors offloaded, under
 #                 Ulysses and allgather; K=resident: 2 resident layers and the embeddings;
 #                 K=frozen: train.freeze with held-out evaluation, eval losses compared too).
-#   PARTS=long    Qwen3-8B (seeded init, YaRN factor SEQ/32768) in one sequence of SEQ tokens
+#   PARTS=long    SHAPE (qwen3-8b; seeded init, YaRN factor SEQ/32768; LAYERS=N keeps its first N
+#                 layers, OFFLOAD=r sets runtime.offload_ratio) in one sequence of SEQ tokens
 #                 split over GPUS GPUs (R = GPUS), STEPS steps, clipping CLIP; the metrics
 #                 (step time, tokens/s) and `slidedp estimate` of the same config (memory, the
 #                 step-time model's predicted step and its all-to-all share); on
@@ -32,15 +33,18 @@ GPUS=${GPUS:-4}
 write_run() {  # Qwen3-8B's config (no weights: seeded init), one row of SEQ random tokens
     local dir="$1"
     mkdir -p "$dir/model"
-    python3 - "$dir" "$SEQ" "$GPUS" "${STEPS:-3}" "${CLIP:-1.0}" "${ATTN:-auto}" <<'PY'
+    python3 - "$dir" "$SEQ" "$GPUS" "${STEPS:-3}" "${CLIP:-1.0}" "${ATTN:-auto}" "${SHAPE:-qwen3-8b}" \
+        "${LAYERS:-0}" "${OFFLOAD:-0}" <<'PY'
 import json, sys
 from pathlib import Path
 import torch, yaml
 from transformers import Qwen3Config
 from slidedp.models.shapes import SHAPES
 d, seq, gpus, steps = Path(sys.argv[1]), *map(int, sys.argv[2:5])
-clip, attention = float(sys.argv[5]), sys.argv[6]
-Qwen3Config(**SHAPES["qwen3-8b"]).save_pretrained(d / "model")
+clip, attention, shape = float(sys.argv[5]), sys.argv[6], sys.argv[7]
+layers, offload = int(sys.argv[8]), float(sys.argv[9])
+cut = {"num_hidden_layers": layers} if layers else {}
+Qwen3Config(**{**SHAPES[shape], **cut}).save_pretrained(d / "model")
 gen = torch.Generator().manual_seed(0)
 with (d / "data.jsonl").open("w") as f:
     for _ in range(steps):
@@ -53,7 +57,8 @@ config = {
               "dtype": "bfloat16"},
     "output": {"dir": str(d / "out"), "tensorboard": False, "save_steps": 0},
     "runtime": {"device": "cuda", "gpus": gpus, "context_parallel": gpus, "kernels": "eager",
-                "compile": False, "policy": "fixed", "context_attention": attention},
+                "compile": False, "policy": "fixed", "context_attention": attention,
+                "offload_ratio": offload},
 }
 (d / "run.yaml").write_text(yaml.safe_dump(config))
 PY
@@ -63,8 +68,8 @@ long_run() {
     local dir="$OUT/long"
     write_run "$dir"
     part estimate 120 python3 -m slidedp estimate "$dir/run.yaml"
-    part "long-$SEQ-r$GPUS" $((560 - SECONDS)) python3 -m slidedp train "$dir/run.yaml"
-    cp "$dir/out/metrics.jsonl" "$OUT/metrics-$SEQ-r$GPUS.jsonl" 2>/dev/null
+    part "long-${SHAPE:-qwen3-8b}-$SEQ-r$GPUS" $((560 - SECONDS)) python3 -m slidedp train "$dir/run.yaml"
+    cp "$dir/out/metrics.jsonl" "$OUT/metrics-${SHAPE:-qwen3-8b}-$SEQ-r$GPUS.jsonl" 2>/dev/null
 }
 
 bench_run() {  # slidedp bench train with context parallelism (the bench sets its keys)
