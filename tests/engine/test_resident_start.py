@@ -6,6 +6,8 @@ tests/engine/test_resident.py's."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any, cast
@@ -110,3 +112,46 @@ def test_a_group_another_rank_owns_takes_its_weights_from_the_mirror(
             got = weights[p.slot_at : p.slot_at + p.numel]
             assert torch.equal(got.view(torch.int16), cast_by_torch.view(torch.int16)), p.name
     assert {rank0.owns(g) for g in groups} == {True, False}  # both kinds were checked
+
+
+@pytest.mark.e2e
+def test_the_update_pass_compiles_once_for_every_group() -> None:
+    """The compiled update (the CUDA path, run on CPU tensors) over every group of a model
+    whose resident embedding comes first, twice, compiles one graph: the embedding's tensor
+    spans its group's state, so a trace with duck sizing guarded on that equality and compiled
+    again for the first layer (a second compile in the first step on the GPU). In a fresh
+    interpreter: nothing compiled before."""
+    code = """
+import torch
+from torch._dynamo.utils import counters
+from transformers import Qwen3Config
+from slidedp.models.hf import HFAdapter
+from slidedp.runtime.grad_lane import AdamArgs
+from slidedp.runtime.resident import (REGIONS, _compiled_pass, _Group, adamw_single_pass,
+                                      group_params, hyperparameters)
+from slidedp.runtime.window import DeviceBuffer
+from slidedp.store import HostStore
+config = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+                     tie_word_embeddings=False)
+adapter, cpu = HFAdapter(config), torch.device("cpu")
+layout = HostStore.plan(adapter.group_specs(), 0, "bf16", 4, None, True)
+groups = []
+for g, spec in enumerate(layout.groups):
+    state = {r: torch.zeros(spec.state_len if r == "master" else spec.trained_len)
+             for r in REGIONS}
+    weights = DeviceBuffer(spec.slot_len, torch.bfloat16, cpu)
+    groups.append(_Group(g, group_params(layout, g), state, weights))
+assert layout.groups[0].state_len == groups[0].params[0].numel  # the embedding comes first
+adam = AdamArgs(1, 1e-3, (0.9, 0.95), 1e-8, 0.1, 1.0, 1)
+hyper = {d: hyperparameters(adam, d, cpu) for d in (True, False)}
+for step in range(2):
+    for g in groups:
+        grads = {p.name: torch.randn(p.numel).bfloat16() for p in g.trained}
+        adamw_single_pass(g, grads, hyper, torch.tensor([1.0, 1.0]), _compiled_pass())
+print(counters["stats"]["unique_graphs"])
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=False)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) == 1

@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+import torch.fx.experimental._config as fx_config
 
 from slidedp.errors import NonFiniteError
 from slidedp.kernels import Kernels
@@ -395,11 +396,31 @@ def _compiled_pass() -> Callable[..., None]:
     OOM killer ended the run (same record and section). The cost, on the H100: the untuned
     config takes 54 ms per update of Qwen3-4B's 4.02 B parameters against 42 ms autotuned
     (56 ms autotuned first on a small scratch instead, so that was not kept)."""
-    return torch.compile(
-        adamw_tensor,
-        dynamic=True,
-        options={"compile_threads": 1, "triton.autotune_pointwise": False},
+    return _TracedWithoutDuckSizing(
+        torch.compile(
+            adamw_tensor,
+            dynamic=True,
+            options={"compile_threads": 1, "triton.autotune_pointwise": False},
+        )
     )
+
+
+class _TracedWithoutDuckSizing:
+    """``kernel``'s first call, the one that traces it, without duck sizing: with it, a first
+    call where two sizes are equal (a resident embedding: its one tensor spans its group's
+    state and buffer) guards on that equality and the next group's update compiles the pass
+    again, one more compile in the first step. Later calls go straight through."""
+
+    def __init__(self, kernel: Callable[..., None]) -> None:
+        self.kernel, self.traced = kernel, False
+
+    def __call__(self, *args: torch.Tensor) -> None:
+        if self.traced:
+            self.kernel(*args)
+            return
+        with fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]  # set at import
+            self.kernel(*args)
+        self.traced = True
 
 
 def adamw_single_pass(
