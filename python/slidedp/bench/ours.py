@@ -67,17 +67,21 @@ def startup(
     run starts (interpreter, imports, tokens written; a worker forked from the bench's zygote
     counts the zygote's imports as its own, ``process_age_s``), the config (with ``runtime.policy:
     auto``: its choice), the trainer's build (the model, the store created and filled, the
-    data, the engine: ``fill_state_s`` and ``pin_s`` of it, the rest ``other_init_s``), the
-    first step (the layers' compile included) and the sum, ``to_first_step_s``."""
-    init = stamps["trainer"] - stamps["config"]
+    data, the engine: ``fill_state_s``, ``pin_s`` and the GPU-resident groups' state loaded,
+    ``resident_load_s``, of it, the rest ``other_init_s``), the first step (the layers'
+    compile included; ``arena_s`` of it: the activation offload arenas allocated and
+    page-locked) and the sum, ``to_first_step_s``."""
+    init, engine = stamps["trainer"] - stamps["config"], trainer.engine
     parts = {
         "process_s": stamps["start"],
         "config_s": stamps["config"] - stamps["start"],
         "trainer_init_s": init,
         "fill_state_s": trainer.fill_s,
-        "pin_s": trainer.engine.pin_s,
-        "other_init_s": init - trainer.fill_s - trainer.engine.pin_s,
+        "pin_s": engine.pin_s,
+        "resident_load_s": engine.resident_s,
+        "other_init_s": init - trainer.fill_s - engine.pin_s - engine.resident_s,
         "first_step_s": first_step_s,
+        "arena_s": engine.activations.arena_s,
         "to_first_step_s": stamps["trainer"] + first_step_s,
     }
     return {k: round(v, 3) for k, v in parts.items()}

@@ -118,7 +118,17 @@ class Engine:
         self.grads, self.worker, self.reduce = self._grad_lane(signals, rank, world)
         self._target = 0  # the version every group reaches once this rank's updates are done
         self.window = self._window(rank, world)
+        self._pinned: list[torch.Tensor] = []
+        started = time.perf_counter()
+        if device.type == "cuda":
+            for region in ("staging", "grad", "mirror"):
+                if store.region(region).numel():
+                    pin(store.region(region), f"the store's {region} slots")
+                    self._pinned.append(store.region(region))
+        self.pin_s = time.perf_counter() - started  # page-locking the store's slots (startup),
+        # before the resident groups' weights are copied from the mirror
         self.resident = None
+        self.resident_s = 0.0  # the resident groups' state allocated and loaded (startup)
         layers = [adapter.layer_group(i) for i in range(adapter.num_layers)]
         groups = [g for i, g in enumerate(layers) if policy.resident(i)]
         if policy.resident_embeddings:
@@ -128,8 +138,10 @@ class Engine:
             owners = None
             if ctx is not None and ctx.local_world > 1:  # each owns its groups' state
                 owners = Owners(ctx, ctx.new_node_group(plan.version_timeout_s))
+            started = time.perf_counter()
             self.resident = ResidentLayers(store, self.window, self.kernels, self.worker,
                                            groups, device, owners)  # fmt: skip
+            self.resident_s = time.perf_counter() - started
         self.sync = GradSync(self.grads, self.reduce, self.optim, ctx, device, self.resident)
         self.embed_buf = self._own_buffer(adapter.embed_group)
         self.head_buf = self._own_buffer(adapter.head_group)
@@ -140,14 +152,6 @@ class Engine:
             bind_attention(adapter.config, self.context)
         self.embed = adapter.make_embed(device)
         self._update_busy_s = 0.0
-        self._pinned: list[torch.Tensor] = []
-        started = time.perf_counter()
-        if device.type == "cuda":
-            for region in ("staging", "grad", "mirror"):
-                if store.region(region).numel():
-                    pin(store.region(region), f"the store's {region} slots")
-                    self._pinned.append(store.region(region))
-        self.pin_s = time.perf_counter() - started  # page-locking the store's slots (startup)
 
     def _grad_lane(
         self, signals: HostStore | None, rank: int, world: int

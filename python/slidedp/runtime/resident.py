@@ -31,6 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
+import torch.fx.experimental._config as fx_config
 
 from slidedp.errors import NonFiniteError
 from slidedp.kernels import Kernels
@@ -126,7 +127,7 @@ class ResidentLayers:
         self._stream = new_stream(device) if device.type == "cuda" else None
         self._updated: dict[int, torch.cuda.Event] = {}  # group -> its update's end, not waited
         self._dirty = False  # updated since the last load or write-back (alike on every rank)
-        self.load()
+        self.load(moments=False)  # a fresh run's moments are the zeros above; resume: start_at
 
     def holds(self, group: int) -> bool:
         return group in self._groups
@@ -160,14 +161,26 @@ class ResidentLayers:
         return sum(t.numel() * t.element_size() for g in self._groups.values()
                    for t in g.state.values())  # fmt: skip
 
-    def load(self) -> None:
-        """Copy the resident groups' state out of the store (start, resume)."""
+    def load(self, *, moments: bool = True) -> None:
+        """Copy the resident groups' state out of the store (resume: ``Engine.start_at``).
+        ``moments=False`` (the engine's start): the master weights only, the moments left as
+        they are (zero): a fresh store's are zero too, and reading them would fault in every
+        never-touched page of them on each owner (two thirds of the bytes). A group another
+        rank owns takes its weights from the store's BF16 mirror where there is one (half the
+        bytes of the master, page-locked on CUDA, no cast on the host)."""
         self._settle()
+        regions = REGIONS if moments else ("master",)
         for g in self._groups.values():
-            for region in REGIONS if g.state else ():
+            for region in regions if g.state else ():
                 g.state[region].copy_(self.store.group_state(g.group, region))
-            master = g.state["master"] if g.state else self.store.group_state(g.group, "master")
-            self._cast_weights(g, master)
+            if g.state:  # cast where the master is
+                self._cast_weights(g, g.state["master"])
+            elif self.store.has_mirror and g.weights.flat.dtype == torch.bfloat16:
+                # the master's cast already, bit for bit torch's (test_kernels_parity)
+                mirror = self.store.mirror_group(g.group)
+                g.weights.flat[: mirror.numel()].copy_(mirror)
+            else:
+                self._cast_weights(g, self.store.group_state(g.group, "master"))
         self._dirty = False
 
     def write_back(self) -> None:
@@ -383,11 +396,31 @@ def _compiled_pass() -> Callable[..., None]:
     OOM killer ended the run (same record and section). The cost, on the H100: the untuned
     config takes 54 ms per update of Qwen3-4B's 4.02 B parameters against 42 ms autotuned
     (56 ms autotuned first on a small scratch instead, so that was not kept)."""
-    return torch.compile(
-        adamw_tensor,
-        dynamic=True,
-        options={"compile_threads": 1, "triton.autotune_pointwise": False},
+    return _TracedWithoutDuckSizing(
+        torch.compile(
+            adamw_tensor,
+            dynamic=True,
+            options={"compile_threads": 1, "triton.autotune_pointwise": False},
+        )
     )
+
+
+class _TracedWithoutDuckSizing:
+    """``kernel``'s first call, the one that traces it, without duck sizing: with it, a first
+    call where two sizes are equal (a resident embedding: its one tensor spans its group's
+    state and buffer) guards on that equality and the next group's update compiles the pass
+    again, one more compile in the first step. Later calls go straight through."""
+
+    def __init__(self, kernel: Callable[..., None]) -> None:
+        self.kernel, self.traced = kernel, False
+
+    def __call__(self, *args: torch.Tensor) -> None:
+        if self.traced:
+            self.kernel(*args)
+            return
+        with fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]  # set at import
+            self.kernel(*args)
+        self.traced = True
 
 
 def adamw_single_pass(

@@ -12,6 +12,8 @@ allocated, by layout"); host memory is one exactly sized pinned arena per layer
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from slidedp.runtime.activations.base import LayerState
@@ -47,15 +49,18 @@ class ActivationOffload:
         self._host: dict[int, list[tuple[int, torch.Tensor, torch.Size, tuple[int, ...]]]] = {}
         # prefetched device copies by layer, with the event of their H2D (None on CPU)
         self._ahead: dict[int, tuple[list[torch.Tensor], torch.cuda.Event | None]] = {}
+        self.arena_s = 0.0  # allocating and page-locking arenas (the first step's, mostly)
 
     def _arena(self, layer: int, nbytes: int) -> torch.Tensor:
         arena = self._arenas.get(layer)
         if arena is None or arena.numel() != nbytes:
+            started = time.perf_counter()
             self._drop_arena(layer)
             arena = torch.empty(nbytes, dtype=torch.uint8)
             if self.stream is not None:
                 pin(arena, f"the activation offload arena of layer {layer}")
             self._arenas[layer] = arena
+            self.arena_s += time.perf_counter() - started
         return arena
 
     def offload(self, layer: int, state: LayerState, count: int) -> None:
