@@ -3,6 +3,7 @@ cache's key and its bad files, the CLI."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -16,6 +17,7 @@ import torch
 from host_profile.fake import cache_rate
 from slidedp.cli import main
 from slidedp.kernels import Kernels
+from slidedp.plan.machine import Machine, host_rate
 from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM
 from slidedp.profile import host
 from slidedp.profile.cache import cache_file
@@ -143,6 +145,12 @@ def test_a_fake_cached_rate_is_what_a_lookup_returns(
     report = cached_host(16, "NVIDIA H100 80GB HBM3")
     assert report is not None
     assert model_gbps(report) == 70.0  # beside a GPU the model takes the joint rate
+    machine = Machine("cuda", "bfloat16", 16, 1 << 30, None, "NVIDIA H100 80GB HBM3")
+    rate = host_rate(16, machine)
+    # the step-time model takes both: alone where no copy overlaps the update
+    assert (rate.gbps, rate.alone_gbps) == (70.0, 500.0)
+    cache_rate(8, None, 90.0)
+    assert host_rate(8, dataclasses.replace(machine, device="cpu")).alone_gbps is None
 
 
 @pytest.mark.gpu
