@@ -137,8 +137,9 @@ def estimate_memory(
     acts = layout_memory(adapter, policy.layers, rows, s_rank, dtype, kernels, shape)
     layer = acts.transient_bytes + exchange_bytes(adapter, rows, s_rank, elem, shape)
     checkpoints = acts.retained_bytes + acts.prefetch_bytes
-    parked = params * elem if cfg.train.max_grad_norm > 0 else 0
     clipping = cfg.train.max_grad_norm > 0
+    world, route = rt.launch.world, rt.layout.grad_route
+    parked = parked_grad_bytes(adapter, elem, world, route) if clipping else 0
     resident = _resident_bytes(adapter, plan, clipping, rt.launch.world)
     working = window + loss + layer + max(checkpoints, parked) + resident
     arena = acts.offloaded_bytes * rt.launch.world  # each rank of this node pins its own
@@ -185,6 +186,17 @@ def estimate_memory(
         trained_params=trained,
         frozen_saved_bytes=_unfrozen_store_bytes(adapter, args) - store,
     )
+
+
+def parked_grad_bytes(adapter: HFAdapter, elem: int, world: int, grad_route: str) -> int:
+    """A clipped step's gradients parked on the rank that parks the most, ``elem`` bytes per
+    parameter (``runtime.grad_sync``): on the gpu route a group's gradient is reduced onto
+    its owner (group ``g`` on rank ``g % world``) and only the owner parks it; on the cpu
+    route (or one rank) every rank parks every group."""
+    numels = [int(g.numel) for g in adapter.group_specs()]
+    if world == 1 or grad_route != "gpu":
+        return sum(numels) * elem
+    return max(sum(numels[rank::world]) for rank in range(world)) * elem
 
 
 def _unfrozen_store_bytes(adapter: HFAdapter, store_args: dict[str, Any]) -> int:

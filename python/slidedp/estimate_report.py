@@ -86,7 +86,7 @@ def estimate_run(
     if cfg.runtime.launch.world > 1:
         steps = route_steps(cfg, adapter, machine, list(ROUTES), rates)
         routes = {route_name(r): s for r, s in steps.items()}
-    model = predict(plan, adapter, Shape.of_run(cfg), rates)
+    model = predict(plan, adapter, Shape.of_run(cfg, adapter), rates)
     return replace(est, step_model=model, route_steps=routes)
 
 

@@ -18,7 +18,7 @@ from slidedp.config import TrainConfig, load_config
 from slidedp.models.hf import HFAdapter
 from slidedp.models.shape import layer_shapes
 from slidedp.plan.machine import Machine
-from slidedp.plan.timing import LAYER_EFFICIENCY, NVLINK_GBPS
+from slidedp.plan.timing import ATTENTION_EFFICIENCY, NVLINK_GBPS
 from slidedp.profile.layer import profile_spec
 
 LAYERS, ROWS = 4, 2
@@ -81,7 +81,7 @@ def test_two_ranks_keep_more_layers_and_price_the_all_to_alls(tmp_path: Path) ->
     # q, k, v and the output cross the link in bf16 once a forward (N: once more backward)
     shape = layer_shapes(adapter.config, SEQ)[0]
     tokens = ROWS * SEQ // 2
-    attention_s = 2 * shape.q_dim * (SEQ - SEQ // 2) * tokens / (LAYER_EFFICIENCY * H100_PEAK)
+    attention_s = 2 * shape.q_dim * (SEQ - SEQ // 2) * tokens / (ATTENTION_EFFICIENCY * H100_PEAK)
     a2a_s = tokens * (2 * shape.q_dim + 2 * shape.kv_dim) * 2 / (NVLINK_GBPS * 1e9)
     times = {c.name: c for c in two.problem.candidates}
     assert times["N-r0"].time_s == pytest.approx(18e-3 + 3 * attention_s + 2 * a2a_s)

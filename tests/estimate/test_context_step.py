@@ -12,7 +12,8 @@ from estimate.machines import H100
 from slidedp.config import TrainConfig, load_config
 from slidedp.estimate_report import Estimate, estimate_run, format_estimate
 from slidedp.models.hf import HFAdapter
-from slidedp.plan.timing import NVLINK_GBPS
+from slidedp.plan.machine import gpu_peak
+from slidedp.plan.timing import ATTENTION_EFFICIENCY, NVLINK_GBPS
 
 SEQ = 65536
 
@@ -70,3 +71,30 @@ def test_the_report_shows_a_context_parallel_step(tmp_path: Path, qwen3_8b: Path
     a2a = est.step_model.busy_s["all_to_all"]
     share = f"{a2a:.2f} s {a2a / est.step_model.step_s:.0%} of the step"
     assert f"all-to-all (context parallel) {share}" in " ".join(table.split())
+
+
+def test_allgather_prices_the_gathered_keys_and_the_last_ranks_attention(
+    tmp_path: Path, qwen3_8b: Path
+) -> None:
+    """``runtime.context_attention: allgather`` on R=4: a layer's forward gathers every rank's
+    keys and values, 4 x 16,384 tokens x 2 x 1024 bf16 elements received (no queries or
+    output move); the backward reduce-scatters their gradients and the replay gathers again
+    (every layer F), at the all_gather's rate. The last rank's 16,384 queries see on average
+    65,536 - 8,192 keys where Ulysses' share counts half the sequence: its attention is
+    (2S - S/4) / S of Ulysses', at the attention rate, the forward, replay and backward (4x)."""
+    gather = _estimate(tmp_path, qwen3_8b, "runtime.gpus=4", "runtime.context_parallel=4",
+                       "runtime.context_attention=allgather")  # fmt: skip
+    ulysses = _estimate(tmp_path, qwen3_8b, "runtime.gpus=4", "runtime.context_parallel=4")
+    assert gather.step_model is not None
+    assert ulysses.step_model is not None
+    tokens = SEQ // 4
+    forward_s = 4 * tokens * 2 * 1024 * 2 / (NVLINK_GBPS * 1e9)
+    assert gather.step_model.busy_s["all_to_all"] == pytest.approx(36 * 3 * forward_s)
+    assert "key/value all-gather at the all_gather's 360 GB/s" in gather.step_model.calibration
+    # the last rank's attention beyond Ulysses' share: 2 q_dim x (S - S/4) x its tokens
+    extra_flops = 36 * 4 * 2 * 4096 * (SEQ - tokens) * tokens
+    peak = gpu_peak(H100.gpu_name)[0]
+    assert peak is not None
+    extra_s = extra_flops / (ATTENTION_EFFICIENCY * peak)
+    more = gather.step_model.busy_s["compute"] - ulysses.step_model.busy_s["compute"]
+    assert more == pytest.approx(extra_s)

@@ -30,7 +30,7 @@ from slidedp.plan.device import pick_dtype
 from slidedp.plan.layout import LayerPolicy, format_layout, parse_entry, place_by_kind
 from slidedp.plan.machine import gpu_peak
 from slidedp.plan.policy import resident_text
-from slidedp.plan.predict import links_for
+from slidedp.plan.predict import Shape, links_for
 from slidedp.plan.resolve import MIRROR_HEADROOM_BYTES, mirror_given
 from slidedp.plan.timing import (
     ADAMW_BYTES_PER_PARAM,
@@ -38,6 +38,7 @@ from slidedp.plan.timing import (
     H2D_GBPS,
     NVLINK_GBPS,
     Links,
+    Ranks,
     context_extra_s,
 )
 from slidedp.profile.pareto import layer_time, memory
@@ -134,7 +135,7 @@ def context_candidates(
     """``cands`` of a ``runtime.context_parallel: R`` run (R > 1; else as they are), offloaded
     ones too (a rank offloads its shard's saved tensors), each one's times with
     what the profile of the rank's shard (``profile_spec``) leaves out: attention over the
-    whole sequence and the all-to-alls (``plan.timing.context_extra_s``; the link probe's
+    whole sequence and the exchanges (``plan.timing.context_extra_s``; the link probe's
     all_gather rate where cached, else the node's assumed NVLink), so the program prices
     them and sees each shard's activation bytes."""
     launch = cfg.runtime.launch
@@ -151,10 +152,12 @@ def context_candidates(
     gbps = (links_for(launch.world, adapter, machine) or Links()).gather_gbps
     shapes = layer_shapes(adapter.config, cfg.data.seq_len)
     rows = cfg.train.global_batch_size // launch.data_world
+    shape = Shape.of_run(cfg, adapter)
+    ranks = Ranks(launch.world, context=r, scheme=shape.scheme)
     out = []
     for kind, policy, c in cands:
         forward_s, time_s = context_extra_s(shapes[kind], policy, rows=rows,
-                                            seq_len=cfg.data.seq_len, context=r,
+                                            seq_len=cfg.data.seq_len, ranks=ranks,
                                             peak_flops=peak, gbps=gbps)  # fmt: skip
         out.append((kind, policy, replace(c, time_s=c.time_s + time_s,
                                           forward_s=c.forward_s + forward_s)))  # fmt: skip

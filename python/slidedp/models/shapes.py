@@ -69,6 +69,15 @@ SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         **_QWEN3_COMMON,
     },
+    "qwen3-32b": {
+        "hidden_size": 5120,
+        "intermediate_size": 25600,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "tie_word_embeddings": False,
+        **_QWEN3_COMMON,
+    },
     "qwen3-30b-a3b": {
         "model_type": "qwen3_moe",
         "hidden_size": 2048,

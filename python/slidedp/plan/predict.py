@@ -18,14 +18,14 @@ from typing import Literal
 
 from slidedp.config import TrainConfig
 from slidedp.errors import ConfigError
-from slidedp.estimate import estimate_memory, shortages
+from slidedp.estimate import context_shape, estimate_memory, shortages
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.cost import layer_footprint
 from slidedp.plan.machine import HostRate, Machine, gpu_peak
 from slidedp.plan.policy import Plan, layer_numel
 from slidedp.plan.resolve import resolve_plan
 from slidedp.plan.step_spec import Prediction, predict_step
-from slidedp.plan.timing import Links, Ranks, Rates, layer_times, spec_from_shapes
+from slidedp.plan.timing import ContextScheme, Links, Ranks, Rates, layer_times, spec_from_shapes
 from slidedp.profile.layer import cached_profile, profile_spec
 from slidedp.profile.links import cached_links
 from slidedp.runtime.dist import check_config
@@ -56,18 +56,22 @@ class CalibratedPrediction(Prediction):
 @dataclass(frozen=True)
 class Shape:
     """One rank's share of a step: rows of ``seq_len`` tokens, ``world`` ranks of this host,
-    ``context`` of them splitting every row (each computes ``seq_len / context`` tokens)."""
+    ``context`` of them splitting every row by ``scheme`` (each computes ``seq_len / context``
+    tokens)."""
 
     rows: int
     seq_len: int
     world: int = 1
     context: int = 1
+    scheme: ContextScheme = "ulysses"
 
     @classmethod
-    def of_run(cls, cfg: TrainConfig) -> Shape:
+    def of_run(cls, cfg: TrainConfig, adapter: HFAdapter) -> Shape:
         launch = cfg.runtime.launch
         rows = cfg.train.global_batch_size // launch.data_world
-        return cls(rows, cfg.data.seq_len, launch.world, launch.context_parallel)
+        context = context_shape(cfg, adapter)
+        scheme = context.scheme if context else "ulysses"
+        return cls(rows, cfg.data.seq_len, launch.world, launch.context_parallel, scheme)
 
 
 def links_for(world: int, adapter: HFAdapter, machine: Machine) -> Links | None:
@@ -118,14 +122,17 @@ def predict(plan: Plan, adapter: HFAdapter, shape: Shape, rates: Rates) -> Calib
         rates=rates,
         clipping=plan.optim.max_grad_norm > 0,
         offloaded_bytes=offloaded,
-        ranks=Ranks(shape.world, policy.grad_route, policy.param_route, shape.context),
+        ranks=Ranks(
+            shape.world, policy.grad_route, policy.param_route, shape.context, shape.scheme
+        ),
     )
-    # context parallel: FLOP rates for the layers (spec_from_shapes), the all-to-all's link
+    # context parallel: FLOP rates for the layers (spec_from_shapes), the exchange's link
     covered = sum(str(p) in rates.measured for p in policy.layers) if shape.context == 1 else 0
     parts = [f"layer profile: {covered} of {len(policy.layers)} layers"] * bool(covered)
     if shape.context > 1:
         links = rates.links
-        parts.append(f"all-to-all at the all_gather's {links.gather_gbps:.0f} GB/s, {links.source}")
+        exchange = "all-to-all" if shape.scheme == "ulysses" else "key/value all-gather"
+        parts.append(f"{exchange} at the all_gather's {links.gather_gbps:.0f} GB/s, {links.source}")
     calibration = ", ".join([*parts, *rates.calibration]) or "uncalibrated rates"
     return CalibratedPrediction(**vars(predict_step(spec)), calibration=calibration)
 
@@ -148,6 +155,6 @@ def route_steps(
         plan = resolve_plan(on_route, adapter, machine)
         if shortages(estimate_memory(on_route, adapter, machine, plan)):
             continue
-        step = predict(plan, adapter, Shape.of_run(on_route), rates)
+        step = predict(plan, adapter, Shape.of_run(on_route, adapter), rates)
         steps[(param, grad)] = step.step_s
     return steps

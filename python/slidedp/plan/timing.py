@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from slidedp.plan.policy import Policy
 
 PREP, H2D, COMPUTE, OFFLOAD, D2H, UPDATE = 1, 2, 3, 4, 5, 6  # the trace's lanes (trace.py)
+ContextScheme = Literal["ulysses", "allgather"]
 
 
 def _spans(trace: dict[str, Any], tid: int) -> list[dict[str, Any]]:
@@ -100,6 +101,15 @@ def spec_from_trace(
 # `slidedp profile layer` (Qwen3-4B, B=16: forward 9.53 ms for 3.44 TFLOP = 36.5% of 989);
 # the head's chunked loss lands at the same share (traced 108 ms vs 106 predicted).
 LAYER_EFFICIENCY = 0.365
+# The share of the dense bf16 peak that attention's quadratic term (``LayerShape.attended``:
+# its counted FLOPs, the backward as twice the forward) reaches at long sequences in SDPA's
+# flash kernel (cuDNN's on Hopper), which LAYER_EFFICIENCY (a layer of 1,024-token rows, 4% of
+# its FLOPs attention's) does not measure. From the compute-only reference of Qwen3-4B at
+# 131,072 tokens on one H100, every layer F (benchmarks/2026-11-24-moe-long-context-h100.md,
+# "Long sequences"): 49.55 s a step, of which the layers' matmuls and the head at
+# LAYER_EFFICIENCY take 11.40 s; attention's 2.03e16 FLOPs (forward, replay, backward) take
+# the other 38.15 s: 531 TFLOP/s, 53.7% of 989.
+ATTENTION_EFFICIENCY = 0.537
 # PCIe copies and the host cast, DEVICE.md's H100-host ceilings (Gen5 x16, pinned)
 H2D_GBPS, D2H_GBPS, CAST_GBPS = 51.0, 54.0, 78.0
 ADAMW_BYTES_PER_PARAM = 28  # f32 master, m, v read and written, the gradient read
@@ -147,12 +157,13 @@ class Links:
 class Ranks:
     """The GPUs of one host that train together, and their routes (``runtime.grad_route``,
     ``runtime.param_route``); ``context`` of them split each sequence
-    (``runtime.context_parallel``)."""
+    (``runtime.context_parallel``) by ``scheme``."""
 
     count: int = 1
     grad_route: Literal["gpu", "cpu"] = "gpu"
     param_route: Literal["replicated", "sharded"] = "replicated"
     context: int = 1
+    scheme: ContextScheme = "ulysses"  # runtime.context_attention, resolved
 
 
 def replays_exchange(policy: LayerPolicy) -> bool:
@@ -164,25 +175,43 @@ def replays_exchange(policy: LayerPolicy) -> bool:
     return policy.family != "N" and str(policy) != "SAC.noact"
 
 
-def all_to_all_s(
+def rank_attended(shape: LayerShape, *, seq_len: int, context: int, scheme: ContextScheme) -> int:
+    """``shape.attended`` for the most loaded rank of ``context`` splitting every row, so that
+    ``2 q_dim x attended x tokens`` is its attention's forward FLOPs over its S/R tokens:
+    Ulysses' H/R heads over the whole sequence are 1/R of the work (``attended`` as it is);
+    allgather's last rank has the last shard's queries over every key before them, on average
+    ``S - S/2R`` keys where the causal half counts ``S/2``: ``2S - S/R`` (a sliding window's
+    layers are left at theirs)."""
+    if context == 1 or scheme == "ulysses" or shape.attended < seq_len:
+        return shape.attended
+    return 2 * seq_len - seq_len // context
+
+
+def context_exchange_s(
     shapes: list[LayerShape],
     layers: tuple[LayerPolicy, ...],
     *,
     tokens: int,
     gbps: float,
+    context: int,
+    scheme: ContextScheme = "ulysses",
 ) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per decoder layer, one rank's all-to-alls of Ulysses context parallelism
+    """Per decoder layer, one rank's exchanges of context parallelism over ``context`` ranks
     (``runtime.context_parallel``): (forward, backward) seconds. ``tokens``: the rank's, rows
-    x S/R. The forward sends q, k and v to the ranks of their heads and takes the attention's
-    output back: ``tokens x (2 q_dim + 2 kv_dim)`` elements of the rank's buffers; the
-    backward sends their gradients the other way (as many), and again the forward's where the
-    layer replays them (``replays_exchange``). Time: the buffers over ``gbps``, an
-    ``all_gather``'s algorithm bandwidth (nccl-tests count the bus bandwidth of both as
-    algbw x (R-1)/R: each rank sends (R-1)/R of its buffer, receives as much). The
-    ``allgather`` scheme (``runtime.context_attention``) gathers the key/value shards instead:
-    priced by this term too, not modelled on its own."""
+    x S/R. Ulysses: the forward sends q, k and v to the ranks of their heads and takes the
+    attention's output back, ``tokens x (2 q_dim + 2 kv_dim)`` elements of the rank's buffers;
+    allgather: the forward gathers every rank's keys and values, ``R x tokens x 2 kv_dim``
+    elements received. The backward moves their gradients the other way (as many: the
+    all-to-alls reversed, the gather's reduce-scatter), and again the forward's where the
+    layer replays them (``replays_exchange``). Time: the bytes over ``gbps``, an
+    ``all_gather``'s algorithm bandwidth (its output over its time; nccl-tests count the bus
+    bandwidth of all three as algbw x (R-1)/R: each rank sends (R-1)/R of its buffer)."""
     elem_bytes = 2  # the bf16 activations (a GPU run's compute dtype)
-    forward = [tokens * (2 * s.q_dim + 2 * s.kv_dim) * elem_bytes / (gbps * 1e9) for s in shapes]
+    if scheme == "ulysses":
+        elems = [tokens * (2 * s.q_dim + 2 * s.kv_dim) for s in shapes]
+    else:
+        elems = [context * tokens * 2 * s.kv_dim for s in shapes]
+    forward = [n * elem_bytes / (gbps * 1e9) for n in elems]
     backward = [f * (2 if replays_exchange(p) else 1) for f, p in zip(forward, layers, strict=True)]
     return tuple(forward), tuple(backward)
 
@@ -284,22 +313,27 @@ def context_extra_s(
     *,
     rows: int,
     seq_len: int,
-    context: int,
+    ranks: Ranks,
     peak_flops: float,
     gbps: float,
 ) -> tuple[float, float]:
     """What a context-parallel rank's layer of ``shape`` under ``policy`` takes beyond one
     GPU's layer at its shard's shape (``rows`` x S/R tokens, as ``profile_spec`` profiles it):
     (forward, forward + backward) seconds. Its heads attend over the whole ``seq_len`` rather
-    than the shard (the quadratic term's difference at the FLOPs rate, the backward's replay
-    as ``REPLAY_SHARE`` counts it), and its all-to-alls (``all_to_all_s``, at ``gbps``)."""
-    tokens = rows * (seq_len // context)
-    whole = shape.attended
-    shard = min(whole, seq_len // context)  # a sliding window caps both
-    forward = 2 * shape.q_dim * (whole - shard) * tokens / (LAYER_EFFICIENCY * peak_flops)
-    (a2a_forward,), (a2a_backward,) = all_to_all_s([shape], (policy,), tokens=tokens, gbps=gbps)
-    total = (3 + REPLAY_SHARE[policy.family]) * forward + a2a_forward + a2a_backward
-    return forward + a2a_forward, total
+    than the shard (``rank_attended``'s term less the shard's, at ``ATTENTION_EFFICIENCY``,
+    the backward's replay as ``REPLAY_SHARE`` counts it), and its exchanges
+    (``context_exchange_s``, at ``gbps``)."""
+    r = ranks.context
+    tokens = rows * (seq_len // r)
+    whole = rank_attended(shape, seq_len=seq_len, context=r, scheme=ranks.scheme)
+    shard = min(shape.attended, seq_len // r)  # a sliding window caps both
+    rate = ATTENTION_EFFICIENCY * peak_flops
+    forward = 2 * shape.q_dim * (whole - shard) * tokens / rate
+    (x_forward,), (x_backward,) = context_exchange_s(
+        [shape], (policy,), tokens=tokens, gbps=gbps, context=r, scheme=ranks.scheme
+    )
+    total = (3 + REPLAY_SHARE[policy.family]) * forward + x_forward + x_backward
+    return forward + x_forward, total
 
 
 def spec_from_shapes(
@@ -314,26 +348,30 @@ def spec_from_shapes(
     ranks: Ranks | None = None,
 ) -> StepSpec:
     """A ``StepSpec`` from the model's shapes and the policy, with ``rates``: compute from
-    FLOPs at ``LAYER_EFFICIENCY`` of ``peak_flops``, copies at ``links`` (the PCIe ceilings by
-    default), AdamW at ``host_update_gbps``, the cast on delivery (no mirror) at ``cast_gbps``
-    (``offloaded_bytes``: per layer, ``plan.cost``). ``measured``: a layer policy's forward and
-    backward (replay included) as the layer profile timed them on this device
-    (``layer_times``); they replace the FLOPs-rate times of the layers with that policy.
-    ``batch``: per rank. ``ranks``: several GPUs of this host (``_route_times``); the host's
-    update lane serves all of them, under all their copies (``_copy_share``).
-    ``ranks.context`` R > 1: each rank computes S/R tokens of every row and 1/R of
-    attention's quadratic term (its heads over the whole sequence), plus the all-to-alls
-    (``all_to_all_s``, at ``links.gather_gbps``); the profile's times are of one GPU's whole
-    layer, so the FLOPs rate stands for them."""
+    FLOPs (the matmuls' at ``LAYER_EFFICIENCY`` of ``peak_flops``, attention's quadratic term
+    at ``ATTENTION_EFFICIENCY``), copies at ``links`` (the PCIe ceilings by default), AdamW at
+    ``host_update_gbps``, the cast on delivery (no mirror) at ``cast_gbps`` (``offloaded_bytes``:
+    per layer, ``plan.cost``). ``measured``: a layer policy's forward and backward (replay
+    included) as the layer profile timed them (``layer_times``); they replace the FLOPs-rate
+    times of the layers with that policy. ``batch``: per rank. ``ranks``: several GPUs of this
+    host (``_route_times``); the host's update lane serves all of them, under all their
+    copies (``_copy_share``). ``ranks.context`` R > 1: each rank computes S/R
+    tokens of every row and its share of attention (``rank_attended``), plus the exchanges
+    (``context_exchange_s``, at ``links.gather_gbps``); the profile's times are of one GPU's
+    whole layer, so the FLOPs rates stand for them."""
 
     ranks, links = ranks or Ranks(), rates.links
     measured = rates.measured if ranks.context == 1 else {}
     cast_gbps = rates.cast_gbps or CAST_GBPS
     tokens = batch * seq_len // ranks.context
     rate = LAYER_EFFICIENCY * rates.peak_flops
+    attention_rate = ATTENTION_EFFICIENCY * rates.peak_flops
     shapes = layer_shapes(adapter.config, seq_len)  # attended: over the whole sequence
+    attended = [rank_attended(s, seq_len=seq_len, context=ranks.context, scheme=ranks.scheme)
+                for s in shapes]  # fmt: skip
     forward = [
-        (2 * s.matmul_params * tokens + 2 * s.q_dim * s.attended * tokens) / rate for s in shapes
+        2 * s.matmul_params * tokens / rate + 2 * s.q_dim * a * tokens / attention_rate
+        for s, a in zip(shapes, attended, strict=True)
     ]
     backward = [
         (2 + REPLAY_SHARE[p.family]) * f for f, p in zip(forward, policy.layers, strict=True)
@@ -341,8 +379,9 @@ def spec_from_shapes(
     for i, p in enumerate(policy.layers):
         if measured and str(p) in measured:
             forward[i], backward[i] = measured[str(p)]
-    exchange = ((), ()) if ranks.context == 1 else all_to_all_s(
-        shapes, policy.layers, tokens=tokens, gbps=links.gather_gbps)  # fmt: skip
+    exchange = ((), ()) if ranks.context == 1 else context_exchange_s(
+        shapes, policy.layers, tokens=tokens, gbps=links.gather_gbps, context=ranks.context,
+        scheme=ranks.scheme)  # fmt: skip
     params = [g.numel for g in adapter.group_specs()]
     head = 6 * adapter.vocab_size * adapter.hidden_size * tokens / rate
     grad_bytes = 2  # the compute dtype (bf16) on the device, then to the host
