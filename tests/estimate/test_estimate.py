@@ -147,7 +147,9 @@ def test_the_host_floor_and_the_model_take_this_machines_cached_probe(
     assert probed.step.bound == "host (AdamW traffic)"
     assert "at 1 GB/s (16 threads), measured under DMA (cached)" in format_estimate(probed)
     assert probed.step_model is not None
-    assert probed.step_model.step_s > one_pass_s  # every update, in the model too
+    # the model's update runs alone (9999 GB/s) where no copy overlaps it, under the copies
+    # (1 GB/s) for the rest: the copies' share of the step, far from all of it
+    assert 28 * probed.params / 9999e9 < probed.step_model.step_s < one_pass_s / 2
     assert probed.step_model.calibration == "host AdamW measured under DMA (cached)"
     # another thread count is another machine state: the table again
     threads = replace(cfg, runtime=cfg.runtime.with_keys(update_threads=8))

@@ -3,6 +3,7 @@ cache's key and its bad files, the CLI."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -15,6 +16,8 @@ import torch
 
 from host_profile.fake import cache_rate
 from slidedp.cli import main
+from slidedp.kernels import Kernels
+from slidedp.plan.machine import Machine, host_rate
 from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM
 from slidedp.profile import host
 from slidedp.profile.cache import cache_file
@@ -68,7 +71,7 @@ def test_the_key_names_the_threads_and_the_gpu(tmp_path: Path) -> None:
     assert len(keys) == 4
 
 
-@pytest.mark.parametrize("changed", ["cpu", "logical_cores", "torch", "slidedp"])
+@pytest.mark.parametrize("changed", ["cpu", "logical_cores", "torch", "slidedp", "probe"])
 def test_a_probe_whose_key_changed_is_measured_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, changed: str
 ) -> None:
@@ -81,6 +84,8 @@ def test_a_probe_whose_key_changed_is_measured_again(
         "logical_cores": lambda: monkeypatch.setattr(os, "cpu_count", lambda: 512),
         "torch": lambda: monkeypatch.setattr(torch, "__version__", "0.0.1"),
         "slidedp": lambda: monkeypatch.setattr(host, "__version__", "0.0.1"),
+        # a report of the probe before it changed what it measures (a cast beside AdamW)
+        "probe": lambda: monkeypatch.setattr(host, "PROBE_VERSION", host.PROBE_VERSION + 1),
     }
     stale[changed]()
     again = _probe(tmp_path)
@@ -140,6 +145,12 @@ def test_a_fake_cached_rate_is_what_a_lookup_returns(
     report = cached_host(16, "NVIDIA H100 80GB HBM3")
     assert report is not None
     assert model_gbps(report) == 70.0  # beside a GPU the model takes the joint rate
+    machine = Machine("cuda", "bfloat16", 16, 1 << 30, None, "NVIDIA H100 80GB HBM3")
+    rate = host_rate(16, machine)
+    # the step-time model takes both: alone where no copy overlaps the update
+    assert (rate.gbps, rate.alone_gbps) == (70.0, 500.0)
+    cache_rate(8, None, 90.0)
+    assert host_rate(8, dataclasses.replace(machine, device="cpu")).alone_gbps is None
 
 
 @pytest.mark.gpu
@@ -188,3 +199,47 @@ def test_each_rank_takes_its_share_of_the_cores_for_host_kernels() -> None:
     ]:
         trainer = SimpleNamespace(device=torch.device(device), ctx=ctx)
         assert Trainer._default_host_threads(trainer) == expected  # type: ignore[arg-type]
+
+
+class _FakeCopies:
+    """Copy rounds that copy nothing (no GPU here): counted, as ``_under_copies`` runs them."""
+
+    def __init__(self) -> None:
+        self.rounds = 0
+
+    def round(self) -> None:
+        self.rounds += 1
+
+    def finish(self) -> None:
+        pass
+
+
+def test_under_the_copies_no_cast_runs_beside_the_update(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AdamW under DMA is timed with no f32->bf16 cast beside it (a run with the mirror casts
+    nothing; a second pool casting without a pause beside the update read a quarter of the
+    engine's rate), and the cast's rate under the copies is timed after the last update."""
+    bench = host._Bench(TINY, 1, cuda=False)
+    submitted: list[int] = []
+    submit = bench.submit
+
+    def counted(passes: int) -> int:
+        submitted.append(submit(passes))
+        return submitted[-1]
+
+    monkeypatch.setattr(bench, "submit", counted)
+    outstanding: list[int] = []  # updates not yet done at each cast
+    cast = Kernels.cast_f32_to_bf16
+
+    def watched(self: Any, src: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        outstanding.append(sum(submitted) - bench.worker.stats()[0])
+        return cast(self, src, out)
+
+    monkeypatch.setattr(Kernels, "cast_f32_to_bf16", watched)
+    copies = _FakeCopies()
+    rates = host._under_copies(bench, 3, copies)
+    assert sum(submitted) == 3 * host.GROUPS
+    assert outstanding == [0] * (host.CAST_PASSES * host.GROUPS)
+    assert copies.rounds >= 1 + host.CAST_PASSES * host.GROUPS  # copies ran in both phases
+    for key in ("joint_adamw_gbps", "joint_cast_gbps", "round_s"):
+        assert math.isfinite(rates[key])
+        assert rates[key] > 0

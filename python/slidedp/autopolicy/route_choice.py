@@ -122,7 +122,8 @@ def routes_for(
     if why is not None or peak is None or links is None:
         kept = host_only if resident and config_route[1] == "cpu" else cfg
         return kept, f"{route_name(config_route)}, the config's ({why})"
-    rates = Rates(peak, host.gbps, host.cast_gbps, links, layer_times(report))
+    rates = Rates(peak, host.gbps, host.cast_gbps, links, layer_times(report),
+                  adamw_alone_gbps=host.alone_gbps)  # fmt: skip
     steps = route_steps(cfg, adapter, machine, candidates, rates)  # resident: gpu routes only
     if resident:
         on_host = [route for route in candidates if route[1] == "cpu"]

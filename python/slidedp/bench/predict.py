@@ -87,6 +87,11 @@ def _host(args: dict[str, Any]) -> dict[str, Any]:
 PROBES = {"layer": _layer, "host": _host}
 
 
+def alone_gbps(host: dict[str, Any]) -> float | None:
+    """The host probe's rate alone where it also ran under the copies (``Rates``)."""
+    return float(host["adamw_gbps"]) if host.get("joint_adamw_gbps") else None
+
+
 def _ours_runtime(report: dict[str, Any], run: dict[str, Any]) -> RuntimeSection:
     """The run's ``RuntimeSection``: the report's config of ours with the run's routes."""
 
@@ -163,7 +168,7 @@ def predict_report(
         spec = spec_from_shapes(
             adapter, policy, batch=run["batch"], seq_len=report["seq_len"],
             rates=Rates(peak, model_gbps(host), host.get("joint_cast_gbps"), links,
-                        layer_times(layer)),
+                        layer_times(layer), adamw_alone_gbps=alone_gbps(host)),
             clipping=clipping, offloaded_bytes=offloaded, ranks=ranks,
         )  # fmt: skip
         predicted = predict_step(spec)

@@ -117,11 +117,14 @@ def adamw_gbps(threads: int) -> float:
 @dataclass(frozen=True)
 class HostRate:
     """The host AdamW rate the step time takes, and where it comes from; beside a GPU, the
-    probe's f32->bf16 cast under DMA too (the cast on delivery without the mirror)."""
+    probe's f32->bf16 cast under DMA too (the cast on delivery without the mirror) and the
+    rate alone (``alone_gbps``: the update's share that no copy overlaps, ``plan.timing``'s
+    ``host_update_gbps``; None: ``gbps`` throughout)."""
 
     gbps: float
     source: str
     cast_gbps: float | None = None
+    alone_gbps: float | None = None
 
 
 def update_threads(cfg: TrainConfig, machine: Machine) -> int:
@@ -146,7 +149,8 @@ def host_rate(threads: int, machine: Machine, *, measure: bool = False) -> HostR
         return HostRate(adamw_gbps(threads), table)
     what = "measured under DMA" if report["joint_adamw_gbps"] else "measured"
     source = f"{what} ({'cached' if report['cached'] else 'now'})"
-    return HostRate(model_gbps(report), source, report.get("joint_cast_gbps"))
+    alone = report["adamw_gbps"] if report["joint_adamw_gbps"] else None
+    return HostRate(model_gbps(report), source, report.get("joint_cast_gbps"), alone)
 
 
 def gpu_peak(name: str | None) -> tuple[float | None, str]:

@@ -101,7 +101,8 @@ def rates_for(
     said = [f"host AdamW {host.source}"] if host.source.startswith("measured") else []
     if links is not None:
         said.append("reduce and all_gather between the GPUs (cached)")
-    return Rates(peak, host.gbps, host.cast_gbps, links or Links(), measured, tuple(said))
+    return Rates(peak, host.gbps, host.cast_gbps, links or Links(), measured, tuple(said),
+                 host.alone_gbps)  # fmt: skip
 
 
 def predict(plan: Plan, adapter: HFAdapter, shape: Shape, rates: Rates) -> CalibratedPrediction:

@@ -228,6 +228,47 @@ class Rates:
     links: Links = field(default_factory=Links)
     measured: dict[str, tuple[float, float]] = field(default_factory=dict)
     calibration: tuple[str, ...] = ()  # what of these was measured, for the report's line
+    # host AdamW with no copies beside it; None: ``adamw_gbps`` (the rate under them) throughout
+    adamw_alone_gbps: float | None = None
+
+
+def host_update_gbps(rates: Rates, copy_share: float) -> float:
+    """The host AdamW rate of a step whose copies load the host's DRAM ``copy_share`` as much
+    as the host probe's GPU copying both ways without a pause (capped at 1): that share of the
+    update at the rate under the copies (``adamw_gbps``), the rest at ``adamw_alone_gbps``;
+    harmonic, as the seconds add up."""
+    alone = rates.adamw_alone_gbps
+    if alone is None:
+        return rates.adamw_gbps
+    share = min(1.0, max(0.0, copy_share))
+    return 1.0 / (share / rates.adamw_gbps + (1.0 - share) / alone)
+
+
+def _copy_share(
+    params: list[int],
+    policy: Policy,
+    ranks: Ranks,
+    links: Links,
+    offloaded_bytes: list[int],
+    compute_s: float,
+    alone_gbps: float,
+) -> float:
+    """The ranks' host copies per step (each rank: its load of the host-updated groups, its
+    share on the sharded route; the gradients it copies back, the owner's on the gpu route;
+    the activations offloaded and reloaded), the busier direction's seconds times the ranks,
+    over a floor of the step: the compute, the update alone, the copies."""
+    r, layers = ranks.count, len(policy.layers)
+    resident = {1 + i for i in range(layers) if policy.resident(i)}
+    resident |= {0, layers + 1} if policy.resident_embeddings else set()
+    streamed = sum(n for g, n in enumerate(params) if g not in resident)
+    load_share = r if r > 1 and ranks.param_route == "sharded" else 1
+    grad_bytes, grad_share = (4, 1) if r > 1 and ranks.grad_route == "cpu" else (2, r)
+    offloaded = sum(offloaded_bytes)
+    h2d_s = (2 * streamed / load_share + offloaded) / (links.h2d_gbps * 1e9)
+    d2h_s = (grad_bytes * streamed / grad_share + offloaded) / (links.d2h_gbps * 1e9)
+    update_s = ADAMW_BYTES_PER_PARAM * streamed / (alone_gbps * 1e9)
+    copies_s = max(h2d_s, d2h_s)
+    return r * copies_s / max(compute_s, update_s, copies_s, 1e-12)
 
 
 @dataclass(frozen=True)
@@ -309,19 +350,19 @@ def spec_from_shapes(
     """A ``StepSpec`` from the model's shapes and the policy, with ``rates``: compute from
     FLOPs (the matmuls' at ``LAYER_EFFICIENCY`` of ``peak_flops``, attention's quadratic term
     at ``ATTENTION_EFFICIENCY``), copies at ``links`` (the PCIe ceilings by default), AdamW at
-    ``adamw_gbps``, the cast on delivery (no mirror) at ``cast_gbps`` (``offloaded_bytes``:
+    ``host_update_gbps``, the cast on delivery (no mirror) at ``cast_gbps`` (``offloaded_bytes``:
     per layer, ``plan.cost``). ``measured``: a layer policy's forward and backward (replay
     included) as the layer profile timed them (``layer_times``); they replace the FLOPs-rate
     times of the layers with that policy. ``batch``: per rank. ``ranks``: several GPUs of this
-    host (``_route_times``); the host's update lane serves all of them, so ``adamw_gbps`` is
-    the host's rate under all their copies. ``ranks.context`` R > 1: each rank computes S/R
+    host (``_route_times``); the host's update lane serves all of them, under all their
+    copies (``_copy_share``). ``ranks.context`` R > 1: each rank computes S/R
     tokens of every row and its share of attention (``rank_attended``), plus the exchanges
     (``context_exchange_s``, at ``links.gather_gbps``); the profile's times are of one GPU's
     whole layer, so the FLOPs rates stand for them."""
 
     ranks, links = ranks or Ranks(), rates.links
     measured = rates.measured if ranks.context == 1 else {}
-    adamw_gbps, cast_gbps = rates.adamw_gbps, rates.cast_gbps or CAST_GBPS
+    cast_gbps = rates.cast_gbps or CAST_GBPS
     tokens = batch * seq_len // ranks.context
     rate = LAYER_EFFICIENCY * rates.peak_flops
     attention_rate = ATTENTION_EFFICIENCY * rates.peak_flops
@@ -345,6 +386,12 @@ def spec_from_shapes(
     head = 6 * adapter.vocab_size * adapter.hidden_size * tokens / rate
     grad_bytes = 2  # the compute dtype (bf16) on the device, then to the host
     cast_share = ranks.count if ranks.param_route == "sharded" else 1  # each casts its shard
+    adamw_gbps = rates.adamw_gbps
+    if rates.adamw_alone_gbps is not None:  # the update partly alone, partly under the copies
+        compute_s = sum(forward) + sum(backward) + head
+        share = _copy_share(params, policy, ranks, links, offloaded_bytes, compute_s,
+                            rates.adamw_alone_gbps)  # fmt: skip
+        adamw_gbps = host_update_gbps(rates, share)
     routes = _route_times(params, ranks, links, adamw_gbps)
     spec = StepSpec(
         forward_s=tuple(forward),
