@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from slidedp.config import TrainConfig
+from slidedp.config_runtime import LaunchSpec
 from slidedp.errors import OutOfDeviceMemoryError, OutOfSharedMemoryError
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.context_cost import ContextShape, exchange_bytes
@@ -217,10 +218,16 @@ def _resident_bytes(adapter: HFAdapter, plan: Plan, clipping: bool, ranks: int) 
 
 def context_shape(cfg: TrainConfig, adapter: HFAdapter) -> ContextShape | None:
     """``runtime.context_parallel`` and the attention scheme it runs (None: 1)."""
-    r = cfg.runtime.launch.context_parallel
+    return launch_context(cfg.runtime.launch, adapter)
+
+
+def launch_context(launch: LaunchSpec, adapter: HFAdapter) -> ContextShape | None:
+    """``launch.context_parallel`` and the attention scheme it runs on ``adapter``'s model
+    (``launch.context_attention`` resolved; None: 1)."""
+    r = launch.context_parallel
     if r == 1:
         return None
-    group = ContextGroup(0, r, attention=cfg.runtime.launch.context_attention)
+    group = ContextGroup(0, r, attention=launch.context_attention)
     return ContextShape(r, attention_scheme(adapter.config, group))
 
 

@@ -13,10 +13,13 @@ from typing import Any
 import pytest
 
 from bench.tiny import tiny_config, write_tiny_config
+from slidedp.bench import predict as bench_predict
 from slidedp.bench import train as bench_train
 from slidedp.bench.measure import RunSpec
 from slidedp.bench.ours import ours_raw_config
 from slidedp.cli import main
+from slidedp.plan import step_spec
+from slidedp.plan.step_spec import Prediction, StepSpec
 from slidedp.runtime.flops import model_flops_per_token
 
 BASE = ["bench", "train", "--seq", "16", "--device", "cpu", "--batch", "2", "--warmup", "1"]
@@ -153,3 +156,66 @@ def test_bad_context_arguments_are_one_error_line_exit_2(
     assert err.startswith(f"slidedp bench train: error: {message}"), err
     assert err.count("\n") == 1
     assert not out.exists()  # nothing written
+
+
+def _predicted_specs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, context: dict[str, Any] | None, **runtime: Any
+) -> tuple[dict[str, Any], StepSpec, list[str]]:
+    """``predict_report`` of one run of ours on 2 ranks at 4096 tokens (``context``: the
+    report's ``context_parallel`` section, None without one): its row, the step spec it
+    predicted and the probes it asked for (a layer profile without candidates, so that every
+    layer is priced by FLOPs at R=1 too)."""
+    write_tiny_config(tmp_path, max_position_embeddings=8192)
+    ours = bench_train.ours_config([])
+    ours_runtime = {**ours["runtime"], "kernels": "eager", "compile": False, **runtime}
+    report: dict[str, Any] = {
+        "device": "cpu", "device_name": "cpu", "peak_flops": None, "seq_len": 4096,
+        "ours_config": {"train": ours["train"], "runtime": ours_runtime},
+        "runs": [{"system": "ours", "status": "ok", "batch": 1, "world": 2, "seq_len": 4096,
+                  "route": "replicated/gpu", "step_time_s": 1.0, "mirror": False}],
+    }  # fmt: skip
+    if context is not None:
+        report["context_parallel"] = context
+    asked: list[str] = []
+
+    def probe(kind: str, _args: dict[str, Any], _out: Path) -> dict[str, Any]:
+        asked.append(kind)
+        return {"adamw_gbps": 40.0} if kind == "host" else {"candidates": []}
+
+    specs: list[StepSpec] = []
+
+    def predict_step(spec: StepSpec) -> Prediction:
+        specs.append(spec)
+        return step_spec.predict_step(spec)
+
+    monkeypatch.setattr(bench_predict, "predict_step", predict_step)
+    (row,) = bench_predict.predict_report(report, tmp_path, probe)
+    return row, specs[0], asked
+
+
+def test_predict_splits_the_sequence_like_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--predict`` of a ``--context-parallel 2`` run: each rank's S/2 tokens and its
+    exchanges, by the run's attention scheme, as ``slidedp estimate`` predicts it; no layer
+    profile of the whole sequence."""
+    whole, whole_spec, whole_asked = _predicted_specs(tmp_path / "a", monkeypatch, None)
+    split, split_spec, split_asked = _predicted_specs(tmp_path / "b", monkeypatch, {"size": 2})
+    assert (whole["context_parallel"], whole["context_attention"]) == (1, None)
+    assert whole_asked == ["host", "layer"]
+    assert whole_spec.all_to_all_forward_s == ()
+    # 4 query and 2 key/value heads divide by 2: Ulysses (runtime.context_attention=auto)
+    assert (split["context_parallel"], split["context_attention"]) == (2, "ulysses")
+    assert split_asked == ["host"]
+    # Ulysses: each rank's H/2 heads over the whole sequence, its S/2 tokens' matmuls: half the
+    # FLOPs of every layer (rel 1e-12: the same float sums, scaled)
+    for f1, f2 in zip(whole_spec.forward_s, split_spec.forward_s, strict=True):
+        assert f2 == pytest.approx(f1 / 2, rel=1e-12)
+    assert len(split_spec.all_to_all_forward_s) == 2
+    assert all(s > 0 for s in split_spec.all_to_all_forward_s)
+    # allgather, asked for: its last rank attends over more keys than Ulysses' share
+    gather, gather_spec, _ = _predicted_specs(
+        tmp_path / "c", monkeypatch, {"size": 2}, context_attention="allgather"
+    )
+    assert gather["context_attention"] == "allgather"
+    assert all(g > u for g, u in zip(gather_spec.forward_s, split_spec.forward_s, strict=True))

@@ -6,7 +6,9 @@ profile``): the layer's forward and backward per layer policy (``profile.layer``
 AdamW and cast rates under the GPU's copies (``profile.host``), on several ranks the same
 command's collectives (``bench.collectives``). The head, embedding and copies are assumed as
 ``plan.timing`` says; the prediction is ``plan.timing.spec_from_shapes`` through the Rust model,
-and the error printed is predicted / measured - 1.
+and the error printed is predicted / measured - 1. A run that splits each sequence over R
+ranks (``--context-parallel R``) is predicted per rank at S/R tokens with its exchanges, from
+FLOPs (``spec_from_shapes``): no layer probe of the whole sequence on one GPU.
 
 Example::
 
@@ -31,12 +33,13 @@ import torch
 
 from slidedp.config_runtime import RUNTIME_GROUP_OF, RuntimeSection
 from slidedp.errors import ConfigError
+from slidedp.estimate import launch_context
 from slidedp.kernels import default_threads
 from slidedp.models.hf import HFAdapter
 from slidedp.models.shapes import SHAPES, cut_layers, resolve_shape
 from slidedp.plan.cost import layer_footprint
 from slidedp.plan.machine import gpu_peak
-from slidedp.plan.policy import resolve_policy
+from slidedp.plan.policy import Policy, resolve_policy
 from slidedp.plan.step_spec import predict_step
 from slidedp.plan.timing import Links, Ranks, Rates, layer_times, spec_from_shapes
 from slidedp.profile.host import engine_update_threads, model_gbps, probe_host
@@ -106,6 +109,8 @@ def _ours_runtime(report: dict[str, Any], run: dict[str, Any]) -> RuntimeSection
                   "resident_embeddings": run.get("resident_embeddings", False)}  # fmt: skip
     if run.get("world", 1) > 1:
         given["gpus"] = run["world"]
+        # --context-parallel R: every run of several ranks split each row over R of them
+        given["context_parallel"] = report.get("context_parallel", {}).get("size", 1)
     return RuntimeSection.from_keys(**given)
 
 
@@ -123,6 +128,31 @@ def _links(report: dict[str, Any]) -> Links:
 
 
 Probe = Callable[[str, dict[str, Any], Path], dict[str, Any]]
+
+
+def _layer_profile(
+    probe: Probe,
+    config_dir: Path,
+    run: dict[str, Any],
+    rt: RuntimeSection,
+    policy: Policy,
+    seq_len: int,
+    device: str,
+) -> dict[str, Any]:
+    """The layer profile of ``run``'s layer policies at its batch and ``seq_len`` (``probe``)."""
+    families = ",".join(sorted({p.name for p in policy.layers}))
+    ratios = ",".join(sorted({f"{p.ratio:g}" for p in policy.layers}))
+    profile_args = {
+        "shape": str(config_dir / "config.json"), "batch": run["batch"], "seq_len": seq_len,
+        "families": families, "ratios": ratios,
+        "device": device, "dtype": "bfloat16" if device == "cuda" else "float32",
+        "warmup": 2, "steps": 5, "cache_dir": None, "force": False,
+        "layer_kernels": rt.layout.kernels, "layer_compile": rt.layout.compile,
+        "world": run.get("world", 1),
+    }  # fmt: skip
+    return probe(
+        "layer", profile_args, config_dir / f"layer-b{run['batch']}-{families}-{ratios}.json"
+    )
 
 
 def predict_report(
@@ -148,32 +178,31 @@ def predict_report(
         policy = resolve_policy(
             rt, adapter, mirror=bool(run["mirror"]), device=torch.device(device)
         )
-        families = ",".join(sorted({p.name for p in policy.layers}))
-        ratios = ",".join(sorted({f"{p.ratio:g}" for p in policy.layers}))
-        profile_args = {
-            "shape": str(config_dir / "config.json"), "batch": run["batch"],
-            "seq_len": report["seq_len"], "families": families, "ratios": ratios,
-            "device": device, "dtype": str(dtype).removeprefix("torch."),
-            "warmup": 2, "steps": 5, "cache_dir": None, "force": False,
-            "layer_kernels": rt.layout.kernels, "layer_compile": rt.layout.compile,
-            "world": run.get("world", 1),
-        }  # fmt: skip
-        path = config_dir / f"layer-b{run['batch']}-{families}-{ratios}.json"
-        layer = probe("layer", profile_args, path)
-        offloaded = [
-            layer_footprint(adapter, p, run["batch"], report["seq_len"], dtype, i).offloaded_bytes
+        seq_len, context = run.get("seq_len", report["seq_len"]), launch_context(rt.launch, adapter)
+        r, scheme = (context.size, context.scheme) if context else (1, "ulysses")
+        # at R > 1 the model prices each rank's S/R tokens by FLOPs (spec_from_shapes): no
+        # profile of the whole sequence on one GPU, which is what R ranks are there to avoid
+        measured = {}
+        if context is None:
+            measured = layer_times(
+                _layer_profile(probe, config_dir, run, rt, policy, seq_len, device)
+            )
+        offloaded = [  # a rank's S/R tokens, attention's as the scheme's worst rank's
+            layer_footprint(adapter, p, run["batch"], seq_len // r, dtype, i,
+                            context=context).offloaded_bytes
             for i, p in enumerate(policy.layers)
-        ]
-        ranks = Ranks(run.get("world", 1), policy.grad_route, policy.param_route)
+        ]  # fmt: skip
+        ranks = Ranks(run.get("world", 1), policy.grad_route, policy.param_route, r, scheme)
         spec = spec_from_shapes(
-            adapter, policy, batch=run["batch"], seq_len=report["seq_len"],
-            rates=Rates(peak, model_gbps(host), host.get("joint_cast_gbps"), links,
-                        layer_times(layer), adamw_alone_gbps=alone_gbps(host)),
+            adapter, policy, batch=run["batch"], seq_len=seq_len,
+            rates=Rates(peak, model_gbps(host), host.get("joint_cast_gbps"), links, measured,
+                        adamw_alone_gbps=alone_gbps(host)),
             clipping=clipping, offloaded_bytes=offloaded, ranks=ranks,
         )  # fmt: skip
         predicted = predict_step(spec)
         out.append({
             "batch": run["batch"], "world": run.get("world", 1), "route": run.get("route"),
+            "context_parallel": r, "context_attention": scheme if r > 1 else None,
             "measured_step_s": run["step_time_s"], "predicted_step_s": predicted.step_s,
             "error": predicted.step_s / run["step_time_s"] - 1,
             "measured_exposed_s": run.get("exposed_wait_s", {}),
@@ -187,11 +216,14 @@ def print_predictions(rows: list[dict[str, Any]], calibration: str = "here") -> 
     if not rows:
         return
     print(f"step-time model (calibrated {calibration}: layer profile, host probe, collectives):")
-    print(f"{'batch':>5} {'ranks':>5} {'route':<16} {'measured':>9} {'model':>8} {'error':>7}  "
+    print(f"{'batch':>5} {'ranks':>5} {'route':<20} {'measured':>9} {'model':>8} {'error':>7}  "
           "exposed waits measured | model")  # fmt: skip
     for r in rows:
         measured, model = (_waits(r[k]) for k in ("measured_exposed_s", "predicted_exposed_s"))
-        print(f"{r['batch']:5d} {r['world']:5d} {r['route'] or '-':<16} "
+        route = (r["route"] or "-") + (
+            f" cp{r['context_parallel']}" if r.get("context_parallel", 1) > 1 else ""
+        )
+        print(f"{r['batch']:5d} {r['world']:5d} {route:<20} "
               f"{r['measured_step_s']:8.3f}s {r['predicted_step_s']:7.3f}s {r['error']:+7.1%}  "
               f"{measured} | {model} ms; {r['regime']}")  # fmt: skip
 
