@@ -168,7 +168,7 @@ def test_auto_on_two_gpus_chooses_layout_and_routes_from_the_probes(
     assert (resident > 0) == (route[1] == "gpu")
     assert rt.layout.layers != "F"  # the program's placed layout, every layer counted
     assert line is not None
-    assert line.startswith(f"policy   auto: {rt.layout.layers}, {resident or 27} GPU-resident")
+    assert line.startswith(f"policy   auto: {rt.layout.layers}, {resident or 26} GPU-resident")
     assert ("the GPU-resident groups on the host there" in line) == (route[1] == "cpu")
     assert f"; routes {route[0]}/{route[1]} (predicted " in line
     assert f"; reduce {links['reduce_gbps']:.0f}, all_gather " in line

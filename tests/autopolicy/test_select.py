@@ -436,7 +436,9 @@ def test_plan_and_auto_take_the_host_lane_from_the_cached_probe(
     assert main(argv) == 0
     assert "at 3 GB/s AdamW, measured (cached)" in capsys.readouterr().out
     summary = json.loads(report_path(policy).read_text())
-    assert summary["host_adamw"] == {"gbps": 3.0, "source": "measured (cached)"}
+    # no rate alone on CPU: the program prices the update at the one rate
+    assert summary["host_adamw"] == {"gbps": 3.0, "alone_gbps": None, "program_gbps": 3.0,
+                                     "source": "measured (cached)"}  # fmt: skip
     per_layer = host_update_s_per_layer(adapter, 3.0)
     assert summary["problem"]["host"]["update_s_per_layer"] == pytest.approx(per_layer)
 

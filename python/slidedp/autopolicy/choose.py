@@ -34,6 +34,7 @@ from slidedp.autopolicy.kept import kept_line, kept_policy
 from slidedp.autopolicy.route_choice import candidate_routes, routes_for
 from slidedp.autopolicy.said import (
     head,
+    host_said,
     selection,
     validated,
     why_not_calibrated_here,
@@ -114,6 +115,7 @@ class Selecting:
     measured_s: float | None = None  # the child process's measurements
     report: dict[str, Any] | None = None  # the layer profile
     host: HostRate | None = None
+    update_gbps: float = 0.0  # the host rate the program prices the updates at (``host``)
     chunk: ChunkChoice | None = None
     chunk_said: str = ""
     total_bytes: int = 0  # the device memory the layout plans for
@@ -162,7 +164,7 @@ class Selecting:
         assert self.host is not None
         return select.select_layout(
             self.base, self.adapter, self.machine, self.report, total_bytes=self.total_bytes,
-            update_gbps=self.host.gbps, resident=self.resident, budget_cut_bytes=cut_bytes,
+            update_gbps=self.update_gbps, resident=self.resident, budget_cut_bytes=cut_bytes,
             times_s=self.calibrated, ranks=self.cfg.runtime.launch.world)  # fmt: skip
 
     def configured(self, base: TrainConfig, choice: Choice) -> tuple[TrainConfig, str]:
@@ -266,14 +268,17 @@ def _start_trials(s: Selecting) -> None:
 
 def host(s: Selecting) -> None:
     """The host AdamW rate (probed where it is not cached and this process measures), never
-    beside the trials' child process importing."""
+    beside the trials' child process importing, and the rate the program prices the updates
+    at (``select.program_update_gbps``)."""
     if isinstance(s.runner, TrialChild):
         with s.clock.stage("trials") as notes:
             s.runner.wait_ready()
             notes.append("their process ready")
     with s.clock.stage("host") as notes:
         s.host = host_rate(update_threads(s.cfg, s.machine), s.machine, measure=s.measure_here)
-        notes.append(f"AdamW {s.host.gbps:.0f} GB/s {s.host.source}")
+        assert s.report is not None
+        s.update_gbps = select.program_update_gbps(s.base, s.adapter, s.machine, s.host, s.report)
+        notes.append(f"AdamW {host_said(s.host, s.update_gbps)}")
 
 
 def chunks(s: Selecting) -> None:
@@ -359,7 +364,8 @@ def result(s: Selecting) -> None:
             and (s.chosen.runtime.layout.chunk_elems != s.chunk.chunk_elems)
         ):
             s.chunk_said += ", not run: the chosen layout loads without the mirror probed"
-    s.line = head(s.solved, s.shown, _source(s), s.host, s.clock.seconds["solve"])
+    s.line = head(s.solved, s.shown, _source(s), host_said(s.host, s.update_gbps),
+                  s.clock.seconds["solve"])  # fmt: skip
     if s.several:
         s.line += f"; routes {s.route_said}"
     summary = s.calibration.summary() if s.calibration else {"skipped": s.not_calibrated}

@@ -139,7 +139,13 @@ def plan_summary(found: SelectionReport) -> dict[str, Any]:
         "budget_bytes": choice.budget_bytes,
         "gpu_total_bytes": s.total_bytes,
         "profile": report.get("cached") or "measured",
-        "host_adamw": {"gbps": host.gbps, "source": host.source},
+        # the probe's rate under copies, its rate alone, the blend the program priced at
+        "host_adamw": {
+            "gbps": host.gbps,
+            "alone_gbps": host.alone_gbps,
+            "program_gbps": s.update_gbps,
+            "source": host.source,
+        },
         "chunk": {
             "chunk_elems": found.cfg.runtime.layout.chunk_elems,
             "grad_slots": found.cfg.runtime.layout.grad_slots,
@@ -230,7 +236,7 @@ def format_summary(s: dict[str, Any], out: Path) -> str:
         + ", ".join(names),
         f"  budget for activations {s['budget_bytes'] / GIB:.2f} GiB of {total:.1f}; host "
         f"update {host['update_s_per_layer'] * 1e3:.1f} ms/layer ({when}) and {tail} at "
-        f"{s['host_adamw']['gbps']:.0f} GB/s AdamW, {s['host_adamw']['source']}",
+        f"{s['host_adamw']['program_gbps']:.0f} GB/s AdamW, {s['host_adamw']['source']}",
         f"  program: {s['program_layout']}",
         f"           step {sol['step_s']:.3f} s (layers {sol['compute_s']:.3f} s, host "
         f"{sol['host_s']:.3f} s), activations {sol['memory_bytes'] / GIB:.2f} GiB, "

@@ -3,7 +3,7 @@ line of the choice (what runs, why, each stage's seconds, the break-even steps).
 
 Example::
 
-    line = head(choice, shown, "cached profile", host, solve_s=0.02)
+    line = head(choice, shown, "cached profile", host_said(host, 101.0), solve_s=0.02)
 """
 
 from __future__ import annotations
@@ -51,9 +51,20 @@ def why_not_validated(steps: int, *, elsewhere: bool, measuring: bool, differs: 
     return None
 
 
-def head(choice: Choice, shown: Choice, source: str, host: HostRate, solve_s: float) -> str:
+def host_said(host: HostRate, update_gbps: float) -> str:
+    """The host AdamW rate the program took (``update_gbps``) and where it came from: where it
+    blends the probe's two rates (``select.program_update_gbps``), both."""
+    if host.alone_gbps is None or update_gbps == host.gbps:
+        return f"{host.gbps:.0f} GB/s {host.source}"
+    return (
+        f"{update_gbps:.0f} GB/s ({host.gbps:.0f} under copies for their share, "
+        f"{host.alone_gbps:.0f} alone; {host.source})"
+    )
+
+
+def head(choice: Choice, shown: Choice, source: str, host: str, solve_s: float) -> str:
     """What runs (``shown``: the solver's ``choice`` or, after validation, the winner) and why,
-    with the program's accounting."""
+    with the program's accounting; ``host``: the host rate as ``host_said`` says it."""
 
     if shown.kept_default and not choice.kept_default:  # validation kept the default
         verdict = (
@@ -72,8 +83,8 @@ def head(choice: Choice, shown: Choice, source: str, host: HostRate, solve_s: fl
         f"(layers and host update {shown.solution.step_s:.3f} vs "
         f"{shown.default.step_s:.3f} s, "
         f"activations {shown.solution.memory_bytes / 2**30:.2f} of "
-        f"{shown.budget_bytes / 2**30:.2f} GiB; {source}, host AdamW {host.gbps:.0f} GB/s "
-        f"{host.source}, solved in {solve_s:.2f} s)"
+        f"{shown.budget_bytes / 2**30:.2f} GiB; {source}, host AdamW {host}, "
+        f"solved in {solve_s:.2f} s)"
     )
 
 

@@ -28,8 +28,8 @@ from slidedp.models.shape import layer_shapes
 from slidedp.plan.cost import ResidentTerms, resident_terms
 from slidedp.plan.device import pick_dtype
 from slidedp.plan.layout import LayerPolicy, format_layout, parse_entry, place_by_kind
-from slidedp.plan.machine import gpu_peak
-from slidedp.plan.policy import resident_text
+from slidedp.plan.machine import HostRate, gpu_peak
+from slidedp.plan.policy import resident_text, resolve_policy
 from slidedp.plan.predict import Shape, links_for
 from slidedp.plan.resolve import MIRROR_HEADROOM_BYTES, mirror_given
 from slidedp.plan.timing import (
@@ -39,7 +39,10 @@ from slidedp.plan.timing import (
     NVLINK_GBPS,
     Links,
     Ranks,
+    Rates,
     context_extra_s,
+    layer_times,
+    step_update_gbps,
 )
 from slidedp.profile.pareto import layer_time, memory
 
@@ -229,6 +232,32 @@ def offload_host_budget(
     if mirror and (kept := spare(True, MIRROR_HEADROOM_BYTES)) >= 0:
         return kept
     return max(0.0, spare(False, 0))
+
+
+def program_update_gbps(
+    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, host: HostRate, report: dict[str, Any]
+) -> float:
+    """The host AdamW rate the program prices every candidate's update at, the fixed
+    default's included: the step-time model's for the default run of ``cfg`` (``base``) with
+    the profile's layer times (``plan.timing.step_update_gbps``: under the copies for the
+    share of the update the ranks' copies overlap, alone for the rest). The default's share
+    for every candidate: a candidate's own depends on the counts the program picks (its
+    resident layers copy nothing, its offloaded activations copy more), circular inside the
+    program. ``host.gbps`` where the probe has no rate alone (CPU, the table) or the GPU no
+    peak on record to time the step's compute."""
+    peak, _ = gpu_peak(machine.gpu_name)
+    if host.alone_gbps is None or peak is None:
+        return host.gbps
+    shape = Shape.of_run(cfg, adapter)
+    links = links_for(shape.world, adapter, machine) or Links()
+    rates = Rates(peak, host.gbps, host.cast_gbps, links, layer_times(report),
+                  adamw_alone_gbps=host.alone_gbps)  # fmt: skip
+    # the mirror changes no copy the share counts
+    policy = resolve_policy(all_f(cfg.runtime), adapter, mirror=True, device=torch.device("cuda"))
+    ranks = Ranks(shape.world, policy.grad_route, policy.param_route, shape.context, shape.scheme)
+    return step_update_gbps(adapter, policy, batch=shape.rows, seq_len=shape.seq_len,
+                            rates=rates, offloaded_bytes=[0] * adapter.num_layers,
+                            ranks=ranks)  # fmt: skip
 
 
 def host_update_s_per_layer(adapter: HFAdapter, gbps: float) -> float:

@@ -271,6 +271,22 @@ def _copy_share(
     return r * copies_s / max(compute_s, update_s, copies_s, 1e-12)
 
 
+def step_update_gbps(adapter: HFAdapter, policy: Policy, *, batch: int, seq_len: int,
+                     rates: Rates, offloaded_bytes: list[int], ranks: Ranks) -> float:  # fmt: skip
+    """The host AdamW rate of a step of ``policy`` (``spec_from_shapes``'s terms):
+    ``host_update_gbps`` at its copy share (``_copy_share``), ``adamw_gbps`` without a rate
+    alone."""
+    alone = rates.adamw_alone_gbps
+    if alone is None:
+        return rates.adamw_gbps
+    forward, backward, head = _compute_s(adapter, policy, batch=batch, seq_len=seq_len,
+                                         rates=rates, ranks=ranks)  # fmt: skip
+    params = [g.numel for g in adapter.group_specs()]
+    compute_s = sum(forward) + sum(backward) + head
+    share = _copy_share(params, policy, ranks, rates.links, offloaded_bytes, compute_s, alone)
+    return host_update_gbps(rates, share)
+
+
 @dataclass(frozen=True)
 class _RouteTimes:
     load_s: tuple[float, ...]
@@ -336,6 +352,32 @@ def context_extra_s(
     return forward + x_forward, total
 
 
+def _compute_s(adapter: HFAdapter, policy: Policy, *, batch: int, seq_len: int, rates: Rates,
+               ranks: Ranks) -> tuple[list[float], list[float], float]:  # fmt: skip
+    """One rank's compute per layer (forward, backward: the profile's measured times where
+    it has the layer's policy and the rank holds whole rows, else from FLOPs) and the head's,
+    in seconds (``spec_from_shapes``'s terms)."""
+    measured = rates.measured if ranks.context == 1 else {}
+    tokens = batch * seq_len // ranks.context
+    shapes = layer_shapes(adapter.config, seq_len)  # attended: over the whole sequence
+    rate = LAYER_EFFICIENCY * rates.peak_flops
+    attention_rate = ATTENTION_EFFICIENCY * rates.peak_flops
+    attended = [rank_attended(s, seq_len=seq_len, context=ranks.context, scheme=ranks.scheme)
+                for s in shapes]  # fmt: skip
+    forward = [
+        2 * s.matmul_params * tokens / rate + 2 * s.q_dim * a * tokens / attention_rate
+        for s, a in zip(shapes, attended, strict=True)
+    ]
+    backward = [
+        (2 + REPLAY_SHARE[p.family]) * f for f, p in zip(forward, policy.layers, strict=True)
+    ]
+    for i, p in enumerate(policy.layers):
+        if measured and str(p) in measured:
+            forward[i], backward[i] = measured[str(p)]
+    head = 6 * adapter.vocab_size * adapter.hidden_size * tokens / rate
+    return forward, backward, head
+
+
 def spec_from_shapes(
     adapter: HFAdapter,
     policy: Policy,
@@ -361,37 +403,18 @@ def spec_from_shapes(
     whole layer, so the FLOPs rates stand for them."""
 
     ranks, links = ranks or Ranks(), rates.links
-    measured = rates.measured if ranks.context == 1 else {}
     cast_gbps = rates.cast_gbps or CAST_GBPS
     tokens = batch * seq_len // ranks.context
-    rate = LAYER_EFFICIENCY * rates.peak_flops
-    attention_rate = ATTENTION_EFFICIENCY * rates.peak_flops
-    shapes = layer_shapes(adapter.config, seq_len)  # attended: over the whole sequence
-    attended = [rank_attended(s, seq_len=seq_len, context=ranks.context, scheme=ranks.scheme)
-                for s in shapes]  # fmt: skip
-    forward = [
-        2 * s.matmul_params * tokens / rate + 2 * s.q_dim * a * tokens / attention_rate
-        for s, a in zip(shapes, attended, strict=True)
-    ]
-    backward = [
-        (2 + REPLAY_SHARE[p.family]) * f for f, p in zip(forward, policy.layers, strict=True)
-    ]
-    for i, p in enumerate(policy.layers):
-        if measured and str(p) in measured:
-            forward[i], backward[i] = measured[str(p)]
+    forward, backward, head = _compute_s(adapter, policy, batch=batch, seq_len=seq_len,
+                                         rates=rates, ranks=ranks)  # fmt: skip
     exchange = ((), ()) if ranks.context == 1 else context_exchange_s(
-        shapes, policy.layers, tokens=tokens, gbps=links.gather_gbps, context=ranks.context,
-        scheme=ranks.scheme)  # fmt: skip
+        layer_shapes(adapter.config, seq_len), policy.layers, tokens=tokens,
+        gbps=links.gather_gbps, context=ranks.context, scheme=ranks.scheme)  # fmt: skip
     params = [g.numel for g in adapter.group_specs()]
-    head = 6 * adapter.vocab_size * adapter.hidden_size * tokens / rate
     grad_bytes = 2  # the compute dtype (bf16) on the device, then to the host
     cast_share = ranks.count if ranks.param_route == "sharded" else 1  # each casts its shard
-    adamw_gbps = rates.adamw_gbps
-    if rates.adamw_alone_gbps is not None:  # the update partly alone, partly under the copies
-        compute_s = sum(forward) + sum(backward) + head
-        share = _copy_share(params, policy, ranks, links, offloaded_bytes, compute_s,
-                            rates.adamw_alone_gbps)  # fmt: skip
-        adamw_gbps = host_update_gbps(rates, share)
+    adamw_gbps = step_update_gbps(adapter, policy, batch=batch, seq_len=seq_len, rates=rates,
+                                  offloaded_bytes=offloaded_bytes, ranks=ranks)  # fmt: skip
     routes = _route_times(params, ranks, links, adamw_gbps)
     spec = StepSpec(
         forward_s=tuple(forward),
