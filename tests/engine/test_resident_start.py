@@ -1,8 +1,8 @@
 """The start of a run with GPU-resident layers (``runtime/resident.py``), on CPU f32: what the
 resident groups read out of the host store. A fresh run reads their master weights once and
 never their Adam moments (zero in a fresh store as on the device; reading them faults in every
-page of them); a resumed one reads the moments too, once. Bit parity with the all-host run is
-tests/engine/test_resident.py's."""
+page of them); a resumed one reads the master and the moments, each once. Bit parity with the
+all-host run is tests/engine/test_resident.py's."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from slidedp.config import load_config
 from slidedp.kernels import Kernels
 from slidedp.models.hf import HFAdapter
 from slidedp.runtime.dist import Dist
-from slidedp.runtime.resident import Owners, ResidentLayers, group_params
+from slidedp.runtime.resident import REGIONS, Owners, ResidentLayers, group_params
 from slidedp.runtime.trainer import Trainer
 from slidedp.runtime.window import DeviceBuffer, fill_mirror
 from slidedp.store import HostStore, StateRegion
@@ -69,6 +69,28 @@ def test_a_fresh_start_reads_the_master_once_and_no_moment(
         reads.count.clear()
         trainer.engine.start_at(1)  # a resume: its moments come from the store
         assert reads.of(groups, "exp_avg") == reads.of(groups, "exp_avg_sq") == [1] * 4
+    finally:
+        trainer.engine.close()
+
+
+@pytest.mark.e2e
+def test_a_resume_reads_each_state_once(
+    tmp_path: Path, run_config: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run resumed from its checkpoint reads each resident group's master (at the engine's
+    start) and moments (``start_at``) out of the store once: the master is not read again
+    with the moments. That the resumed run continues exactly is test_resident.py's."""
+    saving = [*RESIDENT, "output.save_steps=1"]
+    Trainer(load_config(run_config, saving), log=False).run()
+    checkpoint = tmp_path / "out" / "checkpoint-1"
+    reads = _Reads(monkeypatch)
+    resume = [f"train.resume={checkpoint}", f"output.dir={tmp_path / 'resumed'}"]
+    trainer = Trainer(load_config(run_config, [*RESIDENT, *resume]), log=False)
+    try:
+        a = trainer.adapter
+        groups = [a.layer_group(0), a.layer_group(1), a.embed_group, a.head_group]
+        for region in REGIONS:
+            assert reads.of(groups, region) == [1] * 4, region
     finally:
         trainer.engine.close()
 

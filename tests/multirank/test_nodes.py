@@ -197,19 +197,36 @@ def test_nodes_that_would_start_apart_refuse_with_one_line(
     names the difference once and exits 2, the others stop as its peers."""
     from slidedp.runtime.trainer import Trainer
 
-    facts = Trainer._start_facts
+    facts, computed = Trainer._start_facts, tmp_path / "facts.log"
 
     def other_step_on_node_1(self: Trainer) -> dict[str, str]:
+        with computed.open("a") as f:  # one short line per write: never interleaved
+            f.write(f"{os.environ['RANK']}\n")
         mine = facts(self)
         return mine | {"step": "3"} if os.environ["RANK"] == "2" else mine
 
     monkeypatch.setattr(Trainer, "_start_facts", other_step_on_node_1)
     codes = run_ranks(_nodes_config(tmp_path, 4), 4, nodes=2)
     assert codes == [2] + [EXIT_PEER_FAILED] * 3
+    # each node's local rank 0 alone checksums the master (the others' would go unused)
+    assert sorted(computed.read_text().split()) == ["0", "2"]
     err = capfd.readouterr().err
     assert err.count("error:") == 1, err
     assert "node 1 would start from another step than node 0 (3 vs 0)" in err
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+@pytest.mark.e2e
+def test_one_node_computes_no_start_facts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two ranks of one node: there is nothing to compare, so no rank computes the facts (a
+    pass over the whole master for its checksum)."""
+    from slidedp.runtime.trainer import Trainer
+
+    def computed(self: Trainer) -> dict[str, str]:
+        raise AssertionError("start facts computed on one node")
+
+    monkeypatch.setattr(Trainer, "_start_facts", computed)
+    assert run_ranks(_nodes_config(tmp_path, 1), 2) == [0, 0]
 
 
 @pytest.mark.e2e

@@ -13,6 +13,7 @@ rank, the groups the window loads, the host update lane updates and the resident
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,9 @@ from multirank.ranks import run_ranks
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.cost import resident_rank_bytes
 from slidedp.runtime.resident import ResidentLayers
+from slidedp.runtime.trainer import Trainer
 from slidedp.runtime.window import DeviceBuffer, Window
+from slidedp.store import HostStore, StateRegion
 from slidedp.update import UpdateWorker
 
 pytestmark = pytest.mark.e2e  # every test here trains end to end
@@ -160,16 +163,52 @@ def test_two_ranks_with_resident_layers_train_bit_for_bit_like_the_all_host_two(
             assert_bitwise_equal(saved_tensors(out / saved), saved_tensors(host / saved))
 
 
-def test_two_ranks_resume_resident_layers_exactly(tmp_path: Path) -> None:
+def _spy_start_reads(monkeypatch: pytest.MonkeyPatch, log: Path) -> None:
+    """Each rank appends ``RANK region group`` to ``log`` for each range of a group's state
+    the store hands out before the training loop starts (``Trainer.run``)."""
+    group_state, run = HostStore.group_state, Trainer.run
+    started = False
+
+    def spy_state(store: HostStore, group: int, region: StateRegion) -> torch.Tensor:
+        if not started:
+            with log.open("a") as f:
+                f.write(f"{os.environ.get('RANK', '0')} {region} {group}\n")
+        return group_state(store, group, region)
+
+    def spy_run(trainer: Trainer) -> list[dict[str, Any]]:
+        nonlocal started
+        started = True
+        return run(trainer)
+
+    monkeypatch.setattr(HostStore, "group_state", spy_state)
+    monkeypatch.setattr(Trainer, "run", spy_run)
+
+
+def test_two_ranks_resume_resident_layers_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A 2-rank run with resident layers and embeddings resumed from its mid-run checkpoint
-    (each owner loads its groups' state from the store) continues as the uninterrupted run."""
+    (each owner loads its groups' state from the store) continues as the uninterrupted run.
+    The resume reads each state once: an owner its groups' master and moments, the other rank
+    the master its weights are cast from (CPU f32: no BF16 mirror)."""
     model = make_model(tmp_path, "qwen3", tied=True, layers=LAYERS)
     data = write_data(tmp_path / "data.jsonl", 30)
     resident = ("runtime.resident_layers=2", "runtime.resident_embeddings=true",
                 "train.max_grad_norm=1.0")  # fmt: skip
     full = _two_ranks(tmp_path, model, data, "full", *resident)
+    log = tmp_path / "reads.log"
+    _spy_start_reads(monkeypatch, log)
     resumed = _two_ranks(tmp_path, model, data, "resumed", *resident,
                          f"train.resume={full / 'checkpoint-3'}")  # fmt: skip
+    a = HFAdapter.from_dir(model)
+    groups = {a.layer_group(0), a.layer_group(1), a.embed_group, a.head_group}
+    reads = Counter(tuple(line.split()) for line in log.read_text().splitlines())
+    for rank in (0, 1):
+        for g in groups:
+            owned = g % 2 == rank
+            want = {"master": 1, "exp_avg": int(owned), "exp_avg_sq": int(owned)}
+            got_reads = {r: reads[str(rank), r, str(g)] for r in want}
+            assert got_reads == want, (rank, g)
     got, uninterrupted = read_metrics(resumed), read_metrics(full)
     assert [r["step"] for r in got] == [4, 5, 6]
     for key in ("loss", "grad_norm", "clip_coef"):

@@ -245,15 +245,17 @@ def fail(error: BaseException) -> bool:
     return by_peer
 
 
-def check_nodes_agree(ctx: Dist, facts: dict[str, str]) -> None:
-    """Several nodes start from the same state: each node's local rank 0 reports ``facts``
+def check_nodes_agree(ctx: Dist, facts: Callable[[], dict[str, str]]) -> None:
+    """Several nodes start from the same state: each node's local rank 0 reports ``facts()``
     (the start step, the data, a checksum of the weights it loaded); rank 0 raises a
     ``ConfigError`` naming the first that differs from node 0's, the others wait for it to
-    exit (and stop as its peers). Every node reads its own model, data and checkpoint files."""
+    exit (and stop as its peers). Every node reads its own model, data and checkpoint files.
+    ``facts`` is called on the nodes' local rank 0 only, never on one node (the checksum
+    reads the whole master)."""
     if ctx.nodes == 1:
         return
     gathered: list[dict[str, str] | None] = [None] * ctx.world
-    mine = facts if ctx.local_rank == 0 else None
+    mine = facts() if ctx.local_rank == 0 else None
     collective(lambda: dist.all_gather_object(gathered, mine))
     reports = [f for f in gathered if f is not None]
     for node, report in enumerate(reports[1:], start=1):

@@ -127,6 +127,9 @@ class ResidentLayers:
         self._stream = new_stream(device) if device.type == "cuda" else None
         self._updated: dict[int, torch.cuda.Event] = {}  # group -> its update's end, not waited
         self._dirty = False  # updated since the last load or write-back (alike on every rank)
+        # the regions read out of the store and not updated since (the non-owners': "master",
+        # their weights): the store's copy of a resident group changes only through write_back
+        self._loaded: set[StateRegion] = set()
         self.load(moments=False)  # a fresh run's moments are the zeros above; resume: start_at
 
     def holds(self, group: int) -> bool:
@@ -167,12 +170,20 @@ class ResidentLayers:
         they are (zero): a fresh store's are zero too, and reading them would fault in every
         never-touched page of them on each owner (two thirds of the bytes). A group another
         rank owns takes its weights from the store's BF16 mirror where there is one (half the
-        bytes of the master, page-locked on CUDA, no cast on the host)."""
+        bytes of the master, page-locked on CUDA, no cast on the host). A region read before
+        and not updated since is not read again (a resume reads the master once, at the
+        engine's start, and the moments once, in ``start_at``)."""
         self._settle()
-        regions = REGIONS if moments else ("master",)
+        if self._dirty:
+            self._loaded.clear()
+        regions = [r for r in (REGIONS if moments else ("master",)) if r not in self._loaded]
+        self._loaded.update(regions)
+        self._dirty = False
         for g in self._groups.values():
             for region in regions if g.state else ():
                 g.state[region].copy_(self.store.group_state(g.group, region))
+            if "master" not in regions:
+                continue  # the weights are the master's already
             if g.state:  # cast where the master is
                 self._cast_weights(g, g.state["master"])
             elif self.store.has_mirror and g.weights.flat.dtype == torch.bfloat16:
@@ -181,7 +192,6 @@ class ResidentLayers:
                 g.weights.flat[: mirror.numel()].copy_(mirror)
             else:
                 self._cast_weights(g, self.store.group_state(g.group, "master"))
-        self._dirty = False
 
     def write_back(self) -> None:
         """Copy the resident state into the store (and its BF16 mirror, which then equals an
@@ -192,6 +202,7 @@ class ResidentLayers:
         if not self._dirty:
             return
         self._dirty = False
+        self._loaded = set(REGIONS)  # the store's copy is the device's again
         for g in self._groups.values():
             if not g.state:
                 continue

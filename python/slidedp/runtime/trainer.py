@@ -143,7 +143,7 @@ class Trainer:
         self.evaluator = None if held_out is None else Evaluator(self.engine, held_out)
         self.best = BestCheckpoint(self.out_dir)
         if self.ctx is not None:
-            check_nodes_agree(self.ctx, self._start_facts())
+            check_nodes_agree(self.ctx, self._start_facts)
         if self.resume is not None:
             self.engine.start_at(self.progress.step)
             restore_rng(self.resume.rng)  # last: building the trainer draws random numbers
