@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 from slidedp.autopolicy.select import MIN_GAIN
 from slidedp.errors import ConfigError
 from slidedp.plan.machine import gpu_peak
-from slidedp.plan.predict import ROUTES, Route, links_for, route_name, route_steps
-from slidedp.plan.timing import Rates, layer_times
+from slidedp.plan.predict import ROUTES, Route, host_rates, links_for, route_name, route_steps
+from slidedp.plan.timing import layer_times
 
 if TYPE_CHECKING:
     from slidedp.config import TrainConfig
@@ -122,8 +122,7 @@ def routes_for(
     if why is not None or peak is None or links is None:
         kept = host_only if resident and config_route[1] == "cpu" else cfg
         return kept, f"{route_name(config_route)}, the config's ({why})"
-    rates = Rates(peak, host.gbps, host.cast_gbps, links, layer_times(report),
-                  adamw_alone_gbps=host.alone_gbps)  # fmt: skip
+    rates = host_rates(peak, host, links, layer_times(report))
     steps = route_steps(cfg, adapter, machine, candidates, rates)  # resident: gpu routes only
     if resident:
         on_host = [route for route in candidates if route[1] == "cpu"]

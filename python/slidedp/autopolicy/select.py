@@ -30,7 +30,7 @@ from slidedp.plan.device import pick_dtype
 from slidedp.plan.layout import LayerPolicy, format_layout, parse_entry, place_by_kind
 from slidedp.plan.machine import HostRate, gpu_peak
 from slidedp.plan.policy import resident_text, resolve_policy
-from slidedp.plan.predict import Shape, links_for
+from slidedp.plan.predict import Shape, host_rates, links_for
 from slidedp.plan.resolve import MIRROR_HEADROOM_BYTES, mirror_given
 from slidedp.plan.timing import (
     ADAMW_BYTES_PER_PARAM,
@@ -39,7 +39,7 @@ from slidedp.plan.timing import (
     NVLINK_GBPS,
     Links,
     Ranks,
-    Rates,
+    compute_times,
     context_extra_s,
     layer_times,
     step_update_gbps,
@@ -250,14 +250,15 @@ def program_update_gbps(
         return host.gbps
     shape = Shape.of_run(cfg, adapter)
     links = links_for(shape.world, adapter, machine) or Links()
-    rates = Rates(peak, host.gbps, host.cast_gbps, links, layer_times(report),
-                  adamw_alone_gbps=host.alone_gbps)  # fmt: skip
+    rates = host_rates(peak, host, links, layer_times(report))
     # the mirror changes no copy the share counts
     policy = resolve_policy(all_f(cfg.runtime), adapter, mirror=True, device=torch.device("cuda"))
     ranks = Ranks(shape.world, policy.grad_route, policy.param_route, shape.context, shape.scheme)
-    return step_update_gbps(adapter, policy, batch=shape.rows, seq_len=shape.seq_len,
-                            rates=rates, offloaded_bytes=[0] * adapter.num_layers,
-                            ranks=ranks)  # fmt: skip
+    forward, backward, head = compute_times(
+        adapter, policy, batch=shape.rows, seq_len=shape.seq_len, rates=rates, ranks=ranks
+    )
+    compute_s = sum(forward) + sum(backward) + head
+    return step_update_gbps(adapter, policy, rates, ranks, [0] * adapter.num_layers, compute_s)
 
 
 def host_update_s_per_layer(adapter: HFAdapter, gbps: float) -> float:

@@ -42,7 +42,7 @@ from slidedp.plan.machine import gpu_peak
 from slidedp.plan.policy import Policy, resolve_policy
 from slidedp.plan.step_spec import predict_step
 from slidedp.plan.timing import Links, Ranks, Rates, layer_times, spec_from_shapes
-from slidedp.profile.host import engine_update_threads, model_gbps, probe_host
+from slidedp.profile.host import alone_gbps, engine_update_threads, model_gbps, probe_host
 from slidedp.profile.layer import ProfileSpec, profile_layer
 from slidedp.runtime.zygote import start_child
 
@@ -88,11 +88,6 @@ def _host(args: dict[str, Any]) -> dict[str, Any]:
 
 
 PROBES = {"layer": _layer, "host": _host}
-
-
-def alone_gbps(host: dict[str, Any]) -> float | None:
-    """The host probe's rate alone where it also ran under the copies (``Rates``)."""
-    return float(host["adamw_gbps"]) if host.get("joint_adamw_gbps") else None
 
 
 def _ours_runtime(report: dict[str, Any], run: dict[str, Any]) -> RuntimeSection:

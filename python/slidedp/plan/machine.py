@@ -22,7 +22,13 @@ import torch
 from slidedp.config import TrainConfig
 from slidedp.envinfo import meminfo_bytes
 from slidedp.plan.device import pick_device, pick_dtype
-from slidedp.profile.host import cached_host, engine_update_threads, model_gbps, probe_host
+from slidedp.profile.host import (
+    alone_gbps,
+    cached_host,
+    engine_update_threads,
+    model_gbps,
+    probe_host,
+)
 
 GIB = 2**30
 SHM_DIR = Path("/dev/shm")
@@ -149,8 +155,7 @@ def host_rate(threads: int, machine: Machine, *, measure: bool = False) -> HostR
         return HostRate(adamw_gbps(threads), table)
     what = "measured under DMA" if report["joint_adamw_gbps"] else "measured"
     source = f"{what} ({'cached' if report['cached'] else 'now'})"
-    alone = report["adamw_gbps"] if report["joint_adamw_gbps"] else None
-    return HostRate(model_gbps(report), source, report.get("joint_cast_gbps"), alone)
+    return HostRate(model_gbps(report), source, report.get("joint_cast_gbps"), alone_gbps(report))
 
 
 def gpu_peak(name: str | None) -> tuple[float | None, str]:

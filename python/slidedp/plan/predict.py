@@ -87,6 +87,17 @@ def links_for(world: int, adapter: HFAdapter, machine: Machine) -> Links | None:
                  source="measured")  # fmt: skip
 
 
+def host_rates(
+    peak: float,
+    host: HostRate,
+    links: Links,
+    measured: dict[str, tuple[float, float]],
+    calibration: tuple[str, ...] = (),
+) -> Rates:
+    """The step-time model's rates with ``host``'s AdamW (under copies and alone) and cast."""
+    return Rates(peak, host.gbps, host.cast_gbps, links, measured, calibration, host.alone_gbps)
+
+
 def rates_for(
     cfg: TrainConfig, adapter: HFAdapter, machine: Machine, host: HostRate
 ) -> Rates | None:
@@ -101,8 +112,7 @@ def rates_for(
     said = [f"host AdamW {host.source}"] if host.source.startswith("measured") else []
     if links is not None:
         said.append("reduce and all_gather between the GPUs (cached)")
-    return Rates(peak, host.gbps, host.cast_gbps, links or Links(), measured, tuple(said),
-                 host.alone_gbps)  # fmt: skip
+    return host_rates(peak, host, links or Links(), measured, tuple(said))
 
 
 def predict(plan: Plan, adapter: HFAdapter, shape: Shape, rates: Rates) -> CalibratedPrediction:

@@ -271,18 +271,15 @@ def _copy_share(
     return r * copies_s / max(compute_s, update_s, copies_s, 1e-12)
 
 
-def step_update_gbps(adapter: HFAdapter, policy: Policy, *, batch: int, seq_len: int,
-                     rates: Rates, offloaded_bytes: list[int], ranks: Ranks) -> float:  # fmt: skip
-    """The host AdamW rate of a step of ``policy`` (``spec_from_shapes``'s terms):
-    ``host_update_gbps`` at its copy share (``_copy_share``), ``adamw_gbps`` without a rate
-    alone."""
+def step_update_gbps(adapter: HFAdapter, policy: Policy, rates: Rates, ranks: Ranks,
+                     offloaded_bytes: list[int], compute_s: float) -> float:  # fmt: skip
+    """The host AdamW rate of a step of ``policy`` whose compute takes ``compute_s``
+    (``compute_times``): ``host_update_gbps`` at its copy share (``_copy_share``),
+    ``adamw_gbps`` without a rate alone."""
     alone = rates.adamw_alone_gbps
     if alone is None:
         return rates.adamw_gbps
-    forward, backward, head = _compute_s(adapter, policy, batch=batch, seq_len=seq_len,
-                                         rates=rates, ranks=ranks)  # fmt: skip
     params = [g.numel for g in adapter.group_specs()]
-    compute_s = sum(forward) + sum(backward) + head
     share = _copy_share(params, policy, ranks, rates.links, offloaded_bytes, compute_s, alone)
     return host_update_gbps(rates, share)
 
@@ -352,8 +349,8 @@ def context_extra_s(
     return forward + x_forward, total
 
 
-def _compute_s(adapter: HFAdapter, policy: Policy, *, batch: int, seq_len: int, rates: Rates,
-               ranks: Ranks) -> tuple[list[float], list[float], float]:  # fmt: skip
+def compute_times(adapter: HFAdapter, policy: Policy, *, batch: int, seq_len: int, rates: Rates,
+                  ranks: Ranks) -> tuple[list[float], list[float], float]:  # fmt: skip
     """One rank's compute per layer (forward, backward: the profile's measured times where
     it has the layer's policy and the rank holds whole rows, else from FLOPs) and the head's,
     in seconds (``spec_from_shapes``'s terms)."""
@@ -405,16 +402,16 @@ def spec_from_shapes(
     ranks, links = ranks or Ranks(), rates.links
     cast_gbps = rates.cast_gbps or CAST_GBPS
     tokens = batch * seq_len // ranks.context
-    forward, backward, head = _compute_s(adapter, policy, batch=batch, seq_len=seq_len,
-                                         rates=rates, ranks=ranks)  # fmt: skip
+    forward, backward, head = compute_times(adapter, policy, batch=batch, seq_len=seq_len,
+                                            rates=rates, ranks=ranks)  # fmt: skip
     exchange = ((), ()) if ranks.context == 1 else context_exchange_s(
         layer_shapes(adapter.config, seq_len), policy.layers, tokens=tokens,
         gbps=links.gather_gbps, context=ranks.context, scheme=ranks.scheme)  # fmt: skip
     params = [g.numel for g in adapter.group_specs()]
     grad_bytes = 2  # the compute dtype (bf16) on the device, then to the host
     cast_share = ranks.count if ranks.param_route == "sharded" else 1  # each casts its shard
-    adamw_gbps = step_update_gbps(adapter, policy, batch=batch, seq_len=seq_len, rates=rates,
-                                  offloaded_bytes=offloaded_bytes, ranks=ranks)  # fmt: skip
+    compute_s = sum(forward) + sum(backward) + head
+    adamw_gbps = step_update_gbps(adapter, policy, rates, ranks, offloaded_bytes, compute_s)
     routes = _route_times(params, ranks, links, adamw_gbps)
     spec = StepSpec(
         forward_s=tuple(forward),

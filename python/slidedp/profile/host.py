@@ -86,6 +86,12 @@ def model_gbps(report: dict[str, Any]) -> float:
     return float(report.get("joint_adamw_gbps") or report["adamw_gbps"])
 
 
+def alone_gbps(report: dict[str, Any]) -> float | None:
+    """The rate alone where the probe also ran under the copies (CUDA; the step-time model
+    blends the two: ``plan.timing.host_update_gbps``), else None (``model_gbps`` throughout)."""
+    return float(report["adamw_gbps"]) if report.get("joint_adamw_gbps") else None
+
+
 def _positive(x: Any) -> bool:
     return isinstance(x, int | float) and math.isfinite(x) and x > 0
 
