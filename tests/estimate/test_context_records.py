@@ -73,7 +73,7 @@ def test_the_estimate_of_a_recorded_context_parallel_run(tmp_path: Path, name: s
     """The peak reserved within 5% of the record's (the estimate's peak, without the CUDA
     context that torch does not count), the step-time model within 10% of its step: the
     bounds the project holds the estimate to (memory) and the step-time model to (10 of 11
-    one-GPU configurations, docs/estimate.md); the runs' noise is under 1% (two steps each)."""
+    one-GPU configurations, docs/estimate.md)."""
     record = RECORDS[name]
     est = _estimate(tmp_path, record)
     assert est.gpu is not None
