@@ -38,10 +38,11 @@ from slidedp.runtime.dist import Dist, all_reduce_sum, all_reduce_tensor
 from slidedp.runtime.grad_lane import GradLane, RankShare
 from slidedp.runtime.grad_sync import GradSync
 from slidedp.runtime.lanes import LaneClock, new_stream
+from slidedp.runtime.pinning import pin_dma_memory
 from slidedp.runtime.resident import Owners, ResidentLayers
 from slidedp.runtime.routes import GpuReduce, HostSum
 from slidedp.runtime.trace import StepTrace
-from slidedp.runtime.transfer import pin, unpin
+from slidedp.runtime.transfer import unpin
 from slidedp.runtime.window import DeviceBuffer, Shard, Window, WindowSpec
 from slidedp.store import HostStore
 from slidedp.update import HostSumRing, UpdateWorker
@@ -118,13 +119,11 @@ class Engine:
         self.grads, self.worker, self.reduce = self._grad_lane(signals, rank, world)
         self._target = 0  # the version every group reaches once this rank's updates are done
         self.window = self._window(rank, world)
-        self._pinned: list[torch.Tensor] = []
+        self.pinned: list[torch.Tensor] = []  # bytes of the store this rank page-locked
         started = time.perf_counter()
         if device.type == "cuda":
-            for region in ("staging", "grad", "mirror"):
-                if store.region(region).numel():
-                    pin(store.region(region), f"the store's {region} slots")
-                    self._pinned.append(store.region(region))
+            grad = (rank * self.grad_slots, self.grad_slots)
+            self.pinned = pin_dma_memory(store, self.window, grad)
         self.pin_s = time.perf_counter() - started  # page-locking the store's slots (startup),
         # before the resident groups' weights are copied from the mirror
         self.resident = None
@@ -204,11 +203,11 @@ class Engine:
         """Unregister the page-locked host memory (the store's slots, the offload arena): a
         later store may be mapped at the same addresses, and CUDA refuses to register a range
         twice. Idempotent; the engine must not step afterwards."""
-        if self._pinned:
+        if self.pinned:
             torch.cuda.synchronize(self.device)
-            for t in self._pinned:
+            for t in self.pinned:
                 unpin(t)
-            self._pinned = []
+            self.pinned = []
         self.activations.close()
 
     def _local(self, layer: int, buf: DeviceBuffer) -> dict[str, torch.Tensor]:

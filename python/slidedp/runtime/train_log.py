@@ -74,7 +74,7 @@ class RunFacts:
     max_steps: int
     resumed_from: str | None
     store_bytes: int
-    pinned_bytes: int  # page-locked store slots (staging + gradient) on CUDA
+    pinned_bytes: int  # the store this rank page-locked on CUDA (its slots, the mirror's share)
     device: str
     dtype: str
     window: str  # the device window: slots and bytes
@@ -107,7 +107,7 @@ class RunFacts:
             f"  layer compute: {self.compute}",
             f"  host memory: store {_gib(self.store_bytes)} (shared, in /dev/shm), "
             f"{_gib(mem_available_bytes())} still available; pinned {_gib(self.pinned_bytes)} "
-            "(store slots)",
+            "(this rank's store slots and mirror)",
             f"  host kernels: {self.isa} path, {self.threads} thread(s)",
             f"  FLOPs per token: {FLOPS_FORMULA}; {peak}",
         ]

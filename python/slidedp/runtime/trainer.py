@@ -180,10 +180,8 @@ class Trainer:
         return engine_update_threads(default_threads(), self.device.type == "cuda", ranks)
 
     def _facts(self) -> RunFacts:
-        a, tc, pinned = self.adapter, self.cfg.train, 0
-        if self.device.type == "cuda":  # the engine pins the staging and gradient regions
-            regions = (self.store.region("staging"), self.store.region("grad"))
-            pinned = sum(r.numel() * r.element_size() for r in regions)
+        a, tc = self.adapter, self.cfg.train
+        pinned = sum(view.numel() for view in self.engine.pinned)  # byte views
         window, resident = self.engine.window, self.engine.resident
         held = f"{window.param_bytes():,} B"  # the resident layers' weights included
         if resident is not None:

@@ -118,7 +118,7 @@ class Window:
         world = 1 if self.shard is None else self.shard.world
         return -(-numel // world) * world
 
-    def _share(self, group: int) -> tuple[int, int]:
+    def share(self, group: int) -> tuple[int, int]:
         """The range of the group's slot layout this rank loads: all of it, or its shard."""
         n = self._slot_len[group]
         if self.shard is None:
@@ -126,6 +126,10 @@ class Window:
         rank, world = self.shard.rank, self.shard.world
         part = self._padded(n) // world
         return min(rank * part, n), min((rank + 1) * part, n)
+
+    def staging_range(self) -> tuple[int, int]:
+        """The store's staging slots this window copies through: (first, count)."""
+        return self.staging_base, len(self._staging_events)
 
     def views(self, buf: DeviceBuffer, group: int) -> dict[str, torch.Tensor]:
         """Full parameter name → shaped view of ``buf`` (which must hold ``group``)."""
@@ -156,7 +160,7 @@ class Window:
         stream = self.copy_stream
         if stream is not None and buf.released is not None:
             stream.wait_event(buf.released)  # compute finished reading the old contents
-        lo, hi = self._share(group)
+        lo, hi = self.share(group)
         if self.dtype == torch.bfloat16 and self.store.has_mirror:
             with on_stream(stream), self.clock.stream("h2d", stream):
                 buf.flat[lo:hi].copy_(self.store.mirror_group(group)[lo:hi], non_blocking=True)
