@@ -3,7 +3,10 @@
 Lanes: ``prep`` (host cast into staging), ``h2d``, ``compute``, ``d2h``, ``offload``,
 ``update`` (host AdamW, from the update worker), ``nodes`` (the cross-node all-reduce). Waits
 are the compute lane's: ``wait_update`` (version gates), ``wait_h2d`` / ``wait_d2h`` /
-``wait_offload`` (on CUDA the compute stream's stall on a copy event; 0 on CPU).
+``wait_offload``. On CUDA a wait is the compute stream's idle time it caused: a stall on a copy
+event, or, for a wait of the host thread, the time between the compute stream running out of
+queued work and the thread issuing more (none when the thread is ahead of the GPU, as at long
+sequences, where a layer's kernels outlast the wait). On CPU a wait is the host's wall time.
 Invariant: no sync inside the step: on CUDA intervals are timing-event pairs resolved once at
 the end of the step; on CPU ``time.monotonic`` (the Rust worker's clock). ``start_trace()``
 keeps the intervals as spans on one timeline for ``runtime.trace``.
@@ -77,7 +80,12 @@ class LaneClock:
 
     @contextmanager
     def host(self, key: str) -> Iterator[None]:
-        """Time host work (or a host-side wait) with the wall clock."""
+        """Time host work with the wall clock; a wait of the host thread (``WAITS``) on CUDA by
+        the compute stream's idle time across it (see the module docstring)."""
+        if self.cuda and key in WAITS:
+            with self.stream(key, torch.cuda.current_stream(self.device)):
+                yield
+            return
         start = time.monotonic()
         try:
             yield
