@@ -1,15 +1,17 @@
 """SDPA's causal attention on one GPU at long sequences: the rate ``plan.timing``'s
-``ATTENTION_EFFICIENCY`` prices attention's quadratic term at (the share of the dense bf16
+``attention_efficiency`` prices attention's quadratic term at (the share of the dense bf16
 peak that its counted FLOPs reach, forward once and backward as twice the forward).
 
 Run on a GPU (one H200 or H100; a few seconds per length)::
 
     python benches/attention_rate.py --shape qwen3-14b --context 4 --seq 65536 131072 262144
+    python benches/attention_rate.py --shape qwen3-8b --context 4 --seq 524288 1048576
 
 ``--context R``: one Ulysses rank's heads (H/R query and Hkv/R key/value heads over the whole
 sequence). The key/value heads are repeated to the query heads as transformers' SDPA path
 does. Prints one JSON line per length: forward and backward ms, counted TFLOP/s and the share of
-``plan.machine``'s peak, to compare with ``ATTENTION_EFFICIENCY``.
+``plan.machine``'s peak, to compare with ``attention_efficiency`` at that length (fitted on
+whole context-parallel steps: this times the kernel alone).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 
 from slidedp.models.shapes import SHAPES
 from slidedp.plan.machine import gpu_peak
-from slidedp.plan.timing import ATTENTION_EFFICIENCY
+from slidedp.plan.timing import attention_efficiency
 
 
 def _timed_ms(call: Callable[[], object], repeats: int) -> float:
@@ -75,7 +77,8 @@ def measure(shape: str, seq: int, context: int, repeats: int) -> dict[str, float
         "shape": shape, "seq": seq, "context": context, "heads": heads,
         "forward_ms": round(forward_ms, 2), "backward_ms": round(total_ms - forward_ms, 2),
         "counted_tflops": round(rate / 1e12, 1), "share_of_peak": round(rate / peak, 4),
-        "model_share": ATTENTION_EFFICIENCY, "device": torch.cuda.get_device_name(dev),
+        "model_share": round(attention_efficiency(seq), 4),
+        "device": torch.cuda.get_device_name(dev),
     }  # fmt: skip
 
 
