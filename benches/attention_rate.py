@@ -1,18 +1,20 @@
 """SDPA's causal attention on one GPU at long sequences: the rate ``plan.timing``'s
-``ATTENTION_EFFICIENCY`` prices attention's quadratic term at (the share of the dense bf16
+``attention_efficiency`` prices attention's quadratic term at (the share of the dense bf16
 peak that its counted FLOPs reach, forward once and backward as twice the forward).
 
 Run on a GPU (one H200 or H100; a few seconds per length)::
 
     python benches/attention_rate.py --shape qwen3-14b --context 4 --seq 65536 131072 262144
+    python benches/attention_rate.py --shape qwen3-8b --context 4 --seq 524288 1048576
 
 ``--context R``: one Ulysses rank's heads (H/R query and Hkv/R key/value heads over the whole
 sequence). The key/value heads are repeated to the query heads as transformers' SDPA path
 does (``--gqa``: SDPA's ``enable_gqa`` instead, nothing repeated). ``--backends flash cudnn``
 times each SDPA backend named (``default``: torch's own choice, what the layers run). Prints one
 JSON line per length and backend: forward and backward ms, counted TFLOP/s and the share of
-``plan.machine``'s peak, to compare with ``ATTENTION_EFFICIENCY``; a backend that refuses the
-shape prints its error instead.
+``plan.machine``'s peak, to compare with ``attention_efficiency`` at that length (fitted on
+whole context-parallel steps: this times the kernel alone); a backend that refuses the shape
+prints its error instead.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 
 from slidedp.models.shapes import SHAPES
 from slidedp.plan.machine import gpu_peak
-from slidedp.plan.timing import ATTENTION_EFFICIENCY
+from slidedp.plan.timing import attention_efficiency
 
 
 def _timed_ms(call: Callable[[], object], repeats: int) -> float:
@@ -81,7 +83,7 @@ def measure(
     with chosen:
         return _rates(forward, repeats, heads * head_dim * seq * seq) | {
             "shape": shape, "seq": seq, "context": context, "heads": heads,
-            "backend": backend, "gqa": gqa,
+            "backend": backend, "gqa": gqa, "model_share": round(attention_efficiency(seq), 4),
         }  # fmt: skip
 
 
@@ -102,7 +104,7 @@ def _rates(forward: Callable[[], torch.Tensor], repeats: int, sq_d: int) -> dict
     return {
         "forward_ms": round(forward_ms, 2), "backward_ms": round(total_ms - forward_ms, 2),
         "counted_tflops": round(rate / 1e12, 1), "share_of_peak": round(rate / peak, 4),
-        "model_share": ATTENTION_EFFICIENCY, "device": device,
+        "device": device,
     }  # fmt: skip
 
 

@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
@@ -110,6 +111,16 @@ LAYER_EFFICIENCY = 0.365
 # LAYER_EFFICIENCY take 11.40 s; attention's 2.03e16 FLOPs (forward, replay, backward) take
 # the other 38.15 s: 531 TFLOP/s, 53.7% of 989.
 ATTENTION_EFFICIENCY = 0.537
+# Beyond that row the rate falls by a share of the peak per doubling of the keys a query row
+# streams (``attention_efficiency``). Four context-parallel runs on H200s, every layer F (the
+# rate each one needs, their steps less the matmuls and head at LAYER_EFFICIENCY): Qwen3-8B at
+# 131,072 keys 0.529, Qwen3-14B at 262,144 0.505 and 524,288 0.462, Qwen3-8B at 1,048,576 0.451
+# (benchmarks/2026-11-28-context-parallel-{2,4}xh200.md); the least-squares slope through 0.537
+# at the knee. One constant for all four misses one end by 6% (0.483: 131K +6%, 1M -6%); a
+# likely cause, not traced: a head's keys and values (S x d x 4 B, 64 MiB at 131,072 keys)
+# outgrow the GPU's 50 MB L2, so the kernel's query tiles share fewer of their reads.
+ATTENTION_KNEE_KEYS = 131072
+ATTENTION_EFFICIENCY_PER_DOUBLING = 0.0314
 # PCIe copies and the host cast, DEVICE.md's H100-host ceilings (Gen5 x16, pinned)
 H2D_GBPS, D2H_GBPS, CAST_GBPS = 51.0, 54.0, 78.0
 ADAMW_BYTES_PER_PARAM = 28  # f32 master, m, v read and written, the gradient read
@@ -117,6 +128,14 @@ CAST_BYTES_PER_PARAM = 6  # the f32 master read, its bf16 copy written
 # the backward's replay as a share of the layer's forward: full and selective checkpointing
 # replay up to a whole forward (an upper bound: selective keeps some outputs), N none
 REPLAY_SHARE = {"F": 1.0, "S": 1.0, "SAC": 1.0, "N": 0.0}
+
+
+def attention_efficiency(keys: int) -> float:
+    """The share of the dense bf16 peak attention's quadratic term reaches over rows of ``keys``
+    keys a query sees (``LayerShape.attended``): ``ATTENTION_EFFICIENCY`` up to
+    ``ATTENTION_KNEE_KEYS``, less ``ATTENTION_EFFICIENCY_PER_DOUBLING`` per doubling beyond."""
+    doublings = max(0.0, math.log2(max(keys, 1) / ATTENTION_KNEE_KEYS))
+    return ATTENTION_EFFICIENCY - ATTENTION_EFFICIENCY_PER_DOUBLING * doublings
 
 
 def layer_times(report: dict[str, Any]) -> dict[str, tuple[float, float]]:
@@ -333,14 +352,14 @@ def context_extra_s(
     """What a context-parallel rank's layer of ``shape`` under ``policy`` takes beyond one
     GPU's layer at its shard's shape (``rows`` x S/R tokens, as ``profile_spec`` profiles it):
     (forward, forward + backward) seconds. Its heads attend over the whole ``seq_len`` rather
-    than the shard (``rank_attended``'s term less the shard's, at ``ATTENTION_EFFICIENCY``,
+    than the shard (``rank_attended``'s term less the shard's, at ``attention_efficiency``,
     the backward's replay as ``REPLAY_SHARE`` counts it), and its exchanges
     (``context_exchange_s``, at ``gbps``)."""
     r = ranks.context
     tokens = rows * (seq_len // r)
     whole = rank_attended(shape, seq_len=seq_len, context=r, scheme=ranks.scheme)
     shard = min(shape.attended, seq_len // r)  # a sliding window caps both
-    rate = ATTENTION_EFFICIENCY * peak_flops
+    rate = attention_efficiency(shape.attended) * peak_flops
     forward = 2 * shape.q_dim * (whole - shard) * tokens / rate
     (x_forward,), (x_backward,) = context_exchange_s(
         [shape], (policy,), tokens=tokens, gbps=gbps, context=r, scheme=ranks.scheme
@@ -358,11 +377,11 @@ def compute_times(adapter: HFAdapter, policy: Policy, *, batch: int, seq_len: in
     tokens = batch * seq_len // ranks.context
     shapes = layer_shapes(adapter.config, seq_len)  # attended: over the whole sequence
     rate = LAYER_EFFICIENCY * rates.peak_flops
-    attention_rate = ATTENTION_EFFICIENCY * rates.peak_flops
     attended = [rank_attended(s, seq_len=seq_len, context=ranks.context, scheme=ranks.scheme)
                 for s in shapes]  # fmt: skip
     forward = [
-        2 * s.matmul_params * tokens / rate + 2 * s.q_dim * a * tokens / attention_rate
+        2 * s.matmul_params * tokens / rate
+        + 2 * s.q_dim * a * tokens / (attention_efficiency(s.attended) * rates.peak_flops)
         for s, a in zip(shapes, attended, strict=True)
     ]
     backward = [
@@ -388,7 +407,7 @@ def spec_from_shapes(
 ) -> StepSpec:
     """A ``StepSpec`` from the model's shapes and the policy, with ``rates``: compute from
     FLOPs (the matmuls' at ``LAYER_EFFICIENCY`` of ``peak_flops``, attention's quadratic term
-    at ``ATTENTION_EFFICIENCY``), copies at ``links`` (the PCIe ceilings by default), AdamW at
+    at ``attention_efficiency``), copies at ``links`` (the PCIe ceilings by default), AdamW at
     ``host_update_gbps``, the cast on delivery (no mirror) at ``cast_gbps`` (``offloaded_bytes``:
     per layer, ``plan.cost``). ``measured``: a layer policy's forward and backward (replay
     included) as the layer profile timed them (``layer_times``); they replace the FLOPs-rate
