@@ -100,7 +100,7 @@ def tiled_forward(mlp: nn.Module, below: MlpForward | None, tile: int) -> MlpFor
     """``mlp``'s forward tiled by ``tile`` tokens: ``below``, the instance's forward it
     replaces (Liger's), else the class's. Dynamo does not trace it (a compiled layer runs the
     tiles eagerly between its graphs)."""
-    run = below if below is not None else type(mlp).forward.__get__(mlp)
+    run = below if below is not None else cast(MlpForward, type(mlp).forward.__get__(mlp))
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if x.numel() <= tile * x.shape[-1]:
@@ -118,11 +118,23 @@ def mlp_tile(mlp: nn.Module) -> int:
     return _patched(mlp)[1]
 
 
+def tiles(mlp: nn.Module, x: torch.Tensor) -> bool:
+    """Whether ``mlp`` runs the input ``x`` by tiles (tiled, and longer than one tile)."""
+    tile = mlp_tile(mlp)
+    return bool(tile) and x.numel() > tile * x.shape[-1]
+
+
 def _patched(mlp: nn.Module) -> tuple[MlpForward | None, int]:
     """``mlp``'s instance forward under any tiling (None: the class's) and the tile."""
     forward = mlp.__dict__.get("forward")
     below: tuple[MlpForward | None, int] = getattr(forward, _UNTILED, (forward, 0))
     return below
+
+
+def untiled_forward(mlp: nn.Module) -> MlpForward:
+    """``mlp``'s forward under any tiling (Liger's or the class's): what one tile runs."""
+    below, _ = _patched(mlp)
+    return below if below is not None else cast(MlpForward, type(mlp).forward.__get__(mlp))
 
 
 def tile_layer_mlp(mlp: nn.Module, tile: int) -> None:

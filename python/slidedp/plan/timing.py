@@ -371,6 +371,12 @@ def compute_times(adapter: HFAdapter, policy: Policy, *, batch: int, seq_len: in
     for i, p in enumerate(policy.layers):
         if measured and str(p) in measured:
             forward[i], backward[i] = measured[str(p)]
+    if policy.compute.mlp_tile_tokens and tokens > policy.compute.mlp_tile_tokens:
+        # a tiled MLP's backward runs its forward once more, tile by tile (models.tiled_mlp);
+        # the layer profile does not tile
+        backward = [
+            b + 2 * s.mlp_params * tokens / rate for b, s in zip(backward, shapes, strict=True)
+        ]
     head = 6 * adapter.vocab_size * adapter.hidden_size * tokens / rate
     return forward, backward, head
 
