@@ -40,7 +40,8 @@ TILING = _Tiling()
 
 
 def _bind(mlp: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Point ``mlp``'s parameters at ``tensors``; returns what they pointed at."""
+    """Point ``mlp``'s parameters at ``tensors`` (as ``models.hf.bind_params``, whose module
+    imports this one); returns what they pointed at."""
     before: dict[str, torch.Tensor] = dict(mlp.named_parameters())
     for name, tensor in tensors.items():
         path, _, attr = name.rpartition(".")
