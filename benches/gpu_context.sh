@@ -21,6 +21,9 @@
 #                 first `slidedp estimate` of PARTS=long's config (qwen3-8b, clipping CLIP):
 #                 the predicted step beside the bench's measured one
 # ATTN=allgather|ulysses sets runtime.context_attention in the long and bench parts (auto otherwise).
+# In the long part: TILE=N sets runtime.mlp_tile_tokens (every dense MLP by N-token tiles);
+# CP=R splits each sequence over R of the GPUS (default GPUS; CP=1: one sequence per GPU, data
+# parallel, global batch GPUS/CP); LAYOUT sets runtime.layers (e.g. "16xF-r1, F").
 # Context-parallel runs use eager layers, no torch.compile and a fixed layout (the keys are set
 # here; the preflight refuses the others).
 # Here first:  rm -f dist/*.whl; .venv/bin/maturin build --release -o dist/ -q
@@ -34,7 +37,7 @@ write_run() {  # Qwen3-8B's config (no weights: seeded init), one row of SEQ ran
     local dir="$1"
     mkdir -p "$dir/model"
     python3 - "$dir" "$SEQ" "$GPUS" "${STEPS:-3}" "${CLIP:-1.0}" "${ATTN:-auto}" "${SHAPE:-qwen3-8b}" \
-        "${LAYERS:-0}" "${OFFLOAD:-0}" <<'PY'
+        "${LAYERS:-0}" "${OFFLOAD:-0}" "${TILE:-0}" "${CP:-$GPUS}" "${LAYOUT:-F}" <<'PY'
 import json, sys
 from pathlib import Path
 import torch, yaml
@@ -42,23 +45,24 @@ from transformers import Qwen3Config
 from slidedp.models.shapes import SHAPES
 d, seq, gpus, steps = Path(sys.argv[1]), *map(int, sys.argv[2:5])
 clip, attention, shape = float(sys.argv[5]), sys.argv[6], sys.argv[7]
-layers, offload = int(sys.argv[8]), float(sys.argv[9])
+layers, offload, tile, cp = int(sys.argv[8]), float(sys.argv[9]), int(sys.argv[10]), int(sys.argv[11])
+layout, batch = sys.argv[12], gpus // cp
 cut = {"num_hidden_layers": layers} if layers else {}
 Qwen3Config(**{**SHAPES[shape], **cut}).save_pretrained(d / "model")
 gen = torch.Generator().manual_seed(0)
 with (d / "data.jsonl").open("w") as f:
-    for _ in range(steps):
+    for _ in range(steps * batch):
         f.write(json.dumps({"input_ids": torch.randint(0, 150000, (seq,), generator=gen).tolist()}) + "\n")
 rope = {"rope_type": "yarn", "factor": max(1.0, seq / 32768), "original_max_position_embeddings": 32768}
 config = {
     "model": {"path": str(d / "model"), "rope_scaling": rope, "max_position_embeddings": seq},
     "data": {"path": str(d / "data.jsonl"), "seq_len": seq, "pad_id": 0},
-    "train": {"max_steps": steps, "global_batch_size": 1, "max_grad_norm": clip,
+    "train": {"max_steps": steps, "global_batch_size": batch, "max_grad_norm": clip,
               "dtype": "bfloat16"},
     "output": {"dir": str(d / "out"), "tensorboard": False, "save_steps": 0},
-    "runtime": {"device": "cuda", "gpus": gpus, "context_parallel": gpus, "kernels": "eager",
+    "runtime": {"device": "cuda", "gpus": gpus, "context_parallel": cp, "kernels": "eager",
                 "compile": False, "policy": "fixed", "context_attention": attention,
-                "offload_ratio": offload},
+                "offload_ratio": offload, "mlp_tile_tokens": tile, "layers": layout},
 }
 (d / "run.yaml").write_text(yaml.safe_dump(config))
 PY
@@ -68,8 +72,9 @@ long_run() {
     local dir="$OUT/long"
     write_run "$dir"
     part estimate 120 python3 -m slidedp estimate "$dir/run.yaml"
-    part "long-${SHAPE:-qwen3-8b}-$SEQ-r$GPUS" $((560 - SECONDS)) python3 -m slidedp train "$dir/run.yaml"
-    cp "$dir/out/metrics.jsonl" "$OUT/metrics-${SHAPE:-qwen3-8b}-$SEQ-r$GPUS.jsonl" 2>/dev/null
+    local name="${SHAPE:-qwen3-8b}-$SEQ-r${CP:-$GPUS}-g$GPUS${TILE:+-t$TILE}"
+    part "long-$name" $((560 - SECONDS)) python3 -m slidedp train "$dir/run.yaml"
+    cp "$dir/out/metrics.jsonl" "$OUT/metrics-$name.jsonl" 2>/dev/null
 }
 
 bench_run() {  # slidedp bench train with context parallelism (the bench sets its keys)

@@ -102,6 +102,9 @@ class LayoutSpec:
     layers: str = "F"
     offload_ratio: float = 0.0  # ratio of the entries of `layers` that give none (0..1)
     loss_chunk_tokens: int = 1024  # tokens per chunk of the linear + cross-entropy
+    # the dense MLP of every decoder layer run by tiles of this many tokens, its intermediates
+    # recomputed tile by tile in the backward (models.tiled_mlp); 0: untiled
+    mlp_tile_tokens: int = 0
     update_threads: int = 0  # host AdamW threads per rank; 0: its share of the cores
     chunk_elems: int = 0  # elements per H2D/D2H chunk (a store slot); 0: one decoder layer
     staging_slots: int = 2  # BF16 host staging slots (H2D ring)
@@ -147,6 +150,10 @@ class LayoutSpec:
             except ConfigError as e:
                 _require(False, f"runtime.layers: {e}")
         _require(self.loss_chunk_tokens >= 1, "runtime.loss_chunk_tokens must be >= 1")
+        _require(
+            self.mlp_tile_tokens >= 0,
+            f"runtime.mlp_tile_tokens must be >= 0 (0: untiled), got {self.mlp_tile_tokens}",
+        )
         _require(self.update_threads >= 0, "runtime.update_threads must be >= 0")
 
 

@@ -24,6 +24,7 @@ import torch
 from slidedp.config import TrainConfig
 from slidedp.config_runtime import LaunchSpec
 from slidedp.errors import OutOfDeviceMemoryError, OutOfSharedMemoryError
+from slidedp.models.fast import Compute
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.context_cost import ContextShape, exchange_bytes
 from slidedp.plan.cost import (
@@ -134,7 +135,7 @@ def estimate_memory(
     window = (slots * largest_layer + own) * elem
     loss = min(rt.layout.loss_chunk_tokens, tokens) * adapter.vocab_size * 4 * LOSS_F32_COPIES
     dtype = torch.bfloat16 if elem == 2 else torch.float32
-    kernels = policy.compute.kernels  # Liger's kernels save less for the backward
+    kernels = policy.compute  # Liger's kernels save less for the backward, a tiled MLP less
     acts = layout_memory(adapter, policy.layers, rows, s_rank, dtype, kernels, shape)
     layer = acts.transient_bytes + exchange_bytes(adapter, rows, s_rank, elem, shape)
     checkpoints = acts.retained_bytes + acts.prefetch_bytes
@@ -236,7 +237,7 @@ def _layout_rows(
     layers: tuple[LayerPolicy, ...],
     tokens: tuple[int, int],  # rows, sequence length (a context shard's)
     dtype: torch.dtype,
-    kernels: str,
+    kernels: Compute,
     context: ContextShape | None,
 ) -> list[dict[str, Any]]:
     b, s = tokens

@@ -167,3 +167,20 @@ def test_a_profile_whose_key_changed_is_measured_again(
     assert again["cached"] is None  # measured, not read
     assert again[changed] != first[changed]
     assert len(list((tmp_path / "cache").glob("layer-*.json"))) == 2
+
+
+def test_a_run_with_tiled_mlps_is_profiled_with_them(tmp_path: Path) -> None:
+    """``runtime.mlp_tile_tokens`` reaches the profile (``ProfileSpec.mlp_tile_tokens``): its
+    candidates are measured with the tiles, and ``N`` keeps the MLP's input (saved either way)
+    without its four intermediates (2 x 16 tokens, 4 x 128 floats a token)."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(TINY))
+    saved = []
+    for tile in (0, 5):
+        spec = layer.ProfileSpec(
+            shape=str(config), batch=2, seq_len=16, families="N", ratios="0", device="cpu",
+            warmup=1, steps=2, cache_dir=str(tmp_path / "cache"), mlp_tile_tokens=tile,
+        )  # fmt: skip
+        (c,) = layer.profile_layer(spec)["candidates"]
+        saved.append(c["estimated_offloaded_bytes"] + c["estimated_retained_bytes"])
+    assert saved[0] - saved[1] == 2 * 16 * 4 * 128 * 4

@@ -79,6 +79,8 @@ OFFLOADED = "1xF-r1, 1xN-r0.5, 1xS1010100-r0.5, 1xSAC.mm-r1"  # every family, pa
         # each family's saved tensors of the shard offloaded (a part, or all of them)
         ("qwen3", 2, 2, {"layers": OFFLOADED}, None),
         ("qwen3", 2, 2, GATHER | {"layers": OFFLOADED}, None),  # the gathered keys/values too
+        # each rank's shard tiled (runtime.mlp_tile_tokens; the one rank tiles its whole rows)
+        ("qwen3", 2, 2, {"layers": OFFLOADED, "mlp_tile_tokens": 5}, None),
         ("llama", 2, 2, {"grad_route": "cpu", "param_route": "sharded"}, None),
         ("qwen3", 4, 2, GATHER, None),  # 2 allgather groups of 2: data parallelism over the groups
         ("qwen3", 4, 4, {}, 4),  # one group of 4 (Ulysses: the 4 key/value heads split in 4)
@@ -98,6 +100,7 @@ OFFLOADED = "1xF-r1, 1xN-r0.5, 1xS1010100-r0.5, 1xSAC.mm-r1"  # every family, pa
         "families",
         "offload",
         "offload-allgather",
+        "tiled-mlp",
         "llama-routes",
         "allgather-dp",
         "ulysses-r4",

@@ -33,6 +33,7 @@ from torch import nn
 
 from slidedp.errors import ConfigError
 from slidedp.models.liger_twins import rms_norm_twin, rope_twin, swiglu_mlp_twin
+from slidedp.models.tiled_mlp import use_tiled_mlps
 
 if TYPE_CHECKING:
     from slidedp.models.hf import HFAdapter
@@ -47,17 +48,20 @@ LIGER_REGISTRY_LOG = "liger_kernel.backends.registry"
 @dataclass(frozen=True)
 class Compute:
     """The resolved choice: ``kernels`` that run, ``compile`` backend ("" = not compiled),
-    and why ``auto`` chose what it chose (for the banner)."""
+    and why ``auto`` chose what it chose (for the banner); the dense MLPs tiled by
+    ``mlp_tile_tokens`` (0: untiled; ``models.tiled_mlp``)."""
 
     kernels: Literal["eager", "liger"]
     compile: str
     reason: str = ""
+    mlp_tile_tokens: int = 0
 
     def describe(self) -> str:
         kernels = f"liger ({LIGER_OPS})" if self.kernels == "liger" else "eager"
         compiled = f"compiled ({self.compile})" if self.compile else "not compiled"
         why = f" [{self.reason}]" if self.reason else ""
-        return f"{kernels}, {compiled}, attention SDPA{why}"
+        tiled = f", MLP by {self.mlp_tile_tokens}-token tiles" if self.mlp_tile_tokens else ""
+        return f"{kernels}, {compiled}, attention SDPA{tiled}{why}"
 
 
 def liger_available() -> bool:
@@ -286,7 +290,12 @@ def apply_compute(adapter: HFAdapter, compute: Compute) -> None:
     kernels and compilation: nothing happens (the patches and the compiled call are kept);
     with another: ``RuntimeError``, a programming error."""
     if adapter.compute is not None:
-        if (adapter.compute.kernels, adapter.compute.compile) != (compute.kernels, compute.compile):
+        ran, wanted = adapter.compute, compute
+        if (ran.kernels, ran.compile, ran.mlp_tile_tokens) != (
+            wanted.kernels,
+            wanted.compile,
+            wanted.mlp_tile_tokens,
+        ):
             raise RuntimeError(
                 f"apply_compute: the adapter is patched for {adapter.compute.describe()}, "
                 f"not {compute.describe()}; build another adapter"
@@ -294,6 +303,8 @@ def apply_compute(adapter: HFAdapter, compute: Compute) -> None:
         return
     if compute.kernels == "liger":
         _apply_liger(adapter)
+    if compute.mlp_tile_tokens:  # over Liger's SwiGLU where it runs
+        use_tiled_mlps(adapter, compute.mlp_tile_tokens)
     if compute.compile:
         # dynamo reads .grad of every tensor input while tracing; the input of a layer whose
         # graph is kept (N, SAC) is a non-leaf (runtime.activations.base.InputGrad), which

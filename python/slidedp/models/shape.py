@@ -32,6 +32,7 @@ class LayerShape:
     matmul_params: int  # the nn.Linear weights one token uses (FLOPs count these)
     experts: int = 1
     top_k: int = 1
+    mlp_params: int = 0  # the dense MLP's nn.Linear weights (0: none, or a mixture of experts)
 
 
 def _attention_dims(layer: nn.Module, config: PretrainedConfig) -> tuple[int, int]:
@@ -76,6 +77,10 @@ def layer_shapes(config: PretrainedConfig, seq_len: int) -> list[LayerShape]:
         expert_params = sum(p.numel() for m in stacks for p in m.parameters())
         active = expert_params * min(top_k, experts) // experts
         q_dim, kv_dim = _attention_dims(layer, config)
+        mlp = getattr(layer, "mlp", None) if not stacks else None
+        dense = (
+            sum(m.weight.numel() for m in mlp.modules() if isinstance(m, nn.Linear)) if mlp else 0
+        )
         shapes.append(
             LayerShape(
                 hidden=int(config.hidden_size),
@@ -87,6 +92,7 @@ def layer_shapes(config: PretrainedConfig, seq_len: int) -> list[LayerShape]:
                 matmul_params=matmul + active,
                 experts=experts,
                 top_k=min(top_k, experts),
+                mlp_params=dense,
             )
         )
     return shapes

@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
 
-from slidedp.models.fast import liger_saved_tensors
-from slidedp.models.hf import HFAdapter
+from slidedp.models.fast import Compute, liger_saved_tensors
+from slidedp.models.hf import HFAdapter, bind_params
+from slidedp.models.tiled_mlp import tiled_mlp, untiled_forward
 from slidedp.plan.context_cost import ContextShape, gathered_keys
 from slidedp.plan.layout import LayerPolicy
 from slidedp.runtime.activations import LayerRun, executor_for
@@ -60,6 +61,7 @@ class LayerFootprint:
     cache_bytes: int  # kept on the device outside ``saved`` (SAC's operator outputs)
     replay_bytes: int  # saved by the backward's replay (0: no replay)
     peak_factor: float = REPLAY_PEAK_FACTOR  # the backward's peak over those saved bytes
+    tile_bytes: int = 0  # a tiled MLP's backward beside them (``_tile_bytes``)
 
     @property
     def offloaded_bytes(self) -> int:
@@ -76,8 +78,8 @@ class LayerFootprint:
         """Added during the layer's backward: the replay's saved tensors and gradients (``N``:
         the gradients of what it kept)."""
         if self.policy.family == "N":
-            return round((self.peak_factor - 1) * sum(self.saved))
-        return round(self.peak_factor * self.replay_bytes)
+            return round((self.peak_factor - 1) * sum(self.saved)) + self.tile_bytes
+        return round(self.peak_factor * self.replay_bytes) + self.tile_bytes
 
 
 class _FlashOnMeta(TorchFunctionMode):
@@ -158,16 +160,19 @@ def layer_footprint(
     seq_len: int,
     dtype: torch.dtype,
     layer: int = 0,
-    kernels: str = "eager",
+    kernels: str | Compute = "eager",
     context: ContextShape | None = None,
 ) -> LayerFootprint:
     """Decoder layer ``layer``'s memory under ``policy`` for ``batch`` rows of ``seq_len``
     tokens (measured once per kind of layer: ``HFAdapter.layer_kinds``) with the layer
-    ``kernels`` the run uses (``Compute.kernels``: Liger's save less for the backward);
-    ``context``: ``seq_len`` is a context shard's, its attention as the scheme's worst rank's
-    (``plan.context_cost``)."""
+    compute the run uses (``Compute``: Liger's kernels save less for the backward, a tiled
+    MLP saves its input alone; a kernels name: untiled); ``context``: ``seq_len`` is a
+    context shard's, its attention as the scheme's worst rank's (``plan.context_cost``)."""
     kind = adapter.layer_kinds[layer]
-    return _kind_footprint(adapter, policy, batch, seq_len, dtype, kind, kernels, context)
+    if isinstance(kernels, str):
+        kernels = Compute("liger" if kernels == "liger" else "eager", "")
+    compute = Compute(kernels.kernels, "", mlp_tile_tokens=kernels.mlp_tile_tokens)  # cache key
+    return _kind_footprint(adapter, policy, batch, seq_len, dtype, kind, compute, context)
 
 
 @functools.cache
@@ -178,17 +183,38 @@ def _kind_footprint(
     seq_len: int,
     dtype: torch.dtype,
     layer: int,
-    kernels: str,
+    compute: Compute,
     context: ContextShape | None,
 ) -> LayerFootprint:
 
-    liger = liger_saved_tensors(adapter, layer) if kernels == "liger" else contextlib.nullcontext()
-    with _FlashOnMeta(), liger, gathered_keys(adapter, context):
+    liger = compute.kernels == "liger"
+    saves = liger_saved_tensors(adapter, layer) if liger else contextlib.nullcontext()
+    tile = compute.mlp_tile_tokens
+    with _FlashOnMeta(), saves, tiled_mlp(adapter, layer, tile), gathered_keys(adapter, context):
         run, x = _meta_run(adapter, layer, batch, seq_len, dtype)
         _, state = executor_for(policy, measure=True).forward(run, x)
         replay = _replay_bytes(policy, run, x)
-    factor = LIGER_REPLAY_PEAK_FACTOR if kernels == "liger" else REPLAY_PEAK_FACTOR
-    return LayerFootprint(policy, tuple(state.saved_bytes()), state.retained_bytes, replay, factor)
+        factor = LIGER_REPLAY_PEAK_FACTOR if liger else REPLAY_PEAK_FACTOR
+        tiles = _tile_bytes(run, tile if batch * seq_len > tile else 0, dtype, factor)
+    saved = tuple(state.saved_bytes())
+    return LayerFootprint(policy, saved, state.retained_bytes, replay, factor, tiles)
+
+
+def _tile_bytes(run: Any, tile: int, dtype: torch.dtype, factor: float) -> int:
+    """What a tiled MLP's backward holds beside the layer's saved tensors (0: untiled): one
+    tile's replay (its saved tensors at the replay's ``factor``, their gradients with them),
+    the weight gradients' float32 sums and one tile's weight gradients (``TiledMLP``)."""
+    if not tile:
+        return 0
+    module = run.adapter.layer_module(run.layer)
+    params = leaves(run.params)
+    bind_params(module, params)
+    x = torch.empty(tile, run.adapter.hidden_size, device=META, dtype=dtype)
+    one_tile = untiled_forward(module.mlp)
+    saved = _saved_by_grad_run(run, params, lambda: one_tile(x.requires_grad_(True)))
+    weights = list(module.mlp.parameters())
+    sums = sum(p.numel() * (max(4, p.element_size()) + p.element_size()) for p in weights)
+    return round(factor * saved) + int(sums)
 
 
 @dataclass(frozen=True)
@@ -209,7 +235,7 @@ def layout_memory(
     batch: int,
     seq_len: int,
     dtype: torch.dtype,
-    kernels: str = "eager",
+    kernels: str | Compute = "eager",
     context: ContextShape | None = None,
 ) -> LayoutMemory:
     fps = [layer_footprint(adapter, p, batch, seq_len, dtype, i, kernels, context)

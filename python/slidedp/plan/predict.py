@@ -121,7 +121,7 @@ def predict(plan: Plan, adapter: HFAdapter, shape: Shape, rates: Rates) -> Calib
     policy, shard = plan.policy, shape.seq_len // shape.context
     offloaded = [
         layer_footprint(adapter, p, shape.rows, shard, plan.dtype, i,
-                        policy.compute.kernels).offloaded_bytes
+                        policy.compute).offloaded_bytes
         for i, p in enumerate(policy.layers)
     ]  # fmt: skip
     spec = spec_from_shapes(

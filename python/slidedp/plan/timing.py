@@ -387,6 +387,12 @@ def compute_times(adapter: HFAdapter, policy: Policy, *, batch: int, seq_len: in
     backward = [
         (2 + REPLAY_SHARE[p.family]) * f for f, p in zip(forward, policy.layers, strict=True)
     ]
+    if policy.compute.mlp_tile_tokens and tokens > policy.compute.mlp_tile_tokens:
+        # a tiled MLP's backward runs its forward once more, tile by tile (models.tiled_mlp;
+        # a layer profile of the run measures it with the tiles)
+        backward = [
+            b + 2 * s.mlp_params * tokens / rate for b, s in zip(backward, shapes, strict=True)
+        ]
     for i, p in enumerate(policy.layers):
         if measured and str(p) in measured:
             forward[i], backward[i] = measured[str(p)]

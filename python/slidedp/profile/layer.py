@@ -74,6 +74,7 @@ class ProfileSpec:
     layer_kernels: str = "eager"
     layer_compile: bool | None = False
     world: int = 1  # processes the run's batch is split over
+    mlp_tile_tokens: int = 0  # runtime.mlp_tile_tokens of the run (models.tiled_mlp)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ProfileSpec:
@@ -98,6 +99,7 @@ def profile_spec(cfg: TrainConfig, **given: Any) -> ProfileSpec:
         dtype=cfg.train.dtype,
         layer_kernels=cfg.runtime.layout.kernels,
         layer_compile=cfg.runtime.layout.compile,
+        mlp_tile_tokens=cfg.runtime.layout.mlp_tile_tokens,
     )
     return dataclasses.replace(run, **given)
 
@@ -206,7 +208,7 @@ def measure(prof: _Profiled, policy: LayerPolicy, args: ProfileSpec, layer: int 
                 reload_s.append(r_s)
     finally:
         offload.close()
-    kernels = adapter.compute.kernels if adapter.compute else "eager"  # the patched-in ones
+    kernels = adapter.compute or "eager"  # the patched-in ones (and MLP tiles)
     fp = layer_footprint(adapter, policy, batch, seq_len, dtype, layer, kernels)
     return Candidate(
         policy=str(policy),
@@ -229,7 +231,7 @@ def measure(prof: _Profiled, policy: LayerPolicy, args: ProfileSpec, layer: int 
 
 def candidates(families: str, ratios: str, adapter: HFAdapter, batch: int, seq_len: int,
                dtype: torch.dtype, layer: int = 0,
-               kernels: str = "eager") -> list[LayerPolicy]:  # fmt: skip
+               kernels: str | Compute = "eager") -> list[LayerPolicy]:  # fmt: skip
     """Every family the model's layer takes (``check_layout_fits``: no ``S`` on a Gemma or MoE
     layer, no ``SAC.noact`` on a MoE) at every ratio, one per distinct offloaded set (ratios
     merged). A candidate's ratio is the share it really offloads (of what the layer saves with
@@ -283,6 +285,7 @@ def _profiled(args: ProfileSpec) -> _Profiled:
     dtype = pick_dtype(args.dtype, device)
     # the layer compute the run uses (plan, runtime.policy: auto); the command line's: eager
     compute = resolve_compute(args.layer_kernels, args.layer_compile, device, adapter)
+    compute = dataclasses.replace(compute, mlp_tile_tokens=args.mlp_tile_tokens)
     facts = {
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         # the host runs the layer on CPU and launches its kernels beside a GPU
@@ -295,7 +298,8 @@ def _profiled(args: ProfileSpec) -> _Profiled:
         "world": args.world,  # processes the run's batch is split over
         "families": args.families,
         "ratios": args.ratios,
-        "compute": {"kernels": compute.kernels, "compile": compute.compile},
+        "compute": {"kernels": compute.kernels, "compile": compute.compile}
+        | ({"mlp_tile_tokens": compute.mlp_tile_tokens} if compute.mlp_tile_tokens else {}),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "liger_kernel": _liger_version() if compute.kernels == "liger" else None,
@@ -367,7 +371,7 @@ def profile_layer(args: ProfileSpec) -> dict[str, Any]:
     prof = _profiled(args)
     reports = {k: None if args.force else _read_cache(prof.cache(k)) for k in prof.kinds}
     todo = {k: candidates(args.families, args.ratios, prof.adapter, args.batch, args.seq_len,
-                          prof.dtype, k, prof.compute.kernels)
+                          prof.dtype, k, prof.compute)
             for k, r in reports.items() if r is None}  # fmt: skip
     if todo:
         apply_compute(prof.adapter, prof.compute)  # after the candidates: the cost model on meta

@@ -7,9 +7,10 @@ Boundaries (the state after each; ``x`` the layer input, ``x1`` the residual aft
     b3 post-attn norm (x1, h2)   b4 gate/up (x1, g, u)     b5 activation (x1, m = act(g) * u)
     b6 down (x1, d)              end (x1 + d,)
 
-A segment mask ``S1010100`` saves the states at b0, b2 and b4 (first bit = b0). Invariant: the
-segments reproduce the module bit for bit on each architecture
-(``tests/engine/test_activations.py``).
+A segment mask ``S1010100`` saves the states at b0, b2 and b4 (first bit = b0). An MLP tiled
+along the sequence (``models.tiled_mlp``) over more than one tile runs whole in the down
+segment: b4 and b5 are then ``(x1, h2)``, its input. Invariant: the segments reproduce the
+module bit for bit on each architecture (``tests/engine/test_activations.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from slidedp.models.hf import bind_params, no_cache
+from slidedp.models.tiled_mlp import tiles
 
 BOUNDARIES = (
     "input norm",
@@ -59,15 +61,28 @@ def _norm2(m: Any, s: State, ctx: dict[str, Any], layer: int) -> State:
     return s[0], m.post_attention_layernorm(s[0])
 
 
+def _tiled(m: Any, s: State) -> bool:
+    """Whether the MLP runs tiled on the MLP input ``s[1]``: then ``_down`` takes it whole (told
+    apart from the product ``_activation`` gives it by its width: an MLP as wide as its
+    hidden size runs untiled in segments)."""
+    return tiles(m.mlp, s[1]) and s[1].shape[-1] != m.mlp.down_proj.in_features
+
+
 def _gate_up(m: Any, s: State, ctx: dict[str, Any], layer: int) -> State:
+    if _tiled(m, s):
+        return s
     return s[0], m.mlp.gate_proj(s[1]), m.mlp.up_proj(s[1])
 
 
 def _activation(m: Any, s: State, ctx: dict[str, Any], layer: int) -> State:
+    if len(s) == 2:  # the tiled MLP's input (``_gate_up``)
+        return s
     return s[0], m.mlp.act_fn(s[1]) * s[2]
 
 
 def _down(m: Any, s: State, ctx: dict[str, Any], layer: int) -> State:
+    if _tiled(m, s):
+        return s[0], m.mlp(s[1])
     return s[0], m.mlp.down_proj(s[1])
 
 

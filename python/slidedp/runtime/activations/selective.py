@@ -20,6 +20,7 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from slidedp.models.tiled_mlp import TILING
 from slidedp.plan.layout import LayerPolicy
 from slidedp.runtime.activations.base import KeptGraph, LayerRun, LayerState, leaves
 
@@ -85,7 +86,7 @@ class SelectiveExecutor:
         keep, count = self._keep, self.count_cache
 
         def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-            if not keep(op):
+            if not keep(op) or TILING.forward:  # a tiled MLP keeps nothing of its tiles
                 return CheckpointPolicy.PREFER_RECOMPUTE
             if count and not ctx.is_recompute:
                 region.cache_bytes += _output_bytes(op, args, kwargs)
