@@ -40,7 +40,7 @@ from slidedp.io.checkpoint import (
 )
 from slidedp.io.disk_space import checkpoint_bytes, disk_full_reported
 from slidedp.io.hf_load import fill_master, read_buffers, weight_files
-from slidedp.io.resume import load_resume_point, plan_resume
+from slidedp.io.resume import ResumeDecision, load_resume_point, plan_resume
 from slidedp.kernels import Kernels, default_threads
 from slidedp.models.freeze import apply_freeze
 from slidedp.models.hf import HFAdapter
@@ -76,12 +76,14 @@ class Trainer:
         log: bool = True,
         checked: Checked | None = None,
         store: HostStore | None = None,
+        decided: ResumeDecision | None = None,
     ) -> None:
         """``plan``: the run's plan, decided before (``slidedp train``: the preflight's, or the
         launcher's ``--plan`` file on every rank), run as it is; None (a direct call, a rank
         another launcher started): ``resolve_plan`` here, the mirror the store's creator's.
         ``checked``: the preflight's result (``slidedp train``), whose resume decision is
-        taken as is; without it the trainer decides (the same ``plan_resume``). ``store``: one
+        taken as is; ``decided``: a launcher's resume decision (its other ranks), taken as is;
+        without either the trainer decides (the same ``plan_resume``). ``store``: one
         process's store of ``plan``'s layout that an earlier trainer filled (the policy
         selector's trials, ``autopolicy.trial_store``), run as it is: nothing created or filled."""
         self.cfg, self.log = cfg, log
@@ -101,9 +103,12 @@ class Trainer:
         )
         check_router_loss_ranks(self.adapter, world)
         self.out_dir = Path(cfg.output.dir)
-        self.resume = (
-            checked.resume if checked is not None else plan_resume(tc, self.out_dir, self.adapter)
-        )
+        if checked is not None:
+            self.resume = checked.resume
+        elif decided is not None:
+            self.resume = decided.point
+        else:
+            self.resume = plan_resume(tc, self.out_dir, self.adapter)
         self.progress = Progress() if self.resume is None else replace(self.resume.progress)
         bf16 = self.dtype == torch.bfloat16
 
