@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import sys
 import time
 from dataclasses import replace
@@ -59,7 +60,7 @@ from slidedp.runtime.schedule import lr_schedule
 from slidedp.runtime.stop_signals import StopSignals
 from slidedp.runtime.trace import write_trace
 from slidedp.runtime.trackers import open_trackers
-from slidedp.runtime.train_log import LogSteps, RunFacts, StepLog
+from slidedp.runtime.train_log import LogMemory, LogSteps, RunFacts, StepLog
 from slidedp.runtime.window import fill_mirror
 from slidedp.store import HostStore
 
@@ -124,6 +125,7 @@ class Trainer:
             return store
 
         self.signals: HostStore | None = None
+        self.node_pids: tuple[int, ...] = (os.getpid(),)  # the ranks whose host PSS the log sums
         if store is not None:  # one rank (the docstring's contract)
             self.store, self.source = store, "an earlier trial's store"
         elif self.ctx is None:
@@ -133,6 +135,7 @@ class Trainer:
             self.store = self.ctx.share_store(create)
             signals = signal_specs(local_world, rt.layout.grad_slots)
             self.signals = self.ctx.share_store(lambda: HostStore.create(signals, 0))
+            self.node_pids = tuple(self.ctx.node_pids())
         weights = self.resume.path if self.resume is not None else self.adapter.path
         read_buffers(self.adapter, weight_files(weights) if weights is not None else [])
         self.data, held_out = self._read_data()  # all of it, checked, before any GPU work
@@ -421,7 +424,7 @@ class Trainer:
             steps=LogSteps(total=tc.max_steps, start=self.progress.step, every=out.log_steps),
             peak_flops=facts.peak_flops,
             batch_gpus=facts.context_parallel,
-            cuda=self.cuda,
+            memory=LogMemory(cuda=self.cuda, node_pids=self.node_pids),
             writer=open_trackers(
                 out.trackers(),
                 self.out_dir,
