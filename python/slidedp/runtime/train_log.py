@@ -144,7 +144,6 @@ class StepLog:
         """``peak_flops``: one GPU's; ``batch_gpus``: the GPUs that compute each record's tokens
         together (a context-parallel group splits one batch), whose peaks MFU sums."""
         self.flops_per_token, self.cuda = flops_per_token, memory.cuda
-        self.pss = NodePss(memory.node_pids or (os.getpid(),))
         self.peak_flops = None if peak_flops is None else peak_flops * batch_gpus
         self.total_steps, self.start_step = steps.total, steps.start
         self.log_steps = steps.every
@@ -163,6 +162,7 @@ class StepLog:
             ]
         self.metrics = path.open("w")
         self.metrics.writelines(line + "\n" for line in kept)
+        self.pss = NodePss(memory.node_pids or (os.getpid(),))  # last: a thread to close
 
     def step(self, record: dict[str, Any]) -> dict[str, Any]:
         """Enrich one step's record (see the module docstring), write and show it."""
