@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 from pathlib import Path
@@ -22,7 +23,7 @@ import numpy as np
 from slidedp.config import config_from_dict
 from slidedp.errors import ConfigError
 from slidedp.models.shapes import cut_layers, resolve_shape
-from slidedp.runtime.train_log import host_pss_bytes
+from slidedp.runtime.node_pss import pss_bytes
 from slidedp.runtime.trainer import Trainer
 
 
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "seq_len": args.seq_len,
         "freeze": args.freeze,
         "store_bytes": store_bytes,
-        "host_pss_bytes": host_pss_bytes(),
+        "host_pss_bytes": pss_bytes(os.getpid()),
         "step_time_s_median": statistics.median(r["step_time_s"] for r in timed),
         "train_tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in timed),
         "update_s_median": statistics.median(r["update_s"] for r in timed),

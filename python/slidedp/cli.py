@@ -21,8 +21,9 @@ import os
 import sys
 import tempfile
 import traceback
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from slidedp import __version__
 from slidedp.autopolicy import command as plan_command
@@ -44,6 +45,9 @@ from slidedp.runtime.dist import Dist
 from slidedp.runtime.launch import LAUNCHER_PID
 from slidedp.runtime.zygote import Children, can_fork, children_forked
 
+if TYPE_CHECKING:
+    from slidedp.io.resume import ResumeDecision
+
 EXIT_BAD_INPUT = 2
 EXIT_UNEXPECTED = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
@@ -54,22 +58,31 @@ CHILD_IMPORTS = ("slidedp.cli", "slidedp.bench.worker")
 
 
 def _train(
-    config: str, overrides: list[str], plan_file: str | None = None, *, own_process: bool = False
+    config: str,
+    overrides: list[str],
+    plan_file: str | None = None,
+    *,
+    own_process: bool = False,
+    resume_file: str | None = None,
 ) -> int:
     """Resolve and print the config, lock ``output.dir`` (``io.run_lock``), check the inputs,
     build everything (model, store, data), save ``resolved_config.yaml``, then train. A run
     refused before that save leaves ``output.dir`` as it was, lock file included.
     ``plan_file``: the plan to run (``Plan.to_json``; the launcher's to its ranks), its policy
-    in place of the config's and, on a resume, of the checkpoint's. A launcher's children
-    (AutoPolicy's measurements and trials, the ranks) fork from one zygote (``runtime.zygote``)
-    taken before it computes anything: a copy of this process when ``own_process`` (it runs
-    this command alone: ``main`` without argv), else a spawned interpreter."""
+    in place of the config's and, on a resume, of the checkpoint's. ``resume_file``: the
+    launcher's resume decision (``io.resume.write_resume_decision``), taken as it is. A
+    launcher's children (AutoPolicy's measurements and trials, the ranks) fork from one zygote
+    (``runtime.zygote``) taken before it computes anything: a copy of this process when
+    ``own_process`` (it runs this command alone: ``main`` without argv), else a spawned
+    interpreter."""
     from slidedp.config import load_config
+    from slidedp.io.resume import read_resume_decision
     from slidedp.preflight import check_output_dir
     from slidedp.runtime.dist import Dist
 
     cfg = load_config(config, overrides)
     plan = None if plan_file is None else read_plan(Path(plan_file))
+    decided = None if resume_file is None else read_resume_decision(Path(resume_file))
     if plan is not None:  # checked, recorded and run as the plan says
         cfg = replace(cfg, runtime=cfg.runtime.with_keys(**plan.runtime_keys()))
     ctx = Dist.from_env()
@@ -88,10 +101,21 @@ def _train(
         # the user's plan file (a rank of this launcher gets the launcher's: it says nothing of it)
         source = plan_file if LAUNCHER_PID not in os.environ else None
         try:
-            return _train_locked(config, overrides, cfg, (ctx, forked), lock, (plan, source))
+            given = _Given(plan, source, decided)
+            return _train_locked(config, overrides, cfg, (ctx, forked), lock, given)
         finally:
             if lock is not None:
                 lock.release()
+
+
+@dataclass(frozen=True)
+class _Given:
+    """What a ``slidedp train`` process is handed: the plan to run and the user's file it came
+    from (``--plan``), and its launcher's resume decision (``--resume-point``), or None."""
+
+    plan: Plan | None
+    source: str | None
+    decided: ResumeDecision | None
 
 
 def _holds_run_lock(ctx: Dist | None, node_rank: int) -> bool:
@@ -108,16 +132,16 @@ def _train_locked(
     cfg: TrainConfig,
     process: tuple[Dist | None, Children | None],
     lock: RunLock | None,
-    given: tuple[Plan | None, str | None],
+    given: _Given,
 ) -> int:
     """``_train`` once the lock is held; ``process``: this rank (None: no launcher started
-    this process) and where its children fork from (``runtime.zygote.Children``), or None;
-    ``given``: the plan to run and
-    the user's file it came from (``--plan``), or None."""
+    this process) and where its children fork from (``runtime.zygote.Children``), or None.
+    A launcher checks the resume point once and hands its decision to the ranks."""
     from slidedp.config import RESOLVED_CONFIG, resolved_yaml, write_resolved_config
+    from slidedp.io.resume import write_resume_decision
     from slidedp.preflight import check_before_training
 
-    plan, source = given
+    plan, source, decided = given.plan, given.source, given.decided
     ctx, children = process
 
     def refused() -> None:
@@ -143,19 +167,23 @@ def _train_locked(
         )
         with tempfile.TemporaryDirectory(prefix="slidedp-plan-") as tmp:
             plan_file = write_plan(checked.plan, Path(tmp))
-            argv = ["train", config, *overrides, "--plan", str(plan_file)]
+            resume_file = write_resume_decision(checked.resume, Path(tmp))
+            argv = ["train", config, *overrides, "--plan", str(plan_file),
+                    "--resume-point", str(resume_file)]  # fmt: skip
             several_nodes = node if rt.launch.nodes > 1 else None
             zygote = None if children is None else children.zygote()
             return launch(rt.launch.world, argv, node=several_nodes, zygote=zygote)
     if ctx is not None and not ctx.main:  # rank 0 prints, checks and writes
         from slidedp.runtime.trainer import Trainer
 
-        Trainer(cfg, plan=plan).run()
+        Trainer(cfg, plan=plan, decided=decided).run()
         return 0
     print(f"slidedp train: resolved config (saved as {cfg.output.dir}/{RESOLVED_CONFIG}):")
     print(resolved_yaml(cfg), end="", flush=True)
     try:
-        checked = check_before_training(cfg, measure_policy=True, plan=plan, plan_source=source)
+        checked = check_before_training(
+            cfg, measure_policy=True, plan=plan, plan_source=source, decided=decided
+        )
         if children is not None:  # AutoPolicy's trials are done: nothing else forks
             children.close()
         cfg = checked.cfg  # runtime.policy=auto: the chosen layout (saved as it ran)
@@ -258,6 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
         if verb == "train":
             sub.add_argument("--plan", default=None, metavar="PLAN.json",
                              help="run this plan (a run's plan.json), deciding none")  # fmt: skip
+            # the launcher's resume decision to its ranks (io.resume.write_resume_decision)
+            sub.add_argument("--resume-point", default=None, help=argparse.SUPPRESS)
     estimate = verbs.add_parser(
         "estimate", parents=[debug], help="host, /dev/shm, pinned, GPU memory and step time"
     )
@@ -316,7 +346,8 @@ def _run(args: argparse.Namespace, own_process: bool = False) -> int:
     if args.verb == "env":
         return _env(args.json)
     if args.verb == "train":
-        return _train(args.config, args.overrides, args.plan, own_process=own_process)
+        return _train(args.config, args.overrides, args.plan, own_process=own_process,
+                      resume_file=args.resume_point)  # fmt: skip
     if args.verb == "validate":
         return _validate(args.config, args.overrides)
     if args.verb == "estimate":

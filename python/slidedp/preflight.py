@@ -33,7 +33,7 @@ from slidedp.estimate import check_fits
 from slidedp.estimate_report import estimate_run
 from slidedp.io.disk_space import check_disk_space, checkpoint_bytes, saves_of_run
 from slidedp.io.hf_load import check_weight_files, weight_files
-from slidedp.io.resume import ResumePoint, plan_resume
+from slidedp.io.resume import ResumeDecision, ResumePoint, plan_resume
 from slidedp.models.freeze import apply_freeze
 from slidedp.models.hf import HFAdapter
 from slidedp.models.router_loss import check_router_loss_ranks
@@ -200,11 +200,17 @@ def check_ranks(cfg: TrainConfig) -> str:
     )
 
 
-def check_resume(cfg: TrainConfig, adapter: HFAdapter) -> tuple[ResumePoint | None, str]:
+def check_resume(
+    cfg: TrainConfig, adapter: HFAdapter, decided: ResumeDecision | None = None
+) -> tuple[ResumePoint | None, str]:
     """``train.resume`` against ``output.dir`` (``io.resume``): the checkpoint to continue from,
     its files checked, or the refusal ``train`` would meet (a new run over checkpoints, a step
-    beyond ``train.max_steps``, a damaged checkpoint named by path, ...)."""
-    point = plan_resume(cfg.train, Path(cfg.output.dir), adapter)
+    beyond ``train.max_steps``, a damaged checkpoint named by path, ...). ``decided``: the
+    launcher's answer to the same question, taken as it is (its files are not read again)."""
+    if decided is not None:
+        point = decided.point
+    else:
+        point = plan_resume(cfg.train, Path(cfg.output.dir), adapter)
     if point is None:
         return None, "resume   none: a new run"
     return point, f"resume   from {point.path} (step {point.progress.step}), files intact"
@@ -233,6 +239,7 @@ def check_before_training(
     measure_policy: bool = False,
     plan: Plan | None = None,
     plan_source: str | None = None,
+    decided: ResumeDecision | None = None,
 ) -> Checked:
     """The checks ``slidedp train`` runs before it allocates or writes anything: all but the
     data, which the trainer reads once and checks as it builds the batches. With
@@ -241,7 +248,8 @@ def check_before_training(
     beside the default, as ``train`` does; nothing is written into ``output.dir``) and the rest
     checks the choice. ``plan``: the run's plan, decided before (``slidedp train --plan``):
     ``cfg`` already carries its keys and nothing is chosen again; ``plan_source``: the user's
-    file it came from, which runs on a resume in place of the checkpoint's plan (one line)."""
+    file it came from, which runs on a resume in place of the checkpoint's plan (one line).
+    ``decided``: the launcher's resume decision (``check_resume``)."""
 
     device = check_device(cfg)
     adapter, model = check_model(cfg)
@@ -249,7 +257,7 @@ def check_before_training(
     ranks = (
         [check_ranks(cfg)] if cfg.runtime.launch.world > 1 or cfg.runtime.launch.nodes > 1 else []
     )
-    resume, resumed = check_resume(cfg, adapter)
+    resume, resumed = check_resume(cfg, adapter, decided)
     output = check_output_dir(cfg)
     # after every refusal that needs no layout: profiling is GPU work and writes its cache
     machine = Machine.probe(cfg, measure=False)

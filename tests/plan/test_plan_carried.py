@@ -16,6 +16,7 @@ from plan.test_plan_json import _run
 from slidedp.cli import main
 from slidedp.config import RESOLVED_CONFIG, load_config
 from slidedp.io.checkpoint import STATE_FILE
+from slidedp.io.resume import ResumeDecision, read_resume_decision
 from slidedp.models.hf import HFAdapter
 from slidedp.plan.machine import Machine
 from slidedp.plan.policy import PLAN_FILE, read_plan, write_plan
@@ -34,14 +35,17 @@ def test_the_launcher_passes_its_plan_and_no_runtime_overrides(
     def ranks(world: int, argv: list[str], **kwargs: Any) -> int:
         seen["argv"] = argv
         seen["plan"] = read_plan(Path(argv[argv.index("--plan") + 1]))
+        seen["resume"] = read_resume_decision(Path(argv[argv.index("--resume-point") + 1]))
         return 0
 
     monkeypatch.setattr(launching, "launch", ranks)
     assert main(["train", str(path), *given]) == 0
     argv = seen["argv"]
-    assert argv[:-2] == ["train", str(path), *given]  # the user's words, nothing chosen added
-    assert argv[-2] == "--plan"
-    assert not Path(argv[-1]).exists()  # a file of the launch, gone with it
+    assert argv[:-4] == ["train", str(path), *given]  # the user's words, nothing chosen added
+    assert [argv[-4], argv[-2]] == ["--plan", "--resume-point"]
+    assert not Path(argv[-3]).exists()  # files of the launch, gone with it
+    assert not Path(argv[-1]).exists()
+    assert seen["resume"] == ResumeDecision(None)  # the launcher's decision: a new run
     cfg = load_config(path, given)
     adapter = HFAdapter.from_dir(cfg.model.path)
     assert seen["plan"] == resolve_plan(cfg, adapter, Machine.probe(cfg, measure=False))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,9 @@ import pytest
 from slidedp.config import OutputSection
 from slidedp.errors import ConfigError
 from slidedp.runtime.flops import FLOPS_FORMULA
+from slidedp.runtime.node_pss import pss_bytes
 from slidedp.runtime.trackers import TensorBoardTracker
-from slidedp.runtime.train_log import LogSteps, RunFacts, StepLog, host_pss_bytes
+from slidedp.runtime.train_log import LogSteps, RunFacts, StepLog
 
 
 def _flops_per_token(seq_len: int) -> float:
@@ -83,8 +85,9 @@ def test_every_step_is_recorded_and_every_log_step_printed_with_interval_average
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
     tflops = (1e6 + 1e3 * 20) * 100 / 0.5 / 1e12
     assert all(m["tflops"] == pytest.approx(tflops) and m["mfu"] is None for m in metrics)
-    assert [("host_pss_bytes" in m) for m in metrics] == [False, True, False, True, True]
-    assert metrics[1]["host_pss_bytes"] > 0
+    assert [("host_pss_node_bytes" in m) for m in metrics] == [False, True, False, True, True]
+    # one process: the node's ranks are this process
+    assert metrics[1]["host_pss_node_bytes"] == metrics[1]["host_pss_rank0_bytes"] > 0
     lines = out.getvalue().splitlines()
     assert [line.split(" | ")[0] for line in lines] == ["step 2/5", "step 4/5", "step 5/5"]
     assert "loss 1.5000" in lines[0]  # the mean of steps 1 and 2
@@ -194,7 +197,7 @@ def test_the_banner_names_what_a_run_needs() -> None:
 
 
 def test_host_pss_is_read_from_proc() -> None:
-    pss = host_pss_bytes()
+    pss = pss_bytes(os.getpid())
     assert pss is not None
     assert 1 << 20 < pss < 1 << 40
 

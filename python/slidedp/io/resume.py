@@ -9,6 +9,10 @@ Invariants: ``auto`` skips damaged newer checkpoints with one warning line; a da
 by path is refused, naming the previous intact one; a damaged one past the resumed step is
 renamed ``checkpoint-STEP.damaged`` when the run saves that step, never written into.
 
+A launcher decides once for its ranks: ``write_resume_decision`` hands its ``plan_resume``
+answer (the checkpoint checked, its damaged successors and the warning) to the ranks, which load
+it as it is (``read_resume_decision``) instead of reading the checkpoint's files again.
+
 Example::
 
     point = plan_resume(cfg.train, Path(cfg.output.dir), adapter)   # None: a new run
@@ -17,7 +21,7 @@ Example::
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,7 @@ from slidedp.models.hf import HFAdapter
 from slidedp.store import HostStore
 
 _PROGRESS_FIELDS = ("step", "adam_step", "skipped_steps", "consecutive_skips")
+RESUME_DECISION = "resume.json"  # the launcher's decision, beside its plan file
 _RNG_FIELDS = {"python": list, "numpy": list, "torch": str, "cuda": list}
 
 
@@ -48,6 +53,40 @@ class ResumePoint:
     rng: dict[str, Any]
     warning: str | None  # the one line saying which damaged checkpoints are skipped, and why
     set_aside: tuple[Path, ...]  # damaged checkpoints past ``path``: renamed when re-saved
+
+
+@dataclass(frozen=True)
+class ResumeDecision:
+    """``plan_resume``'s answer, taken once by a launcher for its ranks (``point`` None: a new
+    run); a rank given one loads ``point`` without checking the checkpoint again."""
+
+    point: ResumePoint | None
+
+
+def write_resume_decision(point: ResumePoint | None, directory: Path) -> Path:
+    """``directory/resume.json``: ``point`` as the ranks read it back (``read_resume_decision``)."""
+    saved = None
+    if point is not None:
+        saved = {
+            "path": str(point.path),
+            "progress": asdict(point.progress),
+            "rng": point.rng,
+            "warning": point.warning,
+            "set_aside": [str(p) for p in point.set_aside],
+        }
+    file = directory / RESUME_DECISION
+    file.write_text(json.dumps({"resume": saved}))
+    return file
+
+
+def read_resume_decision(file: Path) -> ResumeDecision:
+    """The decision ``write_resume_decision`` wrote in ``file`` (the launcher's, to its ranks)."""
+    saved = json.loads(file.read_text())["resume"]
+    if saved is None:
+        return ResumeDecision(None)
+    point = ResumePoint(Path(saved["path"]), Progress(**saved["progress"]), saved["rng"],
+                        saved["warning"], tuple(Path(p) for p in saved["set_aside"]))  # fmt: skip
+    return ResumeDecision(point)
 
 
 def _read_json(path: Path, name: str) -> dict[str, Any]:

@@ -174,6 +174,13 @@ class Dist:
         _SHARED.append(store)
         return store
 
+    def node_pids(self) -> list[int]:
+        """The process ids of this node's ranks, by local rank: one collective in the node's
+        group (every rank calls it, once, at start)."""
+        pids: list[int | None] = [None] * self.local_world
+        collective(lambda: dist.all_gather_object(pids, os.getpid(), group=self.node_group))
+        return [int(pid) for pid in pids if pid is not None]
+
     def across_nodes(self, t: torch.Tensor) -> None:
         """Sum ``t`` (an owner's node-summed gradient) over the owners on every node, in place."""
         if self.cross_group is not None:

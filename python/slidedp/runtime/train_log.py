@@ -3,7 +3,8 @@ bar on a terminal, ``OUTPUT/metrics.jsonl`` and the trackers.
 
 ``metrics.jsonl`` holds one object per step (whatever ``log_steps``), with ``tflops``
 (``runtime.flops.FLOPS_FORMULA``) and ``mfu``, evaluations' ``eval_*``, and on logged steps the
-host PSS and GPU reserved bytes; on resume it keeps the records up to the resumed step. A line
+host PSS of this node's ranks and of rank 0 (``runtime.node_pss``) and GPU reserved bytes; on
+resume it keeps the records up to the resumed step. A line
 every ``log_steps`` steps averages since the previous one (loss, grad_norm, lr, tokens/s,
 TFLOP/s, MFU, exposed waits, memory, ETA). Fields in full: docs/logging.md.
 
@@ -17,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,29 +28,13 @@ from typing import Any, Protocol, TextIO
 import torch
 
 from slidedp.runtime.flops import FLOPS_FORMULA
+from slidedp.runtime.node_pss import NodePss, proc_kib
 
 GIB = float(1 << 30)
 
 
-def _proc_kib(path: str, key: str) -> int | None:
-    """``key:   N kB`` of a /proc file in bytes; None where /proc does not have it."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def host_pss_bytes() -> int | None:
-    """This process's proportional set size: the shared store is counted once over its users."""
-    return _proc_kib("/proc/self/smaps_rollup", "Pss")
-
-
 def mem_available_bytes() -> int | None:
-    return _proc_kib("/proc/meminfo", "MemAvailable")
+    return proc_kib("/proc/meminfo", "MemAvailable")
 
 
 def _gib(n: int | None) -> str:
@@ -122,6 +108,15 @@ class StepWriter(Protocol):
 
 
 @dataclass(frozen=True)
+class LogMemory:
+    """What a logged step's record says of memory: the host PSS of ``node_pids`` (this node's
+    ranks; empty: this process alone) and of this process, and GPU reserved bytes on ``cuda``."""
+
+    cuda: bool = False
+    node_pids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
 class LogSteps:
     """The run's steps as the log counts them: ``total`` (the last step's number), ``start``
     (the step resumed from; 0: a new run) and a line every ``every`` steps."""
@@ -141,14 +136,14 @@ class StepLog:
         flops_per_token: Callable[[int], float],
         steps: LogSteps,
         peak_flops: float | None = None,
-        cuda: bool = False,
+        memory: LogMemory = LogMemory(),
         writer: StepWriter | None = None,
         stream: TextIO | None = None,
         batch_gpus: int = 1,
     ) -> None:
         """``peak_flops``: one GPU's; ``batch_gpus``: the GPUs that compute each record's tokens
         together (a context-parallel group splits one batch), whose peaks MFU sums."""
-        self.flops_per_token, self.cuda = flops_per_token, cuda
+        self.flops_per_token, self.cuda = flops_per_token, memory.cuda
         self.peak_flops = None if peak_flops is None else peak_flops * batch_gpus
         self.total_steps, self.start_step = steps.total, steps.start
         self.log_steps = steps.every
@@ -167,6 +162,7 @@ class StepLog:
             ]
         self.metrics = path.open("w")
         self.metrics.writelines(line + "\n" for line in kept)
+        self.pss = NodePss(memory.node_pids or (os.getpid(),))  # last: a thread to close
 
     def step(self, record: dict[str, Any]) -> dict[str, Any]:
         """Enrich one step's record (see the module docstring), write and show it."""
@@ -180,7 +176,9 @@ class StepLog:
         logged = record["step"] % self.log_steps == 0 or record["step"] == self.total_steps
         logged = logged or "eval_loss" in record  # an evaluation always gets its line
         if logged:
-            record["host_pss_bytes"] = host_pss_bytes()
+            pss = self.pss.latest()
+            record["host_pss_node_bytes"] = pss.node_bytes
+            record["host_pss_rank0_bytes"] = pss.own_bytes
             if self.cuda:
                 record["gpu_reserved_bytes"] = torch.cuda.memory_reserved()
         self.metrics.write(json.dumps(record) + "\n")
@@ -221,7 +219,11 @@ class StepLog:
         ]
         if self.cuda:
             parts.append(f"GPU {_gib(last['gpu_reserved_bytes'])} reserved")
-        parts.append(f"host PSS {_gib(last['host_pss_bytes'])}")
+        pss = f"host PSS {_gib(last['host_pss_node_bytes'])}"
+        if len(self.pss.pids) > 1:
+            pss += f" ({len(self.pss.pids)} ranks of this node; rank 0 "
+            pss += f"{_gib(last['host_pss_rank0_bytes'])})"
+        parts.append(pss)
         if "eval_loss" in last:
             parts.append(f"eval_loss {last['eval_loss']:.4f} ppl {last['eval_perplexity']:.2f}")
         if self.skipped:
@@ -251,5 +253,6 @@ class StepLog:
         if self.tty and self.stream is not None:
             self.stream.write("\n")  # the bar's last state stays on screen
         self.metrics.close()
+        self.pss.close()
         if self.writer is not None:
             self.writer.close()

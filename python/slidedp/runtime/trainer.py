@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import sys
 import time
 from dataclasses import replace
@@ -40,7 +41,7 @@ from slidedp.io.checkpoint import (
 )
 from slidedp.io.disk_space import checkpoint_bytes, disk_full_reported
 from slidedp.io.hf_load import fill_master, read_buffers, weight_files
-from slidedp.io.resume import load_resume_point, plan_resume
+from slidedp.io.resume import ResumeDecision, load_resume_point, plan_resume
 from slidedp.kernels import Kernels, default_threads
 from slidedp.models.freeze import apply_freeze
 from slidedp.models.hf import HFAdapter
@@ -59,7 +60,7 @@ from slidedp.runtime.schedule import lr_schedule
 from slidedp.runtime.stop_signals import StopSignals
 from slidedp.runtime.trace import write_trace
 from slidedp.runtime.trackers import open_trackers
-from slidedp.runtime.train_log import LogSteps, RunFacts, StepLog
+from slidedp.runtime.train_log import LogMemory, LogSteps, RunFacts, StepLog
 from slidedp.runtime.window import fill_mirror
 from slidedp.store import HostStore
 
@@ -76,12 +77,14 @@ class Trainer:
         log: bool = True,
         checked: Checked | None = None,
         store: HostStore | None = None,
+        decided: ResumeDecision | None = None,
     ) -> None:
         """``plan``: the run's plan, decided before (``slidedp train``: the preflight's, or the
         launcher's ``--plan`` file on every rank), run as it is; None (a direct call, a rank
         another launcher started): ``resolve_plan`` here, the mirror the store's creator's.
         ``checked``: the preflight's result (``slidedp train``), whose resume decision is
-        taken as is; without it the trainer decides (the same ``plan_resume``). ``store``: one
+        taken as is; ``decided``: a launcher's resume decision (its other ranks), taken as is;
+        without either the trainer decides (the same ``plan_resume``). ``store``: one
         process's store of ``plan``'s layout that an earlier trainer filled (the policy
         selector's trials, ``autopolicy.trial_store``), run as it is: nothing created or filled."""
         self.cfg, self.log = cfg, log
@@ -101,9 +104,12 @@ class Trainer:
         )
         check_router_loss_ranks(self.adapter, world)
         self.out_dir = Path(cfg.output.dir)
-        self.resume = (
-            checked.resume if checked is not None else plan_resume(tc, self.out_dir, self.adapter)
-        )
+        if checked is not None:
+            self.resume = checked.resume
+        elif decided is not None:
+            self.resume = decided.point
+        else:
+            self.resume = plan_resume(tc, self.out_dir, self.adapter)
         self.progress = Progress() if self.resume is None else replace(self.resume.progress)
         bf16 = self.dtype == torch.bfloat16
 
@@ -119,6 +125,7 @@ class Trainer:
             return store
 
         self.signals: HostStore | None = None
+        self.node_pids: tuple[int, ...] = (os.getpid(),)  # the ranks whose host PSS the log sums
         if store is not None:  # one rank (the docstring's contract)
             self.store, self.source = store, "an earlier trial's store"
         elif self.ctx is None:
@@ -128,6 +135,7 @@ class Trainer:
             self.store = self.ctx.share_store(create)
             signals = signal_specs(local_world, rt.layout.grad_slots)
             self.signals = self.ctx.share_store(lambda: HostStore.create(signals, 0))
+            self.node_pids = tuple(self.ctx.node_pids())
         weights = self.resume.path if self.resume is not None else self.adapter.path
         read_buffers(self.adapter, weight_files(weights) if weights is not None else [])
         self.data, held_out = self._read_data()  # all of it, checked, before any GPU work
@@ -414,7 +422,7 @@ class Trainer:
             steps=LogSteps(total=tc.max_steps, start=self.progress.step, every=out.log_steps),
             peak_flops=facts.peak_flops,
             batch_gpus=facts.context_parallel,
-            cuda=self.cuda,
+            memory=LogMemory(cuda=self.cuda, node_pids=self.node_pids),
             writer=open_trackers(
                 out.trackers(),
                 self.out_dir,
