@@ -30,8 +30,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.integrations.sdpa_attention import repeat_kv
 
 from slidedp.models.shapes import SHAPES
+from slidedp.plan.attention_rate import attention_efficiency
 from slidedp.plan.machine import gpu_peak
-from slidedp.plan.timing import attention_efficiency
 
 
 def _timed_ms(call: Callable[[], object], repeats: int) -> float:

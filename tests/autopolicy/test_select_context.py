@@ -17,8 +17,9 @@ from slidedp.autopolicy.select import activation_budget, select_layout
 from slidedp.config import TrainConfig, load_config
 from slidedp.models.hf import HFAdapter
 from slidedp.models.shape import layer_shapes
+from slidedp.plan.attention_rate import ATTENTION_EFFICIENCY
 from slidedp.plan.machine import Machine
-from slidedp.plan.timing import ATTENTION_EFFICIENCY, NVLINK_GBPS
+from slidedp.plan.timing import NVLINK_GBPS
 from slidedp.profile.layer import profile_spec
 
 LAYERS, ROWS = 4, 2

@@ -89,7 +89,7 @@ def test_the_estimate_of_a_recorded_context_parallel_run(tmp_path: Path, name: s
     context that torch does not count), the step-time model within 10% of its step: the
     bounds the project holds the estimate to (memory) and the step-time model to (10 of 11
     one-GPU configurations, docs/estimate.md). With attention's rate falling past 131,072 keys
-    (``plan.timing.attention_efficiency``) the four steps are within 2.1%; at one rate for
+    (``plan.attention_rate.attention_efficiency``) the four steps are within 2.1%; at one rate for
     every row the 1M row was 0.853x."""
     record = RECORDS[name]
     est = _estimate(tmp_path, record)

@@ -12,8 +12,9 @@ from estimate.machines import H100
 from slidedp.config import TrainConfig, load_config
 from slidedp.estimate_report import Estimate, estimate_run, format_estimate
 from slidedp.models.hf import HFAdapter
+from slidedp.plan.attention_rate import ATTENTION_EFFICIENCY
 from slidedp.plan.machine import gpu_peak
-from slidedp.plan.timing import ATTENTION_EFFICIENCY, NVLINK_GBPS
+from slidedp.plan.timing import NVLINK_GBPS
 
 SEQ = 65536
 

@@ -14,13 +14,13 @@ Example::
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from slidedp.errors import ConfigError
 from slidedp.models.shape import layer_shapes
+from slidedp.plan.attention_rate import attention_efficiency
 from slidedp.plan.cost import resident_update_s
 from slidedp.plan.step_spec import StepSpec
 
@@ -102,25 +102,6 @@ def spec_from_trace(
 # `slidedp profile layer` (Qwen3-4B, B=16: forward 9.53 ms for 3.44 TFLOP = 36.5% of 989);
 # the head's chunked loss lands at the same share (traced 108 ms vs 106 predicted).
 LAYER_EFFICIENCY = 0.365
-# The share of the dense bf16 peak that attention's quadratic term (``LayerShape.attended``:
-# its counted FLOPs, the backward as twice the forward) reaches at long sequences in SDPA's
-# flash kernel (cuDNN's on Hopper), which LAYER_EFFICIENCY (a layer of 1,024-token rows, 4% of
-# its FLOPs attention's) does not measure. From the compute-only reference of Qwen3-4B at
-# 131,072 tokens on one H100, every layer F (benchmarks/2026-11-24-moe-long-context-h100.md,
-# "Long sequences"): 49.55 s a step, of which the layers' matmuls and the head at
-# LAYER_EFFICIENCY take 11.40 s; attention's 2.03e16 FLOPs (forward, replay, backward) take
-# the other 38.15 s: 531 TFLOP/s, 53.7% of 989.
-ATTENTION_EFFICIENCY = 0.537
-# Beyond that row the rate falls by a share of the peak per doubling of the keys a query row
-# streams (``attention_efficiency``). Four context-parallel runs on H200s, every layer F (the
-# rate each one needs, their steps less the matmuls and head at LAYER_EFFICIENCY): Qwen3-8B at
-# 131,072 keys 0.529, Qwen3-14B at 262,144 0.505 and 524,288 0.462, Qwen3-8B at 1,048,576 0.451
-# (benchmarks/2026-11-28-context-parallel-{2,4}xh200.md); the least-squares slope through 0.537
-# at the knee. One constant for all four misses one end by 6% (0.483: 131K +6%, 1M -6%); a
-# likely cause, not traced: a head's keys and values (S x d x 4 B, 64 MiB at 131,072 keys)
-# outgrow the GPU's 50 MB L2, so the kernel's query tiles share fewer of their reads.
-ATTENTION_KNEE_KEYS = 131072
-ATTENTION_EFFICIENCY_PER_DOUBLING = 0.0314
 # PCIe copies and the host cast, DEVICE.md's H100-host ceilings (Gen5 x16, pinned)
 H2D_GBPS, D2H_GBPS, CAST_GBPS = 51.0, 54.0, 78.0
 ADAMW_BYTES_PER_PARAM = 28  # f32 master, m, v read and written, the gradient read
@@ -128,14 +109,6 @@ CAST_BYTES_PER_PARAM = 6  # the f32 master read, its bf16 copy written
 # the backward's replay as a share of the layer's forward: full and selective checkpointing
 # replay up to a whole forward (an upper bound: selective keeps some outputs), N none
 REPLAY_SHARE = {"F": 1.0, "S": 1.0, "SAC": 1.0, "N": 0.0}
-
-
-def attention_efficiency(keys: int) -> float:
-    """The share of the dense bf16 peak attention's quadratic term reaches over rows of ``keys``
-    keys a query sees (``LayerShape.attended``): ``ATTENTION_EFFICIENCY`` up to
-    ``ATTENTION_KNEE_KEYS``, less ``ATTENTION_EFFICIENCY_PER_DOUBLING`` per doubling beyond."""
-    doublings = max(0.0, math.log2(max(keys, 1) / ATTENTION_KNEE_KEYS))
-    return ATTENTION_EFFICIENCY - ATTENTION_EFFICIENCY_PER_DOUBLING * doublings
 
 
 def layer_times(report: dict[str, Any]) -> dict[str, tuple[float, float]]:

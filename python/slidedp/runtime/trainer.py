@@ -21,6 +21,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,7 +42,7 @@ from slidedp.io.checkpoint import (
 )
 from slidedp.io.disk_space import checkpoint_bytes, disk_full_reported
 from slidedp.io.hf_load import fill_master, read_buffers, weight_files
-from slidedp.io.resume import ResumeDecision, load_resume_point, plan_resume
+from slidedp.io.resume import ResumeDecision, ResumePoint, load_resume_point, plan_resume
 from slidedp.kernels import Kernels, default_threads
 from slidedp.models.freeze import apply_freeze
 from slidedp.models.hf import HFAdapter
@@ -104,12 +105,7 @@ class Trainer:
         )
         check_router_loss_ranks(self.adapter, world)
         self.out_dir = Path(cfg.output.dir)
-        if checked is not None:
-            self.resume = checked.resume
-        elif decided is not None:
-            self.resume = decided.point
-        else:
-            self.resume = plan_resume(tc, self.out_dir, self.adapter)
+        self.resume = self._resume_point(checked, decided)
         self.progress = Progress() if self.resume is None else replace(self.resume.progress)
         bf16 = self.dtype == torch.bfloat16
 
@@ -124,18 +120,7 @@ class Trainer:
             fill_mirror(store, Kernels(default_threads()))
             return store
 
-        self.signals: HostStore | None = None
-        self.node_pids: tuple[int, ...] = (os.getpid(),)  # the ranks whose host PSS the log sums
-        if store is not None:  # one rank (the docstring's contract)
-            self.store, self.source = store, "an earlier trial's store"
-        elif self.ctx is None:
-            self.store = create()
-        else:  # each node's local rank 0 creates its store, loads the weights; the others attach
-            self.source = "shared by local rank 0"
-            self.store = self.ctx.share_store(create)
-            signals = signal_specs(local_world, rt.layout.grad_slots)
-            self.signals = self.ctx.share_store(lambda: HostStore.create(signals, 0))
-            self.node_pids = tuple(self.ctx.node_pids())
+        self._open_store(store, create)
         weights = self.resume.path if self.resume is not None else self.adapter.path
         read_buffers(self.adapter, weight_files(weights) if weights is not None else [])
         self.data, held_out = self._read_data()  # all of it, checked, before any GPU work
@@ -155,6 +140,34 @@ class Trainer:
         if self.resume is not None:
             self.engine.start_at(self.progress.step)
             restore_rng(self.resume.rng)  # last: building the trainer draws random numbers
+
+    def _resume_point(
+        self, checked: Checked | None, decided: ResumeDecision | None
+    ) -> ResumePoint | None:
+        """The preflight's resume decision, else the launcher's, else this rank's own (the same
+        ``plan_resume``)."""
+        if checked is not None:
+            return checked.resume
+        if decided is not None:
+            return decided.point
+        return plan_resume(self.cfg.train, self.out_dir, self.adapter)
+
+    def _open_store(self, store: HostStore | None, create: Callable[[], HostStore]) -> None:
+        """``store`` as given, else one this rank ``create``s, else (several ranks) the one its
+        node's local rank 0 creates and fills, which the others attach to, with the signals."""
+        self.signals: HostStore | None = None
+        self.node_pids: tuple[int, ...] = (os.getpid(),)  # the ranks whose host PSS the log sums
+        if store is not None:  # one rank (the docstring's contract)
+            self.store, self.source = store, "an earlier trial's store"
+        elif self.ctx is None:
+            self.store = create()
+        else:
+            self.source = "shared by local rank 0"
+            self.store = self.ctx.share_store(create)
+            local_world = self.ctx.local_world
+            signals = signal_specs(local_world, self.cfg.runtime.layout.grad_slots)
+            self.signals = self.ctx.share_store(lambda: HostStore.create(signals, 0))
+            self.node_pids = tuple(self.ctx.node_pids())
 
     def _read_data(self) -> tuple[Batches, Batches | None]:
         """The training batches and the held-out ones (None: no held-out data)."""
