@@ -104,9 +104,21 @@ def test_every_family_leaves_out_frozen_and_unneeded_gradients_and_keeps_the_oth
     """``LayerRun.frozen`` and ``input_grad`` (train.freeze): the gradients left are those of
     the whole backward, bit for bit; the frozen ones and the input's are not computed."""
     adapter, x, params, ctx = _layer("qwen3")
+    frozen = frozenset(n for n in params if ".mlp." in f".{n}" or n.endswith("q_proj.weight"))
+    check_frozen_gradients(adapter, (x, params, ctx), family, frozen)
+
+
+def check_frozen_gradients(
+    adapter: HFAdapter,
+    layer: tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, Any]],
+    family: str,
+    frozen: frozenset[str],
+) -> None:
+    """The layer's backward in ``family`` with ``frozen`` weights and no input gradient: the
+    gradients left are those of the whole backward, bit for bit; the others not computed."""
+    x, params, ctx = layer
     _, policy = parse_entry(family, 0.0)
     g = torch.linspace(-1, 1, x.numel()).view_as(x)
-    frozen = frozenset(n for n in params if ".mlp." in f".{n}" or n.endswith("q_proj.weight"))
     results = []
     for run_args in ({}, {"frozen": frozen, "input_grad": False}):
         executor = executor_for(policy)

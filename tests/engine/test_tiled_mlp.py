@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from engine.test_activations import FAMILIES, _forward_backward, _layer
+from engine.test_activations import FAMILIES, _forward_backward, _layer, check_frozen_gradients
 from engine.tiny import make_model, read_metrics, write_config, write_data
 from slidedp.cli import main
 from slidedp.models.tiled_mlp import mlp_tile, use_tiled_mlps
@@ -61,20 +61,8 @@ def test_tiles_leave_out_frozen_and_unneeded_gradients(family: str) -> None:
     backward that computes them all, bit for bit (the same tiles, the same sums)."""
     adapter, x, params, ctx = _layer("qwen3")
     use_tiled_mlps(adapter, 7)
-    _, policy = parse_entry(family, 0.0)
-    g = torch.linspace(-1, 1, x.numel()).view_as(x)
     frozen = frozenset({"mlp.up_proj.weight", "self_attn.q_proj.weight"})
-    results = []
-    for run_args in ({}, {"frozen": frozen, "input_grad": False}):
-        executor = executor_for(policy)
-        run = LayerRun(adapter, 0, params, ctx, **run_args)  # type: ignore[arg-type]
-        _, state = executor.forward(run, x)
-        results.append(executor.backward(run, state, g))
-    (g_x, whole), (no_x, part) = results
-    assert g_x is not None
-    assert no_x is None
-    assert set(part) == set(whole) - frozen
-    assert all(torch.equal(part[n], whole[n]) for n in part)
+    check_frozen_gradients(adapter, (x, params, ctx), family, frozen)
 
 
 def test_the_tiles_save_the_mlp_input_instead_of_its_intermediates() -> None:
