@@ -32,7 +32,8 @@ from slidedp.cli import main
 from slidedp.config import load_config
 from slidedp.errors import ConfigError
 from slidedp.models import fast
-from slidedp.models.hf import HFAdapter, bind_params
+from slidedp.models.bind import bind_params
+from slidedp.models.hf import HFAdapter
 from slidedp.plan.cost import layer_footprint
 from slidedp.plan.layout import parse_entry
 from slidedp.plan.policy import Policy, resolve_policy

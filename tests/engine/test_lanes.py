@@ -4,6 +4,7 @@ across it (timing events on that stream), not the host's wall time; on CPU the w
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,15 +15,13 @@ from slidedp.runtime.lanes import LaneClock
 
 
 class _Event:
-    """A timing event whose GPU time is given by the test: ``at`` seconds."""
+    """A timing event recorded at the GPU time ``clock`` gives next, in seconds."""
 
-    clock = iter([0.0, 0.004, 1.0, 1.0])  # (start, end) of two intervals, in record order
-
-    def __init__(self) -> None:
-        self.at = 0.0
+    def __init__(self, clock: Iterator[float]) -> None:
+        self.clock, self.at = clock, 0.0
 
     def record(self, stream: Any) -> None:
-        self.at = next(_Event.clock)
+        self.at = next(self.clock)
 
     def synchronize(self) -> None:
         pass
@@ -34,7 +33,8 @@ class _Event:
 def test_a_host_wait_on_cuda_counts_the_compute_streams_idle_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(lanes, "new_event", lambda timing=False: _Event())
+    gpu_times = iter([0.0, 0.004, 1.0, 1.0])  # (start, end) of the two waits, in record order
+    monkeypatch.setattr(lanes, "new_event", lambda timing=False: _Event(gpu_times))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: object())
     clock = LaneClock(torch.device("cpu"))
     clock.cuda = True  # as on a GPU, with the events above

@@ -33,7 +33,7 @@ from torch import nn
 
 from slidedp.errors import ConfigError
 from slidedp.models.liger_twins import rms_norm_twin, rope_twin, swiglu_mlp_twin
-from slidedp.models.tiled_mlp import use_tiled_mlps
+from slidedp.models.tiled_mlp import check_tiling, use_tiled_mlps
 
 if TYPE_CHECKING:
     from slidedp.models.hf import HFAdapter
@@ -78,9 +78,15 @@ def liger_available() -> bool:
 
 
 def resolve_compute(
-    kernels: str, compile: bool | None, device: torch.device, adapter: HFAdapter
+    kernels: str,
+    compile: bool | None,
+    device: torch.device,
+    adapter: HFAdapter,
+    mlp_tile_tokens: int = 0,
 ) -> Compute:
-    """``runtime.kernels`` / ``runtime.compile`` for ``device`` and ``adapter``'s model."""
+    """``runtime.kernels`` / ``runtime.compile`` / ``runtime.mlp_tile_tokens`` for ``device``
+    and ``adapter``'s model."""
+    check_tiling(adapter, mlp_tile_tokens)
     model_type = adapter.config.model_type
     blocker = ""
     if device.type != "cuda":
@@ -120,7 +126,7 @@ def resolve_compute(
             "its router logits through per-call hooks, which the compiled layer cannot take; "
             "set runtime.compile=false"
         )
-    return Compute(chosen, COMPILE_BACKEND if compile else "", reason)
+    return Compute(chosen, COMPILE_BACKEND if compile else "", reason, mlp_tile_tokens)
 
 
 def _off_meta(fast: Any, twin: Any) -> Any:

@@ -32,6 +32,7 @@ from transformers.masking_utils import (
 )
 
 from slidedp.errors import ModelLoadError
+from slidedp.models.bind import bind_params
 from slidedp.models.buffers import LayerBuffers, bind_buffers
 from slidedp.models.fast import Compute, call_layer
 from slidedp.models.loss import chunked_lm_loss
@@ -74,14 +75,6 @@ def config_values(config: PretrainedConfig, field: str) -> list[Any]:
         layers = range(int(config.num_hidden_layers))
         return [getattr(config.per_layer_config[i], field, None) for i in layers]
     return [getattr(config, field, None)]
-
-
-def bind_params(module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Point ``module``'s parameters (local dotted names) at ``tensors`` without copying."""
-    for local, tensor in tensors.items():
-        path, _, attr = local.rpartition(".")
-        owner = module.get_submodule(path) if path else module
-        owner._parameters[attr] = cast(nn.Parameter, tensor)
 
 
 def apply_overrides(config: PretrainedConfig, overrides: dict[str, Any]) -> None:

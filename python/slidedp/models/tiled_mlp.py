@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from slidedp.errors import ConfigError
+from slidedp.models.bind import bind_params
 
 if TYPE_CHECKING:
     from slidedp.models.hf import HFAdapter
@@ -37,17 +38,6 @@ class _Tiling(threading.local):
 
 
 TILING = _Tiling()
-
-
-def _bind(mlp: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Point ``mlp``'s parameters at ``tensors`` (as ``models.hf.bind_params``, whose module
-    imports this one); returns what they pointed at."""
-    before: dict[str, torch.Tensor] = dict(mlp.named_parameters())
-    for name, tensor in tensors.items():
-        path, _, attr = name.rpartition(".")
-        owner = mlp.get_submodule(path) if path else mlp
-        owner._parameters[attr] = cast(nn.Parameter, tensor)
-    return before
 
 
 class TiledMLP(torch.autograd.Function):
@@ -78,7 +68,8 @@ class TiledMLP(torch.autograd.Function):
                 for w in trained]  # fmt: skip
         flat, flat_g = x.detach().reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
         g_x = torch.empty_like(flat) if need_x else None
-        before = _bind(ctx.mlp, dict(zip(ctx.names, leaves, strict=True)))
+        before: dict[str, torch.Tensor] = dict(ctx.mlp.named_parameters())
+        bind_params(ctx.mlp, dict(zip(ctx.names, leaves, strict=True)))
         try:
             for start in range(0, flat.shape[0], ctx.tile):
                 x_tile = flat[start : start + ctx.tile].requires_grad_(need_x)
@@ -91,7 +82,7 @@ class TiledMLP(torch.autograd.Function):
                 for total, part in zip(sums, got, strict=True):
                     total.add_(part)
         finally:
-            _bind(ctx.mlp, before)
+            bind_params(ctx.mlp, before)
         grads = iter(s.to(w.dtype) for s, w in zip(sums, trained, strict=True))
         g_w = [next(grads) if n else None for n in need_w]
         return None, None, None, None if g_x is None else g_x.view_as(x), *g_w
@@ -101,7 +92,7 @@ def tiled_forward(mlp: nn.Module, below: MlpForward | None, tile: int) -> MlpFor
     """``mlp``'s forward tiled by ``tile`` tokens: ``below``, the instance's forward it
     replaces (Liger's), else the class's. Dynamo does not trace it (a compiled layer runs the
     tiles eagerly between its graphs)."""
-    run = below if below is not None else cast(MlpForward, type(mlp).forward.__get__(mlp))
+    run = below if below is not None else _class_forward(mlp)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if x.numel() <= tile * x.shape[-1]:
@@ -128,14 +119,17 @@ def tiles(mlp: nn.Module, x: torch.Tensor) -> bool:
 def _patched(mlp: nn.Module) -> tuple[MlpForward | None, int]:
     """``mlp``'s instance forward under any tiling (None: the class's) and the tile."""
     forward = mlp.__dict__.get("forward")
-    below: tuple[MlpForward | None, int] = getattr(forward, _UNTILED, (forward, 0))
-    return below
+    return cast(tuple[MlpForward | None, int], getattr(forward, _UNTILED, (forward, 0)))
+
+
+def _class_forward(mlp: nn.Module) -> MlpForward:
+    return cast(MlpForward, type(mlp).forward.__get__(mlp))
 
 
 def untiled_forward(mlp: nn.Module) -> MlpForward:
     """``mlp``'s forward under any tiling (Liger's or the class's): what one tile runs."""
     below, _ = _patched(mlp)
-    return below if below is not None else cast(MlpForward, type(mlp).forward.__get__(mlp))
+    return below if below is not None else _class_forward(mlp)
 
 
 def tile_layer_mlp(mlp: nn.Module, tile: int) -> None:

@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from torch.autograd.graph import saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
 
+from slidedp.models.bind import bind_params
 from slidedp.models.fast import Compute, liger_saved_tensors
-from slidedp.models.hf import HFAdapter, bind_params
+from slidedp.models.hf import HFAdapter
 from slidedp.models.tiled_mlp import tiled_mlp, untiled_forward
 from slidedp.plan.context_cost import ContextShape, gathered_keys
 from slidedp.plan.layout import LayerPolicy

@@ -28,11 +28,10 @@ import yaml
 
 from slidedp.errors import ConfigError
 from slidedp.models.fast import Compute, resolve_compute
-from slidedp.models.tiled_mlp import check_tiling
 from slidedp.plan.layout import LayerPolicy, format_layout, parse_layout
 
 if TYPE_CHECKING:
-    from slidedp.config_runtime import LayoutSpec, RuntimeSection
+    from slidedp.config_runtime import RuntimeSection
     from slidedp.models.hf import HFAdapter
 
 PLAN_FILE = "plan.json"  # in output.dir: the plan the run trained with
@@ -227,13 +226,6 @@ def check_layout_fits(layers: tuple[LayerPolicy, ...], adapter: HFAdapter) -> No
             )
 
 
-def _compute(layout: LayoutSpec, device: torch.device, adapter: HFAdapter) -> Compute:
-    """The layer compute of ``layout``'s keys: kernels, compilation, MLP tiles."""
-    check_tiling(adapter, layout.mlp_tile_tokens)
-    compute = resolve_compute(layout.kernels, layout.compile, device, adapter)
-    return dataclasses.replace(compute, mlp_tile_tokens=layout.mlp_tile_tokens)
-
-
 def resolve_policy(
     rt: RuntimeSection, adapter: HFAdapter, *, mirror: bool, device: torch.device
 ) -> Policy:
@@ -256,7 +248,9 @@ def resolve_policy(
         grad_slots=rt.layout.grad_slots,
         mirror=mirror,
         layers=layers,
-        compute=_compute(rt.layout, device, adapter),
+        compute=resolve_compute(
+            rt.layout.kernels, rt.layout.compile, device, adapter, rt.layout.mlp_tile_tokens
+        ),
         resident_layers=rt.layout.resident_layers,
         resident_embeddings=rt.layout.resident_embeddings,
     )

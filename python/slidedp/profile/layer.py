@@ -284,8 +284,9 @@ def _profiled(args: ProfileSpec) -> _Profiled:
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     # the layer compute the run uses (plan, runtime.policy: auto); the command line's: eager
-    compute = resolve_compute(args.layer_kernels, args.layer_compile, device, adapter)
-    compute = dataclasses.replace(compute, mlp_tile_tokens=args.mlp_tile_tokens)
+    compute = resolve_compute(
+        args.layer_kernels, args.layer_compile, device, adapter, args.mlp_tile_tokens
+    )
     facts = {
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         # the host runs the layer on CPU and launches its kernels beside a GPU

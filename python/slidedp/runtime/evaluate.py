@@ -25,7 +25,8 @@ import torch.nn.functional as F
 
 from slidedp.data.batch import Batch
 from slidedp.data.batches import Batches
-from slidedp.models.hf import LM_HEAD, NORM, bind_params
+from slidedp.models.bind import bind_params
+from slidedp.models.hf import LM_HEAD, NORM
 from slidedp.models.loss import IGNORE_INDEX
 from slidedp.runtime.activations import LayerRun
 from slidedp.runtime.dist import all_reduce_sum

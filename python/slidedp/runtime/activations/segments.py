@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from slidedp.models.hf import bind_params, no_cache
+from slidedp.models.bind import bind_params
+from slidedp.models.hf import no_cache
 from slidedp.models.tiled_mlp import tiles
 
 BOUNDARIES = (
