@@ -45,16 +45,22 @@ def test_marked():
         Trainer.run(None)
 
 
+@pytest.mark.gpu
+def test_on_a_gpu():  # GPU tests are a tier of their own, never in the fast one
+    with pytest.raises(AttributeError):
+        Trainer.run(None)
+
+
 def test_a_child_that_does_not_train():
     subprocess.run([sys.executable, "-c", "pass"], check=True)
 """
 
 
 def test_an_unmarked_training_fails_and_a_marked_one_runs(pytester: pytest.Pytester) -> None:
-    pytester.makeini("[pytest]\nmarkers =\n    e2e: end to end\n")
+    pytester.makeini("[pytest]\nmarkers =\n    e2e: end to end\n    gpu: on a GPU\n")
     pytester.makepyfile(test_inner=INNER)
     result = pytester.runpytest_inprocess("-p", "tier_guard", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=3, failed=1, errors=4)
+    result.assert_outcomes(passed=4, failed=1, errors=4)
     result.stdout.fnmatch_lines_random(
         [
             "*test_swallowed started Trainer.run without @pytest.mark.e2e: mark it*",
@@ -63,6 +69,7 @@ def test_an_unmarked_training_fails_and_a_marked_one_runs(pytester: pytest.Pytes
         ]
     )
     assert "test_marked started" not in result.stdout.str()
+    assert "test_on_a_gpu started" not in result.stdout.str()
     assert "test_a_child_that_does_not_train started" not in result.stdout.str()
 
 

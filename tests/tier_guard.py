@@ -19,8 +19,12 @@ VERBS = frozenset({"train", "bench"})
 SCRIPTS = ("loss_golden.py",)
 
 
+# Tiers that are never the fast one: GPU tests are deselected unless asked for by marker.
+OWN_TIERS = ("e2e", "gpu", "multi_gpu")
+
+
 class EndToEndOutsideItsTier(RuntimeError):
-    """Raised where a test without the ``e2e`` marker starts a training."""
+    """Raised where a test outside the end-to-end and GPU tiers starts a training."""
 
 
 class Guard:
@@ -31,7 +35,7 @@ class Guard:
         self.started: list[str] = []
 
     def check(self, what: str) -> None:
-        if self.item is None or self.item.get_closest_marker("e2e") is not None:
+        if self.item is None or any(self.item.get_closest_marker(m) for m in OWN_TIERS):
             return
         self.started.append(what)
         raise EndToEndOutsideItsTier(

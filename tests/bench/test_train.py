@@ -11,14 +11,16 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from bench.tiny import fake_sweep, tiny_spec, write_tiny_config
 from slidedp.autopolicy.validate import is_out_of_memory
 from slidedp.bench import worker
 from slidedp.bench.measure import RunSpec, process_tree, tree_pss_bytes
+from slidedp.bench.ours import ours_raw_config
 from slidedp.bench.plot import plot_sweep
 from slidedp.bench.report import Model, print_report, ratios, summarise
-from slidedp.bench.train import ours_config, ours_configs, shape_config
+from slidedp.bench.train import ours_config, ours_configs, shape_config, shape_weights
 from slidedp.cli import main
 from slidedp.errors import ConfigError
 from slidedp.profile.pareto import require_matplotlib
@@ -97,6 +99,7 @@ def _ours_and_reference_ran(tmp: Path, printed: str) -> None:
     assert "ours/reference" in printed
     assert "exposed wait" in printed
     assert printed.count("layer compute: eager, not compiled") == 3  # each run's line
+    assert printed.count("to the first step") == 2  # ours' and its variant's
 
 
 def _a_host_limit_above_every_run_touches_none(tmp: Path, printed: str) -> None:
@@ -127,6 +130,7 @@ def _ours_reports_its_time_to_the_first_step_in_parts(tmp: Path) -> None:
     assert s["to_first_step_s"] == pytest.approx(before, abs=4e-3)
     assert s["first_step_s"] > 0
     assert s["arena_s"] == 0  # nothing offloaded in the default layout
+    assert ours["weights"] == "initialised from the config (seed 42)"  # no safetensors there
 
 
 def test_fsdp2_baseline_runs_on_cpu(tmp_path: Path) -> None:
@@ -426,3 +430,27 @@ def _a_variant_of_ours_ran_in_its_own_worker(tmp: Path) -> None:
     assert n["losses"] == ours["losses"]
     assert (tmp / "trace.json").exists()
     assert (tmp / "trace-n.json").exists()
+
+
+def test_a_model_directory_with_weights_is_where_ours_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``--shape`` naming a directory with safetensors (the time to the first step of a real
+    model): every run carries it, ours reads its model from there, the report names it; a
+    config alone, or a named shape, is a seeded init; a cut or a changed model is refused (the
+    weights would not match it)."""
+    model = tmp_path / "m"
+    model.mkdir()
+    save_file({"w": torch.zeros(1)}, str(model / "model.safetensors"))
+    specs, _, out = fake_sweep(monkeypatch, tmp_path, {"ours": 1.0}, "--systems", "ours")
+    assert {s.weights_dir for s in specs} == {str(model)}
+    assert json.loads(out.read_text())["weights_dir"] == str(model)
+    raw = ours_raw_config(specs[0], tmp_path / "tokens.jsonl", tmp_path / "out")
+    assert raw["model"]["path"] == str(model)
+    assert shape_weights(str(model / "config.json"), 0, {}) == str(model)
+    assert shape_weights(str(write_tiny_config(tmp_path / "alone")), 0, {}) == ""
+    assert shape_weights("qwen3-4b", 0, {}) == ""
+    with pytest.raises(ConfigError, match="and --layers changes that model"):
+        shape_weights(str(model), 1, {})
+    with pytest.raises(ConfigError, match=r"and --set model\.max_position_embeddings changes"):
+        shape_weights(str(model), 0, {"max_position_embeddings": 64})

@@ -80,3 +80,23 @@ def test_a_tensor_the_models_init_leaves_unset_is_one_error(
     store = HostStore.create(adapter.group_specs(), staging_slots=2)
     with pytest.raises(ModelLoadError, match=r"does not initialise \['lm_head.weight'\]"):
         init_weights(adapter, store, 0)
+
+
+def test_the_init_writes_the_store_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each module's parameters are the store's own views while ``_init_weights`` runs: no
+    module-sized copy (one would fault and write every page of the weights twice)."""
+    adapter = HFAdapter.from_dir(_config_dir(tmp_path, "qwen3", tied=False))
+    copied: list[tuple[int, ...]] = []
+    copy = torch.Tensor.copy_
+
+    def counted(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.device.type != "meta":  # building the skeleton on meta costs nothing
+            copied.append(tuple(self.shape))
+        return copy(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", counted)
+    weights = _init(adapter, 0)
+    assert copied == []
+    assert all(torch.isfinite(w).all() for w in weights.values())

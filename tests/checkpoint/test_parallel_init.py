@@ -49,10 +49,37 @@ def test_a_strided_tensor_draws_from_one_seeded_generator() -> None:
     assert torch.equal(base, expected)
 
 
+def _expected(seed: int, scope: str, draw: int, numel: int, std: float) -> torch.Tensor:
+    values = torch.empty(numel)
+    for k, start in enumerate(range(0, numel, CHUNK)):
+        g = torch.Generator().manual_seed(chunk_seed(seed, scope, draw, k))
+        values[start : start + CHUNK].normal_(0.0, std, generator=g)
+    return values
+
+
+def test_draws_stay_in_flight_until_another_call_which_sees_them_done() -> None:
+    """Two matrices' draws run together; the next other call (a padding row zeroed, as
+    ``_init_weights`` does after the embedding's draw) waits for them and sees every value;
+    memory drawn again while its first draw is in flight is drawn in order."""
+    numel = CHUNK + 7
+    store = torch.empty(3 * numel)  # one storage, as the host store's views share one
+    a, b = store[:numel], store[numel : 2 * numel]
+    with ParallelNormal(11, 3) as draws:
+        draws.scope("m")
+        a.normal_(0.0, 1.0)
+        b.normal_(0.0, 2.0)
+        assert len(draws._pending) == 4  # both matrices' two chunks, in flight together
+        a[:5].zero_()  # waits for the draws, then runs
+        b.normal_(0.0, 3.0)  # b's memory again: after its first draw
+    assert torch.equal(a[:5], torch.zeros(5))
+    assert torch.equal(a[5:], _expected(11, "m", 0, numel, 1.0)[5:])
+    assert torch.equal(b, _expected(11, "m", 2, numel, 3.0))
+
+
 def test_an_error_in_a_draw_reaches_the_caller_as_itself() -> None:
     integers = torch.empty(8, dtype=torch.int64)
-    with ParallelNormal(0, 2), pytest.raises(RuntimeError, match="normal"):
-        integers.normal_()  # torch refuses normal_ on integers
+    with pytest.raises(RuntimeError, match="normal"), ParallelNormal(0, 2):
+        integers.normal_()  # torch refuses normal_ on integers (raised when waited on)
 
 
 def test_the_models_init_is_the_same_on_one_thread_and_many(

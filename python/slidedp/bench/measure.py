@@ -51,6 +51,9 @@ class RunSpec:
     # ours on several ranks: ranks that split each row (runtime.context_parallel); ``batch``
     # is then each group's rows
     context: int = 1
+    # ours starts from this model directory's safetensors (``--shape DIR`` with weights: the
+    # time to the first step of a real model); every other system from ``config_dir``
+    weights_dir: str = ""
 
     @property
     def global_batch(self) -> int:

@@ -90,7 +90,7 @@ def startup(
 def ours_raw_config(spec: RunSpec, data: Path, out: Path) -> dict[str, Any]:
     """``spec.ours`` (a resolved config) with the keys the bench owns set for this run."""
     raw = copy.deepcopy(spec.ours)
-    raw["model"]["path"] = spec.config_dir
+    raw["model"]["path"] = spec.weights_dir or spec.config_dir
     raw["data"].update(path=str(data), seq_len=spec.seq_len)
     raw["output"].update(dir=str(out), export=False)
     raw["train"].update(max_steps=spec.warmup + spec.steps, global_batch_size=spec.global_batch)
@@ -181,6 +181,7 @@ def run_ours(spec: RunSpec) -> dict[str, Any]:
     lane_keys = [f"{k}_s" for k in LANES + WAITS]
     return {
         "startup_s": startup(stamps, trainer, every[0]["step_time_s"]),
+        "weights": trainer.source,  # loaded from safetensors or initialised from the config
         "step_times_s": [r["step_time_s"] for r in records],
         "tokens_per_step": records[0]["tokens"],
         "losses": [r["loss"] for r in records],

@@ -144,6 +144,13 @@ def print_report(report: dict[str, Any]) -> None:
             print(f"{'':{width + 6}} at S={r['seq_len']}, not --seq")
         if "kernels" in r:
             print(f"{'':{width + 6}} layer compute: {r['kernels']}")
+        if "startup_s" in r:
+            s = r["startup_s"]
+            print(
+                f"{'':{width + 6}} to the first step {s['to_first_step_s']:.1f} s: weights "
+                f"{s['fill_state_s']:.1f} ({r['weights']}), pinning {s['pin_s']:.1f}, first "
+                f"step {s['first_step_s']:.1f}"
+            )
         if "policy" in r:  # runtime.policy=auto: what it chose
             print(f"{'':{width + 6}} {r['policy']}")
         if r.get("gpu_alloc_retries"):  # at the edge of the device's memory

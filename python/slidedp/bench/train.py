@@ -49,6 +49,7 @@ from slidedp.bench.scaling import collectives_report, print_scale, scale_report
 from slidedp.bench.sweep import print_summary, sweep_summary
 from slidedp.config import ModelSection, config_to_dict, load_config
 from slidedp.errors import ConfigError, SlidedpError
+from slidedp.io.hf_load import weight_files
 from slidedp.models.hf import apply_overrides
 from slidedp.models.shapes import SHAPES, cut_layers, resolve_shape
 from slidedp.profile.pareto import require_matplotlib
@@ -117,7 +118,12 @@ def ours_configs(overrides: list[str], systems: list[str]) -> dict[str, dict[str
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg = parser.add_argument
-    arg("--shape", default="qwen3-4b", help=f"{', '.join(SHAPES)}, or an HF config.json path")
+    arg(
+        "--shape",
+        default="qwen3-4b",
+        help=f"{', '.join(SHAPES)}, or an HF config.json path (a model directory with "
+        "safetensors: ours starts from its weights, the other systems from its config)",
+    )
     arg("--batch", type=int, default=4, help="sequences per step")
     arg("--sweep", default=None, help="batch sizes, e.g. 4,8,16,32 (replaces --batch)")
     arg("--seq", type=int, default=1024, help="tokens per sequence")
@@ -261,6 +267,26 @@ def shape_config(shape: str, layers: int, ours: dict[str, Any]) -> tuple[Any, di
     return config, overrides
 
 
+def shape_weights(shape: str, layers: int, overrides: dict[str, Any]) -> str:
+    """The model directory whose safetensors ours starts from: ``--shape`` naming a directory
+    (or its config.json) that holds weights; "" for a named shape or a config alone. A cut or
+    a changed config would no longer match the weights: refused."""
+    if shape in SHAPES:
+        return ""
+    path = Path(shape)
+    folder = path if path.is_dir() else path.parent
+    if not weight_files(folder):
+        return ""
+    if layers or overrides:
+        changed = "--layers" if layers else f"--set model.{next(iter(overrides))}"
+        raise ConfigError(
+            f"--shape {shape}: {folder} holds weights for the model as its config.json says, "
+            f"and {changed} changes that model; copy config.json alone to a folder of its own "
+            "to bench the changed model from a seeded init"
+        )
+    return str(folder)
+
+
 def _params(config: Any) -> int:
     """Stored parameters (a tied head counted once), from a meta-device model."""
 
@@ -295,10 +321,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     timeouts = system_timeouts(args.system_timeout, systems)
     scale = multi.parse_scale(args, systems, device, ours)  # None: one GPU only
     config, model_overrides = shape_config(args.shape, args.layers, ours)
+    weights = shape_weights(args.shape, args.layers, model_overrides)
     split = context.parse_context(args, scale, ours, config, device)  # None: no --context-parallel
     model = Model(model_flops_per_token(config, args.seq), None, _params(config))
     report: dict[str, Any] = {
         "shape": args.shape,
+        "weights_dir": weights or None,  # ours loads these; the others start from the config
         "model": _model_report(config, model.params, model_overrides),
         "seq_len": args.seq,
         "device": device,
@@ -336,6 +364,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             ours=ours,
             gpu_limit_gib=args.gpu_limit,
             host_limit_gib=args.host_limit,
+            weights_dir=weights,
         )
         if device == "cuda":  # the GEMM peak in a child too: the parent never touches the GPU
             peak, _ = run_child(spec, Path(tmp))

@@ -13,8 +13,9 @@ its draw) runs as written, in its order.
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _NORMALS = (torch.Tensor.normal_, torch.nn.init.normal_)
-CHUNK = 1 << 22  # values per generator: 16 MiB of FP32, ~30 ms of one core's draws
+CHUNK = 1 << 20  # values per generator: 4 MiB of FP32, ~10 ms of one core's draws
 
 
 def chunk_seed(seed: int, scope: str, draw: int, chunk: int) -> int:
@@ -41,6 +42,9 @@ class ParallelNormal(TorchFunctionMode):
         self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="init")
         self._scope = ""
         self._draws = 0
+        self._owner = threading.get_ident()
+        self._pending: list[Future[None]] = []
+        self._drawing: list[tuple[int, int]] = []  # the pending draws' byte ranges
 
     def scope(self, name: str) -> None:
         self._scope, self._draws = name, 0
@@ -51,8 +55,20 @@ class ParallelNormal(TorchFunctionMode):
         error: BaseException | None,
         trace: TracebackType | None,
     ) -> None:
-        super().__exit__(kind, error, trace)  # type: ignore[no-untyped-call]
-        self.pool.shutdown()
+        try:
+            self.wait()  # a draw's error is raised as itself, unless one is raised already
+        except BaseException:
+            if error is None:
+                raise
+        finally:
+            super().__exit__(kind, error, trace)  # type: ignore[no-untyped-call]
+            self.pool.shutdown()
+
+    def wait(self) -> None:
+        """Until every draw in flight is done; a worker's error is raised here, as itself."""
+        pending, self._pending, self._drawing = self._pending, [], []
+        for done in pending:
+            done.result()
 
     def __torch_function__(
         self,
@@ -62,12 +78,19 @@ class ParallelNormal(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = dict(kwargs or {})
+        if threading.get_ident() != self._owner:  # a chunk's own draw, on the pool
+            return func(*args, **kwargs)
         # torch.nn.init.normal_ (what _init_weights calls) reaches a mode as itself, its tensor
         # by keyword; Tensor.normal_ as a method, its arguments by position
         if func not in _NORMALS or kwargs.get("generator") is not None:
+            self.wait()  # anything else sees the values drawn before it
             return func(*args, **kwargs)
         named = dict(zip(("tensor", "mean", "std"), args, strict=False)) | kwargs
         tensor: torch.Tensor = named["tensor"] if "tensor" in named else named["self"]
+        span = _span(tensor)
+        if any(span[0] < end and start < span[1] for start, end in self._drawing):
+            self.wait()  # the same memory drawn again: in order
+        self._drawing.append(span)
         self._draw(tensor, float(named.get("mean", 0.0)), float(named.get("std", 1.0)))
         return tensor
 
@@ -83,5 +106,17 @@ class ParallelNormal(TorchFunctionMode):
                 part = tensor if flat is None else flat[start : start + CHUNK]
                 part.normal_(mean, std, generator=g)
 
-        for done in [self.pool.submit(chunk, k, s) for k, s in enumerate(starts)]:
-            done.result()  # a worker's error is raised here, as itself
+        self._pending += [self.pool.submit(chunk, k, s) for k, s in enumerate(starts)]
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``tensor``'s elements lie in, from its first to its last (non-negative
+    strides, as every parameter has)."""
+    elements = (
+        0
+        if tensor.numel() == 0
+        else 1
+        + sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    )
+    start = tensor.data_ptr()
+    return start, start + elements * tensor.element_size()
