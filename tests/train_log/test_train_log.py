@@ -178,6 +178,7 @@ def test_the_banner_names_what_a_run_needs() -> None:
         threads=16,
         peak_flops=900e12,
         context_parallel=2,
+        startup="  start-up: store created 1.9 s, weights 12.0 s, engine 8.3 s",
     )
     text = "\n".join(facts.lines())
     for part in (
@@ -192,6 +193,7 @@ def test_the_banner_names_what_a_run_needs() -> None:
         "layer compute: eager, not compiled, attention SDPA",
         FLOPS_FORMULA,
         "900 TFLOP/s (measured bf16 GEMM) per GPU, x 2 GPUs computing each sequence",
+        "start-up: store created 1.9 s, weights 12.0 s, engine 8.3 s",
     ):
         assert part in text, part
 

@@ -20,7 +20,6 @@ import copy
 import dataclasses
 import json
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -35,25 +34,15 @@ from slidedp.plan.resolve import resolve_plan
 from slidedp.preflight import check_model
 from slidedp.runtime.dist import Dist
 from slidedp.runtime.lanes import LANES, WAITS
+from slidedp.runtime.startup import PARTS
 from slidedp.runtime.trainer import Trainer
 from slidedp.runtime.zygote import process_age_s
-from slidedp.store import HostStore
 
 
 class _BenchTrainer(Trainer):
     """The trainer without its final checkpoint: the bench measures steps, and a checkpoint
     of the whole host state (12 bytes per parameter: 48 GB for Qwen3-4B) would only fill the
-    disk. Saving still drains the update lane, as ``Trainer.save`` does first. It times its
-    store's fill (``fill_s``: the weights initialised or read, copied into the store)."""
-
-    fill_s = 0.0
-
-    def _fill_state(self, store: HostStore) -> str:
-        started = time.perf_counter()
-        try:
-            return super()._fill_state(store)
-        finally:
-            self.fill_s = time.perf_counter() - started
+    disk. Saving still drains the update lane, as ``Trainer.save`` does first."""
 
     def save(self) -> Path:
         self.engine.drain()
@@ -66,20 +55,23 @@ def startup(
     """The time to the first step of one run, in its parts (seconds): the process until the
     run starts (interpreter, imports, tokens written; a worker forked from the bench's zygote
     counts the zygote's imports as its own, ``process_age_s``), the config (with ``runtime.policy:
-    auto``: its choice), the trainer's build (the model, the store created and filled, the
-    data, the engine: ``fill_state_s``, ``pin_s`` and the GPU-resident groups' state loaded,
-    ``resident_load_s``, of it, the rest ``other_init_s``), the first step (the layers'
+    auto``: its choice), the trainer's build (``trainer_init_s``: the parts its
+    ``StartupClock`` timed, ``store_create_s``, ``fill_state_s``, ``mirror_s``, ``data_s``,
+    ``engine_s``; of the engine ``pin_s`` and the GPU-resident groups' state loaded,
+    ``resident_load_s``; ``other_init_s`` the rest of the build), the first step (the layers'
     compile included; ``arena_s`` of it: the activation offload arenas allocated and
-    page-locked) and the sum, ``to_first_step_s``."""
-    init, engine = stamps["trainer"] - stamps["config"], trainer.engine
+    page-locked) and the sum, ``to_first_step_s``. A rank that attached to the store its node's
+    first rank made has no store parts: the bench reports rank 0, which made it."""
+    init, engine, clock = stamps["trainer"] - stamps["config"], trainer.engine, trainer.startup
+    built = {k: clock.parts.get(k, 0.0) for k in PARTS}
     parts = {
         "process_s": stamps["start"],
         "config_s": stamps["config"] - stamps["start"],
         "trainer_init_s": init,
-        "fill_state_s": trainer.fill_s,
+        **built,
         "pin_s": engine.pin_s,
         "resident_load_s": engine.resident_s,
-        "other_init_s": init - trainer.fill_s - engine.pin_s - engine.resident_s,
+        "other_init_s": init - sum(built.values()),
         "first_step_s": first_step_s,
         "arena_s": engine.activations.arena_s,
         "to_first_step_s": stamps["trainer"] + first_step_s,

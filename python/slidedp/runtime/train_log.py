@@ -71,6 +71,7 @@ class RunFacts:
     peak_flops: float | None
     nodes: int = 1  # one host store each
     context_parallel: int = 1  # GPUs sharing each sequence: MFU divides by their summed peak
+    startup: str = ""  # StartupClock.line(): how long each part of the build took
 
     def lines(self) -> list[str]:
         peak = (
@@ -96,6 +97,7 @@ class RunFacts:
             "(this rank's store slots and mirror)",
             f"  host kernels: {self.isa} path, {self.threads} thread(s)",
             f"  FLOPs per token: {FLOPS_FORMULA}; {peak}",
+            *([self.startup] if self.startup else []),
         ]
 
 

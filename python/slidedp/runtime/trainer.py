@@ -58,6 +58,7 @@ from slidedp.runtime.evaluate import Evaluator
 from slidedp.runtime.flops import device_peak_flops, model_flops_per_token
 from slidedp.runtime.routes import signal_specs
 from slidedp.runtime.schedule import lr_schedule
+from slidedp.runtime.startup import StartupClock
 from slidedp.runtime.stop_signals import StopSignals
 from slidedp.runtime.trace import write_trace
 from slidedp.runtime.trackers import open_trackers
@@ -110,29 +111,35 @@ class Trainer:
         bf16 = self.dtype == torch.bfloat16
 
         machine = Machine.probe(cfg, measure=False)
+        self.startup = clock = StartupClock()  # how long each part of this build took
 
         def create() -> HostStore:  # every rank gets its own range of the slot rings
             # decided once, by the creator: the others attach to what it made
             policy = (plan or resolve_plan(cfg, self.adapter, machine)).policy
             args = store_args(policy, bf16=bf16, world=local_world, nodes=world // local_world)
-            store = HostStore.create(self.adapter.group_specs(), **args)
-            self.source = self._fill_state(store)
-            fill_mirror(store, Kernels(default_threads()))
+            with clock.part("store_create_s"):
+                store = HostStore.create(self.adapter.group_specs(), **args)
+            with clock.part("fill_state_s"):
+                self.source = self._fill_state(store)
+            with clock.part("mirror_s"):
+                fill_mirror(store, Kernels(default_threads()))
             return store
 
         self._open_store(store, create)
         weights = self.resume.path if self.resume is not None else self.adapter.path
         read_buffers(self.adapter, weight_files(weights) if weights is not None else [])
-        self.data, held_out = self._read_data()  # all of it, checked, before any GPU work
+        with clock.part("data_s"):
+            self.data, held_out = self._read_data()  # all of it, checked, before any GPU work
         self.lr_at = lr_schedule(tc.lr_scheduler, tc.learning_rate, tc.warmup_steps, tc.max_steps)
         if plan is None:  # every rank resolves: the store's mirror is what its creator decided
             plan = resolve_plan(cfg, self.adapter, machine, mirror=self.store.has_mirror)
             plan = replace(plan, threads=rt.layout.update_threads or self._default_host_threads())
         self.plan = replace(plan, device=self.device)  # this rank's device of the plan's kind
         self.policy = self.plan.policy
-        self.engine = Engine(
-            self.adapter, self.store, self.plan, ctx=self.ctx, signals=self.signals
-        )
+        with clock.part("engine_s"):
+            self.engine = Engine(
+                self.adapter, self.store, self.plan, ctx=self.ctx, signals=self.signals
+            )
         self.evaluator = None if held_out is None else Evaluator(self.engine, held_out)
         self.best = BestCheckpoint(self.out_dir)
         if self.ctx is not None:
@@ -202,7 +209,6 @@ class Trainer:
 
     def _facts(self) -> RunFacts:
         a, tc = self.adapter, self.cfg.train
-        pinned = sum(view.numel() for view in self.engine.pinned)  # byte views
         window, resident = self.engine.window, self.engine.resident
         held = f"{window.param_bytes():,} B"  # the resident layers' weights included
         if resident is not None:
@@ -218,7 +224,7 @@ class Trainer:
             max_steps=tc.max_steps,
             resumed_from=None if self.resume is None else str(self.resume.path),
             store_bytes=self.store.total_bytes,
-            pinned_bytes=pinned,
+            pinned_bytes=sum(view.numel() for view in self.engine.pinned),  # byte views
             device=str(self.device),
             dtype=str(self.dtype).removeprefix("torch."),
             window=f"{len(window.slots)} layer slots, {held}",
@@ -229,6 +235,7 @@ class Trainer:
             peak_flops=device_peak_flops(self.device),
             nodes=1 if self.ctx is None else self.ctx.nodes,
             context_parallel=self.cfg.runtime.launch.context_parallel,
+            startup=self.startup.line(self.engine.pin_s, self.engine.resident_s),
         )
 
     def _policy_source(self) -> str:
