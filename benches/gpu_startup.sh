@@ -4,8 +4,9 @@
 # bench train` of ours at BATCH (4) from the config alone (the first run: cold imports and
 # kernel caches, as on a fresh machine), from that directory after the page cache is dropped
 # where the machine lets it (a first read from disk, as after a download), and from it again
-# (the files in memory); each report's `startup_s` says where the time went. On a 4-GPU kind SHAPE=qwen3-14b
-# is the target's run (64 cores, 512 GiB). Here first:
+# (the files in memory); FROM picks and orders them. Each report's `startup_s` says where the
+# time went. On a 4-GPU kind (64 cores, 512 GiB) the target's runs: `SHAPE=qwen3-14b RUN_S=170
+# FROM="config weights-cold"` (RUN_S: each run's limit). Here first:
 #   rm -f dist/*.whl; .venv/bin/maturin build --release -o dist/ -q
 # Device call: carry ["dist", "wheels"], command `bash benches/gpu_startup.sh`.
 OUT=${OUT:-out/gpu-startup}
@@ -25,11 +26,11 @@ drop_cache() {
     fi
 }
 # the first run pays the cold caches (imports, Triton's kernels): the config's, as a fresh machine
-for from in config weights-cold weights-warm; do
+for from in ${FROM:-config weights-cold weights-warm}; do
     shape=$SHAPE
     [[ $from == weights* ]] && shape=$WEIGHTS/config.json
     [[ $from == weights-cold ]] && drop_cache
-    within 150 "startup-$from" && part "startup-$from" 150 python3 -m slidedp bench train \
+    within "${RUN_S:-150}" "startup-$from" && part "startup-$from" "${RUN_S:-150}" python3 -m slidedp bench train \
         --shape "$shape" --batch "${BATCH:-4}" --systems ours --warmup 1 --steps 1 \
         --json "$OUT/startup-$from.json"
 done

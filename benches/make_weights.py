@@ -3,15 +3,16 @@ downloaded: ``python benches/make_weights.py --shape qwen3-14b --out DIR``.
 
 Writes ``DIR/config.json`` (the bench shape's) and BF16 safetensors shards of at most
 ``--shard-gb`` GB with their ``model.safetensors.index.json``, laid out and named as
-``save_pretrained`` writes them (a tied head not stored). The values repeat one seeded block of
-N(0, 0.02) draws (norm weights 1): what is timed is reading and casting them, not what they
-teach. Prints the seconds it took and the bytes written.
+``save_pretrained`` writes them (a tied head not stored), one shard in memory at a time. The
+values repeat one seeded block of N(0, 0.02) draws (norm weights 1): what is timed is reading
+and casting them, not what they teach. Prints the seconds it took and the bytes written.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from pathlib import Path
 
@@ -34,9 +35,7 @@ def shapes(config: object) -> dict[str, tuple[int, ...]]:
 
 
 def tensor(shape: tuple[int, ...], name: str, block: torch.Tensor) -> torch.Tensor:
-    numel = 1
-    for d in shape:
-        numel *= d
+    numel = math.prod(shape)
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=torch.bfloat16)
     reps = -(-numel // BLOCK)
@@ -54,21 +53,23 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     config.to_json_file(args.out / "config.json")
     block = (torch.randn(BLOCK, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16()
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    names = shapes(config)
+    # shards by name first (the files' count is in their names), each written once it is full
+    shards: list[list[str]] = [[]]
     sizes = [0]
-    for name, shape in shapes(config).items():
-        t = tensor(shape, name, block)
-        if sizes[-1] and sizes[-1] + t.nbytes > args.shard_gb * 1e9:
-            shards.append({})
+    for name, shape in names.items():
+        nbytes = 2 * math.prod(shape)
+        if sizes[-1] and sizes[-1] + nbytes > args.shard_gb * 1e9:
+            shards.append([])
             sizes.append(0)
-        shards[-1][name] = t
-        sizes[-1] += t.nbytes
+        shards[-1].append(name)
+        sizes[-1] += nbytes
     weight_map = {}
     for i, shard in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(args.out / file), metadata={"format": "pt"})
+        tensors = {name: tensor(names[name], name, block) for name in shard}
+        save_file(tensors, str(args.out / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file))
-        shard.clear()
     index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
     (args.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     print(json.dumps({"seconds": round(time.perf_counter() - start, 1), "bytes": sum(sizes),

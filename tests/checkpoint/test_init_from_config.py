@@ -82,6 +82,25 @@ def test_a_tensor_the_models_init_leaves_unset_is_one_error(
         init_weights(adapter, store, 0)
 
 
+def test_a_parameter_the_models_init_replaces_is_one_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An ``_init_weights`` that gives a parameter new memory instead of setting it would leave
+    the store's view as it was: refused, naming it."""
+    adapter = HFAdapter.from_dir(_config_dir(tmp_path, "qwen3", tied=False))
+    init: Any = type(adapter.skeleton)._init_weights
+
+    def replaces_the_head(self: nn.Module, module: nn.Module) -> None:
+        init(self, module)
+        if isinstance(module, nn.Linear) and module.out_features == adapter.vocab_size:
+            module.weight = nn.Parameter(torch.zeros_like(module.weight))
+
+    monkeypatch.setattr(type(adapter.skeleton), "_init_weights", replaces_the_head)
+    store = HostStore.create(adapter.group_specs(), staging_slots=2)
+    with pytest.raises(ModelLoadError, match=r"\['lm_head.weight \(replaced\)'\]"):
+        init_weights(adapter, store, 0)
+
+
 def test_the_init_writes_the_store_in_place(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -76,6 +76,19 @@ def test_draws_stay_in_flight_until_another_call_which_sees_them_done() -> None:
     assert torch.equal(b, _expected(11, "m", 2, numel, 3.0))
 
 
+def test_a_draw_over_memory_still_being_drawn_waits_for_it() -> None:
+    """A view made before the block (making one inside is a call that waits) drawn while the
+    draw of its base is in flight: drawn after it, never overwritten by its late chunks."""
+    x = torch.empty(2 * CHUNK)
+    middle = x[CHUNK - 8 : CHUNK + 8]
+    with ParallelNormal(5, 3) as draws:
+        draws.scope("o")
+        x.normal_(0.0, 1.0)
+        middle.normal_(0.0, 1e-6)
+    assert torch.equal(middle, _expected(5, "o", 1, 16, 1e-6))
+    assert torch.equal(x[: CHUNK - 8], _expected(5, "o", 0, 2 * CHUNK, 1.0)[: CHUNK - 8])
+
+
 def test_an_error_in_a_draw_reaches_the_caller_as_itself() -> None:
     integers = torch.empty(8, dtype=torch.int64)
     with pytest.raises(RuntimeError, match="normal"), ParallelNormal(0, 2):

@@ -274,6 +274,8 @@ def shape_weights(shape: str, layers: int, overrides: dict[str, Any]) -> str:
     if shape in SHAPES:
         return ""
     path = Path(shape)
+    if not path.is_dir() and path.name != "config.json":  # a config of its own, not the dir's
+        return ""
     folder = path if path.is_dir() else path.parent
     if not weight_files(folder):
         return ""

@@ -234,14 +234,22 @@ def _init_module(adapter: HFAdapter, module: nn.Module) -> None:
         adapter.skeleton._init_weights(sub)  # type: ignore[no-untyped-call]
 
 
-def _initialised(adapter: HFAdapter, module: nn.Module, name: str) -> nn.Module:
-    """``module`` (its storage on CPU, any contents) as the model's ``_init_weights`` sets it;
-    a tensor it leaves unset is one clear error, never uninitialised memory trained on."""
+def _initialised(
+    adapter: HFAdapter, module: nn.Module, name: str, targets: dict[str, torch.Tensor]
+) -> nn.Module:
+    """``module`` (its storage on CPU, any contents) as the model's ``_init_weights`` sets it,
+    in ``targets`` (its parameters, bound); a tensor it leaves unset, or one it replaces
+    instead of setting (the store would keep the NaN), is one clear error, never
+    uninitialised memory trained on."""
+    bound = {local: t.data_ptr() for local, t in targets.items()}
     for param in module.parameters():
         param.detach().fill_(float("nan"))  # any tensor _init_weights missed shows
     _init_module(adapter, module)
     # a NaN left anywhere makes the sum NaN: one reduction, no tensor-sized mask allocated
-    missed = [f"{name}.{n}" for n, p in module.named_parameters() if torch.isnan(p.sum())]
+    params = dict(module.named_parameters())
+    missed = [f"{name}.{n}" for n, p in params.items() if torch.isnan(p.sum())]
+    missed += [f"{name}.{n} (replaced)" for n, ptr in bound.items()
+               if n not in params or params[n].data_ptr() != ptr]  # fmt: skip
     if missed:
         raise ModelLoadError(
             f"{adapter.config.model_type}'s _init_weights does not initialise {missed}; "
@@ -269,7 +277,7 @@ def _fresh(
     is not a wasted pass before it."""
     with torch.device("meta"):
         module = cls(*args, **kwargs)
-    return _initialised(adapter, _bound(module, targets), name)
+    return _initialised(adapter, _bound(module, targets), name, targets)
 
 
 def _bound(module: nn.Module, targets: dict[str, torch.Tensor]) -> nn.Module:
@@ -305,8 +313,8 @@ def _init_modules(adapter: HFAdapter, store: HostStore, draws: ParallelNormal) -
         _fresh(adapter, f"model.layers.{i}", params, type(base.layers[i]), adapter.config, i)
     draws.scope(_module(NORM))
     # the model's own norm class, copied (Gemma's takes other arguments than the config)
-    norm = _bound(copy.deepcopy(base.norm), {"weight": store.param(NORM)})
-    _initialised(adapter, norm, _module(NORM))
+    weight = {"weight": store.param(NORM)}
+    _initialised(adapter, _bound(copy.deepcopy(base.norm), weight), _module(NORM), weight)
     if not adapter.tied:
         draws.scope(_module(LM_HEAD))
         _fresh(adapter, _module(LM_HEAD), {"weight": store.param(LM_HEAD)}, nn.Linear,

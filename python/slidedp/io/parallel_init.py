@@ -4,17 +4,21 @@ torch draws ``normal_`` on CPU from one serial stream (~150M values/s: ~100 s fo
 weights of Qwen3-14B). Inside ``ParallelNormal(seed, threads)``, each ``Tensor.normal_`` of a
 contiguous tensor is split into chunks of ``CHUNK`` values; chunk ``k`` of the ``n``-th draw
 under the same ``scope`` gets its own generator, seeded from (seed, scope, n, k), and the
-chunks are drawn on a pool of threads (torch releases the GIL in the draw). The values depend on
-the seed, the scope names and the order of the draws alone, never on the thread count; what
-``_init_weights`` does besides the draws (zeroed biases, unit norms, a zeroed padding row after
-its draw) runs as written, in its order.
+chunks are drawn on a pool of threads (torch releases the GIL in the draw; a mode is per
+thread, so the pool's own draws do not reach it). Draws stay in flight until the next other
+torch call (a layer's q/k/v/o projections, then its three MLP matrices, are drawn together: one
+matrix alone has fewer chunks than a large host has cores), so what ``_init_weights`` does
+besides the draws (zeroed biases, unit norms, a zeroed padding row after its draw) runs as
+written, in its order, on drawn values; a draw over memory still being drawn waits for it. The
+values depend on the seed, the scope names and the order of the draws alone, never on the
+thread count.
 """
 
 from __future__ import annotations
 
 import hashlib
-import threading
 from collections.abc import Callable, Iterable
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 from typing import Any
@@ -42,7 +46,6 @@ class ParallelNormal(TorchFunctionMode):
         self.pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="init")
         self._scope = ""
         self._draws = 0
-        self._owner = threading.get_ident()
         self._pending: list[Future[None]] = []
         self._drawing: list[tuple[int, int]] = []  # the pending draws' byte ranges
 
@@ -62,11 +65,12 @@ class ParallelNormal(TorchFunctionMode):
                 raise
         finally:
             super().__exit__(kind, error, trace)  # type: ignore[no-untyped-call]
-            self.pool.shutdown()
+            self.pool.shutdown(cancel_futures=error is not None)
 
     def wait(self) -> None:
         """Until every draw in flight is done; a worker's error is raised here, as itself."""
         pending, self._pending, self._drawing = self._pending, [], []
+        futures.wait(pending)  # all of them: none still writing once this returns or raises
         for done in pending:
             done.result()
 
@@ -78,8 +82,6 @@ class ParallelNormal(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = dict(kwargs or {})
-        if threading.get_ident() != self._owner:  # a chunk's own draw, on the pool
-            return func(*args, **kwargs)
         # torch.nn.init.normal_ (what _init_weights calls) reaches a mode as itself, its tensor
         # by keyword; Tensor.normal_ as a method, its arguments by position
         if func not in _NORMALS or kwargs.get("generator") is not None:

@@ -54,4 +54,4 @@ class StartupClock:
         ]
         if inside and "engine_s" in shown:
             said[-1] += f" (of it {', '.join(inside)})"
-        return "  start-up: " + (", ".join(said) or "under 0.1 s")
+        return "  start-up: " + (", ".join(said) or f"{sum(self.parts.values()):.1f} s")
