@@ -20,7 +20,8 @@ from slidedp.bench.measure import RunSpec, process_tree, tree_pss_bytes
 from slidedp.bench.ours import ours_raw_config
 from slidedp.bench.plot import plot_sweep
 from slidedp.bench.report import Model, print_report, ratios, summarise
-from slidedp.bench.train import ours_config, ours_configs, shape_config, shape_weights
+from slidedp.bench.shape import shape_config, shape_weights
+from slidedp.bench.train import ours_config, ours_configs
 from slidedp.cli import main
 from slidedp.errors import ConfigError
 from slidedp.profile.pareto import require_matplotlib
@@ -124,7 +125,7 @@ def _ours_reports_its_time_to_the_first_step_in_parts(tmp: Path) -> None:
     assert min(s["store_create_s"], s["engine_s"]) > 0
     assert s["data_s"] >= 0  # the tiny data is read in about a millisecond
     assert s["fill_state_s"] > 0  # the tiny model initialised into the store
-    assert s["mirror_s"] == 0  # no BF16 mirror on CPU
+    assert s["mirror_s"] < 0.05  # no BF16 mirror on CPU: nothing cast
     assert s["pin_s"] == 0  # nothing to page-lock without CUDA
     assert s["resident_load_s"] == 0  # nothing GPU-resident in the default policy
     # the parts add up (each rounded to the millisecond)

@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 import yaml
-from transformers import AutoModelForCausalLM
 
 from slidedp.bench import context, multi
 from slidedp.bench.child import run_child
@@ -46,14 +45,13 @@ from slidedp.bench.plot import plot_sweep
 from slidedp.bench.predict import predict_report, print_predictions
 from slidedp.bench.report import Model, print_report, ratios, summarise
 from slidedp.bench.scaling import collectives_report, print_scale, scale_report
+from slidedp.bench.shape import bench_model
 from slidedp.bench.sweep import print_summary, sweep_summary
-from slidedp.config import ModelSection, config_to_dict, load_config
+from slidedp.config import config_to_dict, load_config
 from slidedp.errors import ConfigError, SlidedpError
-from slidedp.io.hf_load import weight_files
-from slidedp.models.hf import apply_overrides
-from slidedp.models.shapes import SHAPES, cut_layers, resolve_shape
+from slidedp.models.shapes import SHAPES
 from slidedp.profile.pareto import require_matplotlib
-from slidedp.runtime.flops import FLOPS_FORMULA, matmul_params, model_flops_per_token
+from slidedp.runtime.flops import FLOPS_FORMULA, model_flops_per_token
 
 DEFAULT_SYSTEMS = ("ours", "reference", "fsdp2")
 SYSTEMS = (*DEFAULT_SYSTEMS, *PEERS)
@@ -118,12 +116,9 @@ def ours_configs(overrides: list[str], systems: list[str]) -> dict[str, dict[str
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg = parser.add_argument
-    arg(
-        "--shape",
-        default="qwen3-4b",
-        help=f"{', '.join(SHAPES)}, or an HF config.json path (a model directory with "
-        "safetensors: ours starts from its weights, the other systems from its config)",
-    )
+    arg("--shape", default="qwen3-4b", help=f"{', '.join(SHAPES)}, or an HF config.json path "
+        "(a model directory with safetensors: ours starts from its weights, the others from "
+        "its config)")  # fmt: skip
     arg("--batch", type=int, default=4, help="sequences per step")
     arg("--sweep", default=None, help="batch sizes, e.g. 4,8,16,32 (replaces --batch)")
     arg("--seq", type=int, default=1024, help="tokens per sequence")
@@ -251,64 +246,6 @@ def system_timeouts(text: str | None, systems: list[str]) -> dict[str, float]:
     return {s: per_system.get(s, default) for s in systems}
 
 
-def shape_config(shape: str, layers: int, ours: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """The model config every system builds: ``shape`` cut to ``layers`` (0: all), with the
-    ``model.*`` overrides of ``--set`` (RoPE scaling, the position limit, the router loss)
-    applied here, so the reference and the peers train the same model as ours. They are
-    cleared from ``ours`` in place: ours reads them from the config like every system.
-    Returns the config and the overrides applied (the report records them)."""
-
-    config = resolve_shape(shape)
-    if layers:
-        config = cut_layers(config, layers)
-    overrides = ModelSection(**ours["model"]).config_overrides()
-    apply_overrides(config, overrides)
-    ours["model"].update(dict.fromkeys(overrides))
-    return config, overrides
-
-
-def shape_weights(shape: str, layers: int, overrides: dict[str, Any]) -> str:
-    """The model directory whose safetensors ours starts from: ``--shape`` naming a directory
-    (or its config.json) that holds weights; "" for a named shape or a config alone. A cut or
-    a changed config would no longer match the weights: refused."""
-    if shape in SHAPES:
-        return ""
-    path = Path(shape)
-    if not path.is_dir() and path.name != "config.json":  # a config of its own, not the dir's
-        return ""
-    folder = path if path.is_dir() else path.parent
-    if not weight_files(folder):
-        return ""
-    if layers or overrides:
-        changed = "--layers" if layers else f"--set model.{next(iter(overrides))}"
-        raise ConfigError(
-            f"--shape {shape}: {folder} holds weights for the model as its config.json says, "
-            f"and {changed} changes that model; copy config.json alone to a folder of its own "
-            "to bench the changed model from a seeded init"
-        )
-    return str(folder)
-
-
-def _params(config: Any) -> int:
-    """Stored parameters (a tied head counted once), from a meta-device model."""
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
-    return sum(p.numel() for p in model.parameters())
-
-
-def _model_report(config: Any, params: int, overrides: dict[str, Any]) -> dict[str, Any]:
-    """The report's ``model``: its type, size and the ``model.*`` overrides applied."""
-    return {
-        "type": config.model_type,
-        "layers": int(config.num_hidden_layers),
-        "hidden": int(config.hidden_size),
-        "params": params,
-        "matmul_params": matmul_params(config),
-        "overrides": overrides,
-    }
-
-
 def bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run every (batch, system), each in its own subprocess; the report."""
 
@@ -322,14 +259,14 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     peer_sets = peer_overrides(parse_peer_sets(args.peer_sets, systems), systems)
     timeouts = system_timeouts(args.system_timeout, systems)
     scale = multi.parse_scale(args, systems, device, ours)  # None: one GPU only
-    config, model_overrides = shape_config(args.shape, args.layers, ours)
-    weights = shape_weights(args.shape, args.layers, model_overrides)
+    shape = bench_model(args.shape, args.layers, ours)
+    config, weights = shape.config, shape.weights
     split = context.parse_context(args, scale, ours, config, device)  # None: no --context-parallel
-    model = Model(model_flops_per_token(config, args.seq), None, _params(config))
+    model = Model(model_flops_per_token(config, args.seq), None, shape.params)
     report: dict[str, Any] = {
         "shape": args.shape,
         "weights_dir": weights or None,  # ours loads these; the others start from the config
-        "model": _model_report(config, model.params, model_overrides),
+        "model": shape.report(),
         "seq_len": args.seq,
         "device": device,
         "device_name": "cpu",
@@ -368,12 +305,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             host_limit_gib=args.host_limit,
             weights_dir=weights,
         )
-        if device == "cuda":  # the GEMM peak in a child too: the parent never touches the GPU
-            peak, _ = run_child(spec, Path(tmp))
-            report.update({k: peak.get(k) for k in ("device_name", "peak_flops")})
-            if "error" in peak:
-                report["peak_error"] = peak["error"]
-            model = dataclasses.replace(model, peak_flops=report["peak_flops"])
+        if device == "cuda":
+            model = dataclasses.replace(model, peak_flops=_peak(spec, Path(tmp), report))
         if scale is not None and scale.collectives:
             print(f"slidedp bench train: collectives on {scale.world} ranks ...", file=sys.stderr)
             result, _ = run_child(multi.collectives_spec(spec, scale, config), Path(tmp))
@@ -391,6 +324,17 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     if scale is not None:
         report |= scale_report(report["runs"], scale, model.flops_per_token, args.seq)
     return report
+
+
+def _peak(spec: RunSpec, tmp: Path, report: dict[str, Any]) -> float | None:
+    """The GPU's measured bf16 GEMM peak (None where it failed: the report says why), in a
+    child like every run: the parent never touches the GPU."""
+    peak, _ = run_child(spec, tmp)
+    report.update({k: peak.get(k) for k in ("device_name", "peak_flops")})
+    if "error" in peak:
+        report["peak_error"] = peak["error"]
+    flops: float | None = report["peak_flops"]
+    return flops
 
 
 @dataclass(frozen=True)
