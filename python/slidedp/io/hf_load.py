@@ -283,7 +283,7 @@ def _fresh(
 def _bound(module: nn.Module, targets: dict[str, torch.Tensor]) -> nn.Module:
     """``module`` (on meta) on CPU with ``targets`` as its parameters: the init writes the
     store once, its pages faulted by the fill's threads, where a module of its own would be
-    faulted, written and then copied (~40% of a seeded init's time)."""
+    faulted, written and then copied (a sixth of the seeded init's time on 16 cores)."""
     module = module.to_empty(device="cpu")  # the buffers; the parameters' pages stay untouched
     bind_params(module, targets)
     return module

@@ -113,12 +113,9 @@ class ParallelNormal(TorchFunctionMode):
 
 def _span(tensor: torch.Tensor) -> tuple[int, int]:
     """The bytes ``tensor``'s elements lie in, from its first to its last (non-negative
-    strides, as every parameter has)."""
-    elements = (
-        0
-        if tensor.numel() == 0
-        else 1
-        + sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride(), strict=True))
-    )
+    strides, as every parameter has); an empty tensor's overlaps nothing."""
+    if tensor.numel() == 0:
+        return 0, 0
+    last = sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride(), strict=True))
     start = tensor.data_ptr()
-    return start, start + elements * tensor.element_size()
+    return start, start + (last + 1) * tensor.element_size()
