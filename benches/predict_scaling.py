@@ -21,7 +21,8 @@ from slidedp.config_runtime import RuntimeSection
 from slidedp.models.hf import HFAdapter
 from slidedp.models.shapes import resolve_shape
 from slidedp.plan.policy import resolve_policy
-from slidedp.plan.timing import Links, Ranks, Rates, predict_step, spec_from_shapes
+from slidedp.plan.step_spec import predict_step
+from slidedp.plan.timing import Links, Ranks, Rates, spec_from_shapes
 
 PEAK = 989e12
 LINKS = Links(h2d_gbps=55, d2h_gbps=54, reduce_gbps=250, gather_gbps=260, source="assumed")
@@ -37,7 +38,7 @@ def step(adapter: HFAdapter, gpus: int, route: tuple[str, str], batch: int) -> f
         adapter, policy, batch=batch, seq_len=1024, rates=Rates(PEAK, HOST_GBPS, links=LINKS),
         clipping=True, offloaded_bytes=[0] * adapter.num_layers, ranks=Ranks(gpus, grad, param),
     )  # fmt: skip
-    return float(predict_step(spec)["step_s"])
+    return float(predict_step(spec).step_s)
 
 
 def main() -> None:
