@@ -116,10 +116,10 @@ def _ours_reports_its_time_to_the_first_step_in_parts(tmp: Path) -> None:
     """The run of ours says how long it took to reach its first step, part by part."""
     ours = json.loads((tmp / "report.json").read_text())["runs"][0]
     s = ours["startup_s"]
-    built = ("store_create_s", "fill_state_s", "mirror_s", "data_s", "engine_s")
+    built = ("store_create_s", "fill_state_s", "mirror_s", "data_s", "engine_s", "kernels_s")
     assert set(s) == {"process_s", "config_s", "trainer_init_s", *built, "pin_s",
-                      "resident_load_s", "other_init_s", "first_step_s", "arena_s",
-                      "to_first_step_s"}  # fmt: skip
+                      "resident_load_s", "other_init_s", "kernel_warmup_s", "first_step_s",
+                      "arena_s", "to_first_step_s"}  # fmt: skip
     assert all(v >= 0 for v in s.values()), s
     assert s["process_s"] > 0.5  # the interpreter and torch's import count
     assert min(s["store_create_s"], s["engine_s"]) > 0
@@ -128,6 +128,9 @@ def _ours_reports_its_time_to_the_first_step_in_parts(tmp: Path) -> None:
     assert s["mirror_s"] < 0.05  # no BF16 mirror on CPU: nothing cast
     assert s["pin_s"] == 0  # nothing to page-lock without CUDA
     assert s["resident_load_s"] == 0  # nothing GPU-resident in the default policy
+    assert s["kernels_s"] < 0.05  # no kernel warm-up on CPU: nothing compiles, none waited for
+    assert s["kernel_warmup_s"] == 0
+    assert ours["startup_notes"] == []
     # the parts add up (each rounded to the millisecond)
     whole = s["trainer_init_s"] - sum(s[k] for k in built)
     assert s["other_init_s"] == pytest.approx(whole, abs=6e-3)

@@ -28,3 +28,14 @@ def test_parts_add_up_and_the_line_keeps_the_build_order() -> None:
         == "  start-up: store created 1.9 s, weights 12.0 s, engine 8.3 s (of it pinning 4.0 s)"
     )
     assert StartupClock().line(0.0, 0.0) == "  start-up: 0.0 s"
+
+
+def test_a_note_follows_the_parts_on_the_line() -> None:
+    clock = StartupClock()
+    clock.parts.update(fill_state_s=6.1, kernels_s=0.4)
+    clock.note(None)  # nothing to say: nothing added
+    clock.note("the kernel warm-up failed (x): the first step compiles its kernels")
+    assert clock.line(0.0, 0.0) == (
+        "  start-up: weights 6.1 s, kernel warm-up wait 0.4 s; the kernel warm-up failed (x): "
+        "the first step compiles its kernels"
+    )

@@ -57,9 +57,11 @@ def startup(
     counts the zygote's imports as its own, ``process_age_s``), the config (with ``runtime.policy:
     auto``: its choice), the trainer's build (``trainer_init_s``: the parts its
     ``StartupClock`` timed, ``store_create_s``, ``fill_state_s``, ``mirror_s``, ``data_s``,
-    ``engine_s``; of the engine ``pin_s`` and the GPU-resident groups' state loaded,
-    ``resident_load_s``; ``other_init_s`` the rest of the build), the first step (the layers'
-    compile included; ``arena_s`` of it: the activation offload arenas allocated and
+    ``engine_s``, ``kernels_s`` the wait for the kernel warm-up once the store is built; of
+    the engine ``pin_s`` and the GPU-resident groups' state loaded, ``resident_load_s``;
+    ``other_init_s`` the rest of the build; ``kernel_warmup_s`` the warm-up's own time on its
+    thread, beside the build), the first step (what compiles in it included; ``arena_s`` of
+    it: the activation offload arenas allocated and
     page-locked) and the sum, ``to_first_step_s``. A rank that attached to the store its node's
     first rank made has no store parts: the bench reports rank 0, which made it."""
     init, engine, clock = stamps["trainer"] - stamps["config"], trainer.engine, trainer.startup
@@ -72,6 +74,7 @@ def startup(
         "pin_s": engine.pin_s,
         "resident_load_s": engine.resident_s,
         "other_init_s": init - sum(built.values()),
+        "kernel_warmup_s": clock.warmup_s or 0.0,
         "first_step_s": first_step_s,
         "arena_s": engine.activations.arena_s,
         "to_first_step_s": stamps["trainer"] + first_step_s,
@@ -174,6 +177,7 @@ def run_ours(spec: RunSpec) -> dict[str, Any]:
     return {
         "startup_s": startup(stamps, trainer, every[0]["step_time_s"]),
         "weights": trainer.source,  # loaded from safetensors or initialised from the config
+        "startup_notes": trainer.startup.notes,  # a warm-up that failed, as the banner says
         "step_times_s": [r["step_time_s"] for r in records],
         "tokens_per_step": records[0]["tokens"],
         "losses": [r["loss"] for r in records],

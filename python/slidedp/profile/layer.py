@@ -367,6 +367,19 @@ def _measure_kind(
     return measured
 
 
+def warm_kernels(args: ProfileSpec) -> None:
+    """One forward and backward of each layer kind's first layer under ``F`` (its forward
+    without and its replay with autograd: both grad modes), with the run's layer compute at
+    its batch and sequence: every kernel the engine's layers launch is compiled (into Triton's
+    and Inductor's caches on disk). Nothing is timed or cached here."""
+    prof = _profiled(args)
+    apply_compute(prof.adapter, prof.compute)
+    _, policy = parse_entry("F", 0.0)
+    once = dataclasses.replace(args, warmup=0, steps=1)
+    for kind in prof.kinds:
+        measure(prof, policy, once, kind)
+
+
 def profile_layer(args: ProfileSpec) -> dict[str, Any]:
     """Every kind's candidates (``_combined``): each kind's cached report, or measured once."""
     prof = _profiled(args)

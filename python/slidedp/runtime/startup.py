@@ -14,8 +14,16 @@ Example::
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+from slidedp.kernels import Kernels, default_threads
+from slidedp.runtime.window import fill_mirror
+from slidedp.store import HostStore
+
+if TYPE_CHECKING:
+    from slidedp.models.hf import HFAdapter
 
 # the parts in build order, as the banner names them
 PARTS = {
@@ -24,6 +32,7 @@ PARTS = {
     "mirror_s": "BF16 mirror",
     "data_s": "data",
     "engine_s": "engine",
+    "kernels_s": "kernel warm-up wait",
 }
 
 
@@ -32,6 +41,13 @@ class StartupClock:
 
     def __init__(self) -> None:
         self.parts: dict[str, float] = {}
+        self.notes: list[str] = []  # what the banner's line adds (a part that fell short)
+        self.warmup_s: float | None = None  # the kernel warm-up's own time, beside the parts
+
+    def note(self, line: str | None) -> None:
+        """Adds ``line`` (None: nothing) to the banner's start-up line."""
+        if line is not None:
+            self.notes.append(line)
 
     @contextmanager
     def part(self, name: str) -> Iterator[None]:
@@ -54,4 +70,22 @@ class StartupClock:
         ]
         if inside and "engine_s" in shown:
             said[-1] += f" (of it {', '.join(inside)})"
-        return "  start-up: " + (", ".join(said) or f"{sum(self.parts.values()):.1f} s")
+        said = said or [f"{sum(self.parts.values()):.1f} s"]
+        return "  start-up: " + "; ".join([", ".join(said), *self.notes])
+
+
+def build_store(
+    adapter: HFAdapter,
+    args: dict[str, Any],
+    fill: Callable[[HostStore], str],
+    clock: StartupClock,
+) -> tuple[HostStore, str]:
+    """A node's store (``HostStore.create(adapter's groups, **args)``), its state written by
+    ``fill`` (which says where from) and its BF16 mirror cast, each part timed on ``clock``."""
+    with clock.part("store_create_s"):
+        store = HostStore.create(adapter.group_specs(), **args)
+    with clock.part("fill_state_s"):
+        source = fill(store)
+    with clock.part("mirror_s"):
+        fill_mirror(store, Kernels(default_threads()))
+    return store, source

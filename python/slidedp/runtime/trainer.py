@@ -43,7 +43,7 @@ from slidedp.io.checkpoint import (
 from slidedp.io.disk_space import checkpoint_bytes, disk_full_reported
 from slidedp.io.hf_load import fill_master, read_buffers, weight_files
 from slidedp.io.resume import ResumeDecision, ResumePoint, load_resume_point, plan_resume
-from slidedp.kernels import Kernels, default_threads
+from slidedp.kernels import default_threads
 from slidedp.models.freeze import apply_freeze
 from slidedp.models.hf import HFAdapter
 from slidedp.models.router_loss import check_router_loss_ranks
@@ -56,14 +56,14 @@ from slidedp.runtime.dist import Dist, all_reduce_sum, check_nodes_agree, start
 from slidedp.runtime.engine import Engine
 from slidedp.runtime.evaluate import Evaluator
 from slidedp.runtime.flops import device_peak_flops, model_flops_per_token
+from slidedp.runtime.kernel_warmup import KernelWarmup, warmup_spec
 from slidedp.runtime.routes import signal_specs
 from slidedp.runtime.schedule import lr_schedule
-from slidedp.runtime.startup import StartupClock
+from slidedp.runtime.startup import StartupClock, build_store
 from slidedp.runtime.stop_signals import StopSignals
 from slidedp.runtime.trace import write_trace
 from slidedp.runtime.trackers import open_trackers
 from slidedp.runtime.train_log import LogMemory, LogSteps, RunFacts, StepLog
-from slidedp.runtime.window import fill_mirror
 from slidedp.store import HostStore
 
 if TYPE_CHECKING:
@@ -117,15 +117,16 @@ class Trainer:
             # decided once, by the creator: the others attach to what it made
             policy = (plan or resolve_plan(cfg, self.adapter, machine)).policy
             args = store_args(policy, bf16=bf16, world=local_world, nodes=world // local_world)
-            with clock.part("store_create_s"):
-                store = HostStore.create(self.adapter.group_specs(), **args)
-            with clock.part("fill_state_s"):
-                self.source = self._fill_state(store)
-            with clock.part("mirror_s"):
-                fill_mirror(store, Kernels(default_threads()))
+            store, self.source = build_store(self.adapter, args, self._fill_state, clock)
             return store
 
-        self._open_store(store, create)
+        warmup = KernelWarmup(
+            warmup_spec(cfg, self.adapter, self.device) if store is None else None
+        )
+        self._open_store(store, create)  # the ranks warm their kernels meanwhile
+        with clock.part("kernels_s"):
+            clock.note(warmup.finish())
+        clock.warmup_s = warmup.ran_s
         weights = self.resume.path if self.resume is not None else self.adapter.path
         read_buffers(self.adapter, weight_files(weights) if weights is not None else [])
         with clock.part("data_s"):
