@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from slidedp import errors
-from slidedp.runtime.routes import signal_specs
+from slidedp.runtime.routes import signal_args
 from slidedp.store import GroupSpec, HostStore, ParamSpec
 from slidedp.update import ChunkSum, HostSumRing, UpdateWorker
 
@@ -146,18 +146,19 @@ def test_the_cpu_routes_sum_runs_on_the_owners_worker_with_the_gil_released() ->
     """Two ranks in one process. The owner announces its chunk and submits; its worker waits
     for the peer's copy while Python threads run on (a peer waiting for its slot, GIL
     released, overlaps this thread's work); once the peer lands, the worker sums the two
-    copies, counts Σ g² and runs AdamW on the sum (torch.optim.AdamW, one step)."""
+    bf16 copies (landed in the signal store) into its f32 slot, counts Σ g² and runs AdamW on
+    the sum (torch.optim.AdamW, one step)."""
     store = HostStore.create(
         [GroupSpec("layers.0", [ParamSpec("w", (6, 5))])], 0, grad_dtype="f32", grad_slots=2
     )
-    signals = HostStore.create(signal_specs(2, 1), 0)
+    signals = HostStore.create(**signal_args(2, 1, "bf16", store.layout.slot_len))
     owner, peer = (
         UpdateWorker(store, 1, HostSumRing(signals, rank, 2, 1, timeout_s=30)) for rank in (0, 1)
     )
     gen = torch.Generator().manual_seed(0)
-    g0, g1 = torch.randn(30, generator=gen), torch.randn(30, generator=gen)
-    store.grad_slot(0)[:30].copy_(g0)
-    store.grad_slot(1)[:30].copy_(g1)
+    g0, g1 = (torch.randn(30, generator=gen).bfloat16() for _ in range(2))
+    signals.grad_slot(0)[:30].copy_(g0)
+    signals.grad_slot(1)[:30].copy_(g1)
     owner.landed(0)
     both = ChunkSum(gather_seq=0, norm=True, apply=True)
     seq = owner.submit(0, 0, 30, 0, step=1, publish=1, host_sum=both, **HP)  # type: ignore[arg-type]
@@ -184,7 +185,8 @@ def test_the_cpu_routes_sum_runs_on_the_owners_worker_with_the_gil_released() ->
     assert w0 < b1, "the wait released the GIL: the two threads overlapped"
     assert b0 < w1
     owner.wait_completed(seq + 1, timeout_s=30)
-    summed = g0 + g1
+    summed = g0.float() + g1.float()
+    assert torch.equal(store.grad_slot(0)[:30], summed)  # the f32 sum of the widened copies
     # f32 squares are exact in f64; only the order of the f64 additions differs from torch's
     want = float(summed.double().square().sum())
     assert owner.take_sum_squares(timeout_s=30) == pytest.approx(want, rel=1e-12)

@@ -34,8 +34,9 @@ from slidedp.plan.cost import (
 )
 from slidedp.plan.layout import LayerPolicy
 from slidedp.plan.machine import GIB, Machine
-from slidedp.plan.policy import Plan, store_args
+from slidedp.plan.policy import Plan, Policy, landing_dtype, store_args
 from slidedp.runtime.context_parallel import ContextGroup, attention_scheme
+from slidedp.runtime.routes import signal_args
 from slidedp.store import HostStore
 
 CUDA_PROCESS_BYTES = int(1.6 * GIB)
@@ -79,6 +80,7 @@ class MemoryEstimate:
     clipping: bool
     store_bytes: int
     mirror_bytes: int  # of the store: the BF16 mirror (0: cast on delivery, resolve_mirror)
+    signal_bytes: int  # the second store of several processes (routes.share_signals)
     shm_bytes: int
     offload_arena_bytes: int
     process_bytes: int  # every rank's
@@ -113,11 +115,12 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """The memory ``plan`` needs on ``machine`` for ``cfg``'s batch and sequence (formulas:
     ESTIMATE.md); the step time is the report's (``estimate_report``)."""
-    cuda = machine.device == "cuda"
-    elem = 2 if machine.dtype == "bfloat16" else 4
-    policy = plan.policy
-    args = store_args(policy, bf16=machine.dtype == "bfloat16", world=cfg.runtime.launch.world)
+    cuda, bf16 = machine.device == "cuda", machine.dtype == "bfloat16"
+    elem = 2 if bf16 else 4
+    policy, launch = plan.policy, cfg.runtime.launch
+    args = store_args(policy, bf16=bf16, world=launch.world, nodes=launch.nodes)
     layout = HostStore.plan(adapter.group_specs(), **args)
+    signals = _signal_bytes(policy, bf16, launch, int(layout.slot_len))
     groups = layout.groups
     params = sum(int(p.numel) for p in layout.params)
     trained = sum(int(p.numel) for p in layout.params if not p.frozen)
@@ -148,7 +151,11 @@ def estimate_memory(
     store = int(layout.regions.total_bytes)
     slot_len = int(layout.slot_len)
     mirror = int(layout.mirror_len) * 2  # page-locked like the slots
-    slots_bytes = slot_len * (2 * int(layout.staging_slots) + elem * rt.layout.grad_slots) + mirror
+    # every rank's gradient slots it copies into (the cpu route: its landing slots), in the
+    # compute dtype, and the staging slots
+    slots_bytes = (
+        slot_len * (2 * int(layout.staging_slots) + elem * int(layout.grad_slots)) + mirror
+    )
     peak = working + ALLOCATOR_BYTES
     gpu = GpuEstimate(window, loss, layer, checkpoints, parked, resident, ALLOCATOR_BYTES, peak,
                       peak + CUDA_CONTEXT_BYTES) if cuda else None  # fmt: skip
@@ -174,12 +181,13 @@ def estimate_memory(
         clipping=clipping,
         store_bytes=store,
         mirror_bytes=mirror,
-        shm_bytes=store,
+        signal_bytes=signals,
+        shm_bytes=store + signals,
         offload_arena_bytes=arena,
         process_bytes=process,
         compile_workers_bytes=workers,
         cpu_working_bytes=cpu_working,
-        ram_bytes=store + arena + process + workers + cpu_working,
+        ram_bytes=store + signals + arena + process + workers + cpu_working,
         pinned_bytes=slots_bytes + arena if cuda else 0,
         gpu=gpu,
         machine=machine,
@@ -188,6 +196,17 @@ def estimate_memory(
         trained_params=trained,
         frozen_saved_bytes=_unfrozen_store_bytes(adapter, args) - store,
     )
+
+
+def _signal_bytes(policy: Policy, bf16: bool, launch: LaunchSpec, slot_len: int) -> int:
+    """The signal store's exact size where several processes train (none alone): its counters
+    and, on the cpu route, every rank's landing slots (``runtime.routes.share_signals``)."""
+    processes = launch.world * launch.nodes
+    if processes == 1:
+        return 0
+    landing = landing_dtype(policy.grad_route, bf16=bf16, processes=processes)
+    args = signal_args(launch.world, policy.grad_slots, landing, slot_len)
+    return int(HostStore.plan(**args).regions.total_bytes)
 
 
 def parked_grad_bytes(adapter: HFAdapter, elem: int, world: int, grad_route: str) -> int:

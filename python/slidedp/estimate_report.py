@@ -212,6 +212,9 @@ def format_estimate(est: Estimate) -> str:
             f"train.freeze: {frozen:,} parameters without Adam moments")  # fmt: skip
     if est.mirror_bytes:
         row("    of which the BF16 mirror", gib(est.mirror_bytes), "runtime.bf16_mirror")
+    if est.signal_bytes:
+        landing = "the cpu route's landing slots" if est.route.endswith("/cpu") else ""
+        row("  signal store", gib(est.signal_bytes), landing)
     if est.offload_arena_bytes:
         row("  activation offload arenas", gib(est.offload_arena_bytes), "pinned")
     ranks = f", {est.world} processes" if est.world > 1 else ""

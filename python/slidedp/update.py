@@ -4,7 +4,8 @@ Copy a chunk of group ``g``'s gradient (its state layout) into gradient slot ``k
 reuse slot ``k`` only after ``wait_completed(seq + 1)``. Invariants: weight decay only on
 parameters of two or more dimensions; while an update of ``g`` is queued neither its slot nor its
 state is written, and its state is read only after its version is published. The cpu route
-(``HostSumRing``): the owner's worker sums the ranks' copies of a chunk first.
+(``HostSumRing``): the owner's worker first sums the ranks' copies of a chunk (landed in the
+signal store) into its gradient slot.
 
 Example::
 
@@ -29,9 +30,11 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class HostSumRing:
-    """Rank ``rank`` of ``ranks`` in the cpu route's ring: ``slots_per_rank`` gradient slots
-    each (rank ``r``'s are ``[r * slots_per_rank, (r + 1) * slots_per_rank)``), counters in
-    ``signals`` (``runtime.routes.signal_specs``); waits give up after ``timeout_s``."""
+    """Rank ``rank`` of ``ranks`` in the cpu route's ring: ``slots_per_rank`` slots each (rank
+    ``r``'s are ``[r * slots_per_rank, (r + 1) * slots_per_rank)``) of the store's f32
+    gradient slots, where the sums land, and of the landing slots of ``signals``, where the
+    copies land, with its counters (``runtime.routes.signal_args``); waits give up after
+    ``timeout_s``."""
 
     signals: HostStore
     rank: int
@@ -110,7 +113,8 @@ class UpdateWorker:
         return self._native.take_sum_squares(timeout_s)
 
     def landed(self, seq: int) -> None:
-        """This rank's gradient chunks up to ``seq`` are in its slots (ring workers only)."""
+        """This rank's gradient chunks up to ``seq`` are in its landing slots (ring workers
+        only)."""
         self._native.landed(seq)
 
     def wait_consumed(self, slot: int, seq: int) -> None:
@@ -118,8 +122,8 @@ class UpdateWorker:
         self._native.wait_consumed(slot, seq)
 
     def gather(self, kernels: Kernels, seq: int, slot: int, length: int) -> None:
-        """Owner, on this thread: adds the other ranks' chunk ``seq`` into this rank's slot
-        ``slot`` (ring index) with ``kernels`` and frees theirs."""
+        """Owner, on this thread: sums every rank's landed chunk ``seq`` into this rank's f32
+        slot ``slot`` (ring index) with ``kernels`` and frees the others' landing slots."""
         self._native.gather(kernels._native, seq, slot, length)
 
     def drain(self, timeout_s: float) -> None:

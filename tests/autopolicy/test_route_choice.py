@@ -87,14 +87,14 @@ def _steps(tmp_path: Path, links: dict[str, float], clipping: bool = False) -> d
 @pytest.mark.parametrize("clipping", [False, True])
 def test_on_nvlink_the_default_route_is_kept(tmp_path: Path, clipping: bool) -> None:
     """With the H200 pair's links the two gpu routes are within a few % (sharding halves the
-    H2D, the all-gather at 320 GB/s gives most of it back), and the cpu routes are slower (f32
-    gradient copies, twice the bytes, and the owners' host sums on the update lane, beside
-    AdamW): the default, replicated/gpu, stays, since no route is 5% faster."""
+    H2D, the all-gather at 320 GB/s gives most of it back), and the cpu routes are slower (the
+    owners' host sums on the update lane, beside AdamW; their bf16 copies are the gpu route's
+    bytes): the default, replicated/gpu, stays, since no route is 5% faster."""
     steps = _steps(tmp_path, FAST, clipping)
     assert set(steps) == set(ROUTES)
     gpu, cpu = steps[DEFAULT], steps[("replicated", "cpu")]
     assert abs(steps[("sharded", "gpu")] / gpu - 1) < 0.05
-    assert cpu > 1.03 * gpu
+    assert cpu > gpu
     choice = choose_route(steps, DEFAULT)
     assert choice.route == DEFAULT
     assert choice.describe().startswith(f"replicated/gpu (predicted {gpu:.3f} s; ")
@@ -102,7 +102,7 @@ def test_on_nvlink_the_default_route_is_kept(tmp_path: Path, clipping: bool) -> 
 
 def test_on_a_slow_interconnect_the_cpu_route_is_chosen(tmp_path: Path) -> None:
     """At 5 GB/s between the GPUs the gpu route's reduce of every layer's bf16 gradient
-    (2 B/param) takes longer than the cpu route's f32 copies over PCIe (4 B/param at 54 GB/s)
+    (2 B/param) takes longer than the cpu route's bf16 copies over PCIe (2 B/param at 54 GB/s)
     and the host sums (on the owners' update workers, in the DRAM AdamW uses), and the
     sharded route's all-gather (the whole layer at 5 GB/s) longer than the replicated route's
     H2D of the whole layer at 55: replicated/cpu, by over 20%."""

@@ -13,6 +13,7 @@ from slidedp.kernels import Kernels
 from slidedp.models.hf import HFAdapter
 from slidedp.runtime.lanes import LaneClock
 from slidedp.runtime.pinning import PAGE, dma_views, merged_pages
+from slidedp.runtime.routes import signal_args
 from slidedp.runtime.window import Shard, Window, WindowSpec
 from slidedp.store import HostStore
 
@@ -97,3 +98,24 @@ def test_a_rank_locks_what_its_copies_use_and_its_own_slots_only(
         for n in locked:
             assert mirror_bytes // world - pages <= n <= mirror_bytes // world + pages
         assert sum(locked) < 0.75 * world * mirror_bytes
+
+
+def test_on_the_cpu_route_a_rank_locks_its_landing_slots_not_its_f32_slots(
+    tmp_path: Path,
+) -> None:
+    world = 2
+    adapter, store = _store(tmp_path, world)
+    args = signal_args(world, 2, "bf16", store.layout.slot_len)
+    landing = HostStore.create(**args, shm_dir=str(tmp_path))
+    slots = landing.region("grad")
+    assert slots.dtype == torch.bfloat16
+    assert slots.numel() == 2 * world * store.layout.slot_len
+    slot_bytes = store.layout.slot_len * 2
+    for rank in range(world):
+        window = _window(adapter, store, rank, world, sharded=False)
+        views = dma_views(store, staging=window.staging_range(), grad=(2 * rank, 2),
+                          mirror_shares=None, landing=landing)  # fmt: skip
+        on_landing = _covered(views, slots)
+        assert on_landing[2 * rank * slot_bytes : (2 * rank + 2) * slot_bytes].all()
+        assert on_landing.sum() <= 2 * slot_bytes + 2 * PAGE
+        assert not _covered(views, store.region("grad")).any()  # only the host writes those

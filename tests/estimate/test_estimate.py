@@ -7,6 +7,7 @@ import json
 import resource
 from dataclasses import replace
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
@@ -30,7 +31,9 @@ from slidedp.plan.policy import layer_chunk_elems
 from slidedp.plan.predict import CalibratedPrediction
 from slidedp.plan.resolve import plan_store, resolve_mirror
 from slidedp.runtime.flops import model_flops_per_token
+from slidedp.runtime.routes import signal_args
 from slidedp.store import HostStore
+from slidedp.store_layout import Dtype
 
 Capsys = pytest.CaptureFixture[str]
 CPU = Machine(
@@ -79,6 +82,29 @@ def test_store_estimate_is_a_created_store_exactly(
     )
     assert est.store_bytes == est.shm_bytes == store.total_bytes
     assert plan_store(cfg, adapter, CPU) == store.layout
+
+
+@pytest.mark.parametrize(("dtype", "landing"), [("float32", "f32"), ("bfloat16", "bf16")])
+def test_the_cpu_routes_landing_slots_count_in_shm_exactly(
+    tmp_path: Path, tiny: Path, dtype: Literal["float32", "bfloat16"], landing: Dtype
+) -> None:
+    """Two ranks on the cpu route: the store's f32 gradient slots (the sums) and the signal
+    store with every rank's landing slots in the compute dtype, as the trainer creates them."""
+    machine = replace(CPU, dtype=dtype)
+    adapter, routes, layouts = HFAdapter.from_dir(tiny), {}, {}
+    for route in ("cpu", "gpu"):
+        cfg = _cfg(tmp_path, tiny, "runtime.ranks=2", f"runtime.grad_route={route}",
+                   "runtime.chunk_elems=1000", "runtime.grad_slots=3")  # fmt: skip
+        routes[route] = estimate_run(cfg, adapter, machine)
+        layouts[route] = plan_store(cfg, adapter, machine)
+    est, layout = routes["cpu"], layouts["cpu"]
+    assert layout.grad_dtype == "f32"  # the sums
+    signals = HostStore.create(**signal_args(2, 3, landing, layout.slot_len), shm_dir=str(tmp_path))
+    assert signals.region("grad").numel() == 2 * 3 * layout.slot_len
+    assert est.signal_bytes == signals.total_bytes
+    assert est.shm_bytes == est.store_bytes + signals.total_bytes
+    counters = HostStore.plan(**signal_args(2, 3, None, layout.slot_len)).regions.total_bytes
+    assert routes["gpu"].signal_bytes == counters < signals.total_bytes
 
 
 def test_tiny_cpu_terms_follow_the_formulas(

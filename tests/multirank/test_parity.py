@@ -11,7 +11,10 @@ counted twice, a missed reduce, a double update, a wrong denominator) moves the 
 
 from __future__ import annotations
 
+import os
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +23,11 @@ from safetensors.torch import load_file
 from engine.tiny import final_param_delta, make_model, read_metrics, write_config, write_data
 from multirank.ranks import assert_same_series, one_and_two_ranks, run_ranks
 from slidedp.cli import main
+from slidedp.kernels import Kernels
+from slidedp.models.hf import HFAdapter
+from slidedp.runtime.engine import Engine
+from slidedp.runtime.grad_lane import AdamArgs, GradLane, GradTicket
+from slidedp.store import HostStore
 
 pytestmark = pytest.mark.e2e  # every test here trains end to end
 
@@ -109,3 +117,67 @@ def test_two_bf16_ranks_with_the_mirror_train_like_casting_on_delivery(
         losses.append([(m["loss"], m["grad_norm"]) for m in read_metrics(out)])
     assert losses[0] == losses[1]
     assert len(losses[0]) == 4
+
+
+def test_two_bf16_ranks_on_the_cpu_route_update_with_the_f32_sum_of_their_bf16_gradients(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each rank copies its BF16 gradient as it is (landing slots); the owner sums the two
+    copies in f32 and runs AdamW on the sum. Reference, bit for bit: every gradient each rank
+    sent (recorded as it left), widened and added in f32 (the owner's first), then the host
+    AdamW kernel (whose parity with torch.optim.AdamW is tests/test_kernels_parity.py's) from
+    the initial master weights. A bf16 sum, or a lost copy, moves the weights by far more."""
+    model = make_model(tmp_path, "qwen3", tied=False, layers=2)
+    data = write_data(tmp_path / "data.jsonl", 24)
+    sent, dump = tmp_path / "sent", tmp_path / "dump"
+    sent.mkdir()
+    dump.mkdir()
+    send, step = GradLane.send, Engine.step
+
+    def recording(self: GradLane, ticket: GradTicket, adam: AdamArgs, **kw: Any) -> None:
+        grads = {n: g.clone() for n, g in ticket.grads.items()}
+        name = f"{os.environ['RANK']}-{adam.version}-{ticket.group}.pt"
+        torch.save({"grads": grads, "adam": asdict(adam)}, sent / name)
+        send(self, ticket, adam, **kw)
+
+    def first_step(self: Engine, t: int, *args: Any, **kwargs: Any) -> Any:
+        start = dump / "start.pt"
+        if os.environ["RANK"] == "0" and not start.exists():
+            torch.save(self.store.region("master").clone(), start)
+        return step(self, t, *args, **kwargs)
+
+    monkeypatch.setattr(GradLane, "send", recording)  # the forked ranks inherit both
+    monkeypatch.setattr(Engine, "step", first_step)
+    train = {"max_steps": 3, "global_batch_size": 4, "max_grad_norm": 0.0, "dtype": "bfloat16",
+             "learning_rate": 3e-3}  # fmt: skip
+    runtime = {"ranks": 2, "grad_route": "cpu", "chunk_elems": 1000}
+    config = write_config(tmp_path / "c.yaml", model, data, tmp_path / "out", train=train,
+                          runtime=runtime, output={"tensorboard": False})  # fmt: skip
+    assert run_ranks(config, 2, dump=dump) == [0, 0]
+    want = _reference_updates(torch.load(dump / "start.pt"), sent, model)
+    got = torch.load(dump / "node0.pt")["master"]
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert not torch.equal(want, torch.load(dump / "start.pt"))  # the weights moved
+
+
+def _reference_updates(master: torch.Tensor, sent: Path, model: Path) -> torch.Tensor:
+    """``master`` after AdamW on every recorded step's f32 sum of the two ranks' gradients of
+    each group (owner: group % 2, its copy first), parameter by parameter."""
+    adapter = HFAdapter.from_dir(model)
+    layout = HostStore.plan(adapter.group_specs(), 0)
+    offsets = {p.name: (int(p.state_offset), int(p.numel)) for p in layout.params}
+    moments: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    kernels = Kernels(1, isa="scalar")
+    for path in sorted(sent.glob("0-*.pt"), key=lambda p: [int(x) for x in p.stem.split("-")]):
+        _, version, group = path.stem.split("-")
+        mine, theirs = torch.load(path), torch.load(sent / f"1-{version}-{group}.pt")
+        own, other = (mine, theirs) if int(group) % 2 == 0 else (theirs, mine)
+        adam = AdamArgs(**own["adam"])
+        for name, g in own["grads"].items():
+            summed = g.float().reshape(-1) + other["grads"][name].float().reshape(-1)
+            at, n = offsets[name]
+            m, v = moments.setdefault(name, (torch.zeros(n), torch.zeros(n)))
+            decay = adam.weight_decay if g.dim() >= 2 else 0.0
+            kernels.adamw(master[at : at + n], m, v, summed, step=adam.step, lr=adam.lr,
+                          betas=adam.betas, eps=adam.eps, weight_decay=decay)  # fmt: skip
+    return master

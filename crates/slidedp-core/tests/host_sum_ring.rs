@@ -1,7 +1,8 @@
 //! The cpu gradient route across threads: each thread is a rank with its own update worker over
-//! one shared store; the ranks' training threads only copy, announce and submit, the owners'
-//! workers wait for the peers' chunks, sum them, take `Σ g²` and run AdamW. Results must equal
-//! AdamW on the summed gradient, bit for bit, with exact global-norm clipping.
+//! one shared store; the ranks' training threads only copy (into their landing slots, bf16 or
+//! f32), announce and submit, the owners' workers wait for the peers' chunks, sum them into
+//! their f32 slots, take `Σ g²` and run AdamW. Results must equal AdamW on the f32 sum of the
+//! ranks' widened copies in the owner's order, bit for bit, with exact global-norm clipping.
 
 use std::path::Path;
 use std::sync::{Arc, Barrier, Mutex};
@@ -26,8 +27,9 @@ fn param(name: String, shape: &[usize]) -> ParamSpec {
     }
 }
 
-/// Three groups of three parameters (odd sizes: padding between them), chunks of 40 elements.
-fn stores(grad_dtype: Dtype) -> (Arc<HostStore>, Arc<HostStore>) {
+/// Three groups of three parameters (odd sizes: padding between them), chunks of 40 elements,
+/// gradient slots in `grad_dtype`; the signals with `landing` slots of the same length.
+fn stores(grad_dtype: Dtype, landing: Option<Dtype>) -> (Arc<HostStore>, Arc<HostStore>) {
     let groups = (0..3)
         .map(|g| GroupSpec {
             name: format!("layers.{g}"),
@@ -55,9 +57,13 @@ fn stores(grad_dtype: Dtype) -> (Arc<HostStore>, Arc<HostStore>) {
     let signals = StoreSpec {
         groups: counters,
         staging_slots: 0,
-        chunk_elems: None,
-        grad_slots: 0,
-        grad_dtype: None,
+        chunk_elems: Some(40),
+        grad_slots: if landing.is_some() {
+            spec.grad_slots
+        } else {
+            0
+        },
+        grad_dtype: landing,
         bf16_mirror: false,
     };
     let shm = Path::new("/dev/shm");
@@ -67,9 +73,20 @@ fn stores(grad_dtype: Dtype) -> (Arc<HostStore>, Arc<HostStore>) {
     )
 }
 
-/// Rank `rank`'s gradient of element `i` of a parameter at `step` (distinct per rank).
+/// Rank `rank`'s gradient of element `i` of a parameter at `step`: distinct per rank, exact in
+/// bf16 (at most 7 significant bits), and ranks 1 and 2 of opposite signs at 2^22 times rank
+/// 0's scale, so that the f32 sum rounds differently in another order (`check_route` shows it).
 fn grad(rank: usize, i: usize, step: u64) -> f32 {
-    ((i * 7 + rank * 3) % 13) as f32 * 0.25 - 1.5 + step as f32 * 0.125 + rank as f32 * 0.5
+    let base =
+        ((i * 7 + rank * 3) % 13) as f32 * 0.25 - 1.5 + step as f32 * 0.125 + rank as f32 * 0.5;
+    base * [1.0, 4194304.0, -4194304.0][rank]
+}
+
+/// `grad`'s bf16 bits (exact: its low 16 bits are zero).
+fn grad_bf16(rank: usize, i: usize, step: u64) -> u16 {
+    let bits = grad(rank, i, step).to_bits();
+    assert_eq!(bits & 0xFFFF, 0, "not exact in bf16");
+    (bits >> 16) as u16
 }
 
 fn hp(step: u64, grad_scale: f64) -> AdamWStep {
@@ -93,6 +110,15 @@ unsafe fn floats(store: &HostStore, region: Region) -> &mut [f32] {
     unsafe { std::slice::from_raw_parts_mut(ptr.cast::<f32>(), len / 4) }
 }
 
+/// # Safety
+/// As [`floats`].
+#[allow(clippy::mut_from_ref)] // the slice is the shared mapping, which `&HostStore` keeps alive
+unsafe fn halves(store: &HostStore, region: Region) -> &mut [u16] {
+    let (ptr, len) = store.region(region);
+    // SAFETY: the whole region of a live store, exclusive per the caller's contract.
+    unsafe { std::slice::from_raw_parts_mut(ptr.cast::<u16>(), len / 2) }
+}
+
 /// Who last read one of a rank's slots: its own worker's request `n`, or the owner's sum of
 /// chunk `seq`.
 #[derive(Clone, Copy)]
@@ -105,6 +131,7 @@ enum Reader {
 struct Rank {
     rank: usize,
     store: Arc<HostStore>,
+    signals: Arc<HostStore>,
     worker: UpdateWorker,
     readers: Vec<Option<Reader>>,
     next_slot: usize,
@@ -114,6 +141,39 @@ struct Rank {
 impl Rank {
     fn ring(&self) -> &HostSumRing {
         self.worker.ring().unwrap()
+    }
+
+    /// Copies elements `[start, start + len)` of `group`'s gradient at `step` into landing slot
+    /// `slot_index` in the landing dtype, the gaps between parameters zero (as the engine
+    /// copies them).
+    fn land(&self, slot_index: usize, group: usize, start: usize, len: usize, step: u64) {
+        let layout = self.store.layout();
+        let g = &layout.groups[group];
+        let pieces: Vec<(usize, usize)> = layout.params[g.params.clone()]
+            .iter()
+            .flat_map(|p| {
+                let p_lo = p.state_offset - g.state_offset;
+                (0..p.numel)
+                    .filter(move |i| (start..start + len).contains(&(p_lo + i)))
+                    .map(move |i| (p_lo + i - start, i))
+            })
+            .collect();
+        let range = slot_index * layout.slot_len..(slot_index + 1) * layout.slot_len;
+        if self.signals.layout().grad_dtype == Some(Dtype::Bf16) {
+            // SAFETY: the landing slot is this rank's and its last reader is done (waited).
+            let slot = unsafe { &mut halves(&self.signals, Region::Grad)[range] };
+            slot.fill(0);
+            for (at, i) in pieces {
+                slot[at] = grad_bf16(self.rank, i, step);
+            }
+        } else {
+            // SAFETY: as above.
+            let slot = unsafe { &mut floats(&self.signals, Region::Grad)[range] };
+            slot.fill(0.0);
+            for (at, i) in pieces {
+                slot[at] = grad(self.rank, i, step);
+            }
+        }
     }
 
     /// Sends every chunk of `group`'s gradient at `step`; the owner (`group % RANKS`) submits
@@ -132,20 +192,7 @@ impl Rank {
                 None => {}
             }
             let slot_index = self.rank * SLOTS_PER_RANK + k;
-            // SAFETY: slot k is this rank's and its last reader is done (waited above).
-            let slot = unsafe {
-                &mut floats(&self.store, Region::Grad)[slot_index * layout.slot_len..]
-                    [..layout.slot_len]
-            };
-            slot.fill(0.0); // the gaps between parameters are zero, as the engine copies them
-            for p in &layout.params[g.params.clone()] {
-                let p_lo = p.state_offset - g.state_offset;
-                for i in 0..p.numel {
-                    if (start..start + len).contains(&(p_lo + i)) {
-                        slot[p_lo + i - start] = grad(self.rank, i, step);
-                    }
-                }
-            }
+            self.land(slot_index, group, start, len, step);
             let seq = self.sent;
             self.sent += 1;
             self.ring().landed(seq).unwrap();
@@ -198,6 +245,7 @@ fn train(store: &Arc<HostStore>, signals: &Arc<HostStore>, clipping: bool) -> Ve
     let threads: Vec<_> = (0..RANKS)
         .map(|rank| {
             let (store, signals, exchange) = (store.clone(), signals.clone(), exchange.clone());
+            let signals_of_rank = signals.clone();
             std::thread::spawn(move || {
                 let kernels = Kernels::new(2, Isa::Scalar).unwrap();
                 let ring =
@@ -207,6 +255,7 @@ fn train(store: &Arc<HostStore>, signals: &Arc<HostStore>, clipping: bool) -> Ve
                 let mut me = Rank {
                     rank,
                     store,
+                    signals: signals_of_rank,
                     worker,
                     readers: vec![None; SLOTS_PER_RANK],
                     next_slot: 0,
@@ -252,12 +301,13 @@ fn train(store: &Arc<HostStore>, signals: &Arc<HostStore>, clipping: bool) -> Ve
 }
 
 /// The same steps done by hand: each group's gradient summed in the owner's order (its own
-/// first, then the others by rank, in f32), the norm of the summed chunks, AdamW per parameter.
-fn reference(store: &HostStore, clipping: bool) -> (Vec<Vec<f32>>, Vec<f64>) {
+/// first, then the others by rank, in f32; `owner_first` false: in rank order), the norm of
+/// the summed chunks, AdamW per parameter.
+fn reference(store: &HostStore, clipping: bool, owner_first: bool) -> (Vec<Vec<f32>>, Vec<f64>) {
     let layout = store.layout();
     let kernels = Kernels::new(1, Isa::Scalar).unwrap();
     let summed = |group: usize, numel: usize, step: u64| -> Vec<f32> {
-        let owner = group % RANKS;
+        let owner = if owner_first { group % RANKS } else { 0 };
         let order = std::iter::once(owner).chain((0..RANKS).filter(|&r| r != owner));
         let mut sum = vec![0.0f32; numel];
         for (n, r) in order.enumerate() {
@@ -315,16 +365,20 @@ fn reference(store: &HostStore, clipping: bool) -> (Vec<Vec<f32>>, Vec<f64>) {
     (masters, norms)
 }
 
-fn check_route(clipping: bool) {
-    let (store, signals) = stores(Dtype::F32);
+fn check_route(landing: Dtype, clipping: bool) {
+    let (store, signals) = stores(Dtype::F32, Some(landing));
     // SAFETY: no worker exists yet.
     let master = unsafe { floats(&store, Region::Master) };
     for p in &store.layout().params {
         master[p.state_offset..p.state_offset + p.numel].fill(1.0);
     }
     let norms = train(&store, &signals, clipping);
-    let (want, want_norms) = reference(&store, clipping);
+    let (want, want_norms) = reference(&store, clipping, true);
     assert_eq!(norms, want_norms);
+    // the order is seen: summed in plain rank order, the f32 sums round otherwise (their
+    // norms differ; AdamW's masters hardly see a rounding of gradients this large)
+    let (_, other_order) = reference(&store, clipping, false);
+    assert_ne!(want_norms, other_order);
     if clipping {
         assert!(
             norms.iter().all(|&n| n > MAX_NORM),
@@ -344,14 +398,16 @@ fn check_route(clipping: bool) {
 /// Without clipping each chunk is summed once, its `Σ g²` counted, and updated at once.
 #[test]
 fn three_ranks_sum_on_their_workers_and_match_adamw_on_the_summed_gradient() {
-    check_route(false);
+    check_route(Dtype::Bf16, false);
+    check_route(Dtype::F32, false); // f32 compute lands f32 copies
 }
 
 /// With clipping each chunk is summed for the norm (nothing updated), then sent again, summed
 /// again and updated with the coefficient: exact global-norm clipping.
 #[test]
 fn three_ranks_clip_with_the_exact_global_norm_of_their_sums() {
-    check_route(true);
+    check_route(Dtype::Bf16, true);
+    check_route(Dtype::F32, true);
 }
 
 fn owner_request(seq: u64, grad_slot: usize) -> UpdateRequest {
@@ -390,7 +446,7 @@ fn ring(
 /// The owner's thread submits and goes on: the wait for the peers is its worker's.
 #[test]
 fn the_owner_waits_for_its_peers_on_its_worker_not_on_its_thread() {
-    let (store, signals) = stores(Dtype::F32);
+    let (store, signals) = stores(Dtype::F32, Some(Dtype::Bf16));
     let kernels = Kernels::new(1, Isa::Scalar).unwrap();
     let owner = UpdateWorker::with_ring(store.clone(), kernels, ring(&store, &signals, 0, TIMEOUT))
         .unwrap();
@@ -422,7 +478,7 @@ fn the_owner_waits_for_its_peers_on_its_worker_not_on_its_thread() {
 /// and poisons both stores so that no rank hangs.
 #[test]
 fn a_silent_peer_fails_the_owners_worker_and_wakes_everyone() {
-    let (store, signals) = stores(Dtype::F32);
+    let (store, signals) = stores(Dtype::F32, Some(Dtype::Bf16));
     let kernels = Kernels::new(1, Isa::Scalar).unwrap();
     let timeout = Duration::from_millis(100);
     let owner = UpdateWorker::with_ring(store.clone(), kernels, ring(&store, &signals, 0, timeout))
@@ -447,7 +503,7 @@ fn a_silent_peer_fails_the_owners_worker_and_wakes_everyone() {
 /// is not its own failure (the peer reports the cause).
 #[test]
 fn a_failed_peer_stops_the_owners_worker_without_blaming_it() {
-    let (store, signals) = stores(Dtype::F32);
+    let (store, signals) = stores(Dtype::F32, Some(Dtype::Bf16));
     let kernels = Kernels::new(1, Isa::Scalar).unwrap();
     let owner = UpdateWorker::with_ring(store.clone(), kernels, ring(&store, &signals, 0, TIMEOUT))
         .unwrap();
@@ -460,9 +516,18 @@ fn a_failed_peer_stops_the_owners_worker_without_blaming_it() {
 
 #[test]
 fn bad_rings_and_host_sums_are_errors() {
-    let (store, signals) = stores(Dtype::F32);
+    let (store, signals) = stores(Dtype::F32, Some(Dtype::Bf16));
     let invalid = |r: Result<HostSumRing, Error>| matches!(r, Err(Error::InvalidArgument(_)));
-    let (bf16_store, _) = stores(Dtype::Bf16);
+    let (bf16_store, _) = stores(Dtype::Bf16, Some(Dtype::Bf16));
+    let (_, no_landing) = stores(Dtype::F32, None);
+    assert!(invalid(HostSumRing::new(
+        store.clone(),
+        no_landing,
+        0,
+        RANKS,
+        SLOTS_PER_RANK,
+        TIMEOUT
+    )));
     assert!(invalid(HostSumRing::new(
         bf16_store,
         signals.clone(),

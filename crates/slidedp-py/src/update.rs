@@ -17,7 +17,8 @@ pub struct PyUpdateWorker {
 
 #[pymethods]
 impl PyUpdateWorker {
-    /// `ring`: `(signals, rank, ranks, slots_per_rank, timeout_s)` of the cpu gradient route.
+    /// `ring`: `(signals, rank, ranks, slots_per_rank, timeout_s)` of the cpu gradient route
+    /// (`signals`: its counters and landing slots).
     #[new]
     #[pyo3(signature = (store, threads, ring=None))]
     fn new(
@@ -112,8 +113,8 @@ impl PyUpdateWorker {
         gate(py, || self.ring()?.wait_consumed(slot, seq))
     }
 
-    /// Owner, on the calling thread (GIL released): adds the other ranks' chunk `seq` into
-    /// this rank's slot `slot` and frees theirs.
+    /// Owner, on the calling thread (GIL released): sums every rank's landed chunk `seq` into
+    /// this rank's f32 slot `slot` and frees the others' landing slots.
     fn gather(
         &self,
         py: Python<'_>,
@@ -123,7 +124,9 @@ impl PyUpdateWorker {
         length: usize,
     ) -> PyResult<()> {
         gate(py, || {
-            self.ring()?.gather(&kernels.inner, seq, slot, length)
+            let ring = self.ring()?;
+            ring.gather(&kernels.inner, seq, slot, length, false)
+                .map(|_| ())
         })
     }
 

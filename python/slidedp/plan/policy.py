@@ -29,6 +29,7 @@ import yaml
 from slidedp.errors import ConfigError
 from slidedp.models.fast import Compute, resolve_compute
 from slidedp.plan.layout import LayerPolicy, format_layout, parse_layout
+from slidedp.store_layout import Dtype
 
 if TYPE_CHECKING:
     from slidedp.config_runtime import RuntimeSection
@@ -256,13 +257,26 @@ def resolve_policy(
     )
 
 
+def landing_dtype(grad_route: str, *, bf16: bool, processes: int) -> Dtype | None:
+    """The dtype of the slots the cpu route's ranks copy their gradients into (the signal
+    store's, ``runtime.routes.signal_args``): the compute dtype, so a copy moves the device's
+    gradient as it is; None where no host sum runs (one process in all, or the gpu route).
+    ``processes``: every node's ranks."""
+    if processes == 1 or grad_route != "cpu":
+        return None
+    return "bf16" if bf16 else "f32"
+
+
 def store_args(policy: Policy, *, bf16: bool, world: int, nodes: int = 1) -> dict[str, Any]:
     """``HostStore.create``'s arguments for a run with ``policy`` (``Trainer`` creates the
     store, ``estimate`` plans it): the slot rings of the node's ``world`` ranks, the BF16
-    mirror when computing in BF16 (it replaces the staging ring). Gradient slots are f32 where
-    the host sums the ranks' (or the nodes') gradients (``Kernels.sum_into``, gloo)."""
+    mirror when computing in BF16 (it replaces the staging ring). Gradient slots hold what
+    AdamW reads: the device's gradient (the compute dtype), or f32 where the host sums the
+    ranks' copies (landed in ``landing_dtype``) into them (``Kernels.sum_into``) and
+    all-reduces that sum with the other nodes (gloo)."""
     mirror = bf16 and policy.mirror
-    f32_grads = not bf16 or (world * nodes > 1 and policy.grad_route == "cpu")
+    summed = landing_dtype(policy.grad_route, bf16=bf16, processes=world * nodes) is not None
+    f32_grads = not bf16 or summed
     return {
         "staging_slots": 0 if mirror else policy.staging_slots * world,
         "grad_dtype": "f32" if f32_grads else "bf16",

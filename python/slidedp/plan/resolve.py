@@ -81,9 +81,10 @@ def plan_policy(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> Polic
 def plan_store(cfg: TrainConfig, adapter: HFAdapter, machine: Machine) -> StoreLayout:
     """The layout of the store ``Trainer`` would create on ``machine`` (same arguments), not
     allocated."""
-    bf16, world = machine.dtype == "bfloat16", cfg.runtime.launch.world
+    bf16, launch = machine.dtype == "bfloat16", cfg.runtime.launch
     policy = plan_policy(cfg, adapter, machine)
-    return HostStore.plan(adapter.group_specs(), **store_args(policy, bf16=bf16, world=world))
+    args = store_args(policy, bf16=bf16, world=launch.world, nodes=launch.nodes)
+    return HostStore.plan(adapter.group_specs(), **args)
 
 
 def resolve_plan(

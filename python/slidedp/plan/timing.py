@@ -254,10 +254,10 @@ def _copy_share(
     resident |= {0, layers + 1} if policy.resident_embeddings else set()
     streamed = sum(n for g, n in enumerate(params) if g not in resident)
     load_share = r if r > 1 and ranks.param_route == "sharded" else 1
-    grad_bytes, grad_share = (4, 1) if r > 1 and ranks.grad_route == "cpu" else (2, r)
+    grad_share = 1 if r > 1 and ranks.grad_route == "cpu" else r  # bf16 copies either way
     offloaded = sum(offloaded_bytes)
     h2d_s = (2 * streamed / load_share + offloaded) / (links.h2d_gbps * 1e9)
-    d2h_s = (grad_bytes * streamed / grad_share + offloaded) / (links.d2h_gbps * 1e9)
+    d2h_s = (2 * streamed / grad_share + offloaded) / (links.d2h_gbps * 1e9)
     update_s = ADAMW_BYTES_PER_PARAM * streamed / (alone_gbps * 1e9)
     copies_s = max(h2d_s, d2h_s)
     return r * copies_s / max(compute_s, update_s, copies_s, 1e-12)
@@ -281,18 +281,19 @@ class _RouteTimes:
     load_s: tuple[float, ...]
     reduce_s: tuple[float, ...] = ()
     host_sum_s: tuple[float, ...] = ()
-    grad_copy_s: tuple[float, ...] | None = None  # None: the device's gradient in bf16
 
 
 def _route_times(params: list[int], ranks: Ranks, links: Links, host_gbps: float) -> _RouteTimes:
     """One rank's view of the routes, per group: the load (sharded: its share, then the
     all-gather on the same copy stream), the gradient's reduction onto its owner (gpu route,
-    a synchronous collective), and on the cpu route every rank's gradient copy into its f32
-    slots (``policy.store_args``: 4 bytes per parameter) and the host sum of the ranks' copies:
-    it reads ``count`` slots, writes one and reads the sum again for its Σ g², at the host's
-    DRAM rate (as AdamW's). The owner's update worker sums once every peer's copy has landed,
-    then runs AdamW: the model puts every group's sum on the update lane, which stands for
-    the host's DRAM that all ranks' AdamW share (``StepSpec.host_sum_s``)."""
+    a synchronous collective), and on the cpu route the host sum of the ranks' copies (each
+    rank copies its bf16 gradient to its landing slots, as the gpu route's owner copies its
+    own): it reads ``count`` bf16 copies and writes the f32 sum, 2 * count + 4 bytes per
+    parameter at the host's DRAM rate (as AdamW's); its Σ g² is taken in the same pass
+    (``Kernels.sum_into_squares``), reading nothing more. The owner's update worker sums once
+    every peer's copy has landed, then runs AdamW: the model puts every group's sum on the
+    update lane, which stands for the host's DRAM that all ranks' AdamW share
+    (``StepSpec.host_sum_s``)."""
     r = ranks.count
     sharded = r > 1 and ranks.param_route == "sharded"
     load = tuple(
@@ -305,11 +306,7 @@ def _route_times(params: list[int], ranks: Ranks, links: Links, host_gbps: float
         return _RouteTimes(load)
     if ranks.grad_route == "gpu":
         return _RouteTimes(load, reduce_s=tuple(2 * n / (links.reduce_gbps * 1e9) for n in params))
-    return _RouteTimes(
-        load,
-        host_sum_s=tuple((r + 2) * 4 * n / (host_gbps * 1e9) for n in params),
-        grad_copy_s=tuple(4 * n / (links.d2h_gbps * 1e9) for n in params),
-    )
+    return _RouteTimes(load, host_sum_s=tuple((2 * r + 4) * n / (host_gbps * 1e9) for n in params))
 
 
 def context_extra_s(
@@ -418,9 +415,7 @@ def spec_from_shapes(
         head_s=head,
         embed_backward_s=0.0,
         load_s=routes.load_s,
-        grad_copy_s=tuple(grad_bytes * n / (links.d2h_gbps * 1e9) for n in params)
-        if routes.grad_copy_s is None
-        else routes.grad_copy_s,
+        grad_copy_s=tuple(grad_bytes * n / (links.d2h_gbps * 1e9) for n in params),
         update_s=tuple(ADAMW_BYTES_PER_PARAM * n / (adamw_gbps * 1e9) for n in params),
         cast_s=()
         if policy.mirror

@@ -99,7 +99,7 @@ class Engine:
         signals: HostStore | None = None,
     ) -> None:
         """With ``ctx``, the store holds ``ctx.local_world`` times the slots of one rank; the cpu
-        gradient route needs ``signals`` (``routes.signal_specs``)."""
+        gradient route needs ``signals`` (``routes.share_signals``)."""
         device, policy = plan.device, plan.policy
         self.adapter, self.store, self.device, self.dtype = adapter, store, device, plan.dtype
         self.plan, self.optim = plan, plan.optim
@@ -123,7 +123,7 @@ class Engine:
         started = time.perf_counter()
         if device.type == "cuda":
             grad = (rank * self.grad_slots, self.grad_slots)
-            self.pinned = pin_dma_memory(store, self.window, grad)
+            self.pinned = pin_dma_memory(store, self.window, self.grads.landing, grad)
         self.pin_s = time.perf_counter() - started  # page-locking the store's slots (startup),
         # before the resident groups' weights are copied from the mirror
         self.resident = None
@@ -166,7 +166,7 @@ class Engine:
         reduce = GpuReduce(ctx, self.clock) if ctx is not None and route == "gpu" else None
         host_sum = None
         if ctx is not None and ring is not None:
-            host_sum = HostSum(ctx, self.store, worker, self.kernels, self.clock)
+            host_sum = HostSum(ctx, self.store, worker, self.kernels, self.clock, ring.signals)
         share = RankShare(rank * self.grad_slots, self.grad_slots, host_sum,
                           (lambda g: True) if ctx is None else ctx.owns)  # fmt: skip
         stream = new_stream(device) if device.type == "cuda" else None

@@ -5,9 +5,11 @@ and queues it; ``flush`` waits for each copy in order, checks the group's gradie
 submits its AdamW (the last chunk publishes the version). Invariants: a slot is reused only after
 the worker read it (the backpressure); host memory is ``grad_slots`` chunks, never a gradient per
 parameter; a chunk's source stays referenced until its copy is done. Several ranks: each rank
-its own slot range; on the cpu route (``host_sum``) every rank sends, only the owner submits,
-with a chunk ``role`` of ``both`` (norm and update), ``norm`` (during the backward, with
-clipping) or ``update`` (after the coefficient); ``take_sum_squares`` returns the Σ g².
+its own slot range; on the cpu route (``host_sum``) every rank sends into its landing slots
+(``HostSum.landing``), only the owner submits, with a chunk ``role`` of ``both`` (norm and
+update), ``norm`` (during the backward, with clipping) or ``update`` (after the coefficient);
+``take_sum_squares`` returns the Σ g². A copy never rounds: a gradient wider than the slots
+it lands in is an error.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from slidedp.errors import NonFiniteError
+from slidedp.errors import InvalidArgumentError, NonFiniteError
 from slidedp.runtime.chunking import chunks, pieces
 from slidedp.runtime.lanes import LaneClock, new_event, on_stream
 from slidedp.store import HostStore
@@ -99,6 +101,8 @@ class GradLane:
         self.store, self.worker, self.clock, self.stream = store, worker, clock, stream
         self.timeout_s, self.group_name = timeout_s, group_name
         self.host_sum, self.owns = share.host_sum, share.owns
+        # where this rank's copies land: the store's gradient slots, or the cpu route's landing
+        self.landing = store if share.host_sum is None else share.host_sum.landing
         layout = store.layout
         self._slot_len = int(layout.slot_len)
         self._groups = layout.groups
@@ -108,7 +112,8 @@ class GradLane:
         self._slot_base = share.slot_base
         count = int(layout.grad_slots) if share.slot_count is None else share.slot_count
         self.slot_count = count  # this rank's gradient slots
-        # per local slot: ("update", worker seq) or ("sum", chunk seq) of its last reader
+        # per local slot: ("update", worker seq) or ("sum", chunk seq) of its last reader (on
+        # the cpu route the owner's update also frees its f32 slot k, which only it writes)
         self._slot_reader: list[tuple[str, int] | None] = [None] * count
         self._next_slot = 0
         self._sent = 0
@@ -144,9 +149,10 @@ class GradLane:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream())  # after the backward
         norm = self._norm_to_host(ticket) if check_finite else None
+        self._check_exact(ticket)
         for i, (start, length) in enumerate(parts):
             k = self._acquire_slot()
-            slot = self.store.grad_slot(self._slot_base + k)
+            slot = self.landing.grad_slot(self._slot_base + k)
             chunk = _Chunk(ticket, start, length, k, i == 0, i == len(parts) - 1, adam,
                            check_finite, None, self._sent, role,
                            norm=norm if i == 0 else None)  # fmt: skip
@@ -169,6 +175,17 @@ class GradLane:
                     chunk.done.record(self.stream)
             self._queue.append(chunk)
             self._queued_slots.add(k)
+
+    def _check_exact(self, ticket: GradTicket) -> None:
+        """Refuses a gradient the copy to the slots would round (f32 into bf16 slots)."""
+        slots = self.landing.region("grad").dtype
+        for name, g in ticket.grads.items():
+            if torch.promote_types(g.dtype, slots) != slots:
+                raise InvalidArgumentError(
+                    f"the gradient of '{name}' is {g.dtype}, the gradient slots hold {slots}: "
+                    "the copy would round it; train in float32 (train.dtype) or keep the "
+                    "parameter in the compute dtype"
+                )
 
     def _norm_to_host(self, ticket: GradTicket) -> torch.Tensor:
         """The group's gradient norm, copied to host memory on the gradient stream. Checking

@@ -1,7 +1,9 @@
 """Which of the store's slot memory a rank page-locks: only what its own DMAs touch.
 
 The store's staging and gradient regions hold every rank's slots, and the BF16 mirror every
-group's weights. A rank copies only through its own slots, and on the sharded route it loads
+group's weights. A rank copies only through its own slots (its gradient copies land in the
+store's gradient slots, or on the cpu route of several ranks in its landing slots of the signal
+store, whose f32 sums only the host writes), and on the sharded route it loads
 only its share of each group from the mirror (the all-gather rebuilds the rest), so locking the
 whole regions in every rank locked each page ``world`` times and cost start-up time (Qwen3-32B
 on four H200s: 23.8 s of pinning against 7.0 on one). A copy from memory that is not
@@ -43,13 +45,17 @@ def merged_pages(
     return out
 
 
-def pin_dma_memory(store: HostStore, window: Window, grad: tuple[int, int]) -> list[torch.Tensor]:
+def pin_dma_memory(
+    store: HostStore, window: Window, landing: HostStore, grad: tuple[int, int]
+) -> list[torch.Tensor]:
     """Page-lock what this rank's copies use (``dma_views`` of the window's staging slots and
-    mirror shares, and the gradient slots ``grad``); returns the views to unpin."""
+    mirror shares, and the gradient slots ``grad`` of ``landing``, the store its gradient
+    copies land in); returns the views to unpin."""
     shares = None
     if window.shard is not None:
         shares = [window.share(g) for g in range(len(store.layout.groups))]
-    views = dma_views(store, staging=window.staging_range(), grad=grad, mirror_shares=shares)
+    views = dma_views(store, staging=window.staging_range(), grad=grad, mirror_shares=shares,
+                      landing=landing)  # fmt: skip
     for done, view in enumerate(views):
         try:
             pin(view, "the store's slots")
@@ -66,16 +72,18 @@ def dma_views(
     staging: tuple[int, int],
     grad: tuple[int, int],
     mirror_shares: list[tuple[int, int]] | None,
+    landing: HostStore | None = None,
 ) -> list[torch.Tensor]:
-    """Byte views of the store's memory this rank's copies read or write: the staging slots
-    ``staging`` = (first, count) and gradient slots ``grad``, and the mirror: all of it
+    """Byte views of the memory this rank's copies read or write: the store's staging slots
+    ``staging`` = (first, count), the gradient slots ``grad`` of ``landing`` (None: of the
+    store; both have the same slot length), and the store's mirror: all of it
     (``mirror_shares`` None: the replicated route) or, per group, the element range
     ``(lo, hi)`` of its mirror slice this rank loads (the sharded route)."""
     slot_len = store.layout.slot_len
     views: list[torch.Tensor] = []
     for memory, (first, count) in (
         (store.region("staging"), staging),
-        (store.region("grad"), grad),
+        ((store if landing is None else landing).region("grad"), grad),
     ):
         if memory.numel() and count:
             size = memory.element_size()

@@ -57,7 +57,7 @@ from slidedp.runtime.engine import Engine
 from slidedp.runtime.evaluate import Evaluator
 from slidedp.runtime.flops import device_peak_flops, model_flops_per_token
 from slidedp.runtime.kernel_warmup import KernelWarmup, warmup_spec
-from slidedp.runtime.routes import signal_specs
+from slidedp.runtime.routes import share_signals
 from slidedp.runtime.schedule import lr_schedule
 from slidedp.runtime.startup import StartupClock, build_store
 from slidedp.runtime.stop_signals import StopSignals
@@ -172,9 +172,8 @@ class Trainer:
         else:
             self.source = "shared by local rank 0"
             self.store = self.ctx.share_store(create)
-            local_world = self.ctx.local_world
-            signals = signal_specs(local_world, self.cfg.runtime.layout.grad_slots)
-            self.signals = self.ctx.share_store(lambda: HostStore.create(signals, 0))
+            bf16 = self.dtype == torch.bfloat16
+            self.signals = share_signals(self.ctx, self.store, self.cfg.runtime.layout, bf16)
             self.node_pids = tuple(self.ctx.node_pids())
 
     def _read_data(self) -> tuple[Batches, Batches | None]:

@@ -36,6 +36,8 @@ const CHUNK_ELEMS: usize = 16 * 1024;
 /// Elements per f64 partial of `sum_squares`. A constant (never derived from the thread count),
 /// so the partials, and the order they are added in, are the same for any number of threads.
 const SUM_SQUARES_BLOCK_ELEMS: usize = 16 * 1024;
+// `sum_into_squares` squares each work item of the sum as one of `sum_squares`' blocks.
+const _: () = assert!(SUM_SQUARES_BLOCK_ELEMS == CHUNK_ELEMS);
 
 /// An instruction set the kernels can run with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -277,32 +279,69 @@ impl Kernels {
         Ok(())
     }
 
-    /// `dst[i] = (accumulate ? dst[i] : 0) + srcs[0][i] + srcs[1][i] + ...`, added left to right
-    /// in f32 (bf16 inputs widen exactly). With `accumulate == false` a -0.0 sum comes out +0.0.
+    /// `dst[i] = dst[i] + srcs[0][i] + srcs[1][i] + ...` (`accumulate`), else
+    /// `srcs[0][i] + srcs[1][i] + ...` (no sources: 0), added left to right in f32 (bf16 inputs
+    /// widen exactly). The first source is taken as it is, not added to 0: a sum of -0.0 stays
+    /// -0.0, as torch's `a + b` keeps it.
     pub fn sum_into(
         &self,
         dst: &mut [f32],
         srcs: &[GradSlice<'_>],
         accumulate: bool,
     ) -> Result<()> {
+        self.sum_chunks(dst, srcs, accumulate, false).map(|_| ())
+    }
+
+    /// [`Kernels::sum_into`], returning `Σ dst[i]²` of the sum exactly as
+    /// [`Kernels::sum_squares`] of `dst` would (its blocks are the sum's work items, squared
+    /// while they are in cache): one pass over `dst` instead of two.
+    pub fn sum_into_squares(
+        &self,
+        dst: &mut [f32],
+        srcs: &[GradSlice<'_>],
+        accumulate: bool,
+    ) -> Result<f64> {
+        self.sum_chunks(dst, srcs, accumulate, true)
+    }
+
+    fn sum_chunks(
+        &self,
+        dst: &mut [f32],
+        srcs: &[GradSlice<'_>],
+        accumulate: bool,
+        squares: bool,
+    ) -> Result<f64> {
         for src in srcs {
             check_len("srcs", dst.len(), src.len())?;
         }
+        let (first, rest) = match srcs.split_first() {
+            Some((first, rest)) if !accumulate => (Some(*first), rest),
+            _ => (None, srcs),
+        };
         let isa = self.isa;
+        let mut partials = Vec::with_capacity(dst.len().div_ceil(CHUNK_ELEMS));
         self.pool.install(|| {
             dst.par_chunks_mut(CHUNK_ELEMS)
                 .enumerate()
-                .for_each(|(c, chunk)| {
-                    let start = c * CHUNK_ELEMS;
-                    if !accumulate {
-                        chunk.fill(0.0);
+                .map(|(c, chunk)| {
+                    let range = c * CHUNK_ELEMS..c * CHUNK_ELEMS + chunk.len();
+                    match first {
+                        Some(src) => scalar::widen_into(chunk, src.range(range.clone())),
+                        None if !accumulate => chunk.fill(0.0),
+                        None => {}
                     }
-                    for src in srcs {
-                        add_chunk(isa, chunk, src.range(start..start + chunk.len()));
+                    for src in rest {
+                        add_chunk(isa, chunk, src.range(range.clone()));
                     }
-                });
+                    if squares {
+                        sum_squares_block(isa, GradSlice::F32(chunk))
+                    } else {
+                        0.0
+                    }
+                })
+                .collect_into_vec(&mut partials);
         });
-        Ok(())
+        Ok(partials.iter().fold(0.0, |sum, partial| sum + partial))
     }
 
     /// `Σ x[i]²`, accumulated in f64 (each f32 square is exact in f64). Blocks of a fixed size

@@ -150,6 +150,19 @@ pub(super) fn add_assign(dst: &mut [f32], src: GradSlice<'_>) {
     }
 }
 
+/// `dst[i] = src[i]`, widened exactly: a copy, so every ISA uses this one (no rounding to
+/// reproduce; the compiler vectorizes it).
+pub(super) fn widen_into(dst: &mut [f32], src: GradSlice<'_>) {
+    assert_eq!(dst.len(), src.len());
+    match src {
+        GradSlice::F32(src) => dst.copy_from_slice(src),
+        GradSlice::Bf16(src) => dst
+            .iter_mut()
+            .zip(src)
+            .for_each(|(d, &s)| *d = bf16_to_f32(s)),
+    }
+}
+
 /// `Σ x[i]²`, added in index order in f64.
 pub(super) fn sum_squares(x: GradSlice<'_>) -> f64 {
     let square = |v: f32| f64::from(v) * f64::from(v);

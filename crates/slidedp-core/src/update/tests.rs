@@ -1,6 +1,6 @@
 use super::*;
-use crate::kernels::Isa;
-use crate::store::{GroupSpec, ParamSpec, StoreSpec};
+use crate::kernels::{GradSlice, Isa};
+use crate::store::{Dtype, GroupSpec, ParamSpec, Region, StoreSpec};
 use std::path::Path;
 
 /// Two groups of four parameters; `chunk_elems` small enough to split each group in chunks.

@@ -229,8 +229,13 @@ fn sum_into_is_bit_exact_on_every_isa() {
         let dst0: Vec<f32> = (0..len)
             .map(|i| if i % 5 == 2 { -0.0 } else { rng.wide() })
             .collect();
+        // every source is -0.0 at i % 7 == 3: a sum of the sources alone stays -0.0 there
         let f32_srcs: Vec<Vec<f32>> = (0..3)
-            .map(|_| (0..len).map(|_| rng.wide()).collect())
+            .map(|_| {
+                (0..len)
+                    .map(|i| if i % 7 == 3 { -0.0 } else { rng.wide() })
+                    .collect()
+            })
             .collect();
         let bf16_srcs: Vec<Vec<u16>> = f32_srcs.iter().map(|s| to_bf16(s)).collect();
         for layout in layouts {
@@ -247,10 +252,14 @@ fn sum_into_is_bit_exact_on_every_isa() {
                     })
                     .collect();
                 let mut want = dst0.clone();
-                if !accumulate {
-                    want.fill(0.0);
-                }
-                srcs.iter()
+                let added = if accumulate {
+                    &srcs[..]
+                } else {
+                    scalar::widen_into(&mut want, srcs[0]);
+                    &srcs[1..]
+                };
+                added
+                    .iter()
                     .for_each(|&src| scalar::add_assign(&mut want, src));
                 for k in &kernels {
                     for offset in 0..4 {
@@ -283,6 +292,14 @@ fn sum_into_is_bit_exact_on_every_isa() {
                         let mut dst = Placed::new(&dst0, offset, F32_GUARD);
                         k.sum_into(dst.get_mut(), &srcs, accumulate).unwrap();
                         assert_bits_eq(f32_bits(dst.checked()), f32_bits(&want), &context);
+                        // fused: the same sum, and its Σ x² as sum_squares gives it
+                        let mut fused = Placed::new(&dst0, offset, F32_GUARD);
+                        let squares = k
+                            .sum_into_squares(fused.get_mut(), &srcs, accumulate)
+                            .unwrap();
+                        assert_bits_eq(f32_bits(fused.checked()), f32_bits(&want), &context);
+                        let apart = k.sum_squares(GradSlice::F32(dst.get()));
+                        assert_eq!(squares.to_bits(), apart.to_bits(), "{context}");
                     }
                 }
             }
