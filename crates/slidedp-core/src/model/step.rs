@@ -13,6 +13,14 @@
 //! step. A step ends when the host has the norm (the backward's end, and without clipping the
 //! last gradient copy). With context parallelism each layer's forward and backward are
 //! followed by their all-to-alls, which the next compute waits for.
+//!
+//! Several ranks of a node (`owners`): each group's AdamW (and the cpu route's sum) runs on its
+//! owner's update worker, one update lane per owner, in parallel; every rank's next forward
+//! waits for every group's version, so the step, synchronous across the ranks, is the one the
+//! slowest owner's lane allows. On the gpu route each owner's gradient ring holds its own groups
+//! (the owner alone sends them); on the cpu route every rank sends every group into its ring.
+
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
@@ -74,6 +82,10 @@ pub struct StepSpec {
     pub all_to_all_forward_s: Vec<f64>,
     #[serde(default)]
     pub all_to_all_backward_s: Vec<f64>,
+    /// Per group (empty: one rank, one update lane): the rank whose update worker runs its
+    /// AdamW and host sum (`runtime.dist`'s owner); each owner is an update lane of its own.
+    #[serde(default)]
+    pub owners: Vec<usize>,
     pub slots: usize,
     pub grad_slots: usize,
     pub clipping: bool,
@@ -160,12 +172,16 @@ impl StepSpec {
             .iter()
             .flat_map(|(_, l, _)| l.iter())
             .chain(scalars.iter());
-        if !self.resident.is_empty() && self.resident.len() != layers + 2 {
-            return Err(Error::InvalidArgument(format!(
-                "step spec: resident has {} entries, expected {}",
-                self.resident.len(),
-                layers + 2
-            )));
+        for (name, len) in [
+            ("resident", self.resident.len()),
+            ("owners", self.owners.len()),
+        ] {
+            if len != 0 && len != layers + 2 {
+                return Err(Error::InvalidArgument(format!(
+                    "step spec: {name} has {len} entries, expected {}",
+                    layers + 2
+                )));
+            }
         }
         if layers == 0 || self.grad_slots == 0 || all.clone().any(|x| !x.is_finite() || *x < 0.0) {
             return Err(Error::InvalidArgument(
@@ -177,6 +193,21 @@ impl StepSpec {
 
     fn resident(&self, group: usize) -> bool {
         self.resident.get(group).copied().unwrap_or(false)
+    }
+
+    /// The update lane of `group`: its owner's.
+    fn update_lane(&self, group: usize) -> (Lane, usize) {
+        (Lane::Update, self.owners.get(group).copied().unwrap_or(0))
+    }
+
+    /// The gradient ring `group`'s send goes into: its owner's on the gpu route (the owner
+    /// alone sends it), this rank's (every group's) on the cpu route.
+    fn ring_of(&self, group: usize) -> usize {
+        if self.host_sum_s.is_empty() {
+            self.update_lane(group).1
+        } else {
+            0
+        }
     }
 
     fn host_sum(&self, group: usize) -> f64 {
@@ -209,8 +240,12 @@ struct Builder<'a> {
     dag: Dag,
     /// The latest update of each group (its version gate).
     updates: Vec<Option<usize>>,
-    /// Updates in send order: the gradient ring.
-    ring: Vec<usize>,
+    /// Updates in send order, per ring (`StepSpec::ring_of`): the gradient rings.
+    rings: BTreeMap<usize, Vec<usize>>,
+    /// The latest gradient landed on the host (copied; cpu route: summed).
+    landed: Option<usize>,
+    /// Clipping on the cpu route: this step's latest norm sum on each update lane.
+    norm_sums: BTreeMap<usize, usize>,
     /// Clipping: groups whose gradient waits for its send, and the step end they wait for.
     parked: Vec<usize>,
     backward_end: Option<usize>,
@@ -234,26 +269,31 @@ impl Builder<'_> {
     /// update that used the slot; then the copy, then AdamW.
     fn send(&mut self, group: usize, after: &[usize]) {
         let mut deps = after.to_vec();
-        if self.ring.len() >= self.spec.grad_slots {
-            let oldest = self.ring[self.ring.len() - self.spec.grad_slots];
+        let ring = self.rings.entry(self.spec.ring_of(group)).or_default();
+        if ring.len() >= self.spec.grad_slots {
+            let oldest = ring[ring.len() - self.spec.grad_slots];
             deps.push(
                 self.dag
                     .add(format!("ring wait g{group}"), Lane::Host, 0.0, &[oldest]),
             );
         }
         let landed = self.copy_and_sum(group, "", &deps);
-        let update = self.dag.add(
+        let update = self.dag.add_on(
             format!("update g{group}"),
-            Lane::Update,
+            self.spec.update_lane(group),
             self.spec.update_s[group],
             &[landed],
         );
-        self.ring.push(update);
+        self.rings
+            .entry(self.spec.ring_of(group))
+            .or_default()
+            .push(update);
         self.updates[group] = Some(update);
+        self.landed = Some(landed);
     }
 
     /// The gradient's copy to the host, then (cpu route) the owner's worker sums the ranks'
-    /// copies on the update lane; the operation after which the sum is in the owner's slot.
+    /// copies on its update lane; the operation after which the sum is in the owner's slot.
     fn copy_and_sum(&mut self, group: usize, what: &str, deps: &[usize]) -> usize {
         let copy = self.dag.add(
             format!("grad copy{what} g{group}"),
@@ -264,9 +304,9 @@ impl Builder<'_> {
         if self.spec.host_sum(group) == 0.0 {
             return copy;
         }
-        self.dag.add(
+        self.dag.add_on(
             format!("host sum{what} g{group}"),
-            Lane::Update,
+            self.spec.update_lane(group),
             self.spec.host_sum(group),
             &[copy],
         )
@@ -328,7 +368,9 @@ impl Builder<'_> {
             if !self.spec.host_sum_s.is_empty() {
                 // the cpu route's norm pass: its slot is free again once summed
                 let summed = self.copy_and_sum(group, " (norm)", &[ready]);
-                self.ring.push(summed);
+                self.rings.entry(0).or_default().push(summed);
+                self.norm_sums
+                    .insert(self.spec.update_lane(group).1, summed);
             }
             self.parked.push(group);
         } else {
@@ -434,12 +476,12 @@ impl Builder<'_> {
         self.blocking = None;
         // the step returns once the host has the norm: the backward done, every gradient
         // reduced (the embedding's is the last) and, without clipping, the last one copied
-        // (cpu route: summed); with clipping on the cpu route, the last norm sum done
+        // (cpu route: summed); with clipping on the cpu route, every lane's last norm sum done
         let mut deps = vec![embed, reduced];
         if !spec.clipping {
-            deps.extend(self.ring.last().map(|&update| update - 1)); // its copy or sum
-        } else if !spec.host_sum_s.is_empty() {
-            deps.extend(self.ring.last().copied()); // the norm pass's sums, in lane order
+            deps.extend(self.landed);
+        } else {
+            deps.extend(std::mem::take(&mut self.norm_sums).into_values());
         }
         let end = self.dag.add(format!("t{t} end"), Lane::Host, 0.0, &deps);
         self.backward_end = Some(end);
@@ -459,7 +501,9 @@ pub fn build(spec: &StepSpec, steps: usize) -> Steps {
         spec,
         dag: Dag::default(),
         updates: vec![None; spec.layers() + 2],
-        ring: Vec::new(),
+        rings: BTreeMap::new(),
+        landed: None,
+        norm_sums: BTreeMap::new(),
         parked: Vec::new(),
         backward_end: None,
         blocking: None,
