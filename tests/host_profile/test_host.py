@@ -22,6 +22,7 @@ from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM
 from slidedp.profile import host
 from slidedp.profile.cache import cache_file
 from slidedp.profile.host import cached_host, host_facts, model_gbps, pool_gbps, probe_host
+from slidedp.update import UpdateWorker
 
 CPU = torch.device("cpu")
 TINY = 1 << 20  # bytes of FP32 state: enough to run every path, not to defeat the caches
@@ -68,11 +69,10 @@ def test_ranks_time_their_pools_at_once_and_key_the_cache(
 ) -> None:
     """Two ranks: two pools of one thread each, each its own worker, submitted together (the
     mechanics only: two cores cannot show a rate); one rank has no pool figures."""
-    workers: list[host.UpdateWorker] = []
-    worker = host.UpdateWorker
+    workers: list[UpdateWorker] = []
 
-    def kept(store: Any, threads: int) -> host.UpdateWorker:
-        workers.append(worker(store, threads))
+    def kept(store: Any, threads: int) -> UpdateWorker:
+        workers.append(UpdateWorker(store, threads))
         return workers[-1]
 
     monkeypatch.setattr(host, "UpdateWorker", kept)
@@ -81,8 +81,8 @@ def test_ranks_time_their_pools_at_once_and_key_the_cache(
     assert report["pool_adamw_gbps"] > 0
     assert report["pools_adamw_gbps"] > 0
     assert pool_gbps(report) == report["pool_adamw_gbps"]
-    one_pool, *pools = workers  # the one pool of both threads, then one per rank
-    assert len(pools) == 2
+    assert len(workers) == 3  # the one pool of both threads, then one per rank
+    pools = workers[1:]
     # every pool ran the warm-up, the calibration and REPEATS rounds of as many passes
     assert pools[0].stats()[0] == pools[1].stats()[0] > host.REPEATS * host.GROUPS
     assert cached_host(2, None, str(tmp_path), ranks=2) == _probe(tmp_path, threads=2, ranks=2)
