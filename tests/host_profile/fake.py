@@ -29,7 +29,7 @@ def cache_rate(
     numbers = {"params": 1, "passes": 1, "isa": "avx2", "state_bytes": 12, "measured_s": 0.1}
     if pool_gbps is not None:
         numbers |= {"pool_adamw_gbps": pool_gbps, "pools_adamw_gbps": ranks * pool_gbps,
-                    "pool_threads": threads // ranks}  # fmt: skip
+                    "pool_threads": max(1, threads // ranks)}  # fmt: skip
     write_report(path, facts | {"adamw_gbps": gbps} | joint | numbers)
     return path
 

@@ -168,8 +168,10 @@ def test_the_routes_in_the_spec_and_the_gpu_route_beats_the_cpu_route() -> None:
             {"one": one, "gpu": gpu, "sharded": sharded, "cpu": cpu}.items()}  # fmt: skip
     # as measured there (0.77 s on 1 GPU, 0.81 s on either gpu route): the gpu route costs a
     # few % over one GPU and beats the cpu route, whose sums lengthen the update lane (1.12 s
-    # measured when the training threads summed; not yet measured with the workers summing)
-    assert step["one"] < step["gpu"] < 1.05 * step["one"]
+    # measured when the training threads summed; not yet measured with the workers summing).
+    # No two-pool rate on record: the owners' two lanes share the node's 147 GB/s, rank 0's
+    # with the embedding (0.31B of 2.03B parameters) the next forward waits for first: +10%
+    assert step["one"] < step["gpu"] < 1.12 * step["one"]
     assert abs(step["sharded"] / step["gpu"] - 1) < 0.05
     assert step["cpu"] > 1.05 * step["gpu"]
     exposed = cpu.prediction.exposed_s
