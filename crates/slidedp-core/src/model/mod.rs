@@ -9,6 +9,7 @@
 //! dependencies: window slots, the gradient ring, version gates, the clipping schedule.
 
 pub mod dag;
+pub mod spec;
 pub mod step;
 
 use std::collections::BTreeMap;
@@ -16,7 +17,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 pub use dag::{Dag, Lane};
-pub use step::StepSpec;
+pub use spec::StepSpec;
 
 /// Steps scheduled before the one read: the first fills the pipeline, the next reach the
 /// steady state (updates of the previous step gating the loads of this one).
