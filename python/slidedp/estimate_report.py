@@ -76,7 +76,7 @@ def estimate_run(
     and its step time; ``step_model=False`` leaves out the step-time model (memory only)."""
     plan = resolve_plan(cfg, adapter, machine)
     memory = estimate_memory(cfg, adapter, machine, plan)
-    rate = host_rate(update_threads(cfg, machine), machine)
+    rate = host_rate(update_threads(cfg, machine), machine, ranks=cfg.runtime.launch.world)
     step = _step_time(cfg, adapter, machine, memory.trained_params, rate)
     est = Estimate(**{f.name: getattr(memory, f.name) for f in fields(memory)}, step=step)
     rates = rates_for(cfg, adapter, machine, rate) if step_model else None

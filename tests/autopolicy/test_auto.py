@@ -122,7 +122,8 @@ def test_auto_on_two_cpu_ranks_chooses_once_in_the_launcher(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     path = _config(tmp_path, "ranks", policy="auto", ranks=2, device="cpu")
     cfg = load_config(path, [])
-    cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 3.0)  # no probe
+    threads = update_threads(cfg, Machine.probe(cfg, measure=False))
+    cache_rate(threads, None, 3.0, pools=(2, 1.5))  # no probe; two pools share the rate
     assert main(["train", str(path)]) == 0
     out = capfd.readouterr().out
     (line,) = [x for x in out.splitlines() if x.startswith("policy   auto: ")]

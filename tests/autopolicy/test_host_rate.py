@@ -1,16 +1,19 @@
 """The host rate the layout program prices the updates at (``select.program_update_gbps``):
 the step-time model's blend for the fixed default's run, under the copies for the share of
-the update they overlap and alone for the rest, checked against Qwen3-14B B=16 on 4x H200
+the update they overlap and alone for the rest (several ranks: every owner's lane at its
+pool's rate), checked against Qwen3-14B B=16 on 4x H200
 (benchmarks/four-gpus-14b/qwen3-14b-4xh200-b16-auto-variant-1gpu.json)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from estimate.test_four_gpu_records import four_pool_gbps
 from host_profile.fake import cache_rate
 from slidedp.autopolicy import choose
 from slidedp.autopolicy.choose import ChooseSpec
@@ -69,10 +72,10 @@ def _profile() -> dict[str, Any]:
     return {"batch": 16, "seq_len": 1024, "candidates": [row], "cached": "test"}
 
 
-def _measured_default_s() -> float:
-    """The fixed default's measured step on one GPU of that host."""
+def _measured_default_s(world: int = 1) -> float:
+    """The fixed default's measured step on ``world`` GPUs of that host (four: sharded/gpu)."""
     runs = json.loads(RUN.read_text())["runs"]
-    (run,) = (r for r in runs if r["system"] == "ours" and r["world"] == 1)
+    (run,) = (r for r in runs if r["system"] == "ours" and r["world"] == world)
     assert (run["layout"], run["resident_layers"], run["resident_embeddings"]) == (
         "40xF-r0", 0, False,
     )  # fmt: skip
@@ -127,3 +130,32 @@ def test_the_blend_leans_on_the_copies_with_more_ranks(tmp_path: Path) -> None:
     assert program_update_gbps(one, adapter, machine, alone_unknown, _profile()) == 83.0
     unknown_gpu = Machine(**(vars(machine) | {"gpu_name": "a GPU with no peak on record"}))
     assert program_update_gbps(one, adapter, unknown_gpu, host, _profile()) == 83.0
+
+
+def test_the_program_prices_four_ranks_on_their_pools(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four H200s, the fixed default on the sharded route, as measured (4.523 s): each rank's
+    pool of 16 cores at the rate rank 0's update lane ran in that run (61 GB/s: 4.08B
+    parameters at 28 B in 1.868 s, ``four_pool_gbps``; the probe's ``--ranks 4`` in its place),
+    slowed by the copies as the blend says: the program's default within 10% (+5%), where the
+    node's one blended rate on one lane (135 GB/s) put it at +29%."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cfg = _cfg(tmp_path, gpus=4)
+    cfg = replace(cfg, runtime=cfg.runtime.with_keys(param_route="sharded"))
+    adapter = HFAdapter.from_dir(cfg.model.path)
+    machine = _machine()
+    pool_gbps = four_pool_gbps(json.loads(RUN.read_text()), adapter) / 1e9
+    cache_rate(update_threads(cfg, machine), H200, ALONE_GBPS, joint_gbps=UNDER_COPIES_GBPS,
+               pools=(4, pool_gbps))  # fmt: skip
+    monkeypatch.setattr(choose, "cached_profile", lambda spec: _profile())
+    _, report = choose.choose(cfg, adapter, machine, ChooseSpec(measure=False))
+    s = report.state
+    assert s.solved is not None
+    assert s.host is not None
+    assert s.host.pool_gbps == pytest.approx(pool_gbps)
+    measured_s = _measured_default_s(world=4)
+    assert s.solved.default.step_s == pytest.approx(measured_s, rel=0.10)
+    node = HostRate(UNDER_COPIES_GBPS, "measured under DMA (cached)", 50.0, ALONE_GBPS)
+    one_lane_gbps = program_update_gbps(cfg, adapter, machine, node, _profile())
+    assert one_lane_gbps < s.update_gbps / 1.4  # the pools together: more than the node's

@@ -141,7 +141,7 @@ CHUNK = 1 << 19  # 1 MiB of BF16: the chunk the cached chunk probe below finds f
 def _cache_probes(cfg: TrainConfig, adapter: HFAdapter, links: dict[str, float]) -> None:
     """The host, chunk and link probes of this (pretended) 2x H200 host, in the cache."""
     threads = update_threads(cfg, _machine())
-    cache_rate(threads, H200, 300.0, joint_gbps=ADAMW)
+    cache_rate(threads, H200, 300.0, joint_gbps=ADAMW, pools=(2, 150.0))  # the rate shared
     # several ranks on the replicated route keep the mirror
     cache_chunks(threads, H200, layer_numel(adapter), True, {0: 1.0, CHUNK: 0.5})
     facts = links_facts(2, H200, layer_numel(adapter))

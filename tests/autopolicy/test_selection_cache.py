@@ -273,7 +273,8 @@ def test_the_launchers_choice_on_several_ranks_is_cached_with_its_routes(
 
     def measured_here(cfg: TrainConfig) -> float:  # the child's measurements, cached
         _profile_here(profile_spec(cfg))
-        cache_rate(update_threads(cfg, Machine.probe(cfg, measure=False)), None, 1000.0)
+        threads = update_threads(cfg, Machine.probe(cfg, measure=False))
+        cache_rate(threads, None, 1000.0, pools=(2, 500.0))  # two ranks' pools share it
         return 0.1
 
     monkeypatch.setattr(measure, "measure_in_child", measured_here)

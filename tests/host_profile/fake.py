@@ -9,17 +9,27 @@ from slidedp.profile.cache import cache_file, write_report
 from slidedp.profile.host import host_facts
 
 
-def cache_rate(threads: int, gpu: str | None, gbps: float, joint_gbps: float | None = None,
-               cast_gbps: float = 50.0) -> Path:  # fmt: skip
-    """Cache ``gbps`` (and ``joint_gbps``, ``cast_gbps``) as this machine's probe at
-    ``threads`` beside ``gpu``, in the default cache directory (``$XDG_CACHE_HOME``); returns
-    the file."""
-    facts = host_facts(threads, gpu)
+def cache_rate(
+    threads: int,
+    gpu: str | None,
+    gbps: float,
+    joint_gbps: float | None = None,
+    cast_gbps: float = 50.0,
+    pools: tuple[int, float | None] | None = None,
+) -> Path:
+    """Cache ``gbps`` (and ``joint_gbps``, ``cast_gbps``; ``pools``: R ranks and the rate of
+    one of their pools) as this machine's probe at ``threads`` beside ``gpu``, in the default
+    cache directory (``$XDG_CACHE_HOME``); returns the file."""
+    ranks, pool_gbps = pools or (1, None)
+    facts = host_facts(threads, gpu, ranks)
     path = cache_file(None, "host", facts)
     joint = {"joint_adamw_gbps": joint_gbps}
     if joint_gbps is not None:
         joint |= {"joint_h2d_gbps": 50.0, "joint_d2h_gbps": 50.0, "joint_cast_gbps": cast_gbps}
     numbers = {"params": 1, "passes": 1, "isa": "avx2", "state_bytes": 12, "measured_s": 0.1}
+    if pool_gbps is not None:
+        numbers |= {"pool_adamw_gbps": pool_gbps, "pools_adamw_gbps": ranks * pool_gbps,
+                    "pool_threads": max(1, threads // ranks)}  # fmt: skip
     write_report(path, facts | {"adamw_gbps": gbps} | joint | numbers)
     return path
 

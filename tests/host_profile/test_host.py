@@ -21,7 +21,8 @@ from slidedp.plan.machine import Machine, host_rate
 from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM
 from slidedp.profile import host
 from slidedp.profile.cache import cache_file
-from slidedp.profile.host import cached_host, host_facts, model_gbps, probe_host
+from slidedp.profile.host import cached_host, host_facts, model_gbps, pool_gbps, probe_host
+from slidedp.update import UpdateWorker
 
 CPU = torch.device("cpu")
 TINY = 1 << 20  # bytes of FP32 state: enough to run every path, not to defeat the caches
@@ -61,6 +62,33 @@ def test_the_probe_times_the_engines_update_and_caches_it(
     assert again["cached"] == str(cache_file(str(tmp_path), "host", host_facts(1, None)))
     assert again["adamw_gbps"] == report["adamw_gbps"]
     assert cached_host(1, None, str(tmp_path)) == again
+
+
+def test_ranks_time_their_pools_at_once_and_key_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two ranks: two pools of one thread each, each its own worker, submitted together (the
+    mechanics only: two cores cannot show a rate); one rank has no pool figures."""
+    workers: list[UpdateWorker] = []
+
+    def kept(store: Any, threads: int) -> UpdateWorker:
+        workers.append(UpdateWorker(store, threads))
+        return workers[-1]
+
+    monkeypatch.setattr(host, "UpdateWorker", kept)
+    report = _probe(tmp_path, threads=2, ranks=2)
+    assert (report["ranks"], report["pool_threads"]) == (2, 1)
+    assert report["pool_adamw_gbps"] > 0
+    assert report["pools_adamw_gbps"] > 0
+    assert pool_gbps(report) == report["pool_adamw_gbps"]
+    assert len(workers) == 3  # the one pool of both threads, then one per rank
+    pools = workers[1:]
+    # every pool ran the warm-up, the calibration and REPEATS rounds of as many passes
+    assert pools[0].stats()[0] == pools[1].stats()[0] > host.REPEATS * host.GROUPS
+    assert cached_host(2, None, str(tmp_path), ranks=2) == _probe(tmp_path, threads=2, ranks=2)
+    assert cached_host(2, None, str(tmp_path)) is None  # one rank's report is another key
+    assert pool_gbps(_probe(tmp_path, threads=2)) is None
+    assert "2 pools of 1 at once" in host.format_report(report)
 
 
 def test_the_key_names_the_threads_and_the_gpu(tmp_path: Path) -> None:

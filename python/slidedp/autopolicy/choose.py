@@ -275,7 +275,8 @@ def host(s: Selecting) -> None:
             s.runner.wait_ready()
             notes.append("their process ready")
     with s.clock.stage("host") as notes:
-        s.host = host_rate(update_threads(s.cfg, s.machine), s.machine, measure=s.measure_here)
+        threads, ranks = update_threads(s.cfg, s.machine), s.cfg.runtime.launch.world
+        s.host = host_rate(threads, s.machine, ranks=ranks, measure=s.measure_here)
         assert s.report is not None
         s.update_gbps = select.program_update_gbps(s.base, s.adapter, s.machine, s.host, s.report)
         notes.append(f"AdamW {host_said(s.host, s.update_gbps)}")

@@ -49,8 +49,8 @@ def measure(cfg: TrainConfig) -> None:
     machine = Machine.probe(cfg, measure=False)
     profile_layer(profile_spec(cfg))
     threads = update_threads(cfg, machine)
-    host_rate(threads, machine, measure=True)
     world = cfg.runtime.launch.world
+    host_rate(threads, machine, ranks=world, measure=True)
     if machine.device != "cuda":
         return
     adapter = HFAdapter.from_dir(cfg.model.path, cfg.model.config_overrides())

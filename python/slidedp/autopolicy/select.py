@@ -44,6 +44,7 @@ from slidedp.plan.timing import (
     layer_times,
     step_update_gbps,
 )
+from slidedp.plan.update_lanes import owner_lane_gbps
 from slidedp.profile.pareto import layer_time, memory
 
 if TYPE_CHECKING:
@@ -244,7 +245,17 @@ def program_update_gbps(
     for every candidate: a candidate's own depends on the counts the program picks (its
     resident layers copy nothing, its offloaded activations copy more), circular inside the
     program. ``host.gbps`` where the probe has no rate alone (CPU, the table) or the GPU no
-    peak on record to time the step's compute."""
+    peak on record to time the step's compute. Several ranks: every owner's lane together
+    (R x ``plan.update_lanes.owner_lane_gbps``: the program's one host lane stands for them)."""
+    ranks = Shape.of_run(cfg, adapter).world
+    node_gbps = _node_update_gbps(cfg, adapter, machine, host, report)
+    return ranks * owner_lane_gbps(node_gbps, ranks, host.pool_gbps, host.alone_gbps)
+
+
+def _node_update_gbps(
+    cfg: TrainConfig, adapter: HFAdapter, machine: Machine, host: HostRate, report: dict[str, Any]
+) -> float:
+    """``program_update_gbps``'s node rate: the blend for the default run, else ``host.gbps``."""
     peak, _ = gpu_peak(machine.gpu_name)
     if host.alone_gbps is None or peak is None:
         return host.gbps

@@ -199,7 +199,7 @@ def selection_key(
     report = cached_profile(terms.profile or profile_spec(cfg))
     gpu = machine.gpu_name if machine.device == "cuda" else None
     threads = update_threads(cfg, machine)
-    host = cached_host(threads, gpu)
+    host = cached_host(threads, gpu, ranks=cfg.runtime.launch.world)
     if report is None or host is None:
         return None
     links = chunks = None

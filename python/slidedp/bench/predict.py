@@ -3,8 +3,9 @@ the report, calibrated on this machine in the same command, beside the measured 
 
 Calibration, each probe in its own child process after the runs (cached like ``slidedp
 profile``): the layer's forward and backward per layer policy (``profile.layer``), the host
-AdamW and cast rates under the GPU's copies (``profile.host``), on several ranks the same
-command's collectives (``bench.collectives``). The head, embedding and copies are assumed as
+AdamW and cast rates under the GPU's copies (``profile.host``; a run of R ranks: its R pools
+at once too), on several ranks the same command's collectives (``bench.collectives``). The
+head, embedding and copies are assumed as
 ``plan.timing`` says; the prediction is ``plan.timing.spec_from_shapes`` through the Rust model,
 and the error printed is predicted / measured - 1. A run that splits each sequence over R
 ranks (``--context-parallel R``) is predicted per rank at S/R tokens with its exchanges, from
@@ -42,7 +43,13 @@ from slidedp.plan.machine import gpu_peak
 from slidedp.plan.policy import Policy, resolve_policy
 from slidedp.plan.step_spec import predict_step
 from slidedp.plan.timing import Links, Ranks, Rates, layer_times, spec_from_shapes
-from slidedp.profile.host import alone_gbps, engine_update_threads, model_gbps, probe_host
+from slidedp.profile.host import (
+    alone_gbps,
+    engine_update_threads,
+    model_gbps,
+    pool_gbps,
+    probe_host,
+)
 from slidedp.profile.layer import ProfileSpec, profile_layer
 from slidedp.runtime.zygote import start_child
 
@@ -81,10 +88,12 @@ def _layer(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def _host(args: dict[str, Any]) -> dict[str, Any]:
-    """``profile.host.probe_host`` with the engine's update threads on ``args["device"]``."""
+    """``profile.host.probe_host`` with the engine's update threads on ``args["device"]``,
+    for ``args["ranks"]`` ranks of the node (their pools too)."""
 
     device = torch.device(args["device"])
-    return probe_host(engine_update_threads(default_threads(), device.type == "cuda"), device)
+    threads = engine_update_threads(default_threads(), device.type == "cuda")
+    return probe_host(threads, device, ranks=args["ranks"])
 
 
 PROBES = {"layer": _layer, "host": _host}
@@ -161,7 +170,10 @@ def predict_report(
         return []
     device = report["device"]
     adapter = HFAdapter.from_dir(config_dir)
-    host = probe("host", {"device": device}, config_dir / "host.json")
+    hosts = {  # per rank count: a run of R ranks updates on R pools at once
+        w: probe("host", {"device": device, "ranks": w}, config_dir / f"host-r{w}.json")
+        for w in sorted({r.get("world", 1) for r in runs})
+    }
     # the layer efficiency of plan.timing is a share of the dense bf16 peak of the GPU's kind
     peak = gpu_peak(report["device_name"])[0] or report["peak_flops"] or 1e12
     links = _links(report)
@@ -188,10 +200,11 @@ def predict_report(
             for i, p in enumerate(policy.layers)
         ]  # fmt: skip
         ranks = Ranks(run.get("world", 1), policy.grad_route, policy.param_route, r, scheme)
+        host = hosts[ranks.count]
         spec = spec_from_shapes(
             adapter, policy, batch=run["batch"], seq_len=seq_len,
             rates=Rates(peak, model_gbps(host), host.get("joint_cast_gbps"), links, measured,
-                        adamw_alone_gbps=alone_gbps(host)),
+                        adamw_alone_gbps=alone_gbps(host), pool_gbps=pool_gbps(host)),
             clipping=clipping, offloaded_bytes=offloaded, ranks=ranks,
         )  # fmt: skip
         predicted = predict_step(spec)
@@ -260,7 +273,8 @@ def _from_files(probes: Path, layer: tuple[Any, ...], host_gbps: float | None) -
             found = [r for r in reports if "adamw_gbps" in r]
             if not found:
                 raise ConfigError(f"no host probe in {probes}: add one or give --host-gbps")
-            return found[-1]
+            # the run's ranks' pools where probed (else the node's rate shared among them)
+            return max(found, key=lambda r: r.get("ranks", 1) == args["ranks"])
         wanted = set(args["families"].split(","))
         for r in reports:
             names = {c["policy"].rsplit("-r", 1)[0] for c in r.get("candidates", [])}

@@ -27,6 +27,7 @@ from slidedp.profile.host import (
     cached_host,
     engine_update_threads,
     model_gbps,
+    pool_gbps,
     probe_host,
 )
 
@@ -125,12 +126,14 @@ class HostRate:
     """The host AdamW rate the step time takes, and where it comes from; beside a GPU, the
     probe's f32->bf16 cast under DMA too (the cast on delivery without the mirror) and the
     rate alone (``alone_gbps``: the update's share that no copy overlaps, ``plan.timing``'s
-    ``host_update_gbps``; None: ``gbps`` throughout)."""
+    ``host_update_gbps``; None: ``gbps`` throughout); on several ranks, one of their pools'
+    while all update (``pool_gbps``, ``plan.update_lanes``; None: not probed)."""
 
     gbps: float
     source: str
     cast_gbps: float | None = None
     alone_gbps: float | None = None
+    pool_gbps: float | None = None
 
 
 def update_threads(cfg: TrainConfig, machine: Machine) -> int:
@@ -141,21 +144,23 @@ def update_threads(cfg: TrainConfig, machine: Machine) -> int:
     return cfg.runtime.layout.update_threads or engine_update_threads(machine.cores, cuda)
 
 
-def host_rate(threads: int, machine: Machine, *, measure: bool = False) -> HostRate:
+def host_rate(threads: int, machine: Machine, *, ranks: int = 1, measure: bool = False) -> HostRate:
     """The AdamW rate of ``slidedp profile host`` for ``threads`` on ``machine`` (beside its
-    GPU: the rate under DMA) where it is cached, else the table's (``adamw_gbps``).
+    GPU: the rate under DMA; ``ranks`` > 1: their pools' too) where it is cached, else the
+    table's (``adamw_gbps``).
     ``measure``: probe it when it is not cached (a few seconds: ``plan``, ``runtime.policy:
     auto``); estimating alone never measures."""
     gpu = machine.gpu_name if machine.device == "cuda" else None
-    report = cached_host(threads, gpu)
+    report = cached_host(threads, gpu, ranks=ranks)
     if report is None and measure:
-        report = probe_host(threads, torch.device(machine.device))
+        report = probe_host(threads, torch.device(machine.device), ranks=ranks)
     if report is None:
         table = "from the table (not measured on this machine: slidedp profile host)"
         return HostRate(adamw_gbps(threads), table)
     what = "measured under DMA" if report["joint_adamw_gbps"] else "measured"
     source = f"{what} ({'cached' if report['cached'] else 'now'})"
-    return HostRate(model_gbps(report), source, report.get("joint_cast_gbps"), alone_gbps(report))
+    return HostRate(model_gbps(report), source, report.get("joint_cast_gbps"),
+                    alone_gbps(report), pool_gbps(report))  # fmt: skip
 
 
 def gpu_peak(name: str | None) -> tuple[float | None, str]:

@@ -94,8 +94,10 @@ def host_rates(
     measured: dict[str, tuple[float, float]],
     calibration: tuple[str, ...] = (),
 ) -> Rates:
-    """The step-time model's rates with ``host``'s AdamW (under copies and alone) and cast."""
-    return Rates(peak, host.gbps, host.cast_gbps, links, measured, calibration, host.alone_gbps)
+    """The step-time model's rates with ``host``'s AdamW (under copies, alone, one of several
+    ranks' pools) and cast."""
+    return Rates(peak, host.gbps, host.cast_gbps, links, measured, calibration, host.alone_gbps,
+                 host.pool_gbps)  # fmt: skip
 
 
 def rates_for(

@@ -28,7 +28,7 @@ class StepSpec:
     """Service times of one step's operations, seconds; per group (``L + 2``: embedding,
     layers, head) or per decoder layer (``L``). ``slidedp_core::model::StepSpec`` documents
     each field; an empty optional list means none (no cast, offload, reduction, host sum,
-    resident group, all-to-all)."""
+    resident group, all-to-all; one update lane)."""
 
     forward_s: tuple[float, ...]  # per layer
     backward_s: tuple[float, ...]  # per layer, the replay included
@@ -47,6 +47,7 @@ class StepSpec:
     resident: tuple[bool, ...] = ()  # per group: GPU-resident
     all_to_all_forward_s: tuple[float, ...] = ()  # per layer: context parallelism's exchanges
     all_to_all_backward_s: tuple[float, ...] = ()  # per layer: the backward's and replay's
+    owners: tuple[int, ...] = ()  # per group: the rank whose update lane runs its AdamW
     slots: int
     grad_slots: int
     clipping: bool

@@ -23,6 +23,7 @@ from slidedp.models.shape import layer_shapes
 from slidedp.plan.attention_rate import attention_efficiency
 from slidedp.plan.cost import resident_update_s
 from slidedp.plan.step_spec import StepSpec
+from slidedp.plan.update_lanes import owner_lane_gbps, update_owners
 
 if TYPE_CHECKING:
     from slidedp.models.hf import HFAdapter
@@ -222,6 +223,8 @@ class Rates:
     calibration: tuple[str, ...] = ()  # what of these was measured, for the report's line
     # host AdamW with no copies beside it; None: ``adamw_gbps`` (the rate under them) throughout
     adamw_alone_gbps: float | None = None
+    # one of R ranks' pools while all update (``plan.update_lanes``); None: the node's shared
+    pool_gbps: float | None = None
 
 
 def host_update_gbps(rates: Rates, copy_share: float) -> float:
@@ -291,9 +294,8 @@ def _route_times(params: list[int], ranks: Ranks, links: Links, host_gbps: float
     own): it reads ``count`` bf16 copies and writes the f32 sum, 2 * count + 4 bytes per
     parameter at the host's DRAM rate (as AdamW's); its Σ g² is taken in the same pass
     (``Kernels.sum_into_squares``), reading nothing more. The owner's update worker sums once
-    every peer's copy has landed, then runs AdamW: the model puts every group's sum on the
-    update lane, which stands for the host's DRAM that all ranks' AdamW share
-    (``StepSpec.host_sum_s``)."""
+    every peer's copy has landed, then runs AdamW: the model puts each group's sum on its
+    owner's update lane, at the lane's rate ``host_gbps`` (``StepSpec.host_sum_s``)."""
     r = ranks.count
     sharded = r > 1 and ranks.param_route == "sharded"
     load = tuple(
@@ -388,8 +390,9 @@ def spec_from_shapes(
     per layer, ``plan.cost``). ``measured``: a layer policy's forward and backward (replay
     included) as the layer profile timed them (``layer_times``); they replace the FLOPs-rate
     times of the layers with that policy. ``batch``: per rank. ``ranks``: several GPUs of this
-    host (``_route_times``); the host's update lane serves all of them, under all their
-    copies (``_copy_share``). ``ranks.context`` R > 1: each rank computes S/R
+    host (``_route_times``): each group's AdamW (and the cpu route's sum) on its owner's
+    update lane (``runtime.dist.group_owner``) at ``owner_lane_gbps``, the copies of all of
+    them slowing the host (``_copy_share``). ``ranks.context`` R > 1: each rank computes S/R
     tokens of every row and its share of attention (``rank_attended``), plus the exchanges
     (``context_exchange_s``, at ``links.gather_gbps``); the profile's times are of one GPU's
     whole layer, so the FLOPs rates stand for them."""
@@ -406,7 +409,8 @@ def spec_from_shapes(
     grad_bytes = 2  # the compute dtype (bf16) on the device, then to the host
     cast_share = ranks.count if ranks.param_route == "sharded" else 1  # each casts its shard
     compute_s = sum(forward) + sum(backward) + head
-    adamw_gbps = step_update_gbps(adapter, policy, rates, ranks, offloaded_bytes, compute_s)
+    node_gbps = step_update_gbps(adapter, policy, rates, ranks, offloaded_bytes, compute_s)
+    adamw_gbps = owner_lane_gbps(node_gbps, ranks.count, rates.pool_gbps, rates.adamw_alone_gbps)
     routes = _route_times(params, ranks, links, adamw_gbps)
     spec = StepSpec(
         forward_s=tuple(forward),
@@ -426,6 +430,7 @@ def spec_from_shapes(
         host_sum_s=routes.host_sum_s,
         all_to_all_forward_s=exchange[0],
         all_to_all_backward_s=exchange[1],
+        owners=update_owners(len(params), ranks.count),
         slots=policy.slots,
         grad_slots=policy.grad_slots,
         clipping=clipping,

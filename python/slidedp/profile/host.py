@@ -1,5 +1,5 @@
-"""``slidedp profile host [--threads N] [--device auto|cpu|cuda] [--state-mib 512] [--force]
-[--json]``: the host AdamW lane's rate on the machine at hand.
+"""``slidedp profile host [--threads N] [--ranks R] [--device auto|cpu|cuda] [--state-mib 512]
+[--force] [--json]``: the host AdamW lane's rate on the machine at hand.
 
 The step-time model and the layout selector take it instead of ``plan.machine.ADAMW_GBPS``. The
 probe runs the engine's own update path (``HostStore``, ``UpdateWorker``, the gradient ring) on
@@ -7,7 +7,10 @@ probe runs the engine's own update path (``HostStore``, ``UpdateWorker``, the gr
 ``ADAMW_BYTES_PER_PARAM`` (28) bytes per parameter: ``adamw_gbps`` alone; on CUDA
 ``joint_adamw_gbps`` while H2D/D2H copies share the DRAM (no cast beside it), with
 ``joint_h2d_gbps``, ``joint_d2h_gbps``, and ``joint_cast_gbps`` (the cast under the copies).
-Invariant: cached (``profile.cache``) under the CPU model, cores, threads, GPU name and versions;
+With ``--ranks R`` > 1 also R pools of threads/R at once, as R ranks' update workers run on
+one node: ``pool_adamw_gbps`` (the slowest pool's) and ``pools_adamw_gbps`` (all together).
+Invariant: cached (``profile.cache``) under the CPU model, cores, threads, ranks, GPU name and
+versions;
 ``cached_host`` only looks up, ``probe_host`` measures where missing.
 """
 
@@ -51,8 +54,9 @@ GRAD = 1e-3
 NUMBERS = ("adamw_gbps", "params", "passes", "state_bytes", "measured_s")
 JOINT = ("joint_adamw_gbps", "joint_h2d_gbps", "joint_d2h_gbps", "joint_cast_gbps")
 # what the probe measures, in the cache key: a report of another version is measured again
-# (2: AdamW under the copies without a cast beside it, ``_under_copies``)
-PROBE_VERSION = 2
+# (2: AdamW under the copies without a cast beside it, ``_under_copies``; 3: R pools, ``_pools``)
+PROBE_VERSION = 3
+POOLS = ("pool_adamw_gbps", "pools_adamw_gbps", "pool_threads")  # the reports of ranks > 1
 
 
 def engine_update_threads(cores: int, cuda: bool, ranks: int = 1) -> int:
@@ -62,18 +66,19 @@ def engine_update_threads(cores: int, cuda: bool, ranks: int = 1) -> int:
     (AdamW, the cpu route's sums) at once: two ranks' pools on all 32 cores of the 2xH200 host
     ran the cpu route 10% slower than pools on each rank's share
     (benchmarks/2026-11-27-two-gpus-routes-h200.md). The host probe times one pool on the node's
-    cores (``ranks=1``): the node's AdamW rate, every rank's updates together, which the
-    step-time model's update lane is."""
+    cores (``ranks=1``), and with ``ranks`` R > 1 also R pools of a share each at once
+    (``_pools``: the step-time model's owner lanes, ``plan.update_lanes``)."""
     share = max(1, cores // ranks)
     return share if cuda else max(1, share // 2)
 
 
-def host_facts(threads: int, gpu: str | None) -> dict[str, Any]:
+def host_facts(threads: int, gpu: str | None, ranks: int = 1) -> dict[str, Any]:
     """The cache key's facts: what the rate depends on."""
     return {
         "cpu": cpu_model(),
         "logical_cores": os.cpu_count(),
         "threads": threads,
+        "ranks": ranks,
         "gpu": gpu,
         "torch": torch.__version__,
         "slidedp": __version__,
@@ -92,6 +97,12 @@ def alone_gbps(report: dict[str, Any]) -> float | None:
     return float(report["adamw_gbps"]) if report.get("joint_adamw_gbps") else None
 
 
+def pool_gbps(report: dict[str, Any]) -> float | None:
+    """The rate of one of the report's R pools while all ran (the slowest pool's), None where
+    it was of one rank (``plan.update_lanes.owner_lane_gbps`` then shares the node's)."""
+    return float(report["pool_adamw_gbps"]) if report.get("pool_adamw_gbps") else None
+
+
 def _positive(x: Any) -> bool:
     return isinstance(x, int | float) and math.isfinite(x) and x > 0
 
@@ -102,18 +113,19 @@ def _read(path: Path, facts: dict[str, Any]) -> dict[str, Any] | None:
     if report is None or any(report.get(k) != v for k, v in facts.items()):
         return None
     joint = [report.get(k) for k in JOINT]
-    whole = all(_positive(report.get(k)) for k in NUMBERS) and isinstance(report.get("isa"), str)
+    numbers = NUMBERS + (POOLS if facts["ranks"] > 1 else ())
+    whole = all(_positive(report.get(k)) for k in numbers) and isinstance(report.get("isa"), str)
     if not whole or not (all(map(_positive, joint)) or joint == [None] * len(JOINT)):
         return None
     return report | {"cached": str(path)}
 
 
 def cached_host(
-    threads: int, gpu: str | None, cache_dir: str | None = None
+    threads: int, gpu: str | None, cache_dir: str | None = None, *, ranks: int = 1
 ) -> dict[str, Any] | None:
-    """The cached probe of this machine at ``threads`` beside ``gpu`` (None: CPU), or None;
-    nothing is measured."""
-    facts = host_facts(threads, gpu)
+    """The cached probe of this machine at ``threads`` beside ``gpu`` (None: CPU) for
+    ``ranks`` ranks, or None; nothing is measured."""
+    facts = host_facts(threads, gpu, ranks)
     return _read(cache_file(cache_dir, "host", facts), facts)
 
 
@@ -121,20 +133,24 @@ def probe_host(
     threads: int,
     device: torch.device,
     *,
+    ranks: int = 1,
     state_bytes: int = STATE_MIB << 20,
     budget_s: float = BUDGET_S,
     cache_dir: str | None = None,
     force: bool = False,
 ) -> dict[str, Any]:
-    """The probe's report at ``threads`` on ``device``: cached, else (or with ``force``)
-    measured with ``state_bytes`` of FP32 state and cached."""
+    """The probe's report at ``threads`` on ``device`` (``ranks`` > 1: its R pools too):
+    cached, else (or with ``force``) measured with ``state_bytes`` of FP32 state (per pool)
+    and cached."""
     cuda = device.type == "cuda"
-    facts = host_facts(threads, torch.cuda.get_device_name(device) if cuda else None)
+    facts = host_facts(threads, torch.cuda.get_device_name(device) if cuda else None, ranks)
     path = cache_file(cache_dir, "host", facts)
     if not force and (report := _read(path, facts)) is not None:
         return report
     start = time.perf_counter()
     rates = _measure(threads, device, state_bytes, budget_s)
+    if ranks > 1:
+        rates |= _pools(threads, ranks, state_bytes, budget_s)
     measured = (
         facts
         | rates
@@ -201,6 +217,40 @@ class _Bench:
         return ADAMW_BYTES_PER_PARAM * self.group_params * GROUPS * passes / seconds / 1e9
 
 
+def _passes(bench: _Bench, budget_s: float) -> int:
+    """Passes of every group that take about ``budget_s`` over ``REPEATS``, after a warm-up
+    (fresh shared memory faults its pages in)."""
+    bench.busy_s(1)
+    first = bench.busy_s(1)
+    return max(1, min(1000, round(budget_s / REPEATS / max(first, 1e-6))))
+
+
+def _pools(threads: int, ranks: int, state_bytes: int, budget_s: float) -> dict[str, Any]:
+    """AdamW on ``ranks`` pools of ``threads // ranks`` threads at once, each its own store
+    and update worker (as each rank's worker updates its own groups), submitted together
+    from this thread (the workers run off the GIL): the best of ``REPEATS`` of the slowest
+    pool's rate (its bytes over its busy time) and of all the pools' bytes over the wall
+    time from the first submission to the last drain."""
+    share = max(1, threads // ranks)
+    benches = [_Bench(state_bytes, share, cuda=False) for _ in range(ranks)]
+    passes = max(_passes(b, budget_s) for b in benches)
+    best = {"pool_adamw_gbps": 0.0, "pools_adamw_gbps": 0.0}
+    for _ in range(REPEATS):
+        before = [b.worker.stats()[1] for b in benches]
+        start = time.perf_counter()
+        for b in benches:
+            b.submit(passes)
+        for b in benches:
+            b.worker.drain(DRAIN_TIMEOUT_S)
+        wall_s = time.perf_counter() - start
+        busy = [b.worker.stats()[1] - t for b, t in zip(benches, before, strict=True)]
+        pool = min(b.gbps(passes, s) for b, s in zip(benches, busy, strict=True))
+        if pool > best["pool_adamw_gbps"]:
+            best = {"pool_adamw_gbps": pool,
+                    "pools_adamw_gbps": sum(b.gbps(passes, wall_s) for b in benches)}  # fmt: skip
+    return best | {"pool_threads": share}
+
+
 def _measure(
     threads: int, device: torch.device, state_bytes: int, budget_s: float
 ) -> dict[str, Any]:
@@ -208,9 +258,7 @@ def _measure(
     slow a measurement down (on the H100 machines one probe read 58 GB/s under DMA where the
     engine's update lane ran at 99-112 and another probe at 120)."""
     bench = _Bench(state_bytes, threads, device.type == "cuda")
-    bench.busy_s(1)  # warm-up: fresh shared memory faults its pages in
-    first = bench.busy_s(1)
-    passes = max(1, min(1000, round(budget_s / REPEATS / max(first, 1e-6))))
+    passes = _passes(bench, budget_s)
     rates: dict[str, Any] = {
         "params": bench.group_params * GROUPS,
         "passes": passes,
@@ -343,6 +391,12 @@ def format_report(report: dict[str, Any]) -> str:
             f"copies run: H2D {report['joint_h2d_gbps']:.1f}, D2H {report['joint_d2h_gbps']:.1f}"
             f" GB/s; then the f32->bf16 cast {report['joint_cast_gbps']:.1f} GB/s under them)"
         )
+    if report["ranks"] > 1:
+        lines.append(
+            f"  AdamW, {report['ranks']} pools of {report['pool_threads']} at once "
+            f"{report['pool_adamw_gbps']:7.1f} GB/s each (the slowest), "
+            f"{report['pools_adamw_gbps']:.1f} together (alone: each rank's update lane)"
+        )
     return "\n".join(lines)
 
 
@@ -386,6 +440,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--state-mib", type=_count(1), default=STATE_MIB, help="FP32 state updated per pass"
     )
+    parser.add_argument(
+        "--ranks",
+        type=_count(1),
+        default=1,
+        help="ranks sharing the node: R > 1 also times R pools of threads/R at once",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -393,6 +453,7 @@ def main(args: argparse.Namespace) -> int:
     report = probe_host(
         threads,
         device,
+        ranks=args.ranks,
         state_bytes=args.state_mib << 20,
         cache_dir=args.cache_dir,
         force=args.force,

@@ -46,6 +46,12 @@ EXIT_STOPPED_WITH_PEERS = 4  # an agreed stop on a signal; rank 0 saved, printed
 _SHARED: list[HostStore] = []  # the stores this rank shares with its peers (poisoned on failure)
 
 
+def group_owner(group: int, local_world: int) -> int:
+    """The local rank of ``local_world`` that updates ``group`` and publishes its versions:
+    round-robin (the step-time model's update lanes take the same)."""
+    return group % local_world
+
+
 @dataclass
 class Dist:
     rank: int  # over all nodes
@@ -93,7 +99,7 @@ class Dist:
 
     def owner(self, group: int) -> int:
         """The local rank that updates ``group`` and publishes its versions on every node."""
-        return group % self.local_world
+        return group_owner(group, self.local_world)
 
     def owns(self, group: int) -> bool:
         return self.owner(group) == self.local_rank

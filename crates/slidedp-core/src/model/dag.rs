@@ -6,7 +6,10 @@
 //! Operations added after a host operation also wait for it: the host thread issues everything
 //! in program order, and a host operation that waits (for a version, a ring slot) delays all
 //! that it issues after. The operation that determined each start is kept, so the critical
-//! path and the cause of every idle gap can be read back.
+//! path and the cause of every idle gap can be read back. A kind of lane may have several
+//! units (each rank's update worker: [`Dag::add_on`]), each in order on its own.
+
+use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
@@ -26,21 +29,12 @@ pub enum Lane {
     AllToAll,
 }
 
-pub const LANES: [Lane; 8] = [
-    Lane::Host,
-    Lane::H2d,
-    Lane::Compute,
-    Lane::D2h,
-    Lane::Update,
-    Lane::Offload,
-    Lane::Reduce,
-    Lane::AllToAll,
-];
-
 #[derive(Clone, Debug)]
 pub struct Op {
     pub name: String,
     pub lane: Lane,
+    /// Which of the lane's units runs it (0 where the lane has one).
+    pub unit: usize,
     pub duration_s: f64,
     pub start_s: f64,
     pub finish_s: f64,
@@ -51,12 +45,8 @@ pub struct Op {
 #[derive(Default)]
 pub struct Dag {
     pub ops: Vec<Op>,
-    last_on_lane: [Option<usize>; LANES.len()],
+    last_on_lane: HashMap<(Lane, usize), usize>,
     last_host: Option<usize>,
-}
-
-fn lane_index(lane: Lane) -> usize {
-    LANES.iter().position(|l| *l == lane).unwrap_or(0)
 }
 
 impl Dag {
@@ -69,8 +59,19 @@ impl Dag {
         duration_s: f64,
         deps: &[usize],
     ) -> usize {
+        self.add_on(name, (lane, 0), duration_s, deps)
+    }
+
+    /// [`Dag::add`] on unit `unit` of `lane`: after that unit's previous operation only.
+    pub fn add_on(
+        &mut self,
+        name: impl Into<String>,
+        (lane, unit): (Lane, usize),
+        duration_s: f64,
+        deps: &[usize],
+    ) -> usize {
         let mut preds: Vec<usize> = deps.to_vec();
-        preds.extend(self.last_on_lane[lane_index(lane)]);
+        preds.extend(self.last_on_lane.get(&(lane, unit)).copied());
         if lane != Lane::Host {
             preds.extend(self.last_host);
         }
@@ -83,12 +84,13 @@ impl Dag {
         self.ops.push(Op {
             name: name.into(),
             lane,
+            unit,
             duration_s,
             start_s,
             finish_s: start_s + duration_s,
             bound_by,
         });
-        self.last_on_lane[lane_index(lane)] = Some(index);
+        self.last_on_lane.insert((lane, unit), index);
         if lane == Lane::Host {
             self.last_host = Some(index);
         }

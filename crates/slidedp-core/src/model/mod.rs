@@ -9,6 +9,7 @@
 //! dependencies: window slots, the gradient ring, version gates, the clipping schedule.
 
 pub mod dag;
+pub mod spec;
 pub mod step;
 
 use std::collections::BTreeMap;
@@ -16,7 +17,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 pub use dag::{Dag, Lane};
-pub use step::StepSpec;
+pub use spec::StepSpec;
 
 /// Steps scheduled before the one read: the first fills the pipeline, the next reach the
 /// steady state (updates of the previous step gating the loads of this one).
@@ -25,7 +26,8 @@ pub const WARM_STEPS: usize = 3;
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Prediction {
     pub step_s: f64,
-    /// Work per lane in one step, seconds.
+    /// Work per lane in one step, seconds (a lane of several units, the update workers of
+    /// several owners: its busiest unit's).
     pub busy_s: BTreeMap<Lane, f64>,
     /// The compute lane's idle time in one step by the lane it waited for.
     pub exposed_s: BTreeMap<Lane, f64>,
@@ -46,9 +48,14 @@ pub fn predict(spec: &StepSpec) -> crate::Result<Prediction> {
         dag.finish(steps.ends[last - 1]),
         dag.finish(steps.ends[last]),
     );
-    let mut busy_s = BTreeMap::new();
+    let mut busy_by_unit = BTreeMap::new();
     for op in &dag.ops[first..end] {
-        *busy_s.entry(op.lane).or_insert(0.0) += op.duration_s;
+        *busy_by_unit.entry((op.lane, op.unit)).or_insert(0.0) += op.duration_s;
+    }
+    let mut busy_s = BTreeMap::new();
+    for ((lane, _), seconds) in busy_by_unit {
+        let busiest: &mut f64 = busy_s.entry(lane).or_insert(0.0);
+        *busiest = busiest.max(seconds);
     }
     let mut exposed_s = BTreeMap::new();
     let mut previous: Option<f64> = None;

@@ -13,188 +13,17 @@
 //! step. A step ends when the host has the norm (the backward's end, and without clipping the
 //! last gradient copy). With context parallelism each layer's forward and backward are
 //! followed by their all-to-alls, which the next compute waits for.
+//!
+//! Several ranks of a node (`owners`): each group's AdamW (and the cpu route's sum) runs on its
+//! owner's update worker, one update lane per owner, in parallel; every rank's next forward
+//! waits for every group's version, so the step, synchronous across the ranks, is the one the
+//! slowest owner's lane allows. On the gpu route each owner's gradient ring holds its own groups
+//! (the owner alone sends them); on the cpu route every rank sends every group into its ring.
 
-use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 use super::dag::{Dag, Lane};
-use crate::{Error, Result};
-
-/// Service times of one step's operations, seconds (per group: embedding, layers, head).
-/// Unknown fields are refused: a field misnamed on either side of the JSON seam
-/// (`slidedp.plan.step_spec`) is an error, not a default.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct StepSpec {
-    /// Forward compute per decoder layer.
-    pub forward_s: Vec<f64>,
-    /// Backward compute per decoder layer (the replay included).
-    pub backward_s: Vec<f64>,
-    /// Embedding forward, head (loss forward and backward), embedding backward.
-    pub embed_forward_s: f64,
-    pub head_s: f64,
-    pub embed_backward_s: f64,
-    /// Per group (`L + 2`): a load into the window, a gradient's copy to the host, its AdamW.
-    pub load_s: Vec<f64>,
-    pub grad_copy_s: Vec<f64>,
-    pub update_s: Vec<f64>,
-    /// Per group: the host's cast of the group to BF16 before a load (empty: loads from the
-    /// BF16 mirror, no cast). The host thread does it, so it also delays what it issues next.
-    #[serde(default)]
-    pub cast_s: Vec<f64>,
-    /// Per decoder layer: the activation offload copy, and its copy back.
-    #[serde(default)]
-    pub offload_s: Vec<f64>,
-    #[serde(default)]
-    pub reload_s: Vec<f64>,
-    /// Per group: the gradient's reduction across ranks and nodes before it goes to the host
-    /// (empty: one rank). The engine issues it as a synchronous collective: the compute stream
-    /// waits for it before the next layer's backward (`reduce_blocks`), or, when false, it
-    /// runs beside the backward on its own stream.
-    #[serde(default)]
-    pub reduce_s: Vec<f64>,
-    #[serde(default = "blocks")]
-    pub reduce_blocks: bool,
-    /// Per group: the cpu gradient route's sum of the ranks' copies on the host (empty: none).
-    /// The owner's update worker sums once the group's copies have landed, then runs its
-    /// AdamW: the sum is on the update lane, ahead of the update, and the training thread only
-    /// issues. With clipping the route sends each gradient twice: once during the backward
-    /// for the norm (copy and sum, no update), then again with the coefficient; the step ends
-    /// once the last norm sum is done (the norm needs every sum's `Σ g²`).
-    #[serde(default)]
-    pub host_sum_s: Vec<f64>,
-    /// Per group: GPU-resident (empty: none). A resident group is never loaded, cast, copied
-    /// to the host nor updated there (its AdamW runs on the device, in its compute times), and
-    /// its next forward waits for no host version; one rank only.
-    #[serde(default)]
-    pub resident: Vec<bool>,
-    /// Per decoder layer (empty: no context parallelism): the all-to-alls of its forward, and
-    /// of its backward with the replay's again. They run inside the layer's compute, which
-    /// waits for each: the model puts them after it on their own lane, before the next compute.
-    #[serde(default)]
-    pub all_to_all_forward_s: Vec<f64>,
-    #[serde(default)]
-    pub all_to_all_backward_s: Vec<f64>,
-    pub slots: usize,
-    pub grad_slots: usize,
-    pub clipping: bool,
-}
-
-fn blocks() -> bool {
-    true
-}
-
-impl StepSpec {
-    pub fn layers(&self) -> usize {
-        self.forward_s.len()
-    }
-
-    /// Every per-group list has `L + 2` entries and every per-layer list `L` (offload lists
-    /// may be empty: no offload); times are finite and not negative; a gradient ring slot.
-    pub fn check(&self) -> Result<()> {
-        let layers = self.layers();
-        let per_layer = |list: &Vec<f64>| if list.is_empty() { 0 } else { layers };
-        let lists: [(&str, &Vec<f64>, usize); 12] = [
-            (
-                "host_sum_s",
-                &self.host_sum_s,
-                if self.host_sum_s.is_empty() {
-                    0
-                } else {
-                    layers + 2
-                },
-            ),
-            (
-                "reduce_s",
-                &self.reduce_s,
-                if self.reduce_s.is_empty() {
-                    0
-                } else {
-                    layers + 2
-                },
-            ),
-            (
-                "cast_s",
-                &self.cast_s,
-                if self.cast_s.is_empty() {
-                    0
-                } else {
-                    layers + 2
-                },
-            ),
-            ("backward_s", &self.backward_s, layers),
-            ("load_s", &self.load_s, layers + 2),
-            ("grad_copy_s", &self.grad_copy_s, layers + 2),
-            ("update_s", &self.update_s, layers + 2),
-            (
-                "offload_s",
-                &self.offload_s,
-                if self.offload_s.is_empty() { 0 } else { layers },
-            ),
-            (
-                "reload_s",
-                &self.reload_s,
-                if self.reload_s.is_empty() { 0 } else { layers },
-            ),
-            ("forward_s", &self.forward_s, layers),
-            (
-                "all_to_all_forward_s",
-                &self.all_to_all_forward_s,
-                per_layer(&self.all_to_all_forward_s),
-            ),
-            (
-                "all_to_all_backward_s",
-                &self.all_to_all_backward_s,
-                per_layer(&self.all_to_all_backward_s),
-            ),
-        ];
-        for (name, list, want) in lists {
-            if list.len() != want {
-                return Err(Error::InvalidArgument(format!(
-                    "step spec: {name} has {} entries, expected {want}",
-                    list.len()
-                )));
-            }
-        }
-        let scalars = [self.embed_forward_s, self.head_s, self.embed_backward_s];
-        let all = lists
-            .iter()
-            .flat_map(|(_, l, _)| l.iter())
-            .chain(scalars.iter());
-        if !self.resident.is_empty() && self.resident.len() != layers + 2 {
-            return Err(Error::InvalidArgument(format!(
-                "step spec: resident has {} entries, expected {}",
-                self.resident.len(),
-                layers + 2
-            )));
-        }
-        if layers == 0 || self.grad_slots == 0 || all.clone().any(|x| !x.is_finite() || *x < 0.0) {
-            return Err(Error::InvalidArgument(
-                "step spec: needs a layer, a gradient slot, and finite times >= 0".into(),
-            ));
-        }
-        Ok(())
-    }
-
-    fn resident(&self, group: usize) -> bool {
-        self.resident.get(group).copied().unwrap_or(false)
-    }
-
-    fn host_sum(&self, group: usize) -> f64 {
-        self.host_sum_s.get(group).copied().unwrap_or(0.0)
-    }
-
-    fn cast(&self, group: usize) -> f64 {
-        self.cast_s.get(group).copied().unwrap_or(0.0)
-    }
-
-    fn offload(&self, layer: usize) -> f64 {
-        self.offload_s.get(layer - 1).copied().unwrap_or(0.0)
-    }
-
-    fn reload(&self, layer: usize) -> f64 {
-        self.reload_s.get(layer - 1).copied().unwrap_or(0.0)
-    }
-}
+use super::spec::StepSpec;
 
 /// The graph of `steps` steps in a row, with the index of each step's end.
 pub struct Steps {
@@ -209,8 +38,12 @@ struct Builder<'a> {
     dag: Dag,
     /// The latest update of each group (its version gate).
     updates: Vec<Option<usize>>,
-    /// Updates in send order: the gradient ring.
-    ring: Vec<usize>,
+    /// Updates in send order, per ring (`StepSpec::ring_of`): the gradient rings.
+    rings: BTreeMap<usize, Vec<usize>>,
+    /// The latest gradient landed on the host (copied; cpu route: summed).
+    landed: Option<usize>,
+    /// Clipping on the cpu route: this step's latest norm sum on each update lane.
+    norm_sums: BTreeMap<usize, usize>,
     /// Clipping: groups whose gradient waits for its send, and the step end they wait for.
     parked: Vec<usize>,
     backward_end: Option<usize>,
@@ -234,26 +67,31 @@ impl Builder<'_> {
     /// update that used the slot; then the copy, then AdamW.
     fn send(&mut self, group: usize, after: &[usize]) {
         let mut deps = after.to_vec();
-        if self.ring.len() >= self.spec.grad_slots {
-            let oldest = self.ring[self.ring.len() - self.spec.grad_slots];
+        let ring = self.rings.entry(self.spec.ring_of(group)).or_default();
+        if ring.len() >= self.spec.grad_slots {
+            let oldest = ring[ring.len() - self.spec.grad_slots];
             deps.push(
                 self.dag
                     .add(format!("ring wait g{group}"), Lane::Host, 0.0, &[oldest]),
             );
         }
         let landed = self.copy_and_sum(group, "", &deps);
-        let update = self.dag.add(
+        let update = self.dag.add_on(
             format!("update g{group}"),
-            Lane::Update,
+            self.spec.update_lane(group),
             self.spec.update_s[group],
             &[landed],
         );
-        self.ring.push(update);
+        self.rings
+            .entry(self.spec.ring_of(group))
+            .or_default()
+            .push(update);
         self.updates[group] = Some(update);
+        self.landed = Some(landed);
     }
 
     /// The gradient's copy to the host, then (cpu route) the owner's worker sums the ranks'
-    /// copies on the update lane; the operation after which the sum is in the owner's slot.
+    /// copies on its update lane; the operation after which the sum is in the owner's slot.
     fn copy_and_sum(&mut self, group: usize, what: &str, deps: &[usize]) -> usize {
         let copy = self.dag.add(
             format!("grad copy{what} g{group}"),
@@ -264,9 +102,9 @@ impl Builder<'_> {
         if self.spec.host_sum(group) == 0.0 {
             return copy;
         }
-        self.dag.add(
+        self.dag.add_on(
             format!("host sum{what} g{group}"),
-            Lane::Update,
+            self.spec.update_lane(group),
             self.spec.host_sum(group),
             &[copy],
         )
@@ -328,7 +166,9 @@ impl Builder<'_> {
             if !self.spec.host_sum_s.is_empty() {
                 // the cpu route's norm pass: its slot is free again once summed
                 let summed = self.copy_and_sum(group, " (norm)", &[ready]);
-                self.ring.push(summed);
+                self.rings.entry(0).or_default().push(summed);
+                self.norm_sums
+                    .insert(self.spec.update_lane(group).1, summed);
             }
             self.parked.push(group);
         } else {
@@ -434,12 +274,12 @@ impl Builder<'_> {
         self.blocking = None;
         // the step returns once the host has the norm: the backward done, every gradient
         // reduced (the embedding's is the last) and, without clipping, the last one copied
-        // (cpu route: summed); with clipping on the cpu route, the last norm sum done
+        // (cpu route: summed); with clipping on the cpu route, every lane's last norm sum done
         let mut deps = vec![embed, reduced];
         if !spec.clipping {
-            deps.extend(self.ring.last().map(|&update| update - 1)); // its copy or sum
-        } else if !spec.host_sum_s.is_empty() {
-            deps.extend(self.ring.last().copied()); // the norm pass's sums, in lane order
+            deps.extend(self.landed);
+        } else {
+            deps.extend(std::mem::take(&mut self.norm_sums).into_values());
         }
         let end = self.dag.add(format!("t{t} end"), Lane::Host, 0.0, &deps);
         self.backward_end = Some(end);
@@ -459,7 +299,9 @@ pub fn build(spec: &StepSpec, steps: usize) -> Steps {
         spec,
         dag: Dag::default(),
         updates: vec![None; spec.layers() + 2],
-        ring: Vec::new(),
+        rings: BTreeMap::new(),
+        landed: None,
+        norm_sums: BTreeMap::new(),
         parked: Vec::new(),
         backward_end: None,
         blocking: None,

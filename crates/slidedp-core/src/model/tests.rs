@@ -46,6 +46,7 @@ fn spec(layers: usize, clipping: bool, update_s: f64) -> StepSpec {
         resident: vec![],
         all_to_all_forward_s: vec![],
         all_to_all_backward_s: vec![],
+        owners: vec![],
         slots: 2,
         grad_slots: 4,
         clipping,
@@ -253,4 +254,97 @@ fn resident_groups_skip_the_host_and_free_an_update_bound_step() {
     let mut short = spec(4, false, 4.0);
     short.resident = vec![true; 3];
     assert!(predict(&short).is_err());
+}
+
+/// The ranks alternating as owners of `groups` groups (`runtime.dist`'s `group % ranks`).
+fn alternating(groups: usize) -> Vec<usize> {
+    (0..groups).map(|g| g % 2).collect()
+}
+
+#[test]
+fn owners_update_on_lanes_of_their_own() {
+    for clipping in [false, true] {
+        // every group owned by one rank is the one-lane model, bit for bit
+        let one = predict_ok(&spec(4, clipping, 4.0));
+        let same = predict_ok(&StepSpec {
+            owners: vec![0; 6],
+            ..spec(4, clipping, 4.0)
+        });
+        assert_eq!(format!("{one:?}"), format!("{same:?}"));
+        // two owners: 12 s of AdamW each, side by side, where one lane ran 24 s (the step
+        // 30.5 s -> 20.5 s without clipping)
+        let two = predict_ok(&StepSpec {
+            owners: alternating(6),
+            ..spec(4, clipping, 4.0)
+        });
+        assert!((two.busy_s[&Lane::Update] - 12.0).abs() < 1e-9, "{two:?}");
+        assert!(two.step_s < one.step_s - 8.0, "{two:?} {one:?}");
+        assert!(two.step_s >= 12.0, "{two:?}");
+    }
+}
+
+#[test]
+fn the_forward_waits_for_the_embedding_owners_lane() {
+    // the embedding's update (6 s) and two layers' (1 s each) on owner 0, three 1 s updates
+    // on owner 1: the next step's first forward waits for owner 0's lane, 8 s a step
+    let mut heavy = StepSpec {
+        owners: alternating(6),
+        ..spec(4, false, 1.0)
+    };
+    heavy.update_s[0] = 6.0;
+    let p = predict_ok(&heavy);
+    assert!((p.busy_s[&Lane::Update] - 8.0).abs() < 1e-9, "{p:?}");
+    assert!(p.step_s >= 8.0 - 1e-9, "{p:?}");
+    let steps = super::step::build(&heavy, 3);
+    let (update, forward) = (op_in(&steps, "update g0"), op_in(&steps, "t1 embed fwd"));
+    assert_eq!(steps.dag.ops[update].unit, 0);
+    assert!(steps.dag.ops[forward].start_s >= steps.dag.finish(update));
+    // a layer's update of owner 1 runs beside it, on its own lane
+    let other = op_in(&steps, "update g1");
+    assert_eq!(steps.dag.ops[other].unit, 1);
+    assert!(steps.dag.ops[other].start_s < steps.dag.finish(update));
+}
+
+#[test]
+fn a_gpu_route_owner_sends_into_its_own_ring() {
+    // one slot per ring, layer 3's update 10 s (owner 0): layer 2's send (owner 1) waits for
+    // the head's update (owner 1's last), not for layer 3's on the other owner's lane; with
+    // one ring it would
+    let mut slow = StepSpec {
+        owners: alternating(6),
+        grad_slots: 1,
+        ..spec(4, false, 1.0)
+    };
+    slow.update_s[3] = 10.0;
+    let ring_wait = |spec: &StepSpec| {
+        let steps = super::step::build(spec, 1);
+        let wait = op_in(&steps, "ring wait g2");
+        (
+            steps.dag.finish(wait),
+            steps.dag.finish(op_in(&steps, "update g3")),
+        )
+    };
+    let (waited, slow_update) = ring_wait(&slow);
+    assert!(waited < slow_update, "{waited} {slow_update}");
+    slow.owners = vec![];
+    let (waited, slow_update) = ring_wait(&slow);
+    assert!(waited >= slow_update, "{waited} {slow_update}");
+}
+
+#[test]
+fn a_clipped_cpu_route_step_ends_after_every_owners_norm_sums() {
+    // layer 1's norm sum (owner 1) takes 30 s; the embedding's, the backward's last, is on
+    // owner 0's lane and done long before: the norm waits for owner 1's lane all the same
+    let mut spec = StepSpec {
+        owners: alternating(6),
+        host_sum_s: vec![0.3; 6],
+        ..spec(4, true, 0.1)
+    };
+    spec.host_sum_s[1] = 30.0;
+    let steps = super::step::build(&spec, 1);
+    let (end, slow) = (op_in(&steps, "t0 end"), op_in(&steps, "host sum (norm) g1"));
+    assert!(steps.dag.finish(op_in(&steps, "host sum (norm) g0")) < steps.dag.finish(slow));
+    assert!(steps.dag.ops[end].start_s >= steps.dag.finish(slow));
+    spec.owners = vec![1; 5];
+    assert!(predict(&spec).is_err());
 }
