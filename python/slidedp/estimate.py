@@ -38,6 +38,7 @@ from slidedp.plan.policy import Plan, Policy, landing_dtype, store_args
 from slidedp.runtime.context_parallel import ContextGroup, attention_scheme
 from slidedp.runtime.routes import signal_args
 from slidedp.store import HostStore
+from slidedp.store_layout import StoreLayout
 
 CUDA_PROCESS_BYTES = int(1.6 * GIB)
 # one of inductor's compile worker processes, resident: measured on the H100 host (torch 2.11, 16
@@ -149,22 +150,11 @@ def estimate_memory(
     working = window + loss + layer + max(checkpoints, parked) + resident
     arena = acts.offloaded_bytes * rt.launch.world  # each rank of this node pins its own
     store = int(layout.regions.total_bytes)
-    slot_len = int(layout.slot_len)
     mirror = int(layout.mirror_len) * 2  # page-locked like the slots
-    # every rank's gradient slots it copies into (the cpu route: its landing slots), in the
-    # compute dtype, and the staging slots
-    slots_bytes = (
-        slot_len * (2 * int(layout.staging_slots) + elem * int(layout.grad_slots)) + mirror
-    )
     peak = working + ALLOCATOR_BYTES
     gpu = GpuEstimate(window, loss, layer, checkpoints, parked, resident, ALLOCATOR_BYTES, peak,
                       peak + CUDA_CONTEXT_BYTES) if cuda else None  # fmt: skip
-    # every rank is a process of its own, with its own torch (and CUDA) runtime beside the one
-    # shared store (benchmarks/2026-11-22-two-gpus-h200.md, "Host memory, 1 rank vs 2 ranks":
-    # a second CPU rank added 1.6 GiB outside the store)
-    process = (CUDA_PROCESS_BYTES if cuda else CPU_PROCESS_BYTES) * rt.launch.world
-    workers = compile_worker_bytes(policy.compute.compile, machine) * rt.launch.world
-    cpu_working = 0 if cuda else working * rt.launch.world  # CPU ranks: each its own, in host RAM
+    process, workers, cpu_working = _process_bytes(policy, machine, rt.launch.world, working)
     return MemoryEstimate(
         model=f"{adapter.config.model_type} ({cfg.model.path})",
         params=params,
@@ -188,7 +178,7 @@ def estimate_memory(
         compile_workers_bytes=workers,
         cpu_working_bytes=cpu_working,
         ram_bytes=store + signals + arena + process + workers + cpu_working,
-        pinned_bytes=slots_bytes + arena if cuda else 0,
+        pinned_bytes=_pinned_slot_bytes(layout, elem) + arena if cuda else 0,
         gpu=gpu,
         machine=machine,
         world=rt.launch.world,
@@ -196,6 +186,27 @@ def estimate_memory(
         trained_params=trained,
         frozen_saved_bytes=_unfrozen_store_bytes(adapter, args) - store,
     )
+
+
+def _pinned_slot_bytes(layout: StoreLayout, elem: int) -> int:
+    """What the ranks' copies page-lock in the store: every rank's gradient slots it copies
+    into (the cpu route: its landing slots), in the compute dtype, the staging slots and the
+    BF16 mirror."""
+    slots = 2 * int(layout.staging_slots) + elem * int(layout.grad_slots)
+    return int(layout.slot_len) * slots + int(layout.mirror_len) * 2
+
+
+def _process_bytes(
+    policy: Policy, machine: Machine, world: int, working: int
+) -> tuple[int, int, int]:
+    """Host memory beside the store: every rank is a process of its own, with its own torch
+    (and CUDA) runtime (benchmarks/2026-11-22-two-gpus-h200.md, "Host memory, 1 rank vs 2
+    ranks": a second CPU rank added 1.6 GiB outside the store), its compile workers, and on
+    CPU its working set (each rank's own, in host RAM)."""
+    cuda = machine.device == "cuda"
+    process = (CUDA_PROCESS_BYTES if cuda else CPU_PROCESS_BYTES) * world
+    workers = compile_worker_bytes(policy.compute.compile, machine) * world
+    return process, workers, 0 if cuda else working * world
 
 
 def _signal_bytes(policy: Policy, bf16: bool, launch: LaunchSpec, slot_len: int) -> int:
