@@ -45,9 +45,9 @@ class LaunchSpec:
     # key/value heads must divide by context_parallel); allgather = each rank keeps its queries and
     # gathers the key/value shards before it (any heads); auto: ulysses where the heads divide
     context_attention: Literal["auto", "ulysses", "allgather"] = "auto"
-    # compile the decoder layer's GPU kernels (Liger's, torch.compile's) in a child process
-    # while the host builds the store, so that the first step finds them compiled
-    # (runtime.kernel_warmup); false: the first step compiles them
+    # compile the decoder layer's GPU kernels (Liger's, torch.compile's) on a thread of each
+    # rank, on its GPU, while the host builds the store, so that the first step finds them
+    # compiled (runtime.kernel_warmup); false: the first step compiles them
     kernel_warmup: bool = True
 
     @property

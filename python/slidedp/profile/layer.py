@@ -275,12 +275,13 @@ class _Profiled:
         return cache_file(self.cache_dir, "layer", self.facts | {"layer": kind})
 
 
-def _profiled(args: ProfileSpec) -> _Profiled:
+def _profiled(args: ProfileSpec, adapter: HFAdapter | None = None) -> _Profiled:
     """The key names the families and ratios asked for, not the candidates they resolve to:
     those follow from the shape, batch, sequence, dtype and slidedp version, also in the key,
-    so a cache lookup runs no layer (``estimate`` looks one up at every start on a GPU)."""
+    so a cache lookup runs no layer (``estimate`` looks one up at every start on a GPU).
+    ``adapter``: the shape's, built already (None: built here)."""
     config = resolve_shape(args.shape)
-    adapter = HFAdapter(config)
+    adapter = HFAdapter(config) if adapter is None else adapter
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     # the layer compute the run uses (plan, runtime.policy: auto); the command line's: eager
@@ -367,12 +368,14 @@ def _measure_kind(
     return measured
 
 
-def warm_kernels(args: ProfileSpec) -> None:
+def warm_kernels(args: ProfileSpec, adapter: HFAdapter) -> None:
     """One forward and backward of each layer kind's first layer under ``F`` (its forward
     without and its replay with autograd: both grad modes), with the run's layer compute at
     its batch and sequence: every kernel the engine's layers launch is compiled (into Triton's
-    and Inductor's caches on disk). Nothing is timed or cached here."""
-    prof = _profiled(args)
+    and Inductor's caches on disk). Nothing is timed or cached here. ``adapter``: a fresh one
+    of ``args``' shape (``HFAdapter(resolve_shape(args.shape))``), patched here; built by the
+    caller, as transformers sets torch's process-wide default dtype while it builds a model."""
+    prof = _profiled(args, adapter)
     apply_compute(prof.adapter, prof.compute)
     _, policy = parse_entry("F", 0.0)
     once = dataclasses.replace(args, warmup=0, steps=1)

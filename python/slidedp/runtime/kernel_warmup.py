@@ -29,6 +29,7 @@ import torch
 from slidedp.config import TrainConfig
 from slidedp.models.fast import resolve_compute
 from slidedp.models.hf import HFAdapter
+from slidedp.models.shapes import resolve_shape
 from slidedp.profile.layer import ProfileSpec, profile_spec, warm_kernels
 
 
@@ -61,32 +62,43 @@ class KernelWarmup:
             current = torch.cuda.current_device() if torch.cuda.is_initialized() else 0  # type: ignore[no-untyped-call]
             spec = dataclasses.replace(spec, device=f"cuda:{current}")
         self._spec = spec
-        if spec is not None:
-            self._thread = threading.Thread(target=self._run, name="slidedp-kernel-warmup",
-                                            daemon=True)  # fmt: skip
-            self._thread.start()
+        if spec is None:
+            return
+        try:
+            # its model built here, before the thread: transformers sets torch's process-wide
+            # default dtype (the config's) while it builds one, which the store's init beside
+            # the thread would read (Qwen3.5-MoE draws its A_log in it)
+            adapter = HFAdapter(resolve_shape(spec.shape))
+        except Exception as e:  # said by finish, as a failure on the thread is
+            self._error = _one_line(e)
+            return
+        self._thread = threading.Thread(target=self._run, args=(spec, adapter),
+                                        name="slidedp-kernel-warmup", daemon=True)  # fmt: skip
+        self._thread.start()
 
-    def _run(self) -> None:
-        assert self._spec is not None
+    def _run(self, spec: ProfileSpec, adapter: HFAdapter) -> None:
         started = time.perf_counter()
         try:
-            device = torch.device(self._spec.device)
+            device = torch.device(spec.device)
             if device.type == "cuda":
                 torch.cuda.set_device(device)  # this thread's current device: the run's
-            warm_kernels(self._spec)
+            warm_kernels(spec, adapter)
         except Exception as e:  # said by finish: the first step compiles instead
-            self._error = " ".join(f"{type(e).__name__}: {e}".split())
+            self._error = _one_line(e)
         self.ran_s = time.perf_counter() - started
 
     def finish(self) -> str | None:
         """Waits for the warm-up and frees its cached GPU memory: None when it ran or none was
         started, else the line saying why the first step compiles the kernels."""
-        if self._thread is None or self._spec is None:
-            return None
-        self._thread.join()
-        self._thread = None
-        if self._spec.device.startswith("cuda"):
-            torch.cuda.empty_cache()  # the layer's activations: the engine sizes its window next
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            if self._spec is not None and self._spec.device.startswith("cuda"):
+                torch.cuda.empty_cache()  # its activations: the engine sizes its window next
         if not self._error:
             return None
         return f"the kernel warm-up failed ({self._error}): the first step compiles its kernels"
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(f"{type(error).__name__}: {error}".split())

@@ -46,8 +46,9 @@ pub struct StepSpec {
     /// The owner's update worker sums once the group's copies have landed, then runs its
     /// AdamW: the sum is on the update lane, ahead of the update, and the training thread only
     /// issues. With clipping the route sends each gradient twice: once during the backward
-    /// for the norm (copy and sum, no update), then again with the coefficient; the step ends
-    /// once the last norm sum is done (the norm needs every sum's `Σ g²`).
+    /// for the norm (copy and sum, no update), then again with the coefficient. Clipped or
+    /// not, the step ends once every update lane's last sum for the norm is done (the norm
+    /// needs every sum's `Σ g²`).
     #[serde(default)]
     pub host_sum_s: Vec<f64>,
     /// Per group: GPU-resident (empty: none). A resident group is never loaded, cast, copied

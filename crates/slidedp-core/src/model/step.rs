@@ -42,7 +42,8 @@ struct Builder<'a> {
     rings: BTreeMap<usize, Vec<usize>>,
     /// The latest gradient landed on the host (copied; cpu route: summed).
     landed: Option<usize>,
-    /// Clipping on the cpu route: this step's latest norm sum on each update lane.
+    /// The cpu route: this step's latest sum for the norm on each update lane (with clipping
+    /// the norm pass's); the norm needs every owner's `Σ g²`.
     norm_sums: BTreeMap<usize, usize>,
     /// Clipping: groups whose gradient waits for its send, and the step end they wait for.
     parked: Vec<usize>,
@@ -88,6 +89,10 @@ impl Builder<'_> {
             .push(update);
         self.updates[group] = Some(update);
         self.landed = Some(landed);
+        if !self.spec.clipping && self.spec.host_sum(group) > 0.0 {
+            self.norm_sums
+                .insert(self.spec.update_lane(group).1, landed);
+        }
     }
 
     /// The gradient's copy to the host, then (cpu route) the owner's worker sums the ranks'
@@ -273,14 +278,13 @@ impl Builder<'_> {
         let reduced = self.hand_over(0, embed);
         self.blocking = None;
         // the step returns once the host has the norm: the backward done, every gradient
-        // reduced (the embedding's is the last) and, without clipping, the last one copied
-        // (cpu route: summed); with clipping on the cpu route, every lane's last norm sum done
+        // reduced (the embedding's is the last) and, without clipping, the last one copied;
+        // on the cpu route every lane's last sum for the norm done
         let mut deps = vec![embed, reduced];
         if !spec.clipping {
             deps.extend(self.landed);
-        } else {
-            deps.extend(std::mem::take(&mut self.norm_sums).into_values());
         }
+        deps.extend(std::mem::take(&mut self.norm_sums).into_values());
         let end = self.dag.add(format!("t{t} end"), Lane::Host, 0.0, &deps);
         self.backward_end = Some(end);
         if spec.clipping {

@@ -332,19 +332,29 @@ fn a_gpu_route_owner_sends_into_its_own_ring() {
 }
 
 #[test]
-fn a_clipped_cpu_route_step_ends_after_every_owners_norm_sums() {
-    // layer 1's norm sum (owner 1) takes 30 s; the embedding's, the backward's last, is on
-    // owner 0's lane and done long before: the norm waits for owner 1's lane all the same
-    let mut spec = StepSpec {
-        owners: alternating(6),
-        host_sum_s: vec![0.3; 6],
-        ..spec(4, true, 0.1)
-    };
-    spec.host_sum_s[1] = 30.0;
-    let steps = super::step::build(&spec, 1);
-    let (end, slow) = (op_in(&steps, "t0 end"), op_in(&steps, "host sum (norm) g1"));
-    assert!(steps.dag.finish(op_in(&steps, "host sum (norm) g0")) < steps.dag.finish(slow));
-    assert!(steps.dag.ops[end].start_s >= steps.dag.finish(slow));
-    spec.owners = vec![1; 5];
-    assert!(predict(&spec).is_err());
+fn a_cpu_route_step_ends_after_every_owners_norm_sums() {
+    // layer 1's sum (owner 1) takes 30 s; the embedding's, the backward's last, is on owner
+    // 0's lane and done long before: the norm (the engine's take_sum_squares, clipped or not)
+    // waits for owner 1's lane all the same
+    for (clipping, sum) in [(true, "host sum (norm)"), (false, "host sum")] {
+        let mut spec = StepSpec {
+            owners: alternating(6),
+            host_sum_s: vec![0.3; 6],
+            ..spec(4, clipping, 0.1)
+        };
+        spec.host_sum_s[1] = 30.0;
+        let steps = super::step::build(&spec, 1);
+        let (end, slow) = (op_in(&steps, "t0 end"), op_in(&steps, &format!("{sum} g1")));
+        let last = op_in(&steps, &format!("{sum} g0"));
+        assert!(
+            steps.dag.finish(last) < steps.dag.finish(slow),
+            "{clipping}"
+        );
+        assert!(
+            steps.dag.ops[end].start_s >= steps.dag.finish(slow),
+            "{clipping}"
+        );
+        spec.owners = vec![1; 5];
+        assert!(predict(&spec).is_err());
+    }
 }
