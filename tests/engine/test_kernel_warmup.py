@@ -99,6 +99,15 @@ def test_the_warmup_runs_its_layer_or_says_why_not_in_one_line(tmp_path: Path) -
     assert note.endswith("): the first step compiles its kernels")
 
 
+def test_a_build_that_fails_waits_for_the_warmup_before_its_error_goes_on(tmp_path: Path) -> None:
+    cfg, _ = _run(tmp_path)
+    spec = ProfileSpec(shape=str(Path(cfg.model.path) / "config.json"), batch=2, seq_len=16,
+                       device="cpu", dtype="float32")  # fmt: skip
+    with pytest.raises(RuntimeError, match="the store failed"), KernelWarmup(spec) as warmup:
+        raise RuntimeError("the store failed")
+    assert warmup.ran_s is not None  # its thread ended before the error left the block
+
+
 def _seeded_store(adapter: HFAdapter) -> dict[str, torch.Tensor]:
     """The master weights of ``adapter``'s store as a run without weights builds it."""
     store, _ = build_store(adapter, {"staging_slots": 2}, lambda s: fill_master(adapter, s, 0),

@@ -293,7 +293,7 @@ def init_weights(adapter: HFAdapter, store: HostStore, seed: int) -> None:
     """Seeded init from the config, one module at a time (embed, layers in order, norm, head),
     in place in the store's master; the normal draws on every core (``ParallelNormal``),
     seeded by the module's name."""
-    torch.manual_seed(seed)  # any draw but normal_ (none in the supported models' inits)
+    torch.manual_seed(seed)  # any draw but normal_ (Qwen3.5-MoE's A_log: uniform_), seeded
     with ParallelNormal(seed, default_threads()) as draws:
         _init_modules(adapter, store, draws)
 

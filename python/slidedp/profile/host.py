@@ -150,7 +150,7 @@ def probe_host(
     start = time.perf_counter()
     rates = _measure(threads, device, state_bytes, budget_s)
     if ranks > 1:
-        rates |= _pools(threads, ranks, state_bytes, budget_s)
+        rates |= _pools(threads, ranks, state_bytes, budget_s, cuda)
     measured = (
         facts
         | rates
@@ -225,14 +225,17 @@ def _passes(bench: _Bench, budget_s: float) -> int:
     return max(1, min(1000, round(budget_s / REPEATS / max(first, 1e-6))))
 
 
-def _pools(threads: int, ranks: int, state_bytes: int, budget_s: float) -> dict[str, Any]:
+def _pools(
+    threads: int, ranks: int, state_bytes: int, budget_s: float, cuda: bool
+) -> dict[str, Any]:
     """AdamW on ``ranks`` pools of ``threads // ranks`` threads at once, each its own store
-    and update worker (as each rank's worker updates its own groups), submitted together
+    and update worker (as each rank's worker updates its own groups; beside a GPU with its
+    BF16 gradient and mirror, as the engine's), submitted together
     from this thread (the workers run off the GIL): the best of ``REPEATS`` of the slowest
     pool's rate (its bytes over its busy time) and of all the pools' bytes over the wall
     time from the first submission to the last drain."""
     share = max(1, threads // ranks)
-    benches = [_Bench(state_bytes, share, cuda=False) for _ in range(ranks)]
+    benches = [_Bench(state_bytes, share, cuda) for _ in range(ranks)]
     passes = max(_passes(b, budget_s) for b in benches)
     best = {"pool_adamw_gbps": 0.0, "pools_adamw_gbps": 0.0}
     for _ in range(REPEATS):

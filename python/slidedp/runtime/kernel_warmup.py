@@ -13,9 +13,9 @@ first step compiles what it needs, and ``finish`` says why in one line.
 
 Example::
 
-    warmup = KernelWarmup(warmup_spec(cfg, adapter, device))  # started
-    ...  # the store created and filled
-    note = warmup.finish()  # None, or the line the banner adds
+    with KernelWarmup(warmup_spec(cfg, adapter, device)) as warmup:  # started
+        ...  # the store created and filled
+        note = warmup.finish()  # None, or the line the banner adds
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def warmup_spec(cfg: TrainConfig, adapter: HFAdapter, device: torch.device) -> P
 
 class KernelWarmup:
     """The thread warming ``spec``'s layer kernels, started now (None: nothing to wait for).
-    Left without ``finish`` (the build failed), the daemon thread ends with its layer or with
-    the process."""
+    As a context manager it is finished on leaving (a build that failed waits for it before
+    its error goes on: no thread left computing on the GPU behind it)."""
 
     def __init__(self, spec: ProfileSpec | None) -> None:
         self._error = ""
@@ -86,6 +86,12 @@ class KernelWarmup:
         except Exception as e:  # said by finish: the first step compiles instead
             self._error = _one_line(e)
         self.ran_s = time.perf_counter() - started
+
+    def __enter__(self) -> KernelWarmup:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.finish()
 
     def finish(self) -> str | None:
         """Waits for the warm-up and frees its cached GPU memory: None when it ran or none was

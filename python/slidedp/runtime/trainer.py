@@ -120,12 +120,11 @@ class Trainer:
             store, self.source = build_store(self.adapter, args, self._fill_state, clock)
             return store
 
-        warmup = KernelWarmup(
-            warmup_spec(cfg, self.adapter, self.device) if store is None else None
-        )
-        self._open_store(store, create)  # the ranks warm their kernels meanwhile
-        with clock.part("kernels_s"):
-            clock.note(warmup.finish())
+        warm = warmup_spec(cfg, self.adapter, self.device) if store is None else None
+        with KernelWarmup(warm) as warmup:  # the ranks warm their kernels meanwhile
+            self._open_store(store, create)
+            with clock.part("kernels_s"):
+                clock.note(warmup.finish())
         clock.warmup_s = warmup.ran_s
         weights = self.resume.path if self.resume is not None else self.adapter.path
         read_buffers(self.adapter, weight_files(weights) if weights is not None else [])

@@ -21,6 +21,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::chunk::grad_chunk;
 use crate::error::{Error, Result};
 use crate::kernels::{GradSlice, Kernels};
 use crate::store::{Dtype, HostStore, Region, StoreLayout};
@@ -165,17 +166,10 @@ impl HostSumRing {
     /// Rank `rank` writes that memory: the caller keeps the slice only while the rank leaves the
     /// slot unchanged (after its `landed` of the chunk, before this rank's `consumed` of it).
     unsafe fn landing(&self, rank: usize, slot: usize, len: usize) -> Result<GradSlice<'_>> {
-        let layout = self.signals.layout();
-        let at = self.slot_at(layout, rank, slot, len)?;
+        self.slot_at(self.signals.layout(), rank, slot, len)?;
         // SAFETY: `slot_at` checked the slot lies inside the landing region, of the dtype its
         // layout names (`new`); the Arc'd store outlives `&self`; unchanged: the contract.
-        Ok(unsafe {
-            let base = self.signals.region(Region::Grad).0.add(at);
-            match layout.grad_dtype {
-                Some(Dtype::Bf16) => GradSlice::Bf16(std::slice::from_raw_parts(base.cast(), len)),
-                _ => GradSlice::F32(std::slice::from_raw_parts(base.cast(), len)),
-            }
-        })
+        Ok(unsafe { grad_chunk(&self.signals, rank * self.slots_per_rank + slot, 0, len) })
     }
 
     /// The byte offset in `layout`'s gradient region of rank `rank`'s slot `slot`, checked to
