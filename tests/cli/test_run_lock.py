@@ -36,7 +36,10 @@ def _start_train(config: Path, *overrides: str) -> subprocess.Popen[str]:
     )
 
 
-def _wait_for(path: Path, proc: subprocess.Popen[str], timeout_s: float = 120) -> None:
+def _wait_for(path: Path, proc: subprocess.Popen[str], timeout_s: float = 300) -> None:
+    """Until ``path`` exists while ``proc`` runs. A liveness bound, not a speed one: beside
+    another worker's multi-rank tests on a 2-core machine, the tiny run's first checkpoint took
+    over 120 s (as often before this commit's changes as after them), 5 s alone."""
     end = time.monotonic() + timeout_s
     while not path.exists():
         assert proc.poll() is None, proc.communicate()[1]
