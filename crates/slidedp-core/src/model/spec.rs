@@ -191,6 +191,13 @@ impl StepSpec {
         }
     }
 
+    /// The D2H lane `group`'s gradient copy runs on: its sender's GPU, the owner's on the gpu
+    /// route (each rank copies from its own device, the ranks in parallel), this rank's on the
+    /// cpu route (every rank copies every group).
+    pub(super) fn copy_lane(&self, group: usize) -> (Lane, usize) {
+        (Lane::D2h, self.ring_of(group))
+    }
+
     pub(super) fn host_sum(&self, group: usize) -> f64 {
         self.host_sum_s.get(group).copied().unwrap_or(0.0)
     }

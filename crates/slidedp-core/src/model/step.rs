@@ -18,7 +18,8 @@
 //! owner's update worker, one update lane per owner, in parallel; every rank's next forward
 //! waits for every group's version, so the step, synchronous across the ranks, is the one the
 //! slowest owner's lane allows. On the gpu route each owner's gradient ring holds its own groups
-//! (the owner alone sends them); on the cpu route every rank sends every group into its ring.
+//! (the owner alone sends them, copying from its own GPU: one D2H lane per owner); on the cpu
+//! route every rank sends every group into its ring, on its one D2H lane.
 
 use std::collections::BTreeMap;
 
@@ -98,9 +99,9 @@ impl Builder<'_> {
     /// The gradient's copy to the host, then (cpu route) the owner's worker sums the ranks'
     /// copies on its update lane; the operation after which the sum is in the owner's slot.
     fn copy_and_sum(&mut self, group: usize, what: &str, deps: &[usize]) -> usize {
-        let copy = self.dag.add(
+        let copy = self.dag.add_on(
             format!("grad copy{what} g{group}"),
-            Lane::D2h,
+            self.spec.copy_lane(group),
             self.spec.grad_copy_s[group],
             deps,
         );

@@ -332,6 +332,34 @@ fn a_gpu_route_owner_sends_into_its_own_ring() {
 }
 
 #[test]
+fn gpu_route_owners_copy_on_d2h_lanes_of_their_own() {
+    // 3 s copies, updates negligible: with clipping the six copies leave after the backward;
+    // two owners copy from their own GPUs side by side (9 s each), where one lane took 18 s
+    let mut copies = StepSpec {
+        owners: alternating(6),
+        grad_copy_s: vec![3.0; 6],
+        ..spec(4, true, 0.1)
+    };
+    let two = predict_ok(&copies);
+    assert!((two.busy_s[&Lane::D2h] - 9.0).abs() < 1e-9, "{two:?}");
+    let steps = super::step::build(&copies, 2); // step 0's copies leave in step 1
+    let units: Vec<usize> = (0..6)
+        .map(|g| steps.dag.ops[op_in(&steps, &format!("grad copy g{g}"))].unit)
+        .collect();
+    assert_eq!(units, alternating(6));
+    copies.owners = vec![];
+    let one = predict_ok(&copies);
+    assert!((one.busy_s[&Lane::D2h] - 18.0).abs() < 1e-9, "{one:?}");
+    assert!(two.step_s < one.step_s, "{two:?} {one:?}");
+    // the cpu route: every rank copies every group on its one lane, owners or not (twice
+    // with clipping: for the norm's sums, then with the coefficient)
+    copies.owners = alternating(6);
+    copies.host_sum_s = vec![0.1; 6];
+    let cpu = predict_ok(&copies);
+    assert!((cpu.busy_s[&Lane::D2h] - 36.0).abs() < 1e-9, "{cpu:?}");
+}
+
+#[test]
 fn a_cpu_route_step_ends_after_every_owners_norm_sums() {
     // layer 1's sum (owner 1) takes 30 s; the embedding's, the backward's last, is on owner
     // 0's lane and done long before: the norm (the engine's take_sum_squares, clipped or not)
