@@ -186,3 +186,26 @@ def test_the_profile_is_keyed_by_the_runs_layer_compute(tmp_path: Path) -> None:
     # the run's world size is in the key too (one rank's batch of another split is another run)
     assert eager.facts["world"] == 1
     assert _profiled(profile_spec(cfg, world=2)).cache != eager.cache
+
+
+def test_the_profile_measures_the_model_as_the_run_overrides_it(tmp_path: Path) -> None:
+    """``model.*`` overrides (here YaRN and the position limit) reach the profiled layer's
+    config, as ``HFAdapter.from_dir`` applies them to the run's, and key its cache."""
+    from slidedp.config import load_config
+    from slidedp.models.hf import HFAdapter
+    from slidedp.profile.layer import _profiled, profile_spec, spec_config
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+    path = _config(tmp_path, "overridden")
+    plain = load_config(path, [])
+    overridden = load_config(path, ["model.max_position_embeddings=512",
+                                    f"model.rope_scaling={yarn}"])  # fmt: skip
+    spec = profile_spec(overridden)
+    assert spec.config_overrides  # what the run sets, carried by the spec
+    run = HFAdapter.from_dir(overridden.model.path, overridden.model.config_overrides()).config
+    profiled = spec_config(spec)
+    assert profiled.max_position_embeddings == run.max_position_embeddings == 512
+    assert profiled.rope_parameters == run.rope_parameters
+    assert profiled.rope_parameters["rope_type"] == "yarn"
+    assert spec_config(profile_spec(plain)).max_position_embeddings != 512
+    assert _profiled(spec).cache != _profiled(profile_spec(plain)).cache

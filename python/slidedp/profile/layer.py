@@ -37,7 +37,7 @@ from slidedp import __version__
 from slidedp.config import TrainConfig
 from slidedp.errors import ConfigError
 from slidedp.models.fast import COMPILE_BACKEND, Compute, apply_compute, resolve_compute
-from slidedp.models.hf import HFAdapter
+from slidedp.models.hf import HFAdapter, apply_overrides
 from slidedp.models.shapes import SHAPES, resolve_shape
 from slidedp.plan.cost import layer_footprint
 from slidedp.plan.device import pick_device, pick_dtype
@@ -75,6 +75,8 @@ class ProfileSpec:
     layer_compile: bool | None = False
     world: int = 1  # processes the run's batch is split over
     mlp_tile_tokens: int = 0  # runtime.mlp_tile_tokens of the run (models.tiled_mlp)
+    # the run's model.* overrides of the shape's config (ModelSection.config_overrides), JSON
+    config_overrides: str = ""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ProfileSpec:
@@ -100,8 +102,20 @@ def profile_spec(cfg: TrainConfig, **given: Any) -> ProfileSpec:
         layer_kernels=cfg.runtime.layout.kernels,
         layer_compile=cfg.runtime.layout.compile,
         mlp_tile_tokens=cfg.runtime.layout.mlp_tile_tokens,
+        config_overrides=json.dumps(overrides)
+        if (overrides := cfg.model.config_overrides())
+        else "",
     )
     return dataclasses.replace(run, **given)
+
+
+def spec_config(args: ProfileSpec) -> transformers.PretrainedConfig:
+    """The config of ``args``' shape with the run's overrides applied (``HFAdapter.from_dir``
+    applies the same to the run's model)."""
+    config = resolve_shape(args.shape)
+    if args.config_overrides:
+        apply_overrides(config.get_text_config(), json.loads(args.config_overrides))
+    return config
 
 
 # the columns of a `slidedp profile layer --json` report's candidates the solve reads
@@ -280,7 +294,7 @@ def _profiled(args: ProfileSpec, adapter: HFAdapter | None = None) -> _Profiled:
     those follow from the shape, batch, sequence, dtype and slidedp version, also in the key,
     so a cache lookup runs no layer (``estimate`` looks one up at every start on a GPU).
     ``adapter``: the shape's, built already (None: built here)."""
-    config = resolve_shape(args.shape)
+    config = spec_config(args)
     adapter = HFAdapter(config) if adapter is None else adapter
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
@@ -373,7 +387,7 @@ def warm_kernels(args: ProfileSpec, adapter: HFAdapter) -> None:
     without and its replay with autograd: both grad modes), with the run's layer compute at
     its batch and sequence: every kernel the engine's layers launch is compiled (into Triton's
     and Inductor's caches on disk). Nothing is timed or cached here. ``adapter``: a fresh one
-    of ``args``' shape (``HFAdapter(resolve_shape(args.shape))``), patched here; built by the
+    of ``args``' shape (``HFAdapter(spec_config(args))``), patched here; built by the
     caller, as transformers sets torch's process-wide default dtype while it builds a model."""
     prof = _profiled(args, adapter)
     apply_compute(prof.adapter, prof.compute)

@@ -29,8 +29,7 @@ import torch
 from slidedp.config import TrainConfig
 from slidedp.models.fast import resolve_compute
 from slidedp.models.hf import HFAdapter
-from slidedp.models.shapes import resolve_shape
-from slidedp.profile.layer import ProfileSpec, profile_spec, warm_kernels
+from slidedp.profile.layer import ProfileSpec, profile_spec, spec_config, warm_kernels
 
 
 def warmup_spec(cfg: TrainConfig, adapter: HFAdapter, device: torch.device) -> ProfileSpec | None:
@@ -68,7 +67,7 @@ class KernelWarmup:
             # its model built here, before the thread: transformers sets torch's process-wide
             # default dtype (the config's) while it builds one, which the store's init beside
             # the thread would read (Qwen3.5-MoE draws its A_log in it)
-            adapter = HFAdapter(resolve_shape(spec.shape))
+            adapter = HFAdapter(spec_config(spec))
         except Exception as e:  # said by finish, as a failure on the thread is
             self._error = _one_line(e)
             return
