@@ -100,6 +100,8 @@ class KernelWarmup:
             self._thread = None
             if self._spec is not None and self._spec.device.startswith("cuda"):
                 torch.cuda.empty_cache()  # its activations: the engine sizes its window next
+                # the peaks the run reports are the run's own, not the warm-up's layer
+                torch.cuda.reset_peak_memory_stats(self._spec.device)
         if not self._error:
             return None
         return f"the kernel warm-up failed ({self._error}): the first step compiles its kernels"
