@@ -63,23 +63,29 @@ def test_every_tensor_is_set_by_the_models_own_init_and_seeded(
         assert torch.count_nonzero(embed[adapter.padding_idx - 1]) > 0
 
 
+def _init_with_head(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, head: Any) -> None:
+    """``init_weights`` of an untied Qwen3 whose ``_init_weights`` runs as ``head(init, self,
+    module)`` says on the LM head (the model's own otherwise)."""
+    adapter = HFAdapter.from_dir(_config_dir(tmp_path, "qwen3", tied=False))
+    init: Any = type(adapter.skeleton)._init_weights
+
+    def patched(self: nn.Module, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear) and module.out_features == adapter.vocab_size:
+            head(init, self, module)
+        else:
+            init(self, module)
+
+    monkeypatch.setattr(type(adapter.skeleton), "_init_weights", patched)
+    init_weights(adapter, HostStore.create(adapter.group_specs(), staging_slots=2), 0)
+
+
 def test_a_tensor_the_models_init_leaves_unset_is_one_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Built on the meta device, a module holds whatever memory it was given: one that
     ``_init_weights`` does not set is refused, never trained on."""
-    path = _config_dir(tmp_path, "qwen3", tied=False)
-    adapter = HFAdapter.from_dir(path)
-    init: Any = type(adapter.skeleton)._init_weights
-
-    def skips_the_head(self: nn.Module, module: nn.Module) -> None:
-        if not (isinstance(module, nn.Linear) and module.out_features == adapter.vocab_size):
-            init(self, module)
-
-    monkeypatch.setattr(type(adapter.skeleton), "_init_weights", skips_the_head)
-    store = HostStore.create(adapter.group_specs(), staging_slots=2)
     with pytest.raises(ModelLoadError, match=r"does not initialise \['lm_head.weight'\]"):
-        init_weights(adapter, store, 0)
+        _init_with_head(tmp_path, monkeypatch, lambda init, self, module: None)
 
 
 def test_a_parameter_the_models_init_replaces_is_one_error(
@@ -87,18 +93,13 @@ def test_a_parameter_the_models_init_replaces_is_one_error(
 ) -> None:
     """An ``_init_weights`` that gives a parameter new memory instead of setting it would leave
     the store's view as it was: refused, naming it."""
-    adapter = HFAdapter.from_dir(_config_dir(tmp_path, "qwen3", tied=False))
-    init: Any = type(adapter.skeleton)._init_weights
 
-    def replaces_the_head(self: nn.Module, module: nn.Module) -> None:
+    def replaces(init: Any, self: nn.Module, module: nn.Linear) -> None:
         init(self, module)
-        if isinstance(module, nn.Linear) and module.out_features == adapter.vocab_size:
-            module.weight = nn.Parameter(torch.zeros_like(module.weight))
+        module.weight = nn.Parameter(torch.zeros_like(module.weight))
 
-    monkeypatch.setattr(type(adapter.skeleton), "_init_weights", replaces_the_head)
-    store = HostStore.create(adapter.group_specs(), staging_slots=2)
     with pytest.raises(ModelLoadError, match=r"\['lm_head.weight \(replaced\)'\]"):
-        init_weights(adapter, store, 0)
+        _init_with_head(tmp_path, monkeypatch, replaces)
 
 
 def test_the_init_writes_the_store_in_place(

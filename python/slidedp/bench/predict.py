@@ -274,7 +274,8 @@ def _from_files(probes: Path, layer: tuple[Any, ...], host_gbps: float | None) -
             if not found:
                 raise ConfigError(f"no host probe in {probes}: add one or give --host-gbps")
             # the run's ranks' pools where probed (else the node's rate shared among them)
-            return max(found, key=lambda r: r.get("ranks", 1) == args["ranks"])
+            probed = [r for r in found if r.get("ranks", 1) == args["ranks"]]
+            return (probed or found)[-1]
         wanted = set(args["families"].split(","))
         for r in reports:
             names = {c["policy"].rsplit("-r", 1)[0] for c in r.get("candidates", [])}
