@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Where a clipped step's host update goes, one device call: `slidedp bench train` of ours at
+# SHAPE (qwen3-4b) and BATCH (16), the fixed default policy, clipping at 1.0 and the VARIANTS
+# (no clipping, fewer update threads), each with a trace of its first measured step, while a
+# sampler reads every thread's user and kernel CPU time and minor page faults of the largest
+# process twice a second ($OUT/threads.tsv). The summary prints, per variant, the host AdamW per
+# layer from its trace (the "CPU update" lane), and per process the kernel threads' CPU time and
+# page faults. Record: benchmarks/2026-11-29-clipped-update-h200.md.
+# Here first: rm -f dist/*.whl; .venv/bin/maturin build --release -o dist/ -q
+# Device call: carry ["dist", "wheels"], command `bash benches/gpu_clip_update.sh`.
+OUT=${OUT:-out/gpu-clip-update}
+source "$(dirname "$0")/gpu_common.sh"
+SHAPE=${SHAPE:-qwen3-4b}
+BATCH=${BATCH:-16}
+# VARIANTS: LABEL=KEY=VALUE ... ("clip" is the default config)
+VARIANTS=${VARIANTS:-"noclip=train.max_grad_norm=0 t8=runtime.update_threads=8 t15=runtime.update_threads=15"}
+
+(while kill -0 $$ 2>/dev/null && sleep 0.5; do  # the largest process's threads: time, tid, name, ticks
+     pid=$(ps -eo pid=,rss= --sort=-rss | awk 'NR==1 {print $1}')
+     now=$(date +%s.%N)
+     awk -v t="$now" '{sub(/^[0-9]+ \(/, ""); split($0, a, /\) /); split(a[2], f, " ");
+         print t "\t" FILENAME "\t" a[1] "\t" f[12] "\t" f[13] "\t" f[8]}' /proc/"$pid"/task/*/stat 2>/dev/null
+ done) > "$OUT/threads.tsv" &
+
+systems=ours sets=()
+for v in $VARIANTS; do
+    systems+=",ours:${v%%=*}"
+    sets+=(--set "ours:${v%%=*}.${v#*=}")
+done
+part bench "${RUN_S:-420}" python3 -m slidedp bench train --shape "$SHAPE" --batch "$BATCH" \
+    --systems "$systems" --set runtime.policy=fixed "${sets[@]}" --warmup 1 --steps 2 --trace "$OUT/trace.json" \
+    --json "$OUT/clip-update.json"
+
+python3 - "$OUT" <<'PY' | tee -a "$LOG"
+import collections, json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+for trace in sorted(out.glob("trace*.json")):
+    events = json.loads(trace.read_text())["traceEvents"]
+    lanes = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    spans = [e for e in events if e.get("ph") == "X" and lanes.get(e["tid"]) == "CPU update"
+             and e["name"].startswith("layers.")]
+    ms = sorted(e["dur"] / 1e3 for e in spans)
+    print(f"{trace.stem}: {len(ms)} layer updates, median {ms[len(ms) // 2]:.1f} ms, "
+          f"min {ms[0]:.1f}, max {ms[-1]:.1f}" if ms else f"{trace.stem}: no layer update")
+report = json.loads((out / "clip-update.json").read_text())
+for run in report["runs"]:
+    print(run["system"], run["status"], "step_s", run.get("step_time_s"),
+          "tokens/s", run.get("tokens_per_s"), "update_s", run["lanes_s"].get("update_s"))
+# per process (one per variant, in order): its kernel threads' CPU seconds in user and kernel
+# mode and their minor page faults, over the whole run
+first, last = {}, {}
+for line in (out / "threads.tsv").read_text().splitlines():
+    t, path, name, user, system, faults = line.split("\t")
+    key = (path.split("/")[2], path.split("/")[4], name)
+    first.setdefault(key, (int(user), int(system), int(faults)))
+    last[key] = (int(user), int(system), int(faults))
+pids = sorted({k[0] for k in last}, key=int)
+for pid in pids:
+    for pool in ("slidedp-kernel", ""):
+        keys = [k for k in last if k[0] == pid and k[2].startswith(pool)]
+        user, system, faults = (sum(last[k][i] - first[k][i] for k in keys) for i in range(3))
+        print(f"pid {pid} {pool or 'all'} threads {len(keys)}: user {user / 100:.1f} s, "
+              f"system {system / 100:.1f} s, minor faults {faults}")
+PY
