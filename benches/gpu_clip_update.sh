@@ -12,7 +12,7 @@ OUT=${OUT:-out/gpu-clip-update}
 source "$(dirname "$0")/gpu_common.sh"
 SHAPE=${SHAPE:-qwen3-4b}
 BATCH=${BATCH:-16}
-# VARIANTS: LABEL=KEY=VALUE ... ("clip" is the default config)
+# VARIANTS: LABEL=KEY=VALUE[,KEY=VALUE...] ... (the plain run: the default config, clipping)
 VARIANTS=${VARIANTS:-"noclip=train.max_grad_norm=0 t8=runtime.update_threads=8 t15=runtime.update_threads=15"}
 
 (while kill -0 $$ 2>/dev/null && sleep 0.5; do  # the largest process's threads: time, tid, name, ticks
@@ -25,7 +25,10 @@ VARIANTS=${VARIANTS:-"noclip=train.max_grad_norm=0 t8=runtime.update_threads=8 t
 systems=ours sets=()
 for v in $VARIANTS; do
     systems+=",ours:${v%%=*}"
-    sets+=(--set "ours:${v%%=*}.${v#*=}")
+    IFS=, read -ra keys <<< "${v#*=}"
+    for key in "${keys[@]}"; do
+        sets+=(--set "ours:${v%%=*}.$key")
+    done
 done
 part bench "${RUN_S:-420}" python3 -m slidedp bench train --shape "$SHAPE" --batch "$BATCH" \
     --systems "$systems" --set runtime.policy=fixed "${sets[@]}" --warmup 1 --steps 2 --trace "$OUT/trace.json" \

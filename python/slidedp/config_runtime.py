@@ -109,7 +109,7 @@ class LayoutSpec:
     # the dense MLP of every decoder layer run by tiles of this many tokens, its intermediates
     # recomputed tile by tile in the backward (models.tiled_mlp); 0: untiled
     mlp_tile_tokens: int = 0
-    update_threads: int = 0  # host AdamW threads per rank; 0: its share of the cores
+    update_threads: int = 0  # host AdamW threads per rank; 0: its share of the cores, but one
     chunk_elems: int = 0  # elements per H2D/D2H chunk (a store slot); 0: one decoder layer
     staging_slots: int = 2  # BF16 host staging slots (H2D ring)
     grad_slots: int = 4  # host gradient slots (D2H → AdamW ring; 2 serialize the update lane)

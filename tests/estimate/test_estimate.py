@@ -158,28 +158,30 @@ def test_the_host_floor_and_the_model_take_this_machines_cached_probe(
     adapter = HFAdapter.from_dir(qwen3_4b)
     cfg = _cfg(tmp_path, qwen3_4b, "data.seq_len=1024", "train.global_batch_size=16")
     table = estimate_run(cfg, adapter, H100)
-    assert table.step.host_gbps == adamw_gbps(16)
+    threads = update_threads(cfg, H100)
+    assert threads == 15  # the 16 cores but one, left to the training thread
+    assert table.step.host_gbps == adamw_gbps(threads)
     not_probed = "from the table (not measured on this machine: slidedp profile host)"
     assert not_probed in format_estimate(table)
     assert table.step_model is not None
     assert "host AdamW" not in table.step_model.calibration
 
     # an absurd rate under DMA (the alone rate is not what the model takes beside a GPU)
-    cache_rate(16, H100.gpu_name, 9999.0, joint_gbps=1.0)
+    cache_rate(threads, H100.gpu_name, 9999.0, joint_gbps=1.0)
     probed = estimate_run(cfg, adapter, H100)
     one_pass_s = 28 * probed.params / 1e9
     assert probed.step.host_gbps == 1.0
     assert probed.step.host_floor_s == pytest.approx(one_pass_s)
     assert probed.step.bound == "host (AdamW traffic)"
-    assert "at 1 GB/s (16 threads), measured under DMA (cached)" in format_estimate(probed)
+    assert "at 1 GB/s (15 threads), measured under DMA (cached)" in format_estimate(probed)
     assert probed.step_model is not None
     # the model's update runs alone (9999 GB/s) where no copy overlaps it, under the copies
     # (1 GB/s) for the rest: the copies' share of the step, far from all of it
     assert 28 * probed.params / 9999e9 < probed.step_model.step_s < one_pass_s / 2
     assert probed.step_model.calibration == "host AdamW measured under DMA (cached)"
     # another thread count is another machine state: the table again
-    threads = replace(cfg, runtime=cfg.runtime.with_keys(update_threads=8))
-    assert estimate_run(threads, adapter, H100).step.host_gbps == adamw_gbps(8)
+    eight = replace(cfg, runtime=cfg.runtime.with_keys(update_threads=8))
+    assert estimate_run(eight, adapter, H100).step.host_gbps == adamw_gbps(8)
 
 
 def test_the_estimate_verb_says_where_the_host_rate_comes_from(
@@ -488,7 +490,8 @@ def test_without_the_mirror_the_model_casts_at_the_probed_rate(
                "runtime.bf16_mirror=false")  # fmt: skip
 
     def host_busy(cast_gbps: float) -> float:
-        cache_rate(16, H100.gpu_name, 150.0, joint_gbps=110.0, cast_gbps=cast_gbps)
+        cache_rate(update_threads(cfg, H100), H100.gpu_name, 150.0, joint_gbps=110.0,
+                   cast_gbps=cast_gbps)  # fmt: skip
         model = estimate_run(cfg, adapter, H100).step_model
         assert model is not None
         return model.busy_s["host"]

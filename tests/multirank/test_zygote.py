@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -72,6 +73,7 @@ def test_a_process_that_computed_forks_its_children_from_a_spawned_zygote(
         assert _my_children() == before  # nothing spawned before a child is asked for
         stdin_read, stdin_write = os.pipe()
         stdout_read, stdout_write = os.pipe()
+        asked = time.monotonic()
         child = zygote.start_child("multirank.zygote_rank", ["echo"], dict(os.environ),
                                    stdio=(stdin_read, stdout_write, None))  # fmt: skip
         spawned = children.zygote()
@@ -83,6 +85,7 @@ def test_a_process_that_computed_forks_its_children_from_a_spawned_zygote(
         os.close(stdin_write)
         with os.fdopen(stdout_read) as stdout:
             seen, answer = stdout.read().splitlines()
+        elapsed = time.monotonic() - asked  # the zygote's spawn and imports, the fork, the child
         assert child.wait(60) == 0
         sleeper = zygote.start_child("multirank.zygote_rank", ["sleep"], dict(os.environ))
         with pytest.raises(subprocess.TimeoutExpired):
@@ -91,7 +94,9 @@ def test_a_process_that_computed_forks_its_children_from_a_spawned_zygote(
         assert sleeper.wait() == -signal.SIGKILL
     assert answer == "asked"
     assert json.loads(seen)["ppid"] == os.getpid()
-    assert json.loads(seen)["age_s"] > 1.0  # the zygote imported torch: seconds, not a fork's
+    # the zygote's imports (torch: most of the elapsed time) count, not only the fork's own
+    # milliseconds (1.0 s was a bound here: the imports took 0.98 s from a warm page cache)
+    assert json.loads(seen)["age_s"] > max(0.3, 0.5 * elapsed)
     assert spawned.process.returncode == 0  # closed and reaped
 
 

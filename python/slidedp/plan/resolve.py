@@ -108,7 +108,7 @@ def resolve_plan(
             max_grad_norm=tc.max_grad_norm,
         ),
         loss_chunk_tokens=rt.layout.loss_chunk_tokens,
-        # this rank's share of the cores (``engine_update_threads`` says why a share)
+        # this rank's share of the cores, but one beside a GPU (``engine_update_threads``)
         threads=rt.layout.update_threads
         or engine_update_threads(machine.cores, cuda, rt.launch.world),
         version_timeout_s=rt.launch.version_timeout_s,

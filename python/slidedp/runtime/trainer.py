@@ -200,7 +200,7 @@ class Trainer:
         return f"resumed from {self.resume.path} (step {self.progress.step})"
 
     def _default_host_threads(self) -> int:
-        """This rank's share of the cores for host kernels on GPU; on CPU, half of that (torch
+        """This rank's share of the cores but one for host kernels on GPU; on CPU, half of it (torch
         computes on the rest: two thread pools spinning on the same cores slow each step down
         ~10x). ``engine_update_threads`` says why a share."""
         ranks = 1 if self.ctx is None else self.ctx.local_world
