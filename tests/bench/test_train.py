@@ -54,7 +54,8 @@ def test_ours_a_variant_and_the_reference_end_to_end_on_cpu(
     config = write_tiny_config(tmp_path / "m")
     trace = tmp_path / "trace.json"
     extra = ("--batch", "2", "--systems", "ours,ours:n,reference",
-             "--set", "ours:n.runtime.layers=N", "--trace", str(trace),
+             "--set", "ours:n.runtime.layers=N", "--set", "ours:n.runtime.update_threads=1",
+             "--trace", str(trace),
              "--host-limit", "64")  # fmt: skip
     assert _cli(config, tmp_path / "report.json", *extra) == 0
     printed = capsys.readouterr().out
@@ -85,6 +86,7 @@ def _ours_and_reference_ran(tmp: Path, printed: str) -> None:
         assert run["gpu_peak_reserved_gib"] is None
         assert run["mfu"] is None
     assert set(ours["exposed_wait_s"]) == {"h2d", "update", "d2h", "offload"}
+    assert ours["update_threads"] >= 1 and n["update_threads"] == 1  # the host kernels' threads
     # the reference computes with the kernels ours does (CPU: eager, not compiled)
     assert ours["kernels"] == ref["kernels"]
     assert ours["kernels"].startswith("eager, not compiled, attention SDPA")

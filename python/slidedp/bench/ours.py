@@ -187,5 +187,6 @@ def run_ours(spec: RunSpec) -> dict[str, Any]:
         "resident_layers": trainer.policy.resident_layers,
         "resident_embeddings": trainer.policy.resident_embeddings,
         "mirror": trainer.policy.mirror,
+        "update_threads": trainer.engine.kernels.threads,  # the host kernels' threads per rank
         **({"policy": chosen} if chosen else {}),
     }
