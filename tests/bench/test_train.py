@@ -86,7 +86,8 @@ def _ours_and_reference_ran(tmp: Path, printed: str) -> None:
         assert run["gpu_peak_reserved_gib"] is None
         assert run["mfu"] is None
     assert set(ours["exposed_wait_s"]) == {"h2d", "update", "d2h", "offload"}
-    assert ours["update_threads"] >= 1 and n["update_threads"] == 1  # the host kernels' threads
+    assert ours["update_threads"] >= 1  # the host kernels' threads per rank
+    assert n["update_threads"] == 1  # as the variant set them
     # the reference computes with the kernels ours does (CPU: eager, not compiled)
     assert ours["kernels"] == ref["kernels"]
     assert ours["kernels"].startswith("eager, not compiled, attention SDPA")
