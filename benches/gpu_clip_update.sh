@@ -3,9 +3,10 @@
 # SHAPE (qwen3-4b) and BATCH (16), the fixed default policy, clipping at 1.0 and the VARIANTS
 # (no clipping, fewer update threads), each with a trace of its first measured step, while a
 # sampler reads every thread's user and kernel CPU time and minor page faults of the largest
-# process twice a second ($OUT/threads.tsv). The summary prints, per variant, the host AdamW per
-# layer from its trace (the "CPU update" lane), and per process the kernel threads' CPU time and
-# page faults. Record: benchmarks/2026-11-29-clipped-update-h200.md.
+# process ($OUT/threads.tsv) and the guest's TLB shootdowns, IPIs and CPU time with steal
+# ($OUT/system.tsv) twice a second. The summary prints, per variant, the host AdamW per layer
+# from its trace (the "CPU update" lane), and per process the kernel threads' CPU time and page
+# faults and the guest's interrupts a second and CPU split while it ran. Record: benchmarks/2026-11-29-clipped-update-h200.md.
 # Here first: rm -f dist/*.whl; .venv/bin/maturin build --release -o dist/ -q
 # Device call: carry ["dist", "wheels"], command `bash benches/gpu_clip_update.sh`.
 OUT=${OUT:-out/gpu-clip-update}
@@ -21,6 +22,15 @@ VARIANTS=${VARIANTS:-"noclip=train.max_grad_norm=0 t8=runtime.update_threads=8 t
      awk -v t="$now" '{sub(/^[0-9]+ \(/, ""); split($0, a, /\) /); split(a[2], f, " ");
          print t "\t" FILENAME "\t" a[1] "\t" f[12] "\t" f[13] "\t" f[8]}' /proc/"$pid"/task/*/stat 2>/dev/null
  done) > "$OUT/threads.tsv" &
+# the whole guest twice a second: TLB shootdowns, function-call and rescheduling interrupts
+# (summed over the CPUs) and the CPU time's split, steal included ($OUT/system.tsv)
+(while kill -0 $$ 2>/dev/null && sleep 0.5; do
+     irq=$(awk '$1 ~ /^(TLB|CAL|RES):$/ {s = 0; for (i = 2; i <= NF && $i ~ /^[0-9]+$/; i++) s += $i;
+         printf "\t%s=%d", substr($1, 1, 3), s}' /proc/interrupts)
+     cpu=$(awk '$1 == "cpu" {printf "\tuser=%d\tsystem=%d\tidle=%d\tirq=%d\tsoftirq=%d\tsteal=%d",
+         $2 + $3, $4, $5 + $6, $7, $8, $9}' /proc/stat)
+     echo -e "$(date +%s.%N)$irq$cpu"
+ done) > "$OUT/system.tsv" &
 
 systems=ours sets=()
 for v in $VARIANTS; do
@@ -58,6 +68,23 @@ for line in (out / "threads.tsv").read_text().splitlines():
     first.setdefault(key, (int(user), int(system), int(faults)))
     last[key] = (int(user), int(system), int(faults))
 pids = sorted({k[0] for k in last}, key=int)
+# per process: the guest's interrupts a second and its CPU time's split while it ran
+span = collections.defaultdict(list)
+for line in (out / "threads.tsv").read_text().splitlines():
+    span[line.split("\t")[1].split("/")[2]].append(float(line.split("\t")[0]))
+rows = [(float(line.split("\t")[0]), dict(f.split("=") for f in line.split("\t")[1:]))
+        for line in (out / "system.tsv").read_text().splitlines()]
+for pid in pids:
+    inside = [r for r in rows if min(span[pid]) <= r[0] <= max(span[pid])]
+    if len(inside) < 2:
+        continue
+    (t0, a), (t1, b) = inside[0], inside[-1]
+    delta = {k: int(b[k]) - int(a[k]) for k in a}
+    ticks = sum(delta[k] for k in ("user", "system", "idle", "irq", "softirq", "steal")) or 1
+    print(f"pid {pid} {t1 - t0:.0f} s: " + ", ".join(
+        f"{k} {delta[k] / (t1 - t0):,.0f}/s" for k in ("TLB", "CAL", "RES") if k in delta)
+        + "; cpu " + ", ".join(f"{k} {delta[k] / ticks:.1%}" for k in
+                               ("user", "system", "idle", "irq", "softirq", "steal")))
 for pid in pids:
     for pool in ("slidedp-kernel", ""):
         keys = [k for k in last if k[0] == pid and k[2].startswith(pool)]

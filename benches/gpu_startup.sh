@@ -16,7 +16,10 @@ WEIGHTS=${WEIGHTS:-/tmp/slidedp-weights-$SHAPE}
 nproc | tee -a "$LOG"
 df -h "$(dirname "$WEIGHTS")" | tee -a "$LOG"
 
-within 200 weights && part weights 200 python3 benches/make_weights.py --shape "$SHAPE" --out "$WEIGHTS"
+FROM=${FROM:-config weights-cold weights-warm}
+if [[ $FROM == *weights* ]]; then  # only a run from the directory needs it
+    within 200 weights && part weights 200 python3 benches/make_weights.py --shape "$SHAPE" --out "$WEIGHTS"
+fi
 drop_cache() {
     sync
     if echo 3 > /proc/sys/vm/drop_caches 2>/dev/null; then
@@ -26,7 +29,7 @@ drop_cache() {
     fi
 }
 # the first run pays the cold caches (imports, Triton's kernels): the config's, as a fresh machine
-for from in ${FROM:-config weights-cold weights-warm}; do
+for from in $FROM; do
     shape=$SHAPE
     [[ $from == weights* ]] && shape=$WEIGHTS/config.json
     [[ $from == weights-cold ]] && drop_cache
