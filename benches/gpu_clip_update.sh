@@ -32,6 +32,12 @@ VARIANTS=${VARIANTS:-"noclip=train.max_grad_norm=0 t8=runtime.update_threads=8 t
      echo -e "$(date +%s.%N)$irq$cpu"
  done) > "$OUT/system.tsv" &
 
+# STORE_SWEEP=1: first the engine's update worker on a real store, the forward's drive replayed
+# with the GPU idle and busy beside it (benches/diag/store_sweep.py; no model, no training)
+if [[ ${STORE_SWEEP:-0} != 0 ]]; then
+    part store-sweep 200 python3 benches/diag/store_sweep.py --threads "${THREADS:-15}"
+fi
+
 systems=ours sets=()
 for v in $VARIANTS; do
     systems+=",ours:${v%%=*}"
