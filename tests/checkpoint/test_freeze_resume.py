@@ -102,6 +102,7 @@ def test_a_frozen_run_resumes_bit_identically_and_refuses_another_freeze(
             err = capsys.readouterr().err
             assert err.count("\n") == 1, err
             assert "was trained with another train.freeze" in err, err
+            assert "damaged" not in err, err  # every checkpoint is intact
 
 
 def test_the_estimate_counts_the_smaller_store_and_says_by_how_much(

@@ -182,6 +182,7 @@ def test_resume_refusals_are_one_clear_line_the_same_for_validate_and_write_noth
         err = capsys.readouterr().err
         assert err.count("\n") == 1, err
         assert message in err
+        assert "damaged" not in err, err  # intact: refused for what it is, not as damage
         assert err.startswith(f"slidedp {verb}: error: ")
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     assert main(["train", str(config), "train.resume=auto"]) == 0  # done already: re-exports

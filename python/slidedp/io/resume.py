@@ -140,7 +140,7 @@ class _Checked:
 
 def _check(path: Path, adapter: HFAdapter, checksums: bool) -> _Checked:
     """Checkpoint ``path``'s files: ``ValueError`` saying what is damaged (``CheckpointError``
-    when it is intact but does not fit this model)."""
+    when it is intact as far as its manifest tells but does not fit this model or config)."""
     manifest = read_manifest(path)
     if manifest is not None:
         problem = (checksum_problem if checksums else size_problem)(path, manifest)
@@ -152,6 +152,8 @@ def _check(path: Path, adapter: HFAdapter, checksums: bool) -> _Checked:
         return checked
     except ValueError as unreadable:  # the checksums may name the file that changed
         found = None if manifest is None or checksums else checksum_problem(path, manifest)
+        if found is None and isinstance(unreadable, CheckpointError):
+            raise  # intact, but of another model, format or freeze: not damage
         raise ValueError(found or str(unreadable)) from None
 
 
@@ -215,6 +217,8 @@ def _newest_intact(
     for path in reversed(existing):
         try:
             return path, _check(path, adapter, checksums), skipped
+        except CheckpointError:  # the run's checkpoints do not fit this config: none would
+            raise
         except ValueError as damage:
             skipped.append((path, str(damage)))
     newest, problem = skipped[0]
@@ -235,6 +239,8 @@ def _named(resume: str, adapter: HFAdapter, checksums: bool) -> tuple[Path, _Che
         )
     try:
         return path, _check(path, adapter, checksums)
+    except CheckpointError:  # intact, but of another model or freeze: not damage
+        raise
     except ValueError as damage:
         raise _damaged(path, str(damage)) from None
 
