@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 
 from engine.tiny import make_model, write_config, write_data
 from slidedp.cli import main
-from slidedp.runtime.trace import TRACKS, WAIT_TRACK
+from slidedp.runtime.trace import TRACKS, WAIT_TRACK, StepTrace, write_trace
 
 pytestmark = pytest.mark.e2e  # every test here trains end to end
 
@@ -41,3 +42,19 @@ def test_the_traced_step_has_every_lane_on_one_timeline(tmp_path: Path) -> None:
     assert len(updates) >= 3, "the step's layer updates run inside it"
     assert min(float(e["ts"]) for e in spans) == 0.0
     assert all(float(e["dur"]) >= 0 for e in spans)
+    meta = json.loads(trace.read_text())["otherData"]
+    assert meta["clock"] == "CLOCK_MONOTONIC"
+    assert meta["step"] == 1
+    assert 0 < meta["origin_s"] < time.monotonic()  # the step's time 0 on that clock
+
+
+def test_the_trace_says_where_its_time_zero_is_on_the_monotonic_clock(tmp_path: Path) -> None:
+    trace = StepTrace(step=4, spans=[("compute", 10.5, 10.75), ("h2d", 10.25, 10.5)],
+                      updates=[("layers.0", 10.75, 11.0)])  # fmt: skip
+    meta = json.loads(write_trace(tmp_path / "t.json", trace).read_text())
+    assert meta["otherData"] == {"clock": "CLOCK_MONOTONIC", "origin_s": 10.25, "step": 4}
+    starts = sorted(meta["otherData"]["origin_s"] + e["ts"] / 1e6
+                    for e in meta["traceEvents"] if e["ph"] == "X")  # fmt: skip
+    assert starts == [10.25, 10.5, 10.75]  # each span's own monotonic start
+    empty = json.loads(write_trace(tmp_path / "e.json", StepTrace(0, [], [])).read_text())
+    assert empty["otherData"]["origin_s"] is None

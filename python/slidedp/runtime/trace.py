@@ -4,6 +4,8 @@ Open the JSON in https://ui.perfetto.dev or chrome://tracing. Tracks: host cast 
 staging), H2D, compute, activation offload/reload, gradient D2H, CPU update (the Rust worker's
 requests, labelled by group), and the compute lane's waits (version gates, copies). Everything is
 on CLOCK_MONOTONIC; GPU spans are placed through a reference event (``LaneClock.start_trace``).
+Times are µs from the step's first span, whose CLOCK_MONOTONIC second is ``otherData.origin_s``:
+a profile taken on that clock (``perf record -k CLOCK_MONOTONIC``) lines up with the trace.
 
 Example::
 
@@ -38,11 +40,21 @@ class StepTrace:
     updates: list[tuple[str, float, float]]  # (group name, start, end)
 
 
+def _spans(trace: StepTrace) -> list[Span]:
+    return [(k, s, e) for k, s, e in trace.spans] + [("update", s, e) for _, s, e in trace.updates]
+
+
+def trace_origin_s(trace: StepTrace) -> float | None:
+    """The CLOCK_MONOTONIC second of the step's first span, the trace's time 0 (None: no span)."""
+    spans = _spans(trace)
+    return min(s for _, s, _ in spans) if spans else None
+
+
 def chrome_events(trace: StepTrace) -> list[dict[str, object]]:
-    spans = [(k, s, e) for k, s, e in trace.spans] + [("update", s, e) for _, s, e in trace.updates]
-    if not spans:
+    spans = _spans(trace)
+    t0 = trace_origin_s(trace)
+    if t0 is None:
         return []
-    t0 = min(s for _, s, _ in spans)
     events: list[dict[str, object]] = [
         {"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": name}}
         for tid, name in [*TRACKS.values(), WAIT_TRACK]
@@ -68,5 +80,10 @@ def chrome_events(trace: StepTrace) -> list[dict[str, object]]:
 
 def write_trace(path: Path, trace: StepTrace) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"traceEvents": chrome_events(trace), "displayTimeUnit": "ms"}))
+    meta = {"clock": "CLOCK_MONOTONIC", "origin_s": trace_origin_s(trace), "step": trace.step}
+    path.write_text(
+        json.dumps(
+            {"traceEvents": chrome_events(trace), "displayTimeUnit": "ms", "otherData": meta}
+        )
+    )
     return path
