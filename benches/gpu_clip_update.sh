@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # Where a clipped step's host update goes, one device call: `slidedp bench train` of ours at
 # SHAPE (qwen3-4b) and BATCH (16), the fixed default policy, clipping at 1.0 and the VARIANTS
-# (no clipping, fewer update threads), each with a trace of its first measured step, while a
+# (no clipping, fewer update threads), each with a trace of its first measured step (WARMUP
+# steps before it, 2: a clipped step runs the previous step's updates, so with one warm-up
+# the traced step would hold the run's first AdamW and its first touch of the moments), while a
 # sampler reads every thread's user and kernel CPU time and minor page faults of the largest
 # process ($OUT/threads.tsv) and the guest's TLB shootdowns, IPIs and CPU time with steal
 # ($OUT/system.tsv) twice a second. The summary prints, per variant, the host AdamW per layer
 # from its trace (the "CPU update" lane), and per process the kernel threads' CPU time and page
-# faults and the guest's interrupts a second and CPU split while it ran. Record: benchmarks/2026-11-29-clipped-update-h200.md.
+# faults and the guest's interrupts a second and CPU split while it ran.
+# Record: benchmarks/2026-11-29-clipped-update-h200.md.
 # Here first: rm -f dist/*.whl; .venv/bin/maturin build --release -o dist/ -q
+# (PERF=1: also bash benches/diag/perf_bundle.sh, and carry "perf-tool")
 # Device call: carry ["dist", "wheels"], command `bash benches/gpu_clip_update.sh`.
 OUT=${OUT:-out/gpu-clip-update}
 source "$(dirname "$0")/gpu_common.sh"
@@ -32,12 +36,6 @@ VARIANTS=${VARIANTS:-"noclip=train.max_grad_norm=0 t8=runtime.update_threads=8 t
      echo -e "$(date +%s.%N)$irq$cpu"
  done) > "$OUT/system.tsv" &
 
-# STORE_SWEEP=1: first the engine's update worker on a real store, the forward's drive replayed
-# with the GPU idle and busy beside it (benches/diag/store_sweep.py; no model, no training)
-if [[ ${STORE_SWEEP:-0} != 0 ]]; then
-    part store-sweep 200 python3 benches/diag/store_sweep.py --threads "${THREADS:-15}"
-fi
-
 systems=ours sets=()
 for v in $VARIANTS; do
     systems+=",ours:${v%%=*}"
@@ -46,9 +44,42 @@ for v in $VARIANTS; do
         sets+=(--set "ours:${v%%=*}.$key")
     done
 done
+# PERF=1: every CPU sampled (perf's cpu-clock, PERF_HZ a second, on CLOCK_MONOTONIC, no call
+# graphs) through the bench, from the carried perf-tool/ (benches/diag/perf_bundle.sh)
+PERF_TOOL=(env LD_LIBRARY_PATH="$PWD/perf-tool/lib" "$PWD/perf-tool/perf")
+if [[ ${PERF:-0} != 0 ]]; then
+    "${PERF_TOOL[@]}" record -a -e cpu-clock -F "${PERF_HZ:-499}" -k CLOCK_MONOTONIC \
+        -o /tmp/clip-update.perf >> "$LOG" 2>&1 &
+    perf_pid=$!
+fi
 part bench "${RUN_S:-420}" python3 -m slidedp bench train --shape "$SHAPE" --batch "$BATCH" \
-    --systems "$systems" --set runtime.policy=fixed "${sets[@]}" --warmup 1 --steps 2 --trace "$OUT/trace.json" \
+    --systems "$systems" --set runtime.policy=fixed "${sets[@]}" --warmup "${WARMUP:-2}" --steps 2 --trace "$OUT/trace.json" \
     --json "$OUT/clip-update.json"
+if [[ ${PERF:-0} != 0 ]]; then
+    kill -INT "$perf_pid" && wait "$perf_pid"
+    # per trace: the samples while its layers' host updates ran (trace time 0 is
+    # otherData.origin_s on CLOCK_MONOTONIC), by thread name, object and symbol
+    for trace in "$OUT"/trace*.json; do
+        [[ -f $trace ]] || continue  # no run got as far as its trace
+        window=$(python3 - "$trace" <<'PY'
+import json, sys
+trace = json.loads(open(sys.argv[1]).read())
+lanes = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"}
+spans = [e for e in trace["traceEvents"] if e.get("ph") == "X"
+         and lanes.get(e["tid"]) == "CPU update" and e["name"].startswith("layers.")]
+origin = trace["otherData"]["origin_s"]
+print(f"{origin + min(e['ts'] for e in spans) / 1e6:.6f},"
+      f"{origin + max(e['ts'] + e['dur'] for e in spans) / 1e6:.6f}")
+PY
+)
+        name=$(basename "$trace" .json)
+        echo "== perf, $name, its layers' updates ($window s)" | tee -a "$LOG"
+        "${PERF_TOOL[@]}" report -i /tmp/clip-update.perf --time "$window" --sort comm,dso,sym \
+            --stdio --percent-limit 0.2 2>/dev/null | grep -v -e '^#' -e '^$' \
+            | head -60 > "$OUT/perf-$name.txt"
+        head -25 "$OUT/perf-$name.txt" | tee -a "$LOG"
+    done
+fi
 
 python3 - "$OUT" <<'PY' | tee -a "$LOG"
 import collections, json, pathlib, sys

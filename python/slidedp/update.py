@@ -103,6 +103,17 @@ class UpdateWorker:
             else (host_sum.gather_seq, host_sum.norm, host_sum.apply),
         )
 
+    def prefault(self, groups: list[int]) -> None:
+        """Faults the host state of ``groups`` (those this worker will update, in the order of
+        their first updates) into this process while no update is queued, so that the first
+        ones do not page-fault the store's untouched memory (its Adam moments); returns at once,
+        changes no value. A group updated first is skipped."""
+        self._native.prefault(groups)
+
+    def prefaulted_bytes(self) -> int:
+        """Bytes faulted in ahead of their groups' first updates so far (``prefault``)."""
+        return self._native.prefaulted_bytes()
+
     def wait_completed(self, count: int, timeout_s: float) -> None:
         """Waits until the first ``count`` requests are done; raises the first failure."""
         self._native.wait_completed(count, timeout_s)

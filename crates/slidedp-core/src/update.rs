@@ -20,6 +20,9 @@
 //! other ranks' copies of the chunk, sums every copy into its f32 slot, frees theirs and adds
 //! the sum's `Σ g²` to a running total ([`UpdateWorker::take_sum_squares`], for the global
 //! norm), then runs AdamW: the caller's thread only announces its copy and submits.
+//!
+//! Groups named by [`UpdateWorker::prefault`] are faulted into this process (the `prefault`
+//! module) while no update is queued, each before its first update: updates never wait for it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -32,6 +35,7 @@ use crate::kernels::{AdamWStep, Kernels};
 use crate::store::HostStore;
 
 mod chunk;
+mod prefault;
 mod ring;
 use chunk::{grad_chunk, update_chunk};
 pub use ring::HostSumRing;
@@ -116,7 +120,16 @@ struct Shared {
     /// Notified after every completed request.
     advanced: Condvar,
     busy_ns: AtomicU64,
+    /// Bytes of state faulted in ahead of their groups' first updates.
+    prefaulted_bytes: AtomicU64,
     spans: Mutex<std::collections::VecDeque<UpdateSpan>>,
+}
+
+/// What the worker's thread is sent: an update, in submission order, or a group to fault in
+/// when no update waits.
+enum Job {
+    Update(UpdateRequest),
+    Prefault(usize),
 }
 
 fn monotonic_s() -> f64 {
@@ -133,7 +146,7 @@ fn monotonic_s() -> f64 {
 pub struct UpdateWorker {
     store: Arc<HostStore>,
     ring: Option<Arc<HostSumRing>>,
-    sender: Mutex<Option<mpsc::Sender<UpdateRequest>>>,
+    sender: Mutex<Option<mpsc::Sender<Job>>>,
     thread: Option<JoinHandle<()>>,
     shared: Arc<Shared>,
     /// The process that started the thread: a fork's copy of the worker has no thread.
@@ -162,7 +175,7 @@ impl UpdateWorker {
                     .into(),
             ));
         }
-        let (sender, receiver) = mpsc::channel::<UpdateRequest>();
+        let (sender, receiver) = mpsc::channel::<Job>();
         let shared = Arc::new(Shared::default());
         let context = Context {
             store: store.clone(),
@@ -194,7 +207,7 @@ impl UpdateWorker {
         check(self.store.layout(), self.ring(), &request)?;
         let sender = self.sender.lock().expect("poisoned");
         let mut progress = self.shared.progress.lock().expect("poisoned");
-        let sent = sender.as_ref().map(|s| s.send(request));
+        let sent = sender.as_ref().map(|s| s.send(Job::Update(request)));
         if !matches!(sent, Some(Ok(()))) {
             return Err(Error::InvalidArgument(
                 "the update worker has stopped".into(),
@@ -202,6 +215,28 @@ impl UpdateWorker {
         }
         progress.submitted += 1;
         Ok(progress.submitted - 1)
+    }
+
+    /// Faults the state of `groups` (the ones this worker will update, in the order their
+    /// first updates come) into this process while no update is queued; a group updated
+    /// first is skipped. Returns at once; changes no value.
+    pub fn prefault(&self, groups: &[usize]) -> Result<()> {
+        for &group in groups {
+            self.store.layout().group(group)?;
+        }
+        let sender = self.sender.lock().expect("poisoned");
+        for &group in groups {
+            if let Some(sender) = sender.as_ref() {
+                // a stopped worker updates nothing more: nothing to fault in for it
+                let _ = sender.send(Job::Prefault(group));
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes faulted in ahead of their groups' first updates so far (`prefault`).
+    pub fn prefaulted_bytes(&self) -> u64 {
+        self.shared.prefaulted_bytes.load(Ordering::Relaxed)
     }
 
     /// Blocks until the first `count` submitted requests have finished (a slot read by request
@@ -404,6 +439,37 @@ impl Context {
             .map_or(Ok(()), |v| self.store.publish(request.group, v))
     }
 
+    fn run_update(&self, request: &UpdateRequest) {
+        if !self.failed() {
+            let (start, start_s) = (Instant::now(), monotonic_s());
+            let outcome = self.serve(request);
+            self.record(request, start, start_s);
+            if let Err(error) = outcome {
+                self.fail(request, error);
+            }
+        }
+        // a failed request's sum counts as done: its waiters wake with the failure
+        self.advance(|p| {
+            p.summed = p.summed.max(p.completed + 1);
+            p.completed += 1;
+        });
+    }
+
+    /// Faults `group`'s state in (`prefault::populate`); false when that failed.
+    fn prefault(&self, group: usize) -> bool {
+        let Ok(ranges) = prefault::group_ranges(&self.store, group) else {
+            return false; // checked at `UpdateWorker::prefault`
+        };
+        let done = prefault::populate(&self.kernels, &ranges);
+        if done {
+            let bytes: usize = ranges.iter().map(|&(_, len)| len).sum();
+            self.shared
+                .prefaulted_bytes
+                .fetch_add(bytes as u64, Ordering::Relaxed);
+        }
+        done
+    }
+
     fn record(&self, request: &UpdateRequest, start: Instant, start_s: f64) {
         let shared = &self.shared;
         shared
@@ -423,23 +489,55 @@ impl Context {
     }
 }
 
-fn run(context: &Context, receiver: mpsc::Receiver<UpdateRequest>) {
-    for request in receiver {
-        if !context.failed() {
-            let (start, start_s) = (Instant::now(), monotonic_s());
-            let outcome = context.serve(&request);
-            context.record(&request, start, start_s);
-            if let Err(error) = outcome {
-                context.fail(&request, error);
+/// The groups waiting to be faulted in, and the ones the worker has updated already.
+#[derive(Default)]
+struct Prefaults {
+    waiting: std::collections::VecDeque<usize>,
+    updated: std::collections::HashSet<usize>,
+    /// Off after a failed `populate` (an older kernel): the updates fault on their own.
+    off: bool,
+}
+
+impl Prefaults {
+    fn next(&mut self) -> Option<usize> {
+        while let Some(group) = self.waiting.pop_front() {
+            if !self.off && !self.updated.contains(&group) {
+                return Some(group);
             }
         }
-        // a failed request's sum counts as done: its waiters wake with the failure
-        context.advance(|p| {
-            p.summed = p.summed.max(p.completed + 1);
-            p.completed += 1;
-        });
+        None
     }
 }
 
+fn run(context: &Context, receiver: mpsc::Receiver<Job>) {
+    let mut prefaults = Prefaults::default();
+    loop {
+        // every update queued runs first; a group is faulted in only while none waits
+        let job = match receiver.try_recv() {
+            Ok(job) => job,
+            Err(mpsc::TryRecvError::Disconnected) => return,
+            Err(mpsc::TryRecvError::Empty) => match prefaults.next() {
+                Some(group) => {
+                    prefaults.off = !context.failed() && !context.prefault(group);
+                    continue;
+                }
+                None => match receiver.recv() {
+                    Ok(job) => job,
+                    Err(mpsc::RecvError) => return,
+                },
+            },
+        };
+        match job {
+            Job::Prefault(group) => prefaults.waiting.push_back(group),
+            Job::Update(request) => {
+                prefaults.updated.insert(request.group);
+                context.run_update(&request);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod prefault_tests;
 #[cfg(test)]
 mod tests;

@@ -130,6 +130,17 @@ impl PyUpdateWorker {
         })
     }
 
+    /// Faults the state of `groups` into this process while no update is queued (in this
+    /// order, each before its first update); returns at once.
+    fn prefault(&self, py: Python<'_>, groups: Vec<usize>) -> PyResult<()> {
+        gate(py, || self.inner.prefault(&groups))
+    }
+
+    /// Bytes faulted in ahead of their groups' first updates so far.
+    fn prefaulted_bytes(&self) -> u64 {
+        self.inner.prefaulted_bytes()
+    }
+
     /// Blocks (GIL released) until the first `count` submitted requests are done.
     fn wait_completed(&self, py: Python<'_>, count: u64, timeout_s: f64) -> PyResult<()> {
         let timeout = timeout_from_secs(py, timeout_s)?;

@@ -63,9 +63,9 @@ def engine_update_threads(cores: int, cuda: bool, ranks: int = 1) -> int:
     """The host kernels' threads of one of ``ranks`` ranks sharing the host when
     ``runtime.update_threads`` is 0, as ``Trainer`` starts them: the rank's share of the cores
     but one beside a GPU (the rank's training thread issues the GPU's work and copies on that
-    one: on a 16-core H200 host, 15 threads ran Qwen3-4B B=16 1.19x faster with clipping and
-    1.05x without than 16, benchmarks/2026-11-29-clipped-update-h200.md), half of the share on
-    CPU (torch computes on the rest). Each rank runs two pools
+    one; on a 16-core H200 host, 15 threads ran Qwen3-4B B=16's clipped steps as fast as 16
+    once the moments were faulted in: benchmarks/2026-11-29-clipped-update-h200.md), half of
+    the share on CPU (torch computes on the rest). Each rank runs two pools
     (AdamW, the cpu route's sums) at once: two ranks' pools on all 32 cores of the 2xH200 host
     ran the cpu route 10% slower than pools on each rank's share
     (benchmarks/2026-11-27-two-gpus-routes-h200.md). The host probe times one pool on the node's

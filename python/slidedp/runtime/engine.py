@@ -142,6 +142,7 @@ class Engine:
                                            groups, device, owners)  # fmt: skip
             self.resident_s = time.perf_counter() - started
         self.sync = GradSync(self.grads, self.reduce, self.optim, ctx, device, self.resident)
+        self.worker.prefault(self.sync.host_update_order(store.layout))  # faulted in ahead
         self.embed_buf = self._own_buffer(adapter.embed_group)
         self.head_buf = self._own_buffer(adapter.head_group)
         self.activations = ActivationOffload(device, self.clock)

@@ -28,6 +28,7 @@ from slidedp.runtime.dist import Dist, all_reduce_sum
 from slidedp.runtime.grad_lane import AdamArgs, GradLane, GradTicket
 from slidedp.runtime.resident import ResidentLayers
 from slidedp.runtime.routes import GpuReduce
+from slidedp.store_layout import StoreLayout
 
 
 class GradSync:
@@ -53,6 +54,15 @@ class GradSync:
     @property
     def clipping(self) -> bool:
         return self.optim.max_grad_norm > 0
+
+    def host_update_order(self, layout: StoreLayout) -> list[int]:
+        """The groups with trained parameters that this rank's worker updates on the host, in
+        the order of their first updates: forward order with clipping (``finish`` sends them
+        so), backward order without (as the backward hands them over)."""
+        held = self.resident.holds if self.resident is not None else (lambda group: False)
+        groups = [g for g, group in enumerate(layout.groups)
+                  if group.trained_len and self.grads.owns(g) and not held(g)]  # fmt: skip
+        return groups if self.clipping else groups[::-1]
 
     def begin_step(self) -> None:
         self._tickets = []

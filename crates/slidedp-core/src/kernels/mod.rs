@@ -242,6 +242,11 @@ impl Kernels {
         Ok(())
     }
 
+    /// Runs `work` on the kernels' pool (its rayon calls use the pool's threads).
+    pub(crate) fn install<R: Send>(&self, work: impl FnOnce() -> R + Send) -> R {
+        self.pool.install(work)
+    }
+
     /// One AdamW step over `param` with moments `exp_avg` and `exp_avg_sq`, all updated in
     /// place. With `bf16_out`, also writes bf16 of the updated parameters (same rounding as
     /// [`Kernels::cast_f32_to_bf16`], non-temporal stores on AVX-512).

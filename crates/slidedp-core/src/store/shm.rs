@@ -216,7 +216,8 @@ pub(super) fn part_lens(len_bytes: usize, parts: PartCount) -> Vec<usize> {
     lens
 }
 
-fn page_bytes() -> usize {
+/// The system's page size in bytes.
+pub(crate) fn page_bytes() -> usize {
     // SAFETY: sysconf has no preconditions.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     usize::try_from(page).unwrap_or(4096)
