@@ -22,7 +22,8 @@
 //! norm), then runs AdamW: the caller's thread only announces its copy and submits.
 //!
 //! Groups named by [`UpdateWorker::prefault`] are faulted into this process (the `prefault`
-//! module) while no update is queued, each before its first update: updates never wait for it.
+//! module) while no update is queued, each before its first update: an update that arrives
+//! meanwhile waits at most for the one group being faulted in.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
