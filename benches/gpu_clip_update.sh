@@ -99,16 +99,15 @@ for run in report["runs"]:
 # per process (one per variant, in order): its kernel threads' CPU seconds in user and kernel
 # mode and their minor page faults, over the whole run
 first, last = {}, {}
+span = collections.defaultdict(list)  # per process: the times it was sampled
 for line in (out / "threads.tsv").read_text().splitlines():
     t, path, name, user, system, faults = line.split("\t")
     key = (path.split("/")[2], path.split("/")[4], name)
     first.setdefault(key, (int(user), int(system), int(faults)))
     last[key] = (int(user), int(system), int(faults))
+    span[key[0]].append(float(t))
 pids = sorted({k[0] for k in last}, key=int)
 # per process: the guest's interrupts a second and its CPU time's split while it ran
-span = collections.defaultdict(list)
-for line in (out / "threads.tsv").read_text().splitlines():
-    span[line.split("\t")[1].split("/")[2]].append(float(line.split("\t")[0]))
 rows = [(float(line.split("\t")[0]), dict(f.split("=") for f in line.split("\t")[1:]))
         for line in (out / "system.tsv").read_text().splitlines()]
 for pid in pids:

@@ -239,7 +239,7 @@ def _named(resume: str, adapter: HFAdapter, checksums: bool) -> tuple[Path, _Che
         )
     try:
         return path, _check(path, adapter, checksums)
-    except CheckpointError:  # intact, but of another model or freeze: not damage
+    except CheckpointError:  # intact, but of another model, format or freeze: not damage
         raise
     except ValueError as damage:
         raise _damaged(path, str(damage)) from None
