@@ -107,7 +107,8 @@ class UpdateWorker:
         """Faults the host state of ``groups`` (those this worker will update, in the order of
         their first updates) into this process while no update is queued, so that the first
         ones do not page-fault the store's untouched memory (its Adam moments); returns at once,
-        changes no value. A group updated first is skipped."""
+        changes no value. A group whose state an update wrote first is skipped; an update that
+        arrives meanwhile goes first."""
         self._native.prefault(groups)
 
     def prefaulted_bytes(self) -> int:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file, save_file
 
 from cli.util import one_error_line, run
 from engine.tiny import make_model, read_metrics, write_config, write_data
@@ -172,6 +173,25 @@ def test_a_checkpoint_without_a_manifest_still_resumes_silently(
     code, _, err = run(capsys, "train", str(run_dir / "c.yaml"), "train.resume=auto")
     assert (code, err) == (0, "")
     assert json.loads((out / "checkpoint-4" / "manifest.json").read_text())["files"]
+
+
+def test_auto_skips_a_checkpoint_without_a_manifest_whose_tensors_do_not_fit(
+    capsys: Capsys, run_dir: Path
+) -> None:
+    # with a manifest such a checkpoint is intact and of another model (refused as that);
+    # without one, a renamed tensor may be a garbled header: damage, the older one resumed
+    out = run_dir / "out"
+    newest = out / "checkpoint-4"
+    (newest / "manifest.json").unlink()
+    file = newest / "model.safetensors"
+    tensors = load_file(file)
+    name = sorted(tensors)[0]
+    tensors[name + "_garbled"] = tensors.pop(name)
+    save_file(tensors, file)
+    code, _, err = run(capsys, "validate", str(run_dir / "c.yaml"), "train.resume=auto")
+    assert code == 0, err
+    one_error_line(err.replace(": warning: ", ": error: "), "validate",
+                   "damaged checkpoint-4 (", f"{out}/checkpoint-2")  # fmt: skip
 
 
 def test_the_manifest_lists_every_file_with_its_size(run_dir: Path) -> None:

@@ -54,13 +54,14 @@ def test_the_groups_are_faulted_in_in_the_order_of_their_first_updates(
 
 
 def test_frozen_and_resident_groups_are_left_out(tmp_path: Path) -> None:
-    trainer = _trainer(tmp_path, 1.0, train={"freeze": ["layers.0"]},
+    trainer = _trainer(tmp_path, 1.0, train={"freeze": ["layers.2"]},
                        runtime={"resident_layers": 1})  # fmt: skip
     engine, layout = trainer.engine, trainer.store.layout
-    assert layout.groups[1].trained_len == 0  # layer 0 frozen
+    assert layout.groups[3].trained_len == 0  # layer 2 frozen
     assert engine.resident is not None
     held = [g for g in range(LAYERS + 2) if engine.resident.holds(g)]
     assert len(held) == 1
+    assert layout.groups[held[0]].trained_len > 0  # trained, left out for residing
     order = engine.sync.host_update_order(layout)
-    assert order == [g for g in (0, 2, 3, 4) if g not in held]
+    assert order == [g for g in (0, 1, 2, 4) if g not in held]
     assert _prefaulted(trainer, _bytes(layout, order)) == _bytes(layout, order)

@@ -23,7 +23,7 @@
 //!
 //! Groups named by [`UpdateWorker::prefault`] are faulted into this process (the `prefault`
 //! module) while no update is queued, each before its first update: an update that arrives
-//! meanwhile waits at most for the one group being faulted in.
+//! meanwhile waits at most for one 16 MiB piece a thread.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -39,6 +39,7 @@ mod chunk;
 mod prefault;
 mod ring;
 use chunk::{grad_chunk, update_chunk};
+use prefault::Populated;
 pub use ring::HostSumRing;
 
 /// Update elements `[start, start + len)` of group `group`'s state (offsets relative to the
@@ -55,6 +56,14 @@ pub struct UpdateRequest {
     pub hp: AdamWStep,
     pub publish: Option<u32>,
     pub host_sum: Option<ChunkSum>,
+}
+
+impl UpdateRequest {
+    /// Whether it writes the group's master, moments and mirror: a sum that only feeds the
+    /// gradient norm and a publish of nothing do not (the group's first update is yet to come).
+    fn writes_state(&self) -> bool {
+        self.len > 0 && self.host_sum.is_none_or(|sum| sum.apply)
+    }
 }
 
 /// What the cpu gradient route does with a chunk before (or instead of) its AdamW.
@@ -219,8 +228,9 @@ impl UpdateWorker {
     }
 
     /// Faults the state of `groups` (the ones this worker will update, in the order their
-    /// first updates come) into this process while no update is queued; a group updated
-    /// first is skipped. Returns at once; changes no value.
+    /// first updates come) into this process while no update is queued; a group whose state
+    /// an update wrote first is skipped (a sum for the norm alone writes none). Returns at
+    /// once; changes no value.
     pub fn prefault(&self, groups: &[usize]) -> Result<()> {
         for &group in groups {
             self.store.layout().group(group)?;
@@ -456,19 +466,21 @@ impl Context {
         });
     }
 
-    /// Faults `group`'s state in (`prefault::populate`); false when that failed.
-    fn prefault(&self, group: usize) -> bool {
+    /// Faults `group`'s state in (`prefault::populate`) until more than `received` updates
+    /// have been submitted (one waits in the queue: it goes first).
+    fn prefault(&self, group: usize, received: u64) -> Populated {
         let Ok(ranges) = prefault::group_ranges(&self.store, group) else {
-            return false; // checked at `UpdateWorker::prefault`
+            return Populated::Failed; // checked at `UpdateWorker::prefault`
         };
-        let done = prefault::populate(&self.kernels, &ranges);
-        if done {
+        let update_waits = || self.shared.progress.lock().expect("poisoned").submitted > received;
+        let outcome = prefault::populate(&self.kernels, &ranges, update_waits);
+        if outcome == Populated::Done {
             let bytes: usize = ranges.iter().map(|&(_, len)| len).sum();
             self.shared
                 .prefaulted_bytes
                 .fetch_add(bytes as u64, Ordering::Relaxed);
         }
-        done
+        outcome
     }
 
     fn record(&self, request: &UpdateRequest, start: Instant, start_s: f64) {
@@ -500,6 +512,16 @@ struct Prefaults {
 }
 
 impl Prefaults {
+    /// After `group`'s prefault: an interrupted one is taken up again first, a failed one
+    /// turns them off.
+    fn ended(&mut self, group: usize, outcome: Populated) {
+        match outcome {
+            Populated::Done => {}
+            Populated::Interrupted => self.waiting.push_front(group),
+            Populated::Failed => self.off = true,
+        }
+    }
+
     fn next(&mut self) -> Option<usize> {
         while let Some(group) = self.waiting.pop_front() {
             if !self.off && !self.updated.contains(&group) {
@@ -512,16 +534,19 @@ impl Prefaults {
 
 fn run(context: &Context, receiver: mpsc::Receiver<Job>) {
     let mut prefaults = Prefaults::default();
+    let mut received = 0; // updates taken from the queue
     loop {
-        // every update queued runs first; a group is faulted in only while none waits
+        // every update queued runs first; a group is faulted in only while none waits, and
+        // one that arrives meanwhile stops it (the group is taken up again after)
         let job = match receiver.try_recv() {
             Ok(job) => job,
             Err(mpsc::TryRecvError::Disconnected) => return,
             Err(mpsc::TryRecvError::Empty) => match prefaults.next() {
-                Some(group) => {
-                    prefaults.off = !context.failed() && !context.prefault(group);
+                Some(group) if !context.failed() => {
+                    prefaults.ended(group, context.prefault(group, received));
                     continue;
                 }
+                Some(_) => continue, // a failed worker updates nothing more
                 None => match receiver.recv() {
                     Ok(job) => job,
                     Err(mpsc::RecvError) => return,
@@ -531,7 +556,10 @@ fn run(context: &Context, receiver: mpsc::Receiver<Job>) {
         match job {
             Job::Prefault(group) => prefaults.waiting.push_back(group),
             Job::Update(request) => {
-                prefaults.updated.insert(request.group);
+                received += 1;
+                if request.writes_state() {
+                    prefaults.updated.insert(request.group);
+                }
                 context.run_update(&request);
             }
         }

@@ -140,7 +140,7 @@ class _Checked:
 
 def _check(path: Path, adapter: HFAdapter, checksums: bool) -> _Checked:
     """Checkpoint ``path``'s files: ``ValueError`` saying what is damaged (``CheckpointError``
-    when it is intact as far as its manifest tells but does not fit this model or config)."""
+    when its manifest vouches for its files but they do not fit this model or config)."""
     manifest = read_manifest(path)
     if manifest is not None:
         problem = (checksum_problem if checksums else size_problem)(path, manifest)
@@ -152,8 +152,9 @@ def _check(path: Path, adapter: HFAdapter, checksums: bool) -> _Checked:
         return checked
     except ValueError as unreadable:  # the checksums may name the file that changed
         found = None if manifest is None or checksums else checksum_problem(path, manifest)
-        if found is None and isinstance(unreadable, CheckpointError):
+        if manifest is not None and found is None and isinstance(unreadable, CheckpointError):
             raise  # intact, but of another model, format or freeze: not damage
+        # (without a manifest nothing tells another model's tensors from garbled ones: damage)
         raise ValueError(found or str(unreadable)) from None
 
 

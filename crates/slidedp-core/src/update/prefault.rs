@@ -43,9 +43,24 @@ pub(super) fn group_ranges(store: &HostStore, group: usize) -> Result<Vec<(usize
     Ok(ranges)
 }
 
-/// Faults `ranges` into this process, writable, on `kernels`' pool; false when the kernel
-/// cannot (no `MADV_POPULATE_WRITE`) or a piece failed. Contents are left as they are.
-pub(super) fn populate(kernels: &Kernels, ranges: &[(usize, usize)]) -> bool {
+/// How [`populate`] ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Populated {
+    Done,
+    /// Stopped between pieces because `interrupted` said so (some pieces may be in already).
+    Interrupted,
+    /// The kernel cannot (no `MADV_POPULATE_WRITE`) or a piece failed.
+    Failed,
+}
+
+/// Faults `ranges` into this process, writable, on `kernels`' pool, asking `interrupted`
+/// before each piece (so an update that arrives waits for one piece a thread, not the group).
+/// Contents are left as they are.
+pub(super) fn populate(
+    kernels: &Kernels,
+    ranges: &[(usize, usize)],
+    interrupted: impl Fn() -> bool + Sync,
+) -> Populated {
     let page = page_bytes();
     let pieces: Vec<(usize, usize)> = ranges
         .iter()
@@ -58,11 +73,21 @@ pub(super) fn populate(kernels: &Kernels, ranges: &[(usize, usize)]) -> bool {
                 .map(move |at| (at, PIECE_BYTES.min(end - at)))
         })
         .collect();
-    kernels.install(|| {
-        pieces.par_iter().all(|&(at, len)| {
+    let outcome = kernels.install(|| {
+        pieces.par_iter().try_for_each(|&(at, len)| {
+            if interrupted() {
+                return Err(Populated::Interrupted);
+            }
             // SAFETY: [at, at + len) lies in the store's live mapping (`group_ranges`, rounded
             // down to its page); MADV_POPULATE_WRITE only faults pages in, writing nothing.
-            unsafe { libc::madvise(at as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) == 0 }
+            let rc =
+                unsafe { libc::madvise(at as *mut libc::c_void, len, libc::MADV_POPULATE_WRITE) };
+            if rc == 0 {
+                Ok(())
+            } else {
+                Err(Populated::Failed)
+            }
         })
-    })
+    });
+    outcome.err().unwrap_or(Populated::Done)
 }

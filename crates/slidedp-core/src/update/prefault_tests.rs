@@ -125,9 +125,9 @@ fn a_prefaulted_group_is_written_without_page_faults_and_no_value_changes() {
     }
 }
 
-#[test]
-fn prefaulting_changes_no_update_and_skips_a_group_updated_first() {
-    let update = |group| UpdateRequest {
+/// The first AdamW of all of `group` (one [1024, 4096] matrix), published as version 1.
+fn update(group: usize) -> UpdateRequest {
+    UpdateRequest {
         group,
         start: 0,
         len: 1024 * 4096,
@@ -143,7 +143,11 @@ fn prefaulting_changes_no_update_and_skips_a_group_updated_first() {
         },
         publish: Some(1),
         host_sum: None,
-    };
+    }
+}
+
+#[test]
+fn prefaulting_changes_no_update_and_skips_a_group_updated_first() {
     let (plain, plain_worker) = setup();
     for group in [0, 1] {
         plain_worker.submit(update(group)).unwrap();
@@ -168,11 +172,99 @@ fn prefaulting_changes_no_update_and_skips_a_group_updated_first() {
 }
 
 #[test]
+fn a_sum_for_the_norm_alone_or_an_empty_request_leaves_the_group_to_its_prefault() {
+    // the cpu route with clipping sums every chunk for the norm in the backward, and updates
+    // it (forward order) only after: those sums write no state, so the prefault still runs
+    let (store, worker) = setup();
+    let norm_only = ChunkSum {
+        gather_seq: None,
+        norm: true,
+        apply: false,
+    };
+    let requests = [
+        UpdateRequest {
+            publish: None,
+            host_sum: Some(norm_only),
+            ..update(1)
+        },
+        UpdateRequest {
+            len: 0,
+            ..update(1)
+        },
+    ];
+    for request in requests {
+        worker.submit(request).unwrap();
+    }
+    worker.wait_completed(2, Duration::from_secs(60)).unwrap();
+    assert!(worker.take_sum_squares(Duration::from_secs(60)).unwrap() > 0.0);
+    worker.prefault(&[1]).unwrap();
+    wait_prefaulted(&worker, group_bytes(&store, 1));
+}
+
+#[test]
 fn prefaulting_an_unknown_group_is_an_error_and_queues_nothing() {
     let (store, worker) = setup();
     assert!(worker.prefault(&[1, 2]).is_err());
     worker.prefault(&[]).unwrap();
+    // had the refused call queued group 1, it would be faulted in first: these bytes would
+    // be its, with group 0 still to come (faults below), then both groups' (the last check)
+    worker.prefault(&[0]).unwrap();
+    wait_prefaulted(&worker, group_bytes(&store, 0));
+    assert!(faults_writing_moments(&store, 0) <= 16);
     std::thread::sleep(Duration::from_millis(50));
-    assert_eq!(worker.prefaulted_bytes(), 0);
-    drop(store);
+    assert_eq!(worker.prefaulted_bytes(), group_bytes(&store, 0));
+}
+
+#[test]
+fn populating_stops_between_pieces_when_interrupted_and_an_interrupted_group_comes_next() {
+    let (store, worker) = setup();
+    let ranges = prefault::group_ranges(&store, 1).unwrap();
+    let kernels = Kernels::new(2, Isa::detect()).unwrap();
+    let asked = AtomicU64::new(0);
+    let interrupted = || asked.fetch_add(1, Ordering::Relaxed) > 0; // after the first piece
+    assert_eq!(
+        prefault::populate(&kernels, &ranges, interrupted),
+        Populated::Interrupted
+    );
+    let pages = (store.layout().groups[1].trained_len * 8 / crate::store::shm::page_bytes()) as i64;
+    let faults = faults_writing_moments(&store, 1);
+    assert!(
+        faults >= pages / 2,
+        "{faults} faults for {pages} pages: populated on"
+    );
+    assert_eq!(
+        prefault::populate(&kernels, &ranges, || false),
+        Populated::Done
+    );
+    drop(worker);
+
+    let mut prefaults = Prefaults::default();
+    prefaults.waiting.extend([0, 1]);
+    assert_eq!(prefaults.next(), Some(0));
+    prefaults.ended(0, Populated::Interrupted);
+    assert_eq!(prefaults.next(), Some(0));
+    prefaults.ended(0, Populated::Done);
+    assert_eq!(prefaults.next(), Some(1));
+    prefaults.ended(1, Populated::Failed);
+    prefaults.waiting.push_back(1);
+    assert_eq!(prefaults.next(), None);
+}
+
+#[test]
+fn an_update_submitted_during_a_prefault_runs_and_the_group_is_still_faulted_in_once() {
+    let (plain, plain_worker) = setup();
+    plain_worker.submit(update(0)).unwrap();
+    plain_worker.drain(Duration::from_secs(60)).unwrap();
+
+    let (store, worker) = setup();
+    worker.prefault(&[1]).unwrap();
+    worker.submit(update(0)).unwrap(); // most likely while group 1 is being faulted in
+    worker.drain(Duration::from_secs(60)).unwrap();
+    wait_prefaulted(&worker, group_bytes(&store, 1));
+    for region in REGIONS {
+        assert!(
+            bytes(&plain, region) == bytes(&store, region),
+            "{region:?} differs"
+        );
+    }
 }
