@@ -7,7 +7,7 @@
 # Layer compute: the default (eager kernels, compiled; Liger not installed here).
 OUT=${OUT:-out/gpu-model}
 LIGER=0 source "$(dirname "$0")/gpu_common.sh"
-part host 60 python3 -m slidedp.bench.predict host '{"device": "cuda"}' "$OUT/host.json"
+part host 60 python3 -m slidedp.bench.predict host '{"device": "cuda", "ranks": 1}' "$OUT/host.json"
 BENCH=(python3 -m slidedp bench train --systems ours --warmup 2 --steps 3)
 case ${PARTS:-first} in
     first)  # 5 runs: Qwen3-1.7B B=4..32 with clipping, Qwen3-4B B=16 without

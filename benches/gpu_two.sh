@@ -35,7 +35,7 @@ routes() {  # routes SHAPE BATCH ROUTES SECONDS [BENCH ARGS...]
         --set runtime.bf16_mirror=true --json "$OUT/$1-b$2.json" "${@:5}"
 }
 host_probe() {  # the host AdamW rate alone and under the copies
-    part host 60 python3 -m slidedp.bench.predict host '{"device": "cuda"}' "$OUT/host.json"
+    part host 60 python3 -m slidedp.bench.predict host '{"device": "cuda", "ranks": 2}' "$OUT/host.json"
 }
 nodes_check() {  # two one-GPU nodes over NCCL's sockets against one node of two GPUs
     part nodes 150 python3 -m slidedp bench nodes --device cuda --nodes 2 --ranks 1 \
