@@ -1,9 +1,12 @@
 //! `UpdateWorker::prefault`: a group's state faulted in while the worker idles, no value changed.
 
+use super::prefault::Populated;
+use super::thread::Prefaults;
 use super::*;
 use crate::kernels::Isa;
 use crate::store::{Dtype, GroupSpec, ParamSpec, Region, StoreSpec};
 use std::path::Path;
+use std::time::Instant;
 
 /// Two groups of one [1024, 4096] matrix each: 16 MiB of f32 per group and region, gradient
 /// slots of a whole group, the BF16 mirror.
