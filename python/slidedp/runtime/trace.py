@@ -40,21 +40,16 @@ class StepTrace:
     updates: list[tuple[str, float, float]]  # (group name, start, end)
 
 
-def _spans(trace: StepTrace) -> list[Span]:
-    return [(k, s, e) for k, s, e in trace.spans] + [("update", s, e) for _, s, e in trace.updates]
-
-
 def trace_origin_s(trace: StepTrace) -> float | None:
     """The CLOCK_MONOTONIC second of the step's first span, the trace's time 0 (None: no span)."""
-    spans = _spans(trace)
-    return min(s for _, s, _ in spans) if spans else None
+    return min((s for _, s, _ in [*trace.spans, *trace.updates]), default=None)
 
 
 def chrome_events(trace: StepTrace) -> list[dict[str, object]]:
-    spans = _spans(trace)
     t0 = trace_origin_s(trace)
     if t0 is None:
         return []
+    spans = [(k, s, e) for k, s, e in trace.spans] + [("update", s, e) for _, s, e in trace.updates]
     events: list[dict[str, object]] = [
         {"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": name}}
         for tid, name in [*TRACKS.values(), WAIT_TRACK]
