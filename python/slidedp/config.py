@@ -101,6 +101,8 @@ class TrainSection:
         _require(self.adam_epsilon > 0, "train.adam_epsilon must be > 0")
         _require(self.max_grad_norm >= 0, "train.max_grad_norm must be >= 0 (0 disables)")
         _require(self.warmup_steps >= 0, "train.warmup_steps must be >= 0")
+        # numpy's generators (the data's order and split) take no negative seed, torch none >= 2**64
+        _require(0 <= self.seed < 2**63, f"train.seed must be in [0, 2**63), got {self.seed}")
         _require(self.max_consecutive_skips >= 1, "train.max_consecutive_skips must be >= 1")
         _require(self.eval_steps >= 0, "train.eval_steps must be >= 0 (0: only at the end)")
         _require(

@@ -210,7 +210,7 @@ def check_resume(
     if decided is not None:
         point = decided.point
     else:
-        point = plan_resume(cfg.train, Path(cfg.output.dir), adapter)
+        point = plan_resume(cfg.train, cfg.data, Path(cfg.output.dir), adapter)
     if point is None:
         return None, "resume   none: a new run"
     return point, f"resume   from {point.path} (step {point.progress.step}), files intact"

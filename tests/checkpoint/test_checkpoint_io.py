@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from engine.tiny import make_model
 from slidedp.cli import main
 from slidedp.config import TrainSection
+from slidedp.data.config import DataSection
 from slidedp.errors import CheckpointError
 from slidedp.io import checkpoint as ckpt
 from slidedp.io import export
@@ -56,7 +57,9 @@ def _save(out: Path, adapter: HFAdapter, store: HostStore, step: int, **kw: Any)
 
 def resolve_resume(resume: str, out: Path, adapter: HFAdapter) -> Path | None:
     """The checkpoint ``train.resume=RESUME`` continues from (None: a new run)."""
-    point = plan_resume(TrainSection(max_steps=100, resume=resume), out, adapter)
+    point = plan_resume(
+        TrainSection(max_steps=100, resume=resume), DataSection(path="d.jsonl"), out, adapter
+    )
     return None if point is None else point.path
 
 

@@ -19,7 +19,13 @@ from safetensors.torch import load_file, save_file
 from engine.tiny import make_model, read_metrics, write_config, write_data
 from slidedp.cli import main
 from slidedp.config import load_config
-from slidedp.errors import ConfigError, NonFiniteError, TrainingInterruptedError
+from slidedp.errors import (
+    CheckpointError,
+    ConfigError,
+    NonFiniteError,
+    TrainingInterruptedError,
+)
+from slidedp.io.resume import kept_records
 from slidedp.runtime.trainer import Trainer
 from slidedp.store import StateRegion
 
@@ -170,6 +176,9 @@ def test_resume_refusals_are_one_clear_line_the_same_for_validate_and_write_noth
         ([], "already holds checkpoint-2: set train.resume=auto"),
         (["train.resume=auto", "train.max_steps=1"], "beyond train.max_steps=1"),
         (["train.resume=auto", "train.global_batch_size=2"], "global_batch_size=4"),
+        # the held-out split and the order would change: held-out samples trained on
+        (["train.resume=auto", "train.seed=7"], "train.seed=42, this config has 7"),
+        (["train.resume=auto", "data.shuffle=true"], "data.shuffle=false"),
         (
             [f"model.path={deeper}", f"train.resume={out / 'checkpoint-2'}"],
             "checkpoint-2 does not fit this model",
@@ -189,6 +198,18 @@ def test_resume_refusals_are_one_clear_line_the_same_for_validate_and_write_noth
     after = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     assert after.pop(out / "resolved_config.yaml") != before.pop(out / "resolved_config.yaml")
     assert after == before  # checkpoint, metrics and final/ as they were
+
+
+def test_a_torn_last_metrics_line_goes_with_the_later_steps_and_a_garbled_one_is_named(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "metrics.jsonl"
+    records = [json.dumps({"step": step, "loss": 1.0}) for step in (1, 2, 3)]
+    path.write_text("\n".join(records) + "\n" + '{"step": 4, "lo')  # died writing step 4
+    assert kept_records(path, 2) == records[:2]
+    path.write_text("\n".join([records[0], "{garbled", records[2]]) + "\n")
+    with pytest.raises(CheckpointError, match=r"metrics.jsonl:2 is not a step record; mend"):
+        kept_records(path, 2)
 
 
 def _data_with_poison(path: Path, poisoned_steps: set[int], steps: int, batch: int) -> Path:

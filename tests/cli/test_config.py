@@ -77,11 +77,12 @@ def test_every_problem_of_file_and_overrides_is_reported_at_once(tmp_path: Path)
 
 
 def test_value_checks_of_one_section_are_all_reported() -> None:
-    problems = _problems(_raw(train={"max_steps": 0, "adam_beta1": 1.5, "adam_epsilon": 0}))
-    assert problems == [
+    train = {"max_steps": 0, "adam_beta1": 1.5, "adam_epsilon": 0, "seed": -1}
+    assert _problems(_raw(train=train)) == [
         "train.max_steps must be >= 1, got 0",
         "train.adam_beta1 must be in [0, 1), got 1.5",
         "train.adam_epsilon must be > 0",
+        "train.seed must be in [0, 2**63), got -1",  # numpy's generators refuse it mid-run
     ]
 
 

@@ -88,8 +88,41 @@ BAD_FILES: list[tuple[str, str, dict[str, Any], str]] = [
         r"d\.jsonl:2: token id 28 is outside the model's vocabulary \[0, 28\)$",
     ),
     ("d.jsonl", '{"input_ids": [-1, 2]}\n', {}, r"d\.jsonl:1: token id -1 is outside"),
+    (
+        "d.jsonl",
+        '{"input_ids": [1, 2]}\n{"input_ids": [1, 2, 3], "labels": [-100, 2]}\n',
+        {},
+        r"d\.jsonl:2: labels has 2 entries, input_ids 3: one label per token",
+    ),
+    (
+        "d.jsonl",
+        '{"input_ids": [1, 2]}\n{"input_ids": [1, 2, 3], "labels": [-100, 2, 4]}\n',
+        {},
+        r"d\.jsonl:2: labels\[2\]=4 is neither -100 nor input_ids\[2\]=3: labels are the ids",
+    ),
+    ("d.jsonl", '{"input_ids": [1, 2], "labels": "2"}\n', {}, r"1: labels must be a list of int"),
     ("d.jsonl", '{"text": ""}\n', {}, r"d\.jsonl:1: a sample needs at least 2 tokens, got 1"),
     ("d.jsonl", '{"text": 3}\n', {}, r"d\.jsonl:1: 'text' must be a string"),
+    # a lone surrogate is valid JSON but no Unicode text: the tokenizer's refusal names no line
+    (
+        "d.jsonl",
+        '{"text": "w1"}\n{"text": "w1 \\ud800 w2"}\n',
+        {},
+        r"d\.jsonl:2: the text is not valid Unicode \(surrogates not allowed at character 3, as "
+        r"the JSON escape \\ud800\)",
+    ),
+    (
+        "d.jsonl",
+        '{"prompt": "w1", "completion": "\\udfff"}\n',
+        {},
+        r"d\.jsonl:1: the text is not valid Unicode",
+    ),
+    (
+        "d.jsonl",
+        json.dumps({"messages": [CHAT[0], {"role": "assistant", "content": "w1 \ud800"}]}) + "\n",
+        {},
+        r"d\.jsonl:1: the text is not valid Unicode",
+    ),
     ("d.jsonl", '{"prompt": "w1", "completion": null}\n', {}, r"d\.jsonl:1: 'completion' must be"),
     (
         "d.jsonl",
@@ -198,7 +231,8 @@ def test_packing_text_and_completions_need_eos(tmp_path: Path) -> None:
 
 
 def test_unreadable_file(tmp_path: Path) -> None:
-    with pytest.raises(DataError, match=r"cannot read data .*missing\.jsonl: No such file"):
+    fix = r"No such file or directory; point data\.path"
+    with pytest.raises(DataError, match=rf"cannot read data .*missing\.jsonl: {fix}"):
         build(tmp_path / "missing.jsonl", tmp_path)
 
 

@@ -91,6 +91,26 @@ def test_input_ids_are_taken_as_given(tmp_path: Path, tok: Path) -> None:
     assert batch.labels.tolist() == [[5, 6, 7], [8, 9, X]]
 
 
+def test_input_ids_labels_mask_the_tokens_not_trained_on_in_every_file_type(
+    tmp_path: Path, tok: Path
+) -> None:
+    records = [{"input_ids": [5, 6, 7, 8], "labels": [X, X, 7, 8]}, {"input_ids": [8, 9, 4]}]
+    (tmp_path / "d.json").write_text(json.dumps(records))
+    with_labels = [{"input_ids": [5, 6, 7, 8], "labels": [X, X, 7, 8]},
+                   {"input_ids": [8, 9, 4], "labels": [X, 9, X]}]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(with_labels), tmp_path / "d.parquet")
+    expected = {
+        "d.jsonl": [[X, X, 7, 8], [8, 9, 4, X]],  # a record without labels trains on every token
+        "d.json": [[X, X, 7, 8], [8, 9, 4, X]],
+        "d.parquet": [[X, X, 7, 8], [X, 9, X, X]],
+    }
+    jsonl(tmp_path / "d.jsonl", records)
+    for name, labels in expected.items():
+        batch = build(tmp_path / name, tok).batch(0)
+        assert batch.input_ids.tolist() == [[5, 6, 7, 8], [8, 9, 4, PAD]], name
+        assert batch.labels.tolist() == labels, name
+
+
 RECORDS = [
     {"input_ids": [5, 6, 7]},
     {"input_ids": [8, 9]},

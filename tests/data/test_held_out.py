@@ -72,6 +72,11 @@ def _raw(**sections: dict[str, Any]) -> dict[str, Any]:
     [
         ({"data": {"eval_path": "e.jsonl", "eval_fraction": 0.1}}, "both given"),
         ({"data": {"eval_fraction": 1.0}}, r"eval_fraction must be in \[0, 1\)"),
+        ({"data": {"eval_path": "./d.jsonl"}}, "is a file the run trains on"),
+        (
+            {"data": {"path": "", "sources": [{"path": "a.jsonl"}], "eval_path": "a.jsonl"}},
+            "is a file the run trains on",
+        ),
         ({"train": {"eval_steps": 5}}, "train.eval_steps needs held-out data"),
         ({"output": {"save_best": True}}, "output.save_best needs held-out data"),
     ],

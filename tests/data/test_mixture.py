@@ -82,11 +82,18 @@ def test_the_mixture_is_seeded_and_each_batch_a_pure_function_of_the_step(
     assert (counts[False], counts[True]) == (10, 4)  # weight 3:1 of 14 samples: 10.5 → 10, 3.5 → 4
 
 
+def test_huge_weights_keep_their_shares(tmp_path: Path, files: tuple[Path, Path]) -> None:
+    a, b = files  # their sum overflows to inf: the shares are taken of the weights scaled first
+    huge = [{"path": str(a), "weight": 1.5e308}, {"path": str(b), "weight": 5e307}]
+    assert [s.samples for s in _mixture(tmp_path, huge).report.sources] == [10, 4]
+
+
 @pytest.mark.parametrize(
     ("keys", "message"),
     [
         ({"path": "x.jsonl", "sources": [{"path": "y.jsonl"}]}, "both given"),
         ({"sources": [{"path": "y.jsonl", "weight": 0}]}, r"sources\[0\]\.weight must be"),
+        ({"sources": [{"path": "y.jsonl", "weight": float("inf")}]}, r"finite number > 0, got inf"),
         ({"sources": [{"path": "y.jsonl", "wieght": 2}]}, r"unknown key\(s\) \['wieght'\]"),
         ({"sources": [{"weight": 2}]}, r"sources\[0\]\.path is required"),
         ({"sources": [{"path": "y.jsonl", "format": "chat"}]}, r"sources\[0\]\.format"),

@@ -13,7 +13,7 @@ from cli.util import run
 from engine.tiny import make_model, read_metrics, write_config, write_data
 from slidedp.config import OutputSection
 from slidedp.errors import ConfigError
-from slidedp.runtime.trackers import TensorBoardTracker
+from slidedp.runtime.trackers import TensorBoardTracker, WandbTracker
 
 
 @pytest.mark.e2e
@@ -41,6 +41,23 @@ def test_wandb_offline_gets_the_config_the_plan_and_every_record(
             assert text.encode() in raw, (key, value)
     assert b"global_batch_size" in raw  # the resolved config
     assert b"param_route" in raw  # the plan's policy
+
+
+def test_wandb_without_a_login_is_one_config_error_saying_how_to_log_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wandb = pytest.importorskip("wandb")
+
+    def refuse(**_: object) -> None:  # as wandb.init off a terminal with no API key
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    with pytest.raises(ConfigError) as refused:
+        WandbTracker(tmp_path)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert "W&B did not start (UsageError: No API key configured" in message
+    assert "set WANDB_API_KEY" in message
 
 
 class _SummaryWriter:

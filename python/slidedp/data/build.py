@@ -99,7 +99,8 @@ def build_batches(
             f"data.pad_id={section.pad_id} is outside the vocabulary of {model.vocab_size}"
         )
     if part == "eval" and section.eval_path:
-        section = replace(section, path=section.eval_path, sources=[], eval_fraction=0.0)
+        held = section.eval_path  # the file read as the one source, nothing split off it
+        section = replace(section, path=held, sources=[], eval_path="", eval_fraction=0.0)
     read = [_read_source(spec, section, model_dir, model) for spec in section.source_specs()]
     if section.eval_fraction:  # each source's held-out share, drawn by the seed
         read = [

@@ -15,7 +15,9 @@ weight: 1}]`` (docs/configuration.md, key ``data.sources``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from slidedp.errors import require as _require
@@ -79,6 +81,12 @@ class DataSection:
         )
         for i, source in enumerate(self.sources):
             _check_source(i, source, self.format)
+        trained = {Path(spec.path).resolve() for spec in self.source_specs()}
+        _require(
+            not self.eval_path or Path(self.eval_path).resolve() not in trained,
+            f"data.eval_path {self.eval_path} is a file the run trains on: the evaluation "
+            "would measure training data; give a file of its own, or data.eval_fraction",
+        )
         _require(self.seq_len >= 2, f"data.seq_len must be >= 2, got {self.seq_len}")
         _require(
             self.format in DATA_FORMATS,
@@ -90,6 +98,11 @@ class DataSection:
             f"got {self.over_length!r}",
         )
         _require(self.pad_id >= -1, f"data.pad_id must be >= 0 (or -1: auto), got {self.pad_id}")
+
+    def identity(self) -> dict[str, Any]:
+        """What decides the run's samples, their order and the held-out split (every key of the
+        section): a checkpoint keeps it, and a resume refuses a change to any of it."""
+        return asdict(self)
 
     @property
     def has_eval(self) -> bool:
@@ -123,6 +136,9 @@ def _check_source(i: int, source: Any, default_format: str) -> None:
     )
     weight = source.get("weight", 1.0)
     _require(
-        isinstance(weight, int | float) and not isinstance(weight, bool) and weight > 0,
-        f"{where}.weight must be a number > 0, got {weight!r}",
+        isinstance(weight, int | float)
+        and not isinstance(weight, bool)
+        and math.isfinite(weight)
+        and weight > 0,
+        f"{where}.weight must be a finite number > 0, got {weight!r}",
     )

@@ -31,6 +31,7 @@ from slidedp.data.sources import Chunk, TokenColumn
 from slidedp.errors import DataError
 
 _VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+_IGNORED = -100  # a label that is no target (transformers' ignore_index)
 
 
 def _first_line(error: BaseException) -> str:
@@ -175,6 +176,31 @@ class Encoder:
                 raise DataError(f"{self.where(number)}: '{key}' must be a string")
         return values
 
+    def _encoded(
+        self,
+        tokenizer: Any,
+        chunk: Chunk,
+        texts: list[str],
+        *,
+        special: bool,
+        offsets: bool = False,
+    ) -> Any:
+        """``_encode`` of the chunk's texts (one per sample); a text that is not Unicode (a lone
+        surrogate: "\\ud800" is valid JSON) is named by its file and line."""
+        try:
+            return _encode(tokenizer, texts, special=special, offsets=offsets)
+        except TypeError:  # the fast tokenizer's refusal names no text: find it (errors only)
+            for number, text in zip(chunk.numbers.tolist(), texts, strict=True):
+                try:
+                    text.encode()
+                except UnicodeEncodeError as e:
+                    raise DataError(
+                        f"{self.where(number)}: the text is not valid Unicode ({e.reason} at "
+                        f"character {e.start}, as the JSON escape \\u{ord(text[e.start]):04x}); "
+                        "mend or remove the record"
+                    ) from None
+            raise
+
     def _append_eos(self, ids: I64, lengths: I64, eos: int) -> tuple[I64, I64]:
         """eos after each segment that does not already end with it."""
         ends = np.cumsum(lengths)
@@ -186,7 +212,8 @@ class Encoder:
     def _text(self, chunk: Chunk) -> tuple[I64, I64, npt.NDArray[np.bool_]]:
         texts = self._strings(chunk, "text")
         tokenizer = self.tokenizer("text")
-        ids, lengths = flatten_lists(_encode(tokenizer, texts, special=True)["input_ids"])
+        encoded = self._encoded(tokenizer, chunk, texts, special=True)
+        ids, lengths = flatten_lists(encoded["input_ids"])
         if self.packing:
             ids, lengths = self._append_eos(ids, lengths, self.eos_id("text", "packing text"))
         return ids, lengths, np.ones(len(ids), dtype=np.bool_)
@@ -196,8 +223,12 @@ class Encoder:
         completions = self._strings(chunk, "completion")
         tokenizer = self.tokenizer("prompt_completion")
         eos = self.eos_id("prompt_completion", "prompt/completion data")
-        p, p_len = flatten_lists(_encode(tokenizer, prompts, special=True)["input_ids"])
-        c, c_len = flatten_lists(_encode(tokenizer, completions, special=False)["input_ids"])
+        p, p_len = flatten_lists(
+            self._encoded(tokenizer, chunk, prompts, special=True)["input_ids"]
+        )
+        c, c_len = flatten_lists(
+            self._encoded(tokenizer, chunk, completions, special=False)["input_ids"]
+        )
         c, c_len = self._append_eos(c, c_len, eos)
         lengths = p_len + c_len
         starts = np.cumsum(lengths) - lengths
@@ -221,7 +252,9 @@ class Encoder:
             spans.extend((base + a, base + b) for a, b in own)
             texts.append(text)
             base += len(text)
-        encoded = _encode(tokenizer, texts, special=False, offsets=not self.train_on_prompt)
+        encoded = self._encoded(
+            tokenizer, chunk, texts, special=False, offsets=not self.train_on_prompt
+        )
         ids, lengths = flatten_lists(encoded["input_ids"])
         if self.train_on_prompt:
             return ids, lengths, np.ones(len(ids), dtype=np.bool_)
@@ -283,23 +316,55 @@ class Encoder:
         return full, spans
 
     def _input_ids(self, chunk: Chunk) -> tuple[I64, I64, npt.NDArray[np.bool_]]:
-        column = chunk.columns["input_ids"]
+        ids, lengths = self._token_lists(chunk, "input_ids")
+        if "labels" not in chunk.columns:
+            return ids, lengths, np.ones(len(ids), dtype=np.bool_)
+        return ids, lengths, self._trained_by_labels(chunk, ids, lengths)
+
+    def _token_lists(self, chunk: Chunk, key: str) -> tuple[I64, I64]:
+        """Column ``key`` as flat ids and lengths (a record without it: length -1, no ids)."""
+        column = chunk.columns[key]
         if isinstance(column, TokenColumn):
-            ids, lengths = column.values, np.diff(column.offsets)
-        else:
-            arrays = []
-            for number, value in zip(chunk.numbers.tolist(), column, strict=True):
-                try:
-                    array = np.asarray(value) if isinstance(value, list) else None
-                except ValueError:  # ragged nesting
-                    array = None
-                if (
-                    array is None
-                    or array.ndim != 1
-                    or (array.size and array.dtype.kind not in "iu")
-                ):
-                    raise DataError(f"{self.where(number)}: input_ids must be a list of integers")
-                arrays.append(array.astype(np.int64))
-            lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
-            ids = np.concatenate(arrays)
-        return ids, lengths, np.ones(len(ids), dtype=np.bool_)
+            return column.values, np.diff(column.offsets)
+        arrays = []
+        lengths = np.full(len(column), -1, dtype=np.int64)
+        for i, (number, value) in enumerate(zip(chunk.numbers.tolist(), column, strict=True)):
+            if value is None and key != "input_ids":
+                continue
+            try:
+                array = np.asarray(value) if isinstance(value, list) else None
+            except ValueError:  # ragged nesting
+                array = None
+            if array is None or array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):
+                raise DataError(f"{self.where(number)}: {key} must be a list of integers")
+            arrays.append(array.astype(np.int64))
+            lengths[i] = len(array)
+        ids = np.concatenate(arrays) if arrays else np.empty(0, dtype=np.int64)
+        return ids, lengths
+
+    def _trained_by_labels(self, chunk: Chunk, ids: I64, lengths: I64) -> npt.NDArray[np.bool_]:
+        """The tokens the records' ``labels`` train on: transformers' layout, the ids with -100
+        where a token is no target (the model shifts them); a record without labels: every one."""
+        labels, label_lengths = self._token_lists(chunk, "labels")
+        given = label_lengths >= 0
+        wrong = given & (label_lengths != lengths)
+        if wrong.any():
+            i = int(np.argmax(wrong))
+            raise DataError(
+                f"{self.where(int(chunk.numbers[i]))}: labels has {int(label_lengths[i])} "
+                f"entries, input_ids {int(lengths[i])}: one label per token (-100: not trained)"
+            )
+        flat = ids.copy()
+        flat[np.repeat(given, lengths)] = labels
+        target: npt.NDArray[np.bool_] = np.not_equal(flat, _IGNORED)
+        differs = target & (flat != ids)
+        if differs.any():
+            at = int(np.argmax(differs))
+            i = int(np.searchsorted(np.cumsum(lengths), at, side="right"))
+            k = at - int(np.cumsum(lengths)[i] - lengths[i])
+            raise DataError(
+                f"{self.where(int(chunk.numbers[i]))}: labels[{k}]={int(flat[at])} is neither "
+                f"-100 nor input_ids[{k}]={int(ids[at])}: labels are the ids with -100 at the "
+                "tokens not trained on (the model shifts them)"
+            )
+        return target

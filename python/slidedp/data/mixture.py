@@ -55,8 +55,10 @@ def take(samples: Samples, index: I64) -> Samples:
 
 def shares_of(sizes: Sequence[int], weights: Sequence[float]) -> list[int]:
     """Samples each source gives an epoch: its weight's share of every sample, at least one."""
-    total, weight_sum = sum(sizes), sum(weights)
-    return [max(1, round(w / weight_sum * total)) for w in weights]
+    largest = max(weights)  # scaled to at most 1 first: a sum of huge weights cannot overflow
+    scaled = [w / largest for w in weights]
+    total, weight_sum = sum(sizes), sum(scaled)
+    return [max(1, round(w / weight_sum * total)) for w in scaled]
 
 
 def _picks(size: int, count: int, seed: int, stream: int) -> I64:

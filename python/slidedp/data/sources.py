@@ -5,7 +5,9 @@ allowed), ``.json`` (a list of objects) or ``.parquet`` (pyarrow, imported only 
 format comes from ``data.format`` or, when ``auto``, from the first record's keys (the columns
 for Parquet): ``text``; ``messages``; ``prompt`` + ``completion``; ``input_ids``. Every record
 must be of the file's format: a record of another one is an error naming its line. Other keys
-are ignored. A chunk holds only the format's keys, as columns.
+are ignored, but for an ``input_ids`` record's ``labels`` (``OPTIONAL_KEYS``: the ids with -100
+at the tokens not trained on, as transformers lays them out). A chunk holds only the format's
+keys, as columns.
 
 Example::
 
@@ -33,7 +35,10 @@ FORMAT_KEYS: dict[str, tuple[str, ...]] = {
     "prompt_completion": ("prompt", "completion"),
     "input_ids": ("input_ids",),
 }
+# read beside a format's keys where a record has them (a record without: every token trains)
+OPTIONAL_KEYS: dict[str, tuple[str, ...]] = {"input_ids": ("labels",)}
 RECORDS_PER_CHUNK = 4096  # records tokenized in one batched call
+_FIX_PATH = "; point data.path (data.sources, data.eval_path) at a readable file"
 _UNITS = {".jsonl": "line", ".json": "record", ".parquet": "row"}
 
 
@@ -100,6 +105,9 @@ class Source:
         columns: dict[str, list[Any] | TokenColumn] = {
             key: [r[key] for r in rows] for key in FORMAT_KEYS[fmt]
         }
+        for key in OPTIONAL_KEYS.get(fmt, ()):
+            if any(key in r for r in rows):
+                columns[key] = [r.get(key) for r in rows]
         return Chunk(fmt, columns, np.asarray(numbers, dtype=np.int64))
 
     def _resolve_format(self, keys: list[str], where: str) -> str:
@@ -148,13 +156,13 @@ class Source:
                     except UnicodeDecodeError:
                         raise DataError(f"{self.where(number)}: not valid UTF-8") from None
         except OSError as e:
-            raise DataError(f"cannot read data {self.path}: {e.strerror}") from None
+            raise DataError(f"cannot read data {self.path}: {e.strerror}{_FIX_PATH}") from None
 
     def _json_records(self) -> Iterator[tuple[int, Any]]:
         try:
             document = json.loads(self.path.read_bytes())
         except OSError as e:
-            raise DataError(f"cannot read data {self.path}: {e.strerror}") from None
+            raise DataError(f"cannot read data {self.path}: {e.strerror}{_FIX_PATH}") from None
         except json.JSONDecodeError as e:
             raise DataError(f"{self.path}: not valid JSON ({e.msg}, line {e.lineno})") from None
         except UnicodeDecodeError:
@@ -177,9 +185,10 @@ class Source:
         try:
             parquet = pq.ParquetFile(self.path)
         except (OSError, pa.ArrowException) as e:
-            raise DataError(f"cannot read data {self.path}: {e}") from None
+            raise DataError(f"cannot read data {self.path}: {e}{_FIX_PATH}") from None
         fmt = self._resolve_format(parquet.schema_arrow.names, f"{self.path} (columns)")
-        keys = FORMAT_KEYS[fmt]
+        names = parquet.schema_arrow.names
+        keys = FORMAT_KEYS[fmt] + tuple(k for k in OPTIONAL_KEYS.get(fmt, ()) if k in names)
         first_row = 1
         for batch in parquet.iter_batches(batch_size=RECORDS_PER_CHUNK, columns=list(keys)):
             numbers = np.arange(first_row, first_row + batch.num_rows, dtype=np.int64)
@@ -188,12 +197,12 @@ class Source:
             for key in keys:
                 column = batch.column(key)
                 if fmt == "input_ids":
-                    columns[key] = self._token_column(column, numbers)
+                    columns[key] = self._token_column(column, numbers, key)
                 else:
                     columns[key] = column.to_pylist()
             yield Chunk(fmt, columns, numbers)
 
-    def _token_column(self, column: Any, numbers: npt.NDArray[np.int64]) -> TokenColumn:
+    def _token_column(self, column: Any, numbers: npt.NDArray[np.int64], key: str) -> TokenColumn:
         """A Parquet list-of-integers column as flat arrays (zero-copy where arrow allows)."""
         import pyarrow as pa  # noqa: PLC0415  optional: Parquet data only
 
@@ -201,14 +210,14 @@ class Source:
         if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)) or not (
             pa.types.is_integer(kind.value_type)
         ):
-            raise DataError(f"{self.path}: column input_ids must be a list of integers, got {kind}")
+            raise DataError(f"{self.path}: column {key} must be a list of integers, got {kind}")
         if column.null_count:
             row = int(numbers[np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0]])
-            raise DataError(f"{self.where(row)}: input_ids is null")
+            raise DataError(f"{self.where(row)}: {key} is null")
         offsets = column.offsets.to_numpy().astype(np.int64)
         values = column.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
         if values.null_count:
             null_at = np.flatnonzero(values.is_null().to_numpy(zero_copy_only=False))[0]
             row = numbers[np.searchsorted(offsets - offsets[0], null_at, side="right") - 1]
-            raise DataError(f"{self.where(int(row))}: input_ids holds a null token id")
+            raise DataError(f"{self.where(int(row))}: {key} holds a null token id")
         return TokenColumn(values.to_numpy().astype(np.int64), offsets - offsets[0])

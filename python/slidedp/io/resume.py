@@ -15,7 +15,7 @@ it as it is (``read_resume_decision``) instead of reading the checkpoint's files
 
 Example::
 
-    point = plan_resume(cfg.train, Path(cfg.output.dir), adapter)   # None: a new run
+    point = plan_resume(cfg.train, cfg.data, Path(cfg.output.dir), adapter)  # None: a new run
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from slidedp.config import TrainSection
+from slidedp.data.config import DataSection
 from slidedp.errors import CheckpointError
 from slidedp.io.checkpoint import (
     FORMAT,
@@ -192,7 +193,9 @@ def _damaged(path: Path, problem: str) -> CheckpointError:
     return CheckpointError(f"checkpoint {path} is damaged: {problem}; {fix}")
 
 
-def _resumable(path: Path, state: dict[str, Any], train: TrainSection) -> Progress:
+def _resumable(
+    path: Path, state: dict[str, Any], train: TrainSection, data: DataSection
+) -> Progress:
     """The progress to continue from, or one clear error when this config cannot continue."""
     progress = Progress(**{k: state["progress"][k] for k in _PROGRESS_FIELDS})
     if progress.step > train.max_steps:
@@ -200,13 +203,23 @@ def _resumable(path: Path, state: dict[str, Any], train: TrainSection) -> Progre
             f"{path.name} is at step {progress.step}, beyond train.max_steps={train.max_steps}: "
             "raise train.max_steps or resume from an earlier checkpoint"
         )
-    saved_batch = state["train"]["global_batch_size"]
-    if saved_batch != train.global_batch_size:
-        raise CheckpointError(
-            f"{path.name} was trained with train.global_batch_size={saved_batch}, this config "
-            f"has {train.global_batch_size}: the data would not continue where it stopped; set "
-            "it back"
-        )
+    # what batch(t) and the held-out split depend on; a checkpoint of an older format keeps
+    # fewer data keys, and only those are compared
+    saved_data = {k: v for k, v in state.get("data", {}).items() if k != "next_step"}
+    saved = {f"data.{k}": v for k, v in saved_data.items()} | {
+        f"train.{k}": v for k, v in state["train"].items() if k in ("global_batch_size", "seed")
+    }
+    now = {f"data.{k}": v for k, v in data.identity().items()} | {
+        "train.global_batch_size": train.global_batch_size,
+        "train.seed": train.seed,
+    }
+    for key, value in saved.items():
+        if key in now and now[key] != value:
+            raise CheckpointError(
+                f"{path.name} was trained with {key}={json.dumps(value)}, this config has "
+                f"{json.dumps(now[key])}: the data would not continue where it stopped (nor "
+                "keep its held-out samples out of training); set it back"
+            )
     return progress
 
 
@@ -246,7 +259,9 @@ def _named(resume: str, adapter: HFAdapter, checksums: bool) -> tuple[Path, _Che
         raise _damaged(path, str(damage)) from None
 
 
-def plan_resume(train: TrainSection, out_dir: Path, adapter: HFAdapter) -> ResumePoint | None:
+def plan_resume(
+    train: TrainSection, data: DataSection, out_dir: Path, adapter: HFAdapter
+) -> ResumePoint | None:
     """The checkpoint to continue from, checked, or None for a new run; one ``CheckpointError``
     naming the checkpoint, the file and the fix when this run cannot start as configured."""
     existing = checkpoint_dirs(out_dir)
@@ -262,7 +277,10 @@ def plan_resume(train: TrainSection, out_dir: Path, adapter: HFAdapter) -> Resum
         path, checked, skipped = _newest_intact(existing, adapter, train.verify_checksums)
     else:
         path, checked = _named(train.resume, adapter, train.verify_checksums)
-    progress = _resumable(path, checked.state, train)
+    progress = _resumable(path, checked.state, train, data)
+    metrics = out_dir / "metrics.jsonl"
+    if metrics.is_file():
+        kept_records(metrics, progress.step)  # refused here, before anything is written
     for other in existing:
         if other in dict(skipped) or other.resolve() == path.resolve():
             continue
@@ -277,6 +295,28 @@ def plan_resume(train: TrainSection, out_dir: Path, adapter: HFAdapter) -> Resum
     return ResumePoint(
         path, progress, checked.rng, _warning(path, skipped), tuple(p for p, _ in skipped)
     )
+
+
+def kept_records(path: Path, start: int) -> list[str]:
+    """The lines of the run's ``metrics.jsonl`` (``path``) that its resume after step ``start``
+    keeps. A last line cut short (no newline: the process died writing it) is of a step after
+    the checkpoint's, as every record past ``start``, and goes with them."""
+    text = path.read_text()
+    lines = text.splitlines()
+    if lines and not text.endswith("\n"):
+        lines.pop()
+    kept = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            raise CheckpointError(
+                f"{path}:{number} is not a step record; mend or remove that line to resume (the "
+                "checkpoint holds the state, this file the log of its steps)"
+            ) from None
+        if step <= start:
+            kept.append(line)
+    return kept
 
 
 def _warning(path: Path, skipped: list[tuple[Path, str]]) -> str | None:

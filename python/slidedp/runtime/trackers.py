@@ -22,6 +22,8 @@ from typing import Any, Protocol
 
 import yaml
 
+from slidedp.errors import ConfigError, exception_line
+
 TRACKERS = ("tensorboard", "wandb")
 
 
@@ -75,7 +77,14 @@ class WandbTracker:
     def __init__(self, out_dir: Path) -> None:
         import wandb  # noqa: PLC0415  optional: the slidedp[wandb] extra, checked by the config
 
-        self.run = wandb.init(dir=str(out_dir), name=out_dir.resolve().name)
+        try:
+            self.run = wandb.init(dir=str(out_dir), name=out_dir.resolve().name)
+        except (wandb.errors.UsageError, wandb.errors.AuthenticationError) as e:  # no login
+            raise ConfigError(
+                f"output.report_to has wandb but W&B did not start ({exception_line(e)}): run "
+                "`wandb login` or set WANDB_API_KEY (WANDB_MODE=offline records locally only), "
+                "or take wandb out of output.report_to"
+            ) from None
 
     def log_run(self, config: dict[str, Any], plan: dict[str, Any]) -> None:
         plain = json.loads(json.dumps({"config": config, "plan": plan}, default=str))

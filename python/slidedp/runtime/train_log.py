@@ -27,6 +27,7 @@ from typing import Any, Protocol, TextIO
 
 import torch
 
+from slidedp.io.resume import kept_records
 from slidedp.runtime.flops import FLOPS_FORMULA
 from slidedp.runtime.node_pss import NodePss, proc_kib
 
@@ -155,13 +156,7 @@ class StepLog:
         self.interval: list[dict[str, Any]] = []
         self.skipped = 0
         path = out_dir / "metrics.jsonl"
-        kept = []
-        if steps.start > 0 and path.is_file():  # records of the steps the resumed run keeps
-            kept = [
-                line
-                for line in path.read_text().splitlines()
-                if json.loads(line)["step"] <= steps.start
-            ]
+        kept = kept_records(path, steps.start) if steps.start > 0 and path.is_file() else []
         self.metrics = path.open("w")
         self.metrics.writelines(line + "\n" for line in kept)
         self.pss = NodePss(memory.node_pids or (os.getpid(),))  # last: a thread to close

@@ -157,7 +157,7 @@ class Trainer:
             return checked.resume
         if decided is not None:
             return decided.point
-        return plan_resume(self.cfg.train, self.out_dir, self.adapter)
+        return plan_resume(self.cfg.train, self.cfg.data, self.out_dir, self.adapter)
 
     def _open_store(self, store: HostStore | None, create: Callable[[], HostStore]) -> None:
         """``store`` as given, else one this rank ``create``s, else (several ranks) the one its
@@ -322,12 +322,7 @@ class Trainer:
                 "max_steps": tc.max_steps,
                 "last_lr": self.lr_at(self.progress.step - 1) if self.progress.step else None,
             },
-            "data": {
-                "path": data.path,
-                "sources": data.sources,
-                "seq_len": data.seq_len,
-                "next_step": self.progress.step,
-            },
+            "data": data.identity() | {"next_step": self.progress.step},
         }
         one_bytes = checkpoint_bytes(self.adapter)
         with disk_full_reported(self.out_dir, one_bytes):  # ENOSPC: one line, exit 2
