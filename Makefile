@@ -70,7 +70,7 @@ demo: build $(DEMO_STAMP)
 bench-kernels: build
 	$(PY) -m slidedp bench kernels $(ARGS)
 
-# An abi3 wheel for the GPU machine (see ../shared/DEVICE.md).
+# An abi3 wheel to install on a GPU machine that builds nothing (docs/benchmarks.md).
 wheel: $(STAMP)
 	$(VENV)/bin/maturin build --release -o dist -q
 

@@ -86,7 +86,12 @@ def test_a_broken_link_is_found(tmp_path: Path) -> None:
 def test_user_pages_carry_no_internal_vocabulary(page: Path) -> None:
     text = page.read_text()
     assert "../shared" not in text, "a user does not have ../shared"
-    bad = re.findall(r"\blease[sd]?\b|\bissue #?\d+|#\d{1,3}\b(?!\w)|\bthis session\b", text, re.I)
+    bad = re.findall(
+        r"\blease[sd]?\b|\bissue #?\d+|#\d{1,3}\b(?!\w)|\bthis session\b|\bbookings?\b|"
+        r"\bdevice calls?\b|\ba later call\b",
+        text,
+        re.I,
+    )
     assert not bad, f"{page.name}: internal vocabulary {sorted(set(bad))}"
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from slidedp.autopolicy.default import default_policy
 from slidedp.config import load_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -30,6 +31,12 @@ def test_expected_examples_exist() -> None:
         "chat-sft.yaml",
         "tiny-qwen3.yaml",
     }
+
+
+@pytest.mark.parametrize("name", ["qwen3-4b-1gpu.yaml", "qwen3-8b-2gpu.yaml", "chat-sft.yaml"])
+def test_the_gpu_examples_name_no_layout_so_autopolicy_chooses_it(name: str) -> None:
+    rule = default_policy(load_config(EXAMPLES / name).runtime, "cuda")  # as the README says
+    assert rule.auto, rule.why
 
 
 def test_chat_sample_is_messages_ending_with_the_assistant() -> None:
