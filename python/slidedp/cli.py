@@ -193,6 +193,7 @@ def _train_locked(
         from slidedp.runtime.trainer import Trainer  # the engine: once the inputs are good
 
         trainer = Trainer(cfg, plan=checked.plan, checked=checked)
+        trainer.trackers  # noqa: B018  opened now: a tracker that cannot start is a refusal
     except BaseException:
         refused()
         raise

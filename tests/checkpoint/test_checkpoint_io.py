@@ -210,6 +210,38 @@ def test_resume_settings(tmp_path: Path) -> None:
         resolve_resume(str(model), out, adapter)
 
 
+def test_resume_compares_the_data_order_keys_not_the_paths_and_older_states_by_what_they_hold(
+    tmp_path: Path,
+) -> None:
+    model = make_model(tmp_path, "qwen3", tied=True)
+    adapter, store = _filled(model, seed=1)
+    saved = DataSection(path="a.jsonl", eval_fraction=0.1, shuffle=True)
+    train = {"global_batch_size": 8, "seed": 42}
+    meta = {"train": train, "data": saved.checkpoint_record(next_step=3)}
+    path = save_checkpoint(tmp_path / "new", adapter, store, Progress(3, 3), meta)
+    older = {"train": train, "data": {"path": "a.jsonl", "sources": [], "seq_len": 16}}
+    old = save_checkpoint(tmp_path / "old", adapter, store, Progress(3, 3), older)
+
+    def resume(point: Path, data: DataSection, **keys: Any) -> Path | None:
+        section = TrainSection(max_steps=100, resume=str(point), global_batch_size=8, **keys)
+        found = plan_resume(section, data, tmp_path / "elsewhere", adapter)
+        return None if found is None else found.path
+
+    moved = DataSection(path="moved/a.jsonl", eval_fraction=0.1, shuffle=True)
+    assert resume(path, moved) == path  # a dataset moved resumes
+    with pytest.raises(CheckpointError, match=r"data.eval_fraction=0.1, this config has 0.2: "):
+        resume(path, DataSection(path="a.jsonl", eval_fraction=0.2, shuffle=True))
+    with pytest.raises(
+        CheckpointError, match=r'data.sources=\[{"format": "auto", "weight": 1.0}\]'
+    ):
+        resume(path, DataSection(sources=[{"path": "a.jsonl"}, {"path": "b.jsonl"}]))
+    with pytest.raises(CheckpointError, match=r"train.seed=42, this config has 7: the data would"):
+        resume(path, moved, seed=7)
+    assert resume(old, DataSection(path="b.jsonl", seq_len=32)) == old  # no data.order kept
+    with pytest.raises(CheckpointError, match=r"train.seed=42, this config has 7"):
+        resume(old, moved, seed=7)
+
+
 def test_a_checkpoint_of_another_model_is_refused_before_anything_is_loaded(
     tmp_path: Path,
 ) -> None:

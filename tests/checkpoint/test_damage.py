@@ -80,6 +80,14 @@ def _state_without_progress(path: Path) -> str:  # an older checkpoint: no manif
     return "trainer_state.json lacks 'progress.step'"
 
 
+def _state_data_not_an_object(path: Path) -> str:  # an older checkpoint: no manifest
+    (path / "manifest.json").unlink()
+    state = json.loads((path / "trainer_state.json").read_text())
+    state["data"] = None
+    (path / "trainer_state.json").write_text(json.dumps(state))
+    return "trainer_state.json's 'data' is not a JSON object"
+
+
 def _rng_missing(path: Path) -> str:
     (path / "rng_state.json").unlink()
     return "rng_state.json is missing"
@@ -89,6 +97,7 @@ DAMAGE: dict[str, Callable[[Path], str]] = {
     "cut-short": _cut_short,
     "garbled-header": _garbled_header,
     "state-lacks-fields": _state_without_progress,
+    "state-data-garbled": _state_data_not_an_object,
     "rng-missing": _rng_missing,
 }
 

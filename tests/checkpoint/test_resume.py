@@ -207,9 +207,12 @@ def test_a_torn_last_metrics_line_goes_with_the_later_steps_and_a_garbled_one_is
     records = [json.dumps({"step": step, "loss": 1.0}) for step in (1, 2, 3)]
     path.write_text("\n".join(records) + "\n" + '{"step": 4, "lo')  # died writing step 4
     assert kept_records(path, 2) == records[:2]
-    path.write_text("\n".join([records[0], "{garbled", records[2]]) + "\n")
-    with pytest.raises(CheckpointError, match=r"metrics.jsonl:2 is not a step record; mend"):
-        kept_records(path, 2)
+    path.write_text("\n".join(records))  # a whole record that lacks only its newline is kept
+    assert kept_records(path, 3) == records
+    for garbled in (b"{garbled", b'{"step": "2"}', b'{"step": null}', b"\xff\xfe"):
+        path.write_bytes(b"\n".join([records[0].encode(), garbled, records[2].encode()]) + b"\n")
+        with pytest.raises(CheckpointError, match=r"metrics.jsonl:2 is not a step record; mend"):
+            kept_records(path, 2)
 
 
 def _data_with_poison(path: Path, poisoned_steps: set[int], steps: int, batch: int) -> Path:

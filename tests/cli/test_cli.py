@@ -65,12 +65,16 @@ def test_the_resolved_config_is_saved_after_every_check_and_before_training(
         def __init__(self, cfg: object, **_: object) -> None:
             seen.append(f"build, saved={resolved.exists()}")
 
+        @property
+        def trackers(self) -> None:  # opened before the first write: a refusal if they fail
+            seen.append(f"trackers, saved={resolved.exists()}")
+
         def run(self) -> None:
             seen.append(f"run, saved={resolved.exists()}")
 
     monkeypatch.setattr("slidedp.runtime.trainer.Trainer", FakeTrainer)
     assert run(capsys, "train", str(config))[0] == 0
-    assert seen == ["build, saved=False", "run, saved=True"]
+    assert seen == ["build, saved=False", "trackers, saved=False", "run, saved=True"]
 
 
 def _raise(error: BaseException) -> object:

@@ -101,6 +101,8 @@ BAD_FILES: list[tuple[str, str, dict[str, Any], str]] = [
         r"d\.jsonl:2: labels\[2\]=4 is neither -100 nor input_ids\[2\]=3: labels are the ids",
     ),
     ("d.jsonl", '{"input_ids": [1, 2], "labels": "2"}\n', {}, r"1: labels must be a list of int"),
+    ("d.jsonl", '{"input_ids": [1, 1], "labels": [-100, true]}\n', {}, r"1: labels must be a l"),
+    ("d.jsonl", '{"input_ids": [1, true, 3]}\n', {}, r"d\.jsonl:1: input_ids must be a list of"),
     ("d.jsonl", '{"text": ""}\n', {}, r"d\.jsonl:1: a sample needs at least 2 tokens, got 1"),
     ("d.jsonl", '{"text": 3}\n', {}, r"d\.jsonl:1: 'text' must be a string"),
     # a lone surrogate is valid JSON but no Unicode text: the tokenizer's refusal names no line

@@ -99,10 +99,12 @@ def test_input_ids_labels_mask_the_tokens_not_trained_on_in_every_file_type(
     with_labels = [{"input_ids": [5, 6, 7, 8], "labels": [X, X, 7, 8]},
                    {"input_ids": [8, 9, 4], "labels": [X, 9, X]}]  # fmt: skip
     pq.write_table(pa.Table.from_pylist(with_labels), tmp_path / "d.parquet")
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "null.parquet")  # a null row
     expected = {
         "d.jsonl": [[X, X, 7, 8], [8, 9, 4, X]],  # a record without labels trains on every token
         "d.json": [[X, X, 7, 8], [8, 9, 4, X]],
         "d.parquet": [[X, X, 7, 8], [X, 9, X, X]],
+        "null.parquet": [[X, X, 7, 8], [8, 9, 4, X]],
     }
     jsonl(tmp_path / "d.jsonl", records)
     for name, labels in expected.items():

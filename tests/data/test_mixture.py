@@ -94,6 +94,7 @@ def test_huge_weights_keep_their_shares(tmp_path: Path, files: tuple[Path, Path]
         ({"path": "x.jsonl", "sources": [{"path": "y.jsonl"}]}, "both given"),
         ({"sources": [{"path": "y.jsonl", "weight": 0}]}, r"sources\[0\]\.weight must be"),
         ({"sources": [{"path": "y.jsonl", "weight": float("inf")}]}, r"finite number > 0, got inf"),
+        ({"sources": [{"path": "y.jsonl", "weight": 10**400}]}, r"finite number > 0, got 1000"),
         ({"sources": [{"path": "y.jsonl", "wieght": 2}]}, r"unknown key\(s\) \['wieght'\]"),
         ({"sources": [{"weight": 2}]}, r"sources\[0\]\.path is required"),
         ({"sources": [{"path": "y.jsonl", "format": "chat"}]}, r"sources\[0\]\.format"),

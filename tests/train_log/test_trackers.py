@@ -48,16 +48,41 @@ def test_wandb_without_a_login_is_one_config_error_saying_how_to_log_in(
 ) -> None:
     wandb = pytest.importorskip("wandb")
 
-    def refuse(**_: object) -> None:  # as wandb.init off a terminal with no API key
-        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+    def refuse(**keys: str) -> None:  # as wandb.init with a key but no server, after its files
+        (Path(keys["dir"]) / "wandb" / "run-1").mkdir(parents=True)
+        raise wandb.errors.CommError("Timed out while retrying")
 
     monkeypatch.setattr(wandb, "init", refuse)
     with pytest.raises(ConfigError) as refused:
         WandbTracker(tmp_path)
     message = str(refused.value)
     assert "\n" not in message
-    assert "W&B did not start (UsageError: No API key configured" in message
+    assert "W&B did not start (CommError: Timed out while retrying" in message
     assert "set WANDB_API_KEY" in message
+    assert not (tmp_path / "wandb").exists()  # nothing of the refused run left
+
+
+@pytest.mark.e2e
+def test_a_tracker_that_cannot_start_refuses_the_run_before_anything_is_written(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wandb = pytest.importorskip("wandb")
+
+    def refuse(**_: str) -> None:  # as wandb.init off a terminal with no API key
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    model = make_model(tmp_path, "qwen3", tied=True)
+    data = write_data(tmp_path / "data.jsonl", 8)
+    out = tmp_path / "out"
+    out.mkdir()
+    config = write_config(tmp_path / "c.yaml", model, data, out,
+                          output={"report_to": ["wandb"]})  # fmt: skip
+    code, _, err = run(capsys, "train", str(config), "train.max_steps=2")
+    assert code == 2, err
+    assert err.count("\n") == 1, err
+    assert "output.report_to has wandb but W&B did not start (UsageError: No API key" in err
+    assert list(out.iterdir()) == []  # no lock, no resolved config
 
 
 class _SummaryWriter:

@@ -16,7 +16,7 @@ weight: 1}]`` (docs/configuration.md, key ``data.sources``).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,16 @@ OVER_LENGTH_POLICIES = ("truncate", "drop", "error")
 
 
 SOURCE_KEYS = ("path", "format", "weight")
+# the data keys besides the files' formats and weights that decide the samples of each step
+_ORDER_KEYS = (
+    "seq_len",
+    "packing",
+    "over_length",
+    "shuffle",
+    "train_on_prompt",
+    "pad_id",
+    "eval_fraction",
+)
 
 
 @dataclass(frozen=True)
@@ -99,10 +109,23 @@ class DataSection:
         )
         _require(self.pad_id >= -1, f"data.pad_id must be >= 0 (or -1: auto), got {self.pad_id}")
 
-    def identity(self) -> dict[str, Any]:
-        """What decides the run's samples, their order and the held-out split (every key of the
-        section): a checkpoint keeps it, and a resume refuses a change to any of it."""
-        return asdict(self)
+    def order_keys(self) -> dict[str, Any]:
+        """What decides which samples of the files train, in which order, and which are held
+        out: a checkpoint keeps it, and a resume refuses a change. Not the paths: a dataset
+        moved resumes (and a file replaced resumes on what the file then holds)."""
+        return {
+            "sources": [{"format": s.format, "weight": s.weight} for s in self.source_specs()],
+            **{key: getattr(self, key) for key in _ORDER_KEYS},
+        }
+
+    def checkpoint_record(self, next_step: int) -> dict[str, Any]:
+        """What a checkpoint keeps of the data: the files, ``order_keys`` and the next step."""
+        return {
+            "path": self.path,
+            "sources": self.sources,
+            "order": self.order_keys(),
+            "next_step": next_step,
+        }
 
     @property
     def has_eval(self) -> bool:
@@ -136,9 +159,16 @@ def _check_source(i: int, source: Any, default_format: str) -> None:
     )
     weight = source.get("weight", 1.0)
     _require(
-        isinstance(weight, int | float)
-        and not isinstance(weight, bool)
-        and math.isfinite(weight)
-        and weight > 0,
+        _finite_number(weight) and weight > 0,
         f"{where}.weight must be a finite number > 0, got {weight!r}",
     )
+
+
+def _finite_number(value: Any) -> bool:
+    """A finite int or float (not a bool; not an integer beyond a float's range)."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False

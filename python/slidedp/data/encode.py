@@ -331,8 +331,9 @@ class Encoder:
         for i, (number, value) in enumerate(zip(chunk.numbers.tolist(), column, strict=True)):
             if value is None and key != "input_ids":
                 continue
-            try:
-                array = np.asarray(value) if isinstance(value, list) else None
+            try:  # a bool among integers would be read as 0 or 1
+                listed = isinstance(value, list) and bool not in set(map(type, value))
+                array = np.asarray(value) if listed else None
             except ValueError:  # ragged nesting
                 array = None
             if array is None or array.ndim != 1 or (array.size and array.dtype.kind not in "iu"):

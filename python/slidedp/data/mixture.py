@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -55,10 +56,10 @@ def take(samples: Samples, index: I64) -> Samples:
 
 def shares_of(sizes: Sequence[int], weights: Sequence[float]) -> list[int]:
     """Samples each source gives an epoch: its weight's share of every sample, at least one."""
-    largest = max(weights)  # scaled to at most 1 first: a sum of huge weights cannot overflow
-    scaled = [w / largest for w in weights]
-    total, weight_sum = sum(sizes), sum(scaled)
-    return [max(1, round(w / weight_sum * total)) for w in scaled]
+    if not math.isfinite(sum(weights)):  # huge weights: their sum overflows, theirs scaled not
+        weights = [w / max(weights) for w in weights]
+    total, weight_sum = sum(sizes), sum(weights)
+    return [max(1, round(w / weight_sum * total)) for w in weights]
 
 
 def _picks(size: int, count: int, seed: int, stream: int) -> I64:

@@ -196,7 +196,9 @@ class Source:
             columns: dict[str, list[Any] | TokenColumn] = {}
             for key in keys:
                 column = batch.column(key)
-                if fmt == "input_ids":
+                if key in OPTIONAL_KEYS.get(fmt, ()) and column.null_count:
+                    columns[key] = column.to_pylist()  # a null row: no labels, as in JSON
+                elif fmt == "input_ids":
                     columns[key] = self._token_column(column, numbers, key)
                 else:
                     columns[key] = column.to_pylist()

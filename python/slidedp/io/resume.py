@@ -122,6 +122,9 @@ def _read_state(path: Path) -> dict[str, Any]:
     for name, value in fields.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{STATE_FILE} lacks '{name}' (or it is not a count)")
+    data = state.get("data", {})
+    if not isinstance(data, dict) or not isinstance(data.get("order", {}), dict):
+        raise ValueError(f"{STATE_FILE}'s 'data' is not a JSON object of the data keys")
     return state
 
 
@@ -203,13 +206,13 @@ def _resumable(
             f"{path.name} is at step {progress.step}, beyond train.max_steps={train.max_steps}: "
             "raise train.max_steps or resume from an earlier checkpoint"
         )
-    # what batch(t) and the held-out split depend on; a checkpoint of an older format keeps
-    # fewer data keys, and only those are compared
-    saved_data = {k: v for k, v in state.get("data", {}).items() if k != "next_step"}
-    saved = {f"data.{k}": v for k, v in saved_data.items()} | {
+    # what batch(t) and the held-out split depend on besides the files (a checkpoint of an
+    # older format keeps no data.order: its data keys are not compared)
+    order = state.get("data", {}).get("order", {})
+    saved = {f"data.{k}": v for k, v in order.items()} | {
         f"train.{k}": v for k, v in state["train"].items() if k in ("global_batch_size", "seed")
     }
-    now = {f"data.{k}": v for k, v in data.identity().items()} | {
+    now = {f"data.{k}": v for k, v in data.order_keys().items()} | {
         "train.global_batch_size": train.global_batch_size,
         "train.seed": train.seed,
     }
@@ -299,23 +302,25 @@ def plan_resume(
 
 def kept_records(path: Path, start: int) -> list[str]:
     """The lines of the run's ``metrics.jsonl`` (``path``) that its resume after step ``start``
-    keeps. A last line cut short (no newline: the process died writing it) is of a step after
-    the checkpoint's, as every record past ``start``, and goes with them."""
-    text = path.read_text()
-    lines = text.splitlines()
-    if lines and not text.endswith("\n"):
-        lines.pop()
+    keeps. A last line cut short (no newline, not a record: the process died writing it) is of
+    a step after the checkpoint's, as every record past ``start``, and goes with them."""
+    raw = path.read_bytes()
+    lines = raw.splitlines()
     kept = []
     for number, line in enumerate(lines, start=1):
         try:
             step = json.loads(line)["step"]
-        except (ValueError, KeyError, TypeError):
+            if not isinstance(step, int) or isinstance(step, bool):
+                raise TypeError(step)
+        except (ValueError, KeyError, TypeError):  # UnicodeDecodeError is a ValueError
+            if number == len(lines) and not raw.endswith(b"\n"):
+                break
             raise CheckpointError(
                 f"{path}:{number} is not a step record; mend or remove that line to resume (the "
                 "checkpoint holds the state, this file the log of its steps)"
             ) from None
         if step <= start:
-            kept.append(line)
+            kept.append(line.decode())
     return kept
 
 

@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -77,9 +78,13 @@ class WandbTracker:
     def __init__(self, out_dir: Path) -> None:
         import wandb  # noqa: PLC0415  optional: the slidedp[wandb] extra, checked by the config
 
+        runs = out_dir / "wandb"
+        existed = runs.exists()
         try:
             self.run = wandb.init(dir=str(out_dir), name=out_dir.resolve().name)
-        except (wandb.errors.UsageError, wandb.errors.AuthenticationError) as e:  # no login
+        except wandb.errors.Error as e:  # no login, no server, ...: the run is refused
+            if not existed:  # nothing of this run left behind
+                shutil.rmtree(runs, ignore_errors=True)
             raise ConfigError(
                 f"output.report_to has wandb but W&B did not start ({exception_line(e)}): run "
                 "`wandb login` or set WANDB_API_KEY (WANDB_MODE=offline records locally only), "

@@ -62,7 +62,7 @@ from slidedp.runtime.schedule import lr_schedule
 from slidedp.runtime.startup import StartupClock, build_store
 from slidedp.runtime.stop_signals import StopSignals
 from slidedp.runtime.trace import write_trace
-from slidedp.runtime.trackers import open_trackers
+from slidedp.runtime.trackers import Trackers, open_trackers
 from slidedp.runtime.train_log import LogMemory, LogSteps, RunFacts, StepLog
 from slidedp.store import HostStore
 
@@ -322,7 +322,7 @@ class Trainer:
                 "max_steps": tc.max_steps,
                 "last_lr": self.lr_at(self.progress.step - 1) if self.progress.step else None,
             },
-            "data": data.identity() | {"next_step": self.progress.step},
+            "data": data.checkpoint_record(next_step=self.progress.step),
         }
         one_bytes = checkpoint_bytes(self.adapter)
         with disk_full_reported(self.out_dir, one_bytes):  # ENOSPC: one line, exit 2
@@ -437,18 +437,20 @@ class Trainer:
             peak_flops=facts.peak_flops,
             batch_gpus=facts.context_parallel,
             memory=LogMemory(cuda=self.cuda, node_pids=self.node_pids),
-            writer=open_trackers(
-                out.trackers(),
-                self.out_dir,
-                config=config_to_dict(self.cfg),
-                plan=self._plan_record(),
-            ),
+            writer=self.trackers,
             stream=sys.stdout if self.log else None,
         )
         for line in facts.lines():
             log.say(line)
         log.say(f"data: {self.data.report}")
         return log
+
+    @functools.cached_property
+    def trackers(self) -> Trackers | None:
+        """``output.report_to``'s trackers, opened on first use (``slidedp train`` opens them
+        before its first write: a W&B login or server refused as one line, nothing written)."""
+        out, config = self.cfg.output, config_to_dict(self.cfg)
+        return open_trackers(out.trackers(), self.out_dir, config=config, plan=self._plan_record())
 
     def _plan_record(self) -> dict[str, Any]:
         """What the trackers record of the plan: device, dtype, policy, host threads."""
