@@ -313,12 +313,22 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out_dir", help="a new directory: config, tokenizer, f32 safetensors")
     bench = verbs.add_parser("bench", help="benchmarks against in-run baselines")
     which = bench.add_subparsers(dest="bench", required=True)
-    bench_kernels.add_arguments(which.add_parser("kernels", help="AdamW and cast vs torch"))
-    bench_train.add_arguments(which.add_parser("train", help="ours vs reference and FSDP2"))
-    bench_plot.add_arguments(which.add_parser("plot", help="one sweep figure from JSON reports"))
-    bench_model.add_arguments(which.add_parser("model", help="the step-time model vs traced steps"))
+    bench_kernels.add_arguments(
+        which.add_parser("kernels", parents=[debug], help="AdamW and cast vs torch")
+    )
+    bench_train.add_arguments(
+        which.add_parser("train", parents=[debug], help="ours vs reference and FSDP2")
+    )
+    bench_plot.add_arguments(
+        which.add_parser("plot", parents=[debug], help="one sweep figure from JSON reports")
+    )
+    bench_model.add_arguments(
+        which.add_parser("model", parents=[debug], help="the step-time model vs traced steps")
+    )
     bench_predict.add_arguments(
-        which.add_parser("predict", help="the step-time model vs a bench train report")
+        which.add_parser(
+            "predict", parents=[debug], help="the step-time model vs a bench train report"
+        )
     )
     plan_command.add_arguments(
         verbs.add_parser(
@@ -326,7 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
         )
     )
     bench_nodes.add_arguments(
-        which.add_parser("nodes", help="the cross-node all-reduce: measured on CPU, predicted")
+        which.add_parser(
+            "nodes", parents=[debug], help="the cross-node all-reduce: measured on CPU, predicted"
+        )
     )
     profile = verbs.add_parser("profile", help="measure the candidates of a policy")
     what = profile.add_subparsers(dest="profile", required=True)

@@ -7,6 +7,7 @@ the numbers that matter as attributes (``needed_bytes``, ``layer``, ``expected``
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -170,7 +171,12 @@ class OutputDirBusyError(SlidedpError, RuntimeError):
 
 class DiskFullError(SlidedpError, OSError):
     """``output.dir``'s filesystem cannot hold the run's checkpoints (found before the first
-    step), or ran out of space while saving one (``io.disk_space``)."""
+    step), or ran out of space while saving one (``io.disk_space``) or exporting one."""
+
+
+# the errors of a write that found no room: the filesystem or the user's quota full, a file
+# larger than the limit (``ulimit -f``)
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 _collected_problems: ContextVar[list[str] | None] = ContextVar("collected_problems", default=None)

@@ -147,6 +147,8 @@ def longest_sequence(
         return shortages(est)
 
     cap = getattr(adapter.config, "max_position_embeddings", None) or 2**22
+    if cap < step_tokens:  # a model of fewer positions than one step: the cap is the step
+        step_tokens = max(r, cap // r * r)
     lo, hi = 0, cap // step_tokens  # lo fits (0: trivially), hi + 1 is past the cap
     if not short(hi * step_tokens):
         return Longest(hi * step_tokens, f"the model's max_position_embeddings {cap:,}", r)

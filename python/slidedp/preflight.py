@@ -31,7 +31,12 @@ from slidedp.data.build import run_batches
 from slidedp.errors import ConfigError, ModelLoadError
 from slidedp.estimate import check_fits
 from slidedp.estimate_report import estimate_run
-from slidedp.io.disk_space import check_disk_space, checkpoint_bytes, saves_of_run
+from slidedp.io.disk_space import (
+    check_disk_space,
+    checkpoint_bytes,
+    export_bytes,
+    saves_of_run,
+)
 from slidedp.io.hf_load import check_weight_files, weight_files
 from slidedp.io.resume import ResumeDecision, ResumePoint, plan_resume
 from slidedp.models.freeze import apply_freeze
@@ -43,6 +48,7 @@ from slidedp.plan.policy import Plan
 from slidedp.plan.resolve import given_plan_line, kept_plan, resolve_plan
 from slidedp.runtime.context_parallel import check_context
 from slidedp.runtime.dist import check_config
+from slidedp.runtime.trackers import check_trackers
 
 SHM_DIR = Path("/dev/shm")
 _GIB = 2**30
@@ -174,6 +180,7 @@ def check_checkpoint_space(cfg: TrainConfig, adapter: HFAdapter, resume: ResumeP
         total_limit=out.save_total_limit,
         saves=saves_of_run(start, cfg.train.max_steps, out.save_steps),
         best=out.save_best,
+        final_bytes=export_bytes(adapter) if out.export else 0,
     )
 
 
@@ -259,6 +266,7 @@ def check_before_training(
     )
     resume, resumed = check_resume(cfg, adapter, decided)
     output = check_output_dir(cfg)
+    check_trackers(cfg.output.trackers())
     # after every refusal that needs no layout: profiling is GPU work and writes its cache
     machine = Machine.probe(cfg, measure=False)
     resume_path = None if resume is None else resume.path

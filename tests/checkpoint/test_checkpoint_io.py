@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import random
+import shutil
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -301,3 +304,45 @@ def test_export_verb_writes_the_hf_part_and_refuses_a_non_empty_target(
     assert "exists and is not empty: choose a new directory" in err
     with pytest.raises(CheckpointError, match="not a complete slidedp checkpoint"):
         export_checkpoint(model, tmp_path / "hf2")
+    with pytest.raises(CheckpointError, match=r"nope does not exist: give OUTPUT/checkpoint-STEP"):
+        export_checkpoint(tmp_path / "nope", tmp_path / "hf2")
+
+
+def test_an_export_is_a_copy_the_user_may_change_written_whole_or_not_at_all(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = make_model(tmp_path, "qwen3", tied=True)
+    adapter, store = _filled(model, seed=1)
+    path = _save(tmp_path / "out", adapter, store, 3)
+    saved = _tree(path)
+    export_checkpoint(path, tmp_path / "hf")
+    for name in ("config.json", "model.safetensors"):  # edited, or saved over by a user
+        (tmp_path / "hf" / name).write_text("changed")
+    assert _tree(path) == saved
+
+    copy = shutil.copyfile
+
+    def fill_the_disk(src: Path, dst: Path) -> None:  # the first file, then no room
+        copy(src, dst)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copyfile", fill_the_disk)
+    capsys.readouterr()
+    assert main(["export", str(path), str(tmp_path / "full")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "no room to export" in err
+    assert "(No space left on device): it needs " in err
+    assert sorted(p.name for p in tmp_path.iterdir() if "full" in p.name) == []  # no temp left
+
+
+def test_an_export_without_a_manifest_checks_the_weights_headers(tmp_path: Path) -> None:
+    model = make_model(tmp_path, "qwen3", tied=True)
+    adapter, store = _filled(model, seed=1)
+    path = _save(tmp_path / "out", adapter, store, 3)
+    (path / "manifest.json").unlink()  # as a checkpoint written before manifests
+    weights = path / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size - 8)
+    with pytest.raises(CheckpointError, match=r"model.safetensors has [\d,]+ bytes, its header "):
+        export_checkpoint(path, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()

@@ -165,8 +165,8 @@ def test_a_missing_expert_is_named(capsys: Capsys, tmp_path: Path, verb: str) ->
     _edit(model, {"model.layers.0.mlp.experts.5.up_proj.weight": None})
     _refused(
         capsys, tmp_path, model, verb,
-        "weights missing from the checkpoint: model.layers.0.mlp.experts.5.up_proj.weight "
-        "(1 tensors)", "re-download the model",
+        "weights missing from the model's safetensors files: "
+        "model.layers.0.mlp.experts.5.up_proj.weight (1 of them)", "re-download the model",
     )  # fmt: skip
 
 
@@ -174,7 +174,7 @@ def test_a_missing_layer_of_experts_is_named_per_expert(capsys: Capsys, tmp_path
     model = make_model(tmp_path, "mixtral", tied=False, per_expert=True)
     prefix = "model.layers.1.block_sparse_moe.experts"
     _edit(model, {f"{prefix}.{e}.w2.weight": None for e in range(4)})
-    _refused(capsys, tmp_path, model, "train", f"{prefix}.0.w2.weight", "(4 tensors)")
+    _refused(capsys, tmp_path, model, "train", f"{prefix}.0.w2.weight", "(4 of them)")
 
 
 @pytest.mark.parametrize("where", ["another layer", "the same layer"])

@@ -150,3 +150,15 @@ def test_each_rank_parks_the_gradients_it_owns(tmp_path: Path, qwen3_8b: Path, r
     assert est.gpu.parked_grad_bytes == 2 * owned
     share = 0.5 if route == "gpu" else 1.0  # the 8B's embedding and head are alike (untied)
     assert owned == pytest.approx(share * est.params, rel=1e-3)
+
+
+def test_the_longest_sequence_of_a_model_with_fewer_positions_than_one_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tiny = make_model(tmp_path, "qwen3", tied=True)
+    positions = HFAdapter.from_dir(tiny).config.max_position_embeddings
+    assert positions < 1024  # below the search's 1024-token step: the cap is the step
+    config = write_config(tmp_path / "t.yaml", tiny, write_data(tmp_path / "d.jsonl", 8),
+                          tmp_path / "o")  # fmt: skip
+    assert main(["estimate", str(config), "--longest-seq"]) == 0
+    assert f"{positions:,} tokens" in capsys.readouterr().out

@@ -9,8 +9,8 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub enum Error {
     #[error(
         "not enough space in {path} for the host store: {needed_bytes} bytes needed, \
-         {available_bytes} available; enlarge it (e.g. `mount -o remount,size=... {path}`) or \
-         train a smaller model"
+         {available_bytes} available; free memory there or enlarge it (a tmpfs such as /dev/shm: \
+         `mount -o remount,size=SIZE /dev/shm`), or train a smaller model"
     )]
     OutOfSharedMemory {
         path: String,

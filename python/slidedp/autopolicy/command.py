@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ from slidedp.autopolicy.choose import ChooseSpec, SelectionReport, choose
 from slidedp.autopolicy.clock import Clock
 from slidedp.autopolicy.select import MIN_GAIN
 from slidedp.autopolicy.validate import Validation
+from slidedp.cli_args import count, ratios, writable
 from slidedp.config import TrainConfig, load_config
 from slidedp.errors import ConfigError
 from slidedp.plan.machine import Machine
@@ -61,9 +61,7 @@ def _check_out(out: Path) -> None:
             f"--out {out}: slidedp plan writes the run's plan as JSON (its report beside it as "
             ".report.json); name it PLAN.json"
         )
-    parent = next((p for p in (out.parent, *out.parent.parents) if p.exists()), Path("."))
-    if out.is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise ConfigError(f"--out {out}: cannot write a file there")
+    writable("--out", str(out))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -75,9 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     arg("--gpu-memory", type=_gib, default=None, metavar="GIB",
         help="plan for a GPU of this size (default: this machine's GPU)")  # fmt: skip
     arg("--families", default=FAMILIES, help="checkpoint families to profile")
-    arg("--ratios", default=RATIOS, help="offload ratios to profile")
-    arg("--warmup", type=int, default=2)
-    arg("--steps", type=int, default=5)
+    arg("--ratios", type=ratios, default=RATIOS, help="offload ratios to profile")
+    arg("--warmup", type=count(0), default=2)
+    arg("--steps", type=count(1), default=5)
     arg("--cache-dir", default=None, help="default: $XDG_CACHE_HOME/slidedp/profile")
     arg("--force", action="store_true", help="profile even if cached")
 

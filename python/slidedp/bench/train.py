@@ -47,6 +47,7 @@ from slidedp.bench.report import Model, print_report, ratios, summarise
 from slidedp.bench.scaling import collectives_report, print_scale, scale_report
 from slidedp.bench.shape import bench_model
 from slidedp.bench.sweep import print_summary, sweep_summary
+from slidedp.cli_args import writable
 from slidedp.config import config_to_dict, load_config
 from slidedp.errors import ConfigError, SlidedpError
 from slidedp.models.shapes import SHAPES
@@ -252,6 +253,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     batches, systems, device = _parse(args)
     if args.png:
         require_matplotlib()
+    writable("--json", args.json)
+    writable("--png", args.png)
     configs = ours_configs(args.overrides, systems)
     if args.context_parallel is not None:
         configs = context.with_context_keys(args.overrides, configs)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 
-from slidedp.errors import CheckpointError
+from slidedp.errors import NO_SPACE_ERRNOS, CheckpointError, DiskFullError
 from slidedp.io.export import DEFAULT_MAX_SHARD_BYTES, copy_tokenizer, write_region
 from slidedp.io.manifest import MANIFEST, read_manifest, size_problem, write_manifest
 from slidedp.models.hf import HFAdapter
@@ -42,6 +42,7 @@ STATE_FILE = "trainer_state.json"
 RNG_FILE = "rng_state.json"
 OPTIMIZER_DIR = "optimizer"
 LATEST = "latest"
+_NOT_EXPORTED = (STATE_FILE, RNG_FILE, MANIFEST)  # a checkpoint's files beside the HF model
 # (file prefix, directory inside the checkpoint, store region)
 _TENSOR_FILES: tuple[tuple[str, str, StateRegion], ...] = (
     ("model", ".", "master"),
@@ -303,18 +304,32 @@ def load_tensors(path: Path, adapter: HFAdapter, store: HostStore) -> None:
             raise ValueError(f"{file.relative_to(path)} cannot be read ({e})") from None
 
 
-def _link_or_copy(src: Path, dst: Path) -> None:
-    try:
-        os.link(src, dst)  # the files are never modified in place: sharing them is safe
-    except OSError:
-        shutil.copy2(src, dst)
+def _weights_problem(checkpoint: Path) -> str | None:
+    """Without a manifest: the first weight file whose safetensors header does not describe its
+    size (cut short, garbled), else None."""
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        size = file.stat().st_size
+        try:
+            with file.open("rb") as f:
+                length = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(min(length, size)))
+            ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+            described = 8 + length + max(ends, default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            return f"{file.name} has no readable safetensors header"
+        if described != size:
+            return f"{file.name} has {size:,} bytes, its header describes {described:,}"
+    return None
 
 
 def export_checkpoint(checkpoint: Path, out_dir: Path, *, replace: bool = False) -> Path:
     """The HF model part of ``checkpoint`` (or of the checkpoint ``checkpoint/latest`` names)
-    as ``out_dir``: config, tokenizer, f32 weights (hard links when possible). Refused before
-    anything is written: a damaged checkpoint (manifest sizes), a target that is a file, not
-    empty (unless ``replace``), or inside a checkpoint or model directory."""
+    as ``out_dir``: config, tokenizer, f32 weights, copied into a temporary sibling and renamed
+    into place (nothing half-written is left). Refused before anything is written: a damaged
+    checkpoint (manifest sizes, or without one the safetensors headers), a target that is a
+    file, not empty (unless ``replace``), or inside a checkpoint or model directory."""
+    if not checkpoint.exists():
+        raise CheckpointError(f"{checkpoint} does not exist: give OUTPUT/checkpoint-STEP or OUTPUT")
     if (checkpoint / LATEST).is_file():
         checkpoint = checkpoint / (checkpoint / LATEST).read_text().strip()
     if not (checkpoint / STATE_FILE).is_file():
@@ -324,7 +339,8 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, *, replace: bool = False)
         )
     try:
         manifest = read_manifest(checkpoint)
-        problem = None if manifest is None else size_problem(checkpoint, manifest)
+        problem = _weights_problem(checkpoint) if manifest is None else None
+        problem = problem or (None if manifest is None else size_problem(checkpoint, manifest))
     except ValueError as e:
         problem = str(e)
     if problem is not None:
@@ -332,12 +348,27 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, *, replace: bool = False)
             f"checkpoint {checkpoint} is damaged: {problem}; export an earlier checkpoint"
         )
     _check_export_target(out_dir, replace)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
-    for src in checkpoint.iterdir():
-        if src.is_file() and src.name not in (STATE_FILE, RNG_FILE, MANIFEST):
-            _link_or_copy(src, out_dir / src.name)
+    files = [f for f in checkpoint.iterdir() if f.is_file() and f.name not in _NOT_EXPORTED]
+    temp = out_dir.with_name(f".{out_dir.name}.tmp")  # renamed into place once complete
+    shutil.rmtree(temp, ignore_errors=True)  # an interrupted export's
+    try:
+        temp.mkdir(parents=True)
+        for src in files:  # copies, not links: the export is the user's to change
+            shutil.copyfile(src, temp / src.name)
+        _fsync_tree(temp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        temp.rename(out_dir)
+    except OSError as e:
+        shutil.rmtree(temp, ignore_errors=True)
+        if e.errno not in NO_SPACE_ERRNOS:
+            raise
+        need = sum(f.stat().st_size for f in files)
+        raise DiskFullError(
+            f"no room to export {checkpoint} into {out_dir} ({e.strerror}): it needs {need:,} "
+            "bytes; free space (or raise the file size limit) and export again"
+        ) from None
+    _fsync(out_dir.parent)
     return out_dir
 
 

@@ -16,14 +16,13 @@ Example::
 
 from __future__ import annotations
 
-import errno
 import math
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from slidedp.errors import DiskFullError
+from slidedp.errors import NO_SPACE_ERRNOS, DiskFullError
 from slidedp.io.checkpoint import complete_checkpoints
 from slidedp.io.export import TOKENIZER_FILES
 from slidedp.models.hf import HFAdapter
@@ -33,19 +32,30 @@ MOMENT_COPIES = 2  # of them, what a frozen parameter lacks
 # safetensors headers, config, rng and trainer state, manifest: a few KiB on small models, the
 # headers grow with the tensor count (~150 B each); 1 MiB covers thousands of tensors
 SMALL_FILES_BYTES = 1 << 20
-_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 def checkpoint_bytes(adapter: HFAdapter) -> int:
     """The bytes one checkpoint of this model takes."""
     shapes = adapter.shapes()
-    params = sum(math.prod(shape) for shape in shapes.values())
     frozen = sum(math.prod(shapes[n]) for n in adapter.frozen)
+    return (
+        export_bytes(adapter)
+        + (STATE_COPIES - 1) * 4 * _params(adapter)
+        - (MOMENT_COPIES * 4 * frozen)
+    )
+
+
+def export_bytes(adapter: HFAdapter) -> int:
+    """The bytes of the HF model part of a checkpoint (an export): f32 weights, tokenizer."""
     source = adapter.path
     tokenizer = 0 if source is None else sum(
         (source / f).stat().st_size for f in TOKENIZER_FILES if (source / f).is_file()
     )  # fmt: skip
-    return STATE_COPIES * 4 * params - MOMENT_COPIES * 4 * frozen + tokenizer + SMALL_FILES_BYTES
+    return 4 * _params(adapter) + tokenizer + SMALL_FILES_BYTES
+
+
+def _params(adapter: HFAdapter) -> int:
+    return sum(math.prod(shape) for shape in adapter.shapes().values())
 
 
 def free_bytes(path: Path) -> int:
@@ -90,24 +100,33 @@ def saves_of_run(start_step: int, max_steps: int, save_steps: int) -> int:
 
 
 def check_disk_space(
-    out_dir: Path, *, one_bytes: int, total_limit: int, saves: int, best: bool = False
+    out_dir: Path,
+    *,
+    one_bytes: int,
+    total_limit: int,
+    saves: int,
+    best: bool = False,
+    final_bytes: int = 0,
 ) -> str:
     """Raise ``DiskFullError`` unless ``out_dir``'s filesystem can hold the checkpoints the run
-    will have on disk at once (``best``: one more, the best one kept beside the newest); else
-    a summary (the number of checkpoints, bytes, free bytes)."""
+    will have on disk at once (``best``: one more, the best one kept beside the newest) and
+    ``final_bytes`` (its export, ``final/``); else a summary (checkpoints, bytes, free bytes)."""
     existing = len(complete_checkpoints(out_dir))
     count = checkpoints_at_once(total_limit, existing, saves) + int(best and total_limit > 0)
-    need, free = count * one_bytes, free_bytes(out_dir)
+    need, free = count * one_bytes + final_bytes, free_bytes(out_dir)
     if need > free:
         limit = f"output.save_total_limit={total_limit}" if total_limit else "every checkpoint kept"
         raise DiskFullError(
             f"output.dir {out_dir} is on {filesystem_of(out_dir)} with {free:,} bytes free, but "
             f"this run needs {need:,} bytes there: {count} checkpoint(s) of {one_bytes:,} bytes "
-            f"on disk at once ({limit}, the one being written included); free space, lower "
+            f"on disk at once ({limit}, the one being written included)"
+            f"{f' and its export of {final_bytes:,}' if final_bytes else ''}; free space, lower "
             "output.save_total_limit, or choose another output.dir"
         )
+    export = f" and the export ({final_bytes / 2**30:.2f} GiB)" if final_bytes else ""
     return (
-        f"{count} checkpoint(s) of {one_bytes / 2**30:.2f} GiB fit in {free / 2**30:.2f} GiB free"
+        f"{count} checkpoint(s) of {one_bytes / 2**30:.2f} GiB{export} fit in "
+        f"{free / 2**30:.2f} GiB free"
     )
 
 
@@ -118,7 +137,7 @@ def disk_full_reported(out_dir: Path, one_bytes: int) -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        if e.errno not in _NO_SPACE:
+        if e.errno not in NO_SPACE_ERRNOS:
             raise
         intact = complete_checkpoints(out_dir)
         resume = (

@@ -186,8 +186,8 @@ def check_weight_files(adapter: HFAdapter, files: list[Path]) -> WeightPlan:
     missing = _missing(shapes, copies, hub, per_expert)
     if files and missing:
         raise ModelLoadError(
-            f"weights missing from the checkpoint: {', '.join(missing[:5])}"
-            f"{' ...' if len(missing) > 5 else ''} ({len(missing)} tensors); "
+            f"weights missing from the model's safetensors files: {', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''} ({len(missing)} of them); "
             "re-download the model or remove its safetensors files to start from a seeded init"
         )
     return WeightPlan(tuple(copies), per_expert)

@@ -22,13 +22,13 @@ import math
 import os
 import time
 from collections import deque
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from slidedp import __version__
+from slidedp.cli_args import count
 from slidedp.kernels import Kernels, default_threads
 from slidedp.plan.device import pick_device
 from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM, CAST_BYTES_PER_PARAM
@@ -406,23 +406,13 @@ def format_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _count(least: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < least:
-            raise argparse.ArgumentTypeError(f"must be at least {least}, got {text}")
-        return value
-
-    return parse
-
-
 def add_probe_arguments(parser: argparse.ArgumentParser, device_help: str) -> None:
     """The options of every probe of the host's (``profile host``, ``profile chunks``):
     ``--threads``, ``--device``, ``--cache-dir``, ``--force``, ``--json``."""
     arg = parser.add_argument
     arg(
         "--threads",
-        type=_count(0),
+        type=count(0),
         default=0,
         help="update threads (0: the engine's default, all cores beside a GPU, half on CPU)",
     )
@@ -444,11 +434,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser, "cuda: also AdamW under H2D/D2H copies (the model's rate); cpu: alone"
     )
     parser.add_argument(
-        "--state-mib", type=_count(1), default=STATE_MIB, help="FP32 state updated per pass"
+        "--state-mib", type=count(1), default=STATE_MIB, help="FP32 state updated per pass"
     )
     parser.add_argument(
         "--ranks",
-        type=_count(1),
+        type=count(1),
         default=1,
         help="ranks sharing the node: R > 1 also times R pools of threads/R at once",
     )

@@ -34,6 +34,7 @@ import torch
 import transformers
 
 from slidedp import __version__
+from slidedp.cli_args import count, ratios, writable
 from slidedp.config import TrainConfig
 from slidedp.errors import ConfigError
 from slidedp.models.fast import COMPILE_BACKEND, Compute, apply_compute, resolve_compute
@@ -443,14 +444,16 @@ def format_report(report: dict[str, Any]) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shape", default="qwen3-4b", help=f"{', '.join(SHAPES)} or a config.json")
-    parser.add_argument("--batch", type=int, default=16, help="sequences per step")
-    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--batch", type=count(1), default=16, help="sequences per step")
+    parser.add_argument("--seq-len", type=count(2), default=1024)
     parser.add_argument("--families", default=FAMILIES, help="comma-separated checkpoint families")
-    parser.add_argument("--ratios", default=RATIOS, help="comma-separated offload ratios")
+    parser.add_argument(
+        "--ratios", type=ratios, default=RATIOS, help="comma-separated offload ratios"
+    )
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=count(0), default=2)
+    parser.add_argument("--steps", type=count(1), default=5)
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--png", help="draw the memory-time Pareto frontier here")
     parser.add_argument(
@@ -463,13 +466,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead of the layouts: these layer-compute variants with their kernel breakdown "
         f"(comma-separated: {','.join(VARIANTS)})",
     )
-    parser.add_argument("--top", type=int, default=12, help="kernels shown per variant")
+    parser.add_argument("--top", type=count(1), default=12, help="kernels shown per variant")
     parser.add_argument("--backend", default=COMPILE_BACKEND, help="torch.compile backend")
 
 
 def main(args: argparse.Namespace) -> int:
     if args.png:
         require_matplotlib()  # before measuring
+    writable("--json", args.json)
+    writable("--png", args.png)
+    unknown = [v for v in filter(None, args.kernels.split(",")) if v not in VARIANTS]
+    if unknown:
+        raise ConfigError(
+            f"--kernels: unknown variant {unknown[0]!r} (known: {', '.join(VARIANTS)})"
+        )
+    limit = getattr(resolve_shape(args.shape).get_text_config(), "max_position_embeddings", None)
+    if limit is not None and args.seq_len > limit:
+        raise ConfigError(
+            f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings={limit}; "
+            "lower --seq-len"
+        )
     if args.kernels:
         report = profile_kernels(args)
         print(format_kernels(report))

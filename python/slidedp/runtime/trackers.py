@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +27,8 @@ import yaml
 from slidedp.errors import ConfigError, exception_line
 
 TRACKERS = ("tensorboard", "wandb")
+_WANDB_LOCAL = ("offline", "dryrun", "disabled")  # WANDB_MODE values that need no login
+_WANDB_LOGIN = "run `wandb login` or set WANDB_API_KEY"
 
 
 class SummaryWriterLike(Protocol):
@@ -74,6 +77,27 @@ class TensorBoardTracker:
         self.writer.close()
 
 
+def check_trackers(names: Sequence[str]) -> None:
+    """What ``slidedp validate`` and ``train`` check of the trackers before anything is
+    written: W&B, unless it records locally (``WANDB_MODE``), has an API key (its server is
+    reached when the run opens it)."""
+    if "wandb" not in names or os.environ.get("WANDB_MODE", "").lower() in _WANDB_LOCAL:
+        return
+    import wandb  # noqa: PLC0415  optional: the slidedp[wandb] extra, checked by the config
+
+    try:
+        logged_in = wandb.login(verify=False, prompt=False)
+    except TypeError:  # a W&B without login(prompt=): the key is checked when the run opens it
+        return
+    except wandb.errors.Error as e:  # a key of the wrong form
+        raise ConfigError(f"output.report_to has wandb: {exception_line(e)}") from None
+    if not logged_in:
+        raise ConfigError(
+            f"output.report_to has wandb but W&B has no API key: {_WANDB_LOGIN}, or set "
+            "WANDB_MODE=offline, or take wandb out of output.report_to"
+        )
+
+
 class WandbTracker:
     def __init__(self, out_dir: Path) -> None:
         import wandb  # noqa: PLC0415  optional: the slidedp[wandb] extra, checked by the config
@@ -85,10 +109,12 @@ class WandbTracker:
         except wandb.errors.Error as e:  # no login, no server, ...: the run is refused
             if not existed:  # nothing of this run left behind
                 shutil.rmtree(runs, ignore_errors=True)
+            login = isinstance(e, wandb.errors.UsageError | wandb.errors.AuthenticationError)
+            fix = _WANDB_LOGIN if login else "check the network or WANDB_BASE_URL"
             raise ConfigError(
-                f"output.report_to has wandb but W&B did not start ({exception_line(e)}): run "
-                "`wandb login` or set WANDB_API_KEY (WANDB_MODE=offline records locally only), "
-                "or take wandb out of output.report_to"
+                f"output.report_to has wandb but W&B did not start ({exception_line(e)}): "
+                f"{fix}; WANDB_MODE=offline records locally only, or take wandb out of "
+                "output.report_to"
             ) from None
 
     def log_run(self, config: dict[str, Any], plan: dict[str, Any]) -> None:
