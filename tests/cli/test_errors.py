@@ -167,12 +167,17 @@ def test_model_config_field_of_the_wrong_type_or_value(
 
 
 @pytest.mark.parametrize("verb", VERBS)
-def test_unsupported_architecture(capsys: Capsys, tmp_path: Path, verb: str) -> None:
-    model = tmp_path / "gpt2"
+@pytest.mark.parametrize("model_type", ["gpt2", "bogus_arch"])  # known to transformers, or not
+def test_unsupported_architecture(
+    capsys: Capsys, tmp_path: Path, verb: str, model_type: str
+) -> None:
+    model = tmp_path / model_type
     model.mkdir()
-    (model / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
+    (model / "config.json").write_text(json.dumps({"model_type": model_type, "n_layer": 2}))
     config = _config(tmp_path, model)
-    _fails(capsys, verb, config, needles=("model type 'gpt2' is not supported", "qwen3"))
+    line = _fails(capsys, verb, config,
+                  needles=(f"model type '{model_type}' is not supported", "qwen3"))  # fmt: skip
+    assert "transformers" not in line  # not its advice to upgrade it
 
 
 @pytest.mark.parametrize("verb", VERBS)

@@ -12,7 +12,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from bench.tiny import write_tiny_config
 from slidedp.errors import ConfigError
-from slidedp.models.hf import HFAdapter, config_values
+from slidedp.models.hf import HFAdapter
+from slidedp.models.hf_config import config_values
 from slidedp.models.shape import layer_shapes
 from slidedp.models.shapes import SHAPES, cut_layers, resolve_shape
 

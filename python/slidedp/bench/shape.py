@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from slidedp.config import ModelSection
 from slidedp.errors import ConfigError
 from slidedp.io.hf_load import weight_files
-from slidedp.models.hf import apply_overrides
+from slidedp.models.hf_config import apply_overrides
 from slidedp.models.shapes import SHAPES, cut_layers, resolve_shape
 from slidedp.runtime.flops import matmul_params
 

@@ -24,7 +24,12 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.masking_utils import (
     create_causal_mask,
     create_recurrent_attention_mask,
@@ -35,6 +40,7 @@ from slidedp.errors import ModelLoadError
 from slidedp.models.bind import bind_params
 from slidedp.models.buffers import LayerBuffers, bind_buffers
 from slidedp.models.fast import Compute, call_layer
+from slidedp.models.hf_config import apply_overrides, config_values, unknown_model_type
 from slidedp.models.loss import chunked_lm_loss
 from slidedp.models.router_loss import RouterLoss
 from slidedp.store import GroupSpec, ParamSpec
@@ -65,43 +71,6 @@ def no_cache(function: Callable[..., Any]) -> dict[str, None]:
     warning, an error here), ``past_key_values`` before it."""
     accepted = inspect.signature(function).parameters
     return {"cache": None} if "cache" in accepted else {"past_key_values": None}
-
-
-def config_values(config: PretrainedConfig, field: str) -> list[Any]:
-    """``config``'s ``field``: ``[value]``, or each layer's where the config keeps it per layer
-    (transformers' heterogeneous configs, e.g. Gemma 4's ``head_dim``, refuse a global read)."""
-    spec = config.__dict__.get("_heterogeneity_spec")
-    if spec is not None and field in spec.per_layer_attributes:
-        layers = range(int(config.num_hidden_layers))
-        return [getattr(config.per_layer_config[i], field, None) for i in layers]
-    return [getattr(config, field, None)]
-
-
-def apply_overrides(config: PretrainedConfig, overrides: dict[str, Any]) -> None:
-    """``overrides`` set on ``config`` in place. ``rope_scaling`` is merged into the model's
-    rope parameters (transformers >= 5 keeps ``rope_theta`` there; a model with parameters per
-    layer type scales its full-attention layers, as Gemma 3's checkpoints do), then checked by
-    transformers' own ``standardize_rope_params`` / ``validate_rope`` where they exist."""
-    rope = overrides.get("rope_scaling")
-    for key, value in overrides.items():
-        if key != "rope_scaling":
-            setattr(config, key, value)
-    if rope is None:
-        return
-    current = getattr(config, "rope_parameters", None)
-    if current is None and not hasattr(config, "standardize_rope_params"):
-        config.rope_scaling = dict(rope)  # transformers 4: the field itself
-        return
-    current = dict(current or {})
-    if "full_attention" in current:  # per layer type
-        current["full_attention"] = {**current["full_attention"], **rope}
-    else:
-        current.update(rope)
-    config.rope_parameters = current
-    if hasattr(config, "standardize_rope_params"):
-        config.standardize_rope_params()
-    if hasattr(config, "validate_rope"):
-        config.validate_rope()
 
 
 @dataclass(frozen=True)
@@ -220,6 +189,12 @@ class HFAdapter:
         try:
             config = AutoConfig.from_pretrained(path)
         except Exception as e:  # bad JSON, or transformers' checks of the fields' types
+            unknown = unknown_model_type(path / "config.json")
+            if unknown is not None:  # transformers' own line suggests upgrading it
+                raise ModelLoadError(
+                    f"model type '{unknown}' is not supported "
+                    f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+                ) from None
             what = " ".join(str(e).split()) or type(e).__name__
             raise ModelLoadError(
                 f"cannot read {path}/config.json: {what}; fix the file or re-download the model"

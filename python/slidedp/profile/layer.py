@@ -38,7 +38,8 @@ from slidedp.cli_args import count, ratios, writable
 from slidedp.config import TrainConfig
 from slidedp.errors import ConfigError
 from slidedp.models.fast import COMPILE_BACKEND, Compute, apply_compute, resolve_compute
-from slidedp.models.hf import HFAdapter, apply_overrides
+from slidedp.models.hf import HFAdapter
+from slidedp.models.hf_config import apply_overrides
 from slidedp.models.shapes import SHAPES, resolve_shape
 from slidedp.plan.cost import layer_footprint
 from slidedp.plan.device import pick_device, pick_dtype
