@@ -313,44 +313,21 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("out_dir", help="a new directory: config, tokenizer, f32 safetensors")
     bench = verbs.add_parser("bench", help="benchmarks against in-run baselines")
     which = bench.add_subparsers(dest="bench", required=True)
-    bench_kernels.add_arguments(
-        which.add_parser("kernels", parents=[debug], help="AdamW and cast vs torch")
-    )
-    bench_train.add_arguments(
-        which.add_parser("train", parents=[debug], help="ours vs reference and FSDP2")
-    )
-    bench_plot.add_arguments(
-        which.add_parser("plot", parents=[debug], help="one sweep figure from JSON reports")
-    )
-    bench_model.add_arguments(
-        which.add_parser("model", parents=[debug], help="the step-time model vs traced steps")
-    )
-    bench_predict.add_arguments(
-        which.add_parser(
-            "predict", parents=[debug], help="the step-time model vs a bench train report"
-        )
-    )
-    plan_command.add_arguments(
-        verbs.add_parser(
-            "plan", parents=[debug], help="choose the activation layout: a policy file"
-        )
-    )
-    bench_nodes.add_arguments(
-        which.add_parser(
-            "nodes", parents=[debug], help="the cross-node all-reduce: measured on CPU, predicted"
-        )
-    )
     profile = verbs.add_parser("profile", help="measure the candidates of a policy")
     what = profile.add_subparsers(dest="profile", required=True)
-    profile_layer.add_arguments(
-        what.add_parser("layer", parents=[debug], help="every activation layout of one layer")
-    )
-    profile_host.add_arguments(
-        what.add_parser("host", parents=[debug], help="host AdamW GB/s, alone and under DMA")
-    )
-    profile_chunks.add_arguments(
-        what.add_parser("chunks", parents=[debug], help="a layer's transfers by H2D/D2H chunk")
-    )
+    for under, name, module, help_text in (
+        (which, "kernels", bench_kernels, "AdamW and cast vs torch"),
+        (which, "train", bench_train, "ours vs reference and FSDP2"),
+        (which, "plot", bench_plot, "one sweep figure from JSON reports"),
+        (which, "model", bench_model, "the step-time model vs traced steps"),
+        (which, "predict", bench_predict, "the step-time model vs a bench train report"),
+        (verbs, "plan", plan_command, "choose the activation layout: a policy file"),
+        (which, "nodes", bench_nodes, "the cross-node all-reduce: measured on CPU, predicted"),
+        (what, "layer", profile_layer, "every activation layout of one layer"),
+        (what, "host", profile_host, "host AdamW GB/s, alone and under DMA"),
+        (what, "chunks", profile_chunks, "a layer's transfers by H2D/D2H chunk"),
+    ):
+        module.add_arguments(under.add_parser(name, parents=[debug], help=help_text))
     return parser
 
 

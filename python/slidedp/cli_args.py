@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from slidedp.errors import ConfigError
@@ -46,6 +46,18 @@ def ratios(text: str) -> str:
                 f"must be ratios in [0, 1] such as 0,0.5,1, got {text!r}"
             )
     return text
+
+
+def listed(known: Sequence[str]) -> Callable[[str], str]:
+    """Comma-separated names, each one of ``known`` (kept as text)."""
+
+    def parse(text: str) -> str:
+        unknown = [name for name in text.split(",") if name and name not in known]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown[0]!r} (known: {', '.join(known)})")
+        return text
+
+    return parse
 
 
 def writable(flag: str, path: str | None) -> None:

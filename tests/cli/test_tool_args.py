@@ -23,6 +23,10 @@ Capsys = pytest.CaptureFixture[str]
         (["profile", "layer", "--seq-len", "x"], "argument --seq-len: must be an integer, got 'x'"),
         (["profile", "layer", "--ratios", "abc"], "argument --ratios: must be ratios in [0, 1]"),
         (["profile", "layer", "--top", "-1"], "argument --top: must be at least 1"),
+        (
+            ["profile", "layer", "--kernels", "eager,bogus"],
+            "--kernels: unknown 'bogus' (known: eager",
+        ),
         (["profile", "host", "--ranks", "0"], "argument --ranks: must be at least 1, got 0"),
         (["plan", "c.yaml", "--steps", "0"], "argument --steps: must be at least 1, got 0"),
         (["plan", "c.yaml", "--ratios", "2"], "argument --ratios: must be ratios in [0, 1]"),
@@ -43,7 +47,6 @@ def test_profile_layer_refuses_before_measuring(capsys: Capsys, tmp_path: Path) 
     (tmp_path / "file").write_text("")
     cases = [
         (["--seq-len", "100000"], "--seq-len 100000 exceeds the model's max_position_embeddings"),
-        (["--kernels", "eager,bogus"], "--kernels: unknown variant 'bogus' (known: eager"),
         (["--json", str(tmp_path / "file" / "r.json")], "r.json: cannot write a file there"),
     ]
     for extra, needle in cases:

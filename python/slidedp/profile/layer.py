@@ -34,7 +34,7 @@ import torch
 import transformers
 
 from slidedp import __version__
-from slidedp.cli_args import count, ratios, writable
+from slidedp.cli_args import count, listed, ratios, writable
 from slidedp.config import TrainConfig
 from slidedp.errors import ConfigError
 from slidedp.models.fast import COMPILE_BACKEND, Compute, apply_compute, resolve_compute
@@ -463,6 +463,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="measure even if cached")
     parser.add_argument(
         "--kernels",
+        type=listed(VARIANTS),
         default="",
         help="instead of the layouts: these layer-compute variants with their kernel breakdown "
         f"(comma-separated: {','.join(VARIANTS)})",
@@ -476,11 +477,6 @@ def main(args: argparse.Namespace) -> int:
         require_matplotlib()  # before measuring
     writable("--json", args.json)
     writable("--png", args.png)
-    unknown = [v for v in filter(None, args.kernels.split(",")) if v not in VARIANTS]
-    if unknown:
-        raise ConfigError(
-            f"--kernels: unknown variant {unknown[0]!r} (known: {', '.join(VARIANTS)})"
-        )
     limit = getattr(resolve_shape(args.shape).get_text_config(), "max_position_embeddings", None)
     if limit is not None and args.seq_len > limit:
         raise ConfigError(
