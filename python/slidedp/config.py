@@ -65,6 +65,9 @@ class ModelSection:
         return {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
 
 
+F32_MAX = 3.4028234663852886e38  # the largest finite float32
+
+
 @dataclass(kw_only=True)
 class TrainSection:
     max_steps: int
@@ -99,6 +102,14 @@ class TrainSection:
             value = getattr(self, name)
             _require(0 <= value < 1, f"train.{name} must be in [0, 1), got {value}")
         _require(self.adam_epsilon > 0, "train.adam_epsilon must be > 0")
+        if 0 <= self.adam_beta1 < 1:  # AdamW's first step size and its decay factor are f32
+            step = self.learning_rate / (1 - self.adam_beta1)
+            _require(
+                max(step, self.learning_rate * self.weight_decay) <= F32_MAX,
+                f"train.learning_rate={self.learning_rate} overflows AdamW's f32 step "
+                "(learning_rate / (1 - adam_beta1) and learning_rate * weight_decay must stay "
+                "under 3.4e38)",
+            )
         _require(self.max_grad_norm >= 0, "train.max_grad_norm must be >= 0 (0 disables)")
         _require(self.warmup_steps >= 0, "train.warmup_steps must be >= 0")
         # numpy's generators (the data's order and split) take no negative seed, torch none >= 2**64

@@ -84,6 +84,11 @@ def test_value_checks_of_one_section_are_all_reported() -> None:
         "train.adam_epsilon must be > 0",
         "train.seed must be in [0, 2**63), got -1",  # numpy's generators refuse it mid-run
     ]
+    overflow = _problems(_raw(train={"max_steps": 1, "learning_rate": 1e38, "adam_beta1": 0.9}))
+    assert overflow == [  # 1e38 / (1 - 0.9) overflows f32: the update thread's error at step 1
+        "train.learning_rate=1e+38 overflows AdamW's f32 step (learning_rate / (1 - adam_beta1) "
+        "and learning_rate * weight_decay must stay under 3.4e38)"
+    ]
 
 
 @pytest.mark.parametrize(
