@@ -343,6 +343,6 @@ def test_an_export_without_a_manifest_checks_the_weights_headers(tmp_path: Path)
     (path / "manifest.json").unlink()  # as a checkpoint written before manifests
     weights = path / "model.safetensors"
     os.truncate(weights, weights.stat().st_size - 8)
-    with pytest.raises(CheckpointError, match=r"model.safetensors has [\d,]+ bytes, its header "):
+    with pytest.raises(CheckpointError, match=r"model.safetensors has an unreadable .*not fully c"):
         export_checkpoint(path, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()

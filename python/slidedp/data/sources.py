@@ -186,8 +186,8 @@ class Source:
             parquet = pq.ParquetFile(self.path)
         except (OSError, pa.ArrowException) as e:
             raise DataError(f"cannot read data {self.path}: {e}{_FIX_PATH}") from None
-        fmt = self._resolve_format(parquet.schema_arrow.names, f"{self.path} (columns)")
         names = parquet.schema_arrow.names
+        fmt = self._resolve_format(names, f"{self.path} (columns)")
         keys = FORMAT_KEYS[fmt] + tuple(k for k in OPTIONAL_KEYS.get(fmt, ()) if k in names)
         first_row = 1
         for batch in parquet.iter_batches(batch_size=RECORDS_PER_CHUNK, columns=list(keys)):

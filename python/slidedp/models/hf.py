@@ -24,12 +24,7 @@ from typing import Any, cast
 
 import torch
 from torch import nn
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    PretrainedConfig,
-    PreTrainedModel,
-)
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import (
     create_causal_mask,
     create_recurrent_attention_mask,
