@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import tempfile
 import traceback
@@ -463,9 +464,12 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ and args.verb == "train":  # one rank of several: see runtime.dist
         return _rank(args, prefix)
     try:
-        return _run(args, own_process=argv is None)
+        code = _run(args, own_process=argv is None)
     except (KeyboardInterrupt, Exception) as e:
         return _report(e, args, prefix)
+    for sig in (signal.SIGINT, signal.SIGTERM) if argv is None else ():
+        signal.signal(sig, signal.SIG_IGN)  # done: a late Ctrl-C (a second one after a saved
+    return code  # stop) must not turn the exit code into 130 on the interpreter's way out
 
 
 if __name__ == "__main__":

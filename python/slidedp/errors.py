@@ -80,7 +80,11 @@ class PeerFailedError(SlidedpError, RuntimeError):
 
 
 class UpdateFailedError(SlidedpError, RuntimeError):
-    """A host parameter update failed; later updates were skipped and the store poisoned."""
+    """A host parameter update failed; later updates were skipped and the store poisoned.
+    ``first``: 1 when this failure poisoned the store before any other rank's did (the one
+    reported where several ranks fail together), else 0."""
+
+    first: int = 1
 
 
 class UpdateTimeoutError(SlidedpError, TimeoutError):

@@ -243,5 +243,7 @@ class HostStore:
     def version(self, layer: int) -> int:
         return self._native.version(layer)
 
-    def poison(self) -> None:
-        self._native.poison()
+    def poison(self) -> bool:
+        """Declares the store failed (every waiter in every process wakes with
+        ``StorePoisonedError``); whether this call was its first poison, in any process."""
+        return self._native.poison()

@@ -72,16 +72,16 @@ def test_a_killed_rank_stops_the_launch(tmp_path: Path) -> None:
             assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text()
 
 
-def _lr_failing_on(monkeypatch: pytest.MonkeyPatch, rank: str, step: int) -> None:
-    """An infinite learning rate at 0-based ``step`` on rank ``rank`` (ranks read ``RANK``;
-    "" is a one-process run): the update worker's AdamW refuses it, the store is poisoned."""
+def _lr_failing_on(monkeypatch: pytest.MonkeyPatch, ranks: str, step: int) -> None:
+    """An infinite learning rate at 0-based ``step`` on the ranks listed in ``ranks`` (ranks
+    read ``RANK``; "" is a one-process run): the update worker's AdamW refuses it, the store
+    is poisoned."""
     from slidedp.runtime.schedule import lr_schedule as real
 
     def schedule(*args: Any) -> Callable[[int], float]:
         lr_at = real(*args)
-        return lambda t: (
-            float("inf") if (os.environ.get("RANK", ""), t) == (rank, step) else lr_at(t)
-        )
+        failing = [(rank, step) for rank in ranks.split(",")]
+        return lambda t: float("inf") if (os.environ.get("RANK", ""), t) in failing else lr_at(t)
 
     monkeypatch.setattr("slidedp.runtime.trainer.lr_schedule", schedule)
 
@@ -114,4 +114,18 @@ def test_an_update_failure_on_one_rank_is_reported_once_as_itself(
     err = capfd.readouterr().err
     assert err.count("a parameter update failed") == 1, err
     assert "lr must be finite, got inf" in err
+    assert "poisoned" not in err
+
+
+def test_an_update_failure_on_every_rank_is_reported_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Both ranks' workers fail the same step: the one whose poison came first reports, the
+    other exits as a peer (was one line per rank)."""
+    config = _config(tmp_path, steps=4)
+    _lr_failing_on(monkeypatch, "0,1", 1)
+    codes = run_ranks(config, 2, ["train.max_grad_norm=0"])  # both updates run unclipped, at once
+    assert sorted(codes) == [2, EXIT_PEER_FAILED]
+    err = capfd.readouterr().err
+    assert err.count("a parameter update failed") == 1, err
     assert "poisoned" not in err

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,10 +19,13 @@ from slidedp.runtime.dist import EXIT_PEER_FAILED, EXIT_STOPPED_WITH_PEERS
 
 class _Proc:
     """A rank that runs for ``polls`` polls, then has exited with ``code``; ``on_poll`` runs
-    at each poll (to signal the launcher mid-watch). Signals it gets are kept in ``got``."""
+    at each poll (to signal the launcher mid-watch). Signals it gets are kept in ``got``;
+    with ``dies``, the first one ends it (a rank that has no handler for it yet)."""
 
-    def __init__(self, code: int, polls: int, on_poll: Callable[[], None] = lambda: None) -> None:
-        self.code, self.polls, self.on_poll = code, polls, on_poll
+    def __init__(
+        self, code: int, polls: int, on_poll: Callable[[], None] = lambda: None, dies: bool = False
+    ) -> None:
+        self.code, self.polls, self.on_poll, self.dies = code, polls, on_poll, dies
         self.got: list[str] = []
 
     def poll(self) -> int | None:
@@ -30,6 +35,8 @@ class _Proc:
 
     def send_signal(self, sig: int) -> None:
         self.got.append(signal.Signals(sig).name)
+        if self.dies:
+            self.code, self.polls = -sig, -1
 
     def kill(self) -> None:
         self.got.append("SIGKILL")
@@ -107,6 +114,22 @@ def test_ranks_that_exit_between_two_polls_are_still_reported(
     assert "rank 1 exited with 1; stopped ranks [0]" in capsys.readouterr().err
 
 
+def test_a_rank_killed_for_hanging_is_named_as_hung_not_as_killed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rank 0 timed out waiting for rank 1 and left as a peer (silent); rank 1 never exits
+    and the launcher kills it: the line says rank 1 hung (was "killed by SIGKILL", the
+    launcher's own kill)."""
+    monkeypatch.setattr(launch_module, "GRACE_S", 0.0)
+    procs = [_Proc(EXIT_PEER_FAILED, 1), _Proc(0, 10**9), _Proc(EXIT_PEER_FAILED, 2)]
+    assert _launch_fakes(monkeypatch, procs) == 1
+    assert procs[1].got == ["SIGKILL"]
+    assert capsys.readouterr().err.splitlines() == [
+        "slidedp train: rank 1 stopped responding: the other ranks timed out waiting "
+        "(runtime.version_timeout_s); killed 0 s later; stopped ranks [0, 2]"
+    ]
+
+
 def test_an_agreed_stop_exits_2_and_the_launcher_adds_no_line(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -131,7 +154,7 @@ def _signal_launcher_at(*polls_and_signals: tuple[int, signal.Signals]) -> Calla
 
 
 def test_signals_are_forwarded_once_then_a_second_one_kills_the_ranks(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     hup = _Proc(2, 4, _signal_launcher_at((2, signal.SIGHUP)))
     peer = _Proc(EXIT_STOPPED_WITH_PEERS, 5)
@@ -141,8 +164,28 @@ def test_signals_are_forwarded_once_then_a_second_one_kills_the_ranks(
 
     stuck = [_Proc(0, 10**6, _signal_launcher_at((2, signal.SIGINT), (4, signal.SIGINT))),
              _Proc(0, 10**6)]  # fmt: skip
-    assert _launch_fakes(monkeypatch, stuck) == 1
+    assert _launch_fakes(monkeypatch, stuck) == 128 + signal.SIGINT
     assert stuck[0].got == stuck[1].got == ["SIGINT", "SIGKILL"]
+    assert capsys.readouterr().err.splitlines() == [
+        "slidedp train: a second SIGINT killed the ranks before they exited"
+    ]  # not "rank 0 was killed by SIGKILL": the kill was the launcher's own
+
+
+def test_ranks_a_forwarded_signal_ends_outside_the_loop_make_one_line_saying_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SIGTERM while the ranks start: rank 1 has no handler yet and dies of it, rank 0 sees
+    its peer fail. One line names the signal (was "rank 1 was killed by SIGTERM", exit 1)."""
+    procs = [
+        _Proc(EXIT_PEER_FAILED, 5, _signal_launcher_at((2, signal.SIGTERM))),
+        _Proc(0, 10**6, dies=True),
+    ]
+    assert _launch_fakes(monkeypatch, procs) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.splitlines() == [
+        "slidedp train: stopped by SIGTERM outside the training loop (starting or finishing), "
+        "where no checkpoint is taken: train.resume=auto continues from the last one saved, "
+        "if any"
+    ]
 
 
 def test_the_launcher_runs_the_preflight_before_starting_any_rank(
@@ -176,3 +219,19 @@ def test_ranks_still_running_at_the_timeout_are_killed_and_the_launch_says_so(
     assert [p.got for p in hung] == [["SIGKILL"], ["SIGKILL"]]
     assert capsys.readouterr().err == "slidedp train: the ranks ran past 0 s and were stopped\n"
     assert _launch_fakes(monkeypatch, [_Proc(0, 3), _Proc(0, 5)], timeout_s=60.0) == 0
+
+
+def test_a_launched_rank_dies_of_sigint_before_its_loop_instead_of_raising() -> None:
+    """A forwarded Ctrl-C while a rank starts ends it as SIGTERM does (the launcher reports
+    the signal once), not as a KeyboardInterrupt raised through torch's C++ frames."""
+    code = (
+        "import os, signal, time\n"
+        f"os.environ[{launch_module.LAUNCHER_PID!r}] = str(os.getppid())\n"
+        "from slidedp.runtime.launch import watch_launcher\n"
+        "watch_launcher()\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "time.sleep(30)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGINT, done.stderr
+    assert done.stderr == ""

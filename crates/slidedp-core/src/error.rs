@@ -47,8 +47,10 @@ pub enum Error {
     )]
     StorePoisoned { layer: usize },
 
+    /// `first`: this failure poisoned the store before any other (the one reported when
+    /// several ranks' updates fail together).
     #[error("a parameter update failed: {message}")]
-    UpdateFailed { message: String },
+    UpdateFailed { message: String, first: bool },
 
     #[error("{pending} parameter updates still pending after {timeout_ms} ms")]
     UpdateTimeout { pending: usize, timeout_ms: u64 },

@@ -83,8 +83,9 @@ pub struct ChunkSum {
 /// The first failure, kept until reported.
 #[derive(Clone, Debug)]
 enum Failure {
-    /// One of this worker's requests failed (the message names its group and step).
-    Update(String),
+    /// One of this worker's requests failed (the message names its group and step); `first`:
+    /// its poison was the store's first (another rank's failure may have come before).
+    Update { message: String, first: bool },
     /// A failed peer poisoned a store this worker was waiting on: the peer reports the cause.
     Peer { layer: usize },
 }
@@ -92,8 +93,9 @@ enum Failure {
 impl Failure {
     fn error(&self) -> Error {
         match self {
-            Failure::Update(message) => Error::UpdateFailed {
+            Failure::Update { message, first } => Error::UpdateFailed {
                 message: message.clone(),
+                first: *first,
             },
             Failure::Peer { layer } => Error::StorePoisoned { layer: *layer },
         }
@@ -302,7 +304,7 @@ impl UpdateWorker {
     pub fn failure(&self) -> Option<Error> {
         let progress = self.shared.progress.lock().expect("poisoned");
         match &progress.failure {
-            Some(failure @ Failure::Update(_)) => Some(failure.error()),
+            Some(failure @ Failure::Update { .. }) => Some(failure.error()),
             _ => None,
         }
     }

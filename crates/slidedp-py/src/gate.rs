@@ -99,7 +99,9 @@ pub fn to_py_err(py: Python<'_>, error: &Error) -> PyErr {
             "LengthMismatchError",
             vec![("expected", *expected as u64), ("got", *got as u64)],
         ),
-        Error::UpdateFailed { .. } => ("UpdateFailedError", vec![]),
+        Error::UpdateFailed { first, .. } => {
+            ("UpdateFailedError", vec![("first", u64::from(*first))])
+        }
         Error::UpdateTimeout {
             pending,
             timeout_ms,

@@ -120,7 +120,8 @@ impl PyHostStore {
     }
 
     /// Declares the store failed: every waiter, in every process, gets StorePoisonedError.
-    fn poison(&self) {
-        self.inner.poison();
+    /// Returns whether this call was the store's first poison (in any process).
+    fn poison(&self) -> bool {
+        self.inner.poison()
     }
 }

@@ -35,7 +35,6 @@ from slidedp.errors import (
     PeerFailedError,
     StorePoisonedError,
     UpdateFailedError,
-    VersionTimeoutError,
 )
 from slidedp.plan.policy import effective_runtime, resident_ranks_message
 from slidedp.runtime.context_parallel import ContextGroup
@@ -233,29 +232,18 @@ def collective(op: Callable[[], object]) -> None:
         raise PeerFailedError(f"a collective failed, another rank stopped: {e}") from e
 
 
-def is_poisoned(store: HostStore) -> bool:
-    """Whether some rank declared the store failed (a zero-timeout wait that cannot succeed)."""
-    try:
-        store.wait_version(0, 2**32 - 1, 0.0)
-    except StorePoisonedError:
-        return True
-    except VersionTimeoutError:
-        return False
-    return False
-
-
 def fail(error: BaseException) -> bool:
     """This rank is failing with ``error``: wake every peer (poison the shared stores). Returns
-    whether the error is only this rank's reaction to another rank's failure."""
+    whether another rank reports the failure: ``error`` is a reaction to a peer's, or a peer
+    poisoned the node's store first (several ranks failing together print one line). The
+    first store shared (the host store) decides, in every process: its poison is an atomic
+    claim, which the update worker makes too."""
+    claims = [store.poison() for store in _SHARED]
+    if isinstance(error, StorePoisonedError | PeerFailedError):
+        return True
     if isinstance(error, UpdateFailedError):  # this rank's worker poisoned the store itself
-        by_peer = False
-    else:
-        by_peer = isinstance(error, StorePoisonedError | PeerFailedError) or any(
-            is_poisoned(s) for s in _SHARED
-        )
-    for store in _SHARED:
-        store.poison()
-    return by_peer
+        return not error.first
+    return bool(claims) and not claims[0]
 
 
 def check_nodes_agree(ctx: Dist, facts: Callable[[], dict[str, str]]) -> None:

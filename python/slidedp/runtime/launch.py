@@ -136,55 +136,89 @@ def launch(
     if zygote is not None:  # its work is done: the launcher's children are the ranks alone
         zygote.close()
     end = None if timeout_s is None else time.monotonic() + timeout_s
-    try:
-        with _forwarding(procs):
-            first = _watch(procs, end)  # (rank, exit code) of the first failure
-    finally:
-        for p in procs:  # Ctrl-C, or an error here: no rank outlives the launcher
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    codes = [p.returncode for p in procs]
+    with _forwarding(procs) as signals:  # held to the verdict: a late signal interrupts nothing
+        try:
+            first, hung = _watch(procs, end)
+        finally:
+            for p in procs:  # an error here: no rank outlives the launcher
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        ended = _Ended([p.wait() for p in procs], first, hung, signals)
+        return _verdict(ended, name, node, timeout_s)
+
+
+@dataclass(frozen=True)
+class _Ended:
+    """How one launch's ranks ended: their exit codes; (local rank, exit code) of the first
+    failure (None: none failed); the ranks killed here for not exiting after the others
+    stopped (``GRACE_S``); the stop signals the launcher received meanwhile."""
+
+    codes: list[int]
+    first: tuple[int, int] | None
+    hung: list[int]
+    signals: list[signal.Signals]
+
+
+def _verdict(ended: _Ended, name: str, node: Node, timeout_s: float | None) -> int:
+    """The launch's exit code, with one line on stderr saying why where no rank said it."""
+    world, base = len(ended.codes), node.node_rank * len(ended.codes)
     stopped = [EXIT_STOPPED_WITH_PEERS] * world
     if node.node_rank == 0:
         stopped[0] = EXIT_SAVED_AND_STOPPED
-    if codes == stopped:  # an agreed stop: rank 0 (node 0) said what it saved
+    if ended.codes == stopped:  # an agreed stop: rank 0 (node 0) said what it saved
         return EXIT_SAVED_AND_STOPPED
-    if first is None:
+    if ended.first is None:
         return 0
-    local, code = first
+    local, code = ended.first
+    signals, hung = ended.signals, ended.hung
+
+    def say(line: str) -> None:
+        print(f"{name}: {line}", file=sys.stderr, flush=True)
+
     if code == EXIT_TIMED_OUT:
-        print(f"{name}: the ranks ran past {timeout_s:.0f} s and were stopped", file=sys.stderr,
-              flush=True)  # fmt: skip
+        say(f"the ranks ran past {timeout_s:.0f} s and were stopped")
         return EXIT_TIMED_OUT
-    base = node.node_rank * world
-    rank, others = base + local, [base + r for r in range(world) if r != local]
+    if len(signals) > 1 and -signal.SIGKILL in ended.codes:
+        say(f"a second {signals[1].name} killed the ranks before they exited")
+        return 128 + signals[1]
+    if signals and code == -FORWARDED[signals[0]]:  # a rank outside the loop that saves on it
+        say(f"stopped by {signals[0].name} outside the training loop (starting or finishing), "
+            "where no checkpoint is taken: train.resume=auto continues from the last one "
+            "saved, if any")  # fmt: skip
+        return 128 + signals[0]
+    if code == EXIT_PEER_FAILED and hung:  # every rank that exited left as a peer: these hung
+        who = f"rank {base + hung[0]}" if len(hung) == 1 else f"ranks {[base + r for r in hung]}"
+        rest = [base + r for r in range(world) if r not in hung]
+        say(f"{who} stopped responding: the other ranks timed out waiting "
+            f"(runtime.version_timeout_s); killed {GRACE_S:g} s later; stopped ranks "
+            f"{rest}")  # fmt: skip
+        return 1
+    codes = ended.codes
     if node.nodes > 1 and all(c in (EXIT_PEER_FAILED, EXIT_STOPPED_WITH_PEERS) for c in codes):
         what = f"node {node.node_rank}'s ranks {[base + r for r in range(world)]} stopped"
-        print(f"{name}: {what}: a rank of another node failed (its node says which)",
-              file=sys.stderr, flush=True)  # fmt: skip
+        say(f"{what}: a rank of another node failed (its node says which)")
         return code
-    print(
-        f"{name}: rank {rank} {_describe(code)}; stopped ranks {others}",
-        file=sys.stderr,
-        flush=True,
-    )
+    others = [base + r for r in range(world) if r != local]
+    say(f"rank {base + local} {_describe(code)}; stopped ranks {others}")
     return 1 if code < 0 else code
 
 
-def _watch(procs: list[Rank], end: float | None) -> tuple[int, int] | None:
-    """Wait for every rank; (rank, exit code) of the first failure, None when all succeeded.
-    Ranks still running ``GRACE_S`` after a failure are killed, and at ``end`` (a monotonic
-    time; None: never) every rank still running, the first failure then ``EXIT_TIMED_OUT``."""
+def _watch(procs: list[Rank], end: float | None) -> tuple[tuple[int, int] | None, list[int]]:
+    """Wait for every rank; (rank, exit code) of the first failure, None when all succeeded,
+    and the ranks this killed because they did not exit (hung). Ranks still running
+    ``GRACE_S`` after a failure are killed, and at ``end`` (a monotonic time; None: never)
+    every rank still running, the first failure then ``EXIT_TIMED_OUT``."""
     first: tuple[int, int] | None = None
     deadline = None
+    hung: list[int] = []  # this kill is no failure of theirs to report as one
     while True:
         if end is not None and first is None and time.monotonic() > end:
             first, deadline = (0, EXIT_TIMED_OUT), time.monotonic()  # kill them all below
         codes = [p.poll() for p in procs]  # one snapshot: a rank that exits between the
         for rank, code in enumerate(codes):  # loop test and a poll is never missed
-            if code in (None, 0, EXIT_STOPPED_WITH_PEERS):  # running, done, or left with rank 0
-                continue
+            if code in (None, 0, EXIT_STOPPED_WITH_PEERS) or rank in hung:
+                continue  # running, done, left with rank 0, or killed here
             if first is None or first[1] == EXIT_PEER_FAILED:
                 if first is None or code != EXIT_PEER_FAILED:
                     first = (rank, code)
@@ -192,34 +226,35 @@ def _watch(procs: list[Rank], end: float | None) -> tuple[int, int] | None:
         if None not in codes:
             break
         if deadline is not None and time.monotonic() > deadline:
-            for p in procs:
+            for rank, p in enumerate(procs):
                 if p.poll() is None:
                     p.kill()
+                    hung += [rank] if rank not in hung else []
         time.sleep(0.05)
-    return first
+    return first, hung
 
 
 @contextlib.contextmanager
-def _forwarding(procs: list[Rank]) -> Iterator[None]:
+def _forwarding(procs: list[Rank]) -> Iterator[list[signal.Signals]]:
     """While inside, the first stop signal to the launcher goes to every rank still running
-    (``FORWARDED``); a second one kills them."""
-    received: list[int] = []
+    (``FORWARDED``); a second one kills them. Yields the signals received, as they come."""
+    received: list[signal.Signals] = []
 
     def forward(signum: int, frame: object) -> None:
-        received.append(signum)
+        received.append(signal.Signals(signum))
         for p in procs:
             if p.poll() is None:
                 if len(received) == 1:
-                    p.send_signal(FORWARDED[signal.Signals(signum)])
+                    p.send_signal(FORWARDED[received[0]])
                 else:
                     p.kill()
 
     if threading.current_thread() is not threading.main_thread():  # Python's rule for handlers
-        yield
+        yield received
         return
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     try:
-        yield
+        yield received
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
@@ -227,10 +262,15 @@ def _forwarding(procs: list[Rank]) -> Iterator[None]:
 
 def watch_launcher() -> None:
     """In a rank started by ``launch``: SIGTERM to this rank, once, when the launcher is gone
-    (a thread looks every ``WATCH_S``; ``PR_SET_PDEATHSIG`` would signal once per thread)."""
+    (a thread looks every ``WATCH_S``; ``PR_SET_PDEATHSIG`` would signal once per thread).
+    SIGINT ends the rank as SIGTERM does until the training loop takes both (``StopSignals``):
+    a forwarded Ctrl-C while it starts is no KeyboardInterrupt raised through torch's frames
+    and printed by every rank; the launcher says what stopped them, once."""
     launcher = os.environ.get(LAUNCHER_PID)
     if launcher is None:
         return
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     def watch() -> None:
         while os.getppid() == int(launcher):

@@ -267,7 +267,8 @@ impl HostStore {
         self.gates().get(layer)
     }
 
-    pub fn poison(&self) {
+    /// See [`VersionGates::poison`]: true for the first call on this store, in any process.
+    pub fn poison(&self) -> bool {
         self.gates().poison()
     }
 

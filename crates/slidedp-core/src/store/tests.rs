@@ -62,7 +62,11 @@ fn a_second_mapping_sees_the_first_ones_writes_and_versions() {
         other.wait_version(1, 1, Duration::from_millis(10)),
         Err(Error::VersionTimeout { layer: 1, .. })
     ));
-    other.poison();
+    assert!(
+        other.poison(),
+        "the first poison, through either mapping, claims it"
+    );
+    assert!(!store.poison() && !other.poison(), "later ones do not");
     assert!(matches!(
         store.wait_version(0, 1, Duration::from_secs(5)),
         Err(Error::StorePoisoned { layer: 0 })

@@ -73,11 +73,14 @@ impl<'a> VersionGates<'a> {
     }
 
     /// Marks the store failed and wakes every waiter, so that peers stop instead of hanging.
-    pub fn poison(&self) {
-        self.poison.store(1, Ordering::Release);
+    /// Returns whether this call was the first to poison it (of every process): the failure
+    /// that is reported, where several ranks fail at once.
+    pub fn poison(&self) -> bool {
+        let first = self.poison.swap(1, Ordering::AcqRel) == 0;
         for counter in &self.counters {
             futex_wake_all(counter);
         }
+        first
     }
 
     pub fn is_poisoned(&self) -> bool {

@@ -270,7 +270,10 @@ fn bad_requests_and_missing_gradients_are_errors() {
         .expect("the failure is kept before the store is poisoned");
     assert!(cause.to_string().contains("group 0 step 0"), "{cause}");
     let err = worker.drain(Duration::from_secs(30)).unwrap_err();
-    assert!(matches!(err, Error::UpdateFailed { .. }), "{err}");
+    assert!(
+        matches!(err, Error::UpdateFailed { first: true, .. }),
+        "{err}"
+    );
     assert_eq!(
         store.version(1).unwrap(),
         0,

@@ -35,18 +35,21 @@ impl Context {
         progress.failure.is_some()
     }
 
-    /// Keeps the first failure before poisoning the stores: whoever wakes on the poison finds
-    /// the cause.
+    /// Keeps the first failure and poisons the stores under the progress lock: whoever wakes
+    /// on the poison and asks for the cause (`failure`, the same lock) finds it, and whether
+    /// this worker poisoned the store before any other process did.
     fn fail(&self, request: &UpdateRequest, error: Error) {
-        let failure = match error {
-            Error::StorePoisoned { layer } => Failure::Peer { layer },
-            error => Failure::Update(format!(
-                "group {} step {}: {error}",
-                request.group, request.hp.step
-            )),
-        };
         self.advance(|p| {
-            p.failure.get_or_insert(failure);
+            if p.failure.is_some() {
+                return;
+            }
+            p.failure = Some(match error {
+                Error::StorePoisoned { layer } => Failure::Peer { layer },
+                error => Failure::Update {
+                    message: format!("group {} step {}: {error}", request.group, request.hp.step),
+                    first: self.store.poison(),
+                },
+            });
         });
         self.store.poison();
         if let Some(ring) = &self.ring {
