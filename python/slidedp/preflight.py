@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -141,7 +142,8 @@ def _is_model_dir(path: Path) -> bool:
 
 def check_output_dir(cfg: TrainConfig) -> str:
     """``output.dir`` can be created and written, and is not a model or checkpoint directory.
-    Writes nothing but a probe file, deleted at once, in the directory or its nearest parent."""
+    Writes nothing but a probe file, deleted at once, in the directory or its nearest parent,
+    whose times are then put back (``access(2)`` cannot tell: root passes it on sysfs)."""
     out = Path(cfg.output.dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"output.dir {out} exists and is not a directory; choose another path")
@@ -157,6 +159,7 @@ def check_output_dir(cfg: TrainConfig) -> str:
         raise ConfigError(
             f"output.dir {out} cannot be created: {probe_dir} is a file; choose another path"
         )
+    times = os.stat(probe_dir)
     try:
         fd, probe = tempfile.mkstemp(prefix=".slidedp-write-probe-", dir=probe_dir)
         os.close(fd)
@@ -166,6 +169,8 @@ def check_output_dir(cfg: TrainConfig) -> str:
             f"output.dir {out} is not writable ({e.strerror} in {probe_dir}); choose a writable "
             "output.dir or fix its permissions"
         ) from None
+    with contextlib.suppress(OSError):  # not its owner: the run's own writes touch it anyway
+        os.utime(probe_dir, ns=(times.st_atime_ns, times.st_mtime_ns))
     return f"output   {out}: writable{'' if out.exists() else ' (will be created)'}"
 
 

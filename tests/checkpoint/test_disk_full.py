@@ -37,7 +37,7 @@ def test_a_disk_without_room_for_the_checkpoints_is_refused_before_anything_is_w
     out = config.parent / "out"
     one = _checkpoint_size(out / "checkpoint-1")
     final = _checkpoint_size(out / "final")  # a copy of the checkpoint's HF part
-    before = snapshot(out)
+    before = snapshot(out, itself=True)
     # room for one checkpoint more, the run keeps two: three at once while the third is saved,
     # then its export
     monkeypatch.setattr(slidedp.io.disk_space, "free_bytes", lambda path: 2 * one)
@@ -50,7 +50,7 @@ def test_a_disk_without_room_for_the_checkpoints_is_refused_before_anything_is_w
     need = int(line.split("needs ")[1].split(" bytes")[0].replace(",", ""))
     # the estimate covers what a save and the export write
     assert 2 * one + final <= need <= 2 * (one + 2**20) + final + 2**20
-    assert snapshot(out) == before
+    assert snapshot(out, itself=True) == before
     room = 2 * one + final + 2**22
     monkeypatch.setattr(slidedp.io.disk_space, "free_bytes", lambda path: room)
     code, _, err = run(capsys, verb, str(config), *overrides)

@@ -47,10 +47,11 @@ def _fails(capsys: Capsys, verb: str, config: Path, *args: str, needles: tuple[s
     """Run ``slidedp VERB CONFIG ARGS``: exit 2, one error line, nothing written in the test's
     directory (the config's, holding model copy, data and output dir) nor in the output dir."""
     out_dir = Path(yaml.safe_load(config.read_text())["output"]["dir"]) if config.exists() else None
-    before = [snapshot(config.parent)] + ([snapshot(out_dir)] if out_dir else [])
+    before = [snapshot(config.parent)] + ([snapshot(out_dir, itself=True)] if out_dir else [])
     code, _, err = run(capsys, verb, str(config), *args)
     assert code == 2, err
-    assert [snapshot(config.parent)] + ([snapshot(out_dir)] if out_dir else []) == before
+    after = [snapshot(config.parent)] + ([snapshot(out_dir, itself=True)] if out_dir else [])
+    assert after == before
     return one_error_line(err, verb, *needles)
 
 

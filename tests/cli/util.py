@@ -30,13 +30,16 @@ def one_error_line(err: str, verb: str, *needles: str) -> str:
     return line
 
 
-def snapshot(path: Path) -> dict[str, tuple[int, int]]:
-    """Every file under ``path`` with its size and mtime ({} when it does not exist)."""
+def snapshot(path: Path, itself: bool = False) -> dict[str, tuple[int, int]]:
+    """Every file and directory under ``path`` (with ``itself``, ``path`` too) with its size
+    and mtime ({} when it does not exist): a directory's mtime changes when an entry is made or
+    removed in it. (A refused run may make and remove a missing output directory: its parent's
+    mtime changes, the output directory stays absent.)"""
     if not path.exists():
         return {}
     return {
         str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns)
-        for p in sorted(path.rglob("*"))
+        for p in [*([path] if itself else []), *sorted(path.rglob("*"))]
     }
 
 
