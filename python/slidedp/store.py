@@ -243,7 +243,8 @@ class HostStore:
     def version(self, layer: int) -> int:
         return self._native.version(layer)
 
-    def poison(self) -> bool:
+    def poison(self, claim: bool = True) -> bool:
         """Declares the store failed (every waiter in every process wakes with
-        ``StorePoisonedError``); whether this call was its first poison, in any process."""
-        return self._native.poison()
+        ``StorePoisonedError``). With ``claim`` (this process's own failure, not a reaction to
+        a peer's): whether it is the store's first claimed failure, in any process."""
+        return self._native.poison(claim)

@@ -125,8 +125,8 @@ def test_a_rank_killed_for_hanging_is_named_as_hung_not_as_killed(
     assert _launch_fakes(monkeypatch, procs) == 1
     assert procs[1].got == ["SIGKILL"]
     assert capsys.readouterr().err.splitlines() == [
-        "slidedp train: rank 1 stopped responding: the other ranks timed out waiting "
-        "(runtime.version_timeout_s); killed 0 s later; stopped ranks [0, 2]"
+        "slidedp train: rank 1 stopped responding: still running 0 s after ranks [0, 2] "
+        "stopped on a collective that failed or timed out (runtime.version_timeout_s); killed"
     ]
 
 
@@ -219,6 +219,29 @@ def test_ranks_still_running_at_the_timeout_are_killed_and_the_launch_says_so(
     assert [p.got for p in hung] == [["SIGKILL"], ["SIGKILL"]]
     assert capsys.readouterr().err == "slidedp train: the ranks ran past 0 s and were stopped\n"
     assert _launch_fakes(monkeypatch, [_Proc(0, 3), _Proc(0, 5)], timeout_s=60.0) == 0
+
+
+def test_a_rank_a_repeated_signal_ends_after_a_saved_stop_is_no_failure(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rank 0 saved, said so and exits 2; rank 1, past its loop, dies of a second copy of
+    the signal (a scheduler signals every process): exit 2, no line after rank 0's."""
+    procs = [_Proc(2, 3, _signal_launcher_at((1, signal.SIGINT))), _Proc(0, 10**6, dies=True)]
+    assert _launch_fakes(monkeypatch, procs) == 2
+    assert capsys.readouterr().err == ""
+
+
+def test_a_crash_before_a_second_signal_is_reported_as_itself(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rank 1 was SIGKILLed (the OOM killer) before the second Ctrl-C killed rank 0: the
+    line names rank 1's death, not the second signal."""
+    at = _signal_launcher_at((1, signal.SIGINT), (3, signal.SIGINT))
+    procs = [_Proc(0, 10**6, at), _Proc(-signal.SIGKILL, 1)]
+    monkeypatch.setattr(launch_module, "GRACE_S", 60.0)
+    assert _launch_fakes(monkeypatch, procs) == 1
+    assert procs[0].got == ["SIGINT", "SIGKILL"]
+    assert "rank 1 was killed by SIGKILL" in capsys.readouterr().err
 
 
 def test_a_launched_rank_dies_of_sigint_before_its_loop_instead_of_raising() -> None:

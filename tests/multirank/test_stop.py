@@ -126,3 +126,25 @@ def test_a_repeated_sigterm_is_absorbed_and_a_second_sigint_interrupts() -> None
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     finally:
         signal.signal(signal.SIGINT, interrupt)
+
+
+def test_a_launched_rank_absorbs_a_repeated_sigint_too() -> None:
+    """A rank the launcher started has SIGINT's default action (it dies of it outside the
+    loop): inside, a Ctrl-C reaching it directly and again through the launcher must not kill
+    it mid-save; the launcher's own second signal kills the ranks."""
+    interrupt = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    terminate = signal.getsignal(signal.SIGTERM)
+    try:
+        with StopSignals(absorb_repeats=True) as stop:
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)  # the default action would end the test process
+            assert stop.received == signal.SIGINT
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # leaving: still absorbed
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        with StopSignals(absorb_repeats=True):
+            pass  # no signal: the rank goes on (a final save), with the action it had
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGINT, interrupt)
+        signal.signal(signal.SIGTERM, terminate)

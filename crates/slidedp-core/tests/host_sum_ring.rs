@@ -508,7 +508,7 @@ fn a_failed_peer_stops_the_owners_worker_without_blaming_it() {
     let owner = UpdateWorker::with_ring(store.clone(), kernels, ring(&store, &signals, 0, TIMEOUT))
         .unwrap();
     owner.submit(owner_request(0, 0)).unwrap();
-    signals.poison();
+    signals.poison(true);
     let err = owner.drain(TIMEOUT).unwrap_err();
     assert!(matches!(err, Error::StorePoisoned { .. }), "{err}");
     assert!(owner.failure().is_none());

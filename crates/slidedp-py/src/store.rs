@@ -120,8 +120,10 @@ impl PyHostStore {
     }
 
     /// Declares the store failed: every waiter, in every process, gets StorePoisonedError.
-    /// Returns whether this call was the store's first poison (in any process).
-    fn poison(&self) -> bool {
-        self.inner.poison()
+    /// With ``claim`` (this process's own failure, not a reaction to a peer's), returns whether
+    /// it is the store's first claimed failure, in any process (the one reported).
+    #[pyo3(signature = (claim = true))]
+    fn poison(&self, claim: bool) -> bool {
+        self.inner.poison(claim)
     }
 }

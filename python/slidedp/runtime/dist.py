@@ -234,16 +234,19 @@ def collective(op: Callable[[], object]) -> None:
 
 def fail(error: BaseException) -> bool:
     """This rank is failing with ``error``: wake every peer (poison the shared stores). Returns
-    whether another rank reports the failure: ``error`` is a reaction to a peer's, or a peer
-    poisoned the node's store first (several ranks failing together print one line). The
-    first store shared (the host store) decides, in every process: its poison is an atomic
-    claim, which the update worker makes too."""
-    claims = [store.poison() for store in _SHARED]
-    if isinstance(error, StorePoisonedError | PeerFailedError):
+    whether another rank reports the failure: ``error`` is a reaction to a peer's, or another
+    rank's failure claimed the node's store first (several ranks failing together print one
+    line). The first store shared (the host store) decides, in every process: a failure's
+    poison of it is an atomic claim (the update worker's too); a reaction's claims nothing,
+    so it never silences a failure that comes after it."""
+    reaction = isinstance(error, StorePoisonedError | PeerFailedError)
+    claims = not reaction and not isinstance(error, UpdateFailedError)  # the worker claimed
+    first = [store.poison(claim=claims and i == 0) for i, store in enumerate(_SHARED)]
+    if reaction:
         return True
-    if isinstance(error, UpdateFailedError):  # this rank's worker poisoned the store itself
+    if isinstance(error, UpdateFailedError):
         return not error.first
-    return bool(claims) and not claims[0]
+    return bool(first) and not first[0]
 
 
 def check_nodes_agree(ctx: Dist, facts: Callable[[], dict[str, str]]) -> None:

@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import IO, Protocol
 
 from slidedp.runtime.dist import EXIT_PEER_FAILED, EXIT_STOPPED_WITH_PEERS
@@ -136,7 +136,7 @@ def launch(
     if zygote is not None:  # its work is done: the launcher's children are the ranks alone
         zygote.close()
     end = None if timeout_s is None else time.monotonic() + timeout_s
-    with _forwarding(procs) as signals:  # held to the verdict: a late signal interrupts nothing
+    with _forwarding(procs) as received:  # held to the verdict: a late signal interrupts nothing
         try:
             first, hung = _watch(procs, end)
         finally:
@@ -144,20 +144,29 @@ def launch(
                 if p.poll() is None:
                     p.kill()
                 p.wait()
-        ended = _Ended([p.wait() for p in procs], first, hung, signals)
+        ended = _Ended([p.wait() for p in procs], first, hung, received)
         return _verdict(ended, name, node, timeout_s)
+
+
+@dataclass
+class _Received:
+    """The stop signals the launcher received while the ranks ran, and the ranks a second
+    one killed."""
+
+    signals: list[signal.Signals] = field(default_factory=list)
+    killed: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class _Ended:
     """How one launch's ranks ended: their exit codes; (local rank, exit code) of the first
     failure (None: none failed); the ranks killed here for not exiting after the others
-    stopped (``GRACE_S``); the stop signals the launcher received meanwhile."""
+    stopped (``GRACE_S``); the signals received."""
 
     codes: list[int]
     first: tuple[int, int] | None
     hung: list[int]
-    signals: list[signal.Signals]
+    received: _Received
 
 
 def _verdict(ended: _Ended, name: str, node: Node, timeout_s: float | None) -> int:
@@ -171,7 +180,7 @@ def _verdict(ended: _Ended, name: str, node: Node, timeout_s: float | None) -> i
     if ended.first is None:
         return 0
     local, code = ended.first
-    signals, hung = ended.signals, ended.hung
+    signals, hung, codes = ended.received.signals, ended.hung, ended.codes
 
     def say(line: str) -> None:
         print(f"{name}: {line}", file=sys.stderr, flush=True)
@@ -179,7 +188,12 @@ def _verdict(ended: _Ended, name: str, node: Node, timeout_s: float | None) -> i
     if code == EXIT_TIMED_OUT:
         say(f"the ranks ran past {timeout_s:.0f} s and were stopped")
         return EXIT_TIMED_OUT
-    if len(signals) > 1 and -signal.SIGKILL in ended.codes:
+    saved = EXIT_STOPPED_WITH_PEERS in codes or (
+        node.node_rank == 0 and codes[0] == EXIT_SAVED_AND_STOPPED
+    )
+    if signals and saved:  # rank 0 said what it saved (a peer leaves with 4 only after that):
+        return EXIT_SAVED_AND_STOPPED  # a rank a repeated signal ended since is no failure
+    if local in ended.received.killed:
         say(f"a second {signals[1].name} killed the ranks before they exited")
         return 128 + signals[1]
     if signals and code == -FORWARDED[signals[0]]:  # a rank outside the loop that saves on it
@@ -190,11 +204,10 @@ def _verdict(ended: _Ended, name: str, node: Node, timeout_s: float | None) -> i
     if code == EXIT_PEER_FAILED and hung:  # every rank that exited left as a peer: these hung
         who = f"rank {base + hung[0]}" if len(hung) == 1 else f"ranks {[base + r for r in hung]}"
         rest = [base + r for r in range(world) if r not in hung]
-        say(f"{who} stopped responding: the other ranks timed out waiting "
-            f"(runtime.version_timeout_s); killed {GRACE_S:g} s later; stopped ranks "
-            f"{rest}")  # fmt: skip
+        say(f"{who} stopped responding: still running {GRACE_S:g} s after ranks {rest} "
+            "stopped on a collective that failed or timed out (runtime.version_timeout_s); "
+            "killed")  # fmt: skip
         return 1
-    codes = ended.codes
     if node.nodes > 1 and all(c in (EXIT_PEER_FAILED, EXIT_STOPPED_WITH_PEERS) for c in codes):
         what = f"node {node.node_rank}'s ranks {[base + r for r in range(world)]} stopped"
         say(f"{what}: a rank of another node failed (its node says which)")
@@ -235,19 +248,20 @@ def _watch(procs: list[Rank], end: float | None) -> tuple[tuple[int, int] | None
 
 
 @contextlib.contextmanager
-def _forwarding(procs: list[Rank]) -> Iterator[list[signal.Signals]]:
+def _forwarding(procs: list[Rank]) -> Iterator[_Received]:
     """While inside, the first stop signal to the launcher goes to every rank still running
-    (``FORWARDED``); a second one kills them. Yields the signals received, as they come."""
-    received: list[signal.Signals] = []
+    (``FORWARDED``); a second one kills them. Yields what it received, as it comes."""
+    received = _Received()
 
     def forward(signum: int, frame: object) -> None:
-        received.append(signal.Signals(signum))
-        for p in procs:
+        received.signals.append(signal.Signals(signum))
+        for rank, p in enumerate(procs):
             if p.poll() is None:
-                if len(received) == 1:
-                    p.send_signal(FORWARDED[received[0]])
+                if len(received.signals) == 1:
+                    p.send_signal(FORWARDED[received.signals[0]])
                 else:
                     p.kill()
+                    received.killed += [rank] if rank not in received.killed else []
 
     if threading.current_thread() is not threading.main_thread():  # Python's rule for handlers
         yield received

@@ -57,6 +57,7 @@ from slidedp.runtime.engine import Engine
 from slidedp.runtime.evaluate import Evaluator
 from slidedp.runtime.flops import device_peak_flops, model_flops_per_token
 from slidedp.runtime.kernel_warmup import KernelWarmup, warmup_spec
+from slidedp.runtime.launch import LAUNCHER_PID
 from slidedp.runtime.routes import share_signals
 from slidedp.runtime.schedule import lr_schedule
 from slidedp.runtime.startup import StartupClock, build_store
@@ -376,7 +377,7 @@ class Trainer:
         start_step = self.progress.step
         best_at_end: float | None = None
         try:
-            with StopSignals() as stop:
+            with StopSignals(absorb_repeats=LAUNCHER_PID in os.environ) as stop:
                 for t in range(self.progress.step, tc.max_steps):
                     record = self._step(t)
                     last = t + 1 == tc.max_steps

@@ -267,9 +267,10 @@ impl HostStore {
         self.gates().get(layer)
     }
 
-    /// See [`VersionGates::poison`]: true for the first call on this store, in any process.
-    pub fn poison(&self) -> bool {
-        self.gates().poison()
+    /// See [`VersionGates::poison`]: with `claim`, true for the store's first claimed
+    /// failure, in any process.
+    pub fn poison(&self, claim: bool) -> bool {
+        self.gates().poison(claim)
     }
 
     fn header(&self) -> &Header {

@@ -11,6 +11,11 @@ use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
 
+/// The poison word's bits: waiters fail once it is non-zero.
+const POISONED: u32 = 1;
+/// A failure (not a reaction to one) has claimed the store: its process reports it.
+const CLAIMED: u32 = 2;
+
 /// Views of the counters inside the mapping; borrowed from the store that owns the mapping.
 #[derive(Debug)]
 pub struct VersionGates<'a> {
@@ -73,14 +78,17 @@ impl<'a> VersionGates<'a> {
     }
 
     /// Marks the store failed and wakes every waiter, so that peers stop instead of hanging.
-    /// Returns whether this call was the first to poison it (of every process): the failure
-    /// that is reported, where several ranks fail at once.
-    pub fn poison(&self) -> bool {
-        let first = self.poison.swap(1, Ordering::AcqRel) == 0;
+    /// With `claim` (a failure of the caller's own, not a reaction to a peer's), returns
+    /// whether it is the first failure claimed on the store, in any process: the one
+    /// reported where several ranks fail at once. A reaction only wakes (and returns false),
+    /// so it never hides a real failure that comes after it.
+    pub fn poison(&self, claim: bool) -> bool {
+        let bits = if claim { POISONED | CLAIMED } else { POISONED };
+        let before = self.poison.fetch_or(bits, Ordering::AcqRel);
         for counter in &self.counters {
             futex_wake_all(counter);
         }
-        first
+        claim && before & CLAIMED == 0
     }
 
     pub fn is_poisoned(&self) -> bool {
@@ -158,7 +166,7 @@ mod tests {
         });
         std::thread::sleep(Duration::from_millis(20));
         let started = Instant::now();
-        VersionGates::new(words.iter().collect(), &poison).poison();
+        VersionGates::new(words.iter().collect(), &poison).poison(true);
         let err = waiter.join().unwrap().unwrap_err();
         assert!(matches!(err, Error::StorePoisoned { layer: 0 }));
         assert!(started.elapsed() < Duration::from_secs(5));

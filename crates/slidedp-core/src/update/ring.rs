@@ -139,7 +139,7 @@ impl HostSumRing {
 
     /// Wakes every waiter on the signals (this rank failed: its peers must not hang).
     pub fn poison(&self) {
-        self.signals.poison();
+        self.signals.poison(false); // the host store's poison claims the failure
     }
 
     fn check_slot(&self, slot: usize) -> Result<()> {

@@ -285,6 +285,25 @@ fn bad_requests_and_missing_gradients_are_errors() {
     ));
 }
 
+/// Two ranks' updates failing together: the one whose failure claimed the store first
+/// reports (`first`); one after a peer's claim does not, though its cause is still its own. A
+/// peer's reaction (a poison that claims nothing) takes nothing from a failure after it.
+#[test]
+fn only_the_first_claimed_failure_is_first() {
+    for (peer_claims, first) in [(true, false), (false, true)] {
+        let store = store(2, Some(Dtype::Bf16), Some(64), false);
+        store.poison(peer_claims); // another process, through the same shared word
+        let worker =
+            UpdateWorker::new(store.clone(), Kernels::new(1, Isa::Scalar).unwrap()).unwrap();
+        worker.submit(request(0, 0, 8, 0, 0)).unwrap(); // step 0: the kernel refuses it
+        let err = worker.drain(Duration::from_secs(30)).unwrap_err();
+        assert!(
+            matches!(err, Error::UpdateFailed { first: f, .. } if f == first),
+            "{err:?} (peer claimed: {peer_claims})"
+        );
+    }
+}
+
 /// A half-frozen group: its update covers the trained prefix only, writes the trained
 /// parameter's own moments (not the frozen one's master offset), leaves the frozen weights as
 /// they were, and a chunk reaching past the prefix is refused.

@@ -35,9 +35,10 @@ impl Context {
         progress.failure.is_some()
     }
 
-    /// Keeps the first failure and poisons the stores under the progress lock: whoever wakes
-    /// on the poison and asks for the cause (`failure`, the same lock) finds it, and whether
-    /// this worker poisoned the store before any other process did.
+    /// Keeps the first failure, claiming the store for it under the progress lock: whoever
+    /// wakes on the poison and asks for the cause (`failure`, the same lock) finds it, and
+    /// whether it was the store's first claimed failure. A peer's poison (a reaction) only
+    /// wakes the others.
     fn fail(&self, request: &UpdateRequest, error: Error) {
         self.advance(|p| {
             if p.failure.is_some() {
@@ -47,11 +48,11 @@ impl Context {
                 Error::StorePoisoned { layer } => Failure::Peer { layer },
                 error => Failure::Update {
                     message: format!("group {} step {}: {error}", request.group, request.hp.step),
-                    first: self.store.poison(),
+                    first: self.store.poison(true),
                 },
             });
         });
-        self.store.poison();
+        self.store.poison(false); // claimed above, or a reaction: wake, claim nothing
         if let Some(ring) = &self.ring {
             ring.poison();
         }
