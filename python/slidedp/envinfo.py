@@ -55,6 +55,27 @@ def _shm(path: str = "/dev/shm") -> dict[str, Any] | None:
     }
 
 
+def address_space_left_bytes() -> int | None:
+    """What ``ulimit -v`` (RLIMIT_AS) leaves this process to map beyond what it maps now, in
+    bytes; None: unlimited."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    try:
+        status = Path("/proc/self/status").read_text().split()
+        mapped = int(status[status.index("VmSize:") + 1]) * 1024
+    except (OSError, ValueError, IndexError):
+        mapped = 0
+    return max(soft - mapped, 0)
+
+
+def file_size_limit_bytes() -> int | None:
+    """``ulimit -f`` (RLIMIT_FSIZE) in bytes: the largest file this process may write (the
+    host store's file in /dev/shm, a checkpoint's); None: unlimited."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
 def _memlock_limit_bytes() -> int | None:
     """``ulimit -l`` in bytes; None means unlimited."""
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)

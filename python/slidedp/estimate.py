@@ -304,6 +304,14 @@ def shortages(est: MemoryEstimate) -> list[str]:
         short.append(
             f"host RAM {gib(est.ram_bytes)} needed, {gib(m.mem_available_bytes)} available"
         )
+    left = m.address_space_left_bytes
+    if left is not None and est.ram_bytes > left:  # what it maps is at least what it holds
+        short.append(f"address space {gib(est.ram_bytes)} needed, `ulimit -v` leaves {gib(left)}")
+    if m.file_size_limit_bytes is not None and est.shm_bytes > m.file_size_limit_bytes:
+        short.append(
+            f"a /dev/shm file of {gib(est.shm_bytes)} needed, `ulimit -f` allows "
+            f"{gib(m.file_size_limit_bytes)}"
+        )
     gpu = est.gpu
     if gpu is not None and m.gpu_total_bytes is not None and gpu.needed_bytes > m.gpu_total_bytes:
         short.append(f"GPU {gib(gpu.needed_bytes)} needed, {gib(m.gpu_total_bytes)} total")
@@ -321,8 +329,8 @@ def check_fits(est: MemoryEstimate) -> None:
     fixes = []
     if host:
         fixes.append(
-            "enlarge it (e.g. `mount -o remount,size=... /dev/shm`), free memory, or train a "
-            "smaller model"
+            "enlarge it (e.g. `mount -o remount,size=... /dev/shm`), free memory, raise the "
+            "ulimit, or train a smaller model"
         )
     if len(host) < len(short):
         fixes.append(

@@ -29,10 +29,10 @@ def _config(tmp_path: Path, model: Path, **sections: object) -> Path:
 def _fails(capsys: Capsys, verb: str, config: Path, needles: tuple[str, ...]) -> None:
     """``slidedp VERB CONFIG``: exit 2, one error line with ``needles``, nothing written."""
     out_dir = Path(yaml.safe_load(config.read_text())["output"]["dir"])
-    before = [snapshot(config.parent), snapshot(out_dir, itself=True)]
+    before = [snapshot(config.parent, itself=True), snapshot(out_dir, itself=True)]
     code, _, err = run(capsys, verb, str(config))
     assert code == 2, err
-    assert [snapshot(config.parent), snapshot(out_dir, itself=True)] == before
+    assert [snapshot(config.parent, itself=True), snapshot(out_dir, itself=True)] == before
     one_error_line(err, verb, *needles)
 
 

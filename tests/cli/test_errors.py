@@ -47,10 +47,14 @@ def _fails(capsys: Capsys, verb: str, config: Path, *args: str, needles: tuple[s
     """Run ``slidedp VERB CONFIG ARGS``: exit 2, one error line, nothing written in the test's
     directory (the config's, holding model copy, data and output dir) nor in the output dir."""
     out_dir = Path(yaml.safe_load(config.read_text())["output"]["dir"]) if config.exists() else None
-    before = [snapshot(config.parent)] + ([snapshot(out_dir, itself=True)] if out_dir else [])
+    before = [snapshot(config.parent, itself=True)] + (
+        [snapshot(out_dir, itself=True)] if out_dir else []
+    )
     code, _, err = run(capsys, verb, str(config), *args)
     assert code == 2, err
-    after = [snapshot(config.parent)] + ([snapshot(out_dir, itself=True)] if out_dir else [])
+    after = [snapshot(config.parent, itself=True)] + (
+        [snapshot(out_dir, itself=True)] if out_dir else []
+    )
     assert after == before
     return one_error_line(err, verb, *needles)
 
@@ -165,6 +169,28 @@ def test_model_config_field_of_the_wrong_type_or_value(
     config_json.write_text(json.dumps(json.loads(config_json.read_text()) | {field: value}))
     config = _config(tmp_path, model_copy)
     _fails(capsys, verb, config, needles=(f"{config_json}", f"'{field}'", "fix the f"))
+
+
+@pytest.mark.parametrize("verb", VERBS)
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"num_key_value_heads": 3}, "'num_attention_heads' 4 is not a multiple of"),
+        ({"num_hidden_layers": 10**12}, "'num_hidden_layers' is 1,000,000,000,000, more than"),
+    ],
+)
+def test_model_config_sizes_that_build_no_model(
+    capsys: Capsys, tmp_path: Path, model: Path, verb: str, fields: dict[str, int], needle: str
+) -> None:
+    """Refused before a layer is built, for a config-only model too: 10**12 layers ran for
+    ever; heads in no whole key/value groups passed validate and failed train's first step."""
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    values = json.loads((model / "config.json").read_text())
+    values.pop("layer_types", None)  # else transformers refuses a list of another length first
+    (config_only / "config.json").write_text(json.dumps(values | fields))
+    config = _config(tmp_path, config_only)
+    _fails(capsys, verb, config, needles=(f"{config_only}/config.json", needle, "fix the field"))
 
 
 @pytest.mark.parametrize("verb", VERBS)

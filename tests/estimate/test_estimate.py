@@ -297,6 +297,16 @@ def test_refusal_names_every_shortage_with_its_numbers(tmp_path: Path, qwen3_4b:
     assert "47.00 GiB available" in message
     assert "\n" not in message
     assert "enlarge it" in message
+    # the shell's limits: validate passed a run whose store then failed to map or to fallocate
+    limited = replace(H100, address_space_left_bytes=40 * GIB, file_size_limit_bytes=10 * GIB)
+    with pytest.raises(MemoryError) as info:
+        check_fits(_on(est, limited))
+    message = str(info.value)
+    assert "address space 47.3" in message
+    assert "`ulimit -v` leaves 40.00 GiB" in message
+    assert "a /dev/shm file of 45.7" in message
+    assert "`ulimit -f` allows 10.00 GiB" in message
+    assert "raise the ulimit" in message
 
 
 @pytest.mark.parametrize("verb", ["train", "validate"])

@@ -66,6 +66,14 @@ def load_tokenizer(model_dir: Path, why: str) -> Any:
         raise DataError(
             f"{why} needs the model's tokenizer, but none loads from {model_dir}: {_first_line(e)}"
         ) from None
+    except Exception as e:
+        if type(e) is not Exception:  # the Rust tokenizers library raises plain Exceptions
+            raise
+        raise DataError(
+            f"{why} needs the model's tokenizer, but the tokenizers library rejects "
+            f"{model_dir / 'tokenizer.json'}: {_first_line(e)}; copy the tokenizer files again "
+            "from the original model"
+        ) from None
     if len(tokenizer) < 2:
         raise DataError(
             f"the tokenizer in {model_dir} has {len(tokenizer)} token(s): its files are empty or "

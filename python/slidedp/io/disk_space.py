@@ -25,6 +25,7 @@ from pathlib import Path
 from slidedp.errors import NO_SPACE_ERRNOS, DiskFullError
 from slidedp.io.checkpoint import complete_checkpoints
 from slidedp.io.export import TOKENIZER_FILES
+from slidedp.io.run_lock import LOCK_FILE
 from slidedp.models.hf import HFAdapter
 
 STATE_COPIES = 3  # master weights, exp_avg, exp_avg_sq: FP32 each
@@ -65,6 +66,14 @@ def free_bytes(path: Path) -> int:
         path = path.parent
     stat = os.statvfs(path)
     return stat.f_bavail * stat.f_frsize
+
+
+def _allocated(path: Path) -> int:
+    """Bytes ``path`` holds on its filesystem (0: no such file)."""
+    try:
+        return os.stat(path).st_blocks * 512
+    except OSError:
+        return 0
 
 
 def filesystem_of(path: Path) -> str:
@@ -113,7 +122,12 @@ def check_disk_space(
     ``final_bytes`` (its export, ``final/``); else a summary (checkpoints, bytes, free bytes)."""
     existing = len(complete_checkpoints(out_dir))
     count = checkpoints_at_once(total_limit, existing, saves) + int(best and total_limit > 0)
-    need, free = count * one_bytes + final_bytes, free_bytes(out_dir)
+    # the run's lock file (its own, or one an earlier run left: rewritten in place) counts as
+    # free: ``train`` checks while holding it, ``validate`` before it exists; both agree
+    need, free = (
+        count * one_bytes + final_bytes,
+        free_bytes(out_dir) + _allocated(out_dir / LOCK_FILE),
+    )
     if need > free:
         limit = f"output.save_total_limit={total_limit}" if total_limit else "every checkpoint kept"
         raise DiskFullError(

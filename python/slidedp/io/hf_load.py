@@ -30,27 +30,63 @@ from slidedp.models.bind import bind_params
 from slidedp.models.hf import EMBED, LM_HEAD, NORM, HFAdapter
 from slidedp.store import HostStore
 
+_OTHER_WEIGHTS = (".bin", ".pt", ".pth")  # PyTorch's pickled weights
+
 
 def weight_files(path: Path) -> list[Path]:
-    """The model's safetensors files (sharded through an index or single); [] if none."""
+    """The model's safetensors files (sharded through an index or single); [] for a config
+    alone. Weights in another format, an index naming none, or a directory or index that cannot
+    be read: ModelLoadError, never a silent seeded init."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = [path / f for f in sorted(set(weight_map.values()))]
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ModelLoadError(
-                f"{index} is not a safetensors index ({type(e).__name__}: {e}); "
-                "re-download or re-export the model"
-            ) from None
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise ModelLoadError(
-                f"{index} lists weight files that are not in {path}: {', '.join(missing[:3])}; "
-                "re-download the model (all shards)"
-            )
-        return files
-    return sorted(path.glob("*.safetensors"))
+        return _indexed(path, index)
+    try:
+        entries = sorted(path.iterdir())
+    except OSError as e:
+        raise _unreadable(path, e, "list the model directory") from None
+    files = [p for p in entries if p.suffix == ".safetensors"]
+    others = [p.name for p in entries if p.suffix in _OTHER_WEIGHTS]
+    if not files and others:
+        raise ModelLoadError(
+            f"{path} holds {', '.join(others[:3])}{' ...' if len(others) > 3 else ''} but no "
+            "*.safetensors: slidedp reads safetensors only; convert them (transformers' "
+            "save_pretrained(..., safe_serialization=True)) or remove them to start from a "
+            "seeded init"
+        )
+    return files
+
+
+def _indexed(path: Path, index: Path) -> list[Path]:
+    """The shards that ``index`` names, each checked to be there."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [path / f for f in sorted(set(weight_map.values()))]
+    except OSError as e:
+        raise _unreadable(index, e, "read") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ModelLoadError(
+            f"{index} is not a safetensors index ({type(e).__name__}: {e}); "
+            "re-download or re-export the model"
+        ) from None
+    if not files:
+        raise ModelLoadError(
+            f"{index} names no weights (its weight_map is empty); fix it, or delete it to read "
+            f"the *.safetensors files in {path}"
+        )
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ModelLoadError(
+            f"{index} lists weight files that are not in {path}: {', '.join(missing[:3])}; "
+            "re-download the model (all shards)"
+        )
+    return files
+
+
+def _unreadable(path: Path, e: OSError, what: str) -> ModelLoadError:
+    """The error of a ``what`` (read, list ...) of ``path`` that failed with ``e``."""
+    if isinstance(e, PermissionError):
+        return ModelLoadError(f"cannot {what} {path}: permission denied; fix its permissions")
+    return ModelLoadError(f"cannot {what} {path} ({e.strerror or e}); check the path and disk")
 
 
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names
@@ -107,6 +143,10 @@ def _slot(
 def _headers(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """Each tensor's (shape, dtype) from the file's header, no data read; ``safe_open`` checks
     the offsets against the file size, so a truncated or garbled file is a ModelLoadError."""
+    try:
+        file.open("rb").close()  # safe_open reports any failure to open as "No such file"
+    except OSError as e:
+        raise _unreadable(file, e, "read") from None
     try:
         with safe_open(str(file), framework="pt") as f:
             header = {n: f.get_slice(n) for n in f.keys()}  # noqa: SIM118 (not a mapping)

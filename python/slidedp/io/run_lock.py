@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -46,19 +47,45 @@ class _Before:
     mtime_ns: int
 
 
+@dataclass(frozen=True)
+class _Times:
+    """A directory's times before the lock made an entry in it (its lock file, or the output
+    directory itself), put back when a refused run removes that entry."""
+
+    path: Path
+    atime_ns: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, path: Path) -> _Times:
+        stat = os.stat(path)
+        return cls(path, stat.st_atime_ns, stat.st_mtime_ns)
+
+    def restore(self) -> None:
+        with contextlib.suppress(OSError):  # not its owner: a run's writes would touch it too
+            os.utime(self.path, ns=(self.atime_ns, self.mtime_ns))
+
+
 class RunLock:
     """An exclusive ``flock`` on ``OUTPUT/.slidedp.lock``, held until ``release`` or exit."""
 
     def __init__(
-        self, path: Path, fd: int, created_dir: Path | None, before: _Before | None
+        self,
+        path: Path,
+        fd: int,
+        created_dir: Path | None,
+        before: _Before | None,
+        times: _Times | None = None,
     ) -> None:
         self.path, self.fd, self.created_dir, self.before = path, fd, created_dir, before
+        self.times = times
 
     @classmethod
     def acquire(cls, out_dir: Path) -> RunLock:
         """Create ``out_dir`` if needed, lock it, write ``pid host`` into the lock file; raises
         ``OutputDirBusyError`` when another process holds it."""
         created = _first_missing(out_dir)
+        times = _Times.of(out_dir if created is None else created.parent)
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / LOCK_FILE
         before, existed = None, path.exists()
@@ -89,7 +116,7 @@ class RunLock:
             before = _Before(path.read_bytes(), stat.st_atime_ns, stat.st_mtime_ns)
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
-        return cls(path, fd, created, before)
+        return cls(path, fd, created, before, times)
 
     def release(self, *, refused: bool = False) -> None:
         """Unlock. ``refused``: the run wrote nothing else, so its lock file (and the output
@@ -104,6 +131,8 @@ class RunLock:
             self.path.unlink(missing_ok=True)
             if self.created_dir is not None:
                 _remove_created(self.path.parent, self.created_dir)
+            if self.times is not None:
+                self.times.restore()
         os.close(self.fd)
         self.fd = -1
 

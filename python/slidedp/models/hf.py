@@ -35,7 +35,12 @@ from slidedp.errors import ModelLoadError
 from slidedp.models.bind import bind_params
 from slidedp.models.buffers import LayerBuffers, bind_buffers
 from slidedp.models.fast import Compute, call_layer
-from slidedp.models.hf_config import apply_overrides, config_values, unknown_model_type
+from slidedp.models.hf_config import (
+    apply_overrides,
+    check_layer_count,
+    check_sizes,
+    unknown_model_type,
+)
 from slidedp.models.loss import chunked_lm_loss
 from slidedp.models.router_loss import RouterLoss
 from slidedp.store import GroupSpec, ParamSpec
@@ -44,16 +49,6 @@ from slidedp.store import GroupSpec, ParamSpec
 SEGMENTABLE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 MOE_MODEL_TYPES = ("mixtral", "olmoe", "qwen3_moe", "qwen3_5_moe_text")
 SUPPORTED_MODEL_TYPES = (*SEGMENTABLE_MODEL_TYPES, "gemma3_text", "gemma4_text", *MOE_MODEL_TYPES)
-# sizes a config.json may get wrong without a type error (a negative size fails deep in torch)
-_SIZE_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-)
 EMBED = "model.embed_tokens.weight"
 NORM = "model.norm.weight"
 LM_HEAD = "lm_head.weight"
@@ -179,8 +174,15 @@ class HFAdapter:
         ``overrides`` (``ModelSection.config_overrides``: ``rope_scaling``,
         ``max_position_embeddings``, ``output_router_logits``) applied to its config first."""
         path = Path(path)
-        if not (path / "config.json").is_file():
+        try:
+            found = (path / "config.json").is_file()
+        except OSError as e:  # a directory this user may not search
+            raise ModelLoadError(
+                f"cannot read {path}: {e.strerror}; fix the model directory's permissions"
+            ) from None
+        if not found:
             raise ModelLoadError(f"{path} has no config.json (expected an HF model directory)")
+        check_layer_count(path / "config.json")
         try:
             config = AutoConfig.from_pretrained(path)
         except Exception as e:  # bad JSON, or transformers' checks of the fields' types
@@ -200,13 +202,7 @@ class HFAdapter:
         except Exception as e:  # transformers' checks of the rope parameters
             what = " ".join(str(e).split()) or type(e).__name__
             raise ModelLoadError(f"model overrides {overrides} do not apply: {what}") from None
-        for field in _SIZE_FIELDS:
-            for value in config_values(text, field):
-                if isinstance(value, int) and not isinstance(value, bool) and value < 1:
-                    raise ModelLoadError(
-                        f"{path}/config.json: '{field}' is {value}, it must be >= 1; fix the "
-                        "field or re-download the model"
-                    )
+        check_sizes(path / "config.json", text)
         try:
             return cls(config, path)
         except ModelLoadError:

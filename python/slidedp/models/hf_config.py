@@ -1,5 +1,6 @@
 """What slidedp reads of and sets on a transformers model config: fields kept per layer, the
-run's overrides (``model.rope_scaling`` and the like), a ``model_type`` transformers lacks.
+run's overrides (``model.rope_scaling`` and the like), a ``model_type`` transformers lacks, the
+sizes a model can be built with.
 
 Example::
 
@@ -11,9 +12,25 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from transformers import CONFIG_MAPPING, PretrainedConfig
+
+from slidedp.errors import ModelLoadError
+
+# sizes a config.json may get wrong without a type error (a negative size fails deep in torch)
+SIZE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+# the deepest released decoders have ~130 layers; the build makes every layer, one by one (a
+# typo of 10**12 layers would run for ever)
+MAX_LAYERS = 4096
 
 
 def config_values(config: PretrainedConfig, field: str) -> list[Any]:
@@ -61,3 +78,44 @@ def unknown_model_type(config_file: Path) -> str | None:
     except (OSError, ValueError, AttributeError):
         return None
     return model_type if isinstance(model_type, str) and model_type not in CONFIG_MAPPING else None
+
+
+def check_layer_count(config_file: Path) -> None:
+    """More than ``MAX_LAYERS`` layers in ``config_file`` (or its ``text_config``) is a
+    ``ModelLoadError``, read from the JSON itself: transformers' config makes a list of one
+    entry per layer. A file that is not a JSON object is left to transformers to report."""
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return
+    for part in (raw, raw.get("text_config")) if isinstance(raw, dict) else ():
+        layers = part.get("num_hidden_layers") if isinstance(part, dict) else None
+        if _is_int(layers) and layers > MAX_LAYERS:
+            raise ModelLoadError(
+                f"{config_file}: 'num_hidden_layers' is {layers:,}, more than slidedp builds "
+                f"({MAX_LAYERS:,}); fix the field or re-download the model"
+            )
+
+
+def check_sizes(config_file: Path, config: PretrainedConfig) -> None:
+    """A ``ModelLoadError`` naming ``config_file``'s field where ``config``'s sizes cannot build
+    a model: a size below 1, attention heads that do not split into whole key/value groups
+    (checked before any layer is built)."""
+
+    def refuse(what: str) -> None:
+        raise ModelLoadError(f"{config_file}: {what}; fix the field or re-download the model")
+
+    for field in SIZE_FIELDS:
+        for value in config_values(config, field):
+            if _is_int(value) and value < 1:
+                refuse(f"'{field}' is {value}, it must be >= 1")
+    heads = config_values(config, "num_attention_heads")
+    groups = config_values(config, "num_key_value_heads")
+    n = max(len(heads), len(groups))  # one value, or one per layer
+    for h, g in zip(heads * (n // len(heads)), groups * (n // len(groups)), strict=True):
+        if _is_int(h) and _is_int(g) and h % g:
+            refuse(f"'num_attention_heads' {h} is not a multiple of 'num_key_value_heads' {g}")
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 
 from slidedp.config import TrainConfig
-from slidedp.envinfo import meminfo_bytes
+from slidedp.envinfo import address_space_left_bytes, file_size_limit_bytes, meminfo_bytes
 from slidedp.plan.device import pick_device, pick_dtype
 from slidedp.profile.host import (
     alone_gbps,
@@ -60,6 +60,9 @@ class Machine:
     gpu_total_bytes: int | None = None
     cpu_flops: float | None = None  # measured torch matmul FLOP/s in ``dtype`` (CPU runs)
     gpu_count: int = 1  # GPUs visible to this process (``estimate --gpus`` may predict more)
+    # what ``ulimit -v`` leaves to map, and ``ulimit -f``'s largest file (None: unlimited)
+    address_space_left_bytes: int | None = None
+    file_size_limit_bytes: int | None = None
 
     @classmethod
     def probe(cls, cfg: TrainConfig, shm_dir: Path = SHM_DIR, measure: bool = True) -> Machine:
@@ -84,6 +87,8 @@ class Machine:
             cores=len(os.sched_getaffinity(0)),
             shm_free_bytes=stat.f_bavail * stat.f_frsize,
             mem_available_bytes=meminfo_bytes().get("mem_available_bytes"),
+            address_space_left_bytes=address_space_left_bytes(),
+            file_size_limit_bytes=file_size_limit_bytes(),
             **facts,
         )
 
