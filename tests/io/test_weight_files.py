@@ -113,6 +113,20 @@ def test_an_index_naming_no_weights(capsys: Capsys, model_copy: Path, verb: str)
 
 
 @pytest.mark.parametrize("verb", VERBS)
+@pytest.mark.parametrize("shard", ["/etc/passwd", "../model-00001-of-00002.safetensors"])
+def test_an_index_naming_a_file_outside_the_model(
+    capsys: Capsys, model_copy: Path, verb: str, shard: str
+) -> None:
+    """Was read as a corrupt safetensors file (``/etc/passwd``) or as another directory's."""
+    shutil.copy(
+        model_copy / "model.safetensors", model_copy.parent / "model-00001-of-00002.safetensors"
+    )
+    index = _shard(model_copy, {"model.embed_tokens.weight": shard})
+    _refused(capsys, verb, model_copy, f"{index} names a weight file outside {model_copy}",
+             "shard names are relative to the model directory")  # fmt: skip
+
+
+@pytest.mark.parametrize("verb", VERBS)
 def test_an_unlistable_model_directory(
     capsys: Capsys, monkeypatch: pytest.MonkeyPatch, model_copy: Path, verb: str
 ) -> None:
@@ -176,3 +190,29 @@ def test_a_directory_without_read_permission_for_real(model_copy: Path) -> None:
         model_copy.chmod(0o755)
     assert done.returncode == 2, done.stderr
     one_error_line(done.stderr, "validate", f"cannot list the model directory {model_copy}")
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_the_hub_cache_layout_of_symlinks_loads(
+    capsys: Capsys, model_copy: Path, sharded: bool
+) -> None:
+    """The Hugging Face cache keeps ``snapshots/REV/NAME`` as symlinks to ``blobs/HASH``: the
+    files resolve outside the snapshot directory, yet are the model's own."""
+    if sharded:
+        index = _shard(model_copy, {})
+        shards = sorted(model_copy.glob("model-0000*"))
+        weight_map = {name: shard.name for shard in shards for name in load_file(shard)}
+        index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    blobs, snapshot_dir = model_copy.parent / "blobs", model_copy.parent / "snapshots" / "abc"
+    blobs.mkdir()
+    snapshot_dir.mkdir(parents=True)
+    for i, file in enumerate(sorted(model_copy.iterdir())):
+        blob = blobs / f"hash{i}"
+        shutil.move(file, blob)
+        (snapshot_dir / file.name).symlink_to(os.path.relpath(blob, snapshot_dir))
+    root = model_copy.parent
+    data = write_data(root / "d.jsonl", 8)
+    config = write_config(root / "c.yaml", snapshot_dir, data, root / "o")
+    code, out, err = run(capsys, "validate", str(config))
+    assert code == 0, err
+    assert "seeded init" not in out

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,13 @@ def _indexed(path: Path, index: Path) -> list[Path]:
         raise ModelLoadError(
             f"{index} names no weights (its weight_map is empty); fix it, or delete it to read "
             f"the *.safetensors files in {path}"
+        )
+    inside = os.path.normpath(path) + os.sep  # by name: the hub cache's shards are symlinks
+    outside = [f for f in files if not os.path.normpath(f).startswith(inside)]
+    if outside:  # an absolute path or ../ in the index: another model's files, or none
+        raise ModelLoadError(
+            f"{index} names a weight file outside {path}: {outside[0]}; fix the index (shard "
+            "names are relative to the model directory) or re-download the model"
         )
     missing = [f.name for f in files if not f.is_file()]
     if missing:
