@@ -304,18 +304,39 @@ def shortages(est: MemoryEstimate) -> list[str]:
         short.append(
             f"host RAM {gib(est.ram_bytes)} needed, {gib(m.mem_available_bytes)} available"
         )
-    left = m.address_space_left_bytes
-    if left is not None and est.ram_bytes > left:  # what it maps is at least what it holds
-        short.append(f"address space {gib(est.ram_bytes)} needed, `ulimit -v` leaves {gib(left)}")
+    short += _ulimit_shortages(est)
+    gpu = est.gpu
+    if gpu is not None and m.gpu_total_bytes is not None and gpu.needed_bytes > m.gpu_total_bytes:
+        short.append(f"GPU {gib(gpu.needed_bytes)} needed, {gib(m.gpu_total_bytes)} total")
+    return short
+
+
+def _ulimit_shortages(est: MemoryEstimate) -> list[str]:
+    """The shell's per-process limits against what every rank maps: the host store (its
+    /dev/shm file). A lower bound: a process maps its own memory besides."""
+    m, short = est.machine, []
+    left = m.address_space_left_bytes  # beyond what this process maps now (torch imported)
+    if left is not None and est.shm_bytes > left:
+        short.append(
+            f"the host store's {gib(est.shm_bytes)} to map, `ulimit -v` leaves {gib(left)}"
+        )
     if m.file_size_limit_bytes is not None and est.shm_bytes > m.file_size_limit_bytes:
         short.append(
             f"a /dev/shm file of {gib(est.shm_bytes)} needed, `ulimit -f` allows "
             f"{gib(m.file_size_limit_bytes)}"
         )
-    gpu = est.gpu
-    if gpu is not None and m.gpu_total_bytes is not None and gpu.needed_bytes > m.gpu_total_bytes:
-        short.append(f"GPU {gib(gpu.needed_bytes)} needed, {gib(m.gpu_total_bytes)} total")
     return short
+
+
+def _first_host_shortage(est: MemoryEstimate, memory_short: bool) -> tuple[int, int]:
+    """(needed, available) bytes of the first host shortage: /dev/shm, RAM, then the limits."""
+    m = est.machine
+    if est.shm_bytes > m.shm_free_bytes:
+        return est.shm_bytes, m.shm_free_bytes
+    if memory_short:
+        return est.ram_bytes, m.mem_available_bytes or 0
+    limits = [v for v in (m.address_space_left_bytes, m.file_size_limit_bytes) if v is not None]
+    return est.shm_bytes, min(limits)
 
 
 def check_fits(est: MemoryEstimate) -> None:
@@ -326,12 +347,15 @@ def check_fits(est: MemoryEstimate) -> None:
     if not short:
         return
     host = [c for c in short if not c.startswith("GPU")]
+    limits = _ulimit_shortages(est)
     fixes = []
-    if host:
+    if len(limits) < len(host):
         fixes.append(
-            "enlarge it (e.g. `mount -o remount,size=... /dev/shm`), free memory, raise the "
-            "ulimit, or train a smaller model"
+            "enlarge it (e.g. `mount -o remount,size=... /dev/shm`), free memory, or train a "
+            "smaller model"
         )
+    if limits:
+        fixes.append("raise the limit (`ulimit -v unlimited`, `ulimit -f unlimited`)")
     if len(host) < len(short):
         fixes.append(
             "lower train.global_batch_size or data.seq_len, keep fewer activations on the GPU "
@@ -344,9 +368,9 @@ def check_fits(est: MemoryEstimate) -> None:
     m = est.machine
     if host:
         error: OutOfSharedMemoryError | OutOfDeviceMemoryError = OutOfSharedMemoryError(message)
-        shm_short = est.shm_bytes > m.shm_free_bytes
-        error.needed_bytes = est.shm_bytes if shm_short else est.ram_bytes
-        error.available_bytes = m.shm_free_bytes if shm_short else m.mem_available_bytes or 0
+        error.needed_bytes, error.available_bytes = _first_host_shortage(
+            est, memory_short=len(limits) < len(host)
+        )
     else:
         assert est.gpu is not None
         assert m.gpu_total_bytes is not None

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -193,6 +196,18 @@ def test_model_config_sizes_that_build_no_model(
     _fails(capsys, verb, config, needles=(f"{config_only}/config.json", needle, "fix the field"))
 
 
+def test_a_heads_refusal_says_when_the_kv_heads_are_transformers_default(
+    capsys: Capsys, tmp_path: Path, model: Path
+) -> None:
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    values = json.loads((model / "config.json").read_text())
+    del values["num_key_value_heads"]  # Qwen3Config's default: 32, for the model's 4 heads
+    (config_only / "config.json").write_text(json.dumps(values))
+    default = "'num_key_value_heads' 32 (transformers' default: the file does not set it)"
+    _fails(capsys, "validate", _config(tmp_path, config_only), needles=(default,))
+
+
 @pytest.mark.parametrize("verb", VERBS)
 @pytest.mark.parametrize("model_type", ["gpt2", "bogus_arch"])  # known to transformers, or not
 def test_unsupported_architecture(
@@ -275,6 +290,24 @@ def _huge_model(root: Path) -> Path:
 def test_too_little_shm_or_ram(capsys: Capsys, tmp_path: Path, verb: str) -> None:
     config = _config(tmp_path, _huge_model(tmp_path))
     _fails(capsys, verb, config, needles=("not enough space in", "GiB needed", "enlarge it"))
+
+
+def test_a_run_that_fits_under_a_ulimit_v_is_not_refused(tmp_path: Path, model: Path) -> None:
+    """The address-space check compares what a rank maps beyond the probing process's own
+    mapping (the store): a limit a run fits under passes (it counted every rank's memory)."""
+    config = _config(tmp_path, model)
+    code = "import slidedp.cli; print(open('/proc/self/status').read())"
+    status = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True)
+    fields = status.stdout.split()
+    mapped = int(fields[fields.index(b"VmSize:") + 1]) * 1024  # after torch's import
+    limit = mapped + 2**29  # the store of this model is a few MB (ranks' memory was 0.7 GiB)
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    command = [sys.executable, "-m", "slidedp", "validate", str(config)]
+    done = subprocess.run(command, capture_output=True, text=True, preexec_fn=limited, timeout=300)
+    assert done.returncode == 0, done.stderr
 
 
 def test_the_host_store_itself_refuses_before_allocating(tmp_path: Path) -> None:

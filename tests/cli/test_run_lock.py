@@ -109,3 +109,22 @@ def test_the_lock_is_exclusive_between_processes(tmp_path: Path) -> None:
         holder.kill()
         holder.communicate()
     RunLock.acquire(tmp_path).release()
+
+
+@pytest.mark.parametrize("exists", [False, True])
+def test_a_refused_run_puts_the_directory_times_back_unless_another_writer_came(
+    tmp_path: Path, exists: bool
+) -> None:
+    """The lock's entry (the output directory, or its lock file) changed its parent's mtime:
+    put back on refusal. A directory another process wrote into meanwhile keeps its new mtime
+    (older than its new child's would mislead make, rsync and backups)."""
+    runs = tmp_path / "runs"
+    (runs / "a" if exists else runs).mkdir(parents=True)
+    where = runs / "a" if exists else runs  # the directory the lock makes its entry in
+    os.utime(where, ns=(10**18, 10**18))
+    RunLock.acquire(runs / "a").release(refused=True)
+    assert where.stat().st_mtime_ns == 10**18
+    lock = RunLock.acquire(runs / "a")
+    (where / "b").mkdir()  # another process, while the run is refused
+    lock.release(refused=True)
+    assert where.stat().st_mtime_ns >= (where / "b").stat().st_mtime_ns

@@ -302,11 +302,13 @@ def test_refusal_names_every_shortage_with_its_numbers(tmp_path: Path, qwen3_4b:
     with pytest.raises(MemoryError) as info:
         check_fits(_on(est, limited))
     message = str(info.value)
-    assert "address space 47.3" in message
+    assert "the host store's 45.7" in message
     assert "`ulimit -v` leaves 40.00 GiB" in message
     assert "a /dev/shm file of 45.7" in message
     assert "`ulimit -f` allows 10.00 GiB" in message
-    assert "raise the ulimit" in message
+    assert "raise the limit" in message
+    assert "enlarge it" not in message  # nothing else is short
+    assert info.value.available_bytes == 10 * GIB  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("verb", ["train", "validate"])

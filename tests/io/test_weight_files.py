@@ -192,12 +192,16 @@ def test_a_directory_without_read_permission_for_real(model_copy: Path) -> None:
     one_error_line(done.stderr, "validate", f"cannot list the model directory {model_copy}")
 
 
-@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize(
+    ("sharded", "verb"),
+    [(False, "validate"), (True, "validate"), pytest.param(True, "train", marks=pytest.mark.e2e)],
+)
 def test_the_hub_cache_layout_of_symlinks_loads(
-    capsys: Capsys, model_copy: Path, sharded: bool
+    capsys: Capsys, monkeypatch: pytest.MonkeyPatch, model_copy: Path, sharded: bool, verb: str
 ) -> None:
     """The Hugging Face cache keeps ``snapshots/REV/NAME`` as symlinks to ``blobs/HASH``: the
-    files resolve outside the snapshot directory, yet are the model's own."""
+    files resolve outside the snapshot directory, yet are the model's own; ``model.path: .``
+    from inside it (a relative model directory) too."""
     if sharded:
         index = _shard(model_copy, {})
         shards = sorted(model_copy.glob("model-0000*"))
@@ -212,7 +216,8 @@ def test_the_hub_cache_layout_of_symlinks_loads(
         (snapshot_dir / file.name).symlink_to(os.path.relpath(blob, snapshot_dir))
     root = model_copy.parent
     data = write_data(root / "d.jsonl", 8)
-    config = write_config(root / "c.yaml", snapshot_dir, data, root / "o")
-    code, out, err = run(capsys, "validate", str(config))
+    config = write_config(root / "c.yaml", Path("."), data, root / "o", train={"max_steps": 1})
+    monkeypatch.chdir(snapshot_dir)
+    code, out, err = run(capsys, verb, str(config))
     assert code == 0, err
     assert "seeded init" not in out

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -61,7 +60,8 @@ def _indexed(path: Path, index: Path) -> list[Path]:
     """The shards that ``index`` names, each checked to be there."""
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
-        files = [path / f for f in sorted(set(weight_map.values()))]
+        names = sorted(set(weight_map.values()))
+        files = [path / name for name in names]
     except OSError as e:
         raise _unreadable(index, e, "read") from None
     except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -74,9 +74,9 @@ def _indexed(path: Path, index: Path) -> list[Path]:
             f"{index} names no weights (its weight_map is empty); fix it, or delete it to read "
             f"the *.safetensors files in {path}"
         )
-    inside = os.path.normpath(path) + os.sep  # by name: the hub cache's shards are symlinks
-    outside = [f for f in files if not os.path.normpath(f).startswith(inside)]
-    if outside:  # an absolute path or ../ in the index: another model's files, or none
+    # by the names alone: the hub cache's shards are symlinks to files elsewhere
+    outside = [n for n in names if PurePosixPath(n).is_absolute() or ".." in PurePosixPath(n).parts]
+    if outside:  # another model's files, or none
         raise ModelLoadError(
             f"{index} names a weight file outside {path}: {outside[0]}; fix the index (shard "
             "names are relative to the model directory) or re-download the model"

@@ -47,19 +47,27 @@ class _Before:
     mtime_ns: int
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Times:
     """A directory's times before the lock made an entry in it (its lock file, or the output
-    directory itself), put back when a refused run removes that entry."""
+    directory itself), put back when a refused run removes that entry, unless another process
+    changed the directory meanwhile (its mtime is no longer the one the entry gave it)."""
 
     path: Path
     atime_ns: int
     mtime_ns: int
+    made_ns: int | None = None  # the mtime once the entry was made
 
     @classmethod
     def of(cls, path: Path) -> _Times:
         stat = os.stat(path)
         return cls(path, stat.st_atime_ns, stat.st_mtime_ns)
+
+    def made(self) -> None:
+        self.made_ns = os.stat(self.path).st_mtime_ns
+
+    def untouched(self) -> bool:
+        return self.made_ns is not None and os.stat(self.path).st_mtime_ns == self.made_ns
 
     def restore(self) -> None:
         with contextlib.suppress(OSError):  # not its owner: a run's writes would touch it too
@@ -116,6 +124,7 @@ class RunLock:
             before = _Before(path.read_bytes(), stat.st_atime_ns, stat.st_mtime_ns)
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+        times.made()
         return cls(path, fd, created, before, times)
 
     def release(self, *, refused: bool = False) -> None:
@@ -128,10 +137,12 @@ class RunLock:
             os.pwrite(self.fd, self.before.content, 0)
             os.utime(self.fd, ns=(self.before.atime_ns, self.before.mtime_ns))
         elif refused:
+            untouched = self.times is not None and self.times.untouched()
             self.path.unlink(missing_ok=True)
-            if self.created_dir is not None:
-                _remove_created(self.path.parent, self.created_dir)
-            if self.times is not None:
+            removed = self.created_dir is None or _remove_created(
+                self.path.parent, self.created_dir
+            )
+            if untouched and removed and self.times is not None:
                 self.times.restore()
         os.close(self.fd)
         self.fd = -1
@@ -158,12 +169,14 @@ def _first_missing(path: Path) -> Path | None:
     return missing
 
 
-def _remove_created(out_dir: Path, created: Path) -> None:
-    """``out_dir`` and its parents up to ``created`` (what ``acquire`` made), while empty."""
+def _remove_created(out_dir: Path, created: Path) -> bool:
+    """``out_dir`` and its parents up to ``created`` (what ``acquire`` made), while empty;
+    whether ``created`` went too."""
     for folder in (out_dir, *out_dir.parents):
         try:
             folder.rmdir()
         except OSError:
-            return
+            return False
         if folder == created:
-            return
+            return True
+    return False

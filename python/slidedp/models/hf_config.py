@@ -84,12 +84,8 @@ def check_layer_count(config_file: Path) -> None:
     """More than ``MAX_LAYERS`` layers in ``config_file`` (or its ``text_config``) is a
     ``ModelLoadError``, read from the JSON itself: transformers' config makes a list of one
     entry per layer. A file that is not a JSON object is left to transformers to report."""
-    try:
-        raw = json.loads(config_file.read_text())
-    except (OSError, ValueError):
-        return
-    for part in (raw, raw.get("text_config")) if isinstance(raw, dict) else ():
-        layers = part.get("num_hidden_layers") if isinstance(part, dict) else None
+    for part in _raw_parts(config_file):
+        layers = part.get("num_hidden_layers")
         if _is_int(layers) and layers > MAX_LAYERS:
             raise ModelLoadError(
                 f"{config_file}: 'num_hidden_layers' is {layers:,}, more than slidedp builds "
@@ -114,7 +110,24 @@ def check_sizes(config_file: Path, config: PretrainedConfig) -> None:
     n = max(len(heads), len(groups))  # one value, or one per layer
     for h, g in zip(heads * (n // len(heads)), groups * (n // len(groups)), strict=True):
         if _is_int(h) and _is_int(g) and h % g:
-            refuse(f"'num_attention_heads' {h} is not a multiple of 'num_key_value_heads' {g}")
+            given = any("num_key_value_heads" in part for part in _raw_parts(config_file))
+            default = "" if given else " (transformers' default: the file does not set it)"
+            refuse(
+                f"'num_attention_heads' {h} is not a multiple of 'num_key_value_heads' {g}{default}"
+            )
+
+
+def _raw_parts(config_file: Path) -> list[dict[str, Any]]:
+    """``config_file``'s JSON object and its ``text_config``, as written ([] when unreadable:
+    transformers reports that)."""
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(raw, dict):
+        return []
+    text = raw.get("text_config")
+    return [raw, text] if isinstance(text, dict) else [raw]
 
 
 def _is_int(value: object) -> TypeGuard[int]:
