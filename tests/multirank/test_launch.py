@@ -56,6 +56,7 @@ def _launch_fakes(
     node: launch_module.Node | None = None,
     envs: list[dict[str, str]] | None = None,
     timeout_s: float | None = None,
+    spec: launch_module.LaunchSpec | None = None,
 ) -> int:
     fakes = iter(procs)
 
@@ -66,7 +67,13 @@ def _launch_fakes(
 
     monkeypatch.setattr("slidedp.runtime.launch.subprocess.Popen", popen)
     monkeypatch.setattr("slidedp.runtime.launch.time.sleep", lambda s: None)
-    return launch_module.launch(len(procs), ["train", "x.yaml"], node=node, timeout_s=timeout_s)
+    return launch_module.launch(
+        len(procs),
+        ["train", "x.yaml"],
+        node=node,
+        timeout_s=timeout_s,
+        spec=spec or launch_module.LaunchSpec(),
+    )
 
 
 NODE_1 = launch_module.Node(nodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29511)
@@ -185,6 +192,17 @@ def test_ranks_a_forwarded_signal_ends_outside_the_loop_make_one_line_saying_so(
         "slidedp train: stopped by SIGTERM outside the training loop (starting or finishing), "
         "where no checkpoint is taken: train.resume=auto continues from the last one saved, "
         "if any"
+    ]
+    # the bench's ranks save nothing to resume from
+    procs = [
+        _Proc(EXIT_PEER_FAILED, 5, _signal_launcher_at((2, signal.SIGTERM))),
+        _Proc(0, 10**6, dies=True),
+    ]
+    bench = launch_module.LaunchSpec(name="slidedp bench train: ours on 2 ranks", resumable=False)
+    assert _launch_fakes(monkeypatch, procs, spec=bench) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err.splitlines() == [
+        "slidedp bench train: ours on 2 ranks: stopped by SIGTERM outside the training loop "
+        "(starting or finishing), where no checkpoint is taken"
     ]
 
 

@@ -86,11 +86,13 @@ class LaunchSpec:
     """What the ranks run and where they write: ``python -m MODULE ARGV``, ``name`` heading
     the failure line; ``own_session``: each rank in its own session, watching its launcher
     (``watch_launcher``); ``stdout``, ``stderr``: where the ranks write (None: this
-    process's)."""
+    process's); ``resumable``: the ranks train with checkpoints (a stop's line says how to
+    go on)."""
 
     module: str = "slidedp"
     name: str = "slidedp train"
     own_session: bool = True
+    resumable: bool = True
     stdout: IO[bytes] | None = None
     stderr: IO[bytes] | None = None
 
@@ -109,7 +111,7 @@ def launch(
     ``EXIT_TIMED_OUT``. ``zygote``: the ranks are forked from it, which is closed once they
     run (None: from the zygote of ``runtime.zygote.children_forked`` inside one, else fresh
     interpreters)."""
-    module, name, own_session = spec.module, spec.name, spec.own_session
+    module, own_session = spec.module, spec.own_session
     stdout, stderr = spec.stdout, spec.stderr
     node = node or Node(1, 0, "127.0.0.1", free_port())
     procs: list[Rank] = []
@@ -145,7 +147,7 @@ def launch(
                     p.kill()
                 p.wait()
         ended = _Ended([p.wait() for p in procs], first, hung, received)
-        return _verdict(ended, name, node, timeout_s)
+        return _verdict(ended, spec, node, timeout_s)
 
 
 @dataclass
@@ -169,7 +171,7 @@ class _Ended:
     received: _Received
 
 
-def _verdict(ended: _Ended, name: str, node: Node, timeout_s: float | None) -> int:
+def _verdict(ended: _Ended, spec: LaunchSpec, node: Node, timeout_s: float | None) -> int:
     """The launch's exit code, with one line on stderr saying why where no rank said it."""
     world, base = len(ended.codes), node.node_rank * len(ended.codes)
     stopped = [EXIT_STOPPED_WITH_PEERS] * world
@@ -183,7 +185,7 @@ def _verdict(ended: _Ended, name: str, node: Node, timeout_s: float | None) -> i
     signals, hung, codes = ended.received.signals, ended.hung, ended.codes
 
     def say(line: str) -> None:
-        print(f"{name}: {line}", file=sys.stderr, flush=True)
+        print(f"{spec.name}: {line}", file=sys.stderr, flush=True)
 
     if code == EXIT_TIMED_OUT:
         say(f"the ranks ran past {timeout_s:.0f} s and were stopped")
@@ -197,9 +199,10 @@ def _verdict(ended: _Ended, name: str, node: Node, timeout_s: float | None) -> i
         say(f"a second {signals[1].name} killed the ranks before they exited")
         return 128 + signals[1]
     if signals and code == -FORWARDED[signals[0]]:  # a rank outside the loop that saves on it
+        resume = (": train.resume=auto continues from the last one saved, if any"
+                  if spec.resumable else "")  # fmt: skip
         say(f"stopped by {signals[0].name} outside the training loop (starting or finishing), "
-            "where no checkpoint is taken: train.resume=auto continues from the last one "
-            "saved, if any")  # fmt: skip
+            f"where no checkpoint is taken{resume}")  # fmt: skip
         return 128 + signals[0]
     if code == EXIT_PEER_FAILED and hung:  # every rank that exited left as a peer: these hung
         who = f"rank {base + hung[0]}" if len(hung) == 1 else f"ranks {[base + r for r in hung]}"
