@@ -348,8 +348,9 @@ def check_fits(est: MemoryEstimate) -> None:
         return
     host = [c for c in short if not c.startswith("GPU")]
     limits = _ulimit_shortages(est)
+    memory = [c for c in host if c not in limits]  # /dev/shm or RAM
     fixes = []
-    if len(limits) < len(host):
+    if memory:
         fixes.append(
             "enlarge it (e.g. `mount -o remount,size=... /dev/shm`), free memory, or train a "
             "smaller model"
@@ -369,7 +370,7 @@ def check_fits(est: MemoryEstimate) -> None:
     if host:
         error: OutOfSharedMemoryError | OutOfDeviceMemoryError = OutOfSharedMemoryError(message)
         error.needed_bytes, error.available_bytes = _first_host_shortage(
-            est, memory_short=len(limits) < len(host)
+            est, memory_short=bool(memory)
         )
     else:
         assert est.gpu is not None

@@ -16,7 +16,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import socket
@@ -40,6 +39,7 @@ from slidedp.io.disk_space import (
 )
 from slidedp.io.hf_load import check_weight_files, weight_files
 from slidedp.io.resume import ResumeDecision, ResumePoint, plan_resume
+from slidedp.io.run_lock import DirTimes
 from slidedp.models.freeze import apply_freeze
 from slidedp.models.hf import HFAdapter
 from slidedp.models.router_loss import check_router_loss_ranks
@@ -159,7 +159,7 @@ def check_output_dir(cfg: TrainConfig) -> str:
         raise ConfigError(
             f"output.dir {out} cannot be created: {probe_dir} is a file; choose another path"
         )
-    times = os.stat(probe_dir)
+    times = DirTimes.of(probe_dir)
     try:
         fd, probe = tempfile.mkstemp(prefix=".slidedp-write-probe-", dir=probe_dir)
         os.close(fd)
@@ -169,8 +169,7 @@ def check_output_dir(cfg: TrainConfig) -> str:
             f"output.dir {out} is not writable ({e.strerror} in {probe_dir}); choose a writable "
             "output.dir or fix its permissions"
         ) from None
-    with contextlib.suppress(OSError):  # not its owner: the run's own writes touch it anyway
-        os.utime(probe_dir, ns=(times.st_atime_ns, times.st_mtime_ns))
+    times.restore()
     return f"output   {out}: writable{'' if out.exists() else ' (will be created)'}"
 
 

@@ -48,10 +48,10 @@ class _Before:
 
 
 @dataclass
-class _Times:
-    """A directory's times before the lock made an entry in it (its lock file, or the output
-    directory itself), put back when a refused run removes that entry, unless another process
-    changed the directory meanwhile (its mtime is no longer the one the entry gave it)."""
+class DirTimes:
+    """A directory's times before a refused run made an entry in it (the lock file, the output
+    directory itself, a write probe), put back once it removed the entry: a refusal leaves
+    the directory as it was. ``untouched``: no other process changed it since ``made``."""
 
     path: Path
     atime_ns: int
@@ -59,7 +59,7 @@ class _Times:
     made_ns: int | None = None  # the mtime once the entry was made
 
     @classmethod
-    def of(cls, path: Path) -> _Times:
+    def of(cls, path: Path) -> DirTimes:
         stat = os.stat(path)
         return cls(path, stat.st_atime_ns, stat.st_mtime_ns)
 
@@ -83,7 +83,7 @@ class RunLock:
         fd: int,
         created_dir: Path | None,
         before: _Before | None,
-        times: _Times | None = None,
+        times: DirTimes,
     ) -> None:
         self.path, self.fd, self.created_dir, self.before = path, fd, created_dir, before
         self.times = times
@@ -93,7 +93,7 @@ class RunLock:
         """Create ``out_dir`` if needed, lock it, write ``pid host`` into the lock file; raises
         ``OutputDirBusyError`` when another process holds it."""
         created = _first_missing(out_dir)
-        times = _Times.of(out_dir if created is None else created.parent)
+        times = DirTimes.of(out_dir if created is None else created.parent)
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / LOCK_FILE
         before, existed = None, path.exists()
@@ -137,12 +137,12 @@ class RunLock:
             os.pwrite(self.fd, self.before.content, 0)
             os.utime(self.fd, ns=(self.before.atime_ns, self.before.mtime_ns))
         elif refused:
-            untouched = self.times is not None and self.times.untouched()
+            untouched = self.times.untouched()
             self.path.unlink(missing_ok=True)
             removed = self.created_dir is None or _remove_created(
                 self.path.parent, self.created_dir
             )
-            if untouched and removed and self.times is not None:
+            if untouched and removed:
                 self.times.restore()
         os.close(self.fd)
         self.fd = -1

@@ -73,10 +73,8 @@ def apply_overrides(config: PretrainedConfig, overrides: dict[str, Any]) -> None
 def unknown_model_type(config_file: Path) -> str | None:
     """The ``model_type`` of ``config_file`` where transformers knows no such model, else None
     (unreadable JSON included: its error is reported as it is)."""
-    try:
-        model_type = json.loads(config_file.read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None
+    parts = _raw_parts(config_file)
+    model_type = parts[0].get("model_type") if parts else None
     return model_type if isinstance(model_type, str) and model_type not in CONFIG_MAPPING else None
 
 

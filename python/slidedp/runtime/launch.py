@@ -245,7 +245,8 @@ def _watch(procs: list[Rank], end: float | None) -> tuple[tuple[int, int] | None
             for rank, p in enumerate(procs):
                 if p.poll() is None:
                     p.kill()
-                    hung += [rank] if rank not in hung else []
+                    if rank not in hung:
+                        hung.append(rank)
         time.sleep(0.05)
     return first, hung
 
@@ -264,7 +265,8 @@ def _forwarding(procs: list[Rank]) -> Iterator[_Received]:
                     p.send_signal(FORWARDED[received.signals[0]])
                 else:
                     p.kill()
-                    received.killed += [rank] if rank not in received.killed else []
+                    if rank not in received.killed:
+                        received.killed.append(rank)
 
     if threading.current_thread() is not threading.main_thread():  # Python's rule for handlers
         yield received

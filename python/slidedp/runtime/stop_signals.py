@@ -4,9 +4,9 @@ The first signal sets ``received`` and puts SIGINT's previous handler back, so a
 interrupts at once; with ``absorb_repeats`` (a rank the launcher started: its second signal kills
 the ranks itself) a repeated SIGINT is absorbed too, and once one was received both stay
 ignored after the context (the rank saves and leaves: a scheduler's second copy must not kill
-it in its last collective). Invariant: further SIGTERMs are absorbed
-until the context ends (a scheduler's copy through the launcher must not kill a rank
-mid-save). Handlers are installed from the main thread only; elsewhere the context is inert.
+it in its last collective). Invariant: further SIGTERMs are absorbed until the context ends (a
+scheduler's copy through the launcher must not kill a rank mid-save). Handlers are installed
+from the main thread only; elsewhere the context is inert.
 
 Example::
 
