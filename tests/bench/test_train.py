@@ -230,6 +230,8 @@ def test_bench_owned_keys_and_bad_systems_are_refused(
         ours_config(["train.global_batch_size=8"])
     with pytest.raises(ConfigError, match=r"'model\.path' is set by the bench"):
         ours_config(["model.path=/x"])
+    with pytest.raises(ConfigError, match=r"'train\.max_steps' must look like section\.key=value"):
+        ours_config(["train.max_steps"])
     config = write_tiny_config(tmp_path / "m")
     assert _cli(config, tmp_path / "r.json", "--systems", "ours,deepspeed") == 2
     err = capsys.readouterr().err.strip()

@@ -310,6 +310,21 @@ def test_a_run_that_fits_under_a_ulimit_v_is_not_refused(tmp_path: Path, model: 
     assert done.returncode == 0, done.stderr
 
 
+def test_a_ulimit_v_too_small_for_torch_itself_is_one_line(tmp_path: Path, model: Path) -> None:
+    """Under 1 GiB of address space torch's libraries cannot be mapped: the import of the CLI
+    fails before any check can run, and says so in one line (was the import's traceback)."""
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2**30, 2**30))
+
+    command = [sys.executable, "-m", "slidedp", "validate", str(_config(tmp_path, model))]
+    done = subprocess.run(command, capture_output=True, text=True, preexec_fn=limited, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("slidedp: error: loading torch's libraries failed (")
+    assert "(ulimit -v 1048576 KiB) is too small: raise it (ulimit -v unlimited)" in done.stderr
+
+
 def test_the_host_store_itself_refuses_before_allocating(tmp_path: Path) -> None:
     """Past the CLI's lower-bound check, the store's own (exact) check, as the trainer meets it."""
     config = _config(tmp_path, _huge_model(tmp_path))

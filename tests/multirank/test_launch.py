@@ -6,7 +6,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +15,15 @@ from cli.util import one_error_line, run
 from engine.tiny import make_model, write_config, write_data
 from slidedp.runtime import launch as launch_module
 from slidedp.runtime.dist import EXIT_PEER_FAILED, EXIT_STOPPED_WITH_PEERS
+
+
+@pytest.fixture(autouse=True)
+def _own_handlers() -> Iterator[None]:
+    """The handlers a launch leaves behind are put back after each test."""
+    handlers = {sig: signal.getsignal(sig) for sig in launch_module.FORWARDED}
+    yield
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
 
 
 class _Proc:
@@ -167,7 +176,8 @@ def test_signals_are_forwarded_once_then_a_second_one_kills_the_ranks(
     peer = _Proc(EXIT_STOPPED_WITH_PEERS, 5)
     assert _launch_fakes(monkeypatch, [hup, peer]) == 2
     assert hup.got == peer.got == ["SIGTERM"]  # SIGHUP goes on as SIGTERM
-    assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL  # the handlers are given back
+    # slidedp train exits with the ranks' verdict: a late signal must not change its code
+    assert all(signal.getsignal(sig) == signal.SIG_IGN for sig in launch_module.FORWARDED)
 
     stuck = [_Proc(0, 10**6, _signal_launcher_at((2, signal.SIGINT), (4, signal.SIGINT))),
              _Proc(0, 10**6)]  # fmt: skip
@@ -193,13 +203,18 @@ def test_ranks_a_forwarded_signal_ends_outside_the_loop_make_one_line_saying_so(
         "where no checkpoint is taken: train.resume=auto continues from the last one saved, "
         "if any"
     ]
-    # the bench's ranks save nothing to resume from
+    # the bench's ranks save nothing to resume from, and the bench goes on after them: its
+    # handlers are given back (here the default; the train launch above left SIGTERM ignored)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     procs = [
         _Proc(EXIT_PEER_FAILED, 5, _signal_launcher_at((2, signal.SIGTERM))),
         _Proc(0, 10**6, dies=True),
     ]
-    bench = launch_module.LaunchSpec(name="slidedp bench train: ours on 2 ranks", resumable=False)
+    bench = launch_module.LaunchSpec(
+        name="slidedp bench train: ours on 2 ranks", training_run=False
+    )
     assert _launch_fakes(monkeypatch, procs, spec=bench) == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     assert capsys.readouterr().err.splitlines() == [
         "slidedp bench train: ours on 2 ranks: stopped by SIGTERM outside the training loop "
         "(starting or finishing), where no checkpoint is taken"

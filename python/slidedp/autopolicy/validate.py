@@ -153,7 +153,7 @@ def trial_on_ranks(cfg: TrainConfig, steps: int) -> Trial:
         with out.open("wb") as stdout, err.open("wb") as stderr:
             spec = rank_launcher.LaunchSpec(
                 module="slidedp.autopolicy.validate", name="policy validation",
-                own_session=False, stdout=stdout, stderr=stderr, resumable=False)  # fmt: skip
+                own_session=False, stdout=stdout, stderr=stderr, training_run=False)  # fmt: skip
             code = rank_launcher.launch(rt.launch.world, [str(path), str(steps)],
                                         timeout_s=TIMEOUT_S, spec=spec)  # fmt: skip
         printed, said = out.read_text(), err.read_text()

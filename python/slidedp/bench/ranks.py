@@ -55,7 +55,7 @@ def launch_ranks(
         module="slidedp.bench.worker",
         name=f"slidedp bench train: {spec.system} on {spec.world} ranks",
         own_session=False,  # the bench kills the process group of its child as one
-        resumable=False,
+        training_run=False,
     )
     code = launch(spec.world, [str(spec_path), str(result_path)], spec=ranks, zygote=zygote)
     results = {

@@ -74,8 +74,10 @@ def ours_config(overrides: list[str]) -> dict[str, Any]:
     """Our whole resolved config (every key, as plain values) with ``overrides`` applied and
     validated by ``load_config``; the keys the bench sets itself are refused."""
     for item in overrides:
-        key = item.partition("=")[0].strip()
-        if key in BENCH_OWNED or key.partition(".")[0] in BENCH_OWNED:
+        key, sep, _ = item.partition("=")
+        key = key.strip()
+        # an item without '=' is malformed whatever its key: load_config says so
+        if sep and (key in BENCH_OWNED or key.partition(".")[0] in BENCH_OWNED):
             raise ConfigError(
                 f"--set {item}: '{key}' is set by the bench (use --shape, --batch/--sweep, "
                 "--seq, --steps, --device, --gpus/--ranks, --context-parallel)"

@@ -86,13 +86,14 @@ class LaunchSpec:
     """What the ranks run and where they write: ``python -m MODULE ARGV``, ``name`` heading
     the failure line; ``own_session``: each rank in its own session, watching its launcher
     (``watch_launcher``); ``stdout``, ``stderr``: where the ranks write (None: this
-    process's); ``resumable``: the ranks train with checkpoints (a stop's line says how to
-    go on)."""
+    process's); ``training_run``: the ranks are ``slidedp train``'s, whose verdict this
+    process exits with: a stop's line says how to go on, and once a stop signal came the later
+    ones stay ignored (a late Ctrl-C must not turn a saved stop's exit 2 into 130)."""
 
     module: str = "slidedp"
     name: str = "slidedp train"
     own_session: bool = True
-    resumable: bool = True
+    training_run: bool = True
     stdout: IO[bytes] | None = None
     stderr: IO[bytes] | None = None
 
@@ -138,7 +139,8 @@ def launch(
     if zygote is not None:  # its work is done: the launcher's children are the ranks alone
         zygote.close()
     end = None if timeout_s is None else time.monotonic() + timeout_s
-    with _forwarding(procs) as received:  # held to the verdict: a late signal interrupts nothing
+    # held to the verdict: a late signal interrupts nothing
+    with _forwarding(procs, spec.training_run) as received:
         try:
             first, hung = _watch(procs, end)
         finally:
@@ -200,7 +202,7 @@ def _verdict(ended: _Ended, spec: LaunchSpec, node: Node, timeout_s: float | Non
         return 128 + signals[1]
     if signals and code == -FORWARDED[signals[0]]:  # a rank outside the loop that saves on it
         resume = (": train.resume=auto continues from the last one saved, if any"
-                  if spec.resumable else "")  # fmt: skip
+                  if spec.training_run else "")  # fmt: skip
         say(f"stopped by {signals[0].name} outside the training loop (starting or finishing), "
             f"where no checkpoint is taken{resume}")  # fmt: skip
         return 128 + signals[0]
@@ -252,9 +254,10 @@ def _watch(procs: list[Rank], end: float | None) -> tuple[tuple[int, int] | None
 
 
 @contextlib.contextmanager
-def _forwarding(procs: list[Rank]) -> Iterator[_Received]:
+def _forwarding(procs: list[Rank], ends_process: bool) -> Iterator[_Received]:
     """While inside, the first stop signal to the launcher goes to every rank still running
-    (``FORWARDED``); a second one kills them. Yields what it received, as it comes."""
+    (``FORWARDED``); a second one kills them. Yields what it received, as it comes. On the
+    way out, with ``ends_process`` and a signal received, the signals stay ignored."""
     received = _Received()
 
     def forward(signum: int, frame: object) -> None:
@@ -276,6 +279,8 @@ def _forwarding(procs: list[Rank]) -> Iterator[_Received]:
         yield received
     finally:
         for sig, handler in previous.items():
+            if ends_process and received.signals:
+                handler = signal.SIG_IGN
             signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
