@@ -190,7 +190,7 @@ def _train_locked(
         cfg = checked.cfg  # runtime.policy=auto: the chosen layout (saved as it ran)
         if checked.policy_line:
             print(checked.policy_line, flush=True)
-        _warn("train", checked.warning)
+        _warn("train", checked.warnings)
         from slidedp.runtime.trainer import Trainer  # the engine: once the inputs are good
 
         trainer = Trainer(cfg, plan=checked.plan, checked=checked)
@@ -208,15 +208,15 @@ def _validate(config: str, overrides: list[str]) -> int:
     from slidedp.preflight import validate
 
     checked = validate(load_config(config, overrides))
-    _warn("validate", checked.warning)
+    _warn("validate", checked.warnings)
     print(f"slidedp validate: OK ({config})")
     for line in checked.lines:
         print(f"  {line}")
     return 0
 
 
-def _warn(verb: str, warning: str | None) -> None:
-    if warning is not None:
+def _warn(verb: str, warnings: tuple[str, ...]) -> None:
+    for warning in warnings:
         print(f"slidedp {verb}: warning: {warning}", file=sys.stderr, flush=True)
 
 

@@ -31,6 +31,7 @@ from slidedp.data.build import run_batches
 from slidedp.errors import ConfigError, ModelLoadError
 from slidedp.estimate import check_fits
 from slidedp.estimate_report import estimate_run
+from slidedp.io.checkpoint import FINAL, checkpoint_dirs
 from slidedp.io.disk_space import (
     check_disk_space,
     checkpoint_bytes,
@@ -39,7 +40,7 @@ from slidedp.io.disk_space import (
 )
 from slidedp.io.hf_load import check_weight_files, weight_files
 from slidedp.io.resume import ResumeDecision, ResumePoint, plan_resume
-from slidedp.io.run_lock import DirTimes
+from slidedp.io.run_lock import DirTimes, check_not_in_use
 from slidedp.models.freeze import apply_freeze
 from slidedp.models.hf import HFAdapter
 from slidedp.models.router_loss import check_router_loss_ranks
@@ -152,6 +153,8 @@ def check_output_dir(cfg: TrainConfig) -> str:
             f"output.dir {out} is a model or checkpoint directory (config.json or *.safetensors); "
             "slidedp never writes into one: choose a new output.dir"
         )
+    if cfg.output.export:
+        check_export_target(out)
     probe_dir = out
     while not probe_dir.exists():
         probe_dir = probe_dir.parent
@@ -171,6 +174,24 @@ def check_output_dir(cfg: TrainConfig) -> str:
         ) from None
     times.restore()
     return f"output   {out}: writable{'' if out.exists() else ' (will be created)'}"
+
+
+def check_export_target(out: Path) -> None:
+    """``out/final`` can take the run's export: absent, or a directory this run's checkpoints
+    made (a new run never replaces the export of an earlier one it cannot continue)."""
+    final = out / FINAL
+    if final.is_symlink() or (final.exists() and not final.is_dir()):
+        kind = "a symbolic link" if final.is_symlink() else "not a directory"
+        raise ConfigError(
+            f"{final} is {kind}: the run exports the trained model there; move it away or set "
+            "output.export=false"
+        )
+    if final.is_dir() and not checkpoint_dirs(out):
+        raise ConfigError(
+            f"{out} holds {FINAL}/ of an earlier run and no checkpoint to continue from: choose "
+            f"another output.dir, or move {FINAL}/ away (a run never overwrites an export it "
+            "cannot continue)"
+        )
 
 
 def check_checkpoint_space(cfg: TrainConfig, adapter: HFAdapter, resume: ResumePoint | None) -> str:
@@ -240,8 +261,8 @@ class Checked:
     selected: bool = False  # AutoPolicy chose the policy (explicitly or by default on CUDA)
 
     @property
-    def warning(self) -> str | None:
-        return None if self.resume is None else self.resume.warning
+    def warnings(self) -> tuple[str, ...]:
+        return () if self.resume is None else self.resume.warnings
 
 
 def check_before_training(
@@ -320,6 +341,8 @@ def apply_default_policy(
 
 
 def validate(cfg: TrainConfig) -> Checked:
-    """Every check (``slidedp validate``): ``train``'s and the data's; one summary line each."""
+    """Every check (``slidedp validate``): ``train``'s and the data's; one summary line each.
+    First, as ``train`` takes it first: no other run holds ``output.dir``."""
+    check_not_in_use(Path(cfg.output.dir))
     checked = check_before_training(cfg)
     return replace(checked, lines=[*checked.lines, check_data(cfg, checked.adapter)])

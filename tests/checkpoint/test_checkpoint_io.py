@@ -22,7 +22,7 @@ from engine.tiny import make_model
 from slidedp.cli import main
 from slidedp.config import TrainSection
 from slidedp.data.config import DataSection
-from slidedp.errors import CheckpointError
+from slidedp.errors import CheckpointError, DiskFullError
 from slidedp.io import checkpoint as ckpt
 from slidedp.io import export
 from slidedp.io.checkpoint import (
@@ -334,6 +334,17 @@ def test_an_export_is_a_copy_the_user_may_change_written_whole_or_not_at_all(
     assert "no room to export" in err
     assert "(No space left on device): it needs " in err
     assert sorted(p.name for p in tmp_path.iterdir() if "full" in p.name) == []  # no temp left
+    # a replacement interrupted between setting the earlier export aside and renaming the new
+    # one in, then one that fails: the earlier export is back, nothing else left
+    (tmp_path / "hf").rename(tmp_path / ".hf.old")
+    with pytest.raises(DiskFullError):
+        export_checkpoint(path, tmp_path / "hf", replace=True)
+    assert (tmp_path / "hf/config.json").read_text() == "changed"
+    assert sorted(p.name for p in tmp_path.iterdir() if "hf" in p.name) == ["hf"]
+    monkeypatch.setattr(shutil, "copyfile", copy)
+    export_checkpoint(path, tmp_path / "hf", replace=True)
+    assert (tmp_path / "hf/config.json").read_text() != "changed"
+    assert sorted(p.name for p in tmp_path.iterdir() if "hf" in p.name) == ["hf"]
 
 
 def test_an_export_without_a_manifest_checks_the_weights_headers(tmp_path: Path) -> None:

@@ -17,6 +17,8 @@ Example::
 from __future__ import annotations
 
 import base64
+import contextlib
+import copy
 import json
 import os
 import random
@@ -42,6 +44,8 @@ STATE_FILE = "trainer_state.json"
 RNG_FILE = "rng_state.json"
 OPTIMIZER_DIR = "optimizer"
 LATEST = "latest"
+FINAL = "final"  # OUTPUT/final: a run's export
+FINAL_FROM = ".slidedp-final"  # OUTPUT/.slidedp-final: the checkpoint final/ was exported from
 _NOT_EXPORTED = (STATE_FILE, RNG_FILE, MANIFEST)  # a checkpoint's files beside the HF model
 # (file prefix, directory inside the checkpoint, store region)
 _TENSOR_FILES: tuple[tuple[str, str, StateRegion], ...] = (
@@ -133,7 +137,9 @@ def _write_contents(
     state: dict[str, Any],
     max_shard_bytes: int,
 ) -> None:
-    adapter.config.save_pretrained(tmp)
+    config = copy.deepcopy(adapter.config)
+    config.dtype = torch.float32  # the weights' dtype here, whatever the source model's said
+    config.save_pretrained(tmp)
     copy_tokenizer(adapter.path, tmp)
     (tmp / OPTIMIZER_DIR).mkdir()
     for prefix, where, region in _TENSOR_FILES:
@@ -344,15 +350,20 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, *, replace: bool = False)
     _check_export_target(out_dir, replace)
     files = [f for f in checkpoint.iterdir() if f.is_file() and f.name not in _NOT_EXPORTED]
     temp = out_dir.with_name(f".{out_dir.name}.tmp")  # renamed into place once complete
+    old = out_dir.with_name(f".{out_dir.name}.old")  # the export replaced, until then
     shutil.rmtree(temp, ignore_errors=True)  # an interrupted export's
+    if old.exists() and not out_dir.exists():  # interrupted between the two renames
+        old.rename(out_dir)
+    shutil.rmtree(old, ignore_errors=True)
     try:
         temp.mkdir(parents=True)
         for src in files:  # copies, not links: the export is the user's to change
             shutil.copyfile(src, temp / src.name)
         _fsync_tree(temp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
+        if out_dir.exists():  # set aside until the new one is in place: never no export
+            out_dir.rename(old)
         temp.rename(out_dir)
+        shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
         shutil.rmtree(temp, ignore_errors=True)
         if e.errno not in NO_SPACE_ERRNOS:
@@ -364,6 +375,22 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, *, replace: bool = False)
         ) from None
     _fsync(out_dir.parent)
     return out_dir
+
+
+def export_final(out_dir: Path, last: Path, *, trained: bool) -> str:
+    """A run's last checkpoint ``last`` exported as ``out_dir/final`` (replacing an earlier
+    export of the run), and the line saying so. A run that trained nothing (resumed at
+    ``train.max_steps``) keeps a ``final/`` already exported from ``last``, with whatever the
+    user changed in it."""
+    final, marker = out_dir / FINAL, out_dir / FINAL_FROM
+    with contextlib.suppress(OSError):
+        if not trained and final.is_dir() and marker.read_text().strip() == last.name:
+            return (f"nothing to train: {last.name} is at train.max_steps; {final} is its "
+                    "export, kept as it is")  # fmt: skip
+    marker.unlink(missing_ok=True)  # final/ is not last's until the export is complete
+    export_checkpoint(last, final, replace=True)
+    marker.write_text(f"{last.name}\n")
+    return f"exported {final}"
 
 
 def _check_export_target(out_dir: Path, replace: bool) -> None:

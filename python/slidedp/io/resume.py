@@ -40,6 +40,7 @@ from slidedp.io.checkpoint import (
 )
 from slidedp.io.manifest import MANIFEST, checksum_problem, read_manifest, size_problem
 from slidedp.models.hf import HFAdapter
+from slidedp.runtime.schedule import lr_schedule
 from slidedp.store import HostStore
 
 _PROGRESS_FIELDS = ("step", "adam_step", "skipped_steps", "consecutive_skips")
@@ -52,7 +53,8 @@ class ResumePoint:
     path: Path
     progress: Progress
     rng: dict[str, Any]
-    warning: str | None  # the one line saying which damaged checkpoints are skipped, and why
+    # one line each: the damaged checkpoints skipped, and why; what changed since the checkpoint
+    warnings: tuple[str, ...]
     set_aside: tuple[Path, ...]  # damaged checkpoints past ``path``: renamed when re-saved
 
 
@@ -72,7 +74,7 @@ def write_resume_decision(point: ResumePoint | None, directory: Path) -> Path:
             "path": str(point.path),
             "progress": asdict(point.progress),
             "rng": point.rng,
-            "warning": point.warning,
+            "warnings": list(point.warnings),
             "set_aside": [str(p) for p in point.set_aside],
         }
     file = directory / RESUME_DECISION
@@ -86,7 +88,8 @@ def read_resume_decision(file: Path) -> ResumeDecision:
     if saved is None:
         return ResumeDecision(None)
     point = ResumePoint(Path(saved["path"]), Progress(**saved["progress"]), saved["rng"],
-                        saved["warning"], tuple(Path(p) for p in saved["set_aside"]))  # fmt: skip
+                        tuple(saved["warnings"]),
+                        tuple(Path(p) for p in saved["set_aside"]))  # fmt: skip
     return ResumeDecision(point)
 
 
@@ -281,6 +284,8 @@ def plan_resume(
     else:
         path, checked = _named(train.resume, adapter, train.verify_checksums)
     progress = _resumable(path, checked.state, train, data)
+    changed = (_schedule_change(path, checked.state, train, progress.step),
+               _data_change(path, checked.state, data))  # fmt: skip
     metrics = out_dir / "metrics.jsonl"
     if metrics.is_file():
         kept_records(metrics, progress.step)  # refused here, before anything is written
@@ -295,9 +300,8 @@ def plan_resume(
                     "checkpoint is never overwritten; move it away or resume from it"
                 )
             skipped.append((other, problem))
-    return ResumePoint(
-        path, progress, checked.rng, _warning(path, skipped), tuple(p for p, _ in skipped)
-    )
+    warnings = tuple(w for w in (_skipped_warning(path, skipped), *changed) if w)
+    return ResumePoint(path, progress, checked.rng, warnings, tuple(p for p, _ in skipped))
 
 
 def kept_records(path: Path, start: int) -> list[str]:
@@ -324,13 +328,76 @@ def kept_records(path: Path, start: int) -> list[str]:
     return kept
 
 
-def _warning(path: Path, skipped: list[tuple[Path, str]]) -> str | None:
+def _skipped_warning(path: Path, skipped: list[tuple[Path, str]]) -> str | None:
     if not skipped:
         return None
     damaged = ", ".join(f"{p.name} ({problem})" for p, problem in skipped)
     return (
         f"damaged {damaged}: skipped, resuming from {path}; a damaged checkpoint is renamed "
         "checkpoint-STEP.damaged when this run saves that step"
+    )
+
+
+_SCHEDULE_KEYS = {  # train.KEY: its name in a checkpoint's lr_schedule
+    "lr_scheduler": "name",
+    "learning_rate": "learning_rate",
+    "warmup_steps": "warmup_steps",
+    "max_steps": "max_steps",
+}
+
+
+def _schedule_change(
+    path: Path, state: dict[str, Any], train: TrainSection, step: int
+) -> str | None:
+    """The line saying which of the optimizer's keys differ from the checkpoint's run, and the
+    learning rate the run continues at where the schedule changed it; None when none did."""
+    saved, optim = state.get("lr_schedule"), state.get("plan", {}).get("optim")
+    if not isinstance(saved, dict) or not isinstance(optim, dict):  # an older checkpoint
+        return None
+    now: dict[str, Any] = {key: getattr(train, key) for key in _SCHEDULE_KEYS}
+    before: dict[str, Any] = {key: saved.get(name) for key, name in _SCHEDULE_KEYS.items()}
+    lr_now = lr_schedule(*now.values())(step)
+    try:
+        lr_then = lr_schedule(*before.values())(step)
+    except (KeyError, TypeError, ValueError):  # not a schedule this slidedp knows
+        lr_then = None
+    changes = [key for key in now if now[key] != before[key]]
+    if before["lr_scheduler"] == now["lr_scheduler"] == "constant":  # no decay to the end
+        changes = [key for key in changes if key != "max_steps"]
+    betas = optim.get("betas") or [None, None]
+    for key, was in (
+        ("weight_decay", optim.get("weight_decay")),
+        ("adam_beta1", betas[0]),
+        ("adam_beta2", betas[1]),
+        ("adam_epsilon", optim.get("eps")),
+        ("max_grad_norm", optim.get("max_grad_norm")),
+    ):
+        if was is not None and getattr(train, key) != was:
+            changes.append(key)
+            before[key], now[key] = was, getattr(train, key)
+    if not changes:
+        return None
+    said = ", ".join(f"train.{key} {before[key]} -> {now[key]}" for key in changes)
+    if lr_then is not None and lr_now != lr_then:
+        said += (f"; step {step + 1} trains at learning rate {lr_now:.4g} where the "
+                 f"checkpoint's schedule gives {lr_then:.4g}")  # fmt: skip
+    return f"resuming {path.name} with {said}; set them back to continue exactly"
+
+
+def _data_change(path: Path, state: dict[str, Any], data: DataSection) -> str | None:
+    """The line saying the data files differ from the checkpoint's run (a file moved resumes
+    as it is: the order depends on ``order_keys`` alone); None when they do not."""
+    saved = state.get("data", {})
+    before = [saved.get("path")] if saved.get("path") else [
+        s.get("path") for s in saved.get("sources") or [] if isinstance(s, dict)
+    ]  # fmt: skip
+    now = [s.path for s in data.source_specs()]
+    if not before or before == now:
+        return None
+    return (
+        f"resuming {path.name}, trained on {', '.join(map(str, before))}, on "
+        f"{', '.join(now)}: it continues at step {saved.get('next_step', '?')} of this data's "
+        "order (right for a file moved; another file's samples differ)"
     )
 
 

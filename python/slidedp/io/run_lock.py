@@ -20,6 +20,7 @@ import contextlib
 import fcntl
 import os
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -99,18 +100,9 @@ class RunLock:
         before, existed = None, path.exists()
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not _flock(fd, fcntl.LOCK_EX, tries=_TRIES):
                 os.close(fd)
-                pid, host = _holder(path)
-                who = "another run" if pid is None else f"run pid {pid} on host {host}"
-                raise OutputDirBusyError(
-                    f"output.dir {out_dir} is in use by {who} (it holds {path}); wait for it to "
-                    "end or stop it, or choose another output.dir",
-                    pid=pid,
-                    host=host,
-                ) from None
+                raise _busy(out_dir, path)
             # a run that gave the lock up while refused removes the file: ours may be that one
             try:
                 same = os.stat(path).st_ino == os.fstat(fd).st_ino
@@ -157,6 +149,48 @@ class RunLock:
         trace: TracebackType | None,
     ) -> None:
         self.release()
+
+
+def check_not_in_use(out_dir: Path) -> None:
+    """``OutputDirBusyError`` when another run holds ``out_dir``'s lock (``slidedp validate``:
+    the refusal ``train`` would meet). Creates nothing; its shared lock, held for an instant,
+    delays a starting run's ``acquire`` by at most one of its retries."""
+    path = out_dir / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # no lock file (or none this process may open): no run holds it
+        return
+    try:
+        if not _flock(fd, fcntl.LOCK_SH, tries=1):
+            raise _busy(out_dir, path)
+    finally:
+        os.close(fd)  # unlocks
+
+
+_TRIES = 20  # of a lock another process holds for an instant (``check_not_in_use``): 10 ms apart
+
+
+def _flock(fd: int, kind: int, *, tries: int) -> bool:
+    """Whether ``flock(fd, kind)`` was granted within ``tries`` non-blocking attempts."""
+    for attempt in range(tries):
+        try:
+            fcntl.flock(fd, kind | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if attempt + 1 < tries:
+                time.sleep(0.01)
+    return False
+
+
+def _busy(out_dir: Path, path: Path) -> OutputDirBusyError:
+    pid, host = _holder(path)
+    who = "another run" if pid is None else f"run pid {pid} on host {host}"
+    return OutputDirBusyError(
+        f"output.dir {out_dir} is in use by {who} (it holds {path}); wait for it to end or "
+        "stop it, or choose another output.dir",
+        pid=pid,
+        host=host,
+    )
 
 
 def _first_missing(path: Path) -> Path | None:

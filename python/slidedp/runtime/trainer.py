@@ -36,7 +36,7 @@ from slidedp.io.best import BestCheckpoint
 from slidedp.io.checkpoint import (
     Progress,
     Retention,
-    export_checkpoint,
+    export_final,
     restore_rng,
     save_checkpoint,
 )
@@ -419,9 +419,7 @@ class Trainer:
         if best_at_end is not None:  # the last evaluation was the best: the last checkpoint
             self.best.mark(last_dir, best_at_end)
         if out.export:
-            self._say(
-                f"exported {export_checkpoint(last_dir, self.out_dir / 'final', replace=True)}"
-            )
+            self._say(export_final(self.out_dir, last_dir, trained=self.progress.step > start_step))
         return records
 
     def _step_log(self) -> StepLog:
