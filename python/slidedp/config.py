@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
+import os
 import typing
 from dataclasses import dataclass, field
 from functools import partial
@@ -50,6 +51,7 @@ class ModelSection:
 
     def __post_init__(self) -> None:
         _require(bool(self.path), "model.path is required")
+        self.path = os.path.expanduser(self.path)  # as a shell would: ~/models/x
         _require(
             self.max_position_embeddings is None or self.max_position_embeddings >= 1,
             f"model.max_position_embeddings must be >= 1, got {self.max_position_embeddings}",
@@ -141,6 +143,7 @@ class OutputSection:
 
     def __post_init__(self) -> None:
         _require(bool(self.dir), "output.dir is required")
+        self.dir = os.path.expanduser(self.dir)  # never a directory named '~' made here
         _require(self.save_steps >= 0, "output.save_steps must be >= 0 (0: only at the end)")
         _require(self.save_total_limit >= 0, "output.save_total_limit must be >= 0 (0: keep all)")
         _require(self.log_steps >= 1, "output.log_steps must be >= 1")

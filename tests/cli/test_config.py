@@ -143,6 +143,23 @@ def test_overrides_are_yaml_values_or_text_where_the_key_takes_a_string(tmp_path
     assert (cfg.data.path, cfg.train.resume, cfg.model.path) == ("123", "", "/a/b: c")
 
 
+def test_a_path_starting_with_a_tilde_is_under_home_as_in_a_shell(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``output.dir=~/runs/a`` passed validate and train made a directory named '~' in the
+    current one; every path key now expands it (a quoted ~ in a shell reaches us as is)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    path = _yaml(tmp_path, _raw())
+    overrides = ["model.path=~/m", "output.dir=~/runs/a", "data.path=~/d.jsonl",
+                 "data.eval_path=~/e.jsonl"]  # fmt: skip
+    cfg = load_config(path, overrides)
+    home = str(tmp_path)
+    assert (cfg.model.path, cfg.output.dir) == (f"{home}/m", f"{home}/runs/a")
+    assert (cfg.data.path, cfg.data.eval_path) == (f"{home}/d.jsonl", f"{home}/e.jsonl")
+    mixed = load_config(path, ["data.path=", "data.sources=[{path: ~/a.jsonl}, {path: b.jsonl}]"])
+    assert [s["path"] for s in mixed.data.sources] == [f"{home}/a.jsonl", "b.jsonl"]
+
+
 def test_malformed_overrides_say_how_an_override_looks(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(_yaml(tmp_path, _raw()), ["max_steps=3", "train.max_steps", "a.b.c=1"])

@@ -16,6 +16,7 @@ weight: 1}]`` (docs/configuration.md, key ``data.sources``).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +92,14 @@ class DataSection:
         )
         for i, source in enumerate(self.sources):
             _check_source(i, source, self.format)
+        # as a shell would: ~/data/x.jsonl
+        self.path, self.eval_path = (
+            os.path.expanduser(self.path),
+            os.path.expanduser(self.eval_path),
+        )
+        self.sources = [
+            s | {"path": os.path.expanduser(s["path"])} if _has_path(s) else s for s in self.sources
+        ]
         trained = {Path(spec.path).resolve() for spec in self.source_specs()}
         _require(
             not self.eval_path or Path(self.eval_path).resolve() not in trained,
@@ -140,6 +149,11 @@ class DataSection:
             SourceSpec(s["path"], s.get("format", self.format), float(s.get("weight", 1.0)))
             for s in self.sources
         ]
+
+
+def _has_path(source: Any) -> bool:
+    """A source entry with a path (a problem with another is collected by ``_check_source``)."""
+    return isinstance(source, dict) and isinstance(source.get("path"), str)
 
 
 def _check_source(i: int, source: Any, default_format: str) -> None:
