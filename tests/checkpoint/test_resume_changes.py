@@ -189,3 +189,15 @@ def test_an_export_says_the_dtype_of_its_weights(tmp_path: Path) -> None:
         name = "model.layers.0.mlp.up_proj.weight"
         assert loaded.state_dict()[name].dtype == weights.get_tensor(name).dtype
         assert loaded.state_dict()[name].equal(weights.get_tensor(name))
+
+
+@pytest.mark.e2e
+def test_a_resume_given_an_output_directory_takes_the_checkpoint_its_latest_names(
+    capsys: Capsys, finished: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """As ``slidedp export OUTPUT`` does (was: 'is not a slidedp checkpoint')."""
+    config, out = finished
+    code, stdout, err = run(capsys, "validate", str(config), f"train.resume={out}",
+                            f"output.dir={tmp_path / 'more'}", "train.max_steps=4")  # fmt: skip
+    assert code == 0, err
+    assert f"resume   from {out / 'checkpoint-4'} (step 4)" in stdout

@@ -262,7 +262,7 @@ def tensor_plan(path: Path, adapter: HFAdapter) -> list[tuple[Path, StateRegion]
                     raise CheckpointError(
                         f"{path.name} does not fit this model: '{name}' is {dtype}{list(got)} "
                         f"there, {here} here; resume with the model it was trained from "
-                        "(model.path) or start afresh"
+                        "(model.path), or start afresh in another output.dir"
                     )
                 seen.add(name)
             plan.append((file, region))

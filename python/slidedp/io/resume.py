@@ -30,6 +30,7 @@ from slidedp.data.config import DataSection
 from slidedp.errors import CheckpointError
 from slidedp.io.checkpoint import (
     FORMAT,
+    LATEST,
     OPTIMIZER_DIR,
     RNG_FILE,
     STATE_FILE,
@@ -249,13 +250,17 @@ def _newest_intact(
 
 
 def _named(resume: str, adapter: HFAdapter, checksums: bool) -> tuple[Path, _Checked]:
-    """A checkpoint given by path, checked; a damaged one is refused."""
+    """A checkpoint given by path (or an output directory: the one its ``latest`` names, as
+    ``slidedp export`` takes it), checked; a damaged one is refused."""
     path = Path(resume)
+    if (path / LATEST).is_file():
+        path = path / (path / LATEST).read_text().strip()
     looks_like_one = any((path / f).exists() for f in (STATE_FILE, MANIFEST, OPTIMIZER_DIR))
     if not path.is_dir() or not looks_like_one:
         raise CheckpointError(
             f"train.resume={resume} is not a slidedp checkpoint (no {STATE_FILE}): give a "
-            "checkpoint-STEP directory, auto, or '' to start afresh"
+            "checkpoint-STEP directory, an output directory (its latest), auto, or '' to start "
+            "afresh"
         )
     try:
         return path, _check(path, adapter, checksums)
