@@ -27,7 +27,7 @@ from slidedp.autopolicy.auto import resolve_auto
 from slidedp.autopolicy.choose import selection_cached
 from slidedp.autopolicy.default import AUTO, break_even_fallback, default_policy
 from slidedp.config import TrainConfig
-from slidedp.data.build import run_batches
+from slidedp.data.build import run_data
 from slidedp.errors import ConfigError, ModelLoadError
 from slidedp.estimate import check_fits
 from slidedp.estimate_report import estimate_run
@@ -126,13 +126,12 @@ def check_memory(cfg: TrainConfig, adapter: HFAdapter, shm_dir: Path = SHM_DIR) 
 
 
 def check_data(cfg: TrainConfig, adapter: HFAdapter) -> str:
-    """Read, tokenize and check the whole data set as the trainer will (``build_batches``),
+    """Read, tokenize and check the whole data set as the trainer will (``run_data``),
     the held-out data too."""
 
-    batches = run_batches(cfg, adapter.config, adapter.vocab_size)
+    batches, held = run_data(cfg, adapter.config, adapter.vocab_size)
     line = f"data     {batches.report}"
-    if cfg.data.has_eval:  # the held-out rows runtime.evaluate visits
-        held = run_batches(cfg, adapter.config, adapter.vocab_size, part="eval")
+    if held is not None:  # the held-out rows runtime.evaluate visits
         line += f"; held out: {held.report}"
     return line
 

@@ -51,6 +51,14 @@ def make_tokenizer(
     return directory
 
 
+def set_chat_template(directory: Path, template: str) -> None:
+    """Replace the chat template of the tokenizer saved in ``directory``."""
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "chat_template.jinja").write_text(template)
+
+
 def write_jsonl(path: Path, records: list[Any]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path

@@ -11,8 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from data.helpers import CHAT_TEMPLATE, build, make_tokenizer, write_jsonl
-from slidedp.data.build import ModelFacts
+from data.helpers import CHAT_TEMPLATE, build, make_tokenizer, set_chat_template, write_jsonl
+from slidedp.data.build import ModelFacts, build_data
 from slidedp.data.config import DataSection
 from slidedp.errors import ConfigError, DataError, SlidedpError
 
@@ -33,9 +33,28 @@ BAD_FILES: list[tuple[str, str, dict[str, Any], str]] = [
         r"d\.jsonl:2: expected a JSON object, got list",
     ),
     ("d.jsonl", b"\xff\xfe\n".decode("latin-1"), {}, r"d\.jsonl:1: not valid"),
-    ("d.jsonl", "", {}, r"d\.jsonl has no records"),
-    ("d.jsonl", "\n  \n", {}, r"d\.jsonl has no records"),
+    (
+        "d.jsonl",
+        "",
+        {},
+        r"d\.jsonl has no records \(the file is empty or blank\): add records to "
+        r"it, or point data\.path at the data file$",
+    ),
+    ("d.jsonl", "\n  \n", {}, r"d\.jsonl has no records .* point data\.path at the data file$"),
     ("d.json", "[]", {}, r"d\.json has no records"),
+    # the decoder's message without its dangling " at", after the line and column
+    (
+        "d.jsonl",
+        '{"text": "w1"}\n{"text": "w1\tw2"}\n',
+        {},
+        r"d\.jsonl:2: not valid JSON \(line 2, column 13: Invalid control character\)$",
+    ),
+    (
+        "d.json",
+        '[{"text": "w1"},\n {"text": "w1"\n]',
+        {},
+        r"d\.json: not valid JSON \(line 3, column 1: Expecting ',' delimiter\)$",
+    ),
     ("d.json", '{"text": "w1"}', {}, r"d\.json: a \.json data file must hold a list of records"),
     ("d.json", "[{]", {}, r"d\.json: not valid JSON"),
     ("d.csv", "text\nw1\n", {}, r"unknown data file type '\.csv' \(expected \.jsonl, \.json or"),
@@ -154,6 +173,34 @@ def test_bad_data_is_one_clear_line(
     assert "\n" not in str(info.value)
 
 
+DIRECTORY_ERRORS = {
+    "data.path": r"^data\.path \S*/dir is a directory: give one \.jsonl/\.json/\.parquet file, "
+    r"or list its files in data\.sources \(a mixture\)$",
+    "data.sources": r"^data\.sources\[1\]\.path \S*/dir is a directory: give one \.jsonl/\.json/"
+    r"\.parquet file, one source each$",
+    "data.eval_path": r"^data\.eval_path \S*/dir is a directory: give one \.jsonl/\.json/"
+    r"\.parquet file$",
+}
+
+
+@pytest.mark.parametrize("key", DIRECTORY_ERRORS)
+def test_a_directory_is_named_by_its_key(tmp_path: Path, key: str) -> None:
+    directory = tmp_path / "dir"
+    directory.mkdir()
+    data = str(write_jsonl(tmp_path / "d.jsonl", [{"input_ids": [1, 2]}]))
+    keys: dict[str, dict[str, Any]] = {
+        "data.path": {"path": str(directory)},
+        "data.sources": {"sources": [{"path": data}, {"path": str(directory)}]},
+        "data.eval_path": {"path": data, "eval_path": str(directory)},
+    }
+    section = DataSection(seq_len=16, **keys[key])
+    with pytest.raises(DataError, match=DIRECTORY_ERRORS[key]):
+        build_data(section, model_dir=tmp_path, model=ModelFacts(28), batch_size=1, seed=0)
+    (tmp_path / "dir.jsonl").mkdir()  # an extension does not make it a file
+    with pytest.raises(DataError, match=r"^data\.path \S*/dir\.jsonl is a directory"):
+        build(tmp_path / "dir.jsonl", tmp_path)
+
+
 def test_a_tokenizer_id_outside_the_model_vocabulary(tmp_path: Path) -> None:
     tok = make_tokenizer(tmp_path / "tok")
     data = write_jsonl(tmp_path / "t.jsonl", [{"text": "w1 w2"}])
@@ -178,15 +225,10 @@ def test_messages_need_a_chat_template(tmp_path: Path) -> None:
 
 def test_a_template_that_rewrites_earlier_turns_cannot_split_them(tmp_path: Path) -> None:
     tok = make_tokenizer(tmp_path / "tok")
-    config = json.loads((tok / "tokenizer_config.json").read_text())
     # the last message gets an extra word: a prefix renders differently inside the whole
-    template = CHAT_TEMPLATE.replace(
+    set_chat_template(tok, CHAT_TEMPLATE.replace(
         "{{ m['content'] }}", "{{ m['content'] }}{% if loop.last %} w9{% endif %}"
-    )
-    config["chat_template"] = template
-    (tok / "tokenizer_config.json").write_text(json.dumps(config))
-    (tok / "chat_template.jinja").unlink(missing_ok=True)
-    (tok / "chat_template.jinja").write_text(template)
+    ))  # fmt: skip
     conversation = [
         *CHAT,
         {"role": "user", "content": "w3"},

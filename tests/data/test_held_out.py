@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from cli.util import run
 from data.helpers import VOCAB, write_jsonl
 from engine.tiny import make_model, write_config, write_data
+from slidedp.cli import main
 from slidedp.config import config_from_dict
 from slidedp.data.batches import Batches
-from slidedp.data.build import ModelFacts, build_batches
+from slidedp.data.build import ModelFacts, build_batches, build_data
 from slidedp.data.config import DataSection
+from slidedp.data.sources import Chunk, Source
 from slidedp.errors import ConfigError, DataError
 
 
@@ -97,3 +102,85 @@ def test_validate_reports_the_held_out_rows(
     assert code == 0, err
     assert f"{data} (input_ids): 10 samples → 7 in" in out  # 10 read, 3 held out
     assert f"held out: {data} (input_ids): 10 samples → 3 in" in out
+
+
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """How many times each data file (by name) is read."""
+    counts: Counter[str] = Counter()
+    read = Source.chunks
+
+    def counted(source: Source) -> Iterator[Chunk]:
+        counts[source.path.name] += 1
+        return read(source)
+
+    monkeypatch.setattr(Source, "chunks", counted)
+    return counts
+
+
+def _same(one: Batches, other: Batches) -> None:
+    for name in ("tokens", "trained", "offsets", "numbers"):
+        assert np.array_equal(getattr(one.samples, name), getattr(other.samples, name)), name
+    assert str(one.report) == str(other.report)
+    assert (one.shuffle, one.pad_id) == (other.shuffle, other.pad_id)
+    assert all(one.batch(t).input_ids.tolist() == other.batch(t).input_ids.tolist()
+               for t in range(6))  # fmt: skip
+
+
+@pytest.mark.parametrize("held", ["fraction", "file", "none"])
+def test_both_parts_from_one_read_are_the_parts_read_alone(
+    tmp_path: Path, reads: Counter[str], held: str
+) -> None:
+    a = write_jsonl(tmp_path / "a.jsonl", [{"input_ids": [i, i]} for i in range(1, 21)])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"input_ids": [i, i, i]} for i in range(21, 27)])
+    h = write_jsonl(tmp_path / "h.jsonl", [{"input_ids": [i, i]} for i in range(1, 4)])
+    keys: dict[str, Any] = {"sources": [{"path": str(a), "weight": 2}, {"path": str(b)}],
+                            "shuffle": True}  # fmt: skip
+    held_keys: dict[str, dict[str, Any]] = {
+        "fraction": {"eval_fraction": 0.25}, "file": {"eval_path": str(h)}, "none": {}}  # fmt: skip
+    keys |= held_keys[held]
+    train, eval_part = build_data(
+        DataSection(seq_len=16, pad_id=0, **keys),
+        model_dir=tmp_path,
+        model=ModelFacts(vocab_size=VOCAB, max_positions=64),
+        batch_size=2,
+        seed=3,
+    )
+    assert reads == Counter(
+        {"a.jsonl": 1, "b.jsonl": 1} | ({"h.jsonl": 1} if held == "file" else {})
+    )
+    _same(train, _part(tmp_path, "train", seed=3, **keys))
+    if held == "none":
+        assert eval_part is None
+    else:
+        assert eval_part is not None
+        _same(eval_part, _part(tmp_path, "eval", seed=3, **keys))
+
+
+@pytest.mark.parametrize("held", ["eval_fraction", "eval_path"])
+def test_validate_reads_each_file_once(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, reads: Counter[str], held: str
+) -> None:
+    model = make_model(tmp_path, "qwen3", tied=True)
+    data = write_data(tmp_path / "d.jsonl", 10)
+    keys = {"eval_fraction": 0.3} if held == "eval_fraction" else {
+        "eval_path": str(write_data(tmp_path / "h.jsonl", 4, seed=2))}  # fmt: skip
+    config = write_config(tmp_path / "c.yaml", model, data, tmp_path / "out", data=keys)
+    code, out, err = run(capsys, "validate", str(config))
+    assert code == 0, err
+    assert "held out: " in out
+    assert reads == Counter({"d.jsonl": 1} | ({"h.jsonl": 1} if held == "eval_path" else {}))
+
+
+@pytest.mark.e2e  # trains a step
+def test_train_reads_the_data_once_for_both_parts(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, reads: Counter[str]
+) -> None:
+    model = make_model(tmp_path, "qwen3", tied=True, layers=1)
+    data = write_data(tmp_path / "d.jsonl", 10)
+    config = write_config(tmp_path / "c.yaml", model, data, tmp_path / "out",
+                          data={"eval_fraction": 0.3})  # fmt: skip
+    assert main(["train", str(config), "train.max_steps=1", "output.export=false"]) == 0, (
+        capsys.readouterr().err
+    )
+    assert reads == Counter({"d.jsonl": 1})

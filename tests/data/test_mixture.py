@@ -58,7 +58,8 @@ def test_each_source_gives_its_weight_s_share_of_an_epoch(
     shares = batches.report.sources
     assert [(s.kept, s.samples, s.tokens) for s in shares] == [(10, 7, 14), (4, 7, 21)]
     line = str(batches.report)
-    assert f"{a} (weight 1): 7 of 10 samples, 14 tokens" in line
+    # the subset of a is drawn once: the banner says the other 3 never train
+    assert f"{a} (weight 1): 7 of 10 samples (the same 7 every epoch), 14 tokens" in line
     assert f"{b} (weight 1): 7 of 4 samples, 21 tokens" in line
 
 
@@ -99,6 +100,11 @@ def test_huge_weights_keep_their_shares(tmp_path: Path, files: tuple[Path, Path]
         ({"sources": [{"weight": 2}]}, r"sources\[0\]\.path is required"),
         ({"sources": [{"path": "y.jsonl", "format": "chat"}]}, r"sources\[0\]\.format"),
         ({"sources": ["y.jsonl"]}, r"sources\[0\] must be a mapping"),
+        (
+            {"sources": [{"path": "y.jsonl"}, {"path": "z.jsonl"}, {"path": "./y.jsonl"}]},
+            r"data\.sources lists /\S*/y\.jsonl twice \(data\.sources\[0\] and \[2\]\): give it "
+            "once with a larger weight$",
+        ),
     ],
 )
 def test_bad_sources_are_config_errors(keys: dict[str, Any], message: str) -> None:

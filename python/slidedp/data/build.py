@@ -1,22 +1,27 @@
-"""``build_batches``: the ``data:`` section and the model → every step's batch, checked up front.
+"""``build_data``: the ``data:`` section and the model → every step's batch (and the held-out
+batches), checked up front.
 
 Invariant: everything that can be wrong with the data is found here, before any GPU work:
 ``seq_len`` above the model's positions, a token id outside its vocabulary, a missing chat
 template, eos or pad token, a bad record (named by file:line), an empty data set, over-length
 samples under ``over_length: error``.
 
+Every file is read once: ``data.eval_fraction`` splits the samples read, so the training and
+the held-out batches come from one call (``build_batches``: one of them alone).
+
 Example::
 
-    batches = build_batches(
+    train, held = build_data(
         cfg.data, model_dir=Path(cfg.model.path),
         model=ModelFacts.from_config(adapter.config, adapter.vocab_size),
         batch_size=cfg.train.global_batch_size, seed=cfg.train.seed,
-    )
+    )  # held: None without data.eval_path / data.eval_fraction
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -62,12 +67,25 @@ class ModelFacts:
         )
 
 
+def run_data(
+    cfg: TrainConfig, model_config: Any, vocab_size: int
+) -> tuple[Batches, Batches | None]:
+    """The training batches of the run ``cfg`` describes and its held-out ones (None: no
+    ``data.eval_path`` / ``data.eval_fraction``): ``slidedp train`` trains on them and
+    ``slidedp validate`` checks them, so both read the data the same way, each file once."""
+    return build_data(
+        cfg.data,
+        model_dir=Path(cfg.model.path),
+        model=ModelFacts.from_config(model_config, vocab_size),
+        batch_size=cfg.train.global_batch_size,
+        seed=cfg.train.seed,
+    )
+
+
 def run_batches(
     cfg: TrainConfig, model_config: Any, vocab_size: int, part: Part = "train"
 ) -> Batches:
-    """The batches of the run ``cfg`` describes: ``slidedp train`` trains on them and
-    ``slidedp validate`` checks them, so both read the data the same way. ``part="eval"``:
-    the held-out set (``data.eval_path``, or the ``data.eval_fraction`` split off)."""
+    """One part of ``run_data`` alone (``slidedp evaluate`` needs only the held-out set)."""
     return build_batches(
         cfg.data,
         model_dir=Path(cfg.model.path),
@@ -76,6 +94,23 @@ def run_batches(
         seed=cfg.train.seed,
         part=part,
     )
+
+
+def build_data(
+    section: DataSection, *, model_dir: Path, model: ModelFacts, batch_size: int, seed: int
+) -> tuple[Batches, Batches | None]:
+    """Read, tokenize, check and lay out the training data (see the module docstring) and the
+    held-out data (in file order, never mixed; None when none is configured)."""
+    _check_model_fit(section, model)
+    train, held = _read_training_files(section, model_dir, model, seed)
+    lay_out = partial(_lay_out, model=model, batch_size=batch_size, seed=seed)
+    batches = lay_out(train, section, part="train")
+    if held is not None:  # data.eval_fraction: split off the samples just read
+        return batches, lay_out(held, section, part="eval")
+    if section.eval_path:
+        eval_section, held = _read_eval_file(section, model_dir, model)
+        return batches, lay_out(held, eval_section, part="eval")
+    return batches, None
 
 
 def build_batches(
@@ -87,8 +122,18 @@ def build_batches(
     seed: int,
     part: Part = "train",
 ) -> Batches:
-    """Read, tokenize, check and lay out the whole data file (see the module docstring);
-    ``part``: the training samples, or the held-out ones (in file order, never mixed)."""
+    """One part of ``build_data``, reading only the files it needs: the training samples, or
+    the held-out ones (without held-out data configured: the training data in file order)."""
+    _check_model_fit(section, model)
+    if part == "eval" and section.eval_path:
+        eval_section, held = _read_eval_file(section, model_dir, model)
+        return _lay_out(held, eval_section, model, batch_size, seed, part)
+    train, split_off = _read_training_files(section, model_dir, model, seed)
+    chosen = split_off if part == "eval" and split_off is not None else train
+    return _lay_out(chosen, section, model, batch_size, seed, part)
+
+
+def _check_model_fit(section: DataSection, model: ModelFacts) -> None:
     if model.max_positions is not None and section.seq_len > model.max_positions:
         raise ConfigError(
             f"data.seq_len={section.seq_len} exceeds the model's max_position_embeddings="
@@ -98,23 +143,66 @@ def build_batches(
         raise ConfigError(
             f"data.pad_id={section.pad_id} is outside the vocabulary of {model.vocab_size}"
         )
-    if part == "eval" and section.eval_path:
-        held = section.eval_path  # the file read as the one source, nothing split off it
-        section = replace(section, path=held, sources=[], eval_path="", eval_fraction=0.0)
+
+
+@dataclass(frozen=True)
+class _Read:
+    """One data file read, tokenized and cut to ``seq_len``."""
+
+    spec: SourceSpec
+    format: str
+    records: int
+    samples: Samples
+    counts: OverLengthCounts
+    encoder: Encoder
+
+    @property
+    def path(self) -> Path:
+        return Path(self.spec.path)
+
+
+def _read_training_files(
+    section: DataSection, model_dir: Path, model: ModelFacts, seed: int
+) -> tuple[list[_Read], list[_Read] | None]:
+    """Every source read; with ``data.eval_fraction``, (the training share of each, the
+    held-out share of each), drawn by the seed, else (all of them, None)."""
     read = [_read_source(spec, section, model_dir, model) for spec in section.source_specs()]
-    if section.eval_fraction:  # each source's held-out share, drawn by the seed
-        read = [
-            replace(r, samples=held_out(r.samples, section.eval_fraction, seed, str(r.path))[
-                part == "eval"])
-            for r in read
-        ]  # fmt: skip
+    if not section.eval_fraction:
+        return read, None
+    splits = [held_out(r.samples, section.eval_fraction, seed, str(r.path)) for r in read]
+    return (
+        [replace(r, samples=train) for r, (train, _) in zip(read, splits, strict=True)],
+        [replace(r, samples=held) for r, (_, held) in zip(read, splits, strict=True)],
+    )
+
+
+def _read_eval_file(
+    section: DataSection, model_dir: Path, model: ModelFacts
+) -> tuple[DataSection, list[_Read]]:
+    """``data.eval_path`` read as the one source of a section of its own (nothing split off)."""
+    eval_section = replace(
+        section, path=section.eval_path, sources=[], eval_path="", eval_fraction=0.0
+    )
+    spec = SourceSpec(section.eval_path, section.format, key="data.eval_path")
+    return eval_section, [_read_source(spec, eval_section, model_dir, model)]
+
+
+def _lay_out(
+    read: list[_Read],
+    section: DataSection,
+    model: ModelFacts,
+    batch_size: int,
+    seed: int,
+    part: Part,
+) -> Batches:
+    """The samples read into rows and batches: a mixture's sources mixed by weight (training
+    only), padded or packed, with the data report."""
     shares: list[SourceShare] = []
     if len(read) == 1 or part == "eval":
         samples = Samples.concat([r.samples for r in read])
     else:
-        specs = section.source_specs()
-        samples, shares = mix([r.samples for r in read], [s.weight for s in specs],
-                              [s.path for s in specs], seed=seed)  # fmt: skip
+        samples, shares = mix([r.samples for r in read], [r.spec.weight for r in read],
+                              [r.spec.path for r in read], seed=seed)  # fmt: skip
     lengths = samples.lengths
     rows = pack_rows(lengths, section.seq_len) if section.packing else pad_rows(lengths)
     report = DataReport(
@@ -147,22 +235,10 @@ def build_batches(
     )
 
 
-@dataclass(frozen=True)
-class _Read:
-    """One data file read, tokenized and cut to ``seq_len``."""
-
-    path: Path
-    format: str
-    records: int
-    samples: Samples
-    counts: OverLengthCounts
-    encoder: Encoder
-
-
 def _read_source(
     spec: SourceSpec, section: DataSection, model_dir: Path, model: ModelFacts
 ) -> _Read:
-    source = Source(Path(spec.path), spec.format)
+    source = Source(Path(spec.path), spec.format, key=spec.key)
     encoder = Encoder(
         model_dir,
         vocab_size=model.vocab_size,
@@ -178,7 +254,10 @@ def _read_source(
         parts.append(encoder.encode(chunk))
     read = Samples.concat(parts)
     if not len(read):
-        raise DataError(f"{source.path} has no records")
+        raise DataError(
+            f"{source.path} has no records (the file is empty or blank): add records to it, or "
+            f"point {spec.key} at the data file"
+        )
     samples, counts = apply_over_length(read, section.seq_len, section.over_length, source.where)
     if not len(samples):
         raise DataError(
@@ -186,7 +265,7 @@ def _read_source(
             f"{section.over_length} at data.seq_len={section.seq_len} ({counts.dropped} dropped, "
             f"{counts.unlabeled} truncated to nothing to train on); raise data.seq_len"
         )
-    return _Read(source.path, data_format, len(read), samples, counts, encoder)
+    return _Read(spec, data_format, len(read), samples, counts, encoder)
 
 
 def _pad_id(

@@ -47,6 +47,7 @@ class SourceSpec:
     path: str
     format: str = "auto"
     weight: float = 1.0
+    key: str = "data.path"  # the config key that names it (data.sources[1].path), for errors
 
 
 @dataclass(kw_only=True)
@@ -100,6 +101,7 @@ class DataSection:
         self.sources = [
             s | {"path": os.path.expanduser(s["path"])} if _has_path(s) else s for s in self.sources
         ]
+        _check_no_source_twice(self.sources)
         trained = {Path(spec.path).resolve() for spec in self.source_specs()}
         _require(
             not self.eval_path or Path(self.eval_path).resolve() not in trained,
@@ -146,8 +148,13 @@ class DataSection:
         if self.path:
             return [SourceSpec(self.path, self.format)]
         return [
-            SourceSpec(s["path"], s.get("format", self.format), float(s.get("weight", 1.0)))
-            for s in self.sources
+            SourceSpec(
+                s["path"],
+                s.get("format", self.format),
+                float(s.get("weight", 1.0)),
+                key=f"data.sources[{i}].path",
+            )
+            for i, s in enumerate(self.sources)
         ]
 
 
@@ -176,6 +183,21 @@ def _check_source(i: int, source: Any, default_format: str) -> None:
         _finite_number(weight) and weight > 0,
         f"{where}.weight must be a finite number > 0, got {weight!r}",
     )
+
+
+def _check_no_source_twice(sources: list[dict[str, Any]]) -> None:
+    """Each file once: a file listed twice would be sampled as two sources."""
+    first_index: dict[Path, int] = {}
+    for i, source in enumerate(sources):
+        if not _has_path(source):  # reported by _check_source
+            continue
+        resolved = Path(source["path"]).resolve()
+        first = first_index.setdefault(resolved, i)
+        _require(
+            first == i,
+            f"data.sources lists {resolved} twice (data.sources[{first}] and [{i}]): give it "
+            "once with a larger weight",
+        )
 
 
 def _finite_number(value: Any) -> bool:

@@ -17,7 +17,6 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +25,22 @@ import numpy.typing as npt
 from jinja2 import TemplateError
 from transformers import AutoTokenizer
 
-from slidedp.data.samples import I64, Samples, flatten_lists, offsets_of, positions_within
+from slidedp.data.samples import (
+    I64,
+    Samples,
+    flatten_lists,
+    flatten_pairs,
+    offsets_of,
+    positions_within,
+)
 from slidedp.data.sources import Chunk, TokenColumn
 from slidedp.errors import DataError
 
 _VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _IGNORED = -100  # a label that is no target (transformers' ignore_index)
+# put in place of a message's content to see whether the chat template renders the message at all
+_PROBE = "slidedp-probe-4f1c9a"
+_EMPTY_FIX = "remove the record or fill it"
 
 
 def _first_line(error: BaseException) -> str:
@@ -229,6 +238,12 @@ class Encoder:
     def _prompt_completion(self, chunk: Chunk) -> tuple[I64, I64, npt.NDArray[np.bool_]]:
         prompts = self._strings(chunk, "prompt")
         completions = self._strings(chunk, "completion")
+        for number, completion in zip(chunk.numbers.tolist(), completions, strict=True):
+            if not completion.strip():
+                raise DataError(
+                    f"{self.where(number)}: completion is empty: the sample would train only on "
+                    f"its end token; {_EMPTY_FIX}"
+                )
         tokenizer = self.tokenizer("prompt_completion")
         eos = self.eos_id("prompt_completion", "prompt/completion data")
         p, p_len = flatten_lists(
@@ -266,8 +281,7 @@ class Encoder:
         ids, lengths = flatten_lists(encoded["input_ids"])
         if self.train_on_prompt:
             return ids, lengths, np.ones(len(ids), dtype=np.bool_)
-        chars = np.array(list(chain.from_iterable(encoded["offset_mapping"])), dtype=np.int64)
-        chars = chars.reshape(-1, 2)  # [T, 2] (first char, end) in its own text
+        chars = flatten_pairs(encoded["offset_mapping"], len(ids))  # [T, 2] (first, end) char
         text_lengths = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
         first = chars[:, 0] + np.repeat(np.cumsum(text_lengths) - text_lengths, lengths)
         bounds = np.array(spans, dtype=np.int64).reshape(-1, 2)  # sorted, disjoint
@@ -280,35 +294,21 @@ class Encoder:
         self, tokenizer: Any, conversation: Any, where: str
     ) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and the character spans of its assistant turns."""
-        if not isinstance(conversation, list) or not conversation:
-            raise DataError(f"{where}: 'messages' must be a non-empty list of messages")
-        for j, message in enumerate(conversation, start=1):
-            if not (
-                isinstance(message, dict)
-                and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)
-            ):
-                raise DataError(f"{where}: message {j} needs a string 'role' and 'content'")
-
-        def render(messages: list[Any], generation_prompt: bool) -> str:
-            try:
-                return str(
-                    tokenizer.apply_chat_template(
-                        messages, tokenize=False, add_generation_prompt=generation_prompt
-                    )
-                )
-            except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
-                raise DataError(f"{where}: the chat template failed: {_first_line(e)}") from None
-
-        full = render(conversation, False)
+        _check_messages(conversation, where)
+        full = _apply_template(tokenizer, conversation, False, where)
+        _check_every_message_rendered(tokenizer, conversation, full, where)
         if self.train_on_prompt:
             return full, []
         spans = []
         for i, message in enumerate(conversation):
             if message["role"] != "assistant":
                 continue
-            before = render(conversation[:i], True)
-            through = full if i + 1 == len(conversation) else render(conversation[: i + 1], False)
+            before = _apply_template(tokenizer, conversation[:i], True, where)
+            through = (
+                full
+                if i + 1 == len(conversation)
+                else _apply_template(tokenizer, conversation[: i + 1], False, where)
+            )
             if not (full.startswith(through) and through.startswith(before)):
                 raise DataError(
                     f"{where}: the chat template renders the conversation up to message {i + 1} "
@@ -377,3 +377,62 @@ class Encoder:
                 "tokens not trained on (the model shifts them)"
             )
         return target
+
+
+def _check_messages(conversation: Any, where: str) -> None:
+    """A non-empty list of {role, content} strings; no assistant turn without text (it would
+    train only on its end-of-turn marker). One with other fields, e.g. ``tool_calls``, may."""
+    if not isinstance(conversation, list) or not conversation:
+        raise DataError(f"{where}: 'messages' must be a non-empty list of messages")
+    for j, message in enumerate(conversation, start=1):
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            raise DataError(f"{where}: message {j} needs a string 'role' and 'content'")
+        others = any(value for key, value in message.items() if key not in ("role", "content"))
+        if message["role"] == "assistant" and not message["content"].strip() and not others:
+            raise DataError(
+                f"{where}: message {j} (role 'assistant') is empty: the sample would train only "
+                f"on its end-of-turn marker; {_EMPTY_FIX}"
+            )
+
+
+def _apply_template(
+    tokenizer: Any, messages: list[Any], generation_prompt: bool, where: str
+) -> str:
+    try:
+        return str(
+            tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=generation_prompt
+            )
+        )
+    except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
+        raise DataError(f"{where}: the chat template failed: {_first_line(e)}") from None
+
+
+def _check_every_message_rendered(
+    tokenizer: Any, conversation: list[Any], full: str, where: str
+) -> None:
+    """Every message's text is in the rendered conversation: many templates silently skip a
+    role they do not know (Qwen's: 'human'), which would train without that text. Searched in
+    order, so a skipped message's text is not found in an earlier message."""
+    start = 0
+    for j, message in enumerate(conversation, start=1):
+        content = message["content"].strip()  # templates often trim it
+        if not content:
+            continue
+        found = full.find(content, start)
+        if found >= 0:
+            start = found + len(content)
+            continue
+        # not there verbatim: the template may rewrite the text (some drop the reasoning of
+        # earlier turns); a probe in its place tells whether it renders the message at all
+        probe = [*conversation[: j - 1], {**message, "content": _PROBE}, *conversation[j:]]
+        if _PROBE not in _apply_template(tokenizer, probe, False, where):
+            raise DataError(
+                f"{where}: the chat template renders no text for message {j} (role "
+                f"{message['role']!r}): use the roles the model's template knows (user, "
+                "assistant, system, ...)"
+            )

@@ -4,9 +4,10 @@ Each source is read, tokenized and cut to ``seq_len`` on its own (``data.build``
 the mixture has as many samples as all sources together; source ``i`` gives
 ``round(weight_i / sum(weights) * total)`` of them (at least one): a seeded permutation of its
 samples, cycled when it gives more than it has (a small source repeats), cut short when fewer
-(a large one is subsampled). The selected samples are interleaved by one more seeded
-permutation. Everything is drawn from ``train.seed`` alone, so the mixed samples, and with
-them ``batch(t)``, are a pure function of the config and the step: a resumed run mixes alike.
+(a large one is subsampled: the same subset every epoch, as the banner says; a larger weight
+gives more of it). The selected samples are interleaved by one more seeded permutation.
+Everything is drawn from ``train.seed`` alone, so the mixed samples, and with them
+``batch(t)``, are a pure function of the config and the step: a resumed run mixes alike.
 
 Example::
 
@@ -39,8 +40,10 @@ class SourceShare:
     tokens: int  # their tokens
 
     def __str__(self) -> str:
+        # the subset is drawn once by the seed: a subsampled source never gives the others
+        same = f" (the same {self.samples} every epoch)" if self.samples < self.kept else ""
         return (
-            f"{self.path} (weight {self.weight:g}): {self.samples} of {self.kept} samples, "
+            f"{self.path} (weight {self.weight:g}): {self.samples} of {self.kept} samples{same}, "
             f"{self.tokens} tokens"
         )
 

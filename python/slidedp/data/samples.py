@@ -37,6 +37,13 @@ def flatten_lists(lists: Sequence[Sequence[int]]) -> tuple[I64, I64]:
     return values, lengths
 
 
+def flatten_pairs(lists: Sequence[Sequence[tuple[int, int]]], count: int) -> I64:
+    """Lists of ``count`` (start, end) pairs in all (a tokenizer's offset mapping) → [count, 2],
+    converted in C like ``flatten_lists`` (no intermediate list of the pairs)."""
+    flat = chain.from_iterable(chain.from_iterable(lists))
+    return np.fromiter(flat, dtype=np.int64, count=2 * count).reshape(count, 2)
+
+
 def offsets_of(lengths: I64) -> I64:
     return np.concatenate(([0], np.cumsum(lengths))).astype(np.int64)
 

@@ -11,7 +11,7 @@ keys, as columns.
 
 Example::
 
-    source = Source(Path("train.jsonl"), "auto")
+    source = Source(Path("train.jsonl"), "auto", key="data.path")
     for chunk in source.chunks():
         texts = chunk.columns["text"]  # chunk.format == "text"; chunk.numbers: 1-based lines
 """
@@ -40,6 +40,17 @@ OPTIONAL_KEYS: dict[str, tuple[str, ...]] = {"input_ids": ("labels",)}
 RECORDS_PER_CHUNK = 4096  # records tokenized in one batched call
 _FIX_PATH = "; point data.path (data.sources, data.eval_path) at a readable file"
 _UNITS = {".jsonl": "line", ".json": "record", ".parquet": "row"}
+# what to do instead of naming a directory, by the config key that names it
+_DIRECTORY_FIXES = {
+    "data.path": ", or list its files in data.sources (a mixture)",
+    "data.eval_path": "",
+}
+
+
+def _json_problem(error: json.JSONDecodeError, line: int) -> str:
+    """``line 3, column 17: Invalid control character``: the decoder's message ends with
+    " at" where it would append the position itself."""
+    return f"line {line}, column {error.colno}: {error.msg.removesuffix(' at')}"
 
 
 @dataclass(frozen=True)
@@ -58,15 +69,21 @@ class Chunk:
 
 
 class Source:
-    """One data file; ``chunks()`` reads it (again) from the start."""
+    """One data file; ``chunks()`` reads it (again) from the start. ``key``: the config key
+    that names it (``data.path``, ``data.sources[1].path``, ``data.eval_path``), for errors."""
 
-    def __init__(self, path: Path, data_format: str) -> None:
+    def __init__(self, path: Path, data_format: str, *, key: str) -> None:
+        if path.is_dir():
+            fix = _DIRECTORY_FIXES.get(key, ", one source each")
+            raise DataError(
+                f"{key} {path} is a directory: give one .jsonl/.json/.parquet file{fix}"
+            )
         if path.suffix not in _UNITS:
             raise DataError(
                 f"{path}: unknown data file type '{path.suffix}' "
                 "(expected .jsonl, .json or .parquet)"
             )
-        self.path, self.configured = path, data_format
+        self.path, self.configured, self.key = path, data_format, key
         self.unit = _UNITS[path.suffix]
 
     def where(self, number: int) -> str:
@@ -151,7 +168,7 @@ class Source:
                         yield number, json.loads(line)
                     except json.JSONDecodeError as e:
                         raise DataError(
-                            f"{self.where(number)}: not valid JSON ({e.msg}, column {e.colno})"
+                            f"{self.where(number)}: not valid JSON ({_json_problem(e, number)})"
                         ) from None
                     except UnicodeDecodeError:
                         raise DataError(f"{self.where(number)}: not valid UTF-8") from None
@@ -164,7 +181,7 @@ class Source:
         except OSError as e:
             raise DataError(f"cannot read data {self.path}: {e.strerror}{_FIX_PATH}") from None
         except json.JSONDecodeError as e:
-            raise DataError(f"{self.path}: not valid JSON ({e.msg}, line {e.lineno})") from None
+            raise DataError(f"{self.path}: not valid JSON ({_json_problem(e, e.lineno)})") from None
         except UnicodeDecodeError:
             raise DataError(f"{self.path}: not valid UTF-8") from None
         if not isinstance(document, list):

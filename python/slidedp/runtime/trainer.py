@@ -30,7 +30,7 @@ import torch
 
 from slidedp.config import TrainConfig, config_to_dict
 from slidedp.data.batches import Batches
-from slidedp.data.build import run_batches
+from slidedp.data.build import run_data
 from slidedp.errors import NonFiniteError, TrainingInterruptedError
 from slidedp.io.best import BestCheckpoint
 from slidedp.io.checkpoint import (
@@ -179,10 +179,7 @@ class Trainer:
     def _read_data(self) -> tuple[Batches, Batches | None]:
         """The training batches and the held-out ones (None: no held-out data)."""
         cfg, model = self.cfg, self.adapter
-        data = run_batches(cfg, model.config, model.vocab_size)
-        if not cfg.data.has_eval:
-            return data, None
-        return data, run_batches(cfg, model.config, model.vocab_size, part="eval")
+        return run_data(cfg, model.config, model.vocab_size)  # each file read once
 
     def _start_facts(self) -> dict[str, str]:
         """What every node must start from alike (``dist.check_nodes_agree``)."""
