@@ -97,6 +97,7 @@ class TrainSection:
 
     def __post_init__(self) -> None:
         _require(self.max_steps >= 1, f"train.max_steps must be >= 1, got {self.max_steps}")
+        self.resume = os.path.expanduser(self.resume)  # a checkpoint's path, as the others
         _require(self.global_batch_size >= 1, "train.global_batch_size must be >= 1")
         _require(self.learning_rate >= 0, "train.learning_rate must be >= 0")
         _require(self.weight_decay >= 0, "train.weight_decay must be >= 0")

@@ -152,7 +152,7 @@ def check_output_dir(cfg: TrainConfig) -> str:
             f"output.dir {out} is a model or checkpoint directory (config.json or *.safetensors); "
             "slidedp never writes into one: choose a new output.dir"
         )
-    if cfg.output.export:
+    if cfg.output.export and cfg.runtime.launch.node_rank == 0:  # node 0's rank 0 exports
         check_export_target(out)
     probe_dir = out
     while not probe_dir.exists():

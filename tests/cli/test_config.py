@@ -151,9 +151,11 @@ def test_a_path_starting_with_a_tilde_is_under_home_as_in_a_shell(
     monkeypatch.setenv("HOME", str(tmp_path))
     path = _yaml(tmp_path, _raw())
     overrides = ["model.path=~/m", "output.dir=~/runs/a", "data.path=~/d.jsonl",
-                 "data.eval_path=~/e.jsonl"]  # fmt: skip
+                 "data.eval_path=~/e.jsonl", "train.resume=~/runs/a/checkpoint-2"]  # fmt: skip
     cfg = load_config(path, overrides)
     home = str(tmp_path)
+    assert cfg.train.resume == f"{home}/runs/a/checkpoint-2"
+    assert load_config(path, ["train.resume=auto"]).train.resume == "auto"
     assert (cfg.model.path, cfg.output.dir) == (f"{home}/m", f"{home}/runs/a")
     assert (cfg.data.path, cfg.data.eval_path) == (f"{home}/d.jsonl", f"{home}/e.jsonl")
     mixed = load_config(path, ["data.path=", "data.sources=[{path: ~/a.jsonl}, {path: b.jsonl}]"])

@@ -22,6 +22,8 @@ from slidedp.config import load_config
 from slidedp.errors import OutOfSharedMemoryError
 from slidedp.runtime.trainer import Trainer
 
+REPO = Path(__file__).resolve().parents[2]
+
 Capsys = pytest.CaptureFixture[str]
 VERBS = ("validate", "train")
 
@@ -323,6 +325,15 @@ def test_a_ulimit_v_too_small_for_torch_itself_is_one_line(tmp_path: Path, model
     assert done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith("slidedp: error: loading torch's libraries failed (")
     assert "(ulimit -v 1048576 KiB) is too small: raise it (ulimit -v unlimited)" in done.stderr
+
+
+def test_the_command_s_entry_leaves_slidedp_main_to_the_ranks_runpy() -> None:
+    """The ``slidedp`` script imports ``slidedp.entry``: a zygote, a copy of that process,
+    runs ``slidedp.__main__`` for each rank, which runpy warns about if it was imported."""
+    assert '\nslidedp = "slidedp.entry:main"\n' in (REPO / "pyproject.toml").read_text()
+    code = "import sys, slidedp.entry; print('slidedp.__main__' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
 
 
 def test_the_host_store_itself_refuses_before_allocating(tmp_path: Path) -> None:

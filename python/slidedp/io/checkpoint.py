@@ -348,6 +348,8 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, *, replace: bool = False)
             f"checkpoint {checkpoint} is damaged: {problem}; export an earlier checkpoint"
         )
     _check_export_target(out_dir, replace)
+    if out_dir.name == FINAL:  # by hand into a run's final/: the run's record of it is void
+        (out_dir.parent / FINAL_FROM).unlink(missing_ok=True)
     files = [f for f in checkpoint.iterdir() if f.is_file() and f.name not in _NOT_EXPORTED]
     temp = out_dir.with_name(f".{out_dir.name}.tmp")  # renamed into place once complete
     old = out_dir.with_name(f".{out_dir.name}.old")  # the export replaced, until then
@@ -377,14 +379,14 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, *, replace: bool = False)
     return out_dir
 
 
-def export_final(out_dir: Path, last: Path, *, trained: bool) -> str:
+def export_final(out_dir: Path, last: Path, *, fresh: bool) -> str:
     """A run's last checkpoint ``last`` exported as ``out_dir/final`` (replacing an earlier
-    export of the run), and the line saying so. A run that trained nothing (resumed at
-    ``train.max_steps``) keeps a ``final/`` already exported from ``last``, with whatever the
-    user changed in it."""
+    export of the run), and the line saying so. ``fresh``: this run saved ``last``; one that
+    did not (resumed at ``train.max_steps``) keeps a ``final/`` already exported from it, with
+    whatever the user changed in it."""
     final, marker = out_dir / FINAL, out_dir / FINAL_FROM
     with contextlib.suppress(OSError):
-        if not trained and final.is_dir() and marker.read_text().strip() == last.name:
+        if not fresh and final.is_dir() and marker.read_text().strip() == last.name:
             return (f"nothing to train: {last.name} is at train.max_steps; {final} is its "
                     "export, kept as it is")  # fmt: skip
     marker.unlink(missing_ok=True)  # final/ is not last's until the export is complete

@@ -355,28 +355,22 @@ def _schedule_change(
     path: Path, state: dict[str, Any], train: TrainSection, step: int
 ) -> str | None:
     """The line saying which of the optimizer's keys differ from the checkpoint's run, and the
-    learning rate the run continues at where the schedule changed it; None when none did."""
-    saved, optim = state.get("lr_schedule"), state.get("plan", {}).get("optim")
-    if not isinstance(saved, dict) or not isinstance(optim, dict):  # an older checkpoint
-        return None
+    learning rate the run continues at where the schedule changed it; None when none did. A
+    field an older (or edited) checkpoint lacks is not compared."""
     now: dict[str, Any] = {key: getattr(train, key) for key in _SCHEDULE_KEYS}
-    before: dict[str, Any] = {key: saved.get(name) for key, name in _SCHEDULE_KEYS.items()}
-    lr_now = lr_schedule(*now.values())(step)
-    try:
-        lr_then = lr_schedule(*before.values())(step)
-    except (KeyError, TypeError, ValueError):  # not a schedule this slidedp knows
-        lr_then = None
-    changes = [key for key in now if now[key] != before[key]]
+    before: dict[str, Any] = dict.fromkeys(now)
+    saved = state.get("lr_schedule")
+    if isinstance(saved, dict):
+        before = {key: saved.get(name) for key, name in _SCHEDULE_KEYS.items()}
+    changes = [key for key in now if before[key] is not None and now[key] != before[key]]
     if before["lr_scheduler"] == now["lr_scheduler"] == "constant":  # no decay to the end
         changes = [key for key in changes if key != "max_steps"]
-    betas = optim.get("betas") or [None, None]
-    for key, was in (
-        ("weight_decay", optim.get("weight_decay")),
-        ("adam_beta1", betas[0]),
-        ("adam_beta2", betas[1]),
-        ("adam_epsilon", optim.get("eps")),
-        ("max_grad_norm", optim.get("max_grad_norm")),
-    ):
+    lr_now = lr_schedule(*now.values())(step)
+    try:
+        lr_then: float | None = lr_schedule(*before.values())(step)
+    except (KeyError, TypeError, ValueError):  # not a schedule this slidedp knows
+        lr_then = None
+    for key, was in _saved_optim(state).items():
         if was is not None and getattr(train, key) != was:
             changes.append(key)
             before[key], now[key] = was, getattr(train, key)
@@ -384,25 +378,49 @@ def _schedule_change(
         return None
     said = ", ".join(f"train.{key} {before[key]} -> {now[key]}" for key in changes)
     if lr_then is not None and lr_now != lr_then:
-        said += (f"; step {step + 1} trains at learning rate {lr_now:.4g} where the "
+        said += (f": step {step + 1} trains at learning rate {lr_now:.4g} where the "
                  f"checkpoint's schedule gives {lr_then:.4g}")  # fmt: skip
-    return f"resuming {path.name} with {said}; set them back to continue exactly"
+    return f"resuming {path.name} with {said}"
+
+
+def _saved_optim(state: dict[str, Any]) -> dict[str, Any]:
+    """The AdamW keys of the checkpoint's plan, by their ``train.KEY`` (None: not recorded)."""
+    plan = state.get("plan")
+    optim = plan.get("optim") if isinstance(plan, dict) else None
+    optim = optim if isinstance(optim, dict) else {}
+    betas = optim.get("betas")
+    beta1, beta2 = betas if isinstance(betas, list) and len(betas) == 2 else (None, None)
+    return {
+        "weight_decay": optim.get("weight_decay"),
+        "adam_beta1": beta1,
+        "adam_beta2": beta2,
+        "adam_epsilon": optim.get("eps"),
+        "max_grad_norm": optim.get("max_grad_norm"),
+    }
 
 
 def _data_change(path: Path, state: dict[str, Any], data: DataSection) -> str | None:
     """The line saying the data files differ from the checkpoint's run (a file moved resumes
-    as it is: the order depends on ``order_keys`` alone); None when they do not."""
-    saved = state.get("data", {})
-    before = [saved.get("path")] if saved.get("path") else [
-        s.get("path") for s in saved.get("sources") or [] if isinstance(s, dict)
+    as it is: the order depends on ``order_keys`` alone); None when they do not. Paths are
+    compared resolved (from this working directory: a relative one the same only as written)."""
+    saved = state.get("data")
+    saved = saved if isinstance(saved, dict) else {}
+    sources = saved.get("sources")
+    sources = sources if isinstance(sources, list) else []
+    before = [saved["path"]] if isinstance(saved.get("path"), str) and saved["path"] else [
+        s["path"] for s in sources if isinstance(s, dict) and isinstance(s.get("path"), str)
     ]  # fmt: skip
     now = [s.path for s in data.source_specs()]
-    if not before or before == now:
+
+    def resolved(paths: list[str]) -> list[Path]:
+        return [Path(p).expanduser().resolve() for p in paths]
+
+    if not before or resolved(before) == resolved(now):
         return None
     return (
-        f"resuming {path.name}, trained on {', '.join(map(str, before))}, on "
-        f"{', '.join(now)}: it continues at step {saved.get('next_step', '?')} of this data's "
-        "order (right for a file moved; another file's samples differ)"
+        f"resuming {path.name}, trained on {', '.join(before)}, on {', '.join(now)}: it "
+        f"continues at step {saved.get('next_step', '?')} of this data's order (right for a "
+        "file moved; another file's samples differ)"
     )
 
 

@@ -410,13 +410,14 @@ class Trainer:
             return []
         last_dir = self.out_dir / f"checkpoint-{self.progress.step}"
         # a damaged checkpoint-STEP the run went past is set aside by save()
-        if self.progress.step > start_step or not last_dir.exists():  # else: resumed from it
+        saved_last = self.progress.step > start_step or not last_dir.exists()  # else: resumed
+        if saved_last:
             last_dir = self.save()
             self._say(f"saved {last_dir}")
         if best_at_end is not None:  # the last evaluation was the best: the last checkpoint
             self.best.mark(last_dir, best_at_end)
         if out.export:
-            self._say(export_final(self.out_dir, last_dir, trained=self.progress.step > start_step))
+            self._say(export_final(self.out_dir, last_dir, fresh=saved_last))
         return records
 
     def _step_log(self) -> StepLog:
