@@ -37,7 +37,7 @@ BAD_FILES: list[tuple[str, str, dict[str, Any], str]] = [
         "d.jsonl",
         "",
         {},
-        r"d\.jsonl has no records \(the file is empty or blank\): add records to "
+        r"d\.jsonl has no records \(it is empty, blank or an empty list\): add records to "
         r"it, or point data\.path at the data file$",
     ),
     ("d.jsonl", "\n  \n", {}, r"d\.jsonl has no records .* point data\.path at the data file$"),
@@ -47,7 +47,7 @@ BAD_FILES: list[tuple[str, str, dict[str, Any], str]] = [
         "d.jsonl",
         '{"text": "w1"}\n{"text": "w1\tw2"}\n',
         {},
-        r"d\.jsonl:2: not valid JSON \(line 2, column 13: Invalid control character\)$",
+        r"d\.jsonl:2: not valid JSON \(column 13: Invalid control character\)$",
     ),
     (
         "d.json",

@@ -52,8 +52,9 @@ def test_a_message_the_template_skips_is_an_error(
     data = write_jsonl(tmp_path / "m.jsonl", [{"messages": fine}, {"messages": human}])
     with pytest.raises(
         DataError,
-        match=r"m\.jsonl:2: the chat template renders no text for message 1 \(role 'human'\): "
-        r"use the roles the model's template knows \(user, assistant, system, \.\.\.\)$",
+        match=r"m\.jsonl:2: the chat template renders no text of message 1 \(role 'human'\) in "
+        r"this conversation: merge it into another message or remove it, or use the roles the "
+        r"template renders$",
     ):
         build(data, tok, train_on_prompt=train_on_prompt)
 
@@ -62,7 +63,7 @@ def test_a_skipped_message_is_not_found_in_an_earlier_one(tmp_path: Path, tok: P
     set_chat_template(tok, KNOWN_ROLES_TEMPLATE)
     same_text = [{"role": "system", "content": "w1"}, {"role": "human", "content": "w1"}]
     data = write_jsonl(tmp_path / "m.jsonl", [{"messages": [*same_text, _assistant("w2")]}])
-    with pytest.raises(DataError, match=r"m\.jsonl:1: .* no text for message 2 \(role 'human'\)"):
+    with pytest.raises(DataError, match=r"m\.jsonl:1: .* no text of message 2 \(role 'human'\)"):
         build(data, tok)
 
 
@@ -90,7 +91,25 @@ def test_an_empty_completion_is_an_error(tmp_path: Path, tok: Path, completion: 
         match=r"pc\.jsonl:2: completion is empty: the sample would train only on its end token; "
         "remove the record or fill it$",
     ):
-        build(data, tok, train_on_prompt=completion == "")
+        build(data, tok)
+    build(data, tok, train_on_prompt=True)  # every token trains: no error
+
+
+def test_several_messages_the_template_rewrites_cost_one_render_and_are_told_apart(
+    tmp_path: Path, tok: Path
+) -> None:
+    """Messages not rendered verbatim (a template that rewrites every text) are probed in one
+    render, each with its own probe: message 1's (skipped) is no prefix of message 10's."""
+    rewrite = KNOWN_ROLES_TEMPLATE.replace(
+        "{{ m['content'] }}", "{{ m['content'] | replace('w', 'v') }}"
+    )
+    set_chat_template(tok, rewrite)
+    turns = [message for k in range(1, 7) for message in (_user(f"w{k}"), _assistant(f"w{k}"))]
+    data = write_jsonl(
+        tmp_path / "m.jsonl", [{"messages": [{"role": "human", "content": "w9"}, *turns]}]
+    )
+    with pytest.raises(DataError, match=r"no text of message 1 \(role 'human'\)"):
+        build(data, tok)
 
 
 @pytest.mark.parametrize(
@@ -112,15 +131,32 @@ def test_an_empty_assistant_turn_is_an_error(
         build(data, tok, seq_len=32)
 
 
-def test_an_assistant_turn_of_tool_calls_alone_is_no_error(tmp_path: Path, tok: Path) -> None:
+@pytest.mark.parametrize("content", ["", None])  # None: OpenAI's format for a tool call
+def test_an_assistant_turn_of_tool_calls_alone_is_no_error(
+    tmp_path: Path, tok: Path, content: str | None
+) -> None:
     set_chat_template(tok, CHAT_TEMPLATE.replace(
-        "{{ m['content'] }}", "{{ m['content'] }}{% if m['tool_calls'] is defined %}w7{% endif %}"
+        "{{ m['content'] }}",
+        "{{ m['content'] or '' }}{% if m['tool_calls'] is defined %}w7{% endif %}",
     ))  # fmt: skip
-    call = _assistant("", tool_calls=[{"function": {"name": "f", "arguments": {}}}])
+    call = {**_assistant(""), "content": content,
+            "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}  # fmt: skip
     data = write_jsonl(tmp_path / "m.jsonl", [{"messages": [_user("w1"), call]}])
     batch = build(data, tok).batch(0)
     assert batch.input_ids.tolist()[0][-3:] == [ASSISTANT, 7, END]
     assert batch.labels.tolist()[0][-3:] == [-100, 7, END]
+    # any other field does not stand for text; a list of parts is refused plainly
+    for message, needle in (
+        (_assistant("", name="bot"), "message 2 \\(role 'assistant'\\) is empty"),
+        (_assistant(None), "message 2 needs a string 'role' and 'content'"),  # type: ignore[arg-type]
+        (_assistant([{"type": "text", "text": "w2"}]), "message 2's content is a list of parts"),  # type: ignore[arg-type]
+    ):
+        bad = write_jsonl(tmp_path / "bad.jsonl", [{"messages": [_user("w1"), message]}])
+        with pytest.raises(DataError, match=needle):
+            build(bad, tok)
+    # every token trains: an empty assistant turn is no error
+    empty = write_jsonl(tmp_path / "e.jsonl", [{"messages": [_user("w1"), _assistant("")]}])
+    assert build(empty, tok, train_on_prompt=True).batch(0).labels.tolist()[0][-1] == END
 
 
 def test_the_loss_mask_of_a_chunk_is_the_mask_of_each_record_alone(

@@ -255,7 +255,8 @@ def _read_source(
     read = Samples.concat(parts)
     if not len(read):
         raise DataError(
-            f"{source.path} has no records (the file is empty or blank): add records to it, or "
+            f"{source.path} has no records (it is empty, blank or an empty list): add records "
+            "to it, or "
             f"point {spec.key} at the data file"
         )
     samples, counts = apply_over_length(read, section.seq_len, section.over_length, source.where)

@@ -41,6 +41,7 @@ _IGNORED = -100  # a label that is no target (transformers' ignore_index)
 # put in place of a message's content to see whether the chat template renders the message at all
 _PROBE = "slidedp-probe-4f1c9a"
 _EMPTY_FIX = "remove the record or fill it"
+_RENDERED_FIELDS = {"tool_calls", "reasoning_content"}  # what templates render beside content
 
 
 def _first_line(error: BaseException) -> str:
@@ -239,7 +240,7 @@ class Encoder:
         prompts = self._strings(chunk, "prompt")
         completions = self._strings(chunk, "completion")
         for number, completion in zip(chunk.numbers.tolist(), completions, strict=True):
-            if not completion.strip():
+            if not completion.strip() and not self.train_on_prompt:
                 raise DataError(
                     f"{self.where(number)}: completion is empty: the sample would train only on "
                     f"its end token; {_EMPTY_FIX}"
@@ -294,7 +295,7 @@ class Encoder:
         self, tokenizer: Any, conversation: Any, where: str
     ) -> tuple[str, list[tuple[int, int]]]:
         """The rendered conversation and the character spans of its assistant turns."""
-        _check_messages(conversation, where)
+        _check_messages(conversation, where, self.train_on_prompt)
         full = _apply_template(tokenizer, conversation, False, where)
         _check_every_message_rendered(tokenizer, conversation, full, where)
         if self.train_on_prompt:
@@ -379,24 +380,34 @@ class Encoder:
         return target
 
 
-def _check_messages(conversation: Any, where: str) -> None:
-    """A non-empty list of {role, content} strings; no assistant turn without text (it would
-    train only on its end-of-turn marker). One with other fields, e.g. ``tool_calls``, may."""
+def _check_messages(conversation: Any, where: str, train_on_prompt: bool) -> None:
+    """A non-empty list of messages, each a string role and string content (an assistant
+    turn with ``tool_calls`` may have null content, as OpenAI's format writes it); unless every
+    token trains, no assistant turn without text or a rendered field (it would train only on
+    its end-of-turn marker)."""
     if not isinstance(conversation, list) or not conversation:
         raise DataError(f"{where}: 'messages' must be a non-empty list of messages")
     for j, message in enumerate(conversation, start=1):
-        if not (
-            isinstance(message, dict)
-            and isinstance(message.get("role"), str)
-            and isinstance(message.get("content"), str)
-        ):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
             raise DataError(f"{where}: message {j} needs a string 'role' and 'content'")
-        others = any(value for key, value in message.items() if key not in ("role", "content"))
-        if message["role"] == "assistant" and not message["content"].strip() and not others:
+        content, rendered = message.get("content"), _RENDERED_FIELDS & set(_set_keys(message))
+        if isinstance(content, list):
+            raise DataError(
+                f"{where}: message {j}'s content is a list of parts (multimodal): give its "
+                "text as a string"
+            )
+        if not (isinstance(content, str) or (content is None and rendered)):
+            raise DataError(f"{where}: message {j} needs a string 'role' and 'content'")
+        empty = message["role"] == "assistant" and not (content or "").strip() and not rendered
+        if empty and not train_on_prompt:
             raise DataError(
                 f"{where}: message {j} (role 'assistant') is empty: the sample would train only "
                 f"on its end-of-turn marker; {_EMPTY_FIX}"
             )
+
+
+def _set_keys(message: dict[str, Any]) -> list[str]:
+    return [key for key, value in message.items() if value]
 
 
 def _apply_template(
@@ -412,27 +423,40 @@ def _apply_template(
         raise DataError(f"{where}: the chat template failed: {_first_line(e)}") from None
 
 
+def _probe(j: int) -> str:
+    return f"{_PROBE}-{j}-"  # closed: message 1's is no prefix of message 12's
+
+
 def _check_every_message_rendered(
     tokenizer: Any, conversation: list[Any], full: str, where: str
 ) -> None:
     """Every message's text is in the rendered conversation: many templates silently skip a
-    role they do not know (Qwen's: 'human'), which would train without that text. Searched in
-    order, so a skipped message's text is not found in an earlier message."""
-    start = 0
+    role they do not know (Qwen's: 'human'), and some a system prompt where the conversation
+    does not end on a user turn (Mistral's), which would train without that text. Searched in
+    order: a skipped message whose text an earlier one holds is found missing (one whose text a
+    later one holds is not). Messages not there verbatim (a template may rewrite the text: some
+    drop the reasoning of earlier turns) are rendered again with a probe each, in one render."""
+    start, unseen = 0, []
     for j, message in enumerate(conversation, start=1):
-        content = message["content"].strip()  # templates often trim it
+        content = (message.get("content") or "").strip()  # templates often trim it
         if not content:
             continue
         found = full.find(content, start)
         if found >= 0:
             start = found + len(content)
-            continue
-        # not there verbatim: the template may rewrite the text (some drop the reasoning of
-        # earlier turns); a probe in its place tells whether it renders the message at all
-        probe = [*conversation[: j - 1], {**message, "content": _PROBE}, *conversation[j:]]
-        if _PROBE not in _apply_template(tokenizer, probe, False, where):
+        else:
+            unseen.append(j)
+    if not unseen:
+        return
+    probes = [
+        {**m, "content": _probe(j)} if j in unseen else m
+        for j, m in enumerate(conversation, start=1)
+    ]
+    rendered = _apply_template(tokenizer, probes, False, where)
+    for j in unseen:
+        if _probe(j) not in rendered:
             raise DataError(
-                f"{where}: the chat template renders no text for message {j} (role "
-                f"{message['role']!r}): use the roles the model's template knows (user, "
-                "assistant, system, ...)"
+                f"{where}: the chat template renders no text of message {j} (role "
+                f"{conversation[j - 1]['role']!r}) in this conversation: merge it into another "
+                "message or remove it, or use the roles the template renders"
             )

@@ -47,10 +47,12 @@ _DIRECTORY_FIXES = {
 }
 
 
-def _json_problem(error: json.JSONDecodeError, line: int) -> str:
-    """``line 3, column 17: Invalid control character``: the decoder's message ends with
-    " at" where it would append the position itself."""
-    return f"line {line}, column {error.colno}: {error.msg.removesuffix(' at')}"
+def _json_problem(error: json.JSONDecodeError, line: int | None = None) -> str:
+    """``line 3, column 17: Invalid control character`` (without ``line``: a JSONL record's,
+    whose line the message names before); the decoder's message ends with " at" where it
+    would append the position itself."""
+    where = f"column {error.colno}" if line is None else f"line {line}, column {error.colno}"
+    return f"{where}: {error.msg.removesuffix(' at')}"
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,7 @@ class Source:
                         yield number, json.loads(line)
                     except json.JSONDecodeError as e:
                         raise DataError(
-                            f"{self.where(number)}: not valid JSON ({_json_problem(e, number)})"
+                            f"{self.where(number)}: not valid JSON ({_json_problem(e)})"
                         ) from None
                     except UnicodeDecodeError:
                         raise DataError(f"{self.where(number)}: not valid UTF-8") from None
