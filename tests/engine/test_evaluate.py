@@ -24,7 +24,7 @@ from engine.tiny import make_model, read_metrics, write_config, write_data
 from multirank.ranks import run_ranks
 from slidedp.cli import main
 from slidedp.config import load_config
-from slidedp.data.build import run_batches
+from slidedp.data.build import run_data
 from slidedp.models.hf import HFAdapter
 from slidedp.runtime.evaluate import Evaluator, eval_batches
 from slidedp.runtime.trainer import Trainer
@@ -51,7 +51,8 @@ def _plain_eval_loss(config: Path, checkpoint: Path) -> float:
     """The mean token loss of HF's own model (the checkpoint's weights) over the held-out set."""
     cfg = load_config(config)
     adapter = HFAdapter.from_dir(Path(cfg.model.path))
-    held = run_batches(cfg, adapter.config, adapter.vocab_size, part="eval")
+    _, held = run_data(cfg, adapter.config, adapter.vocab_size)
+    assert held is not None
     model = AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32)
     model.train(False)  # no dropout
     total, labels = 0.0, 0

@@ -82,20 +82,6 @@ def run_data(
     )
 
 
-def run_batches(
-    cfg: TrainConfig, model_config: Any, vocab_size: int, part: Part = "train"
-) -> Batches:
-    """One part of ``run_data`` alone (``slidedp evaluate`` needs only the held-out set)."""
-    return build_batches(
-        cfg.data,
-        model_dir=Path(cfg.model.path),
-        model=ModelFacts.from_config(model_config, vocab_size),
-        batch_size=cfg.train.global_batch_size,
-        seed=cfg.train.seed,
-        part=part,
-    )
-
-
 def build_data(
     section: DataSection, *, model_dir: Path, model: ModelFacts, batch_size: int, seed: int
 ) -> tuple[Batches, Batches | None]:

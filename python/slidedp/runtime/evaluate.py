@@ -9,7 +9,8 @@ context parallelism each rank's sums are its shard's).
 
 Example::
 
-    evaluator = Evaluator(engine, run_batches(cfg, config, vocab, part="eval"))
+    _, held = run_data(cfg, config, vocab)  # None: no held-out data configured
+    evaluator = Evaluator(engine, held)
     print(evaluator.run(version=t))   # {"eval_loss": ..., "eval_perplexity": ..., ...}
 """
 
