@@ -179,7 +179,8 @@ def _train_locked(
 
         Trainer(cfg, plan=plan, decided=decided).run()
         return 0
-    print(f"slidedp train: resolved config (saved as {cfg.output.dir}/{RESOLVED_CONFIG}):")
+    saved_as = f"{cfg.output.dir}/{RESOLVED_CONFIG}"  # written once every check passed
+    print(f"slidedp train: resolved config (saved as {saved_as} if the checks pass):")
     print(resolved_yaml(cfg), end="", flush=True)
     try:
         checked = check_before_training(

@@ -48,7 +48,9 @@ def test_train_prints_and_saves_the_resolved_config(capsys: Capsys, config: Path
     assert saved["train"]["adam_beta2"] == 0.999  # a default filled in
     assert config_from_dict(saved).output.dir == str(out_dir)
     header, _, rest = out.partition("\n")
-    assert header.startswith("slidedp train: resolved config")
+    assert header == (
+        f"slidedp train: resolved config (saved as {out_dir}/{RESOLVED_CONFIG} if the checks pass):"
+    )  # a refused run writes nothing
     assert yaml.safe_load(rest[: rest.index("runtime:")]) == {
         k: v for k, v in saved.items() if k != "runtime"
     }
