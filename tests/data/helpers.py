@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from slidedp.data.batches import Batches
-from slidedp.data.build import ModelFacts, build_batches
+from slidedp.data.build import ModelFacts, build_data
 from slidedp.data.config import DataSection
 
 BOS, EOS, PAD, USER, ASSISTANT, END, SYSTEM = 21, 22, 23, 24, 25, 26, 27
@@ -75,10 +75,10 @@ def build(
 ) -> Batches:
     """Batches of ``data`` with ``data:`` keys ``keys`` (seq_len 16 unless given)."""
     section = DataSection(path=str(data), **({"seq_len": 16} | keys))
-    return build_batches(
+    return build_data(
         section,
         model_dir=model_dir,
         model=model or ModelFacts(vocab_size=VOCAB, max_positions=64),
         batch_size=batch_size,
         seed=seed,
-    )
+    )[0]

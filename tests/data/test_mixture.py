@@ -12,7 +12,7 @@ from cli.util import run
 from data.helpers import VOCAB, write_jsonl
 from engine.tiny import make_model, write_config
 from slidedp.data.batches import Batches
-from slidedp.data.build import ModelFacts, build_batches
+from slidedp.data.build import ModelFacts, build_data
 from slidedp.data.config import DataSection
 from slidedp.errors import ConfigError
 
@@ -28,13 +28,13 @@ def files(tmp_path: Path) -> tuple[Path, Path]:
 def _mixture(tmp_path: Path, sources: list[dict[str, Any]], **keys: Any) -> Batches:
     seed = keys.pop("seed", 0)
     section = DataSection(sources=sources, seq_len=16, pad_id=0, **keys)
-    return build_batches(
+    return build_data(
         section,
         model_dir=tmp_path,
         model=ModelFacts(vocab_size=VOCAB, max_positions=64),
         batch_size=2,
         seed=seed,
-    )
+    )[0]
 
 
 def _epoch(batches: Batches) -> list[int]:

@@ -1,4 +1,4 @@
-"""``slidedp train`` builds its data with ``build_batches``: the banner reports it, and a data
+"""``slidedp train`` builds its data with ``build_data``: the banner reports it, and a data
 error stops the run before any step with one line."""
 
 from __future__ import annotations

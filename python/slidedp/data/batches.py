@@ -7,7 +7,7 @@ calling ``batch(t)``. A batch is as wide as its longest row (at most ``seq_len``
 
 Example::
 
-    batches = build_batches(cfg.data, model_dir=..., model=..., batch_size=8, seed=0)
+    batches, held = build_data(cfg.data, model_dir=..., model=..., batch_size=8, seed=0)
     batch = batches.batch(t)  # slidedp.data.batch.Batch
     print(batches.report)      # one line: samples, tokens, truncated/dropped, packing fill
 """

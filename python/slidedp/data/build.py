@@ -7,7 +7,7 @@ template, eos or pad token, a bad record (named by file:line), an empty data set
 samples under ``over_length: error``.
 
 Every file is read once: ``data.eval_fraction`` splits the samples read, so the training and
-the held-out batches come from one call (``build_batches``: one of them alone).
+the held-out batches come from one call.
 
 Example::
 
@@ -97,26 +97,6 @@ def build_data(
         eval_section, held = _read_eval_file(section, model_dir, model)
         return batches, lay_out(held, eval_section, part="eval")
     return batches, None
-
-
-def build_batches(
-    section: DataSection,
-    *,
-    model_dir: Path,
-    model: ModelFacts,
-    batch_size: int,
-    seed: int,
-    part: Part = "train",
-) -> Batches:
-    """One part of ``build_data``, reading only the files it needs: the training samples, or
-    the held-out ones (without held-out data configured: the training data in file order)."""
-    _check_model_fit(section, model)
-    if part == "eval" and section.eval_path:
-        eval_section, held = _read_eval_file(section, model_dir, model)
-        return _lay_out(held, eval_section, model, batch_size, seed, part)
-    train, split_off = _read_training_files(section, model_dir, model, seed)
-    chosen = split_off if part == "eval" and split_off is not None else train
-    return _lay_out(chosen, section, model, batch_size, seed, part)
 
 
 def _check_model_fit(section: DataSection, model: ModelFacts) -> None:

@@ -41,7 +41,7 @@ _IGNORED = -100  # a label that is no target (transformers' ignore_index)
 # put in place of a message's content to see whether the chat template renders the message at all
 _PROBE = "slidedp-probe-4f1c9a"
 _EMPTY_FIX = "remove the record or fill it"
-_RENDERED_FIELDS = {"tool_calls", "reasoning_content"}  # what templates render beside content
+_RENDERED_FIELDS = ("tool_calls", "reasoning_content")  # what templates render beside content
 
 
 def _first_line(error: BaseException) -> str:
@@ -390,7 +390,8 @@ def _check_messages(conversation: Any, where: str, train_on_prompt: bool) -> Non
     for j, message in enumerate(conversation, start=1):
         if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
             raise DataError(f"{where}: message {j} needs a string 'role' and 'content'")
-        content, rendered = message.get("content"), _RENDERED_FIELDS & set(_set_keys(message))
+        content = message.get("content")
+        rendered = any(message.get(field) for field in _RENDERED_FIELDS)
         if isinstance(content, list):
             raise DataError(
                 f"{where}: message {j}'s content is a list of parts (multimodal): give its "
@@ -404,10 +405,6 @@ def _check_messages(conversation: Any, where: str, train_on_prompt: bool) -> Non
                 f"{where}: message {j} (role 'assistant') is empty: the sample would train only "
                 f"on its end-of-turn marker; {_EMPTY_FIX}"
             )
-
-
-def _set_keys(message: dict[str, Any]) -> list[str]:
-    return [key for key, value in message.items() if value]
 
 
 def _apply_template(

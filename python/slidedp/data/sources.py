@@ -85,7 +85,7 @@ class Source:
                 f"{path}: unknown data file type '{path.suffix}' "
                 "(expected .jsonl, .json or .parquet)"
             )
-        self.path, self.configured, self.key = path, data_format, key
+        self.path, self.configured = path, data_format
         self.unit = _UNITS[path.suffix]
 
     def where(self, number: int) -> str:
