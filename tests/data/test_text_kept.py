@@ -67,6 +67,16 @@ def test_a_skipped_message_is_not_found_in_an_earlier_one(tmp_path: Path, tok: P
         build(data, tok)
 
 
+def test_a_skipped_message_is_not_found_in_a_later_one(tmp_path: Path, tok: Path) -> None:
+    set_chat_template(tok, KNOWN_ROLES_TEMPLATE)
+    conversation = [{"role": "human", "content": "w1"}, _user("w1 w3"), _assistant("w2")]
+    data = write_jsonl(tmp_path / "m.jsonl", [{"messages": conversation}])
+    with pytest.raises(DataError, match=r"m\.jsonl:1: .* no text of message 1 \(role 'human'\)"):
+        build(data, tok)
+    rendered = [_user("w1"), _user("w1 w3"), _assistant("w2")]  # the same texts, all rendered
+    build(write_jsonl(tmp_path / "r.jsonl", [{"messages": rendered}]), tok)
+
+
 @pytest.mark.parametrize(
     ("rewrite", "content"),
     [

@@ -430,18 +430,19 @@ def _check_every_message_rendered(
     """Every message's text is in the rendered conversation: many templates silently skip a
     role they do not know (Qwen's: 'human'), and some a system prompt where the conversation
     does not end on a user turn (Mistral's), which would train without that text. Searched in
-    order: a skipped message whose text an earlier one holds is found missing (one whose text a
-    later one holds is not). Messages not there verbatim (a template may rewrite the text: some
-    drop the reasoning of earlier turns) are rendered again with a probe each, in one render."""
+    order: a skipped message whose text an earlier one holds is found missing. Messages not
+    there verbatim (a template may rewrite the text: some drop the reasoning of earlier turns),
+    and those whose text a later message holds (the search may have found that one's), are
+    rendered again with a probe each, in one render."""
+    contents = [(m.get("content") or "").strip() for m in conversation]  # templates often trim
     start, unseen = 0, []
-    for j, message in enumerate(conversation, start=1):
-        content = (message.get("content") or "").strip()  # templates often trim it
+    for j, content in enumerate(contents, start=1):
         if not content:
             continue
         found = full.find(content, start)
         if found >= 0:
             start = found + len(content)
-        else:
+        if found < 0 or any(content in later for later in contents[j:]):
             unseen.append(j)
     if not unseen:
         return
