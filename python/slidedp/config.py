@@ -153,6 +153,10 @@ class OutputSection:
             "output.tensorboard=true but tensorboard is not installed: pip install tensorboard, "
             "or set output.tensorboard=false",
         )
+        _require(  # tensorboard=false is a choice only where it is installed (its default)
+            self.tensorboard or "tensorboard" not in self.report_to or not _tensorboard_installed(),
+            "output.tensorboard=false but output.report_to has tensorboard: take one out",
+        )
         for name, module, fix in (
             ("tensorboard", "tensorboard", "pip install tensorboard"),
             ("wandb", "wandb", "pip install 'slidedp[wandb]'"),

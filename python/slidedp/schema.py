@@ -190,6 +190,8 @@ def build_section(section: str, cls: type[T], raw: Any, problems: list[str]) -> 
             choices = [c for c in get_args(hints[key]) if isinstance(c, str)]
             close = difflib.get_close_matches(text, choices, n=1) if isinstance(text, str) else []
             hint = f" (did you mean '{close[0]}'?)" if close else ""
+            if get_origin(hints[key]) is list and isinstance(value, TextValue):
+                hint = f" (a list on the command line: {section}.{key}='[{value.text}]')"
             problems.append(
                 f"{section}.{key} must be {describe(hints[key])}, got {_shown(value)}{hint}"
             )

@@ -19,7 +19,7 @@ from slidedp.config import (
 )
 from slidedp.config_runtime import RUNTIME_GROUP_OF, RuntimeSection
 from slidedp.errors import ConfigError, require
-from slidedp.schema import build_section
+from slidedp.schema import TextValue, build_section
 
 
 def _raw(**sections: dict[str, Any]) -> dict[str, Any]:
@@ -292,6 +292,15 @@ def test_schema_containers_optionals_and_collected_checks() -> None:
     # both failed checks are reported; the crash of a third check that depends on them is not
     assert build_section("s", _Section, {"low": -1, "high": -1}, problems) is None
     assert problems == ["s.low must be >= 0", "s.high must be > s.low"]
+
+
+def test_a_list_key_given_one_word_on_the_command_line_shows_the_list_form() -> None:
+    problems: list[str] = []
+    assert build_section("s", _Section, {"names": TextValue("layers.0")}, problems) is None
+    assert problems == [
+        "s.names must be a list whose items are each a string, got 'layers.0' (a list on the "
+        "command line: s.names='[layers.0]')"
+    ]
 
 
 def test_an_unsupported_annotation_is_a_programming_error() -> None:

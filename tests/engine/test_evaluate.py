@@ -119,11 +119,46 @@ def test_the_best_checkpoint_is_kept_beside_the_newest(
     assert json.loads((out / "best").read_text()) == {
         "checkpoint": "checkpoint-2",
         "eval_loss": 1.0,
+        "held_out": str((tmp_path / "held.jsonl").resolve()),
     }
-    # resumed: the best so far is remembered; a better last evaluation is the last checkpoint
+    # resumed: the best so far is remembered; a better last evaluation is the last checkpoint,
+    # the newest of save_total_limit=1: the best before it goes as any other
     resumed = _config(tmp_path, train={"max_steps": 5, "resume": "auto"}, output=output)
     assert main(["train", str(resumed)]) == 0
     assert json.loads((out / "best").read_text())["checkpoint"] == "checkpoint-5"
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-5"]
+
+
+@pytest.mark.e2e
+def test_a_best_of_other_held_out_data_is_not_compared_after_a_resume(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    losses = iter([1.0, 2.0, 3.0])
+
+    def scripted(self: Evaluator, version: int) -> dict[str, float]:
+        loss = next(losses)
+        return {"eval_loss": loss, "eval_perplexity": math.exp(loss)}
+
+    monkeypatch.setattr(Evaluator, "run", scripted)
+    output, train = {"save_steps": 0, "save_best": True}, {"lr_scheduler": "constant"}
+    first = _config(tmp_path, train={**train, "max_steps": 1}, output=output)
+    assert main(["train", str(first)]) == 0
+    other = write_data(tmp_path / "other.jsonl", 5, seed=9)
+    resumed = _config(tmp_path, data={"eval_path": str(other)}, output=output,
+                      train={**train, "max_steps": 3, "resume": "auto"})  # fmt: skip
+    capsys.readouterr()
+    for verb in ("validate", "train"):
+        assert main([verb, str(resumed)]) == 0
+        printed, err = capsys.readouterr()
+        assert f"; held out: {other} (input_ids): 5 samples → 5 in " in printed  # both banners
+        assert err.count("warning:") == 1, err
+        assert (
+            f"best names checkpoint-1 (eval loss 1 on {(tmp_path / 'held.jsonl').resolve()}); "
+            f"this run evaluates {other.resolve()}: its losses are not compared with that one, "
+            "the first becomes the best"
+        ) in err
+    best = json.loads((tmp_path / "out" / "best").read_text())
+    assert (best["checkpoint"], best["eval_loss"]) == ("checkpoint-2", 2.0)  # not 1.0's
 
 
 @pytest.mark.e2e

@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import sys
+import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from cli.util import run
 from engine.tiny import make_model, read_metrics, write_config, write_data
+from slidedp import config
 from slidedp.config import OutputSection
 from slidedp.errors import ConfigError
-from slidedp.runtime.trackers import TensorBoardTracker, WandbTracker
+from slidedp.runtime.trackers import TensorBoardTracker, Trackers, WandbTracker, check_trackers
 
 
 @pytest.mark.e2e
@@ -127,3 +132,141 @@ def test_a_tracker_that_is_not_installed_is_a_config_error(
                         lambda name: None if name == "wandb" else found(name))  # fmt: skip
     with pytest.raises(ConfigError, match=r"report_to has wandb but it is not installed: pip"):
         OutputSection(dir="o", report_to=["wandb"])
+
+
+class _Failing:
+    """A tracker whose ``log_step`` fails at ``step`` (a full disk, W&B's server gone)."""
+
+    name = "wandb"
+
+    def __init__(self, step: int, close_fails: bool = False) -> None:
+        self.step, self.close_fails = step, close_fails
+        self.steps: list[int] = []
+        self.closed = 0
+
+    def log_step(self, record: dict[str, Any]) -> None:
+        if record["step"] == self.step:
+            raise OSError(28, "No space left on device")
+        self.steps.append(record["step"])
+
+    def close(self) -> None:
+        self.closed += 1
+        if self.close_fails:
+            raise RuntimeError("upload failed")
+
+
+def test_a_tracker_that_fails_is_told_once_and_the_others_go_on() -> None:
+    said: list[str] = []
+    failing, other = _Failing(step=2), _Failing(step=99, close_fails=True)
+    trackers = Trackers([failing, other], say=said.append)  # type: ignore[list-item]
+    for step in (1, 2, 3):
+        trackers.log_step({"step": step, "loss": 1.0})
+    trackers.close()
+    assert (failing.steps, failing.closed) == ([1], 1)  # closed once, when it failed
+    assert (other.steps, other.closed) == ([1, 2, 3], 1)
+    assert said == [
+        "warning: wandb failed at step 2 (OSError: [Errno 28] No space left on device) and "
+        "records nothing more of this run; metrics.jsonl has every step",
+        "warning: wandb failed closing (RuntimeError: upload failed) and records nothing more "
+        "of this run; metrics.jsonl has every step",
+    ]
+
+
+@pytest.mark.e2e
+def test_a_tracker_failing_mid_run_costs_no_training(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logged = WandbTracker.log_step
+
+    def log_step(self: WandbTracker, record: dict[str, Any]) -> None:
+        if record["step"] == 2:
+            raise OSError(28, "No space left on device")
+        logged(self, record)
+
+    monkeypatch.setattr(WandbTracker, "log_step", log_step)
+    model = make_model(tmp_path, "qwen3", tied=True)
+    data = write_data(tmp_path / "data.jsonl", 8)
+    out = tmp_path / "out"
+    config = write_config(tmp_path / "c.yaml", model, data, out,
+                          output={"report_to": ["wandb"]})  # fmt: skip
+    code, printed, err = run(capsys, "train", str(config), "train.max_steps=3")
+    assert code == 0, err
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+    assert sorted(p.name for p in out.glob("*-3")) == ["checkpoint-3"]
+    assert (out / "final" / "config.json").is_file()
+    assert printed.count("warning: wandb failed at step 2 (OSError: [Errno 28]") == 1
+
+
+def test_wandb_refused_leaves_an_earlier_runs_wandb_folder_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    wandb = pytest.importorskip("wandb")
+    runs = tmp_path / "wandb"
+    (runs / "run-1" / "logs").mkdir(parents=True)
+    (runs / "run-1" / "logs" / "debug.log").write_text("the earlier run's\n")
+    (runs / "latest-run").symlink_to("run-1")
+    (runs / "debug.log").symlink_to("run-1/logs/debug.log")
+    (runs / "settings").write_text("kept\n")
+
+    def tree() -> dict[str, str]:
+        return {
+            str(p.relative_to(runs)): os.readlink(p) if p.is_symlink() else
+            (p.read_text() if p.is_file() else "/")
+            for p in sorted(runs.rglob("*"))
+        }  # fmt: skip
+
+    before = tree()
+
+    def refuse(**keys: str) -> None:  # as wandb.init does before its server refuses
+        new = Path(keys["dir"]) / "wandb"
+        (new / "run-2" / "logs").mkdir(parents=True)
+        for link, target in (("latest-run", "run-2"), ("debug.log", "run-2/logs/debug.log")):
+            (new / link).unlink()
+            (new / link).symlink_to(target)
+        (new / "settings").write_text("rewritten\n")
+        raise wandb.errors.CommError("Timed out while retrying")
+
+    monkeypatch.setattr(wandb, "init", refuse)
+    with pytest.raises(ConfigError, match="W&B did not start"):
+        WandbTracker(tmp_path)
+    assert tree() == before
+
+
+@pytest.mark.parametrize("mode", ["bogus", "", "Offline"])
+def test_a_wandb_mode_wandb_does_not_know_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", mode)
+    with pytest.raises(
+        ConfigError,
+        match=rf"^output.report_to has wandb but WANDB_MODE='{mode}' is not a W&B mode: set it "
+        "to online, offline or disabled, or unset it$",
+    ):
+        check_trackers(["wandb"])
+    check_trackers(["tensorboard"])  # W&B's variables matter only to W&B
+
+
+@pytest.mark.parametrize(("start_step", "purge_step"), [(0, None), (3, 4)])
+def test_a_resumed_runs_tensorboard_purges_the_steps_after_its_checkpoint(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, start_step: int, purge_step: int | None
+) -> None:
+    """An earlier run's events of steps after the checkpoint go, as its metrics.jsonl lines do
+    (the review: TensorBoard showed steps 1-6, then 4-6 again)."""
+    opened: dict[str, Any] = {}
+    module = types.ModuleType("torch.utils.tensorboard")
+    module.SummaryWriter = lambda **keys: opened.update(keys) or _SummaryWriter()  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", module)
+    TensorBoardTracker.open(tmp_path, start_step)
+    assert opened == {"log_dir": str(tmp_path / "tensorboard"), "purge_step": purge_step}
+
+
+def test_tensorboard_off_and_in_report_to_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(config, "_tensorboard_installed", lambda: True)
+    with pytest.raises(ConfigError, match=r"output\.tensorboard=false but output\.report_to "
+                       "has tensorboard: take one out"):  # fmt: skip
+        OutputSection(dir="o", tensorboard=False, report_to=["tensorboard"])

@@ -154,8 +154,8 @@ class Retention:
     """Which checkpoints of the output directory a save keeps: the newest ``total_limit``
     (0: all). A damaged ``checkpoint-STEP`` listed in ``set_aside`` is renamed
     ``checkpoint-STEP.damaged`` first (kept for the user, never written into). Checkpoints in
-    ``keep`` (the best one, ``io.best``) are never removed and do not count against
-    ``total_limit``."""
+    ``keep`` (the best one, ``io.best``) are never removed: kept beside the newest
+    ``total_limit``, or one of them."""
 
     total_limit: int = 0
     set_aside: Collection[Path] = ()
@@ -174,7 +174,7 @@ def save_checkpoint(
 ) -> Path:
     """Write ``out_dir/checkpoint-STEP`` atomically from the (drained) store; point ``latest``
     at it; then rotate as ``retention`` says. ``meta`` is recorded as is."""
-    total_limit, set_aside, keep = retention.total_limit, retention.set_aside, retention.keep
+    set_aside = retention.set_aside
     final = out_dir / f"checkpoint-{progress.step}"
     if final.exists() and final in set_aside:
         final.rename(_free_name(final.with_name(f"{final.name}.damaged")))
@@ -201,13 +201,19 @@ def save_checkpoint(
     _fsync(pointer)
     pointer.replace(out_dir / LATEST)
     _fsync(out_dir)
-    if total_limit:
-        rotated = [p for p in complete_checkpoints(out_dir) if p not in keep]
-        for old in rotated[:-total_limit]:
-            if old != final:
-                doomed = old.rename(out_dir / f".{old.name}.deleting")  # never half a checkpoint
-                shutil.rmtree(doomed)
+    rotate_checkpoints(out_dir, retention, newest=final)
     return final
+
+
+def rotate_checkpoints(out_dir: Path, retention: Retention, newest: Path) -> None:
+    """Remove the complete checkpoints of ``out_dir`` older than the newest
+    ``retention.total_limit`` (0: none), except those of ``retention.keep`` and ``newest``."""
+    if not retention.total_limit:
+        return
+    for old in complete_checkpoints(out_dir)[: -retention.total_limit]:
+        if old != newest and old not in retention.keep:
+            doomed = old.rename(out_dir / f".{old.name}.deleting")  # never half a checkpoint
+            shutil.rmtree(doomed)
 
 
 def _free_name(path: Path) -> Path:

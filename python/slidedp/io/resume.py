@@ -28,6 +28,7 @@ from typing import Any
 from slidedp.config import TrainSection
 from slidedp.data.config import DataSection
 from slidedp.errors import CheckpointError
+from slidedp.io.best import BestCheckpoint
 from slidedp.io.checkpoint import (
     FORMAT,
     LATEST,
@@ -289,8 +290,10 @@ def plan_resume(
     else:
         path, checked = _named(train.resume, adapter, train.verify_checksums)
     progress = _resumable(path, checked.state, train, data)
+    best = BestCheckpoint(out_dir, data.eval_path) if data.has_eval else None
     changed = (_schedule_change(path, checked.state, train, progress.step),
-               _data_change(path, checked.state, data))  # fmt: skip
+               _data_change(path, checked.state, data),
+               None if best is None else best.changed)  # fmt: skip
     metrics = out_dir / "metrics.jsonl"
     if metrics.is_file():
         kept_records(metrics, progress.step)  # refused here, before anything is written

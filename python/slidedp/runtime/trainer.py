@@ -142,7 +142,7 @@ class Trainer:
                 self.adapter, self.store, self.plan, ctx=self.ctx, signals=self.signals
             )
         self.evaluator = None if held_out is None else Evaluator(self.engine, held_out)
-        self.best = BestCheckpoint(self.out_dir)
+        self.best = BestCheckpoint(self.out_dir, cfg.data.eval_path)
         if self.ctx is not None:
             check_nodes_agree(self.ctx, self._start_facts)
         if self.resume is not None:
@@ -330,12 +330,15 @@ class Trainer:
                 self.store,
                 self.progress,
                 meta,
-                retention=Retention(
-                    total_limit=self.cfg.output.save_total_limit,
-                    set_aside=() if self.resume is None else self.resume.set_aside,
-                    keep=self.best.kept(),
-                ),
+                retention=self._retention(),
             )
+
+    def _retention(self) -> Retention:
+        return Retention(
+            total_limit=self.cfg.output.save_total_limit,
+            set_aside=() if self.resume is None else self.resume.set_aside,
+            keep=self.best.kept(),
+        )
 
     def run(self) -> list[dict[str, Any]]:
         """The remaining steps; returns their metrics records (also in ``metrics.jsonl``).
@@ -390,7 +393,7 @@ class Trainer:
                     if log is not None and (due or best) and not stopping and saved is not None:
                         log.say(f"saved {saved}")
                     if best and saved is not None:
-                        self.best.mark(saved, record["eval_loss"])
+                        self.best.mark(saved, record["eval_loss"], self._retention())
                     elif best:
                         best_at_end = record["eval_loss"]
                     if stopping:
@@ -415,7 +418,7 @@ class Trainer:
             last_dir = self.save()
             self._say(f"saved {last_dir}")
         if best_at_end is not None:  # the last evaluation was the best: the last checkpoint
-            self.best.mark(last_dir, best_at_end)
+            self.best.mark(last_dir, best_at_end, self._retention())
         if out.export:
             self._say(export_final(self.out_dir, last_dir, fresh=saved_last))
         return records
@@ -439,7 +442,8 @@ class Trainer:
         )
         for line in facts.lines():
             log.say(line)
-        log.say(f"data: {self.data.report}")
+        held = "" if self.evaluator is None else f"; held out: {self.evaluator.data.report}"
+        log.say(f"data: {self.data.report}{held}")
         return log
 
     @functools.cached_property
@@ -447,7 +451,9 @@ class Trainer:
         """``output.report_to``'s trackers, opened on first use (``slidedp train`` opens them
         before its first write: a W&B login or server refused as one line, nothing written)."""
         out, config = self.cfg.output, config_to_dict(self.cfg)
-        return open_trackers(out.trackers(), self.out_dir, config=config, plan=self._plan_record())
+        return open_trackers(out.trackers(), self.out_dir, config=config,
+                             plan=self._plan_record(), start_step=self.progress.step,
+                             say=self._say)  # fmt: skip
 
     def _plan_record(self) -> dict[str, Any]:
         """What the trackers record of the plan: device, dtype, policy, host threads."""
