@@ -53,8 +53,10 @@ PROBED: list[tuple[Path, Path, Path | float | None]] = [
     (L3 / "qwen3-4b-2xh200-routes-b4.json", T21, L3 / "host.json"),
     (L3 / "qwen3-4b-2xh200-sharded-b16.json", T21, L3 / "host.json"),
 ]
+_TRACED = json.loads((ROOT / "step-model-vs-traces.json").read_text())
+# `bench model --json`: {"rows": [...], "provenance": ...}; a list before it recorded provenance
 TRACES = [
-    Path(r["trace"]).name for r in json.loads((ROOT / "step-model-vs-traces.json").read_text())
+    Path(r["trace"]).name for r in (_TRACED["rows"] if isinstance(_TRACED, dict) else _TRACED)
 ]
 
 

@@ -224,33 +224,37 @@ def _warn(verb: str, warnings: tuple[str, ...]) -> None:
 def _estimate(
     config: str, overrides: list[str], as_json: bool, explain: bool, longest: bool, gpus: int
 ) -> int:
+    """Print the estimate, then refuse what ``validate`` and ``train`` refuse: a run this
+    machine cannot hold is their error line (``check_fits``: the numbers and the fixes),
+    exit code 2, after the table or the JSON."""
     from slidedp.autopolicy.auto import resolve_auto
+    from slidedp.cli_args import quiet_closed_stdout
     from slidedp.config import load_config
-    from slidedp.estimate_report import estimate_run, format_estimate, longest_sequence
+    from slidedp.estimate import check_fits
+    from slidedp.estimate_report import estimate_run, longest_sequence, print_estimate
     from slidedp.plan.machine import Machine
-    from slidedp.preflight import apply_default_policy, check_model
+    from slidedp.preflight import apply_default_policy, check_model, check_run_shape
 
     given = [f"runtime.gpus={gpus}"] if gpus else []  # may exceed this machine's: a prediction
     cfg = load_config(config, [*overrides, *given])
-    adapter, machine = check_model(cfg)[0], Machine.probe(cfg)
+    adapter = check_model(cfg)[0]
+    check_run_shape(cfg, adapter)  # what validate and train refuse before the memory
+    machine = Machine.probe(cfg)
+    if gpus and machine.device != "cuda":
+        raise ConfigError(
+            f"--gpus {gpus} predicts GPUs from this machine's GPU, and it has none (the run "
+            f"resolves to the CPU): run it on the GPU host, or estimate CPU ranks with "
+            f"runtime.ranks={gpus} runtime.device=cpu"
+        )
     cfg, fallback = apply_default_policy(cfg, adapter, machine, None)
     cfg, chosen = resolve_auto(cfg, adapter, machine, measure=False)  # a cached profile only
-    chosen = chosen or fallback
-    if chosen:
-        print(chosen)
     est = estimate_run(cfg, adapter, machine)
-    report = est.to_json()
-    if longest:
-        found = longest_sequence(cfg, adapter, machine)
-        report["longest_seq"] = {"seq_len": found.seq_len, "limit": found.limit,
-                                 "context_parallel": found.context_parallel}  # fmt: skip
-    print(json.dumps(report, indent=2) if as_json else format_estimate(est))
-    if longest and not as_json:
-        unit = "GPUs" if machine.device == "cuda" else "ranks"
-        print(found.describe(cfg.train.global_batch_size, unit))
-    if explain and not as_json:
-        path = est.step_model.critical_path if est.step_model else ()
-        print("critical path of a step (model): " + (" -> ".join(path) or "n/a (no GPU model)"))
+    found = longest_sequence(cfg, adapter, machine) if longest else None
+    with quiet_closed_stdout():
+        if chosen or fallback:
+            print(chosen or fallback)
+        print_estimate(est, found, as_json=as_json, explain=explain)
+    check_fits(est)
     return 0
 
 

@@ -99,7 +99,10 @@ class MemoryEstimate:
     def to_json(self) -> dict[str, Any]:
         """Every field (bytes, seconds, FLOPs as numbers), plus ``fits`` and ``shortages``."""
         short = shortages(self)
-        return asdict(self) | {"fits": not short, "shortages": short}
+        fields = asdict(self)
+        if self.machine.device != "cuda":  # Machine counts GPUs only where it runs on one
+            fields["machine"]["gpu_count"] = 0
+        return fields | {"fits": not short, "shortages": short}
 
 
 def compile_worker_bytes(backend: str, machine: Machine) -> int:

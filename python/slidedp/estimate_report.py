@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
@@ -273,3 +274,21 @@ def format_estimate(est: Estimate) -> str:
     verdict = shortages(est)
     tail = "fits this machine" if not verdict else "DOES NOT FIT: " + "; ".join(verdict)
     return "\n".join([head, f"  {'':<34} {'needed':>12}  this machine", *rows, f"  {tail}"])
+
+
+def print_estimate(est: Estimate, found: Longest | None, *, as_json: bool, explain: bool) -> None:
+    """What ``slidedp estimate`` prints: the table (with ``--longest-seq``'s line, ``found``,
+    and ``--explain``'s) or one JSON object (``found`` under ``longest_seq``)."""
+    if as_json:
+        report = est.to_json()
+        if found is not None:
+            report["longest_seq"] = {"seq_len": found.seq_len, "limit": found.limit,
+                                     "context_parallel": found.context_parallel}  # fmt: skip
+        print(json.dumps(report, indent=2))
+        return
+    print(format_estimate(est))
+    if found is not None:
+        print(found.describe(est.batch, "GPUs" if est.machine.device == "cuda" else "ranks"))
+    if explain:
+        path = est.step_model.critical_path if est.step_model else ()
+        print("critical path of a step (model): " + (" -> ".join(path) or "n/a (no GPU model)"))

@@ -27,7 +27,7 @@ from slidedp.autopolicy.auto import resolve_auto
 from slidedp.autopolicy.choose import selection_cached
 from slidedp.autopolicy.default import AUTO, break_even_fallback, default_policy
 from slidedp.config import TrainConfig
-from slidedp.data.build import run_data
+from slidedp.data.build import ModelFacts, check_model_fit, run_data
 from slidedp.errors import ConfigError, ModelLoadError
 from slidedp.estimate import check_fits
 from slidedp.estimate_report import estimate_run
@@ -134,6 +134,17 @@ def check_data(cfg: TrainConfig, adapter: HFAdapter) -> str:
     if held is not None:  # the held-out rows runtime.evaluate visits
         line += f"; held out: {held.report}"
     return line
+
+
+def check_run_shape(cfg: TrainConfig, adapter: HFAdapter) -> list[str]:
+    """The checks that need neither data, output nor device (``train``, ``validate`` and
+    ``estimate`` alike): the sequence against the model (the data's first check), the context
+    split (``check_context``) and the ranks' batch split (``check_ranks``: its line, if
+    several ranks)."""
+    check_model_fit(cfg.data, ModelFacts.from_config(adapter.config, adapter.vocab_size))
+    check_context(cfg, adapter)
+    several = cfg.runtime.launch.world > 1 or cfg.runtime.launch.nodes > 1
+    return [check_ranks(cfg)] if several else []
 
 
 def _is_model_dir(path: Path) -> bool:
@@ -284,10 +295,7 @@ def check_before_training(
 
     device = check_device(cfg)
     adapter, model = check_model(cfg)
-    check_context(cfg, adapter)
-    ranks = (
-        [check_ranks(cfg)] if cfg.runtime.launch.world > 1 or cfg.runtime.launch.nodes > 1 else []
-    )
+    ranks = check_run_shape(cfg, adapter)
     resume, resumed = check_resume(cfg, adapter, decided)
     output = check_output_dir(cfg)
     check_trackers(cfg.output.trackers())

@@ -51,7 +51,9 @@ def test_the_prediction_grows_with_the_nodes(
     )
     assert code == 0
     assert "PREDICTION" in out
-    rows = json.loads(report.read_text())
+    written = json.loads(report.read_text())
+    assert written["provenance"]["argv"]  # bench.provenance
+    rows = written["rows"]
     assert [r["nodes"] for r in rows] == [1, 2, 4, 8]
     for a, b in itertools.pairwise(rows):
         assert b["reduce_layer_s"] > a["reduce_layer_s"]

@@ -60,10 +60,8 @@ def test_geometric_mean_over_the_batches_where_both_ran_and_the_largest_batches(
         "roundpipe none (UNAVAILABLE at 4)",
     ]
     row = ratios([r for r in RUNS if r.get("world", 1) == 1])[0]
-    assert row == {
-        "batch": 4, "ours_over_fsdp2": None, "ours_over_reference": None,
-        "ours_over_zero3-offload": 4.0, "ours_over_roundpipe": None,
-    }  # fmt: skip
+    # against the systems that ran only (no fsdp2 or reference in RUNS), an unavailable one too
+    assert row == {"batch": 4, "ours_over_zero3-offload": 4.0, "ours_over_roundpipe": None}
 
 
 def test_the_json_report_is_rewritten_after_every_run(

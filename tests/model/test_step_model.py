@@ -80,7 +80,7 @@ def test_bench_model_prints_the_comparison(
     trace = TRACES / "qwen3-4b-h100-mirror-clip-b4.json"
     assert main(["bench", "model", str(trace), "--json", str(out)]) == 0
     assert "qwen3-4b-h100-mirror-clip-b4.json" in capsys.readouterr().out
-    (row,) = json.loads(out.read_text())
+    (row,) = json.loads(out.read_text())["rows"]
     assert abs(row["error"]) < 0.02
     assert row["regime"].startswith("Update-bound")  # B=4: one AdamW pass binds the step
 

@@ -100,11 +100,24 @@ def test_a_node_launcher_numbers_its_ranks_after_the_nodes_before(
     ]
 
 
-def test_another_node_s_agreed_stop_exits_2_without_a_line(
+def test_another_node_s_agreed_stop_exits_2_with_a_line_saying_node_0_saved(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Rank 0 (node 0) saved; this node's ranks all left with it."""
+    """Rank 0 (node 0) saved; this node's ranks all left with it, and its operator hears how
+    to go on (node 0's log alone says where it saved)."""
     procs = [_Proc(EXIT_STOPPED_WITH_PEERS, 1), _Proc(EXIT_STOPPED_WITH_PEERS, 2)]
+    assert _launch_fakes(monkeypatch, procs, NODE_1) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "slidedp train: stopped with every node by a signal: node 0 saved a checkpoint (its log "
+        "says which); continue with train.resume=auto on every node"
+    ]
+
+
+def test_a_rank_that_refused_with_its_own_line_gets_no_second_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rank exits 2 having printed why (a config the nodes disagree on); its peer stops."""
+    procs = [_Proc(2, 1), _Proc(EXIT_PEER_FAILED, 2)]
     assert _launch_fakes(monkeypatch, procs, NODE_1) == 2
     assert capsys.readouterr().err == ""
 

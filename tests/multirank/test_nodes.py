@@ -195,24 +195,25 @@ def test_nodes_that_would_start_apart_refuse_with_one_line(
 ) -> None:
     """Node 1 sees another checkpoint than node 0 (as without a shared output.dir): rank 0
     names the difference once and exits 2, the others stop as its peers."""
+    from slidedp.runtime import node_meet, trainer
     from slidedp.runtime.trainer import Trainer
 
-    facts, computed = Trainer._start_facts, tmp_path / "facts.log"
+    facts, computed = node_meet.start_facts, tmp_path / "facts.log"
 
     def other_step_on_node_1(self: Trainer) -> dict[str, str]:
         with computed.open("a") as f:  # one short line per write: never interleaved
             f.write(f"{os.environ['RANK']}\n")
         mine = facts(self)
-        return mine | {"step": "3"} if os.environ["RANK"] == "2" else mine
+        return mine | {"start step": "3"} if os.environ["RANK"] == "2" else mine
 
-    monkeypatch.setattr(Trainer, "_start_facts", other_step_on_node_1)
+    monkeypatch.setattr(trainer, "start_facts", other_step_on_node_1)
     codes = run_ranks(_nodes_config(tmp_path, 4), 4, nodes=2)
     assert codes == [2] + [EXIT_PEER_FAILED] * 3
     # each node's local rank 0 alone checksums the master (the others' would go unused)
     assert sorted(computed.read_text().split()) == ["0", "2"]
     err = capfd.readouterr().err
     assert err.count("error:") == 1, err
-    assert "node 1 would start from another step than node 0 (3 vs 0)" in err
+    assert "node 1's start step is 3, node 0's 0: every node must see the same" in err
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
@@ -220,12 +221,13 @@ def test_nodes_that_would_start_apart_refuse_with_one_line(
 def test_one_node_computes_no_start_facts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two ranks of one node: there is nothing to compare, so no rank computes the facts (a
     pass over the whole master for its checksum)."""
+    from slidedp.runtime import trainer
     from slidedp.runtime.trainer import Trainer
 
     def computed(self: Trainer) -> dict[str, str]:
         raise AssertionError("start facts computed on one node")
 
-    monkeypatch.setattr(Trainer, "_start_facts", computed)
+    monkeypatch.setattr(trainer, "start_facts", computed)
     assert run_ranks(_nodes_config(tmp_path, 1), 2) == [0, 0]
 
 
@@ -268,8 +270,9 @@ def test_the_cross_node_groups_follow_the_policy_files_gradient_route(
 
     import torch
 
-    from slidedp.config import TrainSection
+    from slidedp.config import ModelSection, OutputSection, TrainConfig, TrainSection
     from slidedp.config_runtime import RuntimeSection
+    from slidedp.data.config import DataSection
     from slidedp.runtime import dist as rdist
 
     policy = tmp_path / "policy.yaml"
@@ -285,5 +288,7 @@ def test_the_cross_node_groups_follow_the_policy_files_gradient_route(
     cases = ((RuntimeSection.from_keys(policy=str(policy)), True), (RuntimeSection(), False))
     for runtime, expected in cases:
         runtime = runtime.with_keys(nodes=2, master_addr="127.0.0.1")
-        rdist.start(ctx, torch.device("cpu"), runtime, train)
+        cfg = TrainConfig(model=ModelSection(path="m"), data=DataSection(path="d"), train=train,
+                          output=OutputSection(dir="o"), runtime=runtime)  # fmt: skip
+        rdist.start(ctx, torch.device("cpu"), cfg)
         assert seen["host_sum"] is expected

@@ -13,7 +13,6 @@ Bytes touched per element: AdamW 28 (read p, m, v, g; write p, m, v), with bf16 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -21,6 +20,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from slidedp.bench.provenance import write_report
+from slidedp.cli_args import count, counts, writable
 from slidedp.kernels import Kernels, default_threads
 
 HP = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
@@ -155,23 +156,22 @@ def _format(r: Row) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     n = default_threads()
-    counts = sorted({1, 2, 4, 8, 16, n} & set(range(1, n + 1)))
-    parser.add_argument("--numel", type=int, default=256 * 2**20, help="elements per layer")
-    parser.add_argument("--threads", default=",".join(map(str, counts)), help="e.g. 1,2,4,8,16")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--isa", default=None, help="force scalar|avx2|avx512 (default: best)")
-    parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    default = ",".join(map(str, sorted({1, 2, 4, 8, 16, n} & set(range(1, n + 1)))))
+    arg = parser.add_argument
+    arg("--numel", type=count(1), default=256 * 2**20, help="elements per layer")
+    arg("--threads", type=counts, default=counts(default), help="e.g. 1,2,4,8,16")
+    arg("--repeats", type=count(1), default=5, help="timed calls per figure (the median)")
+    arg("--isa", default=None, help="force scalar|avx2|avx512 (default: best)")
+    arg("--json", default=None, help="also write the rows and this run's facts to this JSON file")
 
 
 def main(args: argparse.Namespace) -> int:
-    threads = [int(t) for t in args.threads.split(",")]
+    writable("--json", args.json)
     print(
         f"slidedp kernel benchmark: numel={args.numel}, torch {torch.__version__}, "
         f"best ISA {Kernels.detect_isa()}, {default_threads()} cores available"
     )
     print(HEADER, flush=True)
-    rows = run(args.numel, threads, args.repeats, args.isa)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=1)
+    rows = run(args.numel, args.threads, args.repeats, args.isa)
+    write_report(args.json, [asdict(r) for r in rows])
     return 0

@@ -11,6 +11,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from slidedp.bench.predict import regime_on
+from slidedp.bench.provenance import write_report
+from slidedp.cli_args import count, writable
 from slidedp.errors import ConfigError
 from slidedp.plan.step_spec import predict_step
 from slidedp.plan.timing import spec_from_trace, traced_step_s
@@ -21,7 +24,10 @@ def compare(path: Path, slots: int, grad_slots: int) -> dict[str, Any]:
         trace = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"cannot read the trace {path}: {e}") from None
-    spec = spec_from_trace(trace, slots=slots, grad_slots=grad_slots)
+    try:
+        spec = spec_from_trace(trace, slots=slots, grad_slots=grad_slots)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
     predicted = predict_step(spec)
     traced = traced_step_s(trace)
     return {
@@ -31,7 +37,7 @@ def compare(path: Path, slots: int, grad_slots: int) -> dict[str, Any]:
         "predicted_step_s": predicted.step_s,
         "error": predicted.step_s / traced - 1,
         "exposed_s": predicted.exposed_s,
-        "regime": predicted.regime,
+        "regime": regime_on(predicted.regime, None),  # a trace does not name its device
         "critical_path": list(predicted.critical_path),
     }
 
@@ -40,12 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "traces", nargs="+", help="traces of `bench train --trace` / runtime.trace_path"
     )
-    parser.add_argument("--slots", type=int, default=2, help="runtime.slots of the traced runs")
-    parser.add_argument("--grad-slots", type=int, default=4, help="runtime.grad_slots of the runs")
-    parser.add_argument("--json", help="also write the comparison here")
+    parser.add_argument("--slots", type=count(1), default=2, help="runtime.slots of the runs")
+    parser.add_argument("--grad-slots", type=count(1), default=4, help="runtime.grad_slots")
+    parser.add_argument("--json", help="also write the comparison and this run's facts here")
 
 
 def main(args: argparse.Namespace) -> int:
+    writable("--json", args.json)
     rows = [compare(Path(t), args.slots, args.grad_slots) for t in args.traces]
     head = f"{'trace':<48} {'clip':>5} {'traced':>8} {'model':>8} {'error':>7}"
     print(f"{head}  exposed (model), regime")
@@ -55,6 +62,5 @@ def main(args: argparse.Namespace) -> int:
             f"{Path(r['trace']).name:<48} {r['clipping']!s:>5} {r['traced_step_s']:8.3f} "
             f"{r['predicted_step_s']:8.3f} {r['error']:+7.1%}  {exposed}; {r['regime']}"
         )
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    write_report(args.json, rows)
     return 0

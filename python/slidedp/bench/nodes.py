@@ -37,6 +37,8 @@ from slidedp.bench.node_runs import (
     run_nodes,
     visible_gpus,
 )
+from slidedp.bench.provenance import write_report
+from slidedp.cli_args import count, positive, writable
 from slidedp.config_runtime import RuntimeSection
 from slidedp.errors import ConfigError
 from slidedp.models.hf import HFAdapter
@@ -198,18 +200,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="--device cuda: the simulated nodes' NCCL on its network transport (sockets on "
         "loopback: NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_IB_DISABLE=1), not NVLink",
     )
-    parser.add_argument("--steps", type=int, default=8, help=f"steps ({WARMUP_STEPS} warm-up)")
-    parser.add_argument("--hidden", type=int, default=512, help="hidden size of the model")
-    parser.add_argument("--layers", type=int, default=4, help="decoder layers of the model")
-    parser.add_argument("--batch", type=int, default=4, help="global batch (--predict: per GPU)")
-    parser.add_argument("--seq-len", type=int, default=128, help="tokens per row")
-    parser.add_argument("--predict", metavar="SHAPE", help="predict for SHAPE (models.shapes)")
-    parser.add_argument("--gpus-per-node", type=int, default=8, help="--predict: GPUs per node")
-    parser.add_argument("--link-gbit", type=float, default=400.0, help="--predict: Gb/s link")
-    parser.add_argument("--json", help="also write the numbers here")
+    arg = parser.add_argument
+    arg("--steps", type=count(1), default=8, help=f"steps ({WARMUP_STEPS} warm-up)")
+    arg("--hidden", type=count(1), default=512, help="hidden size of the model")
+    arg("--layers", type=count(1), default=4, help="decoder layers of the model")
+    arg("--batch", type=count(1), default=4, help="global batch (--predict: per GPU)")
+    arg("--seq-len", type=count(1), default=128, help="tokens per row")
+    arg("--predict", metavar="SHAPE", help="predict for SHAPE (models.shapes)")
+    arg("--gpus-per-node", type=count(1), default=8, help="--predict: GPUs per node")
+    arg("--link-gbit", type=positive, default=400.0, help="--predict: Gb/s link")
+    arg("--json", help="also write the numbers and this run's facts here")
 
 
 def main(args: argparse.Namespace) -> int:
+    writable("--json", args.json)
     if args.predict:
         result: Any = predict(args)
         print(
@@ -238,8 +242,7 @@ def main(args: argparse.Namespace) -> int:
             raise ConfigError("--device cuda needs CUDA, which this machine lacks: --device cpu")
         result = measure(args)
         _print_measured(args, result)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    write_report(args.json, result)
     return 0
 
 

@@ -141,7 +141,15 @@ def peer_overrides(
     peer_sets: dict[str, dict[str, Any]], systems: list[str]
 ) -> dict[str, dict[str, Any]]:
     """The overrides each system of ``systems`` runs with (``RunSpec.peer``): a peer's own, a
-    variant's base system's then its own merged on top (a key set in both: the variant's)."""
+    variant's base system's then its own merged on top (a key set in both: the variant's).
+    A peer's settings that no system of ``systems`` runs are refused (one line)."""
+    ran = {split_variant(name)[0] for name in systems}
+    for peer in peer_sets:
+        if split_variant(peer)[0] not in ran:
+            raise ConfigError(
+                f"--peer-set {peer}.…: {peer} is not in --systems {','.join(systems)!r}, so the "
+                "setting would change nothing; name it there too, or drop the --peer-set"
+            )
     out = {}
     for name in systems:
         system, label = split_variant(name)

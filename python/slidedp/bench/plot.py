@@ -24,6 +24,7 @@ from typing import Any
 from slidedp.bench.peers import split_variant
 from slidedp.bench.report import run_label
 from slidedp.bench.sweep import print_summary, sweep_summary
+from slidedp.cli_args import writable
 from slidedp.errors import ConfigError
 from slidedp.profile.pareto import require_matplotlib
 
@@ -141,6 +142,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         require_matplotlib()
+        writable("--png", args.png)
         reports = []
         for path in args.reports:
             try:

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from slidedp.bench.provenance import write_report
+from slidedp.cli_args import positive, writable
 from slidedp.config_runtime import RUNTIME_GROUP_OF, RuntimeSection
 from slidedp.errors import ConfigError
 from slidedp.estimate import launch_context
@@ -214,7 +216,8 @@ def predict_report(
             "measured_step_s": run["step_time_s"], "predicted_step_s": predicted.step_s,
             "error": predicted.step_s / run["step_time_s"] - 1,
             "measured_exposed_s": run.get("exposed_wait_s", {}),
-            "predicted_exposed_s": predicted.exposed_s, "regime": predicted.regime,
+            "predicted_exposed_s": predicted.exposed_s,
+            "regime": regime_on(predicted.regime, report["device"]),
             "adamw_gbps": model_gbps(host), "links": dataclasses.asdict(links),
         })  # fmt: skip
     return out
@@ -234,6 +237,12 @@ def print_predictions(rows: list[dict[str, Any]], calibration: str = "here") -> 
         print(f"{r['batch']:5d} {r['world']:5d} {route:<20} "
               f"{r['measured_step_s']:8.3f}s {r['predicted_step_s']:7.3f}s {r['error']:+7.1%}  "
               f"{measured} | {model} ms; {r['regime']}")  # fmt: skip
+
+
+def regime_on(regime: str, device: str | None) -> str:
+    """The model's regime as it reads on ``device`` (None: not known): its "GPU-bound" means
+    the compute lane is busy most of the step, which on a CPU run is the CPU's compute."""
+    return regime if device == "cuda" else regime.replace("GPU-bound", "compute-bound")
 
 
 def _waits(exposed: dict[str, float]) -> str:
@@ -265,6 +274,11 @@ def _from_files(probes: Path, layer: tuple[Any, ...], host_gbps: float | None) -
             reports.append(json.loads(path.read_text()))
         except (OSError, json.JSONDecodeError) as e:
             raise ConfigError(f"cannot read the probe {path}: {e}") from None
+        if not isinstance(reports[-1], dict):
+            raise ConfigError(
+                f"{path} in --probes is not a probe (a JSON object of `slidedp profile layer "
+                "--json` or `profile host --json`): move it out of the folder"
+            )
 
     def probe(kind: str, args: dict[str, Any], _out: Path) -> dict[str, Any]:
         if kind == "host":
@@ -294,15 +308,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("report", help="a `slidedp bench train --json` report")
     parser.add_argument("--probes", required=True, help="a folder of layer and host probes")
     parser.add_argument(
-        "--host-gbps", type=float, default=None, help="the host AdamW rate, instead of a probe"
+        "--host-gbps", type=positive, default=None, help="the host AdamW rate, instead of a probe"
     )
-    parser.add_argument("--json", help="also write the predictions here")
+    parser.add_argument("--json", help="also write the predictions and this run's facts here")
 
 
 def main(args: argparse.Namespace) -> int:
     """``slidedp bench predict REPORT --probes DIR``: ``--predict`` for a report measured
     earlier, from probes run apart (on the same machine kind)."""
 
+    writable("--json", args.json)
     try:
         report = json.loads(Path(args.report).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -315,8 +330,7 @@ def main(args: argparse.Namespace) -> int:
         config.to_json_file(Path(tmp) / "config.json")
         rows = predict_report(report, Path(tmp), probe)
     print_predictions(rows, f"from {args.probes}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    write_report(args.json, rows)
     return 0
 
 

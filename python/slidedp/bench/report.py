@@ -2,7 +2,7 @@
 
 A worker's raw result (step times, tokens per step, memory, lanes) becomes a run with means over
 the measured steps; ``ratios`` divides our tokens/s by each baseline's and each peer's at the
-same batch.
+same batch, where that system ran.
 
 Example::
 
@@ -69,9 +69,10 @@ def ours_family(runs: list[dict[str, Any]]) -> list[str]:
 
 
 def compared(runs: list[dict[str, Any]]) -> list[str]:
-    """The systems ours is divided by: the baselines always, the peers that were asked for."""
-    peers = [r["system"] for r in runs if not is_ours(r["system"]) and r["system"] not in BASELINES]
-    return [*BASELINES, *dict.fromkeys(peers)]
+    """The systems ours is divided by: those that ran (a row of ``runs``, whatever its
+    status), the baselines first, then the peers."""
+    others = list(dict.fromkeys(r["system"] for r in runs if not is_ours(r["system"])))
+    return [s for s in BASELINES if s in others] + [s for s in others if s not in BASELINES]
 
 
 def ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -93,6 +93,17 @@ def shape_weights(shape: str, layers: int, overrides: dict[str, Any]) -> str:
     return str(folder)
 
 
+def check_seq(config: Any, seq: int) -> None:
+    """Refuse ``--seq`` beyond the benched model's positions, before any system runs."""
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if limit is not None and seq > limit:
+        raise ConfigError(
+            f"--seq {seq} exceeds the model's max_position_embeddings={limit}; lower --seq, or "
+            "raise the limit for every system with --set model.max_position_embeddings=N (and "
+            "--set model.rope_scaling=... where the model needs RoPE scaling to reach it)"
+        )
+
+
 def _params(config: Any) -> int:
     """Stored parameters (a tied head counted once), from a meta-device model."""
 

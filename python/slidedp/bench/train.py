@@ -43,9 +43,10 @@ from slidedp.bench.peers import (
 )
 from slidedp.bench.plot import plot_sweep
 from slidedp.bench.predict import predict_report, print_predictions
+from slidedp.bench.provenance import provenance
 from slidedp.bench.report import Model, print_report, ratios, summarise
 from slidedp.bench.scaling import collectives_report, print_scale, scale_report
-from slidedp.bench.shape import bench_model
+from slidedp.bench.shape import bench_model, check_seq
 from slidedp.bench.sweep import print_summary, sweep_summary
 from slidedp.cli_args import writable
 from slidedp.config import config_to_dict, load_config
@@ -222,6 +223,11 @@ def _parse(args: argparse.Namespace) -> tuple[list[int], list[str], str]:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda but no CUDA device is available; use --device cpu")
+    if device == "cpu" and args.gpu_limit:
+        raise ConfigError(
+            "--gpu-limit caps GPU memory, and this bench runs on the CPU: drop it (--host-limit "
+            "caps host memory)"
+        )
     return batches, systems, device
 
 
@@ -253,10 +259,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run every (batch, system), each in its own subprocess; the report."""
 
     batches, systems, device = _parse(args)
-    if args.png:
-        require_matplotlib()
-    writable("--json", args.json)
-    writable("--png", args.png)
+    _check_outputs(args)
     configs = ours_configs(args.overrides, systems)
     if args.context_parallel is not None:
         configs = context.with_context_keys(args.overrides, configs)
@@ -266,6 +269,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     scale = multi.parse_scale(args, systems, device, ours)  # None: one GPU only
     shape = bench_model(args.shape, args.layers, ours)
     config, weights = shape.config, shape.weights
+    check_seq(config, args.seq)
     split = context.parse_context(args, scale, ours, config, device)  # None: no --context-parallel
     model = Model(model_flops_per_token(config, args.seq), None, shape.params)
     report: dict[str, Any] = {
@@ -290,6 +294,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         },
         "peer_sets": peer_sets,
         "system_timeout_s": timeouts,
+        "provenance": provenance(),
     }
     if split is not None and scale is not None:
         scale = dataclasses.replace(scale, context=split.size)
@@ -329,6 +334,14 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     if scale is not None:
         report |= scale_report(report["runs"], scale, model.flops_per_token, args.seq)
     return report
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """The report's files can be written (``--png``: matplotlib is there), before any run."""
+    if args.png:
+        require_matplotlib()
+    writable("--json", args.json)
+    writable("--png", args.png)
 
 
 def _peak(spec: RunSpec, tmp: Path, report: dict[str, Any]) -> float | None:

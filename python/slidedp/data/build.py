@@ -87,7 +87,7 @@ def build_data(
 ) -> tuple[Batches, Batches | None]:
     """Read, tokenize, check and lay out the training data (see the module docstring) and the
     held-out data (in file order, never mixed; None when none is configured)."""
-    _check_model_fit(section, model)
+    check_model_fit(section, model)
     train, held = _read_training_files(section, model_dir, model, seed)
     lay_out = partial(_lay_out, model=model, batch_size=batch_size, seed=seed)
     batches = lay_out(train, section, part="train")
@@ -99,7 +99,8 @@ def build_data(
     return batches, None
 
 
-def _check_model_fit(section: DataSection, model: ModelFacts) -> None:
+def check_model_fit(section: DataSection, model: ModelFacts) -> None:
+    """``data.seq_len`` and ``data.pad_id`` against the model (before any file is read)."""
     if model.max_positions is not None and section.seq_len > model.max_positions:
         raise ConfigError(
             f"data.seq_len={section.seq_len} exceeds the model's max_position_embeddings="

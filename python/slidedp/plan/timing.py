@@ -59,6 +59,11 @@ def spec_from_trace(
     total split in proportion to the groups' AdamW time (both scale with the group's size).
     ``clipping``: read from the trace when None (the first update of a clipped step is of
     the previous step, in forward order)."""
+    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+        raise ConfigError(
+            "not a trace (no traceEvents list): give the Chrome trace of `slidedp bench train "
+            "--trace` or runtime.trace_path"
+        )
     compute = [float(e["dur"]) / 1e6 for e in _spans(trace, COMPUTE)]
     layers = (len(compute) - 3) // 2
     if layers < 1 or len(compute) != 2 * layers + 3:

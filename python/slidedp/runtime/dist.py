@@ -27,7 +27,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from slidedp.config import TrainSection
+from slidedp.config import TrainConfig, TrainSection
 from slidedp.config_runtime import RuntimeSection
 from slidedp.data.batch import Batch
 from slidedp.errors import (
@@ -38,10 +38,12 @@ from slidedp.errors import (
 )
 from slidedp.plan.policy import effective_runtime, resident_ranks_message
 from slidedp.runtime.context_parallel import ContextGroup
+from slidedp.runtime.node_meet import config_facts, join
 from slidedp.store import HostStore
 
 EXIT_PEER_FAILED = 3  # this rank stopped because another one failed (it prints nothing)
 EXIT_STOPPED_WITH_PEERS = 4  # an agreed stop on a signal; rank 0 saved, printed and exits 2
+LAUNCHER_PID = "SLIDEDP_LAUNCHER_PID"  # set for the ranks runtime.launch starts
 _SHARED: list[HostStore] = []  # the stores this rank shares with its peers (poisoned on failure)
 
 
@@ -66,6 +68,9 @@ class Dist:
     context_size: int = 1
     context_attention: Literal["auto", "ulysses", "allgather"] = "auto"  # runtime.context_attention
     context: ContextGroup | None = field(default=None, repr=False)
+    # what every node must share (``node_meet.join``, set before ``init``): the device type
+    # and the config's keys
+    agree: dict[str, str] = field(default_factory=dict, repr=False)
 
     @staticmethod
     def from_env() -> Dist | None:
@@ -118,15 +123,18 @@ class Dist:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         timeout = datetime.timedelta(seconds=timeout_s)
+        # several nodes meet and compare their launch and config first (one line, not a hang)
+        store = join(self, timeout_s, self.agree) if self.nodes > 1 else None
         try:
             dist.init_process_group(
                 "nccl" if device.type == "cuda" else "gloo",
+                store=store,
                 rank=self.rank,
                 world_size=self.world,
                 timeout=timeout,
                 device_id=device if device.type == "cuda" else None,
             )
-        except dist.DistNetworkError as e:  # no rendezvous: one line, not c10d's frames
+        except (dist.DistNetworkError, dist.DistStoreError) as e:  # one line, not c10d's frames
             where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
             raise ConfigError(
                 f"rank {self.rank} could not join the run's ranks at {where} within "
@@ -180,11 +188,13 @@ class Dist:
         return store
 
     def node_pids(self) -> list[int]:
-        """The process ids of this node's ranks, by local rank: one collective in the node's
-        group (every rank calls it, once, at start)."""
+        """The process ids of this node's ranks, by local rank, then their launcher's (the
+        ranks' parent, when ``runtime.launch`` started them): the run's processes on this
+        node. One collective in the node's group (every rank calls it, once, at start)."""
         pids: list[int | None] = [None] * self.local_world
         collective(lambda: dist.all_gather_object(pids, os.getpid(), group=self.node_group))
-        return [int(pid) for pid in pids if pid is not None]
+        launcher = [int(os.environ[LAUNCHER_PID])] if LAUNCHER_PID in os.environ else []
+        return [int(pid) for pid in pids if pid is not None] + launcher
 
     def across_nodes(self, t: torch.Tensor) -> None:
         """Sum ``t`` (an owner's node-summed gradient) over the owners on every node, in place."""
@@ -251,11 +261,11 @@ def fail(error: BaseException) -> bool:
 
 def check_nodes_agree(ctx: Dist, facts: Callable[[], dict[str, str]]) -> None:
     """Several nodes start from the same state: each node's local rank 0 reports ``facts()``
-    (the start step, the data, a checksum of the weights it loaded); rank 0 raises a
-    ``ConfigError`` naming the first that differs from node 0's, the others wait for it to
-    exit (and stop as its peers). Every node reads its own model, data and checkpoint files.
-    ``facts`` is called on the nodes' local rank 0 only, never on one node (the checksum
-    reads the whole master)."""
+    (``node_meet.start_facts``: the start step, the data, a checksum of the weights it
+    loaded); rank 0 raises a ``ConfigError`` naming the first that differs from node 0's, the
+    others wait for it to exit (and stop as its peers). Every node reads its own model, data
+    and checkpoint files. ``facts`` is called on the nodes' local rank 0 only, never on one
+    node (the checksum reads the whole master)."""
     if ctx.nodes == 1:
         return
     gathered: list[dict[str, str] | None] = [None] * ctx.world
@@ -270,9 +280,9 @@ def check_nodes_agree(ctx: Dist, facts: Callable[[], dict[str, str]]) -> None:
             collective(dist.barrier)  # fails once rank 0 has exited with the error below
         key = differs[0]
         raise ConfigError(
-            f"node {node} would start from another {key} than node 0 ({report[key]} vs "
-            f"{reports[0][key]}): every node must see the same model.path, data.path and "
-            "output.dir checkpoints (a shared filesystem, or identical copies)"
+            f"node {node}'s {key} is {report[key]}, node 0's {reports[0][key]}: every node "
+            "must see the same model.path, data.path and output.dir checkpoints (a shared "
+            "filesystem, or identical copies)"
         )
 
 
@@ -316,12 +326,14 @@ def check_config(
         )
 
 
-def start(
-    ctx: Dist, device: torch.device, runtime: RuntimeSection, train: TrainSection
-) -> torch.device:
-    """Checks the config against the launch, joins the process groups; this rank's device."""
-    check_config(ctx.local_world, runtime, train, nodes=ctx.nodes)
+def start(ctx: Dist, device: torch.device, cfg: TrainConfig) -> torch.device:
+    """Checks the config against the launch, joins the process groups (several nodes: once
+    they agree on the config); this rank's device."""
+    runtime = cfg.runtime
+    check_config(ctx.local_world, runtime, cfg.train, nodes=ctx.nodes)
     device = rank_device(ctx, device.type)
+    if ctx.nodes > 1:
+        ctx.agree = {"device": device.type} | config_facts(cfg)
 
     # the route the engine will run: a policy file's grad_route counts (the host sum needs
     # gloo cross groups, NCCL refuses host memory)

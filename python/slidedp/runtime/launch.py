@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import IO, Protocol
 
 from slidedp.runtime.dist import EXIT_PEER_FAILED, EXIT_STOPPED_WITH_PEERS
+from slidedp.runtime.dist import LAUNCHER_PID as LAUNCHER_PID  # set for the ranks started here
 from slidedp.runtime.zygote import Zygote, children_zygote
 
 GRACE_S = 10.0  # survivors of a failure get this long to exit on their own
@@ -39,8 +40,8 @@ FORWARDED = {
     signal.SIGHUP: signal.SIGTERM,
 }  # signal to the launcher -> signal to the ranks
 EXIT_SAVED_AND_STOPPED = 2  # rank 0's code after an agreed stop (as one process's)
+EXIT_REFUSED = 2  # a rank refused bad input, having said why in one line
 EXIT_TIMED_OUT = 124  # the ranks ran past the launch's timeout (as timeout(1) says it)
-LAUNCHER_PID = "SLIDEDP_LAUNCHER_PID"  # set for the ranks this launcher starts
 WATCH_S = 0.5  # how often a rank looks whether its launcher is still there
 
 
@@ -179,15 +180,21 @@ def _verdict(ended: _Ended, spec: LaunchSpec, node: Node, timeout_s: float | Non
     stopped = [EXIT_STOPPED_WITH_PEERS] * world
     if node.node_rank == 0:
         stopped[0] = EXIT_SAVED_AND_STOPPED
+
+    def say(line: str) -> None:
+        print(f"{spec.name}: {line}", file=sys.stderr, flush=True)
+
     if ended.codes == stopped:  # an agreed stop: rank 0 (node 0) said what it saved
+        if node.node_rank > 0:  # this node's operator hears it too
+            say("stopped with every node by a signal: node 0 saved a checkpoint (its log says "
+                "which); continue with train.resume=auto on every node")  # fmt: skip
         return EXIT_SAVED_AND_STOPPED
     if ended.first is None:
         return 0
     local, code = ended.first
     signals, hung, codes = ended.received.signals, ended.hung, ended.codes
-
-    def say(line: str) -> None:
-        print(f"{spec.name}: {line}", file=sys.stderr, flush=True)
+    if code == EXIT_REFUSED and not signals:  # the rank's own line says why
+        return code
 
     if code == EXIT_TIMED_OUT:
         say(f"the ranks ran past {timeout_s:.0f} s and were stopped")

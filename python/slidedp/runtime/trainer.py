@@ -58,6 +58,7 @@ from slidedp.runtime.evaluate import Evaluator
 from slidedp.runtime.flops import device_peak_flops, model_flops_per_token
 from slidedp.runtime.kernel_warmup import KernelWarmup, warmup_spec
 from slidedp.runtime.launch import LAUNCHER_PID
+from slidedp.runtime.node_meet import start_facts
 from slidedp.runtime.routes import share_signals
 from slidedp.runtime.schedule import lr_schedule
 from slidedp.runtime.startup import StartupClock, build_store
@@ -97,7 +98,7 @@ class Trainer:
         local_world = 1 if self.ctx is None else self.ctx.local_world  # ranks sharing the store
         self.device = pick_device(rt.launch.device)
         if self.ctx is not None:
-            self.device = start(self.ctx, self.device, rt, tc)
+            self.device = start(self.ctx, self.device, cfg)
             self.log = log and self.ctx.main  # only rank 0 logs and writes
         self.dtype = pick_dtype(tc.dtype, self.device)
         self.cuda = self.device.type == "cuda"
@@ -144,7 +145,7 @@ class Trainer:
         self.evaluator = None if held_out is None else Evaluator(self.engine, held_out)
         self.best = BestCheckpoint(self.out_dir, cfg.data.eval_path)
         if self.ctx is not None:
-            check_nodes_agree(self.ctx, self._start_facts)
+            check_nodes_agree(self.ctx, functools.partial(start_facts, self))
         if self.resume is not None:
             self.engine.start_at(self.progress.step)
             restore_rng(self.resume.rng)  # last: building the trainer draws random numbers
@@ -180,15 +181,6 @@ class Trainer:
         """The training batches and the held-out ones (None: no held-out data)."""
         cfg, model = self.cfg, self.adapter
         return run_data(cfg, model.config, model.vocab_size)  # each file read once
-
-    def _start_facts(self) -> dict[str, str]:
-        """What every node must start from alike (``dist.check_nodes_agree``)."""
-        master = self.engine.kernels.sum_squares(self.store.region("master"))
-        return {
-            "step": str(self.progress.step),
-            "data": str(self.data.report),
-            "weights checksum": f"{master:.12g}",  # any thread split agrees,
-        }
 
     def _fill_state(self, store: HostStore) -> str:
         """Master weights (and Adam moments when resuming) into the store; says from where."""

@@ -1,0 +1,184 @@
+"""Nodes that would train apart refuse at the meeting, before any collective, with one line on
+every node and exit 2: another config, another launch, a node late or never there, a port
+taken by someone else; identical data copies at another path do train."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from cli.util import one_error_line
+from engine.tiny import make_model, read_metrics, write_config, write_data
+from multirank.ranks import reaped
+from slidedp.config import load_config
+from slidedp.runtime.dist import LAUNCHER_PID, Dist
+from slidedp.runtime.launch import free_port
+from slidedp.runtime.node_meet import PER_NODE, config_facts
+
+TIMEOUT_S = 120  # one launch of two nodes: a hang fails the test instead of blocking it
+
+
+def _config(tmp_path: Path, steps: int = 2, timeout_s: float = 60) -> Path:
+    model = make_model(tmp_path, "qwen3", tied=False, layers=2)
+    data = write_data(tmp_path / "data.jsonl", 30)
+    return write_config(
+        tmp_path / "c.yaml",
+        model,
+        data,
+        tmp_path / "out",
+        train={"max_steps": steps, "global_batch_size": 4, "learning_rate": 1e-3},
+        runtime={"version_timeout_s": timeout_s},
+        output={"tensorboard": False},
+    )
+
+
+def _node(config: Path, node_rank: int, port: int, *overrides: str) -> subprocess.Popen[str]:
+    """``slidedp train`` on node ``node_rank`` of 2 (one rank each), node 0 at ``port``."""
+    command = [sys.executable, "-m", "slidedp", "train", str(config), "runtime.nodes=2",
+               f"runtime.node_rank={node_rank}", "runtime.master_addr=127.0.0.1",
+               f"runtime.master_port={port}", *overrides]  # fmt: skip
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _two_nodes(config: Path, node0: list[str], node1: list[str]) -> list[tuple[int, str]]:
+    """Each node's exit code and stderr."""
+    port = free_port()
+    procs = [_node(config, 0, port, *node0), _node(config, 1, port, *node1)]
+    with reaped(*procs):
+        errs = [p.communicate(timeout=TIMEOUT_S)[1] for p in procs]
+    return [(p.returncode, err) for p, err in zip(procs, errs, strict=True)]
+
+
+def test_the_config_facts_leave_out_only_what_each_node_sets_its_own_way(
+    tmp_path: Path,
+) -> None:
+    nodes = ["runtime.nodes=2", "runtime.master_addr=127.0.0.1"]
+    node1 = ["runtime.node_rank=1", "output.dir=/elsewhere", "data.path=/copy/data.jsonl"]
+    facts = config_facts(load_config(_config(tmp_path), nodes + node1))
+    assert facts["train.learning_rate"] == "0.001"
+    assert {"train.seed", "train.max_steps", "data.shuffle", "runtime.grad_route"} <= set(facts)
+    assert not PER_NODE & set(facts)
+    # node 1's own node_rank, output.dir and data copy: nothing compared differs
+    assert config_facts(load_config(_config(tmp_path), nodes)) == facts
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    ("node1", "line"),
+    [
+        (["train.learning_rate=0.5"], "node 1's train.learning_rate is 0.5, node 0's 0.001: "
+         "start every node with the same config"),
+        (["train.max_steps=5"], "node 1's train.max_steps is 5, node 0's 2"),
+        (["runtime.nodes=4"], "node 1's runtime.nodes is 4, node 0's 2"),
+    ],
+)  # fmt: skip
+def test_nodes_started_with_another_config_refuse_on_every_node(
+    tmp_path: Path, node1: list[str], line: str
+) -> None:
+    config = _config(tmp_path)
+    for code, err in _two_nodes(config, [], node1):
+        assert code == 2, err
+        one_error_line(err, "train", line)
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+@pytest.mark.e2e
+def test_another_number_of_ranks_per_node_refuses_at_once(tmp_path: Path) -> None:
+    """Node 0 runs 2 ranks, node 1 one (before: each waited runtime.version_timeout_s, then
+    c10d's store timeout)."""
+    config = _config(tmp_path, timeout_s=600)
+    start = time.monotonic()
+    for code, err in _two_nodes(config, ["runtime.ranks=2"], []):
+        assert code == 2, err
+        one_error_line(err, "train", "node 1's ranks per node is 1, node 0's 2: start every node")
+    assert time.monotonic() - start < TIMEOUT_S
+
+
+@pytest.mark.e2e
+def test_a_node_that_never_comes_is_named_by_node_0(tmp_path: Path) -> None:
+    node0 = _node(_config(tmp_path, timeout_s=3), 0, free_port())
+    with reaped(node0):
+        _, err = node0.communicate(timeout=TIMEOUT_S)
+    assert node0.returncode == 2
+    assert err.splitlines() == [
+        "slidedp train: error: waited 3 s (runtime.version_timeout_s), 1 of 2 nodes joined: "
+        "start node 1 (runtime.node_rank=1) and check that its runtime.master_addr/master_port "
+        "reach node 0"
+    ]
+
+
+@pytest.mark.e2e
+def test_a_port_another_program_holds_is_named_on_both_nodes(tmp_path: Path) -> None:
+    """Node 0 cannot listen; node 1 reaches a listener that never answers as a store (before:
+    it waited forever)."""
+    config = _config(tmp_path, timeout_s=3)
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen(8)
+        port = squatter.getsockname()[1]
+        procs = [_node(config, 0, port), _node(config, 1, port)]
+        with reaped(*procs):
+            errs = [p.communicate(timeout=TIMEOUT_S)[1] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], errs
+    assert errs[0].splitlines() == [
+        f"slidedp train: error: runtime.master_port {port} is in use on node 0 (another run, or "
+        "node 0 started twice): choose another port"
+    ]
+    one_error_line(errs[1], "train", "it did not answer as node 0's store")
+
+
+@pytest.mark.e2e
+def test_identical_data_at_another_path_trains(tmp_path: Path) -> None:
+    config = _config(tmp_path)
+    copy = tmp_path / "copy" / "data.jsonl"
+    copy.parent.mkdir()
+    shutil.copy(tmp_path / "data.jsonl", copy)
+    for code, err in _two_nodes(config, [], [f"data.path={copy}"]):
+        assert code == 0, err
+    assert [m["step"] for m in read_metrics(tmp_path / "out")] == [1, 2]
+
+
+@pytest.mark.e2e
+def test_ctrl_c_on_node_1_tells_its_operator_node_0_saved(tmp_path: Path) -> None:
+    config = _config(tmp_path, steps=10_000)
+    port = free_port()
+    node0, node1 = _node(config, 0, port), _node(config, 1, port)
+    with reaped(node0, node1):
+        metrics = tmp_path / "out" / "metrics.jsonl"
+        deadline = time.monotonic() + TIMEOUT_S
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert node0.poll() is None, "node 0 ended before training"
+            assert node1.poll() is None, "node 1 ended before training"
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.05)
+        node1.send_signal(signal.SIGINT)
+        errs = [p.communicate(timeout=TIMEOUT_S)[1] for p in (node0, node1)]
+    assert [node0.returncode, node1.returncode] == [2, 2], errs
+    one_error_line(errs[0], "train", "stopped by a signal to another rank", "saved")
+    assert errs[1].splitlines() == [
+        "slidedp train: stopped with every node by a signal: node 0 saved a checkpoint (its log "
+        "says which); continue with train.resume=auto on every node"
+    ]
+
+
+def test_the_node_s_processes_include_its_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The logged node PSS counts the launcher too (the ranks' parent)."""
+    monkeypatch.setenv(LAUNCHER_PID, str(os.getppid()))
+    store = dist.HashStore()  # type: ignore[attr-defined]  # public, not in its stubs
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))  # fmt: skip
+    try:
+        pids = Dist(0, 1, 0, 1).node_pids()
+    finally:
+        dist.destroy_process_group()
+    assert pids == [os.getpid(), os.getppid()]
