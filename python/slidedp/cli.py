@@ -238,7 +238,7 @@ def _estimate(
     given = [f"runtime.gpus={gpus}"] if gpus else []  # may exceed this machine's: a prediction
     cfg = load_config(config, [*overrides, *given])
     adapter = check_model(cfg)[0]
-    check_run_shape(cfg, adapter)  # what validate and train refuse before the memory
+    check_run_shape(cfg, adapter, here=False)  # what validate and train refuse
     machine = Machine.probe(cfg)
     if gpus and machine.device != "cuda":
         raise ConfigError(

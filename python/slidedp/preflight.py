@@ -136,15 +136,16 @@ def check_data(cfg: TrainConfig, adapter: HFAdapter) -> str:
     return line
 
 
-def check_run_shape(cfg: TrainConfig, adapter: HFAdapter) -> list[str]:
+def check_run_shape(cfg: TrainConfig, adapter: HFAdapter, *, here: bool = True) -> list[str]:
     """The checks that need neither data, output nor device (``train``, ``validate`` and
     ``estimate`` alike): the sequence against the model (the data's first check), the context
     split (``check_context``) and the ranks' batch split (``check_ranks``: its line, if
-    several ranks)."""
+    several ranks). ``here=False`` (an estimate, maybe for another machine): node 0's address
+    need not resolve on this one."""
     check_model_fit(cfg.data, ModelFacts.from_config(adapter.config, adapter.vocab_size))
     check_context(cfg, adapter)
     several = cfg.runtime.launch.world > 1 or cfg.runtime.launch.nodes > 1
-    return [check_ranks(cfg)] if several else []
+    return [check_ranks(cfg, resolve=here)] if several else []
 
 
 def _is_model_dir(path: Path) -> bool:
@@ -219,8 +220,9 @@ def check_checkpoint_space(cfg: TrainConfig, adapter: HFAdapter, resume: ResumeP
     )
 
 
-def check_ranks(cfg: TrainConfig) -> str:
-    """What several ranks (and nodes) need from the config (each rank checks it again)."""
+def check_ranks(cfg: TrainConfig, *, resolve: bool = True) -> str:
+    """What several ranks (and nodes) need from the config (each rank checks it again);
+    ``resolve``: node 0's address resolves here."""
 
     rt = cfg.runtime
     check_config(rt.launch.world, rt, cfg.train, nodes=rt.launch.nodes)
@@ -229,7 +231,9 @@ def check_ranks(cfg: TrainConfig) -> str:
         split = f", each sequence split over {r} of them" if r > 1 else ""
         return f"ranks    {rt.launch.world}{split}"
     try:
-        socket.getaddrinfo(rt.launch.master_addr, rt.launch.master_port, type=socket.SOCK_STREAM)
+        if resolve:
+            socket.getaddrinfo(rt.launch.master_addr, rt.launch.master_port,
+                               type=socket.SOCK_STREAM)  # fmt: skip
     except OSError as e:
         raise ConfigError(
             f"runtime.master_addr '{rt.launch.master_addr}' does not resolve ({e}): set it to node "

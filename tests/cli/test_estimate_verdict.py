@@ -88,3 +88,18 @@ def test_a_closed_stdout_ends_the_printing_quietly(monkeypatch: pytest.MonkeyPat
             print("x" * 1000)
     print("after")  # /dev/null now: no BrokenPipeError, at exit neither
     stream.close()
+
+
+def test_estimate_of_a_run_of_several_nodes_needs_no_route_to_node_0(
+    capsys: Capsys, tmp_path: Path
+) -> None:
+    """A prediction for a cluster made on a workstation: node 0's name need not resolve here
+    (validate, run on the node, checks it)."""
+    config = str(tiny_run_config(tmp_path))
+    nodes = ("runtime.nodes=2", "runtime.master_addr=gpu-node-0.cluster.invalid")
+    code, out, err = run(capsys, "estimate", config, *CPU, *nodes)
+    assert code == 0, err
+    assert "fits this machine" in out
+    code, _, err = run(capsys, "validate", config, *CPU, *nodes)
+    assert code == 2
+    one_error_line(err, "validate", "runtime.master_addr 'gpu-node-0.cluster.invalid' does not")

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,9 +22,11 @@ from cli.util import one_error_line
 from engine.tiny import make_model, read_metrics, write_config, write_data
 from multirank.ranks import reaped
 from slidedp.config import load_config
+from slidedp.errors import ConfigError
+from slidedp.runtime import node_meet
 from slidedp.runtime.dist import LAUNCHER_PID, Dist
 from slidedp.runtime.launch import free_port
-from slidedp.runtime.node_meet import PER_NODE, config_facts
+from slidedp.runtime.node_meet import PER_NODE, config_facts, join
 
 TIMEOUT_S = 120  # one launch of two nodes: a hang fails the test instead of blocking it
 
@@ -149,6 +152,23 @@ def test_identical_data_at_another_path_trains(tmp_path: Path) -> None:
 
 
 @pytest.mark.e2e
+def test_other_held_out_data_on_a_node_refuses(tmp_path: Path) -> None:
+    """data.eval_path is a node's own path (copies elsewhere are fine), but its samples must be
+    node 0's: each node's loss would be of another set, summed as one."""
+    config = _config(tmp_path)
+    held = [write_data(tmp_path / f"held{n}.jsonl", 4 + 4 * n, seed=7 + n) for n in (0, 1)]
+    (code0, err0), (code1, err1) = _two_nodes(
+        config, [f"data.eval_path={held[0]}"], [f"data.eval_path={held[1]}"]
+    )
+    assert code0 == 2, err0  # node 0 compares what the nodes loaded; node 1 stops as its peer
+    one_error_line(err0, "train", "node 1's held-out data records is 8, node 0's 4: every node "
+                   "must see the same model.path, data files")  # fmt: skip
+    assert code1 != 0
+    assert "a rank of another node failed (its node says which)" in err1
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+@pytest.mark.e2e
 def test_ctrl_c_on_node_1_tells_its_operator_node_0_saved(tmp_path: Path) -> None:
     config = _config(tmp_path, steps=10_000)
     port = free_port()
@@ -182,3 +202,55 @@ def test_the_node_s_processes_include_its_launcher(monkeypatch: pytest.MonkeyPat
     finally:
         dist.destroy_process_group()
     assert pids == [os.getpid(), os.getppid()]
+
+
+def _meet(port: int, ranks: list[Dist], timeouts: list[float]) -> list[object]:
+    """``join`` of each rank on a thread of this process (node 0's rank 0 hosts the store):
+    each one's store, or the error it raised."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    results: list[object] = [None] * len(ranks)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = join(ranks[i], timeouts[i], {"train.seed": "1"})
+        except Exception as e:  # the rank's refusal, compared below
+            results[i] = e
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(ranks))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(TIMEOUT_S)
+    return results
+
+
+def test_a_node_started_again_after_the_meeting_refuses_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The review's repro: node 1 started a second time while the run trains hung in the
+    process group's start; it now says it joined after every rank had met."""
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    port = free_port()
+    met = _meet(port, [Dist(0, 2, 0, 1), Dist(1, 2, 0, 1)], [20, 20])
+    assert not any(isinstance(met_one, Exception) for met_one in met), met
+    (again,) = _meet(port, [Dist(1, 2, 0, 1)], [5])
+    assert isinstance(again, ConfigError)
+    assert str(again) == (
+        "rank 1 joined after all 2 ranks had met (node 1 started twice?): start each node "
+        "once, with its own runtime.node_rank"
+    )
+    assert met[1].timeout == datetime.timedelta(seconds=20)  # type: ignore[attr-defined]
+
+
+def test_a_rank_that_leaves_the_meeting_stops_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The review's repro: node 1 gave up waiting (a shorter version_timeout_s, or a signal)
+    after node 0 counted it; node 0 went on to the process group with a rank missing."""
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    monkeypatch.setattr(node_meet, "VERDICT_GRACE_S", 0.0)  # node 1 leaves before node 2 comes
+    port = free_port()
+    ranks = [Dist(0, 3, 0, 1), Dist(1, 3, 0, 1)]
+    early = _meet(port, ranks, [8, 1])  # node 2 never comes within node 1's 1 s
+    assert isinstance(early[1], ConfigError)
+    assert "did not say within 1 s" in str(early[1])
+    assert isinstance(early[0], ConfigError)
+    assert str(early[0]).startswith("a rank left while the nodes met")

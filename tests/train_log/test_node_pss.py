@@ -57,4 +57,4 @@ def test_the_line_says_it_is_the_node_s_and_gives_rank_0_s(tmp_path: Path) -> No
     finally:
         peer.communicate("")
     line = out.getvalue().splitlines()[-1]
-    assert " (2 ranks of this node; rank 0 " in line, line
+    assert " (2 processes of this node; rank 0 " in line, line  # its ranks and the launcher

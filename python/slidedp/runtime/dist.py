@@ -281,8 +281,8 @@ def check_nodes_agree(ctx: Dist, facts: Callable[[], dict[str, str]]) -> None:
         key = differs[0]
         raise ConfigError(
             f"node {node}'s {key} is {report[key]}, node 0's {reports[0][key]}: every node "
-            "must see the same model.path, data.path and output.dir checkpoints (a shared "
-            "filesystem, or identical copies)"
+            "must see the same model.path, data files (path, sources, eval_path) and output.dir "
+            "checkpoints (a shared filesystem, or identical copies)"
         )
 
 

@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import hashlib
@@ -37,6 +38,7 @@ from slidedp.errors import ConfigError, PeerFailedError
 from slidedp.plan.policy import effective_runtime
 
 if TYPE_CHECKING:
+    from slidedp.data.batches import Batches
     from slidedp.runtime.dist import Dist
     from slidedp.runtime.trainer import Trainer
 
@@ -57,7 +59,6 @@ PER_NODE = frozenset(
         "runtime.node_rank", "runtime.master_addr", "runtime.master_port",
         # compared as launched (torchrun leaves them at 1) and resolved (auto is cuda on GPUs)
         "runtime.nodes", "runtime.ranks", "runtime.gpus", "runtime.device",
-        "runtime.version_timeout_s",  # how long this node waits for the others
         "runtime.update_threads", "runtime.kernel_warmup",  # the node's cores; when it compiles
         "runtime.trace_path", "runtime.trace_step",  # this node's own trace
         # how a layout is chosen (several nodes keep the fixed one): the layout keys are compared
@@ -88,17 +89,24 @@ def start_facts(trainer: Trainer) -> dict[str, str]:
     counts and a hash of its tokens, not its path: copies elsewhere are the same data) and a
     checksum of the loaded weights."""
     master = trainer.engine.kernels.sum_squares(trainer.store.region("master"))
-    report, samples = trainer.data.report, trainer.data.samples
-    counts = dataclasses.asdict(report)
-    tokens = hashlib.blake2b(digest_size=16)
-    for part in (samples.tokens, samples.trained, samples.offsets):
-        tokens.update(part.tobytes())
+    held = None if trainer.evaluator is None else trainer.evaluator.data
     return (
         {"start step": str(trainer.progress.step)}
-        | {f"data {k}": str(v) for k, v in counts.items() if k not in ("path", "sources")}
-        | {"data tokens (hash)": tokens.hexdigest()[:16]}
+        | _data_facts("data", trainer.data)
+        | ({} if held is None else _data_facts("held-out data", held))
         | {"weights checksum": f"{master:.12g}"}  # any thread split agrees
     )
+
+
+def _data_facts(name: str, data: Batches) -> dict[str, str]:
+    """``data``'s counts and a hash of its tokens (not its files' paths)."""
+    counts = dataclasses.asdict(data.report)
+    tokens = hashlib.blake2b(digest_size=16)
+    for part in (data.samples.tokens, data.samples.trained, data.samples.offsets):
+        tokens.update(part.tobytes())
+    return {f"{name} {k}": str(v) for k, v in counts.items() if k not in ("path", "sources")} | {
+        f"{name} tokens (hash)": tokens.hexdigest()[:16]
+    }
 
 
 def join(ctx: Dist, timeout_s: float, facts: dict[str, str]) -> Store:
@@ -125,8 +133,18 @@ def join(ctx: Dist, timeout_s: float, facts: dict[str, str]) -> Store:
         else:
             verdict = _await_verdict(meeting, timeout_s + VERDICT_GRACE_S)
             meeting.add("heard", 1)
+            if not verdict and arrival > ctx.world:  # the ranks met without it: a copy
+                raise ConfigError(
+                    f"rank {ctx.rank} joined after all {ctx.world} ranks had met (node "
+                    f"{ctx.node} started twice?): start each node once, with its own "
+                    "runtime.node_rank"
+                )
     except dist.DistError as e:  # node 0 left: it says why
         raise PeerFailedError(f"node 0 left while the nodes met: {e}") from None
+    except BaseException:  # this rank leaves (a timeout, a signal): rank 0 must not go on
+        with contextlib.suppress(dist.DistError):
+            meeting.add("left", 1)
+        raise
     if verdict:  # each node's local rank 0 says it, its other ranks stop as peers
         raise ConfigError(verdict) if ctx.local_rank == 0 else PeerFailedError(verdict)
     return store
@@ -135,9 +153,9 @@ def join(ctx: Dist, timeout_s: float, facts: dict[str, str]) -> Store:
 def _host(addr: str, port: int, timeout_s: float) -> Store:
     """Node 0's store, listening at ``port`` (it waits for no one: ``join`` counts them)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    try:
-        return TCPStore(addr, port, is_master=True, timeout=timeout, wait_for_workers=False,
-                             multi_tenant=True)  # fmt: skip
+    try:  # it listens on every interface; its own client needs no route to master_addr
+        return TCPStore("127.0.0.1", port, is_master=True, timeout=timeout,
+                        wait_for_workers=False, multi_tenant=True)  # fmt: skip
     except dist.DistError as e:
         if "EADDRINUSE" in str(e):
             raise ConfigError(
@@ -170,6 +188,7 @@ def _client(rank: int, addr: str, port: int, timeout_s: float, deadline: float) 
     thread.start()
     thread.join(max(1.0, deadline - time.monotonic()))
     if made and isinstance(made[0], Store):
+        made[0].set_timeout(datetime.timedelta(seconds=timeout_s))  # the group's, not what was left
         return made[0]
     why = "it did not answer as node 0's store" if not made else str(made[0]).splitlines()[0]
     raise ConfigError(
@@ -207,6 +226,7 @@ def _reports_verdict(
     joined: dict[int, int] = {}  # rank -> node
     read = 0
     while True:
+        left = meeting.add("left", 0)  # read first: a rank reports before it can leave
         while read < meeting.add("arrived", 0) and meeting.check([f"report-{read + 1}"]):
             read += 1
             report = json.loads(meeting.get(f"report-{read}"))
@@ -218,6 +238,9 @@ def _reports_verdict(
             if problem is not None:
                 return problem
             joined[report["rank"]] = report["node"]
+        if left:
+            return ("a rank left while the nodes met (stopped, or its runtime.version_timeout_s "
+                    "ran out): start every node again")  # fmt: skip
         if len(joined) == world:
             return ""
         if time.monotonic() >= deadline:

@@ -218,7 +218,7 @@ class StepLog:
             parts.append(f"GPU {_gib(last['gpu_reserved_bytes'])} reserved")
         pss = f"host PSS {_gib(last['host_pss_node_bytes'])}"
         if len(self.pss.pids) > 1:
-            pss += f" ({len(self.pss.pids)} ranks of this node; rank 0 "
+            pss += f" ({len(self.pss.pids)} processes of this node; rank 0 "
             pss += f"{_gib(last['host_pss_rank0_bytes'])})"
         parts.append(pss)
         if "eval_loss" in last:
