@@ -187,3 +187,34 @@ def test_a_bad_rope_scaling_is_one_line(capsys: Capsys, tmp_path: Path) -> None:
     model = make_model(tmp_path, "qwen3", tied=False, layers=2)
     _refused(capsys, tmp_path, model, "model.rope_scaling needs rope_type",
              model={"rope_scaling": {"factor": 4.0}})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("rope", "needle"),
+    [
+        ({"rope_type": "bogus", "factor": 4.0}, "rope_type 'bogus' is not one transformers knows"),
+        ({"rope_type": "linear", "factor": 0}, "factor must be a number >= 1 (how many times"),
+        ({"rope_type": "yarn", "factor": 0.5}, "factor must be a number >= 1"),
+        ({"rope_type": "linear", "factor": "abc"}, "factor must be a number >= 1"),
+    ],
+)
+def test_a_rope_scaling_transformers_only_warns_about_is_refused(
+    capsys: Capsys, tmp_path: Path, rope: dict[str, Any], needle: str
+) -> None:
+    """transformers logs these and builds the model (a factor 0 trained to NaN, 0.5 trained
+    on): validate and train refuse them in one line, nothing written."""
+    model = make_model(tmp_path, "qwen3", tied=False, layers=2)
+    _refused(capsys, tmp_path, model, "model.rope_scaling's " + needle,
+             model={"rope_scaling": rope})  # fmt: skip
+
+
+def test_yarn_without_its_original_length_scales_from_the_models_own(tmp_path: Path) -> None:
+    """Given with model.max_position_embeddings, YaRN's pretraining length is the model's 128,
+    not the overridden 512 transformers would take (a silently different rotary frequency)."""
+    path = make_model(tmp_path, "qwen3", tied=False, layers=2)
+    implicit = {"rope_type": "yarn", "factor": 4.0}
+    given: Any = HFAdapter.from_dir(path, {"rope_scaling": YARN, "max_position_embeddings": 512})
+    filled: Any = HFAdapter.from_dir(path, {"rope_scaling": implicit,
+                                            "max_position_embeddings": 512})  # fmt: skip
+    assert filled.config.rope_parameters["original_max_position_embeddings"] == 128
+    assert torch.equal(filled.make_rotary(CPU).inv_freq, given.make_rotary(CPU).inv_freq)

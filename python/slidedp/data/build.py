@@ -104,7 +104,8 @@ def check_model_fit(section: DataSection, model: ModelFacts) -> None:
     if model.max_positions is not None and section.seq_len > model.max_positions:
         raise ConfigError(
             f"data.seq_len={section.seq_len} exceeds the model's max_position_embeddings="
-            f"{model.max_positions}; lower data.seq_len"
+            f"{model.max_positions}; lower data.seq_len, or raise model.max_position_embeddings "
+            "with model.rope_scaling (e.g. YaRN: docs/long-context.md)"
         )
     if section.pad_id >= model.vocab_size:
         raise ConfigError(

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 from transformers import CONFIG_MAPPING, PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from slidedp.errors import ModelLoadError
 
@@ -47,8 +48,11 @@ def apply_overrides(config: PretrainedConfig, overrides: dict[str, Any]) -> None
     """``overrides`` set on ``config`` in place. ``rope_scaling`` is merged into the model's
     rope parameters (transformers >= 5 keeps ``rope_theta`` there; a model with parameters per
     layer type scales its full-attention layers, as Gemma 3's checkpoints do), then checked by
-    transformers' own ``standardize_rope_params`` / ``validate_rope`` where they exist."""
+    transformers' own ``standardize_rope_params`` / ``validate_rope`` where they exist, and
+    here where those only warn (``_checked_rope``)."""
     rope = overrides.get("rope_scaling")
+    if rope is not None:
+        rope = _checked_rope(rope, config)
     for key, value in overrides.items():
         if key != "rope_scaling":
             setattr(config, key, value)
@@ -68,6 +72,36 @@ def apply_overrides(config: PretrainedConfig, overrides: dict[str, Any]) -> None
         config.standardize_rope_params()
     if hasattr(config, "validate_rope"):
         config.validate_rope()
+
+
+def _checked_rope(rope: dict[str, Any], config: PretrainedConfig) -> dict[str, Any]:
+    """``model.rope_scaling`` with a rope type transformers knows and a factor >= 1 (it warns
+    and trains on: a factor 0 gave NaN losses). A type scaling from a pretraining length
+    (YaRN, Llama 3's, LongRoPE) without ``original_max_position_embeddings`` gets the model's
+    own ``max_position_embeddings``, read before ``model.max_position_embeddings`` overrides it
+    (transformers would take the overridden one, and scale from the new length)."""
+    current = getattr(config, "rope_parameters", None) or {}
+    current = current.get("full_attention", current) or {}
+    known = ("default", *ROPE_INIT_FUNCTIONS)
+    kind = rope.get("rope_type", rope.get("type", current.get("rope_type", "default")))
+    if kind not in known:
+        raise ValueError(
+            f"model.rope_scaling's rope_type {kind!r} is not one transformers knows "
+            f"({', '.join(known)})"
+        )
+    factor = rope.get("factor")
+    if "factor" in rope and (isinstance(factor, bool) or not isinstance(factor, int | float)
+                             or not factor >= 1):  # fmt: skip
+        raise ValueError(
+            f"model.rope_scaling's factor must be a number >= 1 (how many times the context "
+            f"grows), got {factor!r}"
+        )
+    pretrained = getattr(config, "max_position_embeddings", None)
+    original = "original_max_position_embeddings"
+    unknown = original not in rope and original not in current and not hasattr(config, original)
+    if kind in ("yarn", "llama3", "longrope") and unknown and pretrained is not None:
+        return {**rope, original: pretrained}
+    return rope
 
 
 def unknown_model_type(config_file: Path) -> str | None:
