@@ -22,7 +22,7 @@ import signal
 import sys
 import tempfile
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,7 +38,8 @@ from slidedp.config import TrainConfig
 from slidedp.errors import ConfigError, SlidedpError, TrainingInterruptedError
 from slidedp.io.run_lock import RunLock
 from slidedp.plan.device import prefer_expandable_segments
-from slidedp.plan.policy import Plan, read_plan, write_plan
+from slidedp.plan.given import take_plan
+from slidedp.plan.policy import Plan, write_plan
 from slidedp.profile import chunks as profile_chunks
 from slidedp.profile import host as profile_host
 from slidedp.profile import layer as profile_layer
@@ -69,23 +70,22 @@ def _train(
     """Resolve and print the config, lock ``output.dir`` (``io.run_lock``), check the inputs,
     build everything (model, store, data), save ``resolved_config.yaml``, then train. A run
     refused before that save leaves ``output.dir`` as it was, lock file included.
-    ``plan_file``: the plan to run (``Plan.to_json``; the launcher's to its ranks), its policy
-    in place of the config's and, on a resume, of the checkpoint's. ``resume_file``: the
-    launcher's resume decision (``io.resume.write_resume_decision``), taken as it is. A
-    launcher's children (AutoPolicy's measurements and trials, the ranks) fork from one zygote
-    (``runtime.zygote``) taken before it computes anything: a copy of this process when
-    ``own_process`` (it runs this command alone: ``main`` without argv), else a spawned
-    interpreter."""
+    ``plan_file``: the plan to run (``Plan.to_json``; the launcher's to its ranks), its values
+    the config's keys (``plan.given.take_plan``), run on a resume in place of the checkpoint's.
+    ``resume_file``: the launcher's resume decision (``io.resume.write_resume_decision``),
+    taken as it is. A launcher's children (AutoPolicy's measurements and trials, the ranks)
+    fork from one zygote (``runtime.zygote``) taken before it computes anything: a copy of
+    this process when ``own_process`` (it runs this command alone: ``main`` without argv),
+    else a spawned interpreter."""
     from slidedp.config import load_config
     from slidedp.io.resume import read_resume_decision
     from slidedp.preflight import check_output_dir
     from slidedp.runtime.dist import Dist
 
-    cfg = load_config(config, overrides)
-    plan = None if plan_file is None else read_plan(Path(plan_file))
+    cfg, plan = load_config(config, overrides), None
+    if plan_file is not None:  # its keys in the config: checked, recorded and run as it says
+        cfg, plan = take_plan(cfg, Path(plan_file))
     decided = None if resume_file is None else read_resume_decision(Path(resume_file))
-    if plan is not None:  # checked, recorded and run as the plan says
-        cfg = replace(cfg, runtime=cfg.runtime.with_keys(**plan.runtime_keys()))
     ctx = Dist.from_env()
     launches = ctx is None and (cfg.runtime.launch.world > 1 or cfg.runtime.launch.nodes > 1)
     with contextlib.ExitStack() as stack:

@@ -236,6 +236,15 @@ class RuntimeSection:
         }
         return dataclasses.replace(self, **groups)
 
+    def with_checked_keys(self, keys: dict[str, Any], source: str) -> RuntimeSection:
+        """``with_keys`` checked as the config's keys are (``build_runtime``: unknown keys,
+        types, choices, ranges); the problems are one ``ConfigError`` line naming ``source``."""
+        problems: list[str] = []
+        built = build_runtime(self.flat() | keys, problems)
+        if built is None:
+            raise ConfigError(f"{source}: {'; '.join(problems)}")
+        return built
+
     def flat(self) -> dict[str, Any]:
         """Every key by its flat YAML name (``{"gpus": 1, ...}``), groups in field order."""
         return {

@@ -45,6 +45,7 @@ from slidedp.models.freeze import apply_freeze
 from slidedp.models.hf import HFAdapter
 from slidedp.models.router_loss import check_router_loss_ranks
 from slidedp.plan.device import pick_device, pick_dtype
+from slidedp.plan.given import check_plan_model
 from slidedp.plan.machine import Machine
 from slidedp.plan.policy import Plan
 from slidedp.plan.resolve import given_plan_line, kept_plan, resolve_plan
@@ -293,12 +294,15 @@ def check_before_training(
     profile the layer if it is not cached and validate the choice in a few training steps
     beside the default, as ``train`` does; nothing is written into ``output.dir``) and the rest
     checks the choice. ``plan``: the run's plan, decided before (``slidedp train --plan``):
-    ``cfg`` already carries its keys and nothing is chosen again; ``plan_source``: the user's
+    ``cfg`` already carries its keys (``plan.given.take_plan``), nothing is chosen again, and
+    the plan that runs is ``cfg``'s; ``plan_source``: the user's
     file it came from, which runs on a resume in place of the checkpoint's plan (one line).
     ``decided``: the launcher's resume decision (``check_resume``)."""
 
     device = check_device(cfg)
     adapter, model = check_model(cfg)
+    if plan is not None:
+        check_plan_model(plan, plan_source or "the launcher's plan", adapter)
     ranks = check_run_shape(cfg, adapter)
     resume, resumed = check_resume(cfg, adapter, decided)
     output = check_output_dir(cfg)
@@ -315,7 +319,8 @@ def check_before_training(
     memory = check_memory(cfg, adapter)  # the host first: a disk is easier to free
     output += f"; {check_checkpoint_space(cfg, adapter, resume)}"
     lines = [device, *ranks, model, *said, resumed, memory, output]
-    plan = plan or resolve_plan(cfg, adapter, machine)
+    # a plan given is in cfg's keys (plan.given): resolved as any config, it is what cfg records
+    plan = resolve_plan(cfg, adapter, machine)
     return Checked(lines, resume, adapter, cfg, plan, "\n".join(said) or None, selected)
 
 

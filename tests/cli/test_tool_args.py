@@ -70,6 +70,7 @@ def test_bench_train_refuses_an_unwritable_report_before_any_run(
 def test_plan_still_refuses_an_unwritable_out(capsys: Capsys, tmp_path: Path) -> None:
     config = tiny_run_config(tmp_path)
     (tmp_path / "file").write_text("")
-    code, _, err = run(capsys, "plan", str(config), "--out", str(tmp_path / "file" / "p.json"))
+    out = str(tmp_path / "file" / "p.json")  # checked before anything is measured
+    code, _, err = run(capsys, "plan", str(config), "--gpu-memory", "80", "--out", out)
     assert code == 2, err
     one_error_line(err, "plan", "cannot write a file there")

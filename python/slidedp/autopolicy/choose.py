@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from slidedp.autopolicy import measure as measurements
 from slidedp.autopolicy import select
 from slidedp.autopolicy.calibrate import Calibration, calibrate_choice, clause
@@ -60,6 +62,7 @@ from slidedp.autopolicy.validate import (
 from slidedp.errors import ConfigError
 from slidedp.estimate import shortages
 from slidedp.estimate_report import Estimate, estimate_run
+from slidedp.plan.device import pick_dtype
 from slidedp.plan.layout import LayerPolicy
 from slidedp.plan.machine import HostRate, Machine, host_rate, update_threads
 from slidedp.plan.policy import Plan, layer_chunk_elems
@@ -143,11 +146,14 @@ class Selecting:
 
     @property
     def target(self) -> Machine:
-        """The machine the plan is for (another GPU's size with ``target_bytes``)."""
+        """The machine the plan is for (another GPU's size with ``target_bytes``), computing
+        in the GPU's dtype (``train.dtype``; auto: BF16), which its estimate prices and its
+        plan runs."""
         if not self.spec.check:
             return self.machine
-        gpu = dataclasses.replace(self.machine, device="cuda", gpu_total_bytes=self.total_bytes)
-        return gpu
+        bf16 = pick_dtype(self.cfg.train.dtype, torch.device("cuda")) == torch.bfloat16
+        return dataclasses.replace(self.machine, device="cuda", gpu_total_bytes=self.total_bytes,
+                                   dtype="bfloat16" if bf16 else "float32")  # fmt: skip
 
     def trials(self) -> Runner:
         """The runner of the selection's trials, calibration's and validation's alike."""

@@ -33,7 +33,7 @@ from slidedp.cli_args import count, ratios, writable
 from slidedp.config import TrainConfig, load_config
 from slidedp.errors import ConfigError
 from slidedp.plan.machine import Machine
-from slidedp.plan.policy import resident_text
+from slidedp.plan.policy import resident_text, write_plan
 from slidedp.preflight import check_model
 from slidedp.profile.layer import FAMILIES, RATIOS, ProfileSpec, profile_spec
 
@@ -55,13 +55,14 @@ def report_path(out: Path) -> Path:
 def _check_out(out: Path) -> None:
     """Refused before any measuring: a plan not named ``.json`` (the policy YAML of older
     versions is still read as ``runtime.policy``, no longer written), a place that cannot be
-    written."""
+    written (the plan's or its report's)."""
     if out.suffix != ".json" or out.name.endswith(".report.json"):
         raise ConfigError(
             f"--out {out}: slidedp plan writes the run's plan as JSON (its report beside it as "
             ".report.json); name it PLAN.json"
         )
     writable("--out", str(out))
+    writable("--out's report", str(report_path(out)))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,18 +102,17 @@ def main(args: argparse.Namespace) -> int:
     clock = Clock(say=lambda line: print(f"slidedp plan {line}", flush=True))
     with clock.stage("setup"):
         out = Path(args.out)
-        _check_out(out)
         cfg = load_config(args.config, args.overrides)
         check_one_process(cfg.runtime, "slidedp plan")
         adapter = check_model(cfg)[0]
         machine = Machine.probe(cfg, measure=False)
         if not args.gpu_memory and machine.gpu_total_bytes is None:
             raise ConfigError("no GPU here to plan for: pass --gpu-memory GIB (the target's size)")
+        _check_out(out)  # the last refusal: it makes --out's folder
     plan, found = choose(cfg, adapter, machine, plan_spec(args, cfg, clock))
-    out.parent.mkdir(parents=True, exist_ok=True)
     summary = plan_summary(found)
-    out.write_text(json.dumps(plan.to_json(), indent=1) + "\n")  # as OUTPUT/plan.json
     report_path(out).write_text(json.dumps(summary, indent=1))
+    write_plan(plan, out.parent, out.name)  # as OUTPUT/plan.json, whole
     print(format_summary(summary, out))
     return 0
 

@@ -104,7 +104,9 @@ class Policy:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Policy:
-        layers = parse_layout(d["layers"], num_layers=_count(d["layers"]), default_ratio=0.0)
+        layers = parse_layout(
+            d["layers"], num_layers=counted_layers(d["layers"]), default_ratio=0.0
+        )
         compute = Compute(**d.get("compute", {"kernels": "eager", "compile": ""}))  # older runs
         return cls(**(d | {"layers": layers, "compute": compute}))
 
@@ -114,8 +116,9 @@ def resident_text(layers: int, embeddings: bool) -> str:
     return f"{layers} GPU-resident" + (" + embeddings" if embeddings else "")
 
 
-def _count(text: str) -> int:
-    """The layer count of a fully counted layout (as ``Policy.to_dict`` writes it)."""
+def counted_layers(text: str) -> int:
+    """The layer count of a fully counted layout (as ``Policy.to_dict`` writes it);
+    ``ValueError`` for an entry without its count."""
     return sum(int(e.strip().split("x", 1)[0]) for e in text.split(",") if e.strip())
 
 
@@ -172,10 +175,7 @@ def effective_runtime(rt: RuntimeSection) -> RuntimeSection:
             f"runtime.policy {rt.autopolicy.policy} sets {', '.join(clash)}, which the config sets "
             "differently: keep each key in one place"
         )
-    try:
-        return rt.with_keys(**from_file)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"runtime.policy {rt.autopolicy.policy}: {e}") from None
+    return rt.with_checked_keys(from_file, f"runtime.policy {rt.autopolicy.policy}")
 
 
 def resident_ranks_message(rt: RuntimeSection, world: int) -> str | None:
@@ -328,21 +328,12 @@ class Plan:
     @staticmethod
     def runtime_keys_of(p: Policy) -> dict[str, Any]:
         """``runtime_keys`` of the policy ``p``."""
-        return {"policy": "", "layers": p.layout, "offload_ratio": 0.0,
-                "resident_layers": p.resident_layers, "resident_embeddings": p.resident_embeddings,
-                "param_route": p.param_route, "grad_route": p.grad_route,
-                "chunk_elems": p.chunk_elems, "slots": p.slots, "staging_slots": p.staging_slots,
-                "grad_slots": p.grad_slots, "bf16_mirror": p.mirror}  # fmt: skip
+        return policy_runtime_keys(p.to_dict())
 
     @classmethod
     def from_json(cls, d: dict[str, Any], source: str = "plan.json") -> Plan:
         """The plan ``to_json`` wrote; another format is one ``ConfigError`` line."""
-        if not isinstance(d, dict) or d.get("format") != PLAN_FORMAT:
-            found = d.get("format") if isinstance(d, dict) else type(d).__name__
-            raise ConfigError(
-                f"{source} is not a plan of format {PLAN_FORMAT} (found {found!r}): write it "
-                "again with this slidedp (slidedp plan, or a train run)"
-            )
+        check_plan_format(d, source)
         try:
             optim = d["optim"] | {"betas": tuple(d["optim"]["betas"])}
             return cls(
@@ -354,22 +345,45 @@ class Plan:
                 threads=d["threads"],
                 version_timeout_s=float(d["version_timeout_s"]),
             )
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
             raise ConfigError(f"{source} does not read as a plan: {e!r}") from None
 
 
-def write_plan(plan: Plan, out_dir: Path) -> Path:
-    """``out_dir/plan.json``, written whole (temp file, then rename)."""
-    target, temp = out_dir / PLAN_FILE, out_dir / f".{PLAN_FILE}.tmp"
+def check_plan_format(d: Any, source: str) -> None:
+    """``d`` is a plan of ``PLAN_FORMAT``; else one ``ConfigError`` line."""
+    if not isinstance(d, dict) or d.get("format") != PLAN_FORMAT:
+        found = d.get("format") if isinstance(d, dict) else type(d).__name__
+        raise ConfigError(
+            f"{source} is not a plan of format {PLAN_FORMAT} (found {found!r}): write it "
+            "again with this slidedp (slidedp plan, or a train run)"
+        )
+
+
+def policy_runtime_keys(d: dict[str, Any]) -> dict[str, Any]:
+    """The ``runtime`` keys that resolve to the policy ``d`` (``Policy.to_dict``'s form),
+    ``runtime.policy`` cleared; the layer compute is not among them."""
+    keys = ("resident_layers", "resident_embeddings", "param_route", "grad_route",
+            "chunk_elems", "slots", "staging_slots", "grad_slots")  # fmt: skip
+    return {"policy": "", "layers": d["layers"], "offload_ratio": 0.0,
+            "bf16_mirror": d["mirror"]} | {k: d[k] for k in keys}  # fmt: skip
+
+
+def write_plan(plan: Plan, out_dir: Path, name: str = PLAN_FILE) -> Path:
+    """``out_dir/name`` (``plan.json``), written whole (temp file, then rename)."""
+    target, temp = out_dir / name, out_dir / f".{name}.tmp"
     temp.write_text(json.dumps(plan.to_json(), indent=1) + "\n")
     temp.replace(target)
     return target
 
 
-def read_plan(path: Path) -> Plan:
-    """The plan at ``path`` (``write_plan``'s); unreadable or another format: one line."""
+def read_plan_json(path: Path) -> Any:
+    """The JSON at ``path``; unreadable: one line."""
     try:
-        raw = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read the plan {path}: {e}") from None
-    return Plan.from_json(raw, str(path))
+
+
+def read_plan(path: Path) -> Plan:
+    """The plan at ``path`` (``write_plan``'s); unreadable or another format: one line."""
+    return Plan.from_json(read_plan_json(path), str(path))

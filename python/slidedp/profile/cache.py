@@ -6,7 +6,7 @@ Example::
 
     path = cache_file(None, "host", facts)
     report = read_report(path) or measure()
-    write_report(path, report)
+    keep_report(path, report)
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import platform
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +64,14 @@ def write_report(path: Path, report: dict[str, Any]) -> None:
     partial = path.with_suffix(f".{os.getpid()}.tmp")
     partial.write_text(json.dumps(report, indent=1))
     os.replace(partial, path)
+
+
+def keep_report(path: Path, report: dict[str, Any]) -> None:
+    """``write_report`` into the cache, or one warning line where the cache cannot be written
+    (``XDG_CACHE_HOME`` a file, a full or read-only disk): the run goes on, uncached."""
+    try:
+        write_report(path, report)
+    except OSError as e:
+        print(
+            f"slidedp: warning: not cached: {path}: {e.strerror or e}", file=sys.stderr, flush=True
+        )

@@ -29,7 +29,7 @@ from slidedp.kernels import Kernels
 from slidedp.models.hf import HFAdapter
 from slidedp.models.shapes import resolve_shape
 from slidedp.plan.policy import layer_numel
-from slidedp.profile.cache import cache_file, read_report, write_report
+from slidedp.profile.cache import cache_file, keep_report, read_report
 from slidedp.profile.host import (
     COLUMNS,
     GRAD,
@@ -113,7 +113,7 @@ def probe_chunks(
     rows = [_measure(chunk, layer_numel, threads, device, facts["mirror"])
             for chunk in candidate_chunks(layer_numel, mib)]  # fmt: skip
     report = facts | {"candidates": rows, "measured_s": time.perf_counter() - start}
-    write_report(cache_file(cache_dir, KIND, facts), report)
+    keep_report(cache_file(cache_dir, KIND, facts), report)
     return report | {"cached": None}
 
 

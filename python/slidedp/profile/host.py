@@ -32,7 +32,7 @@ from slidedp.cli_args import count
 from slidedp.kernels import Kernels, default_threads
 from slidedp.plan.device import pick_device
 from slidedp.plan.timing import ADAMW_BYTES_PER_PARAM, CAST_BYTES_PER_PARAM
-from slidedp.profile.cache import cache_file, cpu_model, read_report, write_report
+from slidedp.profile.cache import cache_file, cpu_model, keep_report, read_report
 from slidedp.runtime.lanes import new_event, new_stream
 from slidedp.runtime.transfer import pin, unpin
 from slidedp.store import GroupSpec, HostStore, ParamSpec
@@ -163,7 +163,7 @@ def probe_host(
             "measured_s": time.perf_counter() - start,
         }
     )
-    write_report(path, measured)
+    keep_report(path, measured)
     return measured | {"cached": None}
 
 

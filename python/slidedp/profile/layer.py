@@ -45,7 +45,7 @@ from slidedp.plan.cost import layer_footprint
 from slidedp.plan.device import pick_device, pick_dtype
 from slidedp.plan.layout import LayerPolicy, parse_entry
 from slidedp.plan.policy import check_layout_fits
-from slidedp.profile.cache import cache_file, cpu_model, read_report, write_report
+from slidedp.profile.cache import cache_file, cpu_model, keep_report, read_report
 from slidedp.profile.kernels import VARIANTS, format_kernels, layer_inputs, profile_kernels
 from slidedp.profile.pareto import mark_pareto, plot_pareto, require_matplotlib
 from slidedp.runtime.activations import LayerRun, LayerState, executor_for
@@ -380,7 +380,7 @@ def _measure_kind(
         "candidates": [asdict(c) for c in results],
         "cached": None,
     }
-    write_report(prof.cache(kind), measured)
+    keep_report(prof.cache(kind), measured)
     return measured
 
 

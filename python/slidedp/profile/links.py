@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from slidedp import __version__
-from slidedp.profile.cache import cache_file, read_report, write_report
+from slidedp.profile.cache import cache_file, keep_report, read_report
 
 WARMUP = 2
 REPS = 5
@@ -84,7 +84,7 @@ def probe_links(
         return report
     start = time.perf_counter()
     measured = facts | _measure(gpus, layer_numel) | {"measured_s": time.perf_counter() - start}
-    write_report(cache_file(cache_dir, "links", facts), measured)
+    keep_report(cache_file(cache_dir, "links", facts), measured)
     return measured | {"cached": None}
 
 
