@@ -251,7 +251,7 @@ def _estimate(
     est = estimate_run(cfg, adapter, machine)
     found = longest_sequence(cfg, adapter, machine) if longest else None
     with quiet_closed_stdout():
-        if chosen or fallback:
+        if (chosen or fallback) and not as_json:  # --json: one JSON object on stdout
             print(chosen or fallback)
         print_estimate(est, found, as_json=as_json, explain=explain)
     check_fits(est)

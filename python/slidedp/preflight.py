@@ -343,10 +343,12 @@ def apply_default_policy(
 ) -> tuple[TrainConfig, str | None]:
     """``cfg`` with ``runtime.policy: auto`` where AutoPolicy is the default
     (``autopolicy.default``), and the banner's line where it would be but the predicted
-    break-even exceeds ``train.max_steps`` (the fixed default runs)."""
+    break-even exceeds ``train.max_steps``, or on CPU (the fixed default runs)."""
     rule = default_policy(cfg.runtime, machine.device, int(os.environ.get("WORLD_SIZE", "1")))
-    if not rule.implicit:
-        return cfg, None
+    if not rule.implicit:  # said where the run could have selected and nothing asked otherwise
+        cpu = machine.device != "cuda" and not cfg.runtime.autopolicy.policy
+        said = f"policy   {rule.why}: AutoPolicy is the default on CUDA (runtime.policy: auto "
+        return cfg, said + "selects here too)" if cpu else None
     selecting = replace(cfg, runtime=cfg.runtime.with_keys(policy=AUTO))
     if selection_cached(selecting, adapter, machine, resume):
         return selecting, None

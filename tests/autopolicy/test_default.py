@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from cli.util import run, tiny_run_config
 from engine.tiny import make_model, write_config, write_data
 from estimate.machines import H100
 from slidedp.autopolicy.default import (
@@ -82,4 +83,22 @@ def test_a_short_run_on_cuda_keeps_the_fixed_default(tmp_path: Path) -> None:
     named = replace(cfg, runtime=cfg.runtime.with_keys(layers="N"))
     assert apply_default_policy(named, adapter, H100, None) == (named, None)
     cpu = replace(H100, device="cpu", dtype="float32", gpu_name=None, gpu_total_bytes=None)
-    assert apply_default_policy(cfg, adapter, cpu, None) == (cfg, None)
+    on_cpu = apply_default_policy(cfg, adapter, cpu, None)  # fixed, and said (below)
+    assert on_cpu[0] is cfg
+    assert on_cpu[1] is not None
+    assert on_cpu[1].startswith("policy   the fixed default on CPU")
+
+
+def test_a_cpu_run_says_it_keeps_the_fixed_default(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """On CPU AutoPolicy is not the default: validate and train say so once (nothing did)."""
+    config = str(tiny_run_config(tmp_path))
+    line = ("policy   the fixed default on CPU: AutoPolicy is the default on CUDA "
+            "(runtime.policy: auto selects here too)")  # fmt: skip
+    code, out, err = run(capsys, "validate", config, "runtime.device=cpu")
+    assert code == 0, err
+    assert out.count(line) == 1
+    code, out, err = run(capsys, "validate", config, "runtime.device=cpu", "runtime.policy=fixed")
+    assert code == 0, err
+    assert "policy   " not in out  # asked for: nothing to say

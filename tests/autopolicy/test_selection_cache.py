@@ -112,6 +112,7 @@ def _edit_model_config(cfg: TrainConfig) -> None:
         "train.global_batch_size=8",
         "data.seq_len=16",
         "train.max_grad_norm=0",
+        "train.freeze=[layers.0]",  # its updates are not there to place
         "config.json",
         "program",
     ],

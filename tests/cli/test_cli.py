@@ -30,10 +30,10 @@ def test_validate_prints_an_ok_summary_and_writes_nothing(capsys: Capsys, config
     lines = out.splitlines()
     assert lines[0] == f"slidedp validate: OK ({config})"
     topics = [line.split()[0] for line in lines[1:]]
-    assert topics == ["device", "model", "resume", "host", "output", "data"]
+    assert topics == ["device", "model", "policy", "resume", "host", "output", "data"]
     assert "qwen3" in lines[2]
     assert "1 safetensors file(s), headers match" in lines[2]
-    assert "8 samples" in lines[6]
+    assert "8 samples" in lines[7]
     assert not (config.parent / "out").exists()
     assert not list(config.parent.glob(".slidedp-write-probe-*"))
 

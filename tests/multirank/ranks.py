@@ -74,6 +74,16 @@ def _rank(
     os._exit(main(["train", str(config), *overrides]))
 
 
+def training(metrics: Path, *nodes: subprocess.Popen[str], timeout_s: float) -> None:
+    """Until ``metrics`` holds two steps: the nodes train (none of them ended first)."""
+    deadline = time.monotonic() + timeout_s
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        for n, node in enumerate(nodes):
+            assert node.poll() is None, f"node {n} ended before training"
+        assert time.monotonic() < deadline, "training did not start"
+        time.sleep(0.05)
+
+
 def dump_node_state(dump: Path, rank: int, local_world: int) -> None:
     """In rank ``rank`` (of nodes of ``local_world`` ranks): once training ends, a node's local
     rank 0 saves its store's final state (``REGIONS``) as ``DUMP/nodeN.pt``."""

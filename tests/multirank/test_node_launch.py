@@ -15,7 +15,7 @@ import pytest
 
 from cli.util import one_error_line, run
 from engine.tiny import make_model, read_metrics, write_config, write_data
-from multirank.ranks import reaped
+from multirank.ranks import reaped, training
 from slidedp.runtime.launch import free_port
 
 TIMEOUT_S = 120  # one launch of two nodes: a hang fails the test instead of blocking it
@@ -153,13 +153,7 @@ def test_a_killed_node_stops_the_other_node(tmp_path: Path) -> None:
     port = free_port()
     node0, node1 = _node(config, 0, port), _node(config, 1, port)
     with reaped(node0, node1):
-        metrics = tmp_path / "out" / "metrics.jsonl"
-        deadline = time.monotonic() + TIMEOUT_S
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-            assert node0.poll() is None, "node 0 ended before training"
-            assert node1.poll() is None, "node 1 ended before training"
-            assert time.monotonic() < deadline, "training did not start"
-            time.sleep(0.05)
+        training(tmp_path / "out" / "metrics.jsonl", node0, node1, timeout_s=TIMEOUT_S)
         ranks = Path(f"/proc/{node1.pid}/task/{node1.pid}/children").read_text().split()
         assert len(ranks) == 1
         pids = {node0.pid, node1.pid, *map(int, ranks), *map(int, _children(node0.pid))}

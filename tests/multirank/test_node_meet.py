@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from cli.util import one_error_line
 from engine.tiny import make_model, read_metrics, write_config, write_data
-from multirank.ranks import reaped
+from multirank.ranks import reaped, training
 from slidedp.config import load_config
 from slidedp.errors import ConfigError
 from slidedp.runtime import node_meet
@@ -174,13 +174,7 @@ def test_ctrl_c_on_node_1_tells_its_operator_node_0_saved(tmp_path: Path) -> Non
     port = free_port()
     node0, node1 = _node(config, 0, port), _node(config, 1, port)
     with reaped(node0, node1):
-        metrics = tmp_path / "out" / "metrics.jsonl"
-        deadline = time.monotonic() + TIMEOUT_S
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-            assert node0.poll() is None, "node 0 ended before training"
-            assert node1.poll() is None, "node 1 ended before training"
-            assert time.monotonic() < deadline, "training did not start"
-            time.sleep(0.05)
+        training(tmp_path / "out" / "metrics.jsonl", node0, node1, timeout_s=TIMEOUT_S)
         node1.send_signal(signal.SIGINT)
         errs = [p.communicate(timeout=TIMEOUT_S)[1] for p in (node0, node1)]
     assert [node0.returncode, node1.returncode] == [2, 2], errs

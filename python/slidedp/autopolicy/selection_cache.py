@@ -95,6 +95,7 @@ def selection_facts(
         "seq_len": cfg.data.seq_len,
         "dtype": cfg.train.dtype,
         "clipping": cfg.train.max_grad_norm > 0,
+        "freeze": sorted(cfg.train.freeze),  # frozen layers have no update to place
         "world": cfg.runtime.launch.world,
         "gpu": profile.get("gpu"),
         "gpu_total_bytes": gpu_total_bytes,
