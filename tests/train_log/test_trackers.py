@@ -21,10 +21,10 @@ from slidedp.errors import ConfigError
 from slidedp.runtime.trackers import TensorBoardTracker, Trackers, WandbTracker, check_trackers
 
 
-@pytest.mark.e2e
-def test_wandb_offline_gets_the_config_the_plan_and_every_record(
+def _train_with_wandb_offline(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+) -> tuple[Path, str]:
+    """Three steps of the tiny model with W&B recording locally: OUTPUT and what it printed."""
     monkeypatch.setenv("WANDB_MODE", "offline")  # local files only
     monkeypatch.setenv("WANDB_SILENT", "true")
     model = make_model(tmp_path, "qwen3", tied=True)
@@ -32,8 +32,16 @@ def test_wandb_offline_gets_the_config_the_plan_and_every_record(
     out = tmp_path / "out"
     config = write_config(tmp_path / "c.yaml", model, data, out,
                           output={"report_to": ["wandb"]})  # fmt: skip
-    code, _, err = run(capsys, "train", str(config), "train.max_steps=3")
+    code, printed, err = run(capsys, "train", str(config), "train.max_steps=3")
     assert code == 0, err
+    return out, printed
+
+
+@pytest.mark.e2e
+def test_wandb_offline_gets_the_config_the_plan_and_every_record(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out, _ = _train_with_wandb_offline(capsys, tmp_path, monkeypatch)
     records = read_metrics(out)
     assert len(records) == 3
     # W&B: one offline run; its record log holds every step's numbers, the config and the plan
@@ -176,8 +184,6 @@ def test_a_tracker_that_fails_is_told_once_and_the_others_go_on() -> None:
 def test_a_tracker_failing_mid_run_costs_no_training(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
     logged = WandbTracker.log_step
 
     def log_step(self: WandbTracker, record: dict[str, Any]) -> None:
@@ -186,13 +192,7 @@ def test_a_tracker_failing_mid_run_costs_no_training(
         logged(self, record)
 
     monkeypatch.setattr(WandbTracker, "log_step", log_step)
-    model = make_model(tmp_path, "qwen3", tied=True)
-    data = write_data(tmp_path / "data.jsonl", 8)
-    out = tmp_path / "out"
-    config = write_config(tmp_path / "c.yaml", model, data, out,
-                          output={"report_to": ["wandb"]})  # fmt: skip
-    code, printed, err = run(capsys, "train", str(config), "train.max_steps=3")
-    assert code == 0, err
+    out, printed = _train_with_wandb_offline(capsys, tmp_path, monkeypatch)
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
     assert sorted(p.name for p in out.glob("*-3")) == ["checkpoint-3"]
     assert (out / "final" / "config.json").is_file()

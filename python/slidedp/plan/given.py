@@ -158,14 +158,16 @@ def _clashes(cfg: TrainConfig, ran: TrainConfig, path: Path) -> list[str]:
     keys); ``runtime.policy`` is the plan's to decide. The layers compare as the layout they
     describe (``offload_ratio`` fills the entries that give none)."""
     now, run = config_to_dict(cfg), config_to_dict(ran)
-    default = config_to_dict(dataclasses.replace(cfg, runtime=type(cfg.runtime)()))["runtime"]
-    default |= {f.name: f.default for f in dataclasses.fields(cfg.train)}
+    default = {
+        "runtime": config_to_dict(dataclasses.replace(cfg, runtime=type(cfg.runtime)()))["runtime"],
+        "train": {f.name: f.default for f in dataclasses.fields(cfg.train)},
+    }
     found = []
     for section in ("runtime", "train"):
         for key, value in run[section].items():
             was = now[section][key]
             layout = key in ("layers", "offload_ratio", "policy")
-            if was != value and was != default[key] and not layout:
+            if was != value and was != default[section][key] and not layout:
                 found.append(f"{section}.{key}={was} but {path} runs {value}")
     if not _same_layout(cfg, ran):
         found.append(f"runtime.layers={cfg.runtime.layout.layers} "
